@@ -1,0 +1,34 @@
+"""kvkeeper: keep MLX prompt caches across restarts.
+
+``import kvkeeper`` stays light (the daemon never imports MLX); the client API
+below loads MLX on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["Client", "LoadedCache", "read_cache_file", "model_fingerprint", "__version__"]
+
+if TYPE_CHECKING:
+    from kvkeeper.client.client import Client
+    from kvkeeper.client.reader import LoadedCache, read_cache_file
+    from kvkeeper.fingerprint import model_fingerprint
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Client":
+        from kvkeeper.client.client import Client
+
+        return Client
+    if name in ("LoadedCache", "read_cache_file"):
+        from kvkeeper.client import reader
+
+        return getattr(reader, name)
+    if name == "model_fingerprint":
+        from kvkeeper.fingerprint import model_fingerprint
+
+        return model_fingerprint
+    raise AttributeError(f"module 'kvkeeper' has no attribute {name!r}")

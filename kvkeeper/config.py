@@ -1,0 +1,86 @@
+"""Where things live by default, and the checks every private directory passes.
+
+Shared by the daemon and the client (both must agree on the default socket and
+root); it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+ENV_ROOT = "KVKEEPER_ROOT"
+ENV_SOCKET = "KVKEEPER_SOCKET"
+SOCKET_NAME = "kvkeeper.sock"
+#: sun_path is 104 bytes on macOS and 108 on Linux, NUL included.
+MAX_SOCKET_PATH = 103 if sys.platform == "darwin" else 107
+
+
+class ConfigError(Exception):
+    """A path or setting the daemon refuses to run with; the message says why."""
+
+
+def default_root() -> Path:
+    """Store root: $KVKEEPER_ROOT, else the user's cache dir + /kvkeeper."""
+    env = os.environ.get(ENV_ROOT)
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "kvkeeper"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvkeeper"
+
+
+def default_socket() -> Path:
+    """Socket path: $KVKEEPER_SOCKET, else a per-user 0700 runtime dir."""
+    env = os.environ.get(ENV_SOCKET)
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        # $TMPDIR is per user on macOS (/var/folders/...), and short enough.
+        base = Path(os.environ.get("TMPDIR") or "/tmp") / f"kvkeeper-{os.getuid()}"
+    else:
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        base = Path(runtime) / "kvkeeper" if runtime else Path(f"/tmp/kvkeeper-{os.getuid()}")
+    return base / SOCKET_NAME
+
+
+def endpoint(socket_path: Path) -> str:
+    return f"ipc://{socket_path}"
+
+
+def check_socket_path(socket_path: Path) -> None:
+    n = len(os.fsencode(str(socket_path)))
+    if n > MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"socket path {str(socket_path)!r} is {n} bytes; this platform allows "
+            f"{MAX_SOCKET_PATH}. Choose a shorter --socket or {ENV_SOCKET}."
+        )
+
+
+def private_dir(path: Path, what: str) -> Path:
+    """Create ``path`` (mode 0700) if missing, then insist it is a real directory
+    of ours that nobody else can enter. Returns the absolute path."""
+    path = Path(os.path.abspath(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create {what} {str(path)!r}: {exc.strerror}") from None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} {str(path)!r} is not a directory")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us")
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
+            f"open to group or others (chmod 700 it)"
+        )
+    return path

@@ -1,0 +1,339 @@
+"""The single writer: one task that owns every change to the store.
+
+The server hands it jobs through a bounded mailbox and never waits for it.
+Jobs for one key run in the order they arrived; a newer save of a key replaces
+an older one that has not started writing (write-behind during streaming makes
+many, only the newest matters). A save starts writing as soon as it reaches
+the head of the mailbox, while its bytes are still arriving, so receiving and
+writing overlap. Blocking disk work runs in a worker thread, so the event loop
+keeps answering loads and stats while a large file is written.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from kvkeeper.daemon.stats import Stats
+from kvkeeper.daemon.store import PendingFile, Store
+from kvkeeper.protocol.messages import ErrorCode
+from kvkeeper.protocol.safetensors import Layout, TensorHasher
+
+log = logging.getLogger("kvkeeper.actor")
+
+Key = tuple[str, str]  # (model, cache id)
+_MAX_TALLIES = 10_000
+
+
+class Outcome(enum.Enum):
+    WRITTEN = "written"
+    SUPERSEDED = "superseded"
+    FAILED = "failed"
+    DELETED = "deleted"
+
+
+@dataclass(eq=False)
+class Job:
+    key: Key
+    peer: bytes
+    done: anyio.Event = field(default_factory=anyio.Event)
+    outcome: Outcome | None = None
+    detail: str = ""
+
+
+@dataclass(eq=False)
+class SaveJob(Job):
+    """One save: its layout, and the bytes received but not yet written."""
+
+    save_id: int = 0
+    layout: Layout | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    chunks: deque[list[memoryview]] = field(default_factory=deque)
+    received: int = 0
+    reserved: int = 0  # bytes of the pending budget this save still holds
+    broken: str | None = None  # why its stream ended early
+    started: bool = False
+    arrived: anyio.Event = field(default_factory=anyio.Event)
+    last_activity: float = field(default_factory=time.monotonic)
+
+    @property
+    def total(self) -> int:
+        assert self.layout is not None
+        return self.layout.total
+
+
+@dataclass(eq=False)
+class DeleteJob(Job):
+    existed: bool = False
+
+
+@dataclass
+class Tally:
+    """What happened to one client's saves since its last flush."""
+
+    written: int = 0
+    superseded: int = 0
+    failed: int = 0
+
+
+class WriterActor:
+    def __init__(
+        self,
+        store: Store,
+        stats: Stats,
+        *,
+        max_pending_bytes: int,
+        mailbox_size: int = 4096,
+        stall_timeout: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.stats = stats
+        self.max_pending_bytes = max_pending_bytes
+        self.stall_timeout = stall_timeout
+        self.pending_bytes = 0
+        self.accepting = True
+        send, recv = anyio.create_memory_object_stream[Job](mailbox_size)
+        self._send: MemoryObjectSendStream[Job] = send
+        self._recv: MemoryObjectReceiveStream[Job] = recv
+        self._waiting: dict[Key, SaveJob] = {}  # saves that have not started writing
+        self._latest: dict[Key, Job] = {}  # newest unfinished job per key
+        self._by_peer: dict[bytes, set[Job]] = {}
+        self._tally: dict[bytes, Tally] = {}
+        self.current: Job | None = None
+        self.finished = anyio.Event()
+
+    # ------------------------------------------------------------ server side
+    # These never block: the server calls them from its receive loop.
+
+    def submit_save(self, job: SaveJob) -> tuple[ErrorCode, str] | None:
+        """Queue a save; returns (code, reason) when it is refused instead."""
+        if not self.accepting:
+            return "shutting_down", "the daemon is shutting down"
+        total = job.total
+        if total > self.max_pending_bytes:
+            return "too_large", (
+                f"save of {total} bytes exceeds the daemon's max pending bytes "
+                f"({self.max_pending_bytes})"
+            )
+        old = self._waiting.get(job.key)
+        room = self.max_pending_bytes - self.pending_bytes + (old.reserved if old else 0)
+        if total > room:
+            return "busy", (
+                f"{self.pending_bytes} bytes already pending of {self.max_pending_bytes}"
+            )
+        try:
+            self._send.send_nowait(job)
+        except anyio.WouldBlock:
+            return "busy", "the writer's mailbox is full"
+        if old is not None:
+            self._resolve(old, Outcome.SUPERSEDED)
+        job.reserved = total
+        self.pending_bytes += total
+        self._enqueued(job)
+        self._waiting[job.key] = job
+        if total == 0:
+            job.arrived.set()
+        return None
+
+    def add_data(self, job: SaveJob, bufs: list[memoryview], nbytes: int) -> None:
+        """Bytes for a queued save (dropped if it was superseded meanwhile)."""
+        job.received += nbytes
+        job.last_activity = time.monotonic()
+        if job.done.is_set():
+            return
+        job.chunks.append(bufs)
+        job.arrived.set()
+
+    def break_stream(self, job: SaveJob, reason: str) -> None:
+        """The client will send no more bytes for this save: fail it."""
+        if job.done.is_set():
+            return
+        job.broken = reason
+        if job.started:
+            job.arrived.set()  # the writer sees it and aborts the tmp file
+        else:
+            self._resolve(job, Outcome.FAILED, reason)
+
+    def submit_delete(self, job: DeleteJob) -> tuple[ErrorCode, str] | None:
+        try:
+            self._send.send_nowait(job)
+        except anyio.WouldBlock:
+            return "busy", "the writer's mailbox is full"
+        old = self._waiting.get(job.key)
+        if old is not None:
+            self._resolve(old, Outcome.SUPERSEDED)
+        self._enqueued(job)
+        return None
+
+    async def settled(self, key: Key) -> None:
+        """Return once every job of ``key`` received so far is finished."""
+        job = self._latest.get(key)
+        if job is not None:
+            await job.done.wait()
+
+    async def flush(self, peer: bytes) -> Tally:
+        """Wait for every job ``peer`` sent so far; report and reset its tally."""
+        for job in list(self._by_peer.get(peer, ())):
+            await job.done.wait()
+        return self._tally.pop(peer, Tally())
+
+    def stop_accepting(self) -> None:
+        """Refuse new saves from now on; finish those already received."""
+        self.accepting = False
+        self._send.close()
+
+    # ------------------------------------------------------------ the writer
+
+    async def run(self) -> None:
+        """Process jobs until the mailbox is closed and drained."""
+        try:
+            async with self._recv:
+                async for job in self._recv:
+                    if job.done.is_set():
+                        continue  # superseded while it waited
+                    self.current = job
+                    try:
+                        if isinstance(job, SaveJob):
+                            await self._write(job)
+                        elif isinstance(job, DeleteJob):
+                            await self._delete(job)
+                    finally:
+                        self.current = None
+        finally:
+            self.finished.set()
+
+    async def _delete(self, job: DeleteJob) -> None:
+        model, cache_id = job.key
+        try:
+            job.existed = await anyio.to_thread.run_sync(self.store.delete, model, cache_id)
+            self.stats.inc("deletes")
+            self._resolve(job, Outcome.DELETED)
+        except OSError as exc:
+            log.error("event=delete_failed model=%s id=%s error=%s", model, cache_id, exc)
+            self._resolve(job, Outcome.FAILED, str(exc))
+
+    async def _write(self, job: SaveJob) -> None:
+        assert job.layout is not None
+        model, cache_id = job.key
+        if self._waiting.get(job.key) is job:
+            del self._waiting[job.key]
+        job.started = True
+        t0 = time.monotonic()
+        pending: PendingFile | None = None
+        try:
+            header = job.layout.header(job.metadata)
+            pending = await anyio.to_thread.run_sync(self.store.begin, model, cache_id, header)
+            hasher = TensorHasher(job.layout.sizes)
+            written = 0
+            while True:
+                if job.chunks:
+                    batch = list(job.chunks)
+                    job.chunks.clear()
+                    n = await anyio.to_thread.run_sync(_append, pending, hasher, batch)
+                    written += n
+                    job.reserved -= n
+                    self.pending_bytes -= n
+                    continue
+                if job.broken:
+                    raise StreamBroken(job.broken)
+                if written >= job.total:
+                    break
+                job.arrived = anyio.Event()
+                with anyio.move_on_after(self.stall_timeout):
+                    await job.arrived.wait()
+                if not job.arrived.is_set():
+                    raise StreamBroken(
+                        f"no bytes for {self.stall_timeout:.0f} s "
+                        f"({job.received} of {job.total} received)"
+                    )
+            final = job.layout.header(job.metadata, hasher.hexdigests())
+            await anyio.to_thread.run_sync(pending.commit, final)
+            pending = None
+        except (OSError, StreamBroken, ValueError) as exc:
+            if pending is not None:
+                await anyio.to_thread.run_sync(pending.abort)
+            log.error(
+                "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
+            )
+            self._resolve(job, Outcome.FAILED, _describe(exc))
+            return
+        self.stats.inc("bytes_written", job.total)
+        log.debug(
+            "event=saved model=%s id=%s bytes=%d seconds=%.3f",
+            model,
+            cache_id,
+            job.total,
+            time.monotonic() - t0,
+        )
+        self._resolve(job, Outcome.WRITTEN)
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _enqueued(self, job: Job) -> None:
+        self._latest[job.key] = job
+        self._by_peer.setdefault(job.peer, set()).add(job)
+
+    def _resolve(self, job: Job, outcome: Outcome, detail: str = "") -> None:
+        if job.done.is_set():
+            return
+        job.outcome = outcome
+        job.detail = detail
+        if isinstance(job, SaveJob):
+            self.pending_bytes -= job.reserved
+            job.reserved = 0
+            job.chunks.clear()
+            if self._waiting.get(job.key) is job:
+                del self._waiting[job.key]
+            self.stats.inc(f"saves_{outcome.value}")
+            tally = self._tally.get(job.peer)
+            if tally is None:
+                if len(self._tally) >= _MAX_TALLIES:  # clients that never flush
+                    del self._tally[next(iter(self._tally))]
+                tally = self._tally[job.peer] = Tally()
+            if outcome is Outcome.WRITTEN:
+                tally.written += 1
+            elif outcome is Outcome.SUPERSEDED:
+                tally.superseded += 1
+            else:
+                tally.failed += 1
+        if self._latest.get(job.key) is job:
+            del self._latest[job.key]
+        peer_jobs = self._by_peer.get(job.peer)
+        if peer_jobs is not None:
+            peer_jobs.discard(job)
+            if not peer_jobs:
+                del self._by_peer[job.peer]
+        job.done.set()
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "pending_bytes": float(self.pending_bytes),
+            "max_pending_bytes": float(self.max_pending_bytes),
+            "queue_depth": float(self._send.statistics().current_buffer_used),
+        }
+
+
+class StreamBroken(Exception):
+    """A save whose bytes stopped coming or did not add up."""
+
+
+def _append(pending: PendingFile, hasher: TensorHasher, batch: list[list[memoryview]]) -> int:
+    n = 0
+    flat = [buf for bufs in batch for buf in bufs]
+    for buf in flat:
+        hasher.update(buf)
+        n += len(buf)
+    pending.append(flat)
+    return n
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} (errno {exc.errno})"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,181 @@
+"""The daemon's life: checks, single-instance lock, bind, one task group, drain.
+
+Order matters: the lock is taken before binding, because a second ZeroMQ bind
+on an ``ipc://`` path silently takes the socket over from the first daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from kvkeeper import config
+from kvkeeper.daemon.actor import WriterActor
+from kvkeeper.daemon.server import Server
+from kvkeeper.daemon.stats import Stats
+from kvkeeper.daemon.store import Store
+from kvkeeper.protocol.messages import MAX_HEADER_BYTES
+
+log = logging.getLogger("kvkeeper.daemon")
+
+GiB = 1024**3
+LOCK_NAME = ".kvkeeper.lock"
+
+
+@dataclass
+class DaemonConfig:
+    root: Path = field(default_factory=config.default_root)
+    socket: Path = field(default_factory=config.default_socket)
+    max_pending_bytes: int = 1 * GiB
+    drain_timeout: float = 20.0
+    stall_timeout: float = 10.0
+
+
+class AlreadyRunning(config.ConfigError):
+    """Another daemon holds the lock of this root or socket."""
+
+
+class _Lock:
+    """An flock on a file that also names its holder, for the error message."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            other = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise AlreadyRunning(
+                    f"another kvkeeper daemon is running ({other}); lock file {path}"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, holder.encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        os.close(self.fd)  # closing drops the flock; a stale file is harmless
+
+
+class Daemon:
+    """One daemon. ``run()`` blocks until stopped (SIGTERM/SIGINT or ``stop()``)
+    and returns the process exit code."""
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.ready = threading.Event()
+        self.stats = Stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: anyio.Event | None = None
+        self._stop_requested = False
+        self.server: Server | None = None
+
+    def stop(self) -> None:
+        """Ask the daemon to drain and exit; safe from any thread."""
+        self._stop_requested = True
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def run(self, *, handle_signals: bool = True) -> int:
+        cfg = self.cfg
+        old_umask = os.umask(0o077)
+        locks: list[_Lock] = []
+        try:
+            config.check_socket_path(cfg.socket)
+            root = config.private_dir(cfg.root, "root directory")
+            sock_dir = config.private_dir(cfg.socket.parent, "socket directory")
+            sock_path = sock_dir / cfg.socket.name
+            holder = f"pid {os.getpid()}, root {root}, socket {sock_path}"
+            locks.append(_Lock(root / LOCK_NAME, holder))
+            locks.append(_Lock(sock_dir / f"{sock_path.name}.lock", holder))
+            store = Store(root)
+            swept = store.open()
+            if swept:
+                log.info("event=swept_tmp count=%d", len(swept))
+            return anyio.run(self._main, store, sock_path, handle_signals, backend="asyncio")
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+            os.umask(old_umask)
+
+    async def _main(self, store: Store, sock_path: Path, handle_signals: bool) -> int:
+        cfg = self.cfg
+        self._loop = asyncio.get_running_loop()
+        self._stop = anyio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        actor = WriterActor(store, self.stats, max_pending_bytes=cfg.max_pending_bytes,
+                            stall_timeout=cfg.stall_timeout)
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A few messages of a few MiB each: ZeroMQ holds little, the writer's
+        # pending-bytes budget is what bounds memory.
+        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_pending_bytes, MAX_HEADER_BYTES))
+        if hasattr(zmq, "IPC_FILTER_UID"):
+            try:
+                sock.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
+            except zmq.ZMQError:
+                pass  # libzmq built without it; the 0700 directory still guards
+        try:
+            if sock_path.exists() or sock_path.is_symlink():
+                sock_path.unlink()  # we hold the lock: whatever is there is stale
+            sock.bind(config.endpoint(sock_path))
+            os.chmod(sock_path, 0o600)
+            log.info("event=listening socket=%s root=%s pid=%d max_pending_bytes=%d",
+                     sock_path, store.root, os.getpid(), cfg.max_pending_bytes)
+            async with anyio.create_task_group() as tg:
+                self.server = Server(sock, actor, store, self.stats, tg)
+                tg.start_soon(actor.run)
+                tg.start_soon(self.server.run)
+                if handle_signals:
+                    tg.start_soon(self._signals)
+                self.ready.set()
+                await self._stop.wait()
+                await self._drain(actor)
+                tg.cancel_scope.cancel()
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+            try:
+                sock_path.unlink()
+            except FileNotFoundError:
+                pass
+        return 0
+
+    async def _signals(self) -> None:
+        assert self._stop is not None
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("event=signal signal=%s", signal.Signals(signum).name)
+                self._stop.set()
+                return
+
+    async def _drain(self, actor: WriterActor) -> None:
+        """Refuse new saves, let the writer finish every save already received."""
+        actor.stop_accepting()
+        log.info("event=draining pending_bytes=%d", actor.pending_bytes)
+        with anyio.move_on_after(self.cfg.drain_timeout):
+            await actor.finished.wait()
+        if not actor.finished.is_set():
+            current = actor.current
+            log.error("event=drain_timeout seconds=%.1f unfinished=%s pending_bytes=%d",
+                      self.cfg.drain_timeout, getattr(current, "key", None), actor.pending_bytes)
+        else:
+            log.info("event=drained")

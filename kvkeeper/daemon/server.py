@@ -1,0 +1,268 @@
+"""The ZeroMQ edge: receive, decode once, validate, route; never wait on disk.
+
+Every message is ``[peer identity, header, *raw frames]`` on a ROUTER socket.
+Anything invalid gets a typed error reply and nothing of it reaches the writer.
+Saves go to the writer actor; loads, deletes, listings and flushes each get a
+small task of their own, so one slow answer never holds up the receive loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskGroup
+
+from kvkeeper import __version__
+from kvkeeper.daemon.actor import DeleteJob, Key, SaveJob, WriterActor
+from kvkeeper.daemon.stats import Stats
+from kvkeeper.daemon.store import Store
+from kvkeeper.protocol import messages as m
+from kvkeeper.protocol import naming
+from kvkeeper.protocol.safetensors import (
+    CACHE_ID_KEY,
+    DAEMON_KEYS,
+    FORMAT,
+    FORMAT_KEY,
+    MODEL_KEY,
+    SAVED_AT_KEY,
+    Layout,
+    LayoutError,
+)
+
+log = logging.getLogger("kvkeeper.server")
+
+
+class Server:
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        actor: WriterActor,
+        store: Store,
+        stats: Stats,
+        tg: TaskGroup,
+    ) -> None:
+        self.sock = sock
+        self.actor = actor
+        self.store = store
+        self.stats = stats
+        self.tg = tg
+        self._uid = os.getuid()
+        # Per peer, the save stream it is sending now: (save id, job or None when
+        # refused). A client sends one save at a time, so one slot per peer.
+        self._streams: dict[bytes, tuple[int, SaveJob | None]] = {}
+
+    async def run(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                self.handle(frames)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the daemon
+                self.stats.inc("internal_errors")
+                log.exception("event=internal_error")
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.stats.inc("protocol_errors")
+            return
+        peer, header, data = frames[0].bytes, frames[1], frames[2:]
+        if not self._same_user(header):
+            self.stats.inc("forbidden_peers")
+            self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code="forbidden",
+                                      message="this daemon serves only its own user"))
+            return
+        try:
+            msg = m.decode_request(header.buffer)
+        except m.DecodeFailure as exc:
+            self.stats.inc("protocol_errors")
+            self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code=exc.code,
+                                      message=str(exc)))
+            return
+        if isinstance(msg, m.SaveData):
+            self._save_data(peer, msg, data)
+            return
+        if data:
+            self._error(peer, msg, "frames", f"{type(msg).__name__} takes no data frames, "
+                                             f"got {len(data)}")
+            return
+        match msg:
+            case m.SaveBegin():
+                self._save_begin(peer, msg)
+            case m.Ping():
+                self._reply(peer, m.Pong(v=m.PROTOCOL_VERSION, req=msg.req, pid=os.getpid(),
+                                         root=str(self.store.root), version=__version__,
+                                         max_save_bytes=self.actor.max_pending_bytes))
+            case m.Load():
+                key = self._key(peer, msg)
+                if key is not None:
+                    self.tg.start_soon(self._load, peer, msg.req, key)
+            case m.Delete():
+                key = self._key(peer, msg)
+                if key is not None:
+                    job = DeleteJob(key=key, peer=peer)
+                    refusal = self.actor.submit_delete(job)
+                    if refusal is not None:
+                        self._error(peer, msg, *refusal)
+                    else:
+                        self.tg.start_soon(self._deleted, peer, msg.req, job)
+            case m.ListEntries():
+                if msg.model is not None and self._check(peer, msg, msg.model, "model") is None:
+                    return
+                self.tg.start_soon(self._list, peer, msg.req, msg.model)
+            case m.GetStats():
+                self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
+                                          counters=self.counters()))
+            case m.Flush():
+                self.tg.start_soon(self._flush, peer, msg.req)
+
+    def counters(self) -> dict[str, float]:
+        self.stats.gauges.update(self.actor.gauges())
+        return self.stats.snapshot()
+
+    # ------------------------------------------------------------ saves
+
+    def _save_begin(self, peer: bytes, msg: m.SaveBegin) -> None:
+        prev = self._streams.pop(peer, None)
+        if prev is not None and prev[1] is not None and prev[1].received < prev[1].total:
+            # The client started a new save, so the previous one will never complete.
+            self.actor.break_stream(prev[1], "the client abandoned it part way")
+        self.stats.inc("saves_received")
+        key = self._key(peer, msg)
+        if key is None:
+            self._streams[peer] = (msg.save, None)
+            return
+        try:
+            layout = Layout.of(msg.tensors)
+        except LayoutError as exc:
+            code: m.ErrorCode = "dtype" if "dtype" in str(exc) else "malformed"
+            self._refuse(peer, msg.save, code, str(exc))
+            return
+        metadata = {k: v for k, v in msg.metadata.items() if k not in DAEMON_KEYS}
+        metadata.update({
+            FORMAT_KEY: FORMAT,
+            MODEL_KEY: msg.model,
+            CACHE_ID_KEY: msg.cache_id,
+            SAVED_AT_KEY: f"{time.time():.6f}",
+        })
+        job = SaveJob(key=key, peer=peer, save_id=msg.save, layout=layout, metadata=metadata)
+        refusal = self.actor.submit_save(job)
+        if refusal is not None:
+            self._refuse(peer, msg.save, *refusal)
+            return
+        if job.total:
+            self._streams[peer] = (msg.save, job)
+
+    def _save_data(self, peer: bytes, msg: m.SaveData, data: list[zmq.Frame]) -> None:
+        stream = self._streams.get(peer)
+        if stream is None or stream[0] != msg.save:
+            # Unknown stream: say so once, then drop the rest of it quietly.
+            self.stats.inc("protocol_errors")
+            self._refuse(peer, msg.save, "unknown_save", f"no save {msg.save} in progress")
+            return
+        job = stream[1]
+        if job is None:
+            return  # the rest of a refused save
+        nbytes = sum(len(f) for f in data)
+        if len(data) != msg.frames or job.received + nbytes > job.total:
+            del self._streams[peer]
+            self.stats.inc("protocol_errors")
+            reason = (f"header says {msg.frames} frames, got {len(data)}"
+                      if len(data) != msg.frames
+                      else f"more bytes than the {job.total} declared")
+            self.actor.break_stream(job, reason)
+            self._refuse(peer, msg.save, "frames", reason, count=False)
+            return
+        self.stats.inc("bytes_received", nbytes)
+        self.actor.add_data(job, [f.buffer for f in data], nbytes)
+        if job.received == job.total:
+            del self._streams[peer]
+
+    def _refuse(self, peer: bytes, save: int, code: m.ErrorCode, message: str,
+                *, count: bool = True) -> None:
+        if count:
+            self.stats.inc("saves_refused")
+        log.info("event=save_refused code=%s reason=%s", code, message)
+        self._streams[peer] = (save, None)
+        self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code=code,
+                                        message=message))
+
+    # ------------------------------------------------------------ other requests
+
+    async def _load(self, peer: bytes, req: int, key: Key) -> None:
+        await self.actor.settled(key)  # read-your-writes
+        path = self.store.find(*key)
+        self.stats.inc("loads_found" if path else "loads_missing")
+        self._reply(peer, m.Found(v=m.PROTOCOL_VERSION, req=req,
+                                  path=str(path) if path else None))
+
+    async def _deleted(self, peer: bytes, req: int, job: DeleteJob) -> None:
+        await job.done.wait()
+        if job.detail:
+            self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code="internal",
+                                      message=f"delete failed: {job.detail}"))
+        else:
+            self._reply(peer, m.Deleted(v=m.PROTOCOL_VERSION, req=req, existed=job.existed))
+
+    async def _list(self, peer: bytes, req: int, model: str | None) -> None:
+        import anyio
+
+        found = await anyio.to_thread.run_sync(self.store.entries, model)
+        entries = [m.Entry(model=e.model, cache_id=e.cache_id, tokens=e.tokens,
+                           nbytes=e.nbytes, last_used=e.last_used, path=str(e.path))
+                   for e in found]
+        self._reply(peer, m.Entries(v=m.PROTOCOL_VERSION, req=req, entries=entries))
+
+    async def _flush(self, peer: bytes, req: int) -> None:
+        tally = await self.actor.flush(peer)
+        self._reply(peer, m.Flushed(v=m.PROTOCOL_VERSION, req=req, written=tally.written,
+                                    superseded=tally.superseded, failed=tally.failed))
+
+    # ------------------------------------------------------------ helpers
+
+    def _key(self, peer: bytes, msg: m.SaveBegin | m.Load | m.Delete) -> Key | None:
+        model = self._check(peer, msg, msg.model, "model")
+        cache_id = self._check(peer, msg, msg.cache_id, "cache id")
+        if model is None or cache_id is None:
+            return None
+        return model, cache_id
+
+    def _check(self, peer: bytes, msg: m.Request, value: str, what: str) -> str | None:
+        try:
+            naming.check_id(value, what)
+        except naming.BadId as exc:
+            self.stats.inc("protocol_errors")
+            self._error(peer, msg, "bad_id", str(exc))
+            return None
+        return value
+
+    def _error(self, peer: bytes, msg: m.Request, code: m.ErrorCode, message: str) -> None:
+        if isinstance(msg, m.SaveBegin | m.SaveData):
+            self._refuse(peer, msg.save, code, message)
+        else:
+            self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=getattr(msg, "req", None),
+                                      code=code, message=message))
+
+    def _same_user(self, header: zmq.Frame) -> bool:
+        # Linux reports the peer's credentials as "host:uid:gid:pid"; elsewhere the
+        # 0700 socket directory is what keeps other users out.
+        try:
+            addr = header.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+            return True
+        parts = str(addr).split(":")
+        if len(parts) == 4 and parts[1].isdigit():
+            return int(parts[1]) == self._uid
+        return True
+
+    def _reply(self, peer: bytes, msg: m.Reply) -> None:
+        # With NOBLOCK the asyncio socket completes the future at once.
+        fut = self.sock.send_multipart([peer, m.encode(msg)], flags=zmq.NOBLOCK)
+        exc = fut.exception() if fut.done() else None
+        if exc is not None:
+            # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
+            log.debug("event=reply_dropped error=%s", exc)

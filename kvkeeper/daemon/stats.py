@@ -1,0 +1,39 @@
+"""Counters the daemon keeps and ``stats`` reports."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+#: Every counter, so that a reader sees zeros rather than missing keys.
+COUNTERS = (
+    "saves_received",
+    "saves_written",
+    "saves_superseded",
+    "saves_refused",
+    "saves_failed",
+    "bytes_received",
+    "bytes_written",
+    "loads_found",
+    "loads_missing",
+    "deletes",
+    "protocol_errors",
+    "internal_errors",
+    "forbidden_peers",
+)
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.counts: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self.gauges: dict[str, float] = {}
+
+    def inc(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def snapshot(self) -> dict[str, float]:
+        out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
+        out.update(self.gauges)
+        out["uptime_s"] = time.monotonic() - self.started
+        return out

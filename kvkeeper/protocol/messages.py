@@ -1,0 +1,238 @@
+"""Wire messages: one msgspec tagged union per direction.
+
+Every ZeroMQ message is ``[header, *raw frames]``. The header is msgpack of one
+of the structs below; tensors never travel inside msgpack: a ``SaveData``
+header says how many raw frames follow it, and those frames hold the tensor
+bytes, in order, exactly as they land in the file.
+
+A save is a stream: one ``SaveBegin`` (the whole layout, no data), then
+``SaveData`` messages of a few MiB each. Sending many small messages instead
+of one huge multipart message is what lets the daemon write as bytes arrive
+(DESIGN.md measured 6x the throughput that way).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+#: Largest header frame either side accepts (token ids of a long conversation
+#: travel in the save's metadata).
+MAX_HEADER_BYTES = 32 * 1024 * 1024
+#: A cache id or model fingerprint, in UTF-8 bytes.
+MAX_ID_BYTES = 1024
+MAX_TENSORS = 65_536
+MAX_DIMS = 8
+MAX_FRAMES_PER_MESSAGE = 256
+
+_Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_BYTES * 4)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+ErrorCode = Literal[
+    "malformed",  # undecodable header or fields of the wrong type
+    "version",  # protocol version this daemon does not speak
+    "frames",  # frame count or byte size disagrees with the header
+    "dtype",  # unknown tensor dtype
+    "bad_id",  # empty, oversized or undecodable model or cache id
+    "too_large",  # a save larger than the daemon's pending-bytes budget
+    "busy",  # the pending-bytes budget or the mailbox is full right now
+    "shutting_down",  # the daemon is draining and takes no new saves
+    "unknown_save",  # data for a save the daemon does not know (refused or expired)
+    "forbidden",  # a peer of another user
+    "internal",  # a bug in the daemon; the message says what
+]
+
+
+class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
+    v: int
+
+
+# ---------------------------------------------------------------- client -> daemon
+
+
+class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One tensor of a save: name in the file, safetensors dtype name, shape."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    shape: Annotated[list[_Count], msgspec.Meta(max_length=MAX_DIMS)]
+
+
+class Ping(_Msg, tag="ping"):
+    req: int
+
+
+class SaveBegin(_Msg, tag="save"):
+    """Starts a save stream. ``save`` numbers the stream within one client."""
+
+    save: int
+    model: _Id
+    cache_id: _Id
+    tensors: Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
+    metadata: dict[str, str] = {}
+
+
+class SaveData(_Msg, tag="data"):
+    """Followed by ``frames`` raw frames: the next bytes of save ``save``."""
+
+    save: int
+    frames: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAMES_PER_MESSAGE)]
+
+
+class Load(_Msg, tag="load"):
+    req: int
+    model: _Id
+    cache_id: _Id
+
+
+class Delete(_Msg, tag="delete"):
+    req: int
+    model: _Id
+    cache_id: _Id
+
+
+class ListEntries(_Msg, tag="list"):
+    req: int
+    model: _Id | None = None
+
+
+class GetStats(_Msg, tag="stats"):
+    req: int
+
+
+class Flush(_Msg, tag="flush"):
+    """Answered once every save this client sent before it is resolved."""
+
+    req: int
+
+
+Request = Ping | SaveBegin | SaveData | Load | Delete | ListEntries | GetStats | Flush
+
+
+# ---------------------------------------------------------------- daemon -> client
+
+
+class Pong(_Msg, tag="pong"):
+    req: int
+    pid: int
+    root: str
+    version: str
+    max_save_bytes: int
+
+
+class SaveRefused(_Msg, tag="refused"):
+    """A save the daemon did not take (or gave up on): nothing of it was written."""
+
+    save: int
+    code: ErrorCode
+    message: str
+
+
+class Found(_Msg, tag="found"):
+    """Answer to Load: the file to open (``None``: no entry). Any pending write
+    of that key is on disk before this is sent (read-your-writes)."""
+
+    req: int
+    path: str | None
+
+
+class Deleted(_Msg, tag="deleted"):
+    req: int
+    existed: bool
+
+
+class Entry(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    cache_id: str
+    tokens: int
+    nbytes: int
+    last_used: float
+    path: str
+
+
+class Entries(_Msg, tag="entries"):
+    req: int
+    entries: list[Entry]
+
+
+class Stats(_Msg, tag="stats"):
+    req: int
+    counters: dict[str, float]
+
+
+class Flushed(_Msg, tag="flushed"):
+    """``written``/``failed``: saves of this client resolved since its last flush."""
+
+    req: int
+    written: int
+    superseded: int
+    failed: int
+
+
+class Error(_Msg, tag="error"):
+    req: int | None
+    code: ErrorCode
+    message: str
+
+
+Reply = Pong | SaveRefused | Found | Deleted | Entries | Stats | Flushed | Error
+
+
+class _VersionOnly(msgspec.Struct):
+    v: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
+
+
+class DecodeFailure(Exception):
+    """A header that is not a valid message; ``code`` is the error code to answer."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, buf: bytes | memoryview):  # type: ignore[no-untyped-def]
+    if len(buf) > MAX_HEADER_BYTES:
+        raise DecodeFailure("malformed", f"header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return decoder.decode(buf)
+    except msgspec.DecodeError as exc:
+        # Tell a peer of another protocol version that, rather than which field failed.
+        try:
+            v = _version_decoder.decode(buf).v
+        except Exception:  # noqa: BLE001 - any failure here means plain malformed
+            v = PROTOCOL_VERSION
+        if v != PROTOCOL_VERSION:
+            raise DecodeFailure(
+                "version", f"protocol version {v} not supported (speaks {PROTOCOL_VERSION})"
+            ) from None
+        raise DecodeFailure("malformed", str(exc)) from None
+    except (RecursionError, MemoryError, ValueError, TypeError) as exc:
+        raise DecodeFailure("malformed", f"undecodable header: {type(exc).__name__}") from None
+
+
+def decode_request(buf: bytes | memoryview) -> Request:
+    """Decode and version-check a client header; raises DecodeFailure."""
+    msg = _decode(_request_decoder, buf)
+    if msg.v != PROTOCOL_VERSION:
+        raise DecodeFailure(
+            "version", f"protocol version {msg.v} not supported (speaks {PROTOCOL_VERSION})"
+        )
+    return msg
+
+
+def decode_reply(buf: bytes | memoryview) -> Reply:
+    """Decode a daemon header; raises DecodeFailure."""
+    return _decode(_reply_decoder, buf)

@@ -1,0 +1,78 @@
+"""Cache ids and model fingerprints to file names, losslessly.
+
+The reference mapped ``a/b``, ``a b`` and ``a_b`` to one file. Here every id
+maps to its own name on every file system we run on, including case-insensitive
+APFS and HFS+: only ``[a-z0-9-]`` stand for themselves, every other UTF-8 byte
+(upper case too, so ``Foo`` and ``foo`` differ, and ``.``, so no name is hidden
+or ``..``) becomes ``_xx`` in lower-case hex. A name that would be too long for
+one path component becomes ``_z`` + the SHA-256 of the id (``_z`` never comes
+out of the escaping); the file's metadata keeps the original id, and readers
+compare it, so even then two ids never share a file silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvkeeper.protocol.messages import MAX_ID_BYTES
+
+SUFFIX = ".safetensors"
+#: Longest encoded component; leaves room for the tmp prefix and suffixes
+#: within the 255-byte limit of a file name.
+MAX_COMPONENT = 200
+_KEEP = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+class BadId(ValueError):
+    """An id that cannot name an entry: empty, too long, or not text."""
+
+
+def check_id(value: str, what: str = "id") -> bytes:
+    """Validate an id and return its UTF-8 bytes; raises BadId."""
+    if not isinstance(value, str):
+        raise BadId(f"{what} must be a string, got {type(value).__name__}")
+    if not value:
+        raise BadId(f"{what} is empty")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadId(f"{what} is not valid Unicode text") from None
+    if len(raw) > MAX_ID_BYTES:
+        raise BadId(f"{what} is {len(raw)} bytes; the limit is {MAX_ID_BYTES}")
+    return raw
+
+
+def encode_component(value: str, what: str = "id") -> str:
+    """File-name component for an id (see module docstring); raises BadId."""
+    raw = check_id(value, what)
+    out = "".join(chr(b) if b in _KEEP else f"_{b:02x}" for b in raw)
+    if len(out) > MAX_COMPONENT:
+        return "_z" + hashlib.sha256(raw).hexdigest()
+    return out
+
+
+def decode_component(name: str) -> str | None:
+    """The id a component stands for, or None for a hashed or foreign name."""
+    if name.startswith("_z"):
+        return None
+    out = bytearray()
+    i = 0
+    try:
+        while i < len(name):
+            ch = name[i]
+            if ch == "_":
+                out.append(int(name[i + 1 : i + 3], 16))
+                i += 3
+            elif ord(ch) in _KEEP:
+                out.append(ord(ch))
+                i += 1
+            else:
+                return None
+        return out.decode("utf-8")
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def entry_relpath(model: str, cache_id: str) -> str:
+    """Path of an entry's file relative to the sessions directory."""
+    return f"{encode_component(model, 'model')}/{encode_component(cache_id, 'cache id')}{SUFFIX}"

@@ -1,0 +1,209 @@
+"""The safetensors layout, written and read without MLX.
+
+A file is: 8-byte little-endian header length, a JSON header (per tensor
+``dtype``, ``shape``, ``data_offsets``; strings in ``__metadata__``), padded
+with spaces so the data starts 8-byte aligned, then the raw bytes of every
+tensor back to back in header order.
+
+The daemon writes the header first, before any tensor bytes have arrived, and
+learns the per-tensor checksums only at the end. So the checksums go in with a
+fixed-width placeholder, and the final header, of exactly the same length, is
+written over it before the file is made durable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import msgspec
+import xxhash
+
+from kvkeeper.protocol.dtypes import DTYPE_SIZES
+from kvkeeper.protocol.messages import TensorSpec
+
+#: Metadata keys. ``kvkeeper.format`` marks a file as ours.
+FORMAT_KEY = "kvkeeper.format"
+FORMAT = "kvkeeper/1"
+MODEL_KEY = "kvkeeper.model"
+CACHE_ID_KEY = "kvkeeper.cache_id"
+SAVED_AT_KEY = "kvkeeper.saved_at"
+TOKENS_KEY = "kvkeeper.token_ids"
+TOKEN_COUNT_KEY = "kvkeeper.token_count"
+LAYERS_KEY = "kvkeeper.layers"
+USER_KEY = "kvkeeper.user"
+CHECKSUMS_KEY = "kvkeeper.checksums"
+#: Keys only the daemon sets; a client's values for them are replaced.
+DAEMON_KEYS = frozenset({FORMAT_KEY, MODEL_KEY, CACHE_ID_KEY, SAVED_AT_KEY, CHECKSUMS_KEY})
+
+CHECKSUM_ALGO = "xxh3_64"
+_PLACEHOLDER = "0" * 16
+#: Largest header a reader accepts before it gives up on a file.
+MAX_FILE_HEADER = 256 * 1024 * 1024
+
+
+class LayoutError(ValueError):
+    """A declared tensor layout or a file header that cannot be right."""
+
+
+def tensor_nbytes(spec: TensorSpec) -> int:
+    """Byte size of a declared tensor; raises LayoutError for unknown dtypes."""
+    size = DTYPE_SIZES.get(spec.dtype)
+    if size is None:
+        raise LayoutError(f"unknown dtype {spec.dtype!r}")
+    return math.prod(spec.shape) * size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a save lands, and the header that says so."""
+
+    specs: tuple[TensorSpec, ...]
+    sizes: tuple[int, ...]
+    total: int  # data bytes
+
+    @classmethod
+    def of(cls, specs: Sequence[TensorSpec]) -> Layout:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise LayoutError("duplicate tensor names")
+        if "__metadata__" in names:
+            raise LayoutError("a tensor may not be named __metadata__")
+        sizes = tuple(tensor_nbytes(s) for s in specs)
+        return cls(tuple(specs), sizes, sum(sizes))
+
+    def header(self, metadata: Mapping[str, str], checksums: Sequence[str] | None = None) -> bytes:
+        """Length prefix + JSON header, padded to 8 bytes. Without ``checksums``
+        the placeholder takes their place; with them the result is the same length."""
+        sums = list(checksums) if checksums is not None else [_PLACEHOLDER] * len(self.specs)
+        if any(len(s) != len(_PLACEHOLDER) for s in sums):
+            raise LayoutError("checksums must be 16 hex digits")
+        meta = dict(metadata)
+        meta[CHECKSUMS_KEY] = msgspec.json.encode(
+            {"algo": CHECKSUM_ALGO, "tensors": dict(zip([s.name for s in self.specs], sums, strict=True))}
+        ).decode()
+        body: dict[str, Any] = {"__metadata__": meta}
+        offset = 0
+        for spec, size in zip(self.specs, self.sizes, strict=True):
+            body[spec.name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+        raw = msgspec.json.encode(body)
+        raw += b" " * (-(8 + len(raw)) % 8)
+        return struct.pack("<Q", len(raw)) + raw
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A parsed file header: tensors by name, metadata, and where data starts."""
+
+    tensors: dict[str, dict[str, Any]]
+    metadata: dict[str, str]
+    data_start: int
+
+    @property
+    def checksums(self) -> dict[str, str] | None:
+        raw = self.metadata.get(CHECKSUMS_KEY)
+        if raw is None:
+            return None
+        try:
+            obj = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            raise LayoutError("checksums metadata is not JSON") from None
+        if not isinstance(obj, dict) or obj.get("algo") != CHECKSUM_ALGO:
+            raise LayoutError("unknown checksum algorithm")
+        sums = obj.get("tensors")
+        if not isinstance(sums, dict):
+            raise LayoutError("checksums metadata has no tensors")
+        return sums
+
+
+def read_header(f: BinaryIO, file_size: int | None = None) -> FileHeader:
+    """Read and check a safetensors header (never the tensor bytes)."""
+    if file_size is None:
+        file_size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise LayoutError("file shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_FILE_HEADER or 8 + n > file_size:
+        raise LayoutError(f"header length {n} does not fit a file of {file_size} bytes")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise LayoutError("truncated header")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise LayoutError(f"header is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise LayoutError("header is not a JSON object")
+    meta = body.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise LayoutError("__metadata__ must map strings to strings")
+    data_len = file_size - 8 - n
+    end = 0
+    for name, t in body.items():
+        try:
+            dtype, shape, (a, b) = t["dtype"], t["shape"], t["data_offsets"]
+            want = math.prod(shape) * DTYPE_SIZES[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise LayoutError(f"tensor {name!r} has a malformed entry") from None
+        if not (0 <= a <= b <= data_len) or b - a != want:
+            raise LayoutError(f"tensor {name!r} lies outside the file or has the wrong size")
+        end = max(end, b)
+    if end != data_len:
+        raise LayoutError(f"file holds {data_len} data bytes, header describes {end}")
+    return FileHeader(body, meta, 8 + n)
+
+
+def checksum(buf: bytes | memoryview) -> str:
+    """Checksum of one tensor's bytes, as stored in the header."""
+    return xxhash.xxh3_64_hexdigest(buf)
+
+
+class TensorHasher:
+    """Per-tensor checksums of a byte stream that arrives in arbitrary pieces."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self._sizes = list(sizes)
+        self._digests: list[str] = []
+        self._h = xxhash.xxh3_64()
+        self._idx = -1
+        self._left = 0
+        self._next()
+
+    def _next(self) -> None:
+        # Start the next tensor, closing zero-sized ones on the way.
+        while True:
+            self._idx += 1
+            if self._idx >= len(self._sizes):
+                return
+            self._left = self._sizes[self._idx]
+            if self._left:
+                return
+            self._digests.append(xxhash.xxh3_64_hexdigest(b""))
+
+    def update(self, buf: memoryview) -> None:
+        while len(buf):
+            if self._idx >= len(self._sizes):
+                raise LayoutError("more bytes than the declared tensors hold")
+            take = min(self._left, len(buf))
+            self._h.update(buf[:take])
+            buf = buf[take:]
+            self._left -= take
+            if self._left == 0:
+                self._digests.append(self._h.hexdigest())
+                self._h.reset()
+                self._next()
+
+    def hexdigests(self) -> list[str]:
+        if len(self._digests) != len(self._sizes):
+            raise LayoutError("stream ended before every tensor was complete")
+        return list(self._digests)
