@@ -32,7 +32,6 @@ from kvkeeper.protocol.safetensors import (
 
 log = logging.getLogger("kvkeeper.store")
 
-SESSIONS = "sessions"
 TMP_SUFFIX = ".tmp"
 _IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
 _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
@@ -150,7 +149,7 @@ class Store:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.sessions = root / SESSIONS
+        self.sessions = root / naming.SESSIONS_DIR
         self._last_used: dict[Path, float] = {}
 
     # -- paths

@@ -28,7 +28,8 @@ MAX_TENSORS = 65_536
 MAX_DIMS = 8
 MAX_FRAMES_PER_MESSAGE = 256
 
-_Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_BYTES * 4)]
+# Generous at decode time so that an over-long id gets the precise "bad_id" answer.
+_Id = Annotated[str, msgspec.Meta(max_length=64 * 1024)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
 ErrorCode = Literal[

@@ -17,6 +17,9 @@ import hashlib
 from kvkeeper.protocol.messages import MAX_ID_BYTES
 
 SUFFIX = ".safetensors"
+#: Whole-session files live under ``<root>/sessions/``; a later block layout gets
+#: a directory of its own beside it.
+SESSIONS_DIR = "sessions"
 #: Longest encoded component; leaves room for the tmp prefix and suffixes
 #: within the 255-byte limit of a file name.
 MAX_COMPONENT = 200

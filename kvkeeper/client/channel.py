@@ -1,0 +1,283 @@
+"""The client's socket, owned by one I/O thread.
+
+ZeroMQ sockets are not thread-safe, and the generation loop must never wait on
+the daemon, so a single background thread owns the DEALER socket: callers hand
+it work through a queue and a wake-up pipe. Saves and requests share the one
+socket, so they reach the daemon in the order they were made (a load after a
+save sees that save).
+
+What the client holds in flight is bounded in bytes, not in messages: a save
+is taken whole or not at all, and its bytes stay reserved until ZeroMQ has
+handed the last of them to the kernel (the frames are sent without copying, so
+until then they still point into the cache's arrays).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvkeeper.protocol import messages as m
+
+log = logging.getLogger("kvkeeper.client")
+
+Frames = Sequence[bytes | memoryview]
+
+
+class DaemonUnavailable(ConnectionError):
+    """The daemon is not running or did not answer in time."""
+
+
+@dataclass(eq=False)
+class _Save:
+    messages: list[list[bytes | memoryview]]
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Request:
+    header: bytes
+    req: int
+    future: Future[m.Reply] = field(default_factory=Future)
+
+
+@dataclass
+class ChannelCounters:
+    saves_sent: int = 0
+    saves_lost: int = 0  # handed off, but the pipe broke before they were sent
+    saves_refused: int = 0  # the daemon said no (busy, too large, ...)
+    bytes_sent: int = 0
+
+
+class Channel:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_inflight_bytes: int,
+        on_refused: Callable[[m.SaveRefused], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_inflight_bytes = max_inflight_bytes
+        self.counters = ChannelCounters()
+        self.connected = threading.Event()
+        self._on_refused = on_refused
+        self._lock = threading.Lock()
+        self._outbox: deque[_Save | _Request] = deque()
+        self._waiting: dict[int, _Request] = {}
+        self._inflight_bytes = 0
+        self._req_ids = itertools.count(1)
+        self._save_ids = itertools.count(1)
+        self._closing = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._ctx = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="kvkeeper-client-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self._inflight_bytes
+
+    def next_save_id(self) -> int:
+        return next(self._save_ids)
+
+    def next_req_id(self) -> int:
+        return next(self._req_ids)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of the in-flight budget, or return False."""
+        with self._lock:
+            if self._inflight_bytes + nbytes > self.max_inflight_bytes:
+                return False
+            self._inflight_bytes += nbytes
+            return True
+
+    def send_save(self, messages: list[list[bytes | memoryview]], nbytes: int) -> None:
+        """Queue a save whose bytes were reserved; never blocks."""
+        self._push(_Save(messages, nbytes))
+
+    def request(self, make: Callable[[int], m.Request], timeout: float) -> m.Reply:
+        """Send a request and wait for its reply; raises DaemonUnavailable."""
+        if not self.connected.is_set():
+            raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
+        req = self.next_req_id()
+        item = _Request(m.encode(make(req)), req)
+        with self._lock:
+            self._waiting[req] = item
+        self._push(item)
+        try:
+            return item.future.result(timeout=timeout)
+        except TimeoutError:
+            raise DaemonUnavailable(
+                f"the daemon at {self.endpoint} did not answer within {timeout} s"
+            ) from None
+        finally:
+            with self._lock:
+                self._waiting.pop(req, None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Give queued saves up to ``timeout`` to reach the daemon, then stop."""
+        if self._closing.is_set():
+            return
+        deadline = threading.Event()
+        waited = 0.0
+        while (self._outbox or self._inflight_bytes) and self.connected.is_set() and waited < timeout:
+            deadline.wait(0.01)
+            waited += 0.01
+        self._closing.set()
+        self._wake()
+        self._thread.join(timeout=5.0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _push(self, item: _Save | _Request) -> None:
+        with self._lock:
+            self._outbox.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already awake (pipe full) or closing
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # No daemon, no queueing: a send fails at once instead of piling up.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        # The byte budget bounds what is queued; this only has to be large enough
+        # for a budget's worth of few-MiB messages.
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        # Track every frame for real: below the threshold pyzmq would copy it and
+        # report it sent at once, releasing its reservation early.
+        sock.copy_threshold = 0
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
+        sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        trackers: deque[tuple[zmq.MessageTracker, int]] = deque()
+        try:
+            while not self._closing.is_set():
+                # Poll briefly while sends are in flight so their bytes are released soon.
+                events = dict(poller.poll(2 if trackers else 200))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                if monitor in events:
+                    self._monitor_events(monitor)
+                if sock in events:
+                    self._receive(sock)
+                self._send_outbox(sock, trackers)
+                while trackers and trackers[0][0].done:
+                    self._release(trackers.popleft()[1])
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            self._ctx.term()
+            self.connected.clear()
+            with self._lock:
+                waiting = list(self._waiting.values())
+            for item in waiting:
+                if not item.future.done():
+                    item.future.set_exception(DaemonUnavailable("client closed"))
+
+    def _monitor_events(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected.set()
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                self.connected.clear()
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = m.decode_reply(frames[0])
+            except m.DecodeFailure as exc:
+                log.warning("event=bad_reply error=%s", exc)
+                continue
+            if isinstance(reply, m.SaveRefused):
+                self.counters.saves_refused += 1
+                if self._on_refused is not None:
+                    self._on_refused(reply)
+                continue
+            req = getattr(reply, "req", None)
+            with self._lock:
+                item = self._waiting.get(req) if req is not None else None
+            if item is not None and not item.future.done():
+                item.future.set_result(reply)
+            elif isinstance(reply, m.Error):
+                log.warning("event=daemon_error code=%s message=%s", reply.code, reply.message)
+
+    def _send_outbox(self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, int]]) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                item = self._outbox.popleft()
+            if isinstance(item, _Request):
+                try:
+                    sock.send(item.header, zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    item.future.set_exception(DaemonUnavailable(f"cannot reach the daemon: {exc}"))
+                continue
+            tracker = self._send_save(sock, item)
+            if tracker is None:
+                self._release(item.nbytes)
+            else:
+                trackers.append((tracker, item.nbytes))
+
+    def _send_save(self, sock: zmq.Socket, save: _Save) -> zmq.MessageTracker | None:
+        last = len(save.messages) - 1
+        tracker: zmq.MessageTracker | None = None
+        for i, msg in enumerate(save.messages):
+            try:
+                t = sock.send_multipart(msg, zmq.NOBLOCK, copy=False, track=(i == last))
+            except zmq.ZMQError as exc:
+                # Nothing more of this save goes out; the daemon drops the part it
+                # got when this client's next save starts (or after its stall timeout).
+                self.counters.saves_lost += 1
+                log.warning("event=save_lost error=%s sent_messages=%d", exc, i)
+                return None
+            if i == last:
+                tracker = t
+        self.counters.saves_sent += 1
+        self.counters.bytes_sent += save.nbytes
+        return tracker
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._inflight_bytes -= nbytes

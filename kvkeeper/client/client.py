@@ -1,0 +1,340 @@
+"""The client the generation loop imports: ``save()`` returns at once,
+``load()`` returns a usable cache.
+
+    with Client() as kv:
+        kv.save(model_fp, session_id, cache, token_ids)   # True: handed off
+        got = kv.load(model_fp, session_id)               # None on a miss
+        kv.flush(timeout=30)                              # all of it durable
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvkeeper import config
+from kvkeeper.client.channel import Channel, DaemonUnavailable
+from kvkeeper.client.codec import CacheSnapshot, snapshot_cache
+from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
+from kvkeeper.protocol import messages as m
+from kvkeeper.protocol import naming
+from kvkeeper.protocol import safetensors as st
+
+log = logging.getLogger("kvkeeper.client")
+
+GiB = 1024**3
+#: Frames and messages of a save stream stay around this size: many messages
+#: of a few MiB let the daemon write while it receives (DESIGN.md).
+CHUNK_BYTES = 8 * 1024 * 1024
+
+__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "LoadedCache"]
+
+
+class Client:
+    """A connection to the kvkeeper daemon. Thread-safe.
+
+    ``socket`` defaults to ``$KVKEEPER_SOCKET`` or the per-user default;
+    ``root`` (where ``load()`` reads files itself when the daemon is down)
+    defaults to what the daemon reports, else ``$KVKEEPER_ROOT`` or the
+    per-user default. ``max_inflight_bytes`` bounds what saves may hold
+    before the daemon has taken their bytes; a save that does not fit is
+    dropped, never waited for. ``timeout`` caps every wait for the daemon.
+    """
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        max_inflight_bytes: int = 2 * GiB,
+        timeout: float = 10.0,
+        connect_timeout: float = 1.0,
+    ) -> None:
+        self.socket_path = Path(socket) if socket is not None else config.default_socket()
+        self._root_override = Path(root) if root is not None else None
+        self._daemon_root: Path | None = None
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._max_save_bytes: int | None = None
+        self._dropped = 0
+        self._refused_since_flush = 0
+        self._lost_seen = 0
+        self._warned: set[str] = set()
+        self._closed = False
+        self._channel = Channel(
+            config.endpoint(self.socket_path),
+            max_inflight_bytes=max_inflight_bytes,
+            on_refused=self._refused,
+        )
+        # With IMMEDIATE set, a save before the connection is up would be dropped:
+        # connect now, so the first save after construction goes through.
+        if self._channel.connected.wait(connect_timeout):
+            try:
+                self.ping()
+            except DaemonUnavailable:
+                pass
+
+    # ------------------------------------------------------------ context manager
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Give saves already handed off up to ``timeout`` to reach the daemon
+        (not to be written: use ``flush()`` for that), then disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        self._channel.close(timeout)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the daemon is connected right now."""
+        return self._channel.connected.is_set()
+
+    @property
+    def root(self) -> Path:
+        """The store root that ``load()`` reads directly when the daemon is down."""
+        return self._root_override or self._daemon_root or config.default_root()
+
+    # ------------------------------------------------------------ save
+
+    def save(
+        self,
+        model: str,
+        cache_id: str,
+        cache: Any,
+        token_ids: Sequence[int] | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Hand a snapshot of ``cache`` to the daemon and return at once.
+
+        ``cache`` is a list of cache layers, or an object with ``.cache`` and
+        ``.token_ids`` (mlx-vlm's ``PromptCacheState``). What gets written is
+        the cache as it is now, even if generation goes on changing it.
+        Returns True when the save was handed off, False when it was dropped
+        (daemon not running, or too much already in flight); drops are counted
+        in ``stats()`` and logged once per reason. Raises ValueError for bad
+        arguments.
+        """
+        if self._closed:
+            raise RuntimeError("client is closed")
+        layers, token_ids = _unpack(cache, token_ids)
+        naming.check_id(model, "model")
+        naming.check_id(cache_id, "cache id")
+        meta = dict(metadata or {})
+        bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
+               or not isinstance(meta[k], str)]
+        if bad:
+            raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
+        if not self._channel.connected.is_set():
+            return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
+        snap = snapshot_cache(layers)
+        limit = self._max_save_bytes
+        if limit is not None and snap.nbytes > limit:
+            return self._drop("too_large", f"a save of {snap.nbytes} bytes exceeds the daemon's "
+                                           f"limit of {limit} (--max-pending-bytes)")
+        if not self._channel.reserve(snap.nbytes):
+            return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
+                                          f"flight (max_inflight_bytes)")
+        self._channel.send_save(self._messages(model, cache_id, snap, token_ids, meta), snap.nbytes)
+        return True
+
+    def _messages(
+        self,
+        model: str,
+        cache_id: str,
+        snap: CacheSnapshot,
+        token_ids: list[int] | None,
+        user: dict[str, str],
+    ) -> list[list[bytes | memoryview]]:
+        save_id = self._channel.next_save_id()
+        meta = {
+            st.LAYERS_KEY: snap.layers,
+            st.TOKENS_KEY: msgspec.json.encode(token_ids).decode(),
+            st.TOKEN_COUNT_KEY: str(len(token_ids or ())),
+        }
+        if user:
+            meta[st.USER_KEY] = msgspec.json.encode(user).decode()
+        begin = m.SaveBegin(
+            v=m.PROTOCOL_VERSION,
+            save=save_id,
+            model=model,
+            cache_id=cache_id,
+            tensors=[m.TensorSpec(t.name, t.dtype, list(t.shape)) for t in snap.tensors],
+            metadata=meta,
+        )
+        messages: list[list[bytes | memoryview]] = [[m.encode(begin)]]
+        frames: list[memoryview] = []
+        size = 0
+
+        def cut() -> None:
+            nonlocal frames, size
+            if frames:
+                head = m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=save_id, frames=len(frames)))
+                messages.append([head, *frames])
+                frames, size = [], 0
+
+        for tensor in snap.tensors:
+            for run in tensor.runs:
+                for off in range(0, len(run), CHUNK_BYTES):
+                    piece = run[off : off + CHUNK_BYTES]
+                    if size + len(piece) > CHUNK_BYTES or len(frames) >= m.MAX_FRAMES_PER_MESSAGE:
+                        cut()
+                    frames.append(piece)
+                    size += len(piece)
+        cut()
+        return messages
+
+    def _drop(self, reason: str, message: str) -> bool:
+        with self._lock:
+            self._dropped += 1
+            first = reason not in self._warned
+            self._warned.add(reason)
+        if first:
+            log.warning("event=save_dropped reason=%s detail=%s (logged once per reason)",
+                        reason, message)
+        return False
+
+    def _refused(self, reply: m.SaveRefused) -> None:
+        with self._lock:
+            self._refused_since_flush += 1
+        log.warning("event=save_refused code=%s detail=%s", reply.code, reply.message)
+
+    # ------------------------------------------------------------ load
+
+    def load(
+        self, model: str, cache_id: str, *, verify: bool = True
+    ) -> LoadedCache | None:
+        """Return the saved cache, or None when there is none (or it is unusable:
+        wrong model, failed checksum, unknown class; the reason is logged).
+
+        Any save of this key the daemon has received is written first
+        (read-your-writes). When the daemon is down, reads the file directly.
+        ``verify`` checks every tensor's checksum (reads the whole file); off,
+        the arrays stay lazily memory-mapped.
+        """
+        naming.check_id(model, "model")
+        naming.check_id(cache_id, "cache id")
+        path: Path | None
+        try:
+            reply = self._request(
+                lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id)
+            )
+            path = Path(reply.path) if isinstance(reply, m.Found) and reply.path else None
+        except DaemonUnavailable:
+            path = self.root / naming.SESSIONS_DIR / naming.entry_relpath(model, cache_id)
+            if not path.is_file():
+                return None
+        if path is None:
+            return None
+        try:
+            return read_cache_file(path, verify=verify, model=model, cache_id=cache_id)
+        except CacheFileError as exc:
+            log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
+            return None
+
+    # ------------------------------------------------------------ the rest
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Block until every save handed off so far is on disk.
+
+        Returns True when all of them were written (or replaced by a newer save
+        of the same key that was), False when any was refused, lost or failed.
+        Raises DaemonUnavailable when the daemon is down or does not answer in
+        ``timeout`` seconds.
+        """
+        reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout)
+        assert isinstance(reply, m.Flushed)
+        with self._lock:
+            refused, self._refused_since_flush = self._refused_since_flush, 0
+            lost = self._channel.counters.saves_lost - self._lost_seen
+            self._lost_seen += lost
+        return reply.failed == 0 and refused == 0 and lost == 0
+
+    def delete(self, model: str, cache_id: str) -> bool:
+        """Delete an entry (after any pending save of it); True if it existed."""
+        naming.check_id(model, "model")
+        naming.check_id(cache_id, "cache id")
+        reply = self._request(
+            lambda req: m.Delete(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id)
+        )
+        assert isinstance(reply, m.Deleted)
+        return reply.existed
+
+    def entries(self, model: str | None = None) -> list[m.Entry]:
+        """Every stored entry (of one model, if given): id, tokens, bytes, last used."""
+        if model is not None:
+            naming.check_id(model, "model")
+        reply = self._request(lambda req: m.ListEntries(v=m.PROTOCOL_VERSION, req=req, model=model))
+        assert isinstance(reply, m.Entries)
+        return reply.entries
+
+    def stats(self) -> dict[str, float]:
+        """The daemon's counters, plus this client's own under ``client_*``."""
+        reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req))
+        assert isinstance(reply, m.Stats)
+        out = dict(reply.counters)
+        c = self._channel.counters
+        out.update({
+            "client_saves_sent": c.saves_sent,
+            "client_saves_dropped": self._dropped,
+            "client_saves_lost": c.saves_lost,
+            "client_saves_refused": c.saves_refused,
+            "client_bytes_sent": c.bytes_sent,
+            "client_inflight_bytes": self._channel.inflight_bytes,
+        })
+        return out
+
+    def ping(self, timeout: float | None = None) -> m.Pong:
+        """Ask the daemon who it is; raises DaemonUnavailable."""
+        reply = self._request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
+        assert isinstance(reply, m.Pong)
+        self._daemon_root = Path(reply.root)
+        self._max_save_bytes = reply.max_save_bytes
+        return reply
+
+    def _request(self, make: Any, timeout: float | None = None) -> m.Reply:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        reply = self._channel.request(make, self.timeout if timeout is None else timeout)
+        if isinstance(reply, m.Error):
+            raise DaemonError(reply.code, reply.message)
+        return reply
+
+
+class DaemonError(Exception):
+    """A typed error reply from the daemon."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
+    if isinstance(cache, (list, tuple)):
+        layers = list(cache)
+    elif hasattr(cache, "cache"):
+        layers = list(cache.cache or [])
+        if token_ids is None:
+            token_ids = getattr(cache, "token_ids", None)
+    else:
+        raise ValueError("cache must be a list of cache layers or have a .cache attribute")
+    if not layers:
+        raise ValueError("cache has no layers")
+    if token_ids is not None:
+        if hasattr(token_ids, "tolist"):
+            token_ids = token_ids.tolist()
+        token_ids = [int(t) for t in token_ids]
+    return layers, token_ids
+

@@ -1,0 +1,161 @@
+"""Open a cache file without a daemon: kvkeeper's own format and the two
+formats users already have (the reference ``cache_persist.py`` schema "3" and
+``mlx_lm.models.cache.save_prompt_cache``).
+
+Files are only ever replaced whole, so reading one directly is always safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+
+from kvkeeper.client.codec import CodecError, restore_cache
+from kvkeeper.protocol import safetensors as st
+
+log = logging.getLogger("kvkeeper.client")
+
+
+class CacheFileError(Exception):
+    """A file that cannot give back a usable cache; the message says why."""
+
+
+@dataclass
+class LoadedCache:
+    """A restored prompt cache. Duck-types mlx-vlm's ``PromptCacheState``:
+    ``.cache``, ``.token_ids``, ``find_prefix_length`` and ``update``."""
+
+    cache: list[Any]
+    token_ids: list[int] | None
+    metadata: dict[str, str] = field(default_factory=dict)
+    model: str | None = None
+    cache_id: str | None = None
+    path: Path | None = None
+    format: str = st.FORMAT
+
+    def find_prefix_length(self, new_ids: list[int]) -> int:
+        """Number of leading tokens of ``new_ids`` this cache already holds."""
+        if self.token_ids is None:
+            return 0
+        n = min(len(self.token_ids), len(new_ids))
+        for i in range(n):
+            if self.token_ids[i] != new_ids[i]:
+                return i
+        return n
+
+    def update(self, token_ids: list[int], kv_cache: list[Any]) -> None:
+        self.token_ids = list(token_ids)
+        self.cache = kv_cache
+
+
+def read_cache_file(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    model: str | None = None,
+    cache_id: str | None = None,
+) -> LoadedCache:
+    """Open any supported cache file and rebuild its cache layers.
+
+    ``verify`` (default on) checks every tensor against the checksum the daemon
+    recorded, which reads and evaluates every array; with it off, arrays stay
+    lazily memory-mapped. ``model`` / ``cache_id``, when given, must match the
+    file. Raises CacheFileError for anything that is not a usable cache.
+    """
+    path = Path(path)
+    header = _header(path)
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
+        raise CacheFileError(f"{path}: MLX cannot read it: {exc}") from None
+    if meta != header.metadata:
+        raise CacheFileError(f"{path}: replaced while being read; try again")
+    if meta.get(st.FORMAT_KEY) == st.FORMAT:
+        return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
+    from kvkeeper.client.legacy import decode_legacy, detect_legacy
+
+    fmt = detect_legacy(meta)
+    if fmt is None:
+        raise CacheFileError(f"{path}: not a kvkeeper, cache_persist or mlx-lm cache file")
+    try:
+        legacy = decode_legacy(arrays, meta)
+    except CodecError as exc:
+        raise CacheFileError(f"{path}: {exc}") from None
+    if model is not None and legacy.model_fingerprint not in (None, model):
+        raise CacheFileError(
+            f"{path}: saved for model {legacy.model_fingerprint!r}, not {model!r}"
+        )
+    return LoadedCache(
+        cache=legacy.layers,
+        token_ids=legacy.token_ids,
+        metadata=dict(legacy.metadata),
+        model=legacy.model_fingerprint,
+        path=path,
+        format=legacy.format,
+    )
+
+
+def _header(path: Path) -> st.FileHeader:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CacheFileError(f"{path}: cannot open: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheFileError(f"{path}: not a regular file")
+        try:
+            return st.read_header(f, info.st_size)
+        except st.LayoutError as exc:
+            raise CacheFileError(f"{path}: {exc}") from None
+
+
+def _kvkeeper_file(
+    path: Path,
+    header: st.FileHeader,
+    arrays: dict[str, mx.array],
+    meta: dict[str, str],
+    verify: bool,
+    model: str | None,
+    cache_id: str | None,
+) -> LoadedCache:
+    if model is not None and meta.get(st.MODEL_KEY) != model:
+        raise CacheFileError(f"{path}: saved for model {meta.get(st.MODEL_KEY)!r}, not {model!r}")
+    if cache_id is not None and meta.get(st.CACHE_ID_KEY) != cache_id:
+        raise CacheFileError(f"{path}: holds cache {meta.get(st.CACHE_ID_KEY)!r}, not {cache_id!r}")
+    if verify:
+        _verify(path, header, arrays)
+    try:
+        layers = restore_cache(arrays, meta[st.LAYERS_KEY])
+        token_ids = msgspec.json.decode(meta.get(st.TOKENS_KEY, "null"), type=list[int] | None)
+        user = msgspec.json.decode(meta.get(st.USER_KEY, "{}"), type=dict[str, str])
+    except (CodecError, KeyError, msgspec.DecodeError) as exc:
+        raise CacheFileError(f"{path}: {type(exc).__name__}: {exc}") from None
+    return LoadedCache(
+        cache=layers,
+        token_ids=token_ids,
+        metadata=user,
+        model=meta.get(st.MODEL_KEY),
+        cache_id=meta.get(st.CACHE_ID_KEY),
+        path=path,
+    )
+
+
+def _verify(path: Path, header: st.FileHeader, arrays: dict[str, mx.array]) -> None:
+    try:
+        sums = header.checksums
+    except st.LayoutError as exc:
+        raise CacheFileError(f"{path}: {exc}") from None
+    if sums is None or set(sums) != set(arrays):
+        raise CacheFileError(f"{path}: checksums missing or not covering every tensor")
+    mx.eval(list(arrays.values()))
+    for name, arr in arrays.items():
+        if st.checksum(memoryview(arr)) != sums[name]:
+            raise CacheFileError(f"{path}: checksum mismatch in tensor {name!r}")

@@ -1,0 +1,114 @@
+"""Fixtures: a real daemon on a real ipc:// socket in a short /tmp directory.
+
+macOS caps a unix socket path at 104 bytes, so sockets live under /tmp, not
+under pytest's long tmp_path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvkeeper.client.client import Client
+from kvkeeper.daemon.app import Daemon, DaemonConfig
+
+WAIT = 30.0  # cap on every wait in the tests
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvk-", dir="/tmp"))
+    os.chmod(d, 0o700)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class RunningDaemon:
+    daemon: Daemon
+    thread: threading.Thread
+    root: Path
+    socket: Path
+    exit_code: list[int]
+
+    def stop(self) -> int:
+        self.daemon.stop()
+        self.thread.join(WAIT)
+        assert not self.thread.is_alive(), "daemon did not stop"
+        return self.exit_code[0]
+
+
+def start_daemon(root: Path, socket: Path, **kw: object) -> RunningDaemon:
+    """An in-process daemon on a thread (signals stay with pytest's main thread)."""
+    d = Daemon(DaemonConfig(root=root, socket=socket, **kw))  # type: ignore[arg-type]
+    code: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            code.append(d.run(handle_signals=False))
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+            d.ready.set()
+
+    t = threading.Thread(target=run, name="kvkeeper-test-daemon", daemon=True)
+    t.start()
+    assert d.ready.wait(WAIT), "daemon did not start"
+    if errors:
+        raise errors[0]
+    return RunningDaemon(d, t, root, socket, code)
+
+
+@pytest.fixture
+def daemon(short_dir: Path) -> Iterator[RunningDaemon]:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        yield rd
+    finally:
+        if rd.thread.is_alive():
+            rd.stop()
+
+
+@pytest.fixture
+def client(daemon: RunningDaemon) -> Iterator[Client]:
+    kv = Client(daemon.socket, timeout=WAIT)
+    assert kv.connected
+    try:
+        yield kv
+    finally:
+        kv.close()
+
+
+def serve_process(root: Path, socket: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """``kvkeeper serve`` as a real subprocess; returns once it answers a ping."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root),
+         "--socket", str(socket), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + WAIT
+    while not socket.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"kvkeeper serve exited {proc.returncode}: {err.decode()}")
+        assert time.monotonic() < deadline, "kvkeeper serve did not bind"
+        time.sleep(0.02)
+    return proc

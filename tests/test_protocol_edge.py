@@ -1,0 +1,167 @@
+"""Bad input over a raw ZeroMQ socket: typed errors, nothing written, daemon keeps serving."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from safetensors import safe_open
+
+from kvkeeper.protocol import messages as m
+
+from .conftest import WAIT, RunningDaemon
+
+V = m.PROTOCOL_VERSION
+
+
+@pytest.fixture
+def raw(daemon: RunningDaemon) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+    s.connect(f"ipc://{daemon.socket}")
+    try:
+        yield s
+    finally:
+        s.close(linger=0)
+        ctx.term()
+
+
+def ask(s: zmq.Socket, *frames: bytes | memoryview) -> m.Reply:
+    s.send_multipart(list(frames))
+    return m.decode_reply(s.recv())
+
+
+def files_under(root: Path) -> list[Path]:
+    return [Path(d) / f for d, _, fs in os.walk(root) for f in fs if f != ".kvkeeper.lock"]
+
+
+def assert_alive(s: zmq.Socket) -> None:
+    reply = ask(s, m.encode(m.Ping(v=V, req=999)))
+    assert isinstance(reply, m.Pong) and reply.req == 999
+
+
+def begin(save: int = 1, **kw: object) -> bytes:
+    fields = dict(v=V, save=save, model="fp", cache_id="c",
+                  tensors=[m.TensorSpec("t0", "F32", [4])])
+    fields.update(kw)
+    return m.encode(m.SaveBegin(**fields))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "header, code",
+    [
+        (b"\xc1 not msgpack", "malformed"),
+        (msgspec.msgpack.encode({"op": "nope", "v": V, "req": 1}), "malformed"),
+        (msgspec.msgpack.encode({"op": "ping", "v": V, "req": 1, "extra": 2}), "malformed"),
+        (msgspec.msgpack.encode({"op": "ping", "v": 99, "req": 1}), "version"),
+        (msgspec.msgpack.encode({"op": "ping", "v": 99, "req": 1, "future": True}), "version"),
+        (msgspec.msgpack.encode({"op": "ping", "v": V, "req": "x"}), "malformed"),
+        # Deep nesting: msgspec's depth guard, not a crash.
+        (b"\x91" * 100_000 + b"\xc0", "malformed"),
+    ],
+)
+def test_undecodable_headers_get_typed_errors(raw: zmq.Socket, daemon: RunningDaemon,
+                                              header: bytes, code: str) -> None:
+    reply = ask(raw, header)
+    assert isinstance(reply, m.Error) and reply.code == code, reply
+    assert_alive(raw)
+
+
+@pytest.mark.parametrize(
+    "kw, code",
+    [
+        (dict(cache_id=""), "bad_id"),
+        (dict(model=""), "bad_id"),
+        (dict(cache_id="x" * 5000), "bad_id"),
+        (dict(tensors=[m.TensorSpec("t0", "Q4", [4])]), "dtype"),
+        (dict(tensors=[m.TensorSpec("t0", "F32", [4]), m.TensorSpec("t0", "F32", [4])]),
+         "malformed"),
+        (dict(tensors=[m.TensorSpec("t0", "F32", [2**40])]), "too_large"),
+    ],
+)
+def test_invalid_saves_are_refused_and_write_nothing(raw: zmq.Socket, daemon: RunningDaemon,
+                                                     kw: dict, code: str) -> None:
+    reply = ask(raw, begin(**kw))
+    assert isinstance(reply, m.SaveRefused) and reply.code == code, reply
+    assert reply.save == 1
+    # The rest of the refused save is dropped quietly.
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 16])
+    assert_alive(raw)
+    assert files_under(daemon.root / "sessions") == []
+
+
+def test_frame_count_and_size_must_match_the_header(raw: zmq.Socket,
+                                                    daemon: RunningDaemon) -> None:
+    # Header says 2 frames, 1 follows.
+    raw.send(begin(save=1))
+    reply = ask(raw, m.encode(m.SaveData(v=V, save=1, frames=2)), b"\0" * 16)
+    assert isinstance(reply, m.SaveRefused) and reply.code == "frames"
+    # More bytes than the tensors declare.
+    raw.send(begin(save=2))
+    reply = ask(raw, m.encode(m.SaveData(v=V, save=2, frames=1)), b"\0" * 17)
+    assert isinstance(reply, m.SaveRefused) and reply.code == "frames"
+    # Data for a save that never began.
+    reply = ask(raw, m.encode(m.SaveData(v=V, save=77, frames=1)), b"\0" * 16)
+    assert isinstance(reply, m.SaveRefused) and reply.code == "unknown_save"
+    # Frames on a request that takes none.
+    reply = ask(raw, m.encode(m.Ping(v=V, req=5)), b"junk")
+    assert isinstance(reply, m.Error) and reply.code == "frames" and reply.req == 5
+    assert_alive(raw)
+    flushed = ask(raw, m.encode(m.Flush(v=V, req=6)))
+    assert isinstance(flushed, m.Flushed) and flushed.written == 0 and flushed.failed == 2
+    assert files_under(daemon.root / "sessions") == []
+
+
+def test_a_valid_raw_save_is_a_safetensors_file(raw: zmq.Socket, daemon: RunningDaemon) -> None:
+    """The daemon writes the layout itself; the safetensors package is the oracle."""
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    b = np.arange(5, dtype=np.int64)
+    raw.send(m.encode(m.SaveBegin(
+        v=V, save=1, model="fp", cache_id="raw",
+        tensors=[m.TensorSpec("a", "F32", [2, 3, 4]), m.TensorSpec("empty", "F32", [0, 3]),
+                 m.TensorSpec("b", "I64", [5])],
+        metadata={"note": "hi"},
+    )))
+    blob = a.tobytes() + b.tobytes()
+    # Frames split at arbitrary points, across tensor boundaries.
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=2)), blob[:10], blob[10:90]])
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), blob[90:]])
+    flushed = ask(raw, m.encode(m.Flush(v=V, req=1)))
+    assert isinstance(flushed, m.Flushed) and flushed.written == 1, flushed
+    found = ask(raw, m.encode(m.Load(v=V, req=2, model="fp", cache_id="raw")))
+    assert isinstance(found, m.Found) and found.path
+    with safe_open(found.path, "numpy") as f:
+        np.testing.assert_array_equal(f.get_tensor("a"), a)
+        np.testing.assert_array_equal(f.get_tensor("b"), b)
+        assert f.get_tensor("empty").shape == (0, 3)
+        meta = f.metadata()
+    assert meta["note"] == "hi" and meta["kvkeeper.cache_id"] == "raw"
+    assert os.stat(found.path).st_mode & 0o777 == 0o600
+
+
+def test_stalled_save_fails_and_frees_the_writer(short_dir: Path) -> None:
+    from .conftest import start_daemon
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=0.5)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+    s.connect(f"ipc://{rd.socket}")
+    try:
+        s.send(begin(save=1, cache_id="stalled"))
+        s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 8])
+        flushed = ask(s, m.encode(m.Flush(v=V, req=1)))
+        assert isinstance(flushed, m.Flushed) and flushed.failed == 1
+        assert files_under(rd.root / "sessions") == []
+        assert_alive(s)
+    finally:
+        s.close(linger=0)
+        ctx.term()
+        assert rd.stop() == 0
