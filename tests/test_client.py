@@ -1,0 +1,308 @@
+"""The client against a real daemon with real MLX caches from real tiny models."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from safetensors import safe_open
+
+import kvkeeper
+from kvkeeper.client.client import Client, DaemonUnavailable
+
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon
+from .tiny import greedy_decode, prefill, prompt, tiny_llama
+
+FP = "tiny-llama-test"
+
+
+@pytest.fixture(scope="module")
+def model():  # type: ignore[no-untyped-def]
+    return tiny_llama(seed=1)
+
+
+def leaves(cache: list) -> list[np.ndarray]:
+    """Every array leaf of the cache's state, trimmed to the used length, as uint16/float bytes."""
+    out = []
+    for layer in cache:
+        k, v = layer.state[:2]
+        for a in (k[..., : layer.offset, :], v[..., : layer.offset, :]):
+            mx.eval(a)
+            out.append(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+    return out
+
+
+def next_logits(model, cache: list, token: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    out = model(mx.array([[token]]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+def test_restore_gives_bit_identical_logits(model, client: Client, daemon: RunningDaemon) -> None:
+    tokens = prompt(300)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    assert client.save(FP, "conv-1", cache, tokens) is True
+    assert client.flush(timeout=WAIT) is True
+
+    got = client.load(FP, "conv-1")
+    assert got is not None
+    assert got.token_ids == tokens and got.cache_id == "conv-1" and got.model == FP
+    assert [type(c) for c in got.cache] == [KVCache] * len(cache)
+    expected = next_logits(model, cache, 7)
+    np.testing.assert_array_equal(next_logits(model, got.cache, 7), expected)
+
+    # And again from a new daemon on the same root (the process restarted).
+    daemon.stop()
+    rd = start_daemon(daemon.root, daemon.socket)
+    try:
+        with Client(daemon.socket, timeout=WAIT) as kv:
+            again = kv.load(FP, "conv-1")
+            assert again is not None
+            np.testing.assert_array_equal(next_logits(model, again.cache, 7), expected)
+    finally:
+        rd.stop()
+
+
+def test_snapshot_isolation_under_continued_decoding(model, client: Client) -> None:
+    """What is saved is the cache as it was at save(), though decoding goes on."""
+    tokens = prompt(40, seed=3)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    before = leaves(cache)
+    assert client.save(FP, "iso", cache, tokens)
+    greedy_decode(model, cache, tokens[-1], 20)  # mutates the same buffers in place
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, "iso")
+    assert got is not None and got.token_ids == tokens
+    after = leaves(got.cache)
+    assert len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The restored cache continues exactly like a copy taken at save time would.
+    ref = make_prompt_cache(model)
+    prefill(model, tokens, ref)
+    assert greedy_decode(model, got.cache, 5, 8) == greedy_decode(model, ref, 5, 8)
+
+
+def test_mlx_vlm_prompt_cache_state_round_trips(model, client: Client) -> None:
+    from mlx_vlm.generate import PromptCacheState
+    from mlx_vlm.models import cache as vlm_cache
+
+    state = PromptCacheState()
+    tokens = prompt(33, seed=4)
+    state.cache = [vlm_cache.KVCache() for _ in model.layers]
+    prefill(model, tokens, state.cache)
+    state.token_ids = tokens
+    assert client.save(FP, "vlm", state)
+    got = client.load(FP, "vlm")  # read-your-writes: no flush needed
+    assert got is not None
+    assert [type(c) for c in got.cache] == [vlm_cache.KVCache] * len(state.cache)
+    assert got.token_ids == tokens
+    assert got.find_prefix_length(tokens[:10] + [999]) == 10
+    assert state.find_prefix_length(tokens) == got.find_prefix_length(tokens)
+    np.testing.assert_array_equal(next_logits(model, got.cache, 3),
+                                  next_logits(model, state.cache, 3))
+
+
+def test_read_your_writes_and_coalescing(client: Client, daemon: RunningDaemon) -> None:
+    # A big save of one key keeps the writer busy while many saves of another arrive.
+    big = [KVCache() for _ in range(8)]
+    for c in big:
+        x = mx.ones((1, 8, 2048, 128), dtype=mx.bfloat16)
+        c.update_and_fetch(x, x)
+    assert client.save(FP, "big", big, list(range(2048)))
+    small = KVCache()
+    for i in range(20):
+        x = mx.full((1, 2, 1, 16), float(i), dtype=mx.float32)
+        small.update_and_fetch(x, x)
+        assert client.save(FP, "hot", [small], list(range(i + 1)))
+    got = client.load(FP, "hot")  # no flush: the daemon finishes pending writes first
+    assert got is not None and got.token_ids == list(range(20))
+    assert client.flush(timeout=WAIT)
+    stats = client.stats()
+    assert stats["saves_received"] == 21
+    assert stats["saves_superseded"] >= 1, stats
+    assert stats["saves_written"] + stats["saves_superseded"] == 21
+    # On disk: the newest version only.
+    path = daemon.root / "sessions"
+    with safe_open(str(got.path), "numpy") as f:
+        assert f.metadata()["kvkeeper.token_count"] == "20"
+    assert len(list(path.rglob("*.safetensors"))) == 2
+
+
+def test_delete_entries_and_distinct_ids(client: Client) -> None:
+    c = KVCache()
+    x = mx.zeros((1, 1, 3, 8))
+    c.update_and_fetch(x, x)
+    ids = ["a/b", "a b", "a_b", "Foo", "foo", "../x", "/abs", "nul\0byte", "caf\u00e9",
+           "cafe\u0301"]
+    for i, cid in enumerate(ids):
+        assert client.save(FP, cid, [c], [i])
+    assert client.flush(timeout=WAIT)
+    entries = client.entries(FP)
+    assert sorted(e.cache_id for e in entries) == sorted(ids)
+    assert len({e.path for e in entries}) == len(ids)
+    root = client.root.resolve()
+    assert all(Path(e.path).resolve().is_relative_to(root) for e in entries)
+    for i, cid in enumerate(ids):
+        got = client.load(FP, cid)
+        assert got is not None and got.token_ids == [i], cid
+    assert client.delete(FP, "a/b") is True
+    assert client.delete(FP, "a/b") is False
+    assert client.load(FP, "a/b") is None
+    assert client.load(FP, "a b") is not None
+    assert client.entries("other-model") == []
+
+
+def test_bad_arguments_raise_clear_errors(client: Client) -> None:
+    c = KVCache()
+    with pytest.raises(ValueError, match="cache id is empty"):
+        client.save(FP, "", [c])
+    with pytest.raises(ValueError, match="limit is 1024"):
+        client.load(FP, "x" * 2000)
+    with pytest.raises(ValueError, match="no layers"):
+        client.save(FP, "x", [])
+    with pytest.raises(ValueError, match="metadata"):
+        client.save(FP, "x", [c], metadata={"kvkeeper.model": "evil"})
+
+
+def test_wrong_model_and_corrupt_file_are_clean_misses(model, client: Client) -> None:
+    tokens = prompt(20)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    assert client.save(FP, "corrupt", cache, tokens)
+    got = client.load(FP, "corrupt")
+    assert got is not None and got.path is not None
+    # Another model's fingerprint never gets this file.
+    assert client.load("other-model", "corrupt") is None
+    with pytest.raises(kvkeeper.client.reader.CacheFileError, match="model"):
+        kvkeeper.read_cache_file(got.path, model="other-model")
+    # Flip one data byte: the checksum catches what safetensors readers accept.
+    data = bytearray(got.path.read_bytes())
+    data[-3] ^= 0x40
+    got.path.write_bytes(bytes(data))
+    with safe_open(str(got.path), "numpy") as f:
+        assert f.keys()  # the oracle still opens it
+    assert client.load(FP, "corrupt") is None
+    assert client.load(FP, "corrupt", verify=False) is not None
+
+
+def test_daemon_down_save_drops_fast_and_load_reads_the_file(model, short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    tokens = prompt(50)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    rd = start_daemon(root, sock)
+    kv = Client(sock, timeout=WAIT)
+    try:
+        assert kv.save(FP, "offline", cache, tokens)
+        assert kv.flush(timeout=WAIT)
+        rd.stop()
+        deadline = time.monotonic() + WAIT
+        while kv.connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not kv.connected
+        t0 = time.perf_counter()
+        assert kv.save(FP, "offline", cache, tokens) is False
+        assert time.perf_counter() - t0 < 1.0  # no waiting on a dead daemon
+        got = kv.load(FP, "offline")  # straight from the file
+        assert got is not None and got.token_ids == tokens
+        np.testing.assert_array_equal(next_logits(model, got.cache, 1),
+                                      next_logits(model, cache, 1))
+        with pytest.raises(DaemonUnavailable):
+            kv.flush(timeout=1)
+        # The daemon comes back: the same client reconnects by itself.
+        rd = start_daemon(root, sock)
+        deadline = time.monotonic() + WAIT
+        while not kv.connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kv.save(FP, "offline", cache, tokens + [1])
+        assert kv.flush(timeout=WAIT)
+        assert kv.load(FP, "offline").token_ids == tokens + [1]  # type: ignore[union-attr]
+    finally:
+        kv.close()
+        if rd.thread.is_alive():
+            rd.stop()
+
+
+def test_client_without_any_daemon(short_dir: Path) -> None:
+    t0 = time.perf_counter()
+    with Client(short_dir / "none.sock", root=short_dir / "root", connect_timeout=0.2) as kv:
+        assert not kv.connected
+        c = KVCache()
+        x = mx.zeros((1, 1, 3, 8))
+        c.update_and_fetch(x, x)
+        assert kv.save(FP, "x", [c], [1]) is False
+        assert kv.load(FP, "x") is None
+    assert time.perf_counter() - t0 < 5
+
+
+def test_pending_bytes_budget_refuses_and_counts(short_dir: Path) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_pending_bytes=4 * 1024 * 1024)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            ok = KVCache()
+            x = mx.zeros((1, 2, 256, 64), dtype=mx.bfloat16)
+            ok.update_and_fetch(x, x)
+            big = KVCache()
+            y = mx.zeros((1, 8, 1024, 128), dtype=mx.bfloat16)  # 2 x 2 MiB > 4 MiB budget?
+            big.update_and_fetch(y, y)
+            big.update_and_fetch(y[..., :1, :], y[..., :1, :])
+            assert kv.save(FP, "fits", [ok], [1]) is True
+            assert kv.save(FP, "too-big", [big], [1]) is False  # refused by the client itself
+            assert kv.flush(timeout=WAIT) is True
+            stats = kv.stats()
+            assert stats["saves_written"] == 1 and stats["client_saves_dropped"] == 1
+    finally:
+        rd.stop()
+
+
+def test_serve_subprocess_round_trip_and_sigterm_drain(model, short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        # A second daemon on the same root exits non-zero, naming the first.
+        second = serve_process_fails(root, short_dir / "run" / "other.sock")
+        assert second.returncode == 2
+        assert f"pid {proc.pid}" in second.stderr.decode()
+        tokens = prompt(64)
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache)
+        with Client(sock, timeout=WAIT) as kv:
+            for i in range(5):
+                assert kv.save(FP, f"drain-{i}", cache, tokens)
+            kv.close()  # hands everything over, no flush
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT) == 0
+        assert not sock.exists()
+        expected = next_logits(model, cache, 2)
+        for i in range(5):
+            got = kvkeeper.read_cache_file(
+                next((root / "sessions").glob("*")) / f"drain-{i}.safetensors", model=FP)
+            np.testing.assert_array_equal(next_logits(model, got.cache, 2), expected)
+            with safe_open(str(got.path), "numpy") as f:
+                assert f.metadata()["kvkeeper.cache_id"] == f"drain-{i}"
+        assert not [p for p in root.rglob("*.tmp")]
+        assert (os.stat(root).st_mode & 0o777) == 0o700
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT)
+
+
+def serve_process_fails(root: Path, sock: Path):  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root), "--socket", str(sock)],
+        capture_output=True, timeout=WAIT,
+    )
