@@ -1,0 +1,672 @@
+"""MLX prompt-cache layers <-> tensors plus a JSON description of the layers.
+
+`snapshot_cache` runs inside the generation loop, so it must cost close to
+nothing: it copies no tensor data. Each tensor is exported as a few contiguous
+byte runs that point straight into MLX's own buffers. Two facts make that safe:
+
+* MLX updates a cache buffer in place (``keys[..., a:b, :] = x``) only when no
+  other array shares that buffer. A memoryview does not count as sharing; a
+  second evaluated array handle does. So for every exported tensor the
+  snapshot evaluates a new handle on the same buffer (a same-size
+  ``view``, which MLX implements by sharing the buffer), and the runs keep that
+  handle alive. The cache's next in-place update then finds the buffer shared
+  and writes into a copy instead; the snapshot keeps seeing the old bytes.
+* Non-contiguous views (``keys[..., :offset, :]``) are not copied either: the
+  strided layout is turned into one run per contiguous block.
+
+The layout of the JSON string (``layers``), format version 1::
+
+    {"format": "kvkeeper.layers", "version": 1, "layers": [LAYER, ...]}
+
+    LAYER = {"class": "KVCache", "module": "mlx_lm.models.cache",
+             "state": NODE,                  # what from_state gets back
+             "meta_state": NODE}             # only for classes that have one
+          | {"class": "CacheList", "module": "...",
+             "children": [LAYER, ...], "children_type": "tuple" | "list"}
+
+    NODE  = null | true | false | int | float | str
+          | [NODE, ...]                                   # a list
+          | {"$": "tuple", "items": [NODE, ...]}
+          | {"$": "dict", "items": [[NODE, NODE], ...]}
+          | {"$": "float", "value": "nan" | "inf" | "-inf"}
+          | {"$": "tensor", "name": "t0", "dtype": "BF16", "shape": [1, 8, 37, 128]}
+
+Tensors are named ``t0``, ``t1``, ... in the order they are met (layers in
+order; state before meta_state; children in order).
+
+Two cache protocols are in use and both are detected by looking at the class:
+mlx-lm 0.32 caches keep every scalar in ``state`` and rebuild with
+``from_state(state)``; mlx-vlm 0.7 caches also have ``meta_state`` and rebuild
+with ``from_state(state, meta_state)``.
+
+Classes are resolved on restore only inside ``mlx_lm.models.`` and
+``mlx_vlm.models.``: nothing is ever pickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvkeeper.protocol.dtypes import DTYPE_SIZES
+
+__all__ = [
+    "LAYERS_FORMAT",
+    "LAYERS_VERSION",
+    "TRUSTED_MODULE_PREFIXES",
+    "CacheSnapshot",
+    "CodecError",
+    "TensorSnapshot",
+    "is_composite_class",
+    "mlx_dtype",
+    "mlx_dtype_name",
+    "rebuild_composite",
+    "rebuild_layer",
+    "resolve_cache_class",
+    "restore_cache",
+    "snapshot_cache",
+]
+
+LAYERS_FORMAT = "kvkeeper.layers"
+#: Bump when the JSON layout changes; restore refuses versions it does not know.
+LAYERS_VERSION = 1
+#: Cache classes are only ever imported from modules under these prefixes.
+TRUSTED_MODULE_PREFIXES = ("mlx_lm.models.", "mlx_vlm.models.")
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_MODULE_RE = re.compile(rf"(?:mlx_lm|mlx_vlm)\.models(?:\.{_IDENT})+")
+_CLASS_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+# A layout that splits into many tiny blocks (say a transposed view) would make
+# thousands of runs; past this point one compact copy is cheaper for everyone.
+_MAX_RUNS = 1024
+_MIN_AVG_RUN = 4096
+
+
+class CodecError(Exception):
+    """A cache, a layers description or a set of arrays cannot be encoded or decoded."""
+
+
+@dataclass(frozen=True)
+class TensorSnapshot:
+    """One tensor of a snapshot, as zero-copy byte runs into MLX buffers.
+
+    ``runs`` are 1-D, C-contiguous, format "B" memoryviews; joined in order
+    they are the tensor's row-major bytes. They keep the MLX arrays they
+    point into alive.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    runs: tuple[memoryview, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """A prompt cache frozen at `snapshot_cache` time: tensors plus the layers JSON."""
+
+    tensors: tuple[TensorSnapshot, ...]
+    layers: str
+    nbytes: int
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+
+_DTYPES: dict[str, mx.Dtype] = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "F32": mx.float32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "F64": mx.float64,
+    "C64": mx.complex64,
+}
+_DTYPE_NAMES: dict[mx.Dtype, str] = {v: k for k, v in _DTYPES.items()}
+assert set(_DTYPES) <= set(DTYPE_SIZES)
+assert all(_DTYPES[n].size == DTYPE_SIZES[n] for n in _DTYPES)
+
+# Same-size unsigned views: MLX shares the buffer for these, and their buffer
+# formats are plain struct codes that numpy and memoryview.cast understand
+# (bf16 exports as "bfloat16", complex64 as "Zf").
+_UINT_OF_SIZE: dict[int, mx.Dtype] = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def mlx_dtype_name(dtype: mx.Dtype) -> str:
+    """The safetensors name ("BF16", "F32", ...) of an MLX dtype."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):
+        raise CodecError(f"unsupported MLX dtype {dtype!r}") from None
+
+
+def mlx_dtype(name: str) -> mx.Dtype:
+    """The MLX dtype of a safetensors dtype name ("BF16", "F32", ...)."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise CodecError(f"unsupported dtype name {name!r}") from None
+
+
+# ---------------------------------------------------------------------------
+# class resolution (shared with the legacy decoders)
+
+
+def _check_trusted_module(module: object) -> str:
+    if not isinstance(module, str) or not _MODULE_RE.fullmatch(module):
+        raise CodecError(
+            f"cache class module {module!r} is not inside {' or '.join(TRUSTED_MODULE_PREFIXES)}"
+        )
+    return module
+
+
+def _looks_like_cache_class(cls: object) -> bool:
+    """A class defined in the trusted packages that can be rebuilt from a state.
+
+    Needs ``from_state`` or a settable ``state`` property: nn.Module (which
+    has a read-only ``state``) and plain helpers do not qualify.
+    """
+    if not (
+        isinstance(cls, type)
+        and isinstance(getattr(cls, "__module__", None), str)
+        and cls.__module__.startswith(TRUSTED_MODULE_PREFIXES)
+    ):
+        return False
+    try:
+        state = inspect.getattr_static(cls, "state")
+    except AttributeError:
+        return False
+    settable = isinstance(state, property) and state.fset is not None
+    return settable or callable(getattr(cls, "from_state", None))
+
+
+def resolve_cache_class(module: str, name: str) -> type:
+    """Import `module` (only under mlx_lm.models. / mlx_vlm.models.) and return its cache class `name`.
+
+    Raises CodecError for a module outside those packages (checked before any
+    import), a name that is not a plain public identifier, or an attribute that
+    is not a cache class (a type defined in those packages with a ``state``).
+    """
+    _check_trusted_module(module)
+    if not isinstance(name, str) or not _CLASS_RE.fullmatch(name):
+        raise CodecError(f"bad cache class name {name!r}")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # an import error of any kind means "not restorable"
+        raise CodecError(f"cannot import cache module {module!r}: {exc}") from exc
+    cls = getattr(mod, name, None)
+    if not _looks_like_cache_class(cls):
+        raise CodecError(f"{module}.{name} is not a cache class")
+    assert isinstance(cls, type)
+    return cls
+
+
+def is_composite_class(cls: type) -> bool:
+    """True for caches made of other caches (CacheList in mlx-lm and mlx-vlm)."""
+    return cls.__name__ == "CacheList"
+
+
+def _from_state_arity(cls: type) -> int | None:
+    """How many positional arguments `cls.from_state` takes (None: no from_state)."""
+    from_state = getattr(cls, "from_state", None)
+    if not callable(from_state):
+        return None
+    try:
+        params = inspect.signature(from_state).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    n = 0
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return 2
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n
+
+
+_MISSING: Any = object()
+
+
+def _is_empty(x: Any) -> bool:
+    return x is None or (isinstance(x, (str, list, tuple, dict)) and len(x) == 0)
+
+
+def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING) -> Any:
+    """Rebuild one cache layer with the protocol its class speaks.
+
+    ``from_state(state, meta_state)`` (mlx-vlm) or ``from_state(state)``
+    (mlx-lm), chosen by the arity of the class's from_state; without a
+    from_state, ``__new__`` plus the ``state``/``meta_state`` setters.
+    Raises CodecError when the class refuses the state.
+    """
+    has_meta = meta_state is not _MISSING
+    try:
+        arity = _from_state_arity(cls)
+        if arity is not None and arity >= 2:
+            try:
+                return cls.from_state(state, meta_state if has_meta else None)  # type: ignore[attr-defined]
+            except Exception as first:
+                if not has_meta:
+                    raise
+                # Some mlx-vlm state setters read fields only meta_state sets
+                # (BufferedRotatingKVCache uses offset): try the other order.
+                try:
+                    obj = cls.__new__(cls)
+                    obj.meta_state = meta_state
+                    obj.state = state
+                    obj.meta_state = meta_state
+                    return obj
+                except Exception:
+                    raise first from None
+        if arity is None:
+            obj = cls.__new__(cls)
+            obj.state = state
+        else:
+            obj = cls.from_state(state)  # type: ignore[attr-defined]
+        if has_meta:
+            if hasattr(cls, "meta_state"):
+                obj.meta_state = meta_state
+            elif not _is_empty(meta_state):
+                # e.g. gezel's writer stored {} for mlx-lm caches: nothing to set.
+                raise CodecError(
+                    f"{cls.__module__}.{cls.__name__} has no meta_state, got {meta_state!r}"
+                )
+    except CodecError:
+        raise
+    except Exception as exc:  # the class's own validation, whatever it raises
+        raise CodecError(f"{cls.__module__}.{cls.__name__} rejected its state: {exc!r}") from exc
+    return obj
+
+
+def rebuild_composite(cls: type, children: Sequence[Any], children_type: type = tuple) -> Any:
+    """Rebuild a CacheList-like cache from already rebuilt children.
+
+    Done here rather than through the class's from_state because both
+    packages' CacheList resolve child class names through their module's
+    globals(), which cannot reach model-specific caches and trusts the file.
+    """
+    if not is_composite_class(cls):
+        raise CodecError(f"{cls.__module__}.{cls.__name__} is not a composite cache")
+    obj = cls.__new__(cls)
+    obj.caches = children_type(children)
+    return obj
+
+
+# ---------------------------------------------------------------------------
+# snapshot
+
+
+@dataclass
+class _Prefix:
+    """A state leaf to save only partly: the first `length` rows of axis -2."""
+
+    array: mx.array
+    length: int
+
+
+@dataclass
+class _Pending:
+    name: str
+    source: mx.array
+    length: int | None
+    handle: mx.array | None = None
+
+
+def _seq_len(x: Any) -> int | None:
+    if isinstance(x, mx.array) and x.ndim >= 2:
+        return int(x.shape[-2])
+    if isinstance(x, tuple) and x and all(isinstance(p, mx.array) and p.ndim >= 2 for p in x):
+        lens = {int(p.shape[-2]) for p in x}
+        return lens.pop() if len(lens) == 1 else None
+    return None
+
+
+def _cut(parts: tuple[Any, ...], valid: Any) -> tuple[Any, ...] | None:
+    """`parts` (arrays or tuples of arrays) cut to `valid` rows of axis -2, or None if that does not apply."""
+    if type(valid) is not int or valid < 0:
+        return None
+    lens = {_seq_len(p) for p in parts}
+    if len(lens) != 1:
+        return None
+    cap = lens.pop()
+    if cap is None or valid >= cap:
+        return None
+
+    def prefix(p: Any) -> Any:
+        return tuple(_Prefix(a, valid) for a in p) if isinstance(p, tuple) else _Prefix(p, valid)
+
+    return tuple(prefix(p) for p in parts)
+
+
+def _trim_kv(state: Any) -> Any:
+    # mlx-lm KVCache: (keys, values, offset); rows past offset are spare capacity.
+    if isinstance(state, tuple) and len(state) == 3:
+        cut = _cut(state[:2], state[2])
+        if cut is not None:
+            return (*cut, state[2])
+    return state
+
+
+def _trim_quantized(state: Any) -> Any:
+    # mlx-lm QuantizedKVCache: ((wq, scales, biases), (...), offset, group_size, bits).
+    if isinstance(state, tuple) and len(state) == 5:
+        cut = _cut(state[:2], state[2])
+        if cut is not None:
+            return (*cut, *state[2:])
+    return state
+
+
+def _trim_chunked(state: Any) -> Any:
+    # mlx-lm ChunkedKVCache: (keys, values, offset, chunk_size, start_position);
+    # the buffer holds tokens start_position..offset at rows 0..offset-start.
+    if isinstance(state, tuple) and len(state) == 5:
+        off, start = state[2], state[4]
+        if type(off) is int and type(start) is int:
+            cut = _cut(state[:2], off - start)
+            if cut is not None:
+                return (*cut, *state[2:])
+    return state
+
+
+def _trim_rotating(state: Any) -> Any:
+    # mlx-lm RotatingKVCache: (keys, values, offset, keep, max_size, _idx). Before
+    # it wraps, rows offset.. are spare capacity (grown 256 at a time); once the
+    # write index and offset part ways every row may be live, so keep it all.
+    if isinstance(state, tuple) and len(state) == 6 and state[2] == state[5]:
+        cut = _cut(state[:2], state[2])
+        if cut is not None:
+            return (*cut, *state[2:])
+    return state
+
+
+# Only classes whose state layout is known exactly; anything else (subclasses
+# included) is saved as its state says.
+_TRIMMERS: dict[tuple[str, str], Callable[[Any], Any]] = {
+    ("mlx_lm.models.cache", "KVCache"): _trim_kv,
+    ("mlx_lm.models.cache", "QuantizedKVCache"): _trim_quantized,
+    ("mlx_lm.models.cache", "ChunkedKVCache"): _trim_chunked,
+    ("mlx_lm.models.cache", "RotatingKVCache"): _trim_rotating,
+}
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.pending: list[_Pending] = []
+
+    def tensor(self, array: mx.array, length: int | None) -> dict[str, Any]:
+        name = f"t{len(self.pending)}"
+        dtype = mlx_dtype_name(array.dtype)
+        shape = list(array.shape)
+        if length is not None:
+            shape[-2] = length
+        self.pending.append(_Pending(name, array, length))
+        return {"$": "tensor", "name": name, "dtype": dtype, "shape": shape}
+
+    def node(self, value: Any, where: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return float(value) if math.isfinite(value) else {"$": "float", "value": repr(value)}
+        if isinstance(value, mx.array):
+            return self.tensor(value, None)
+        if isinstance(value, _Prefix):
+            return self.tensor(value.array, value.length)
+        if isinstance(value, tuple):
+            return {
+                "$": "tuple",
+                "items": [self.node(v, f"{where}.{i}") for i, v in enumerate(value)],
+            }
+        if isinstance(value, list):
+            return [self.node(v, f"{where}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                if not (k is None or isinstance(k, (bool, int, float, str))):
+                    raise CodecError(f"{where}: dict key {k!r} is not a scalar")
+                items.append([self.node(k, where), self.node(v, f"{where}.{k}")])
+            return {"$": "dict", "items": items}
+        raise CodecError(f"{where}: cannot encode a {type(value).__qualname__} in a cache state")
+
+    def layer(self, layer: Any, where: str) -> dict[str, Any]:
+        cls = type(layer)
+        module, name = cls.__module__, cls.__qualname__
+        # Refuse at save time what restore could not resolve to this same class.
+        try:
+            _check_trusted_module(module)
+        except CodecError as exc:
+            raise CodecError(f"{where}: {name}: {exc}") from None
+        if getattr(sys.modules.get(module), name, None) is not cls:
+            raise CodecError(f"{where}: {module}.{name} cannot be found again by name")
+        entry: dict[str, Any] = {"class": name, "module": module}
+
+        children = getattr(layer, "caches", None)
+        if is_composite_class(cls) and isinstance(children, (list, tuple)):
+            entry["children"] = [self.layer(c, f"{where}.{i}") for i, c in enumerate(children)]
+            entry["children_type"] = "list" if isinstance(children, list) else "tuple"
+            return entry
+
+        try:
+            state = layer.state
+            has_meta = hasattr(layer, "meta_state")
+            meta = layer.meta_state if has_meta else None
+        except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
+            raise CodecError(f"{where}: cannot read the state of {name}: {exc!r}") from exc
+        trim = _TRIMMERS.get((module, name))
+        if trim is not None:
+            state = trim(state)
+        entry["state"] = self.node(state, f"{where}.state")
+        if has_meta:
+            entry["meta_state"] = self.node(meta, f"{where}.meta_state")
+        return entry
+
+
+def _byte_runs(nd: np.ndarray) -> tuple[memoryview, ...]:
+    """Zero-copy contiguous byte runs that together are `nd`'s row-major bytes.
+
+    `nd` is a (possibly strided) view on an MLX buffer with non-negative strides.
+    """
+    if nd.size == 0:
+        return ()
+    itemsize = nd.itemsize
+    shape, strides = nd.shape, nd.strides
+    # The longest C-contiguous tail of axes is one block; the axes before it
+    # enumerate the blocks.
+    block, k = itemsize, nd.ndim
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == block):
+        block *= shape[k - 1]
+        k -= 1
+    starts = np.zeros(1, dtype=np.int64)
+    for n, s in zip(shape[:k], strides[:k], strict=True):
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
+    if len(starts) > _MAX_RUNS and block < _MIN_AVG_RUN:
+        # Pathological layout: one private copy (isolated by construction).
+        return (memoryview(np.ascontiguousarray(nd)).cast("B"),)
+    # One flat byte view from the first element to the last spans every block;
+    # as_strided keeps `nd` (and through it the MLX handle) alive.
+    extent = int(sum((n - 1) * s for n, s in zip(shape, strides, strict=True))) + itemsize
+    span = np.lib.stride_tricks.as_strided(
+        nd, shape=(extent // itemsize,), strides=(itemsize,), writeable=False
+    )
+    flat = memoryview(span).cast("B")
+    runs: list[memoryview] = []
+    run_start, run_end = -1, -1
+    for start in starts.tolist():
+        if start == run_end:  # adjacent blocks merge into one run
+            run_end += block
+            continue
+        if run_end >= 0:
+            runs.append(flat[run_start:run_end])
+        run_start, run_end = start, start + block
+    runs.append(flat[run_start:run_end])
+    return tuple(runs)
+
+
+def _export(p: _Pending) -> TensorSnapshot:
+    assert p.handle is not None
+    dtype = mlx_dtype_name(p.source.dtype)
+    nd = np.asarray(memoryview(p.handle))
+    if p.length is not None:
+        nd = nd[..., : p.length, :]
+    if any(s < 0 for s in nd.strides):
+        nd = np.ascontiguousarray(nd)  # MLX caches never do this; stay correct if one does
+    runs = _byte_runs(nd)
+    nbytes = sum(len(r) for r in runs)
+    if nbytes != nd.size * DTYPE_SIZES[dtype]:
+        raise CodecError(f"{p.name}: exported {nbytes} bytes for shape {nd.shape} {dtype}")
+    return TensorSnapshot(p.name, dtype, tuple(int(n) for n in nd.shape), runs, nbytes)
+
+
+def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
+    """Freeze a prompt cache (list of mlx-lm / mlx-vlm cache layers) without copying its data.
+
+    The returned tensors' runs show the cache exactly as it is now, however the
+    generation loop updates the cache afterwards: they hold their own MLX
+    handles on the buffers, which makes MLX copy instead of writing in place
+    (one copy per buffer, in the next update, and only if it would have
+    written in place). Spare capacity of known mlx-lm caches (rows past the
+    offset) is left out. Raises CodecError for a layer it cannot describe.
+    """
+    enc = _Encoder()
+    entries = [enc.layer(layer, f"layer {i}") for i, layer in enumerate(layers)]
+    description = json.dumps(
+        {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "layers": entries},
+        separators=(",", ":"),
+        allow_nan=False,
+    )
+    for p in enc.pending:
+        if p.source.size:
+            p.handle = p.source.view(_UINT_OF_SIZE[p.source.dtype.size])
+    # Evaluating the views computes anything still lazy in the cache and makes
+    # each handle share its source's buffer (no copy for a same-size view).
+    mx.eval([p.handle for p in enc.pending if p.handle is not None])
+    tensors = []
+    for p in enc.pending:
+        if p.handle is None:
+            shape = list(p.source.shape)
+            if p.length is not None:
+                shape[-2] = p.length
+            t = TensorSnapshot(p.name, mlx_dtype_name(p.source.dtype), tuple(shape), (), 0)
+        else:
+            t = _export(p)
+        tensors.append(t)
+    return CacheSnapshot(tuple(tensors), description, sum(t.nbytes for t in tensors))
+
+
+# ---------------------------------------------------------------------------
+# restore
+
+
+class _Decoder:
+    def __init__(self, arrays: Mapping[str, mx.array]) -> None:
+        self.arrays = arrays
+
+    def tensor(self, ref: Mapping[str, Any], where: str) -> mx.array:
+        name, dtype, shape = ref.get("name"), ref.get("dtype"), ref.get("shape")
+        if not isinstance(name, str) or not isinstance(shape, list):
+            raise CodecError(f"{where}: malformed tensor reference {dict(ref)!r}")
+        try:
+            array = self.arrays[name]
+        except KeyError:
+            raise CodecError(f"{where}: tensor {name!r} is missing") from None
+        if not isinstance(array, mx.array):
+            raise CodecError(f"{where}: tensor {name!r} is not an mx.array")
+        if mlx_dtype_name(array.dtype) != dtype or list(array.shape) != shape:
+            raise CodecError(
+                f"{where}: tensor {name!r} is {mlx_dtype_name(array.dtype)} {list(array.shape)},"
+                f" expected {dtype} {shape}"
+            )
+        return array
+
+    def node(self, node: Any, where: str) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.node(v, f"{where}.{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            raise CodecError(f"{where}: unexpected JSON value {node!r}")
+        kind = node.get("$")
+        if kind == "tensor":
+            return self.tensor(node, where)
+        items = node.get("items")
+        if kind == "tuple" and isinstance(items, list):
+            return tuple(self.node(v, f"{where}.{i}") for i, v in enumerate(items))
+        if kind == "dict" and isinstance(items, list):
+            out: dict[Any, Any] = {}
+            for item in items:
+                if not (isinstance(item, list) and len(item) == 2):
+                    raise CodecError(f"{where}: malformed dict item {item!r}")
+                key = self.node(item[0], where)
+                if not (key is None or isinstance(key, (bool, int, float, str))):
+                    raise CodecError(f"{where}: dict key {key!r} is not a scalar")
+                out[key] = self.node(item[1], f"{where}.{key}")
+            return out
+        if kind == "float" and node.get("value") in ("nan", "inf", "-inf"):
+            return float(node["value"])
+        raise CodecError(f"{where}: unknown node {node!r}")
+
+    def layer(self, entry: Any, where: str) -> Any:
+        if not isinstance(entry, dict):
+            raise CodecError(f"{where}: layer entry is not an object")
+        cls = resolve_cache_class(entry.get("module"), entry.get("class"))  # type: ignore[arg-type]
+        if "children" in entry:
+            children = entry["children"]
+            kind = entry.get("children_type", "tuple")
+            if not isinstance(children, list) or kind not in ("tuple", "list"):
+                raise CodecError(f"{where}: malformed children")
+            built = [self.layer(c, f"{where}.{i}") for i, c in enumerate(children)]
+            return rebuild_composite(cls, built, list if kind == "list" else tuple)
+        if "state" not in entry:
+            raise CodecError(f"{where}: layer entry has no state")
+        state = self.node(entry["state"], f"{where}.state")
+        if "meta_state" in entry:
+            meta = self.node(entry["meta_state"], f"{where}.meta_state")
+            return rebuild_layer(cls, state, meta)
+        return rebuild_layer(cls, state)
+
+
+def restore_cache(arrays: Mapping[str, mx.array], layers: str) -> list[Any]:
+    """Rebuild the cache layers described by `layers` from `arrays` (name -> mx.array).
+
+    `layers` is the JSON string of a `CacheSnapshot`; `arrays` holds at least
+    every tensor it references, with the recorded dtype and shape (extra
+    arrays are ignored). Raises CodecError for anything malformed, unknown or
+    mismatched; never imports outside mlx_lm.models. / mlx_vlm.models.
+    """
+    try:
+        doc = json.loads(layers)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CodecError(f"layers description is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != LAYERS_FORMAT:
+        raise CodecError("not a kvkeeper layers description")
+    version = doc.get("version")
+    if version != LAYERS_VERSION:
+        raise CodecError(f"unsupported layers format version {version!r} (know {LAYERS_VERSION})")
+    entries = doc.get("layers")
+    if not isinstance(entries, list):
+        raise CodecError("layers description has no layer list")
+    dec = _Decoder(arrays)
+    try:
+        return [dec.layer(e, f"layer {i}") for i, e in enumerate(entries)]
+    except RecursionError:
+        raise CodecError("layers description is nested too deeply") from None

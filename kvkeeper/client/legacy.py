@@ -1,0 +1,261 @@
+"""Decoders for the two on-disk prompt-cache formats users already have.
+
+* ``gezel-schema3``: files written by gezel's ``cache_persist.py`` (schema "3"):
+  arrays keyed by their ``tree_flatten`` path in ``[layer.state ...]``, and in the
+  metadata JSON lists ``classes``, ``class_modules``, ``meta_state``, a JSON map
+  ``state_scalars`` (path -> scalar leaf), ``token_ids`` and
+  ``model_fingerprint``. mlx-vlm classes, rebuilt with
+  ``from_state(state, meta_state)``.
+* ``mlx-lm-prompt-cache``: files written by ``mlx_lm.models.cache.save_prompt_cache``.
+  Arrays keyed by the same paths; every scalar leaf is stored as an array and
+  listed in the metadata, which is itself ``tree_flatten([user_metadata,
+  class_names, scalars])``: ``0.<key>`` user metadata, ``1.<i>`` class names,
+  ``2.0`` an empty sentinel and ``2.<i>.0``/``2.<i>.1`` a scalar's path and kind
+  ("scalar", "string", "none"). mlx-lm classes, rebuilt with ``from_state(state)``.
+
+Neither writer's loader is used: both look class names up in a module's
+globals(). Classes are resolved with the codec's rules instead (only inside
+``mlx_lm.models.`` / ``mlx_vlm.models.``, only cache classes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_unflatten
+
+from kvkeeper.client.codec import (
+    CodecError,
+    is_composite_class,
+    rebuild_composite,
+    rebuild_layer,
+    resolve_cache_class,
+)
+
+__all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "LegacyCache", "decode_legacy", "detect_legacy"]
+
+GEZEL_SCHEMA3 = "gezel-schema3"
+MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
+
+# Where each writer's own loader looks class names up.
+_VLM_CACHE = "mlx_vlm.models.cache"
+_LM_CACHE = "mlx_lm.models.cache"
+
+_MLX_LM_KEY = re.compile(r"0\..+|1\.\d+|2\.0|2\.\d+\.[01]")
+_MLX_LM_SCALAR = re.compile(r"2\.(\d+)\.([01])")
+
+
+@dataclass
+class LegacyCache:
+    """A cache decoded from a legacy file."""
+
+    format: str
+    layers: list[Any]
+    token_ids: list[int] | None
+    model_fingerprint: str | None
+    #: mlx-lm: the user metadata given to save_prompt_cache; gezel: the raw metadata.
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def detect_legacy(metadata: Mapping[str, str]) -> str | None:
+    """The legacy format a safetensors metadata map belongs to, or None."""
+    if (
+        metadata.get("schema_version") == "3"
+        and "classes" in metadata
+        and "class_modules" in metadata
+    ):
+        return GEZEL_SCHEMA3
+    if (
+        metadata.get("2.0") == ""
+        and any(k.startswith("1.") for k in metadata)
+        and all(_MLX_LM_KEY.fullmatch(k) for k in metadata)
+    ):
+        return MLX_LM_PROMPT_CACHE
+    return None
+
+
+def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
+    """Rebuild the cache of a legacy file from its arrays and metadata (as `mx.load` returns them).
+
+    Raises CodecError when the metadata is not a known legacy format or does
+    not describe a cache these arrays can rebuild.
+    """
+    fmt = detect_legacy(metadata)
+    try:
+        if fmt == GEZEL_SCHEMA3:
+            return _decode_gezel(arrays, metadata)
+        if fmt == MLX_LM_PROMPT_CACHE:
+            return _decode_mlx_lm(arrays, metadata)
+    except RecursionError:
+        raise CodecError("legacy cache structure is nested too deeply") from None
+    raise CodecError("not a known legacy cache format (gezel schema 3 or mlx-lm prompt cache)")
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _json_field(metadata: Mapping[str, str], key: str, kind: type) -> Any:
+    try:
+        value = json.loads(metadata[key])
+    except KeyError:
+        raise CodecError(f"metadata has no {key!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"metadata {key!r} is not JSON: {exc}") from None
+    if not isinstance(value, kind):
+        raise CodecError(f"metadata {key!r} is not a {kind.__name__}")
+    return value
+
+
+def _unflatten_layers(flat: dict[str, Any], n_layers: int) -> list[Any]:
+    """Per-layer states from `tree_flatten` paths, as the writers' loaders rebuild them."""
+    if not flat:
+        raise CodecError("the file holds no cache state")
+    try:
+        states = tree_unflatten(list(flat.items()))
+    except Exception as exc:  # malformed paths of any sort
+        raise CodecError(f"cannot rebuild the state tree: {exc!r}") from exc
+    if not isinstance(states, list) or len(states) != n_layers:
+        raise CodecError(f"state tree does not have one entry per layer ({n_layers} classes)")
+    return states
+
+
+def _class_named(name: Any, modules: list[str]) -> type:
+    """The cache class `name` from the first of `modules` that has one."""
+    errors = []
+    for module in modules:
+        try:
+            return resolve_cache_class(module, name)
+        except CodecError as exc:
+            errors.append(str(exc))
+    raise CodecError(f"cannot resolve cache class {name!r}: {'; '.join(errors)}")
+
+
+# ---------------------------------------------------------------------------
+# gezel cache_persist schema 3
+
+
+def _gezel_layer(cls: type, state: Any, meta: Any, where: str) -> Any:
+    if is_composite_class(cls):
+        # mlx-vlm CacheList: state [child states], meta_state ([names], [metas]).
+        if not (
+            isinstance(state, list)
+            and isinstance(meta, list)
+            and len(meta) == 2
+            and isinstance(meta[0], list)
+            and isinstance(meta[1], list)
+            and len(state) == len(meta[0]) == len(meta[1])
+        ):
+            raise CodecError(f"{where}: malformed {cls.__name__} state")
+        children = [
+            _gezel_layer(_class_named(name, [cls.__module__]), s, m, f"{where}.{i}")
+            for i, (s, name, m) in enumerate(zip(state, meta[0], meta[1], strict=True))
+        ]
+        return rebuild_composite(cls, children, list)
+    return rebuild_layer(cls, state, meta)
+
+
+def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
+    classes = _json_field(metadata, "classes", list)
+    modules = _json_field(metadata, "class_modules", list)
+    metas = _json_field(metadata, "meta_state", list)
+    scalars = _json_field(metadata, "state_scalars", dict)
+    token_ids = _json_field(metadata, "token_ids", list)
+    if not classes or not len(classes) == len(modules) == len(metas):
+        raise CodecError("gezel metadata: classes, class_modules and meta_state disagree")
+    if not all(type(t) is int for t in token_ids):
+        raise CodecError("gezel metadata: token_ids are not all integers")
+    for path, value in scalars.items():
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise CodecError(f"gezel metadata: state scalar {path!r} is not a scalar")
+    if set(arrays) & set(scalars):
+        raise CodecError("gezel metadata: a state path is both an array and a scalar")
+    states = _unflatten_layers({**arrays, **scalars}, len(classes))
+    layers = []
+    for i, (name, module, meta, state) in enumerate(
+        zip(classes, modules, metas, states, strict=True)
+    ):
+        # As cache_persist itself did: the recorded module first, then the
+        # shared cache modules (never importing a module outside the two packages).
+        candidates = list(
+            dict.fromkeys(m for m in (module, _VLM_CACHE, _LM_CACHE) if isinstance(m, str))
+        )
+        cls = _class_named(name, candidates)
+        layers.append(_gezel_layer(cls, state, meta, f"layer {i}"))
+    fingerprint = metadata.get("model_fingerprint")
+    return LegacyCache(GEZEL_SCHEMA3, layers, token_ids, fingerprint, dict(metadata))
+
+
+# ---------------------------------------------------------------------------
+# mlx-lm save_prompt_cache
+
+
+def _indexed(metadata: Mapping[str, str], prefix: str) -> list[str]:
+    """Values of keys `prefix<i>` (i = 0, 1, ...), which must be contiguous."""
+    found: dict[int, str] = {}
+    for key, value in metadata.items():
+        if key.startswith(prefix) and key[len(prefix) :].isdigit():
+            found[int(key[len(prefix) :])] = value
+    if sorted(found) != list(range(len(found))):
+        raise CodecError(f"mlx-lm metadata: entries {prefix}* are not numbered 0..n-1")
+    return [found[i] for i in range(len(found))]
+
+
+def _scalar_leaf(array: mx.array, kind: str, path: str) -> Any:
+    try:
+        if kind == "scalar":
+            return array.item()
+        if kind == "string":
+            return "".join(chr(c) for c in array.tolist())
+        if kind == "none":
+            return None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"mlx-lm scalar {path!r} ({kind}) is malformed: {exc}") from None
+    raise CodecError(f"mlx-lm scalar {path!r} has unknown kind {kind!r}")
+
+
+def _mlx_lm_layer(cls: type, state: Any, where: str) -> Any:
+    if is_composite_class(cls):
+        # mlx-lm CacheList: state [[child state, class name], ...].
+        if not (
+            isinstance(state, list) and all(isinstance(c, list) and len(c) == 2 for c in state)
+        ):
+            raise CodecError(f"{where}: malformed {cls.__name__} state")
+        children = [
+            _mlx_lm_layer(_class_named(name, [cls.__module__]), s, f"{where}.{i}")
+            for i, (s, name) in enumerate(state)
+        ]
+        return rebuild_composite(cls, children, list)
+    return rebuild_layer(cls, state)
+
+
+def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
+    classes = _indexed(metadata, "1.")
+    user = {k[2:]: v for k, v in metadata.items() if k.startswith("0.")}
+    # Scalar leaves: "2.<i>.0" is the path, "2.<i>.1" the kind, for i = 1..n.
+    entries: dict[int, list[str | None]] = {}
+    for key, value in metadata.items():
+        m = _MLX_LM_SCALAR.fullmatch(key)
+        if m:
+            entries.setdefault(int(m[1]), [None, None])[int(m[2])] = value
+    if sorted(entries) != list(range(1, len(entries) + 1)):
+        raise CodecError("mlx-lm metadata: scalar entries are not numbered 1..n")
+    flat: dict[str, Any] = dict(arrays)
+    for i in sorted(entries):
+        path, kind = entries[i]
+        if path is None or kind is None:
+            raise CodecError(f"mlx-lm metadata: scalar entry {i} is incomplete")
+        if path not in arrays:
+            raise CodecError(f"mlx-lm metadata: scalar {path!r} has no array")
+        flat[path] = _scalar_leaf(arrays[path], kind, path)
+    states = _unflatten_layers(flat, len(classes))
+    layers = [
+        _mlx_lm_layer(_class_named(name, [_LM_CACHE]), state, f"layer {i}")
+        for i, (name, state) in enumerate(zip(classes, states, strict=True))
+    ]
+    return LegacyCache(MLX_LM_PROMPT_CACHE, layers, None, None, user)

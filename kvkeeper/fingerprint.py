@@ -1,0 +1,125 @@
+"""A stable fingerprint of a local model directory.
+
+A saved prompt cache is only valid for the exact model that built it, so each
+cache records its model's fingerprint and a mismatch is refused on load. The
+fingerprint has to be cheap (it is computed at start-up, for models of many
+GiB) and independent of where the directory lives, so it covers:
+
+* ``config.json`` and the tokenizer files: their full content (small files);
+* weight files: relative name and size, and for ``*.safetensors`` the header
+  (8-byte length plus the JSON header: names, dtypes, shapes, offsets,
+  metadata). The tensor bytes themselves are never read.
+
+Hidden files and directories (``.git``, ``.cache``) and anything else
+(READMEs, images) are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["model_fingerprint"]
+
+#: Bump when the set of inputs or their encoding changes.
+_FP_VERSION = "kvkeeper-model-fp-1"
+
+_TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.json",
+        "chat_template.jinja",
+    }
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".npz", ".npy", ".pt", ".pth")
+_CONTENT_SUFFIXES = (".safetensors.index.json",)
+
+# A safetensors header is JSON describing tensors; anything near this size is
+# not a header but a corrupt length field.
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def _files(root: Path) -> Iterator[tuple[str, Path]]:
+    """(relative posix path, path) of every non-hidden file under root, sorted."""
+    found = []
+    seen: set[tuple[int, int]] = set()
+    # Follow symlinks (Hugging Face snapshots are made of them) but never loop.
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith("."):
+                path = Path(dirpath, name)
+                found.append((path.relative_to(root).as_posix(), path))
+    return iter(sorted(found))
+
+
+def _content_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _safetensors_header_digest(path: Path, size: int) -> str:
+    """sha256 of the length prefix and JSON header; reads nothing past the header."""
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{path}: too short for a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"{path}: bad safetensors header length {n} (file is {size} bytes)")
+        header = f.read(n)
+    if len(header) != n:
+        raise ValueError(f"{path}: safetensors header is truncated")
+    return hashlib.sha256(prefix + header).hexdigest()
+
+
+def model_fingerprint(path: str | os.PathLike[str]) -> str:
+    """Fingerprint the model in directory `path`: ``"m-"`` followed by 32 hex digits.
+
+    Deterministic and independent of the directory's location and of file
+    times: it changes when config.json, a tokenizer file, the set or size of
+    the weight files, or a safetensors header changes. Weight data is never
+    read. Raises FileNotFoundError when `path` does not exist and ValueError
+    when it is not a directory, has no config.json, or holds a safetensors
+    file with a broken header.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"model directory {str(root)!r} does not exist")
+    if not root.is_dir():
+        raise ValueError(f"model path {str(root)!r} is not a directory")
+    if not (root / "config.json").is_file():
+        raise ValueError(f"{str(root)!r} is not a model directory: it has no config.json")
+
+    entries: list[list[object]] = []
+    for rel, file in _files(root):
+        name = file.name
+        if rel == "config.json" or name in _TOKENIZER_FILES or name.endswith(_CONTENT_SUFFIXES):
+            entries.append(["content", rel, _content_digest(file)])
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            size = file.stat().st_size
+            header = _safetensors_header_digest(file, size) if name.endswith(".safetensors") else ""
+            entries.append(["weights", rel, size, header])
+    h = hashlib.sha256(_FP_VERSION.encode())
+    for entry in entries:
+        h.update(b"\n" + json.dumps(entry, separators=(",", ":")).encode())
+    return "m-" + h.hexdigest()[:32]

@@ -1,0 +1,643 @@
+"""kvkeeper.client.codec: cache layers <-> zero-copy tensor runs + layers JSON."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.cache as L
+import mlx_vlm.models.cache as V
+import numpy as np
+import pytest
+
+from kvkeeper.client.codec import (
+    LAYERS_FORMAT,
+    LAYERS_VERSION,
+    CacheSnapshot,
+    CodecError,
+    mlx_dtype,
+    mlx_dtype_name,
+    restore_cache,
+    snapshot_cache,
+)
+from kvkeeper.protocol.dtypes import DTYPE_SIZES
+
+from .tiny import arrays_from_snapshot, greedy_decode, prefill, prompt, tiny_lfm2, tiny_llama
+
+H, D = 2, 64
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def lfm2() -> Any:
+    return tiny_lfm2()
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def raw(a: mx.array) -> bytes:
+    """Row-major bytes of an array (bf16 through uint16: numpy has no bf16)."""
+    u = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
+    return np.array(a.view(u)).tobytes()
+
+
+def canon(x: Any) -> Any:
+    """A comparable form of a state tree: container types kept, arrays as (dtype, shape, bytes)."""
+    if isinstance(x, mx.array):
+        return ("array", str(x.dtype), tuple(x.shape), raw(x))
+    if isinstance(x, tuple):
+        return ("tuple", tuple(canon(v) for v in x))
+    if isinstance(x, list):
+        return ("list", tuple(canon(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, canon(v)) for k, v in x.items()))
+    if isinstance(x, float) and x != x:
+        return ("float", "nan")
+    return (type(x).__name__, x)
+
+
+def assert_kept_prefix(orig: Any, got: Any, where: str = "state") -> None:
+    """`got` is `orig` with some arrays cut to their first rows of axis -2; everything else equal."""
+    assert type(got) is type(orig), where
+    if isinstance(orig, (list, tuple)):
+        assert len(got) == len(orig), where
+        for i, (o, g) in enumerate(zip(orig, got, strict=True)):
+            assert_kept_prefix(o, g, f"{where}.{i}")
+    elif isinstance(orig, mx.array):
+        assert got.dtype == orig.dtype, where
+        assert got.shape[:-2] == orig.shape[:-2] and got.shape[-1] == orig.shape[-1], where
+        assert raw(got) == raw(orig[..., : got.shape[-2], :]), where
+    else:
+        assert got == orig, where
+
+
+def roundtrip(cache: list[Any]) -> tuple[CacheSnapshot, list[Any]]:
+    snap = snapshot_cache(cache)
+    return snap, restore_cache(arrays_from_snapshot(snap), snap.layers)
+
+
+def fill(c: Any, t: int = 37) -> Any:
+    c.update_and_fetch(
+        mx.random.normal((1, H, t, D)).astype(mx.bfloat16),
+        mx.random.normal((1, H, t, D)).astype(mx.bfloat16),
+    )
+    return c
+
+
+def grow(c: Any) -> Any:
+    one = mx.zeros((1, H, 1, D), dtype=mx.bfloat16)
+    c.update_and_fetch(one, one)
+    return c
+
+
+def joined(snap: CacheSnapshot) -> list[bytes]:
+    return [b"".join(t.runs) for t in snap.tensors]
+
+
+def addr(view: Any) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def buffer_addr(a: mx.array) -> int:
+    u = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
+    return int(np.asarray(memoryview(a.view(u))).ctypes.data)
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+
+
+def test_dtype_table_both_ways() -> None:
+    names = [
+        "BOOL",
+        "U8",
+        "I8",
+        "U16",
+        "I16",
+        "F16",
+        "BF16",
+        "U32",
+        "I32",
+        "F32",
+        "U64",
+        "I64",
+        "F64",
+        "C64",
+    ]
+    for name in names:
+        dt = mlx_dtype(name)
+        assert mlx_dtype_name(dt) == name
+        assert dt.size == DTYPE_SIZES[name]
+    with pytest.raises(CodecError):
+        mlx_dtype("F8")
+    with pytest.raises(CodecError):
+        mlx_dtype_name("float32")  # type: ignore[arg-type]
+
+
+def test_every_dtype_and_odd_shapes_roundtrip() -> None:
+    c = L.ArraysCache(size=7)
+    c[0] = mx.array([[True, False], [False, True]])
+    c[1] = mx.arange(24, dtype=mx.int8).reshape(2, 3, 4)
+    c[2] = mx.random.normal((3, 5)).astype(mx.float16)
+    c[3] = mx.array(7, dtype=mx.int64)  # 0-d
+    c[4] = mx.zeros((2, 0, 3), dtype=mx.float32)  # zero-size
+    c[5] = mx.array([1 + 2j, 3 - 4j], dtype=mx.complex64)
+    c[6] = mx.array(np.array([2**64 - 1, 5], dtype=np.uint64))
+    snap, (got,) = roundtrip([c])
+    assert [t.dtype for t in snap.tensors] == ["BOOL", "I8", "F16", "I64", "F32", "C64", "U64"]
+    assert snap.tensors[3].shape == () and snap.tensors[4].runs == ()
+    assert canon(got.state) == canon(c.state)
+    assert snap.nbytes == sum(t.nbytes for t in snap.tensors) == sum(a.nbytes for a in c.cache)
+
+
+# ---------------------------------------------------------------------------
+# round trips, leaf for leaf, for every cache class of both packages
+
+
+def _arrays(mod: ModuleType) -> Any:
+    a = mod.ArraysCache(size=2)
+    a[0] = mx.random.normal((1, 3, 8))
+    a[1] = None
+    return a
+
+
+CASES: dict[str, Callable[[ModuleType], list[Any]]] = {
+    "kv": lambda m: [fill(m.KVCache()), fill(m.KVCache(), 1)],
+    "kv-empty": lambda m: [m.KVCache()],
+    "rotating": lambda m: [
+        fill(m.RotatingKVCache(max_size=32, keep=4)),
+        fill(m.RotatingKVCache(64)),
+        grow(fill(m.RotatingKVCache(max_size=300))),  # 293-row buffer, 38 rows live
+    ],
+    "quantized": lambda m: [
+        fill(m.QuantizedKVCache(group_size=32, bits=8)),
+        fill(m.QuantizedKVCache(group_size=64, bits=4)),
+    ],
+    "chunked": lambda m: [fill(m.ChunkedKVCache(chunk_size=16))],
+    "concatenate": lambda m: [fill(m.ConcatenateKVCache())],
+    "arrays": lambda m: [_arrays(m), fill(m.KVCache())],
+    "cachelist": lambda m: [
+        m.CacheList(fill(m.KVCache()), fill(m.RotatingKVCache(max_size=16))),
+        m.CacheList(m.CacheList(fill(m.KVCache(), 3)), _arrays(m)),
+    ],
+}
+
+# mlx-lm classes whose state carries spare capacity past the offset.
+TRIMMED = {"KVCache", "QuantizedKVCache", "ChunkedKVCache", "RotatingKVCache"}
+
+
+def _flatten_layers(cache: list[Any]) -> list[Any]:
+    out = []
+    for c in cache:
+        out.append(c)
+        if type(c).__name__ == "CacheList":
+            out.extend(_flatten_layers(list(c.caches)))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mod", [L, V], ids=["mlx_lm", "mlx_vlm"])
+def test_roundtrip_leaf_for_leaf(mod: ModuleType, case: str) -> None:
+    mx.random.seed(1)
+    cache = CASES[case](mod)
+    snap, got = roundtrip(cache)
+    assert len(got) == len(cache)
+    for o, g in zip(_flatten_layers(cache), _flatten_layers(got), strict=True):
+        assert type(g) is type(o)
+        if hasattr(o, "meta_state"):
+            assert canon(g.meta_state) == canon(o.meta_state)
+        if type(o).__name__ == "CacheList":
+            continue  # checked through its children (and below, whole)
+        if mod is L and type(o).__name__ in TRIMMED and o.keys is not None:
+            assert_kept_prefix(o.state, g.state)
+            keys = g.keys[0] if isinstance(g.keys, tuple) else g.keys
+            assert keys.shape[-2] == o.offset - getattr(o, "start_position", 0)
+        else:
+            assert canon(g.state) == canon(o.state)
+    if mod is V:
+        # mlx-vlm states are already cut to the offset: nothing is dropped at all.
+        assert canon([c.state for c in got]) == canon([c.state for c in cache])
+    # The JSON records class and module of every layer, children included.
+    doc = json.loads(snap.layers)
+    assert doc["format"] == LAYERS_FORMAT and doc["version"] == LAYERS_VERSION
+    assert [e["class"] for e in doc["layers"]] == [type(c).__name__ for c in cache]
+    assert {e["module"] for e in doc["layers"]} == {mod.__name__}
+
+
+def _batch(cls: Any, *args: Any) -> Any:
+    c = cls(*args)
+    k = mx.random.normal((2, H, 5, D)).astype(mx.bfloat16)
+    c.update_and_fetch(k, k)
+    return c
+
+
+def _qsa() -> Any:
+    from mlx_vlm.models.qwen4_exp.language import QSAKVCache
+
+    c = fill(QSAKVCache())
+    c.update_indexer(mx.ones((1, 37, 8)), mx.arange(37)[None])
+    c.index_block_ratio = 4  # a scalar leaf inside an mlx-vlm state
+    return c
+
+
+MORE_CASES: dict[str, Callable[[], Any]] = {
+    "lm-batch-kv": lambda: _batch(L.BatchKVCache, [1, 0]),
+    "lm-batch-rotating": lambda: _batch(L.BatchRotatingKVCache, 16, [1, 0]),
+    "vlm-batch-kv": lambda: _batch(V.BatchKVCache, [1, 0]),
+    "vlm-buffered-rotating": lambda: fill(V.BufferedRotatingKVCache(max_size=32, keep=4)),
+    "vlm-simple": lambda: fill(V.SimpleKVCache()),
+    "vlm-model-specific": _qsa,
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE_CASES))
+def test_roundtrip_other_classes(case: str) -> None:
+    # Classes whose layout the codec knows nothing about: state kept as is.
+    mx.random.seed(5)
+    c = MORE_CASES[case]()
+    snap, (got,) = roundtrip([c])
+    assert type(got) is type(c)
+    assert json.loads(snap.layers)["layers"][0]["module"] == type(c).__module__
+    assert canon(got.state) == canon(c.state)
+    if hasattr(c, "meta_state"):
+        assert canon(got.meta_state) == canon(c.meta_state)
+
+
+def test_capacity_is_dropped_and_json_layout() -> None:
+    mx.random.seed(2)
+    lm, vlm = fill(L.KVCache()), fill(V.KVCache())
+    assert lm.keys.shape[2] == 256  # mlx-lm keeps the whole allocation in its state
+    snap = snapshot_cache([lm, vlm])
+    doc = json.loads(snap.layers)
+    e_lm, e_vlm = doc["layers"]
+    assert e_lm == {
+        "class": "KVCache",
+        "module": "mlx_lm.models.cache",
+        "state": {
+            "$": "tuple",
+            "items": [
+                {"$": "tensor", "name": "t0", "dtype": "BF16", "shape": [1, H, 37, D]},
+                {"$": "tensor", "name": "t1", "dtype": "BF16", "shape": [1, H, 37, D]},
+                37,
+            ],
+        },
+    }
+    # mlx-vlm protocol: meta_state recorded, state without scalars.
+    assert e_vlm["module"] == "mlx_vlm.models.cache" and e_vlm["meta_state"] == ""
+    assert [i["name"] for i in e_vlm["state"]["items"]] == ["t2", "t3"]
+    assert [t.name for t in snap.tensors] == ["t0", "t1", "t2", "t3"]
+    assert all(t.shape == (1, H, 37, D) and t.nbytes == H * 37 * D * 2 for t in snap.tensors)
+    assert snap.nbytes == 4 * H * 37 * D * 2
+
+
+def test_containers_scalars_and_dicts_survive() -> None:
+    # ArraysCache.from_state accepts anything, so it can carry every node kind.
+    c = L.ArraysCache(size=3)
+    c.cache = [
+        {"a": mx.arange(3), "b": float("nan"), "c": float("-inf"), 4: None},
+        (1, 2.5, True, "s", None, (), []),
+        [mx.ones((2, 2)), (mx.zeros((1,)),)],
+    ]
+    c.lengths = mx.array([3])
+    _, (got,) = roundtrip([c])
+    assert canon(got.state) == canon(c.state)
+    assert type(got.state[0][1][5]) is tuple and type(got.state[0][1][6]) is list
+
+
+def test_restored_mlx_lm_cache_keeps_working_across_a_step() -> None:
+    mx.random.seed(3)
+    c = fill(L.KVCache(), 250)
+    _, (r,) = roundtrip([c])
+    assert r.keys.shape[2] == 250
+    k = mx.random.normal((1, H, 10, D)).astype(mx.bfloat16)
+    a, b = c.update_and_fetch(k, k), r.update_and_fetch(k, k)
+    assert raw(a[0]) == raw(b[0]) and raw(a[1]) == raw(b[1]) and r.offset == c.offset == 260
+
+
+# ---------------------------------------------------------------------------
+# model output after a restore
+
+
+def _check_model(
+    model: Any,
+    make: Callable[[], list[Any]],
+    *,
+    n_prompt: int = 40,
+    steps_before: int = 0,
+    expect_drop: bool = False,
+) -> None:
+    """Prefill (and decode `steps_before` tokens), snapshot, restore: the model
+    must then give bit-identical logits and the same 10 greedy tokens."""
+    cache = make()
+    logits = prefill(model, prompt(n_prompt), cache)
+    nxt = int(mx.argmax(logits).item())
+    if steps_before:
+        nxt = greedy_decode(model, cache, nxt, steps_before)[-1]
+    snap = snapshot_cache(cache)
+    held = sum(a.nbytes for a in _state_arrays(cache))
+    assert (snap.nbytes < held) == expect_drop, (snap.nbytes, held)
+    restored = restore_cache(arrays_from_snapshot(snap), snap.layers)
+    assert [type(c) for c in restored] == [type(c) for c in cache]
+    a = prefill(model, [nxt], cache)
+    b = prefill(model, [nxt], restored)
+    assert mx.array_equal(a, b).item(), "next-token logits differ after restore"
+    first = int(mx.argmax(a).item())
+    assert greedy_decode(model, cache, first, 10) == greedy_decode(model, restored, first, 10)
+
+
+def _layers(cls: Callable[[], Any]) -> Callable[[], list[Any]]:
+    return lambda: [cls() for _ in range(4)]
+
+
+# name: (cache factory, decode steps before the snapshot, spare capacity dropped?)
+MODEL_CASES: dict[str, tuple[Callable[[], list[Any]], int, bool]] = {
+    "lm-kv": (_layers(L.KVCache), 0, True),
+    # concat prefill gives an exact-size buffer; the first decode step grows it
+    "lm-rotating-concat": (_layers(lambda: L.RotatingKVCache(max_size=64, keep=4)), 0, False),
+    "lm-rotating-grown": (_layers(lambda: L.RotatingKVCache(max_size=300, keep=4)), 2, True),
+    "lm-rotating-wrapped": (_layers(lambda: L.RotatingKVCache(max_size=32, keep=4)), 5, False),
+    "lm-quantized": (_layers(lambda: L.QuantizedKVCache(group_size=64, bits=8)), 0, True),
+    "lm-chunked": (_layers(lambda: L.ChunkedKVCache(chunk_size=256)), 0, True),
+    "lm-concatenate": (_layers(L.ConcatenateKVCache), 0, False),
+    "vlm-kv": (_layers(V.KVCache), 0, False),
+    "vlm-rotating-wrapped": (_layers(lambda: V.RotatingKVCache(max_size=32, keep=4)), 5, False),
+    "vlm-quantized": (_layers(lambda: V.QuantizedKVCache(group_size=64, bits=8)), 0, False),
+    "vlm-chunked": (_layers(lambda: V.ChunkedKVCache(chunk_size=256)), 0, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_llama_output_identical_after_restore(llama: Any, case: str) -> None:
+    make, steps_before, expect_drop = MODEL_CASES[case]
+    _check_model(llama, make, steps_before=steps_before, expect_drop=expect_drop)
+
+
+def test_llama_output_identical_across_a_256_step(llama: Any) -> None:
+    # The original crosses its 256-row allocation during decoding; the restored
+    # cache (exactly 250 rows) reallocates at once. Same outputs either way.
+    _check_model(llama, _layers(L.KVCache), n_prompt=250, expect_drop=True)
+
+
+def test_lfm2_hybrid_output_identical_after_restore(lfm2: Any) -> None:
+    cache = lfm2.make_cache()
+    assert {type(c).__name__ for c in cache} == {"ArraysCache", "KVCache"}
+    _check_model(lfm2, lfm2.make_cache, expect_drop=True)
+    _check_model(lfm2, lfm2.make_cache, steps_before=3, expect_drop=True)
+
+
+def test_corrupted_restore_changes_output(llama: Any) -> None:
+    # The output checks above have teeth: other values in the cache change the logits.
+    cache = [L.KVCache() for _ in range(4)]
+    prefill(llama, prompt(40), cache)
+    snap = snapshot_cache(cache)
+    arrays = arrays_from_snapshot(snap)
+    arrays["t1"] = arrays["t1"].at[..., 3:6, :].multiply(-1)  # layer 0 values, 3 rows
+    restored = restore_cache(arrays, snap.layers)
+    assert not mx.array_equal(prefill(llama, [1], cache), prefill(llama, [1], restored)).item()
+
+
+# ---------------------------------------------------------------------------
+# snapshot isolation: the runs never change after snapshot_cache returns
+
+
+def test_mlx_updates_cache_buffers_in_place() -> None:
+    # The hazard itself (DESIGN.md): a bare memoryview sees later updates.
+    c = fill(L.KVCache(), 10)
+    mx.eval(c.keys)
+    view = memoryview(c.keys).cast("B")
+    before = bytes(view)
+    c.update_and_fetch(mx.ones((1, H, 1, D), mx.bfloat16), mx.ones((1, H, 1, D), mx.bfloat16))
+    mx.eval(c.keys)
+    assert bytes(view) != before
+
+
+def _isolation(model: Any, cache: list[Any], before: Callable[[], None] | None = None) -> None:
+    snap = snapshot_cache(cache)
+    frozen = [bytes(b) for b in joined(snap)]
+    expected = [raw(a) for a in arrays_from_snapshot(snap).values()]
+    assert frozen == expected
+    live = [raw(a) for a in _state_arrays(cache)]
+    if before is not None:
+        before()
+    greedy_decode(model, cache, 3, 25)
+    assert joined(snap) == frozen, "snapshot changed under the generation loop"
+    assert [raw(a) for a in _state_arrays(cache)] != live  # the cache did move on
+
+
+def _state_arrays(cache: list[Any]) -> list[mx.array]:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
+
+
+def test_isolation_kv_decode_after_snapshot(llama: Any) -> None:
+    cache = [L.KVCache() for _ in range(4)]
+    prefill(llama, prompt(40), cache)
+    _isolation(llama, cache)
+
+
+def test_isolation_trimmed_kv_rewrites_saved_rows(llama: Any) -> None:
+    # Trim after the snapshot: the decode writes rows 30.. which are inside
+    # the saved region [0, 50).
+    for mod in (L, V):
+        cache = [mod.KVCache() for _ in range(4)]
+        prefill(llama, prompt(50), cache)
+        snap = snapshot_cache(cache)
+        frozen = joined(snap)
+        old_rows = raw(cache[0].keys[..., 30:50, :])
+        for c in cache:
+            c.trim(20)
+        greedy_decode(llama, cache, 3, 25)
+        assert raw(cache[0].keys[..., 30:50, :]) != old_rows  # really rewritten
+        assert joined(snap) == frozen, mod.__name__
+
+
+def test_isolation_rotating_wraps_into_saved_buffer(llama: Any) -> None:
+    # Fill past max_size and decode a few steps so the buffer is the final
+    # max_size ring being written in place; then snapshot and keep decoding:
+    # every write lands inside the saved buffer.
+    for mod in (L, V):
+        cache = [mod.RotatingKVCache(max_size=32, keep=4) for _ in range(4)]
+        prefill(llama, prompt(40), cache)
+        greedy_decode(llama, cache, 5, 3)
+        assert cache[0].keys.shape[2] == 32
+        _isolation(llama, cache)
+
+
+def test_isolation_lfm2_hybrid(lfm2: Any) -> None:
+    cache = lfm2.make_cache()
+    prefill(lfm2, prompt(40), cache)
+    _isolation(lfm2, cache)
+
+
+def test_runs_keep_buffers_alive(llama: Any) -> None:
+    cache = [L.KVCache() for _ in range(4)]
+    prefill(llama, prompt(40), cache)
+    snap = snapshot_cache(cache)
+    frozen = [bytes(b) for b in joined(snap)]
+    del cache
+    gc.collect()
+    # Churn the allocator so freed buffers would be reused and overwritten.
+    for i in range(5):
+        junk = mx.full((1, H, 256, D), float(i), dtype=mx.bfloat16) + 1
+        mx.eval(junk)
+        greedy_decode(llama, [L.KVCache() for _ in range(4)], i, 3)
+    assert joined(snap) == frozen
+
+
+# ---------------------------------------------------------------------------
+# zero copy
+
+
+def test_runs_point_into_mlx_buffers() -> None:
+    mx.random.seed(4)
+    lm, vlm = fill(L.KVCache(), 37), fill(V.KVCache(), 37)
+    snap = snapshot_cache([lm, vlm])
+    for t, a in zip(snap.tensors, [lm.keys, lm.values, vlm.keys, vlm.values], strict=True):
+        # (1, H, 256, D) buffer, 37 rows kept: one run per head, at the head's start.
+        assert len(t.runs) == H
+        base = buffer_addr(a)
+        assert [addr(r) for r in t.runs] == [base + h * 256 * D * 2 for h in range(H)]
+        assert all(len(r) == 37 * D * 2 for r in t.runs)
+        assert all(r.format == "B" and r.ndim == 1 and r.c_contiguous for r in t.runs)
+
+
+def test_snapshot_of_a_big_cache_copies_nothing() -> None:
+    # 16 layers of (1, 8, 4096, 128) bf16 keys + values: 256 MiB of buffers.
+    cache = []
+    for i in range(16):
+        c = L.KVCache()
+        c.keys = mx.full((1, 8, 4096, 128), i, dtype=mx.bfloat16)
+        c.values = mx.full((1, 8, 4096, 128), -i, dtype=mx.bfloat16)
+        c.offset = 4000
+        cache.append(c)
+    mx.eval([c.state for c in cache])
+    timings = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        snap = snapshot_cache(cache)
+        timings.append(time.perf_counter() - t0)
+    print(f"\nsnapshot of {snap.nbytes / 2**20:.0f} MiB: {min(timings) * 1e3:.2f} ms (best of 3)")
+    assert snap.nbytes == 32 * 8 * 4000 * 128 * 2
+    for t, a in zip(snap.tensors, [x for c in cache for x in (c.keys, c.values)], strict=True):
+        base = buffer_addr(a)
+        assert [addr(r) for r in t.runs] == [base + h * 4096 * 128 * 2 for h in range(8)]
+
+
+def test_many_tiny_blocks_are_compacted() -> None:
+    # A transposed view splits into 16-byte blocks: one compact copy instead.
+    c = L.ConcatenateKVCache()
+    k = mx.random.normal((1, 2048, 4, 8)).astype(mx.bfloat16).transpose(0, 2, 1, 3)
+    c.update_and_fetch(k, k)
+    snap = snapshot_cache([c])
+    assert [len(t.runs) for t in snap.tensors] == [1, 1]
+    assert joined(snap) == [raw(k), raw(k)]
+
+
+# ---------------------------------------------------------------------------
+# hostile or broken descriptions
+
+
+def _layers_with(first: dict[str, Any]) -> tuple[dict[str, mx.array], str]:
+    snap = snapshot_cache([fill(L.KVCache(), 4)])
+    doc = json.loads(snap.layers)
+    doc["layers"][0].update(first)
+    return arrays_from_snapshot(snap), json.dumps(doc)
+
+
+HOSTILE = [
+    ("os", "system"),
+    ("builtins", "eval"),
+    ("builtins", "object"),
+    ("mlx_lm.modelsX.y", "KVCache"),
+    ("mlx_lm.models", "KVCache"),
+    ("mlx_lm.models.", "KVCache"),
+    ("mlx_lm.models..cache", "KVCache"),
+    ("mlx_lm.models.cache os", "KVCache"),
+    ("xmlx_lm.models.cache", "KVCache"),
+    ("mlx_lm.models.cache", "os"),
+    ("mlx_lm.models.cache", "mx"),
+    ("mlx_lm.models.cache", "deque"),
+    ("mlx_lm.models.cache", "create_causal_mask"),
+    ("mlx_lm.models.cache", "__class__"),
+    ("mlx_lm.models.cache", "_BaseCache"),
+    ("mlx_lm.models.cache", "KVCache.__init__"),
+    ("mlx_vlm.models.cache", "CacheMemory"),
+    ("mlx_lm.models.llama", "Model"),  # an nn.Module: has a (read-only) state
+    ("mlx_lm.models.cache.os", "system"),
+    ("mlx_lm.models.no_such_module_kvk", "KVCache"),
+    (None, "KVCache"),
+    ("mlx_lm.models.cache", 3),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), HOSTILE)
+def test_hostile_classes_are_refused_without_imports(module: Any, name: Any) -> None:
+    arrays, layers = _layers_with({"module": module, "class": name})
+    before = set(sys.modules)
+    with pytest.raises(CodecError):
+        restore_cache(arrays, layers)
+    assert set(sys.modules) == before
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.update(version=LAYERS_VERSION + 1),
+        lambda d: d.update(format="other"),
+        lambda d: d.update(layers={}),
+        lambda d: d["layers"][0].pop("state"),
+        lambda d: d["layers"][0]["state"]["items"][0].update(name="t9"),
+        lambda d: d["layers"][0]["state"]["items"][0].update(dtype="F32"),
+        lambda d: d["layers"][0]["state"]["items"][0].update(shape=[1, 2, 5, 64]),
+        lambda d: d["layers"][0]["state"].update({"$": "set"}),
+        lambda d: d["layers"][0]["state"]["items"].pop(),  # KVCache refuses a 2-tuple
+        lambda d: d["layers"][0].update(children=[], **{"class": "KVCache"}),
+    ],
+)
+def test_broken_descriptions_raise_codec_error(mutate: Callable[[dict[str, Any]], None]) -> None:
+    snap = snapshot_cache([fill(L.KVCache(), 4)])
+    doc = json.loads(snap.layers)
+    mutate(doc)
+    with pytest.raises(CodecError):
+        restore_cache(arrays_from_snapshot(snap), json.dumps(doc))
+
+
+def test_not_json_and_too_deep() -> None:
+    with pytest.raises(CodecError):
+        restore_cache({}, "{not json")
+    deep = "[" * 100_000 + "]" * 100_000
+    doc = f'{{"format":"{LAYERS_FORMAT}","version":{LAYERS_VERSION},"layers":{deep}}}'
+    with pytest.raises(CodecError):
+        restore_cache({}, doc)
+
+
+class _ForeignCache:
+    """A cache class outside the trusted packages: restore could never find it."""
+
+    @property
+    def state(self) -> Any:
+        return (mx.zeros((1,)), 0)
+
+
+def test_snapshot_refuses_what_restore_could_not_rebuild() -> None:
+    with pytest.raises(CodecError, match="not inside"):
+        snapshot_cache([_ForeignCache()])
+    c = L.ArraysCache(size=1)
+    c[0] = object()
+    with pytest.raises(CodecError, match="cannot encode"):
+        snapshot_cache([c])
+    with pytest.raises(CodecError, match="cannot read the state"):
+        snapshot_cache([V.QuantizedKVCache()])  # mlx-vlm: empty quantized state raises

@@ -1,0 +1,134 @@
+"""kvkeeper.fingerprint: a model directory's identity, from config, tokenizer and weight headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from kvkeeper.fingerprint import model_fingerprint
+
+
+def safetensors_bytes(shape: list[int], body: bytes | None = None) -> bytes:
+    """A valid safetensors file with one F32 tensor (body zero-filled unless given)."""
+    n = 4
+    for d in shape:
+        n *= d
+    header = json.dumps(
+        {
+            "w": {"dtype": "F32", "shape": shape, "data_offsets": [0, n]},
+            "__metadata__": {"format": "mlx"},
+        }
+    ).encode()
+    return struct.pack("<Q", len(header)) + header + (body if body is not None else bytes(n))
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    (d / "tokenizer_config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(safetensors_bytes([4, 8]))
+    (d / "README.md").write_text("a model")
+    return d
+
+
+def test_format_and_determinism(model: Path, tmp_path: Path) -> None:
+    fp = model_fingerprint(model)
+    assert re.fullmatch(r"m-[0-9a-f]{32}", fp)
+    assert model_fingerprint(str(model)) == fp
+    # Independent of the directory's location and of file times.
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(model, copy)
+    os.utime(copy / "config.json", (1, 1))
+    assert model_fingerprint(copy) == fp
+
+
+def test_config_and_tokenizer_changes_change_it(model: Path) -> None:
+    fp = model_fingerprint(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 9}))
+    fp_config = model_fingerprint(model)
+    assert fp_config != fp
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 1, "b": 0}}}))
+    assert model_fingerprint(model) not in (fp, fp_config)
+
+
+def test_weight_header_name_and_size_change_it(model: Path) -> None:
+    fp = model_fingerprint(model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(safetensors_bytes([8, 4]))  # same size, different header
+    fp_header = model_fingerprint(model)
+    assert fp_header != fp
+    weights.rename(model / "model-00001-of-00001.safetensors")
+    fp_name = model_fingerprint(model)
+    assert fp_name not in (fp, fp_header)
+    (model / "extra.bin").write_bytes(b"\0" * 10)
+    assert model_fingerprint(model) != fp_name
+
+
+def test_weight_bytes_and_other_files_do_not_matter(model: Path) -> None:
+    fp = model_fingerprint(model)
+    (model / "model.safetensors").write_bytes(safetensors_bytes([4, 8], body=b"\x7f" * 128))
+    (model / "README.md").write_text("edited")
+    (model / ".cache").mkdir()
+    (model / ".cache" / "tokenizer.json").write_text("hidden")
+    assert model_fingerprint(model) == fp
+
+
+def test_never_reads_weight_bodies(model: Path) -> None:
+    # A 64 GiB sparse weight file (header valid, body a hole) and one whose
+    # body is cut off: both fingerprint at once, because only headers are read.
+    big = model / "model.safetensors"
+    big.write_bytes(safetensors_bytes([4, 8]))
+    os.truncate(big, 64 << 30)
+    full = safetensors_bytes([1024, 1024])
+    (header_len,) = struct.unpack("<Q", full[:8])
+    (model / "model-2.safetensors").write_bytes(full[: 8 + header_len])  # 4 MiB body missing
+    t0 = time.perf_counter()
+    fp = model_fingerprint(model)
+    elapsed = time.perf_counter() - t0
+    assert re.fullmatch(r"m-[0-9a-f]{32}", fp)
+    assert elapsed < 2.0, f"fingerprint took {elapsed:.2f}s: it read weight data"
+
+
+def test_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        model_fingerprint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        model_fingerprint(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        model_fingerprint(tmp_path / "file")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x01\x02", struct.pack("<Q", 1 << 40) + b"{}", struct.pack("<Q", 50) + b"{}"],
+    ids=["empty", "short", "huge-length", "header-past-end"],
+)
+def test_broken_safetensors_header(model: Path, content: bytes) -> None:
+    (model / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match="safetensors"):
+        model_fingerprint(model)
+
+
+def test_symlinked_files_and_loops(model: Path, tmp_path: Path) -> None:
+    # A Hugging Face snapshot is a directory of symlinks into a blob store.
+    fp = model_fingerprint(model)
+    blobs = tmp_path / "blobs"
+    shutil.copytree(model, blobs)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for f in blobs.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (snapshot / "loop").symlink_to(snapshot, target_is_directory=True)
+    assert model_fingerprint(snapshot) == fp

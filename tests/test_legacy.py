@@ -1,0 +1,217 @@
+"""kvkeeper.client.legacy: the gezel schema-3 and mlx-lm prompt-cache files users already have.
+
+The fixtures in tests/data/legacy-formats were written by the formats' own
+writers; MANIFEST.json says what each must restore to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from kvkeeper.client.codec import CodecError, restore_cache, snapshot_cache
+from kvkeeper.client.legacy import (
+    GEZEL_SCHEMA3,
+    MLX_LM_PROMPT_CACHE,
+    LegacyCache,
+    decode_legacy,
+    detect_legacy,
+)
+
+from .tiny import arrays_from_snapshot
+
+ROOT = Path(__file__).parent / "data" / "legacy-formats"
+MANIFEST: dict[str, Any] = json.loads((ROOT / "MANIFEST.json").read_text())
+
+
+def load(rel: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    return mx.load(str(ROOT / rel), return_metadata=True)
+
+
+def digest(layers: list[Any]) -> list[list[Any]]:
+    """Every leaf of [layer.state ...] as MANIFEST.json records it."""
+    leaves: list[list[Any]] = []
+    for path, v in tree_flatten([c.state for c in layers]):
+        if isinstance(v, mx.array):
+            data = np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v).tobytes()
+            leaves.append([path, str(v.dtype), list(v.shape), hashlib.sha256(data).hexdigest()])
+        else:
+            leaves.append([path, "scalar", None, v])
+    return leaves
+
+
+def test_manifest_covers_every_fixture() -> None:
+    files = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.safetensors")}
+    assert files == set(MANIFEST) and len(files) == 12
+
+
+@pytest.mark.parametrize("rel", sorted(MANIFEST))
+def test_fixture_restores_to_manifest(rel: str) -> None:
+    want = MANIFEST[rel]
+    arrays, metadata = load(rel)
+    assert detect_legacy(metadata) == want["format"]
+    got = decode_legacy(arrays, metadata)
+    assert isinstance(got, LegacyCache) and got.format == want["format"]
+    assert [type(c).__name__ for c in got.layers] == want["classes"]
+    package = "mlx_vlm." if want["format"] == GEZEL_SCHEMA3 else "mlx_lm."
+    assert all(type(c).__module__.startswith(package) for c in got.layers)
+    assert digest(got.layers) == want["leaves"]
+    if want["format"] == GEZEL_SCHEMA3:
+        assert got.token_ids == want["token_ids"]
+        assert got.model_fingerprint == want["model_fingerprint"]
+        assert got.metadata == metadata
+    else:
+        assert got.format == MLX_LM_PROMPT_CACHE
+        assert got.token_ids is None and got.model_fingerprint is None
+        assert got.metadata == want["metadata"]
+
+
+@pytest.mark.parametrize("rel", ["gezel-schema3/fp-demo/kv.safetensors", "mlx-lm/kv.safetensors"])
+def test_decoded_cache_keeps_working(rel: str) -> None:
+    got = decode_legacy(*load(rel)).layers[0]
+    before = np.array(got.state[0].view(mx.uint16))[..., :37, :]
+    k = mx.ones((1, 2, 1, 64), dtype=mx.bfloat16)
+    keys, _ = got.update_and_fetch(k, k)
+    assert keys.shape == (1, 2, 38, 64) and got.offset == 38
+    assert np.array_equal(np.array(keys.view(mx.uint16))[..., :37, :], before)
+
+
+@pytest.mark.parametrize("rel", sorted(MANIFEST))
+def test_legacy_to_kvkeeper_roundtrip(rel: str) -> None:
+    # What an import does: decode the old file, snapshot, restore.
+    layers = decode_legacy(*load(rel)).layers
+    snap = snapshot_cache(layers)
+    again = restore_cache(arrays_from_snapshot(snap), snap.layers)
+    assert [type(c) for c in again] == [type(c) for c in layers]
+    for (p1, a), (p2, b) in zip(
+        tree_flatten([c.state for c in layers]), tree_flatten([c.state for c in again]), strict=True
+    ):
+        assert p1 == p2
+        if isinstance(a, mx.array):
+            # mlx-lm states carry spare capacity, which kvkeeper drops.
+            kept = a[..., : b.shape[-2], :] if a.ndim >= 2 else a
+            assert b.dtype == a.dtype and b.shape == kept.shape
+            assert mx.array_equal(b, kept).item()
+        else:
+            assert a == b
+
+
+def test_detect_rejects_other_metadata() -> None:
+    assert detect_legacy({}) is None
+    assert detect_legacy({"kvkeeper.layers": "{}"}) is None
+    assert detect_legacy({"schema_version": "2", "classes": "[]", "class_modules": "[]"}) is None
+    assert detect_legacy({"2.0": "", "1.0": "KVCache", "other": "x"}) is None
+    with pytest.raises(CodecError, match="not a known legacy"):
+        decode_legacy({}, {"format": "pt"})
+
+
+def _gezel(**changes: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    arrays, metadata = load("gezel-schema3/fp-demo/rotating.safetensors")
+    return arrays, {**metadata, **changes}
+
+
+def _mlx_lm(**changes: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    arrays, metadata = load("mlx-lm/cachelist.safetensors")
+    return arrays, {**metadata, **changes}
+
+
+HOSTILE = [
+    _gezel(classes='["system", "KVCache"]', class_modules='["os", "mlx_vlm.models.cache"]'),
+    _gezel(classes='["eval", "KVCache"]', class_modules='["builtins", "builtins"]'),
+    _gezel(classes='["KVCache", "mx"]'),
+    _gezel(
+        class_modules='["mlx_vlm.modelsX.cache", "mlx_lm.models.no_such_module"]',
+        classes='["Foo", "Bar"]',
+    ),
+    _gezel(classes='["__class__", "KVCache"]'),
+    _mlx_lm(**{"1.0": "os"}),
+    _mlx_lm(**{"1.0": "__builtins__"}),
+    _mlx_lm(**{"1.0": "tree_map"}),
+    _mlx_lm(**{"0.1.1": "system"}),  # user metadata does not name classes: still decodes
+]
+
+
+@pytest.mark.parametrize("case", range(len(HOSTILE)))
+def test_hostile_class_names_are_refused_without_imports(case: int) -> None:
+    arrays, metadata = HOSTILE[case]
+    before = set(sys.modules)
+    if case == len(HOSTILE) - 1:
+        decode_legacy(arrays, metadata)
+    else:
+        with pytest.raises(CodecError):
+            decode_legacy(arrays, metadata)
+    assert set(sys.modules) == before
+
+
+def test_hostile_cachelist_child_names_are_refused() -> None:
+    # mlx-lm CacheList names its children inside the state: ((state, name), ...).
+    arrays, metadata = load("mlx-lm/cachelist.safetensors")
+    scalar = next(k for k, v in metadata.items() if v == "0.0.1")
+    assert metadata[scalar[:-1] + "1"] == "string"
+    arrays = dict(arrays)
+    arrays["0.0.1"] = mx.array([ord(c) for c in "deque"])
+    with pytest.raises(CodecError, match="deque"):
+        decode_legacy(arrays, metadata)
+    # ... and mlx-vlm's in meta_state.
+    arrays, metadata = load("gezel-schema3/fp-demo/cachelist.safetensors")
+    meta = json.loads(metadata["meta_state"])
+    meta[0][0][0] = "create_causal_mask"
+    with pytest.raises(CodecError, match="create_causal_mask"):
+        decode_legacy(arrays, {**metadata, "meta_state": json.dumps(meta)})
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        _gezel(classes="[not json"),
+        _gezel(classes='["RotatingKVCache"]'),
+        _gezel(token_ids='["a"]'),
+        _gezel(state_scalars='{"0.0": 1}'),  # a path that is also an array
+        _gezel(meta_state='[["1"], ""]'),  # RotatingKVCache needs four meta values
+        _mlx_lm(**{"2.1.1": "pickle"}),
+        _mlx_lm(**{"2.9.0": "0.0.0.2"}),
+    ],
+)
+def test_broken_legacy_metadata_raises_codec_error(
+    broken: tuple[dict[str, mx.array], dict[str, str]],
+) -> None:
+    with pytest.raises(CodecError):
+        decode_legacy(*broken)
+
+
+def test_missing_array_raises_codec_error() -> None:
+    arrays, metadata = load("mlx-lm/kv.safetensors")
+    del arrays["0.2"]  # offset scalar
+    with pytest.raises(CodecError):
+        decode_legacy(arrays, metadata)
+
+
+def test_gezel_file_of_mlx_lm_caches() -> None:
+    # cache_persist could write mlx-lm caches (meta_state {} and the scalars in
+    # state_scalars) but not read them back (it called from_state(state, meta)).
+    arrays, _ = load("mlx-lm/kv.safetensors")
+    metadata = {
+        "schema_version": "3",
+        "classes": '["KVCache", "KVCache"]',
+        "class_modules": '["mlx_lm.models.cache", "mlx_lm.models.cache"]',
+        "meta_state": "[{}, {}]",
+        "state_scalars": '{"0.2": 37, "1.2": 37}',
+        "token_ids": "[1, 2, 3]",
+        "model_fingerprint": "fp-x",
+    }
+    arrays = {k: v for k, v in arrays.items() if k not in ("0.2", "1.2")}
+    got = decode_legacy(arrays, metadata)
+    assert got.format == GEZEL_SCHEMA3 and got.token_ids == [1, 2, 3]
+    assert digest(got.layers) == MANIFEST["mlx-lm/kv.safetensors"]["leaves"]
+    assert all(type(c).__module__ == "mlx_lm.models.cache" for c in got.layers)
+    assert not any("meta_state" in vars(c) for c in got.layers)
+    with pytest.raises(CodecError, match="no meta_state"):
+        decode_legacy(arrays, {**metadata, "meta_state": '[["1"], {}]'})

@@ -1,0 +1,127 @@
+"""Real, tiny MLX language models with random weights, for tests (no downloads).
+
+The models are the mlx-lm architectures themselves, shrunk until a prefill of a
+few dozen tokens takes milliseconds on a CPU, so codec tests can check the one
+thing that matters: a restored cache makes the model produce the very same
+logits and tokens as the cache it was saved from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map_with_path
+from mlx_lm.models import lfm2, llama
+
+VOCAB = 1000
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _finish(model: _M, dtype: mx.Dtype) -> _M:
+    # With default init the (tied) embedding dominates the residual stream and
+    # greedy decoding just repeats the input token, which would make "same
+    # tokens after restore" a toothless check. Louder projections make the
+    # output depend on the attention over the cache.
+    model.update(
+        tree_map_with_path(
+            lambda path, p: p * 4 if p.ndim == 2 and "embed" not in path else p,
+            model.parameters(),
+        )
+    )
+    # bf16 is what real caches hold; it exercises the codec's odd-format path.
+    model.set_dtype(dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> llama.Model:
+    """A 4-layer llama (hidden 256, 4 heads, 2 kv heads, head dim 64) with random weights."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+    )
+    return _finish(llama.Model(args), dtype)
+
+
+def tiny_lfm2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> lfm2.Model:
+    """A 4-layer LFM2 hybrid: conv layers keep an ArraysCache, attention layers a KVCache."""
+    mx.random.seed(seed)
+    args = lfm2.ModelArgs(
+        model_type="lfm2",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=128,
+        block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        block_ff_dim=256,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    )
+    return _finish(lfm2.Model(args), dtype)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """n deterministic token ids in the tiny vocabulary."""
+    return [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, n)]
+
+
+def prefill(model: nn.Module, tokens: Sequence[int], cache: list[Any]) -> mx.array:
+    """Run the prompt through the model into `cache`; return the last position's logits."""
+    logits = model(mx.array([list(tokens)]), cache=cache)[0, -1]
+    mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+def greedy_decode(model: nn.Module, cache: list[Any], first_token: int, n: int) -> list[int]:
+    """Feed `first_token`, then n-1 argmax tokens, one step at a time; return the n argmax tokens.
+
+    Every step is evaluated before the next one, like a real generation loop,
+    so MLX gets the chance to update cache buffers in place.
+    """
+    out: list[int] = []
+    token = first_token
+    for _ in range(n):
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        mx.eval(logits)
+        token = int(mx.argmax(logits).item())
+        out.append(token)
+    return out
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def arrays_from_snapshot(snapshot: Any) -> dict[str, mx.array]:
+    """Rebuild a CacheSnapshot's tensors as fresh MLX arrays (copies of the joined runs).
+
+    What a reader gets back from the file the daemon writes, without the daemon.
+    """
+    from kvkeeper.client.codec import mlx_dtype
+
+    out: dict[str, mx.array] = {}
+    for t in snapshot.tensors:
+        dtype = mlx_dtype(t.dtype)
+        raw = np.frombuffer(b"".join(t.runs), dtype=_UINT[dtype.size]).copy()
+        out[t.name] = mx.array(raw).view(dtype).reshape(t.shape)
+    return out
