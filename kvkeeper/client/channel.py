@@ -31,6 +31,11 @@ from kvkeeper.protocol import messages as m
 log = logging.getLogger("kvkeeper.client")
 
 Frames = Sequence[bytes | memoryview]
+#: ZeroMQ's send queue counts messages; keep well under its high-water mark so
+#: that a save, once started, never meets a full queue half way (many tiny
+#: saves could otherwise fit the byte budget but not the queue).
+_SNDHWM = 100_000
+_MAX_INFLIGHT_MESSAGES = _SNDHWM // 2
 
 
 class DaemonUnavailable(ConnectionError):
@@ -75,6 +80,7 @@ class Channel:
         self._outbox: deque[_Save | _Request] = deque()
         self._waiting: dict[int, _Request] = {}
         self._inflight_bytes = 0
+        self._inflight_messages = 0
         self._req_ids = itertools.count(1)
         self._save_ids = itertools.count(1)
         self._closing = threading.Event()
@@ -97,16 +103,18 @@ class Channel:
     def next_req_id(self) -> int:
         return next(self._req_ids)
 
-    def reserve(self, nbytes: int) -> bool:
-        """Take ``nbytes`` of the in-flight budget, or return False."""
+    def reserve(self, nbytes: int, nmessages: int) -> bool:
+        """Take room for one save in the in-flight budget, or return False."""
         with self._lock:
-            if self._inflight_bytes + nbytes > self.max_inflight_bytes:
+            if (self._inflight_bytes + nbytes > self.max_inflight_bytes
+                    or self._inflight_messages + nmessages > _MAX_INFLIGHT_MESSAGES):
                 return False
             self._inflight_bytes += nbytes
+            self._inflight_messages += nmessages
             return True
 
     def send_save(self, messages: list[list[bytes | memoryview]], nbytes: int) -> None:
-        """Queue a save whose bytes were reserved; never blocks."""
+        """Queue a save whose room was reserved; never blocks."""
         self._push(_Save(messages, nbytes))
 
     def request(self, make: Callable[[int], m.Request], timeout: float) -> m.Reply:
@@ -161,9 +169,8 @@ class Channel:
         sock.setsockopt(zmq.LINGER, 0)
         # No daemon, no queueing: a send fails at once instead of piling up.
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        # The byte budget bounds what is queued; this only has to be large enough
-        # for a budget's worth of few-MiB messages.
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        # The in-flight budget (bytes and messages) bounds what is queued.
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
         # Track every frame for real: below the threshold pyzmq would copy it and
         # report it sent at once, releasing its reservation early.
         sock.copy_threshold = 0
@@ -177,7 +184,7 @@ class Channel:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        trackers: deque[tuple[zmq.MessageTracker, int]] = deque()
+        trackers: deque[tuple[zmq.MessageTracker, _Save]] = deque()
         try:
             while not self._closing.is_set():
                 # Poll briefly while sends are in flight so their bytes are released soon.
@@ -194,7 +201,8 @@ class Channel:
                     self._receive(sock)
                 self._send_outbox(sock, trackers)
                 while trackers and trackers[0][0].done:
-                    self._release(trackers.popleft()[1])
+                    save = trackers.popleft()[1]
+                    self._release(save.nbytes, len(save.messages))
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -242,7 +250,9 @@ class Channel:
             elif isinstance(reply, m.Error):
                 log.warning("event=daemon_error code=%s message=%s", reply.code, reply.message)
 
-    def _send_outbox(self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, int]]) -> None:
+    def _send_outbox(
+        self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, _Save]]
+    ) -> None:
         while True:
             with self._lock:
                 if not self._outbox:
@@ -256,9 +266,9 @@ class Channel:
                 continue
             tracker = self._send_save(sock, item)
             if tracker is None:
-                self._release(item.nbytes)
+                self._release(item.nbytes, len(item.messages))
             else:
-                trackers.append((tracker, item.nbytes))
+                trackers.append((tracker, item))
 
     def _send_save(self, sock: zmq.Socket, save: _Save) -> zmq.MessageTracker | None:
         last = len(save.messages) - 1
@@ -278,6 +288,7 @@ class Channel:
         self.counters.bytes_sent += save.nbytes
         return tracker
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, nmessages: int) -> None:
         with self._lock:
             self._inflight_bytes -= nbytes
+            self._inflight_messages -= nmessages

@@ -144,10 +144,11 @@ class Client:
         if limit is not None and snap.nbytes > limit:
             return self._drop("too_large", f"a save of {snap.nbytes} bytes exceeds the daemon's "
                                            f"limit of {limit} (--max-pending-bytes)")
-        if not self._channel.reserve(snap.nbytes):
+        messages = self._messages(model, cache_id, snap, token_ids, meta)
+        if not self._channel.reserve(snap.nbytes, len(messages)):
             return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
                                           f"flight (max_inflight_bytes)")
-        self._channel.send_save(self._messages(model, cache_id, snap, token_ids, meta), snap.nbytes)
+        self._channel.send_save(messages, snap.nbytes)
         return True
 
     def _messages(
