@@ -190,8 +190,14 @@ def test_wrong_model_and_corrupt_file_are_clean_misses(model, client: Client) ->
     got.path.write_bytes(bytes(data))
     with safe_open(str(got.path), "numpy") as f:
         assert f.keys()  # the oracle still opens it
+    assert client.load(FP, "corrupt", verify=False) is not None  # unchecked, it is served
     assert client.load(FP, "corrupt") is None
-    assert client.load(FP, "corrupt", verify=False) is not None
+    # The bad file was moved aside by the daemon, so it is never served again.
+    assert not got.path.exists()
+    moved = list((client.root / "quarantine").iterdir())
+    assert len(moved) == 1 and moved[0].read_bytes() == bytes(data)
+    assert client.stats()["files_quarantined"] == 1
+    assert client.load(FP, "corrupt", verify=False) is None
 
 
 def test_daemon_down_save_drops_fast_and_load_reads_the_file(model, short_dir: Path) -> None:

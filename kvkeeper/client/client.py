@@ -239,11 +239,30 @@ class Client:
                 return None
         if path is None:
             return None
+        for attempt in range(2):
+            try:
+                ident = os.lstat(path)
+                return read_cache_file(path, verify=verify, model=model, cache_id=cache_id)
+            except FileNotFoundError:
+                return None  # deleted since the daemon answered
+            except CacheFileError as exc:
+                if not exc.damaged and attempt == 0 and "replaced" in str(exc):
+                    continue
+                log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
+                if exc.damaged:
+                    self._report_damaged(model, cache_id, ident, str(exc))
+                return None
+        return None
+
+    def _report_damaged(self, model: str, cache_id: str, ident: os.stat_result,
+                        reason: str) -> None:
+        """Ask the daemon to move a bad file aside (it is the only writer)."""
         try:
-            return read_cache_file(path, verify=verify, model=model, cache_id=cache_id)
-        except CacheFileError as exc:
-            log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
-            return None
+            self._request(lambda req: m.Quarantine(
+                v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
+                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
+        except (DaemonUnavailable, DaemonError) as exc:
+            log.info("event=quarantine_not_done model=%s id=%s error=%s", model, cache_id, exc)
 
     # ------------------------------------------------------------ the rest
 

@@ -24,7 +24,17 @@ log = logging.getLogger("kvkeeper.client")
 
 
 class CacheFileError(Exception):
-    """A file that cannot give back a usable cache; the message says why."""
+    """A file that cannot give back a usable cache; the message says why.
+
+    ``damaged`` is True when the file itself is bad (unreadable, failed checksum,
+    another model's or another id's file) and can never be served for its key;
+    False when the file may be fine but cannot be used here and now (a cache
+    class this process cannot import, or the file was replaced mid-read).
+    """
+
+    def __init__(self, message: str, *, damaged: bool = True) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 @dataclass
@@ -76,7 +86,7 @@ def read_cache_file(
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         raise CacheFileError(f"{path}: MLX cannot read it: {exc}") from None
     if meta != header.metadata:
-        raise CacheFileError(f"{path}: replaced while being read; try again")
+        raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False)
     if meta.get(st.FORMAT_KEY) == st.FORMAT:
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
     from kvkeeper.client.legacy import decode_legacy, detect_legacy
@@ -87,7 +97,7 @@ def read_cache_file(
     try:
         legacy = decode_legacy(arrays, meta)
     except CodecError as exc:
-        raise CacheFileError(f"{path}: {exc}") from None
+        raise CacheFileError(f"{path}: {exc}", damaged=False) from None
     if model is not None and legacy.model_fingerprint not in (None, model):
         raise CacheFileError(
             f"{path}: saved for model {legacy.model_fingerprint!r}, not {model!r}"
@@ -133,11 +143,17 @@ def _kvkeeper_file(
     if verify:
         _verify(path, header, arrays)
     try:
-        layers = restore_cache(arrays, meta[st.LAYERS_KEY])
         token_ids = msgspec.json.decode(meta.get(st.TOKENS_KEY, "null"), type=list[int] | None)
         user = msgspec.json.decode(meta.get(st.USER_KEY, "{}"), type=dict[str, str])
-    except (CodecError, KeyError, msgspec.DecodeError) as exc:
-        raise CacheFileError(f"{path}: {type(exc).__name__}: {exc}") from None
+        layers_json = meta[st.LAYERS_KEY]
+    except (KeyError, msgspec.DecodeError) as exc:
+        raise CacheFileError(f"{path}: bad metadata: {type(exc).__name__}: {exc}") from None
+    try:
+        layers = restore_cache(arrays, layers_json)
+    except CodecError as exc:
+        # Checksums passed (or were skipped): the bytes are what was saved, but
+        # this process cannot rebuild them (e.g. a class it cannot import).
+        raise CacheFileError(f"{path}: {exc}", damaged=False) from None
     return LoadedCache(
         cache=layers,
         token_ids=token_ids,

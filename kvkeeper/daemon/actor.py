@@ -70,7 +70,12 @@ class SaveJob(Job):
 
 @dataclass(eq=False)
 class DeleteJob(Job):
+    """Delete an entry; or, with ``reason`` set, move its unusable file aside."""
+
     existed: bool = False
+    reason: str | None = None
+    ino: int | None = None
+    mtime_ns: int | None = None
 
 
 @dataclass
@@ -166,7 +171,7 @@ class WriterActor:
         except anyio.WouldBlock:
             return "busy", "the writer's mailbox is full"
         old = self._waiting.get(job.key)
-        if old is not None:
+        if old is not None and job.reason is None:
             self._resolve(old, Outcome.SUPERSEDED)
         self._enqueued(job)
         return None
@@ -211,8 +216,15 @@ class WriterActor:
     async def _delete(self, job: DeleteJob) -> None:
         model, cache_id = job.key
         try:
-            job.existed = await anyio.to_thread.run_sync(self.store.delete, model, cache_id)
-            self.stats.inc("deletes")
+            if job.reason is None:
+                job.existed = await anyio.to_thread.run_sync(self.store.delete, model, cache_id)
+                self.stats.inc("deletes")
+            else:
+                moved = await anyio.to_thread.run_sync(
+                    self.store.quarantine, model, cache_id, job.ino, job.mtime_ns, job.reason
+                )
+                job.existed = moved is not None
+                self.stats.inc("files_quarantined", int(job.existed))
             self._resolve(job, Outcome.DELETED)
         except OSError as exc:
             log.error("event=delete_failed model=%s id=%s error=%s", model, cache_id, exc)
@@ -228,7 +240,9 @@ class WriterActor:
         pending: PendingFile | None = None
         try:
             header = job.layout.header(job.metadata)
-            pending = await anyio.to_thread.run_sync(self.store.begin, model, cache_id, header)
+            pending = await anyio.to_thread.run_sync(
+                self.store.begin, model, cache_id, header, job.total
+            )
             hasher = TensorHasher(job.layout.sizes)
             written = 0
             while True:

@@ -110,6 +110,12 @@ class Server:
                         self._error(peer, msg, *refusal)
                     else:
                         self.tg.start_soon(self._deleted, peer, msg.req, job)
+            case m.Quarantine():
+                key = self._key(peer, msg)
+                if key is not None:
+                    self._quarantine(peer, msg.req, DeleteJob(
+                        key=key, peer=peer, reason=msg.reason, ino=msg.ino,
+                        mtime_ns=msg.mtime_ns))
             case m.ListEntries():
                 if msg.model is not None and self._check(peer, msg, msg.model, "model") is None:
                     return
@@ -197,6 +203,9 @@ class Server:
         await self.actor.settled(key)  # read-your-writes
         path = self.store.find(*key)
         self.stats.inc("loads_found" if path else "loads_missing")
+        if path is None and os.path.lexists(self.store.path_for(*key)):
+            # A directory or symlink where the entry's file should be.
+            self._quarantine(None, req, DeleteJob(key=key, peer=b"", reason="not a regular file"))
         self._reply(peer, m.Found(v=m.PROTOCOL_VERSION, req=req,
                                   path=str(path) if path else None))
 
@@ -224,7 +233,17 @@ class Server:
 
     # ------------------------------------------------------------ helpers
 
-    def _key(self, peer: bytes, msg: m.SaveBegin | m.Load | m.Delete) -> Key | None:
+    def _quarantine(self, peer: bytes | None, req: int, job: DeleteJob) -> None:
+        refusal = self.actor.submit_delete(job)
+        if refusal is not None:
+            log.warning("event=quarantine_refused reason=%s", refusal[1])
+            if peer is not None:
+                self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code=refusal[0],
+                                          message=refusal[1]))
+        elif peer is not None:
+            self.tg.start_soon(self._deleted, peer, req, job)
+
+    def _key(self, peer: bytes, msg: m.SaveBegin | m.Load | m.Delete | m.Quarantine) -> Key | None:
         model = self._check(peer, msg, msg.model, "model")
         cache_id = self._check(peer, msg, msg.cache_id, "cache id")
         if model is None or cache_id is None:

@@ -17,6 +17,7 @@ COUNTERS = (
     "loads_found",
     "loads_missing",
     "deletes",
+    "files_quarantined",
     "protocol_errors",
     "internal_errors",
     "forbidden_peers",

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvkeeper.daemon import faults
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import (
     CACHE_ID_KEY,
@@ -33,6 +34,7 @@ from kvkeeper.protocol.safetensors import (
 log = logging.getLogger("kvkeeper.store")
 
 TMP_SUFFIX = ".tmp"
+QUARANTINE_DIR = "quarantine"
 _IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
 _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
 _counter = itertools.count()
@@ -83,12 +85,14 @@ def write_all(fd: int, bufs: Sequence[memoryview | bytes]) -> int:
 class PendingFile:
     """A new version of one entry, written to a tmp file beside the target."""
 
-    def __init__(self, final: Path, header: bytes) -> None:
+    def __init__(self, final: Path, header: bytes, data_bytes: int = 0) -> None:
         self.final = final
         self.tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self._fd: int | None = os.open(self.tmp, flags, 0o600)
+        faults.crash_point("tmp_created")
         self.nbytes = 0
+        self._half = len(header) + data_bytes // 2
         try:
             self.append([header])
         except BaseException:
@@ -97,7 +101,20 @@ class PendingFile:
 
     def append(self, bufs: Sequence[memoryview | bytes]) -> None:
         assert self._fd is not None
+        if faults.ACTIVE:
+            bufs = self._faulty(bufs)
         self.nbytes += write_all(self._fd, bufs)
+
+    def _faulty(self, bufs: Sequence[memoryview | bytes]) -> Sequence[memoryview | bytes]:
+        n = sum(len(b) for b in bufs)
+        faults.slow_write(n)
+        if faults.ACTIVE.get("crash_at") == "half_written" and self.nbytes < self._half <= self.nbytes + n:
+            # Write exactly up to the middle of the data, then die.
+            flat = b"".join(bytes(b) for b in bufs)[: self._half - self.nbytes]
+            assert self._fd is not None
+            write_all(self._fd, [flat])
+            faults.crash_point("half_written")
+        return bufs
 
     def commit(self, header: bytes) -> None:
         """Put the final header in place, then fsync -> rename -> fsync(dir).
@@ -108,14 +125,19 @@ class PendingFile:
             off = 0
             while off < len(view):
                 off += os.pwrite(self._fd, view[off:], off)
-            full_fsync(self._fd)
+            if not faults.skip("no_fsync"):
+                full_fsync(self._fd)
+            faults.crash_point("fsynced")
             os.close(self._fd)
             self._fd = None
             os.rename(self.tmp, self.final)
         except BaseException:
             self.abort()
             raise
-        fsync_dir(self.final.parent)
+        faults.crash_point("renamed")
+        if not faults.skip("no_dir_fsync"):
+            fsync_dir(self.final.parent)
+        faults.crash_point("dir_fsynced")
 
     def abort(self) -> None:
         if self._fd is not None:
@@ -186,9 +208,9 @@ class Store:
         return removed
 
     # -- put / find / delete
-    def begin(self, model: str, cache_id: str, header: bytes) -> PendingFile:
+    def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
         self._model_dir(model)
-        return PendingFile(self.path_for(model, cache_id), header)
+        return PendingFile(self.path_for(model, cache_id), header, data_bytes)
 
     def find(self, model: str, cache_id: str) -> Path | None:
         """The entry's file if it is a regular file (never through a symlink)."""
@@ -212,6 +234,29 @@ class Store:
         self._last_used.pop(path, None)
         fsync_dir(path.parent)
         return True
+
+    def quarantine(
+        self, model: str, cache_id: str, ino: int | None, mtime_ns: int | None, reason: str
+    ) -> Path | None:
+        """Move an entry's unusable file (or whatever non-file sits at its path) to
+        ``<root>/quarantine/``, unless it was replaced since it was judged
+        (``ino``/``mtime_ns`` differ). Returns where it went."""
+        path = self.path_for(model, cache_id)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if ino is not None and (st.st_ino, st.st_mtime_ns) != (ino, mtime_ns):
+            return None  # a newer version took its place: keep it
+        qdir = self.root / QUARANTINE_DIR
+        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        dest = qdir / f"{path.parent.name}.{path.name}.{time.time_ns()}"
+        os.rename(path, dest)
+        self._last_used.pop(path, None)
+        fsync_dir(path.parent)
+        log.warning("event=quarantined model=%s id=%s reason=%s moved_to=%s",
+                    model, cache_id, reason, dest)
+        return dest
 
     def entries(self, model: str | None = None) -> list[StoredEntry]:
         """Every readable entry, from headers only (no tensor bytes are read)."""

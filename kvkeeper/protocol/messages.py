@@ -104,13 +104,27 @@ class GetStats(_Msg, tag="stats"):
     req: int
 
 
+class Quarantine(_Msg, tag="quarantine"):
+    """The client found the file of an entry unusable (``reason``): move it aside,
+    if it is still the file the client read (same inode and mtime)."""
+
+    req: int
+    model: _Id
+    cache_id: _Id
+    ino: int
+    mtime_ns: int
+    reason: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
 class Flush(_Msg, tag="flush"):
     """Answered once every save this client sent before it is resolved."""
 
     req: int
 
 
-Request = Ping | SaveBegin | SaveData | Load | Delete | ListEntries | GetStats | Flush
+Request = (
+    Ping | SaveBegin | SaveData | Load | Delete | ListEntries | GetStats | Flush | Quarantine
+)
 
 
 # ---------------------------------------------------------------- daemon -> client
@@ -141,6 +155,8 @@ class Found(_Msg, tag="found"):
 
 
 class Deleted(_Msg, tag="deleted"):
+    """Answer to Delete (``existed``) and to Quarantine (``existed``: moved aside)."""
+
     req: int
     existed: bool
 

@@ -1,0 +1,46 @@
+"""Fault injection for the reliability tests: off unless a test asks for it.
+
+``KVKEEPER_TEST_FAULTS`` holds comma-separated ``name=value`` pairs, read once
+at import. Nothing here runs in a normal daemon: every hook is a dictionary
+lookup that finds nothing.
+
+- ``crash_at=POINT``: SIGKILL the daemon at a point of a durable replace:
+  ``tmp_created``, ``half_written``, ``fsynced``, ``renamed``, ``dir_fsynced``.
+- ``write_delay=S``: sleep S seconds per MiB written (a slow disk).
+- ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
+  power-cut test: they must show loss).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV = "KVKEEPER_TEST_FAULTS"
+CRASH_POINTS = ("tmp_created", "half_written", "fsynced", "renamed", "dir_fsynced")
+
+
+def _parse(text: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        out[name] = value
+    return out
+
+
+ACTIVE: dict[str, str] = _parse(os.environ.get(ENV, ""))
+
+
+def crash_point(point: str) -> None:
+    if ACTIVE and ACTIVE.get("crash_at") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skip(flag: str) -> bool:
+    return bool(ACTIVE) and ACTIVE.get(flag) == "1"
+
+
+def slow_write(nbytes: int) -> None:
+    if ACTIVE and "write_delay" in ACTIVE:
+        time.sleep(float(ACTIVE["write_delay"]) * nbytes / 2**20)
