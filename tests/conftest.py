@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,19 +97,61 @@ def client(daemon: RunningDaemon) -> Iterator[Client]:
         kv.close()
 
 
-def serve_process(root: Path, socket: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """``kvkeeper serve`` as a real subprocess; returns once it answers a ping."""
+def ping(socket: Path, timeout: float = 1.0) -> bool:
+    """Whether a daemon answers on ``socket`` within ``timeout`` seconds."""
+    import zmq
+
+    from kvkeeper.protocol import messages as m
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(f"ipc://{socket}")
+        s.send(m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=1)))
+        if not s.poll(int(timeout * 1000)):
+            return False
+        return isinstance(m.decode_reply(s.recv()), m.Pong)
+    finally:
+        s.close(linger=0)
+        ctx.term()
+
+
+def serve_process(
+    root: Path,
+    socket: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    prefix: tuple[str, ...] = (),
+    preexec_fn: object = None,
+) -> subprocess.Popen[bytes]:
+    """``kvkeeper serve`` as a real subprocess; returns once it answers a ping.
+
+    Its log goes to ``<socket dir>/../serve-<n>.log`` (``proc.log_path``), never
+    to a pipe nobody reads."""
+    log_path = socket.parent.parent / f"serve-{time.monotonic_ns()}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root),
+        [*prefix, sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root),
          "--socket", str(socket), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        preexec_fn=preexec_fn,  # type: ignore[arg-type]
     )
+    log.close()
+    proc.log_path = log_path  # type: ignore[attr-defined]
     deadline = time.monotonic() + WAIT
-    while not socket.exists():
+    while not (socket.exists() and ping(socket, 0.5)):
         if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"kvkeeper serve exited {proc.returncode}: {err.decode()}")
-        assert time.monotonic() < deadline, "kvkeeper serve did not bind"
-        time.sleep(0.02)
+            raise AssertionError(f"kvkeeper serve exited {proc.returncode}: "
+                                 f"{log_path.read_text(errors='replace')}")
+        assert time.monotonic() < deadline, "kvkeeper serve did not answer"
+        time.sleep(0.05)
     return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(WAIT)

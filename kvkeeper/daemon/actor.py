@@ -325,6 +325,10 @@ class WriterActor:
                 del self._by_peer[job.peer]
         job.done.set()
 
+    def unfinished(self) -> list[Key]:
+        """Keys with a job not yet finished (for the drain-timeout log)."""
+        return list(self._latest)
+
     def gauges(self) -> dict[str, float]:
         return {
             "pending_bytes": float(self.pending_bytes),

@@ -72,7 +72,8 @@ class _Lock:
 
 class Daemon:
     """One daemon. ``run()`` blocks until stopped (SIGTERM/SIGINT or ``stop()``)
-    and returns the process exit code."""
+    and returns the process exit code: 0 once every received save is written,
+    1 when the drain timeout left some unwritten (each is logged by key)."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
@@ -148,7 +149,7 @@ class Daemon:
                     tg.start_soon(self._signals)
                 self.ready.set()
                 await self._stop.wait()
-                await self._drain(actor)
+                drained = await self._drain(actor)
                 tg.cancel_scope.cancel()
         finally:
             sock.close(linger=0)
@@ -157,7 +158,7 @@ class Daemon:
                 sock_path.unlink()
             except FileNotFoundError:
                 pass
-        return 0
+        return 0 if drained else 1
 
     async def _signals(self) -> None:
         assert self._stop is not None
@@ -167,15 +168,18 @@ class Daemon:
                 self._stop.set()
                 return
 
-    async def _drain(self, actor: WriterActor) -> None:
-        """Refuse new saves, let the writer finish every save already received."""
+    async def _drain(self, actor: WriterActor) -> bool:
+        """Refuse new saves, let the writer finish every save already received.
+        Returns False when the drain timeout cut it short."""
         actor.stop_accepting()
         log.info("event=draining pending_bytes=%d", actor.pending_bytes)
         with anyio.move_on_after(self.cfg.drain_timeout):
             await actor.finished.wait()
-        if not actor.finished.is_set():
-            current = actor.current
-            log.error("event=drain_timeout seconds=%.1f unfinished=%s pending_bytes=%d",
-                      self.cfg.drain_timeout, getattr(current, "key", None), actor.pending_bytes)
-        else:
+        if actor.finished.is_set():
             log.info("event=drained")
+            return True
+        for model, cache_id in actor.unfinished():
+            log.error("event=not_saved_at_exit model=%s id=%s", model, cache_id)
+        log.error("event=drain_timeout seconds=%.1f pending_bytes=%d",
+                  self.cfg.drain_timeout, actor.pending_bytes)
+        return False

@@ -1,0 +1,73 @@
+"""Shared pieces of the reliability tests: caches with a recognisable content,
+and a check that a stored entry is whole and is one of the versions sent."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import kvkeeper
+
+FP = "fault-model"
+MiB = 2**20
+_TOKEN_BYTES_PER_LAYER = 8 * 128 * 2 * 2  # 8 kv heads x dim 128 x bf16 x (keys, values)
+
+
+def filled(mib: float, version: int, layers: int = 4) -> list[KVCache]:
+    """A cache of about ``mib`` MiB whose every element is ``version % 256``
+    (exact in bf16), so a loaded file tells which version it holds."""
+    tokens = max(1, int(mib * MiB / (_TOKEN_BYTES_PER_LAYER * layers)))
+    out = []
+    for _ in range(layers):
+        c = KVCache()
+        x = mx.full((1, 8, tokens, 128), float(version % 256), dtype=mx.bfloat16)
+        c.update_and_fetch(x, x)
+        out.append(c)
+    return out
+
+
+def version_of(path: Path, model: str = FP) -> int:
+    """Open an entry with checksums verified; return the version it holds,
+    after checking every element agrees with its token ids."""
+    got = kvkeeper.read_cache_file(path, model=model)
+    assert got.token_ids is not None and len(got.token_ids) == 1
+    v = got.token_ids[0]
+    for layer in got.cache:
+        k, val = layer.state[:2]
+        assert mx.all(k == v % 256).item() and mx.all(val == v % 256).item(), path
+    return v
+
+
+def entry_path(root: Path, cache_id: str, model: str = FP) -> Path:
+    from kvkeeper.protocol import naming
+
+    return root / naming.SESSIONS_DIR / naming.entry_relpath(model, cache_id)
+
+
+def tmp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def need_linux_root() -> None:
+    """Fault injection with mounts and libfiu needs Linux and root (CI has both)."""
+    if sys.platform != "linux":
+        pytest.skip("fault injection by mount/libfiu exists on Linux only")
+    assert os.geteuid() == 0, "these fault tests need root (CI runs as root)"
+
+
+def limit_file_size(nbytes: int):  # type: ignore[no-untyped-def]
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return apply
+
+
+def run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)

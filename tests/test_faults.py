@@ -1,0 +1,240 @@
+"""Crashes, kills, drains, full disks and I/O errors: nothing is lost or torn.
+
+Each test drives a real daemon (mostly ``kvkeeper serve`` as a subprocess, so
+it can be killed) with real MLX caches, and checks the files with kvkeeper's
+verifying reader, whose checksums catch what safetensors readers accept.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvkeeper.client.client import Client
+from kvkeeper.daemon.faults import CRASH_POINTS, ENV
+
+from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .faultkit import (
+    FP,
+    entry_path,
+    filled,
+    limit_file_size,
+    need_linux_root,
+    run,
+    tmp_files,
+    version_of,
+)
+
+
+def paths(short_dir: Path) -> tuple[Path, Path]:
+    return short_dir / "root", short_dir / "run" / "kv.sock"
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_sigkill_at_each_step_of_a_replace(short_dir: Path, point: str) -> None:
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock)
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save(FP, "k", filled(2, 1), [1])
+        assert kv.flush(timeout=WAIT)
+    assert stop_process(proc) == 0
+
+    proc = serve_process(root, sock, env={ENV: f"crash_at={point}"})
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save(FP, "k", filled(2, 2), [2])
+        assert proc.wait(WAIT) == -signal.SIGKILL
+    if point in ("tmp_created", "half_written", "fsynced"):
+        assert tmp_files(root), "the kill should have left its tmp file behind"
+
+    # Restart: it binds again (the dead daemon's lock is gone with it), sweeps
+    # the tmp file, and the key holds the whole old or the whole new version.
+    proc = serve_process(root, sock)
+    try:
+        assert tmp_files(root) == []
+        expected = 2 if point in ("renamed", "dir_fsynced") else 1
+        assert version_of(entry_path(root, "k")) == expected
+        with Client(sock, timeout=WAIT) as kv:
+            got = kv.load(FP, "k")
+            assert got is not None and got.token_ids == [expected]
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_random_kill_soak(short_dir: Path) -> None:
+    """Saves of varied sizes to a few keys, SIGKILL at random moments, restart.
+    KVKEEPER_SOAK_KILLS=30 (and KVKEEPER_SOAK_MAX_MIB=64) for the long run."""
+    kills = int(os.environ.get("KVKEEPER_SOAK_KILLS", "5"))
+    max_mib = float(os.environ.get("KVKEEPER_SOAK_MAX_MIB", "16"))
+    rng = random.Random(20261130)
+    root, sock = paths(short_dir)
+    keys = ["alpha", "beta", "gamma"]
+    sent: dict[str, set[int]] = {k: set() for k in keys}
+    confirmed: dict[str, int] = {k: 0 for k in keys}
+    version = 0
+    survived = 0
+
+    def check_store() -> None:
+        assert tmp_files(root) == []
+        for key in keys:
+            path = entry_path(root, key)
+            if not path.exists():
+                assert confirmed[key] == 0, f"{key}: confirmed v{confirmed[key]} lost"
+                continue
+            v = version_of(path)
+            assert v in sent[key], f"{key}: holds v{v}, never sent"
+            assert v >= confirmed[key], f"{key}: v{v} older than confirmed v{confirmed[key]}"
+
+    for _ in range(kills):
+        proc = serve_process(root, sock)
+        check_store()
+        killer = threading.Timer(rng.uniform(0.3, 1.5), proc.kill)
+        killer.start()
+        try:
+            with Client(sock, timeout=5) as kv:
+                while proc.poll() is None:
+                    key = rng.choice(keys)
+                    version += 1
+                    if kv.save(FP, key, filled(rng.uniform(1, max_mib), version), [version]):
+                        sent[key].add(version)
+                    if rng.random() < 0.3:
+                        snapshot = {k: max(sent[k], default=0) for k in keys}
+                        try:
+                            if kv.flush(timeout=5):
+                                confirmed.update(snapshot)
+                        except Exception:  # noqa: BLE001 - the kill can land mid-flush
+                            pass
+        finally:
+            killer.cancel()
+            proc.kill()
+            proc.wait(WAIT)
+        survived += 1
+    proc = serve_process(root, sock)
+    try:
+        check_store()
+        assert any(confirmed.values()), "the soak confirmed nothing: it tested nothing"
+    finally:
+        stop_process(proc)
+    assert survived == kills
+
+
+def wait_received(sock: Path, n: int) -> None:
+    with Client(sock, timeout=WAIT) as kv:
+        deadline = time.monotonic() + WAIT
+        while kv.stats()["saves_received"] < n:
+            assert time.monotonic() < deadline, "daemon never received the saves"
+            time.sleep(0.02)
+
+
+def test_sigterm_writes_every_received_save(short_dir: Path) -> None:
+    root, sock = paths(short_dir)
+    # A slow disk (20 ms per MiB) keeps saves queued when SIGTERM arrives.
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.02"})
+    with Client(sock, timeout=WAIT) as kv:
+        for i in range(6):
+            assert kv.save(FP, f"q{i}", filled(4, i + 1), [i + 1])
+    wait_received(sock, 6)
+    t0 = time.monotonic()
+    assert stop_process(proc) == 0
+    assert time.monotonic() - t0 < 20  # the default drain timeout
+    for i in range(6):
+        assert version_of(entry_path(root, f"q{i}")) == i + 1
+    assert not sock.exists()
+
+
+def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock, "--drain-timeout", "0.5", env={ENV: "write_delay=0.25"})
+    with Client(sock, timeout=WAIT) as kv:
+        for i in range(4):
+            assert kv.save(FP, f"slow{i}", filled(4, i + 1), [i + 1])
+    wait_received(sock, 4)
+    assert stop_process(proc) == 1  # not everything was written: say so
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    unsaved = [f"slow{i}" for i in range(4) if not entry_path(root, f"slow{i}").exists()]
+    assert unsaved, "a 1 s-per-save disk cannot write 4 saves in 0.5 s"
+    for cache_id in unsaved:
+        assert f"event=not_saved_at_exit model={FP} id={cache_id}" in log
+    for i in range(4):
+        if entry_path(root, f"slow{i}").exists():
+            assert version_of(entry_path(root, f"slow{i}")) == i + 1
+
+
+def fault_round(kv: Client, root: Path, v_good: int, v_bad: int, mib_bad: float) -> None:
+    """A save under a fault fails cleanly: counted, old file intact, no tmp left,
+    loads keep working."""
+    before = kv.stats()["saves_failed"]
+    assert kv.save(FP, "k", filled(mib_bad, v_bad), [v_bad])
+    assert kv.flush(timeout=WAIT) is False
+    assert kv.stats()["saves_failed"] == before + 1
+    assert tmp_files(root) == []
+    assert version_of(entry_path(root, "k")) == v_good
+    got = kv.load(FP, "k")
+    assert got is not None and got.token_ids == [v_good]
+
+
+def test_full_disk(short_dir: Path) -> None:
+    need_linux_root()
+    mnt = short_dir / "small"
+    mnt.mkdir(mode=0o700)
+    run("mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt))
+    try:
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock")
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+                fault_round(kv, root, v_good=1, v_bad=2, mib_bad=8)  # ENOSPC
+                assert kv.save(FP, "k", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+                assert version_of(entry_path(root, "k")) == 3
+        finally:
+            assert rd.stop() == 0
+    finally:
+        run("umount", "-l", str(mnt))
+
+
+def test_file_size_limit_short_writes(short_dir: Path) -> None:
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock, preexec_fn=limit_file_size(3 * 2**20))
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            fault_round(kv, root, v_good=1, v_bad=2, mib_bad=4)  # EFBIG after a short write
+            assert kv.save(FP, "k", filled(2, 3), [3]) and kv.flush(timeout=WAIT)
+            assert version_of(entry_path(root, "k")) == 3
+        assert "File too large" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    finally:
+        assert stop_process(proc) == 0
+
+
+@pytest.mark.parametrize("failpoint", ["posix/io/sync/fsync", "posix/io/dir/rename"])
+def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
+    need_linux_root()
+    root, sock = paths(short_dir)
+    ctl = str(short_dir / "fiu")
+    proc = serve_process(root, sock, prefix=("fiu-run", "-x", "-f", ctl))
+
+    def fiu(command: str) -> None:
+        subprocess.run(["fiu-ctrl", "-f", ctl, "-c", f"{command} name={failpoint}",
+                        str(proc.pid)], check=True, timeout=WAIT)
+
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            mtime = entry_path(root, "k").stat().st_mtime_ns
+            fiu("enable")
+            fault_round(kv, root, v_good=1, v_bad=2, mib_bad=1)
+            # Never retried as a success: the failed version stays failed.
+            time.sleep(0.3)
+            assert entry_path(root, "k").stat().st_mtime_ns == mtime
+            fiu("disable")
+            assert kv.save(FP, "k", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+            assert version_of(entry_path(root, "k")) == 3
+    finally:
+        assert stop_process(proc) == 0
