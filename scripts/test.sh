@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up everything the tests need, then lint and run them. Works on a fresh
+# machine with Python 3.10+; on Linux as root it also installs libfiu's tools
+# (Debian's fiu-utils) for the I/O-error tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(uname)" = Linux ] && [ "$(id -u)" = 0 ] && ! command -v fiu-run >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq fiu-utils) >/dev/null
+fi
+python3 -m venv .venv
+.venv/bin/pip install -q -e '.[test]'
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q "$@"
