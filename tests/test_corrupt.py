@@ -1,0 +1,166 @@
+"""Damaged files on disk are clean misses, moved aside; loads racing replaces
+always see a whole version."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import kvkeeper
+from kvkeeper.client.client import Client
+from kvkeeper.client.reader import CacheFileError
+
+from .conftest import WAIT, RunningDaemon, ping
+from .faultkit import FP, entry_path, filled, version_of
+
+
+def truncate(p: Path) -> None:
+    os.truncate(p, p.stat().st_size // 2)
+
+
+def zero_fill(p: Path) -> None:
+    p.write_bytes(bytes(p.stat().st_size))
+
+
+def flip_bit(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[-100] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def huge_header(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[:8] = struct.pack("<Q", 2**40)
+    p.write_bytes(bytes(data))
+
+
+def foreign(p: Path) -> None:
+    p.unlink()
+    tmp = p.with_name("x.safetensors")
+    mx.save_safetensors(str(tmp), {"weight": mx.ones((4, 4))}, {"format": "pt"})
+    tmp.rename(p)
+
+
+def other_models_file(p: Path) -> None:
+    # A copy of model B's file put where model A's entry should be.
+    other = entry_path(p.parents[2], "victim", model="model-b")
+    shutil.copyfile(other, p)
+
+
+def directory(p: Path) -> None:
+    p.unlink()
+    p.mkdir()
+
+
+def symlink(p: Path) -> None:
+    p.unlink()
+    p.symlink_to(entry_path(p.parents[2], "victim", model="model-b"))
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "truncated": truncate,
+    "zero-filled": zero_fill,
+    "flipped-bit": flip_bit,
+    "header-2^40": huge_header,
+    "foreign-safetensors": foreign,
+    "another-models-file": other_models_file,
+    "directory": directory,
+    "symlink": symlink,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_file_is_a_clean_miss_and_moved_aside(
+    kind: str, client: Client, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert client.save(FP, "victim", filled(1, 7), [7])
+    assert client.save("model-b", "victim", filled(1, 8), [8])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "victim")
+    DAMAGE[kind](path)
+    caplog.set_level(logging.INFO, logger="kvkeeper")
+    assert client.load(FP, "victim") is None
+    # Moved aside (by the daemon, the only writer), so it is never served again.
+    deadline = time.monotonic() + WAIT
+    while os.path.lexists(path):
+        assert time.monotonic() < deadline, "damaged file was not moved aside"
+        time.sleep(0.01)
+    assert len(list((daemon.root / "quarantine").iterdir())) == 1
+    if kind not in ("directory", "symlink"):  # those the daemon sees itself
+        assert any("event=load_miss" in r.getMessage() for r in caplog.records)
+    assert client.load(FP, "victim") is None
+    assert ping(daemon.socket)
+    # Model B's entry is untouched, and the key takes new saves.
+    assert version_of(entry_path(daemon.root, "victim", model="model-b"), "model-b") == 8
+    assert client.save(FP, "victim", filled(1, 9), [9])
+    got = client.load(FP, "victim")
+    assert got is not None and got.token_ids == [9]
+
+
+def test_a_newer_version_is_never_moved_aside(client: Client, daemon: RunningDaemon) -> None:
+    """The move names the inode the client judged; a replaced file stays."""
+    from kvkeeper.protocol import messages as m
+
+    assert client.save(FP, "fresh", filled(1, 1), [1]) and client.flush(timeout=WAIT)
+    st = entry_path(daemon.root, "fresh").stat()
+    assert client.save(FP, "fresh", filled(1, 2), [2]) and client.flush(timeout=WAIT)
+    reply = client._request(lambda req: m.Quarantine(
+        v=m.PROTOCOL_VERSION, req=req, model=FP, cache_id="fresh", ino=st.st_ino,
+        mtime_ns=st.st_mtime_ns, reason="test"))
+    assert isinstance(reply, m.Deleted) and reply.existed is False
+    assert version_of(entry_path(daemon.root, "fresh")) == 2
+
+
+def test_loads_racing_1000_replaces(client: Client, daemon: RunningDaemon) -> None:
+    assert client.save(FP, "race", filled(0.25, 0), [0]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "race")
+    stop = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                for _ in range(2):  # the reader's own retry when replaced mid-read
+                    try:
+                        seen.append(version_of(path))
+                        break
+                    except CacheFileError as exc:
+                        if exc.damaged:
+                            raise
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        for v in range(1, 1001):
+            assert client.save(FP, "race", filled(0.25, v), [v])
+            assert client.flush(timeout=WAIT)
+    finally:
+        stop.set()
+        t.join(WAIT)
+    assert not errors, errors[:1]
+    assert client.stats()["saves_written"] >= 1001
+    assert len(seen) > 50 and all(0 <= v <= 1000 for v in seen)
+    assert len(set(seen)) > 10  # the reads really overlapped the replaces
+    assert version_of(path) == 1000
+
+
+def test_read_cache_file_errors_say_what(tmp_path: Path) -> None:
+    p = tmp_path / "e.safetensors"
+    p.write_bytes(b"short")
+    with pytest.raises(CacheFileError, match="shorter than a safetensors header"):
+        kvkeeper.read_cache_file(p)
+    with pytest.raises(CacheFileError, match="cannot open"):
+        kvkeeper.read_cache_file(tmp_path / "missing.safetensors")
