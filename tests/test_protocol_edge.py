@@ -83,7 +83,8 @@ def test_undecodable_headers_get_typed_errors(raw: zmq.Socket, daemon: RunningDa
         (dict(tensors=[m.TensorSpec("t0", "Q4", [4])]), "dtype"),
         (dict(tensors=[m.TensorSpec("t0", "F32", [4]), m.TensorSpec("t0", "F32", [4])]),
          "malformed"),
-        (dict(tensors=[m.TensorSpec("t0", "F32", [2**40])]), "too_large"),
+        (dict(tensors=[m.TensorSpec("t0", "F32", [2**30, 2**10])]), "too_large"),
+        (dict(tensors=[m.TensorSpec("t0", "F32", [2**40, 0])]), "malformed"),
     ],
 )
 def test_invalid_saves_are_refused_and_write_nothing(raw: zmq.Socket, daemon: RunningDaemon,

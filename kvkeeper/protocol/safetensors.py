@@ -50,11 +50,18 @@ class LayoutError(ValueError):
     """A declared tensor layout or a file header that cannot be right."""
 
 
+#: MLX shapes are int32.
+MAX_DIM = 2**31 - 1
+
+
 def tensor_nbytes(spec: TensorSpec) -> int:
-    """Byte size of a declared tensor; raises LayoutError for unknown dtypes."""
+    """Byte size of a declared tensor; raises LayoutError for unknown dtypes
+    and for dimensions no MLX array can have."""
     size = DTYPE_SIZES.get(spec.dtype)
     if size is None:
         raise LayoutError(f"unknown dtype {spec.dtype!r}")
+    if any(d > MAX_DIM for d in spec.shape):
+        raise LayoutError(f"tensor {spec.name!r} has a dimension over {MAX_DIM}")
     return math.prod(spec.shape) * size
 
 

@@ -1,0 +1,338 @@
+"""Hostile input and local security: fuzzed messages, hostile ids and class
+names, other users, planted symlinks, a second daemon."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvkeeper
+from kvkeeper.client.client import Client
+from kvkeeper.protocol import messages as m
+from kvkeeper.protocol.dtypes import DTYPE_SIZES
+
+from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
+from .faultkit import FP, entry_path, filled
+
+V = m.PROTOCOL_VERSION
+TAGS = ["ping", "save", "data", "load", "delete", "list", "stats", "flush", "quarantine", "pong"]
+
+# ------------------------------------------------------------------ fuzzing
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(),
+                    st.text(max_size=20), st.binary(max_size=20))
+values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4)
+                      | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+
+
+def _packb(obj: object) -> bytes:
+    try:
+        return msgspec.msgpack.encode(obj)
+    except (TypeError, OverflowError):
+        return b"\xc1"
+
+
+random_dicts = st.builds(
+    lambda op, v, extra: _packb({"op": op, "v": v, **extra}),
+    st.one_of(st.sampled_from(TAGS), st.text(max_size=10)),
+    st.one_of(st.just(V), st.integers(-5, 5)),
+    st.dictionaries(st.sampled_from(["req", "save", "model", "cache_id", "tensors", "frames",
+                                     "metadata", "path", "junk"]), values, max_size=5),
+)
+
+bad_specs = st.lists(
+    st.tuples(
+        st.text(max_size=6),
+        st.one_of(st.sampled_from(sorted(DTYPE_SIZES)), st.sampled_from(["Q4", "", "f32"])),
+        st.lists(st.one_of(st.integers(0, 8), st.just(2**40)), max_size=4),
+    ),
+    max_size=4,
+)
+
+
+@st.composite
+def broken_saves(draw: st.DrawFn) -> list[list[bytes]]:
+    """A save that is wrong in at least one way, with whatever data follows."""
+    save = draw(st.integers(0, 2**31))
+    flaw = draw(st.sampled_from(["id", "dtype", "huge", "frames", "extra_bytes", "unknown"]))
+    specs = [list(s) for s in draw(bad_specs)] or [["t", "F32", [4]]]
+    model, cache_id = "fuzz", draw(st.text(min_size=1, max_size=10))
+    if flaw == "id":
+        cache_id = draw(st.sampled_from(["", "x" * 2000]))
+    elif flaw == "dtype":
+        specs[0][1] = "Q4"
+    elif flaw == "huge":
+        specs[0] = ["h", "BF16", [2**40]]
+    body = {"op": "save", "v": V, "save": save, "model": model, "cache_id": cache_id,
+            "tensors": specs}
+    if flaw == "unknown":
+        body["surprise"] = 1
+    msgs = [[_packb(body)]]
+    n = draw(st.integers(1, 3))
+    data = [draw(st.binary(max_size=64)) for _ in range(n)]
+    declared = n + 1 if flaw == "frames" else n
+    if flaw == "extra_bytes":
+        data.append(b"\0" * 10_000)
+        declared = n + 1
+    msgs.append([_packb({"op": "data", "v": V, "save": save, "frames": declared}), *data])
+    return msgs
+
+
+messages = st.one_of(
+    st.binary(max_size=64).map(lambda b: [[b]]),
+    random_dicts.map(lambda b: [[b]]),
+    st.tuples(random_dicts, st.lists(st.binary(max_size=32), min_size=1, max_size=3))
+    .map(lambda t: [[t[0], *t[1]]]),
+    st.integers(1, 200_000).map(lambda d: [[b"\x91" * d + b"\xc0"]]),
+    broken_saves(),
+)
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def ping_through(s: zmq.Socket, req: int) -> int:
+    """Ping and wait for the pong, draining the other replies; returns how many."""
+    s.send(m.encode(m.Ping(v=V, req=req)))
+    n = 0
+    deadline = time.monotonic() + WAIT
+    while True:
+        assert s.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "daemon stopped answering"
+        reply = m.decode_reply(s.recv())
+        if isinstance(reply, m.Pong) and reply.req == req:
+            return n
+        n += 1
+
+
+def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--max-pending-bytes", "64M")
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{sock}")
+    sent = [0]
+    replies = [0]
+    batches = [0]
+    try:
+        rss0 = rss_kib(proc.pid)
+
+        @settings(max_examples=260, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.lists(messages, min_size=30, max_size=50))
+        def batch(msgs: list[list[list[bytes]]]) -> None:
+            for group in msgs:
+                for frames in group:
+                    s.send_multipart(frames)
+                    sent[0] += 1
+            batches[0] += 1
+            replies[0] += ping_through(s, 10_000 + batches[0])
+
+        batch()
+        # 400 frames of 1 MiB in one message: refused, and memory comes back.
+        s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=255)), *[b"\0" * 2**20] * 400])
+        sent[0] += 1
+        replies[0] += ping_through(s, 1)
+        assert sent[0] >= 10_000, sent
+        with Client(sock, timeout=WAIT) as kv:
+            stats = kv.stats()
+        assert stats["saves_written"] == 0
+        assert stats["protocol_errors"] + stats["saves_refused"] + stats["saves_failed"] > 0
+        assert replies[0] > 0.5 * sent[0]  # most get an answer; the rest are counted drops
+        assert not [p for p in (root / "sessions").rglob("*") if p.is_file()]
+        assert rss_kib(proc.pid) < rss0 + 200 * 1024, (rss0, rss_kib(proc.pid))
+    finally:
+        s.close(linger=0)
+        ctx.term()
+        assert stop_process(proc) == 0
+
+
+# ------------------------------------------------------------------ hostile names
+
+def test_hostile_ids_stay_inside_the_root_and_apart(client: Client, daemon: RunningDaemon) -> None:
+    ids = ["../x", "../../etc/passwd", "/abs", "a\0b", ".", "..", "~", "Foo", "foo",
+           "\u00e9", "e\u0301", "a/b", "a b", "a_b", "_41", "A", "-", "x" * 1024]
+    for i, cid in enumerate(ids):
+        assert client.save(FP, cid, filled(0.1, i), [i]), cid
+    with pytest.raises(ValueError, match="limit is 1024"):
+        client.save(FP, "x" * 10_000, filled(0.1, 0), [0])
+    assert client.flush(timeout=WAIT)
+    files = sorted(p for p in daemon.root.rglob("*.safetensors"))
+    assert len(files) == len(ids)
+    assert all(p.resolve().is_relative_to(daemon.root.resolve()) for p in files)
+    assert all(len(p.name) < 255 for p in files)
+    for i, cid in enumerate(ids):
+        got = client.load(FP, cid)
+        assert got is not None and got.token_ids == [i] and got.cache_id == cid
+
+
+def test_hostile_class_names_import_nothing(client: Client, daemon: RunningDaemon) -> None:
+    """A file naming os.system (or mlx_lm.modelsX) as its cache class is a miss;
+    nothing outside mlx_lm.models / mlx_vlm.models is imported."""
+    import json
+
+    from kvkeeper.protocol.safetensors import LAYERS_KEY
+
+    assert client.save(FP, "evil", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "evil")
+    for module, cls in [("os", "system"), ("mlx_lm.modelsX.y", "KVCache"),
+                        ("subprocess", "Popen"), ("mlx_lm.models.cache", "__class__")]:
+        data = bytearray(path.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        layers = json.loads(header["__metadata__"][LAYERS_KEY])
+        layers["layers"][0]["module"], layers["layers"][0]["class"] = module, cls
+        header["__metadata__"][LAYERS_KEY] = json.dumps(layers)
+        raw = json.dumps(header).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)
+        evil = path.with_name("evil-copy.safetensors")
+        evil.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data[8 + n :]))
+        before = set(sys.modules)
+        with pytest.raises(kvkeeper.client.reader.CacheFileError, match="module|class"):
+            kvkeeper.read_cache_file(evil)
+        assert set(sys.modules) - before == set(), (module, set(sys.modules) - before)
+
+
+def test_source_has_no_pickle_marshal_or_pyobj() -> None:
+    pattern = re.compile(r"\b(pickle|marshal|cPickle|dill|shelve)\b|recv_pyobj|send_pyobj"
+                         r"|\beval\(|\bexec\(")
+    offenders = []
+    for path in Path(kvkeeper.__file__).parent.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0].replace("mx.eval(", "").replace("async_eval(", "")
+            if pattern.search(code):
+                offenders.append(f"{path}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+# ------------------------------------------------------------------ local security
+
+def test_files_and_dirs_are_private(client: Client, daemon: RunningDaemon) -> None:
+    assert client.save(FP, "p", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    for d in (daemon.root, daemon.root / "sessions", daemon.socket.parent,
+              entry_path(daemon.root, "p").parent):
+        assert os.stat(d).st_mode & 0o777 == 0o700, d
+    assert os.stat(entry_path(daemon.root, "p")).st_mode & 0o777 == 0o600
+    assert os.stat(daemon.socket).st_mode & 0o077 == 0
+
+
+def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
+    need_root()
+    from kvkeeper.config import ConfigError
+
+    open_dir = short_dir / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o770)
+    with pytest.raises(ConfigError, match="open to group or others"):
+        start_daemon(short_dir / "r1", open_dir / "kv.sock")
+    theirs = short_dir / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    with pytest.raises(ConfigError, match="owned by uid"):
+        start_daemon(theirs, short_dir / "run" / "kv.sock")
+    link = short_dir / "link"
+    link.symlink_to(short_dir / "run", target_is_directory=True)
+    (short_dir / "run").mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="symlink"):
+        start_daemon(short_dir / "r2", link / "kv.sock")
+
+
+def need_root() -> None:
+    if sys.platform != "linux":
+        pytest.skip("uid tests use Linux credentials")
+    assert os.geteuid() == 0, "these tests need root (CI runs as root)"
+
+
+def test_messages_from_another_user_are_never_processed(short_dir: Path) -> None:
+    need_root()
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        # Open the path to everyone so that only the daemon's own checks stand
+        # between the other user and the socket.
+        short_dir.chmod(0o711)
+        rd.socket.parent.chmod(0o711)
+        rd.socket.chmod(0o777)
+        nobody = pwd.getpwnam("nobody")
+        # The child imports as root (the interpreter lives under /root), then
+        # drops to nobody before it touches the socket.
+        script = textwrap.dedent(f"""
+            import os, zmq, sys
+            from kvkeeper.protocol import messages as m
+            os.setgroups([])
+            os.setgid({nobody.pw_gid})
+            os.setuid({nobody.pw_uid})
+            assert os.getuid() == {nobody.pw_uid}
+            s = zmq.Context().socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect("ipc://{rd.socket}")
+            s.send(m.encode(m.SaveBegin(v=1, save=1, model="fp", cache_id="intruder",
+                   tensors=[m.TensorSpec("t", "U8", [4])])))
+            s.send_multipart([m.encode(m.SaveData(v=1, save=1, frames=1)), b"1234"])
+            s.send(m.encode(m.Ping(v=1, req=1)))
+            print("answered" if s.poll(2000) else "silence")
+        """)
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT,
+            cwd="/", env={**os.environ, "PYTHONPATH": str(Path(kvkeeper.__file__).parent.parent)},
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "silence"
+        with Client(rd.socket, timeout=WAIT) as kv:
+            stats = kv.stats()
+        assert stats["saves_received"] == 0
+        assert not os.path.exists(rd.root / "sessions" / "fp")
+    finally:
+        short_dir.chmod(0o700)
+        rd.stop()
+
+
+def test_planted_symlinks_are_not_followed(client: Client, daemon: RunningDaemon,
+                                           short_dir: Path) -> None:
+    outside = short_dir / "outside"
+    outside.mkdir()
+    target = outside / "victim.txt"
+    target.write_text("keep me")
+    # At the final path: the rename replaces the link, never writes through it.
+    assert client.save(FP, "k", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    final = entry_path(daemon.root, "k")
+    final.unlink()
+    final.symlink_to(target)
+    assert client.save(FP, "k", filled(0.1, 2), [2]) and client.flush(timeout=WAIT)
+    assert target.read_text() == "keep me" and not final.is_symlink()
+    # At a model directory: the save fails, nothing lands outside the root.
+    model_dir = entry_path(daemon.root, "k", model="planted").parent
+    model_dir.symlink_to(outside, target_is_directory=True)
+    assert client.save("planted", "k", filled(0.1, 3), [3])
+    assert client.flush(timeout=WAIT) is False
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+
+
+def test_second_daemon_cannot_steal_the_socket(short_dir: Path) -> None:
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root1", sock)
+    try:
+        other = subprocess.run(
+            [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(short_dir / "root2"),
+             "--socket", str(sock)], capture_output=True, text=True, timeout=WAIT)
+        assert other.returncode == 2 and f"pid {proc.pid}" in other.stderr
+        assert ping(sock)
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.ping().pid == proc.pid
+    finally:
+        assert stop_process(proc) == 0
