@@ -210,12 +210,13 @@ def test_hostile_class_names_import_nothing(client: Client, daemon: RunningDaemo
 
 
 def test_source_has_no_pickle_marshal_or_pyobj() -> None:
+    # Builtin eval/exec only: methods such as nn.Module.eval() are fine.
     pattern = re.compile(r"\b(pickle|marshal|cPickle|dill|shelve)\b|recv_pyobj|send_pyobj"
-                         r"|\beval\(|\bexec\(")
+                         r"|(?<![.\w])(eval|exec)\(")
     offenders = []
     for path in Path(kvkeeper.__file__).parent.rglob("*.py"):
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0].replace("mx.eval(", "").replace("async_eval(", "")
+            code = line.split("#", 1)[0]
             if pattern.search(code):
                 offenders.append(f"{path}:{n}: {line.strip()}")
     assert offenders == []
