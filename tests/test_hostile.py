@@ -150,6 +150,7 @@ def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
         sent[0] += 1
         replies[0] += ping_through(s, 1)
         assert sent[0] >= 10_000, sent
+        print(f"fuzz: {sent[0]} messages in {batches[0]} batches, {replies[0]} replies")
         with Client(sock, timeout=WAIT) as kv:
             stats = kv.stats()
         assert stats["saves_written"] == 0
