@@ -57,7 +57,12 @@ class RunningDaemon:
 
 
 def start_daemon(root: Path, socket: Path, **kw: object) -> RunningDaemon:
-    """An in-process daemon on a thread (signals stay with pytest's main thread)."""
+    """An in-process daemon on a thread (signals stay with pytest's main thread).
+
+    The disk budget is off unless a test sets it: how full this machine's disk
+    is must not decide what the other tests see."""
+    kw.setdefault("max_disk_bytes", None)
+    kw.setdefault("min_free_bytes", 0)
     d = Daemon(DaemonConfig(root=root, socket=socket, **kw))  # type: ignore[arg-type]
     code: list[int] = []
     errors: list[BaseException] = []

@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import PendingFile, Store
 from kvkeeper.protocol.messages import ErrorCode
-from kvkeeper.protocol.safetensors import Layout, TensorHasher
+from kvkeeper.protocol.safetensors import TOKEN_COUNT_KEY, Layout, TensorHasher
 
 log = logging.getLogger("kvkeeper.actor")
 
@@ -121,6 +121,9 @@ class WriterActor:
         if not self.accepting:
             return "shutting_down", "the daemon is shutting down"
         total = job.total
+        disk = self.store.budget.max_disk_bytes
+        if disk is not None and total > disk:
+            return "too_large", f"save of {total} bytes exceeds max disk bytes ({disk})"
         if total > self.max_pending_bytes:
             return "too_large", (
                 f"save of {total} bytes exceeds the daemon's max pending bytes "
@@ -267,8 +270,9 @@ class WriterActor:
                         f"({job.received} of {job.total} received)"
                     )
             final = job.layout.header(job.metadata, hasher.hexdigests())
-            await anyio.to_thread.run_sync(pending.commit, final)
-            pending = None
+            tokens = _int(job.metadata.get(TOKEN_COUNT_KEY))
+            done, pending = pending, None  # commit cleans up after itself on failure
+            evicted = await anyio.to_thread.run_sync(self.store.commit, done, final, tokens)
         except (OSError, StreamBroken, ValueError) as exc:
             if pending is not None:
                 await anyio.to_thread.run_sync(pending.abort)
@@ -278,6 +282,10 @@ class WriterActor:
             self._resolve(job, Outcome.FAILED, _describe(exc))
             return
         self.stats.inc("bytes_written", job.total)
+        self.stats.sample("write_seconds", time.monotonic() - t0)
+        self.stats.sample("fsync_seconds", done.fsync_seconds)
+        self.stats.inc("evictions", len(evicted))
+        self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
         log.debug(
             "event=saved model=%s id=%s bytes=%d seconds=%.3f",
             model,
@@ -330,10 +338,14 @@ class WriterActor:
         return list(self._latest)
 
     def gauges(self) -> dict[str, float]:
+        budget = self.store.budget
         return {
             "pending_bytes": float(self.pending_bytes),
             "max_pending_bytes": float(self.max_pending_bytes),
             "queue_depth": float(self._send.statistics().current_buffer_used),
+            "disk_used_bytes": float(self.store.usage()),
+            "max_disk_bytes": float(budget.max_disk_bytes or 0),
+            "min_free_bytes": float(budget.min_free_bytes),
         }
 
 
@@ -349,6 +361,13 @@ def _append(pending: PendingFile, hasher: TensorHasher, batch: list[list[memoryv
         n += len(buf)
     pending.append(flat)
     return n
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
 
 
 def _describe(exc: BaseException) -> str:

@@ -24,7 +24,7 @@ from kvkeeper import config
 from kvkeeper.daemon.actor import WriterActor
 from kvkeeper.daemon.server import Server
 from kvkeeper.daemon.stats import Stats
-from kvkeeper.daemon.store import Store
+from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
 
 log = logging.getLogger("kvkeeper.daemon")
@@ -38,6 +38,8 @@ class DaemonConfig:
     root: Path = field(default_factory=config.default_root)
     socket: Path = field(default_factory=config.default_socket)
     max_pending_bytes: int = 1 * GiB
+    max_disk_bytes: int | None = 20 * GiB
+    min_free_bytes: int = 5 * GiB
     drain_timeout: float = 20.0
     stall_timeout: float = 10.0
 
@@ -102,10 +104,13 @@ class Daemon:
             holder = f"pid {os.getpid()}, root {root}, socket {sock_path}"
             locks.append(_Lock(root / LOCK_NAME, holder))
             locks.append(_Lock(sock_dir / f"{sock_path.name}.lock", holder))
-            store = Store(root)
+            store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
             swept = store.open()
             if swept:
                 log.info("event=swept_tmp count=%d", len(swept))
+            evicted = store.enforce_budget()
+            self.stats.inc("evictions", len(evicted))
+            self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
             return anyio.run(self._main, store, sock_path, handle_signals, backend="asyncio")
         finally:
             for lock in reversed(locks):

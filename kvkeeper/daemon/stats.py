@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 
 #: Every counter, so that a reader sees zeros rather than missing keys.
 COUNTERS = (
@@ -17,6 +17,8 @@ COUNTERS = (
     "loads_found",
     "loads_missing",
     "deletes",
+    "evictions",
+    "bytes_evicted",
     "files_quarantined",
     "protocol_errors",
     "internal_errors",
@@ -29,12 +31,21 @@ class Stats:
         self.started = time.monotonic()
         self.counts: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.gauges: dict[str, float] = {}
+        self._samples: dict[str, deque[float]] = {}
 
     def inc(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
 
+    def sample(self, name: str, value: float) -> None:
+        """Keep the last 1024 values of a latency for its percentiles."""
+        self._samples.setdefault(name, deque(maxlen=1024)).append(value)
+
     def snapshot(self) -> dict[str, float]:
         out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
         out.update(self.gauges)
+        for name, values in self._samples.items():
+            ordered = sorted(values)
+            for p in (50, 99):
+                out[f"{name}_p{p}"] = ordered[min(len(ordered) - 1, len(ordered) * p // 100)]
         out["uptime_s"] = time.monotonic() - self.started
         return out

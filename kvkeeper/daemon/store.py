@@ -14,9 +14,10 @@ import logging
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvkeeper.daemon import faults
@@ -92,6 +93,7 @@ class PendingFile:
         self._fd: int | None = os.open(self.tmp, flags, 0o600)
         faults.crash_point("tmp_created")
         self.nbytes = 0
+        self.fsync_seconds = 0.0
         self._half = len(header) + data_bytes // 2
         try:
             self.append([header])
@@ -125,8 +127,10 @@ class PendingFile:
             off = 0
             while off < len(view):
                 off += os.pwrite(self._fd, view[off:], off)
+            t0 = time.perf_counter()
             if not faults.skip("no_fsync"):
                 full_fsync(self._fd)
+            self.fsync_seconds = time.perf_counter() - t0
             faults.crash_point("fsynced")
             os.close(self._fd)
             self._fd = None
@@ -135,8 +139,10 @@ class PendingFile:
             self.abort()
             raise
         faults.crash_point("renamed")
+        t0 = time.perf_counter()
         if not faults.skip("no_dir_fsync"):
             fsync_dir(self.final.parent)
+        self.fsync_seconds += time.perf_counter() - t0
         faults.crash_point("dir_fsynced")
 
     def abort(self) -> None:
@@ -154,25 +160,46 @@ class PendingFile:
 
 @dataclass(frozen=True)
 class StoredEntry:
+    """One file under the root, as the in-memory index knows it.
+
+    ``kind``: ``entry`` (a kvkeeper file), ``legacy`` (a cache file of an older
+    format in an entry's place: counted, evictable), ``quarantine`` (moved
+    aside as unusable: evicted first), ``foreign`` (anything else, including
+    tmp files of a live writer: counted, never deleted)."""
+
     model: str
     cache_id: str
     tokens: int
     nbytes: int
     last_used: float
     path: Path
+    kind: str = "entry"
+
+
+@dataclass
+class Budget:
+    """Disk limits: bytes under the root, and free bytes kept on its file system."""
+
+    max_disk_bytes: int | None = None
+    min_free_bytes: int = 0
 
 
 class Store:
     """Whole-session files under ``root/sessions/<model>/<cache id>.safetensors``.
 
-    The narrow interface (begin a put, find, delete, entries, sweep) is what a
-    second layout (token blocks) will implement beside this one.
+    The narrow interface (begin a put, commit it, find, delete, entries, evict)
+    is what a second layout (token blocks) will implement beside this one.
+    An index of every file under the root is kept in memory, built at open
+    from headers only, so the disk budget is enforced after every write
+    without walking the tree.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, budget: Budget | None = None) -> None:
         self.root = root
         self.sessions = root / naming.SESSIONS_DIR
-        self._last_used: dict[Path, float] = {}
+        self.budget = budget or Budget()
+        self._lock = threading.Lock()
+        self._index: dict[Path, StoredEntry] = {}
 
     # -- paths
     def path_for(self, model: str, cache_id: str) -> Path:
@@ -190,7 +217,7 @@ class Store:
 
     # -- lifecycle
     def open(self) -> list[Path]:
-        """Create the layout and remove tmp files a crash left behind."""
+        """Create the layout, remove tmp files a crash left behind, index the rest."""
         os.makedirs(self.sessions, mode=0o700, exist_ok=True)
         if os.path.islink(self.sessions):
             raise OSError(errno.ELOOP, f"{self.sessions} is a symlink")
@@ -205,15 +232,74 @@ class Store:
                         removed.append(f)
                     except OSError as exc:
                         log.warning("event=sweep_failed path=%s error=%s", f, exc)
+        self.rescan()
         return removed
+
+    def rescan(self) -> None:
+        """Rebuild the index from what is on disk (headers only)."""
+        index = {}
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames:
+                path = Path(dirpath) / name
+                entry = self._classify(path)
+                if entry is not None:
+                    index[path] = entry
+        with self._lock:
+            self._index = index
+
+    def _classify(self, path: Path) -> StoredEntry | None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or path.parent == self.root:
+            return None  # the lock file, links
+        last_used = max(st.st_atime, st.st_mtime)
+        if path.parent == self.root / QUARANTINE_DIR:
+            return StoredEntry("", "", 0, st.st_size, st.st_mtime, path, "quarantine")
+        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign")
+        if path.parent.parent != self.sessions or path.name.startswith(".") \
+                or not path.name.endswith(naming.SUFFIX):
+            return foreign
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                meta = read_header(f, st.st_size).metadata
+        except (OSError, LayoutError) as exc:
+            log.info("event=unreadable_file path=%s error=%s", path, exc)
+            return foreign
+        model = naming.decode_component(path.parent.name) or ""
+        cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)]) or ""
+        if meta.get(FORMAT_KEY) == FORMAT:
+            return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
+                               _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path)
+        return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy")
 
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
         self._model_dir(model)
         return PendingFile(self.path_for(model, cache_id), header, data_bytes)
 
+    def commit(self, pending: PendingFile, header: bytes, tokens: int) -> list[StoredEntry]:
+        """Make a put durable and visible, then apply the disk budget; returns
+        the entries evicted for it (never the one just written)."""
+        pending.commit(header)
+        path = pending.final
+        model = naming.decode_component(path.parent.name) or ""
+        cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)]) or ""
+        with self._lock:
+            old = self._index.get(path)
+            self._index[path] = StoredEntry(
+                old.model if old and old.model else model,
+                old.cache_id if old and old.cache_id else cache_id,
+                tokens, pending.nbytes, time.time(), path)
+        return self.enforce_budget(keep=path)
+
     def find(self, model: str, cache_id: str) -> Path | None:
-        """The entry's file if it is a regular file (never through a symlink)."""
+        """The entry's file if it is a regular file (never through a symlink).
+        Counts as a use for eviction, and records it in the file's atime so
+        the order survives a restart."""
         path = self.path_for(model, cache_id)
         try:
             st = os.lstat(path)
@@ -222,7 +308,15 @@ class Store:
         if not stat.S_ISREG(st.st_mode):
             log.warning("event=not_a_file path=%s", path)
             return None
-        self._last_used[path] = time.time()
+        now = time.time()
+        with self._lock:
+            entry = self._index.get(path)
+            if entry is not None:
+                self._index[path] = replace(entry, last_used=now)
+        try:
+            os.utime(path, ns=(int(now * 1e9), st.st_mtime_ns), follow_symlinks=False)
+        except OSError:
+            pass  # read-only or foreign-owned: the in-memory order still holds
         return path
 
     def delete(self, model: str, cache_id: str) -> bool:
@@ -231,7 +325,8 @@ class Store:
             os.unlink(path)
         except FileNotFoundError:
             return False
-        self._last_used.pop(path, None)
+        with self._lock:
+            self._index.pop(path, None)
         fsync_dir(path.parent)
         return True
 
@@ -252,53 +347,78 @@ class Store:
         os.makedirs(qdir, mode=0o700, exist_ok=True)
         dest = qdir / f"{path.parent.name}.{path.name}.{time.time_ns()}"
         os.rename(path, dest)
-        self._last_used.pop(path, None)
         fsync_dir(path.parent)
+        with self._lock:
+            self._index.pop(path, None)
+            if stat.S_ISREG(st.st_mode):
+                self._index[dest] = StoredEntry("", "", 0, st.st_size, time.time(), dest,
+                                                "quarantine")
         log.warning("event=quarantined model=%s id=%s reason=%s moved_to=%s",
                     model, cache_id, reason, dest)
         return dest
 
-    def entries(self, model: str | None = None) -> list[StoredEntry]:
-        """Every readable entry, from headers only (no tensor bytes are read)."""
-        if model is not None:
-            dirs = [self.sessions / naming.encode_component(model, "model")]
-        else:
-            dirs = sorted(p for p in self.sessions.iterdir() if not p.is_symlink())
-        out = []
-        for d in dirs:
-            if not d.is_dir() or d.is_symlink():
-                continue
-            for f in sorted(d.iterdir()):
-                if f.name.startswith(".") or not f.name.endswith(naming.SUFFIX):
-                    continue
-                entry = self._entry(f)
-                if entry is not None:
-                    out.append(entry)
-        return out
+    # -- listing and the budget
+    def entries(self, model: str | None = None, *, everything: bool = False) -> list[StoredEntry]:
+        """Indexed entries (of one model), oldest use first; ``everything`` adds
+        legacy, quarantined and foreign files."""
+        with self._lock:
+            items = list(self._index.values())
+        out = [e for e in items
+               if (everything or e.kind == "entry") and (model is None or e.model == model)]
+        return sorted(out, key=lambda e: (e.last_used, str(e.path)))
 
-    def _entry(self, path: Path) -> StoredEntry | None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                meta = read_header(f, st.st_size).metadata
-        except (OSError, LayoutError) as exc:
-            log.info("event=unreadable_entry path=%s error=%s", path, exc)
-            return None
-        if meta.get(FORMAT_KEY) != FORMAT:
-            return None
-        try:
-            tokens = int(meta.get(TOKEN_COUNT_KEY, "0"))
-        except ValueError:
-            tokens = 0
-        return StoredEntry(
-            model=meta.get(MODEL_KEY, ""),
-            cache_id=meta.get(CACHE_ID_KEY, ""),
-            tokens=tokens,
-            nbytes=st.st_size,
-            last_used=max(st.st_mtime, self._last_used.get(path, 0.0)),
-            path=path,
-        )
+    def usage(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._index.values())
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def enforce_budget(self, keep: Path | None = None) -> list[StoredEntry]:
+        """Evict least recently used entries (quarantined files first) until the
+        root is within ``max_disk_bytes`` and ``min_free_bytes`` are free.
+        Foreign files count but are never deleted; ``keep`` is never evicted."""
+        b = self.budget
+        evicted: list[StoredEntry] = []
+        with self._lock:
+            candidates = sorted(
+                (e for e in self._index.values()
+                 if e.kind in ("entry", "legacy", "quarantine") and e.path != keep),
+                key=lambda e: (e.kind != "quarantine", e.last_used),
+            )
+        used = self.usage()
+        for victim in candidates:
+            over = b.max_disk_bytes is not None and used > b.max_disk_bytes
+            short = b.min_free_bytes > 0 and self.free_bytes() < b.min_free_bytes
+            if not (over or short):
+                break
+            try:
+                os.unlink(victim.path)
+                fsync_dir(victim.path.parent)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.error("event=evict_failed path=%s error=%s", victim.path, exc)
+                continue
+            with self._lock:
+                self._index.pop(victim.path, None)
+            used -= victim.nbytes
+            evicted.append(victim)
+            log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s",
+                     victim.model, victim.cache_id, victim.nbytes, victim.kind,
+                     "max_disk_bytes" if over else "min_free_bytes")
+        if b.max_disk_bytes is not None and used > b.max_disk_bytes:
+            log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
+                        "newest entry alone exceed it)", used, b.max_disk_bytes)
+        return evicted
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
 
 
 if sys.platform == "win32":  # pragma: no cover - the daemon needs POSIX file semantics
