@@ -21,7 +21,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvkeeper.daemon.stats import Stats
-from kvkeeper.daemon.store import PendingFile, Store
+from kvkeeper.daemon.store import PendingFile, Store, StoredEntry
 from kvkeeper.protocol.messages import ErrorCode
 from kvkeeper.protocol.safetensors import TOKEN_COUNT_KEY, Layout, TensorHasher
 
@@ -76,6 +76,11 @@ class DeleteJob(Job):
     reason: str | None = None
     ino: int | None = None
     mtime_ns: int | None = None
+
+
+@dataclass(eq=False)
+class GcJob(Job):
+    evicted: list[StoredEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -191,6 +196,17 @@ class WriterActor:
             await job.done.wait()
         return self._tally.pop(peer, Tally())
 
+    async def collect(self) -> list[StoredEntry]:
+        """Re-read the root and apply the disk budget now (``kvkeeper gc``).
+        Runs on the writer's turn, between two writes."""
+        job = GcJob(key=("", ""), peer=b"")
+        try:
+            self._send.send_nowait(job)
+        except (anyio.WouldBlock, anyio.ClosedResourceError):
+            return []
+        await job.done.wait()
+        return job.evicted
+
     def stop_accepting(self) -> None:
         """Refuse new saves from now on; finish those already received."""
         self.accepting = False
@@ -211,10 +227,25 @@ class WriterActor:
                             await self._write(job)
                         elif isinstance(job, DeleteJob):
                             await self._delete(job)
+                        elif isinstance(job, GcJob):
+                            await self._gc(job)
                     finally:
                         self.current = None
         finally:
             self.finished.set()
+
+    async def _gc(self, job: GcJob) -> None:
+        def rescan_and_enforce() -> list[StoredEntry]:
+            self.store.rescan()
+            return self.store.enforce_budget()
+
+        try:
+            job.evicted = await anyio.to_thread.run_sync(rescan_and_enforce)
+            self.stats.inc("evictions", len(job.evicted))
+            self.stats.inc("bytes_evicted", sum(e.nbytes for e in job.evicted))
+        except OSError as exc:
+            log.error("event=gc_failed error=%s", exc)
+        job.done.set()
 
     async def _delete(self, job: DeleteJob) -> None:
         model, cache_id = job.key

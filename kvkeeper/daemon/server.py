@@ -12,6 +12,7 @@ import logging
 import os
 import time
 
+import anyio
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
@@ -19,7 +20,7 @@ from anyio.abc import TaskGroup
 from kvkeeper import __version__
 from kvkeeper.daemon.actor import DeleteJob, Key, SaveJob, WriterActor
 from kvkeeper.daemon.stats import Stats
-from kvkeeper.daemon.store import Store
+from kvkeeper.daemon.store import Store, StoredEntry
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import (
@@ -119,12 +120,14 @@ class Server:
             case m.ListEntries():
                 if msg.model is not None and self._check(peer, msg, msg.model, "model") is None:
                     return
-                self.tg.start_soon(self._list, peer, msg.req, msg.model)
+                self.tg.start_soon(self._list, peer, msg.req, msg.model, msg.everything)
             case m.GetStats():
                 self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
                                           counters=self.counters()))
             case m.Flush():
                 self.tg.start_soon(self._flush, peer, msg.req)
+            case m.Gc():
+                self.tg.start_soon(self._gc, peer, msg.req)
 
     def counters(self) -> dict[str, float]:
         self.stats.gauges.update(self.actor.gauges())
@@ -217,14 +220,17 @@ class Server:
         else:
             self._reply(peer, m.Deleted(v=m.PROTOCOL_VERSION, req=req, existed=job.existed))
 
-    async def _list(self, peer: bytes, req: int, model: str | None) -> None:
-        import anyio
+    async def _list(self, peer: bytes, req: int, model: str | None, everything: bool) -> None:
+        found = self.store.entries(model, everything=everything)
+        self._reply(peer, m.Entries(v=m.PROTOCOL_VERSION, req=req,
+                                    entries=[_entry(e) for e in found]))
 
-        found = await anyio.to_thread.run_sync(self.store.entries, model)
-        entries = [m.Entry(model=e.model, cache_id=e.cache_id, tokens=e.tokens,
-                           nbytes=e.nbytes, last_used=e.last_used, path=str(e.path))
-                   for e in found]
-        self._reply(peer, m.Entries(v=m.PROTOCOL_VERSION, req=req, entries=entries))
+    async def _gc(self, peer: bytes, req: int) -> None:
+        evicted = await self.actor.collect()
+        free = await anyio.to_thread.run_sync(self.store.free_bytes)
+        self._reply(peer, m.Evicted(v=m.PROTOCOL_VERSION, req=req,
+                                    entries=[_entry(e) for e in evicted],
+                                    disk_used_bytes=self.store.usage(), free_bytes=free))
 
     async def _flush(self, peer: bytes, req: int) -> None:
         tally = await self.actor.flush(peer)
@@ -285,3 +291,8 @@ class Server:
         if exc is not None:
             # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
             log.debug("event=reply_dropped error=%s", exc)
+
+
+def _entry(e: StoredEntry) -> m.Entry:
+    return m.Entry(model=e.model, cache_id=e.cache_id, tokens=e.tokens, nbytes=e.nbytes,
+                   last_used=e.last_used, path=str(e.path), kind=e.kind)

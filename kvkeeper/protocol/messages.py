@@ -96,8 +96,17 @@ class Delete(_Msg, tag="delete"):
 
 
 class ListEntries(_Msg, tag="list"):
+    """``everything``: also legacy, quarantined and foreign files under the root."""
+
     req: int
     model: _Id | None = None
+    everything: bool = False
+
+
+class Gc(_Msg, tag="gc"):
+    """Re-read the root and apply the disk budget now."""
+
+    req: int
 
 
 class GetStats(_Msg, tag="stats"):
@@ -123,7 +132,7 @@ class Flush(_Msg, tag="flush"):
 
 
 Request = (
-    Ping | SaveBegin | SaveData | Load | Delete | ListEntries | GetStats | Flush | Quarantine
+    Ping | SaveBegin | SaveData | Load | Delete | ListEntries | GetStats | Flush | Quarantine | Gc
 )
 
 
@@ -162,12 +171,24 @@ class Deleted(_Msg, tag="deleted"):
 
 
 class Entry(msgspec.Struct, forbid_unknown_fields=True):
+    """A file under the root. ``kind``: entry, legacy, quarantine or foreign."""
+
     model: str
     cache_id: str
     tokens: int
     nbytes: int
     last_used: float
     path: str
+    kind: str = "entry"
+
+
+class Evicted(_Msg, tag="evicted"):
+    """Answer to Gc: what went, and where the budget stands now."""
+
+    req: int
+    entries: list[Entry]
+    disk_used_bytes: int
+    free_bytes: int
 
 
 class Entries(_Msg, tag="entries"):
@@ -195,7 +216,7 @@ class Error(_Msg, tag="error"):
     message: str
 
 
-Reply = Pong | SaveRefused | Found | Deleted | Entries | Stats | Flushed | Error
+Reply = Pong | SaveRefused | Found | Deleted | Entries | Stats | Flushed | Evicted | Error
 
 
 class _VersionOnly(msgspec.Struct):

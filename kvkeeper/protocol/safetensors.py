@@ -214,3 +214,34 @@ class TensorHasher:
         if len(self._digests) != len(self._sizes):
             raise LayoutError("stream ended before every tensor was complete")
         return list(self._digests)
+
+
+def verify_file(path: str | os.PathLike[str], progress: Any = None) -> FileHeader:
+    """Check a kvkeeper file by reading it: header, layout, and every tensor's
+    checksum (no MLX needed). ``progress(nbytes)`` is called as bytes are read.
+    Raises LayoutError (or OSError) saying what is wrong."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        header = read_header(f)
+        sums = header.checksums
+        if sums is None or set(sums) != set(header.tensors):
+            raise LayoutError("checksums missing or not covering every tensor")
+        buf = bytearray(8 * 1024 * 1024)
+        view = memoryview(buf)
+        ordered = sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        for name, t in ordered:
+            a, b = t["data_offsets"]
+            f.seek(header.data_start + a)
+            h = xxhash.xxh3_64()
+            left = b - a
+            while left:
+                n = f.readinto(view[: min(left, len(buf))])
+                if not n:
+                    raise LayoutError(f"tensor {name!r} is cut short")
+                h.update(view[:n])
+                left -= n
+                if progress is not None:
+                    progress(n)
+            if h.hexdigest() != sums[name]:
+                raise LayoutError(f"checksum mismatch in tensor {name!r}")
+    return header

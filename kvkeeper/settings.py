@@ -1,0 +1,144 @@
+"""The daemon's effective settings, and where each came from.
+
+Precedence: command-line flag > environment (``KVKEEPER_*``) > config file
+(TOML) > default. ``kvkeeper serve --print-config`` shows the result.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvkeeper import config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+GiB = 1024**3
+ENV_CONFIG = "KVKEEPER_CONFIG"
+
+
+class SettingsError(config.ConfigError):
+    """A setting with a value that cannot be used; the message names its source."""
+
+
+def parse_size(text: str | int) -> int:
+    """Byte sizes: 1073741824, "512M", "1G", "1.5GiB", "0"."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+        t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+        num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+        try:
+            value = int(float(num) * units[unit])
+        except ValueError:
+            raise ValueError(f"not a byte size: {text!r} (try 512M or 1G)") from None
+    if value < 0:
+        raise ValueError(f"a size cannot be negative: {text!r}")
+    return value
+
+
+def _path(value: Any) -> Path:
+    return Path(str(value)).expanduser()
+
+
+def _level(value: Any) -> str:
+    v = str(value).lower()
+    if v not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"log level must be debug, info, warning or error, not {value!r}")
+    return v
+
+
+def _seconds(value: Any) -> float:
+    v = float(value)
+    if v < 0:
+        raise ValueError(f"seconds cannot be negative: {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # as in the config file; the flag is --name-with-dashes
+    parse: Callable[[Any], Any]
+    default: Callable[[], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "KVKEEPER_" + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("root", _path, config.default_root, "store directory"),
+    Setting("socket", _path, config.default_socket, "ipc socket path"),
+    Setting("max_pending_bytes", parse_size, lambda: 1 * GiB,
+            "memory for saves received but not yet written; a save that does not fit "
+            "is refused and counted"),
+    Setting("max_disk_bytes", parse_size, lambda: 20 * GiB,
+            "disk budget over everything under the root (0: none); least recently "
+            "used entries are evicted past it"),
+    Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
+            "free space kept on the root's file system; entries are evicted to keep it"),
+    Setting("drain_timeout", _seconds, lambda: 20.0,
+            "on SIGTERM, seconds to keep writing saves already received"),
+    Setting("log_level", _level, lambda: "info", "debug, info, warning or error"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def default_config_file() -> Path:
+    env = os.environ.get(ENV_CONFIG)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "kvkeeper" / "config.toml"
+
+
+def resolve(
+    flags: Mapping[str, Any],
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Effective values and, for each, where it came from."""
+    environ = os.environ if environ is None else environ
+    explicit = config_file is not None
+    path = config_file or default_config_file()
+    file_values: dict[str, Any] = {}
+    if path.exists():
+        try:
+            file_values = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"config file {path}: {exc}") from None
+        unknown = sorted(set(file_values) - set(BY_NAME))
+        if unknown:
+            raise SettingsError(f"config file {path}: unknown settings {unknown}; "
+                                f"known: {sorted(BY_NAME)}")
+    elif explicit:
+        raise SettingsError(f"config file {path} does not exist")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for s in SETTINGS:
+        candidates = [
+            (flags.get(s.name), f"flag --{s.name.replace('_', '-')}"),
+            (environ.get(s.env), f"environment {s.env}"),
+            (file_values.get(s.name), f"config file {path}"),
+        ]
+        for raw, source in candidates:
+            if raw is not None:
+                try:
+                    values[s.name] = s.parse(raw)
+                except (ValueError, TypeError) as exc:
+                    raise SettingsError(f"{s.name} from {source}: {exc}") from None
+                sources[s.name] = source
+                break
+        else:
+            values[s.name] = s.default()
+            sources[s.name] = "default"
+    return values, sources
