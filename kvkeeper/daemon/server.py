@@ -295,4 +295,4 @@ class Server:
 
 def _entry(e: StoredEntry) -> m.Entry:
     return m.Entry(model=e.model, cache_id=e.cache_id, tokens=e.tokens, nbytes=e.nbytes,
-                   last_used=e.last_used, path=str(e.path), kind=e.kind)
+                   last_used=e.last_used, path=str(e.path), kind=e.kind, saved_at=e.saved_at)

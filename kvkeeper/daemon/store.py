@@ -174,6 +174,7 @@ class StoredEntry:
     last_used: float
     path: Path
     kind: str = "entry"
+    saved_at: float = 0.0
 
 
 @dataclass
@@ -257,8 +258,9 @@ class Store:
             return None  # the lock file, links
         last_used = max(st.st_atime, st.st_mtime)
         if path.parent == self.root / QUARANTINE_DIR:
-            return StoredEntry("", "", 0, st.st_size, st.st_mtime, path, "quarantine")
-        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign")
+            return StoredEntry("", "", 0, st.st_size, st.st_mtime, path, "quarantine",
+                               st.st_mtime)
+        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime)
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
@@ -273,8 +275,9 @@ class Store:
         cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)]) or ""
         if meta.get(FORMAT_KEY) == FORMAT:
             return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
-                               _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path)
-        return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy")
+                               _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
+                               "entry", st.st_mtime)
+        return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy", st.st_mtime)
 
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
@@ -288,12 +291,13 @@ class Store:
         path = pending.final
         model = naming.decode_component(path.parent.name) or ""
         cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)]) or ""
+        now = time.time()
         with self._lock:
             old = self._index.get(path)
             self._index[path] = StoredEntry(
                 old.model if old and old.model else model,
                 old.cache_id if old and old.cache_id else cache_id,
-                tokens, pending.nbytes, time.time(), path)
+                tokens, pending.nbytes, now, path, "entry", now)
         return self.enforce_budget(keep=path)
 
     def find(self, model: str, cache_id: str) -> Path | None:
@@ -352,7 +356,7 @@ class Store:
             self._index.pop(path, None)
             if stat.S_ISREG(st.st_mode):
                 self._index[dest] = StoredEntry("", "", 0, st.st_size, time.time(), dest,
-                                                "quarantine")
+                                                "quarantine", st.st_mtime)
         log.warning("event=quarantined model=%s id=%s reason=%s moved_to=%s",
                     model, cache_id, reason, dest)
         return dest

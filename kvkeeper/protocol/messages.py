@@ -180,6 +180,7 @@ class Entry(msgspec.Struct, forbid_unknown_fields=True):
     last_used: float
     path: str
     kind: str = "entry"
+    saved_at: float = 0.0
 
 
 class Evicted(_Msg, tag="evicted"):
