@@ -1,0 +1,493 @@
+"""``kvkeeper demo``: what the daemon buys a generation loop, measured here.
+
+Builds a tiny llama with random weights (no download), streams a few hundred
+tokens after a long prompt while saving behind the loop, drops the in-memory
+cache as a crash would, restores it from kvkeeper and continues the
+conversation; then does the same request again without kvkeeper (a cold
+re-prefill, with no saves) and prints both side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "main", "tiny_llama", "word_tokenizer"]
+
+MODEL_ID = "kvkeeper-demo-tiny-llama"
+ROUNDS = 3  # decode rounds per mode, alternating; the best counts
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def word_tokenizer(vocab_size: int = 1000) -> Any:
+    """A real Hugging Face fast tokenizer (word level, no download): token 0 is
+    ``<pad>`` (also the unknown token), every other id a made-up word, so that
+    streamed text looks like text. Works with mlx-lm's ``TokenizerWrapper`` and
+    as an mlx-vlm processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    consonants, vowels = "bdfgklmnprstvz", "aeiou"
+    syllables = [c + v for c in consonants for v in vowels]
+    if not 2 <= vocab_size <= 1 + len(syllables) * (len(syllables) + 1):
+        raise ValueError(f"vocab_size must be 2..{1 + len(syllables) * (len(syllables) + 1)}")
+    words = ["<pad>"]
+    i = 0
+    while len(words) < vocab_size:
+        a, b = divmod(i, len(syllables))
+        words.append(syllables[b] if a == 0 else syllables[a - 1] + syllables[b])
+        i += 1
+    tok = Tokenizer(models.WordLevel({w: k for k, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>")
+
+
+def tiny_llama(
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 4,
+    vocab_size: int = 1000,
+    seed: int = 0,
+) -> Any:
+    """An mlx-lm llama with random weights, small enough for a CPU."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        max_position_embeddings=8192,
+    )
+    model = llama.Model(args)
+    # Louder projections than the default init, so that the output depends on
+    # the attention over the cache instead of echoing the input token.
+    model.update(tree_map_with_path(
+        lambda path, p: p * 4 if p.ndim == 2 and "embed" not in path else p,
+        model.parameters(),
+    ))
+    model.set_dtype(mx.bfloat16)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+def _ping(socket: Path | None, timeout: float = 1.0) -> bool:
+    from kvkeeper.client.client import Client
+
+    kv = Client(socket, connect_timeout=timeout)
+    try:
+        return kv.connected
+    finally:
+        kv.close(0)
+
+
+@contextlib.contextmanager
+def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
+    """The daemon at ``socket`` (default: the user's) if one answers and
+    ``private`` is off, else a private one in a temp dir, stopped at the end."""
+    from kvkeeper import config
+
+    if not private:
+        path = socket or config.default_socket()
+        if _ping(path):
+            yield path, f"running daemon at {path}"
+            return
+    tmp = Path(tempfile.mkdtemp(prefix="kvk-demo-", dir="/tmp"))
+    os.chmod(tmp, 0o700)
+    path = tmp / "kv.sock"
+    log_path = tmp / "daemon.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(tmp / "root"),
+             "--socket", str(path), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=log_file,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while not (path.exists() and _ping(path, 0.5)):
+            if proc.poll() is not None:
+                err = log_path.read_text(errors="replace").strip()
+                raise RuntimeError(f"the private daemon exited with {proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the private daemon did not start within 20 s")
+            time.sleep(0.05)
+        yield path, f"private daemon in {tmp} (stopped at the end)"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Phase:
+    """One measured generation."""
+
+    prompt_tokens: int = 0  # fed to the model
+    generated: int = 0
+    ttft_s: float = 0.0  # from the request to the first token (restore included)
+    decode_tps: float = 0.0  # mlx-lm's own generation_tps
+    tokens: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Decode:
+    """Decode throughput from one context, best of a few alternating rounds."""
+
+    label: str
+    every_tokens: int | None
+    tokens: int
+    tps: list[float] = field(default_factory=list)
+    saves_sent: int = 0
+
+    @property
+    def best(self) -> float:
+        return max(self.tps)
+
+    @property
+    def spread(self) -> float:
+        """How much the rounds differed, relative to the best."""
+        return (max(self.tps) - min(self.tps)) / max(self.tps)
+
+
+@dataclass
+class Report:
+    model: str
+    daemon: str
+    prompt_tokens: int
+    stream_tokens: int
+    continue_tokens: int
+    every_tokens: int
+    stream: Phase
+    lost_tokens: int  # generated after the last save that reached the daemon
+    restored_tokens: int
+    load_s: float
+    restored: Phase
+    cold: Phase
+    decode: list[Decode]
+    decode_context: int
+    decode_same_tokens: bool  # every decode run produced the same tokens
+    saves_sent: int
+    saves_dropped: int
+    saves_written: int
+    saves_superseded: int
+    saves_failed: int
+    bytes_written: int
+    cache_bytes: int
+    same_tokens: int  # leading tokens where restored and cold continuations agree
+    wall_s: float
+
+
+def _stream(gen: Iterator[Any], on_token: Any = None) -> Phase:
+    """Drain an mlx-lm response stream, timing the first token."""
+    t0 = time.perf_counter()
+    phase = Phase()
+    last = None
+    for r in gen:
+        if last is None:
+            phase.ttft_s = time.perf_counter() - t0
+        last = r
+        phase.tokens.append(int(r.token))
+        if on_token is not None:
+            on_token(r)
+    assert last is not None
+    phase.prompt_tokens = last.prompt_tokens
+    phase.generated = last.generation_tokens
+    phase.decode_tps = last.generation_tps
+    return phase
+
+
+def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from kvkeeper.client.client import Client
+    from kvkeeper.integrations.mlx_lm import Session
+    from kvkeeper.writebehind import cache_length
+
+    t_start = time.perf_counter()
+    vocab = 2000
+    model = tiny_llama(layers=args.layers, hidden=args.hidden, vocab_size=vocab)
+    tok = TokenizerWrapper(word_tokenizer(vocab))
+    rng = np.random.default_rng(args.seed)
+    prompt = [int(t) for t in rng.integers(1, vocab, args.prompt_tokens)]
+    user = [int(t) for t in rng.integers(1, vocab, 32)]
+    n_stream, n_cont, every = args.tokens, max(16, args.tokens // 2), args.every_tokens
+    sid = f"demo-{os.getpid()}-{int(time.time())}"
+    # Warm MLX up (first calls compile and allocate), outside every measurement.
+    for _ in stream_generate(model, tok, mx.array(prompt[:64]), max_tokens=8,
+                             prompt_cache=make_prompt_cache(model)):
+        pass
+
+    # 1. Stream with write-behind: the plain helper inside mlx-lm's own loop.
+    kv = Client(socket)
+    before = kv.stats()
+    cache = make_prompt_cache(model)
+    ids = list(prompt)
+    wb = kv.write_behind(MODEL_ID, sid, every_tokens=every, every_seconds=2.0)
+
+    def step(r: Any) -> None:
+        ids.append(int(r.token))
+        wb.step(cache, ids)
+
+    stream = _stream(stream_generate(model, tok, mx.array(prompt), max_tokens=n_stream,
+                                     prompt_cache=cache), step)
+    saved = wb.counters.last_saved_tokens or 0
+    sent, dropped = wb.counters.sent, wb.counters.dropped
+    # 2. Crash: the cache is gone and there is no final save. (Closing the
+    # client lets what it already handed off reach the daemon.)
+    cache = wb = None  # nothing of the live cache survives
+    kv.close()
+
+    # 3. Restart: a new client and session restore the newest snapshot and
+    # go on with the conversation: the whole of it, plus a new message.
+    full = ids + user
+    kv = Client(socket)
+    session = Session(kv, MODEL_ID, sid, model, tok, every_tokens=every, every_seconds=2.0)
+    t0 = time.perf_counter()
+    session.restore()
+    load_s = time.perf_counter() - t0
+    restored_tokens = len(session.token_ids or [])
+    restored = _stream(session.stream_generate(full, max_tokens=n_cont))
+    restored.ttft_s += load_s
+    if session.last_write_behind is not None:
+        sent += session.last_write_behind.counters.sent
+        dropped += session.last_write_behind.counters.dropped
+    base_cache, base_ids = session.cache, list(session.token_ids or [])
+    assert base_cache is not None
+    cache_bytes = sum(int(c.nbytes) for c in base_cache)
+
+    # 4. The same request without kvkeeper: re-prefill everything, no saves.
+    cold = _stream(stream_generate(model, tok, mx.array(full), max_tokens=n_cont,
+                                   prompt_cache=make_prompt_cache(model)))
+    same = 0
+    for a, b in zip(restored.tokens, cold.tokens, strict=False):
+        if a != b:
+            break
+        same += 1
+
+    # 5. Decode throughput from one context, without and with write-behind,
+    # alternating rounds (the machine may be shared: the best round counts).
+    # The every-token stress rounds are a quarter as long: each save writes
+    # the whole cache, and they are there to show the daemon coalescing.
+    modes = [Decode("no write-behind", None, n_cont),
+             Decode(f"write-behind every {every} tokens", every, n_cont),
+             Decode("stress: saving every token", 1, max(8, n_cont // 4))]
+    outputs: dict[int, set[tuple[int, ...]]] = {}
+    for _round in range(ROUNDS):
+        for mode in modes:
+            trim_prompt_cache(base_cache, (cache_length(base_cache) or 0) - (len(base_ids) - 1))
+            ids = base_ids[:-1]
+            wb = (kv.write_behind(MODEL_ID, sid, every_tokens=mode.every_tokens,
+                                  every_seconds=None) if mode.every_tokens else None)
+
+            def step(r: Any, wb: Any = wb, ids: list[int] = ids) -> None:
+                ids.append(int(r.token))
+                if wb is not None:
+                    wb.step(base_cache, ids)
+
+            ids.append(base_ids[-1])
+            phase = _stream(stream_generate(model, tok, mx.array(base_ids[-1:]),
+                                            max_tokens=mode.tokens, prompt_cache=base_cache),
+                            step)
+            mode.tps.append(phase.decode_tps)
+            outputs.setdefault(mode.tokens, set()).add(tuple(phase.tokens))
+            if wb is not None:
+                mode.saves_sent += wb.counters.sent
+                sent += wb.counters.sent
+                dropped += wb.counters.dropped
+
+    kv.flush(timeout=60)
+    after = kv.stats()
+    try:
+        kv.delete(MODEL_ID, sid)
+    finally:
+        kv.close()
+
+    def delta(name: str) -> int:
+        return int(after.get(name, 0) - before.get(name, 0))
+
+    return Report(
+        model=f"tiny llama, {args.layers} layers, hidden {args.hidden}, random weights",
+        daemon=daemon_note,
+        prompt_tokens=len(prompt),
+        stream_tokens=n_stream,
+        continue_tokens=n_cont,
+        every_tokens=every,
+        stream=stream,
+        lost_tokens=len(prompt) + n_stream - saved,
+        restored_tokens=restored_tokens,
+        load_s=load_s,
+        restored=restored,
+        cold=cold,
+        decode=modes,
+        decode_context=len(base_ids),
+        decode_same_tokens=all(len(v) == 1 for v in outputs.values()),
+        saves_sent=sent,
+        saves_dropped=dropped,
+        saves_written=delta("saves_written"),
+        saves_superseded=delta("saves_superseded"),
+        saves_failed=delta("saves_failed"),
+        bytes_written=delta("bytes_written"),
+        cache_bytes=cache_bytes,
+        same_tokens=same,
+        wall_s=time.perf_counter() - t_start,
+    )
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def print_report(rep: Report) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(soft_wrap=True)
+    con.print(f"[bold]kvkeeper demo[/]: {rep.model}")
+    con.print(f"daemon: {rep.daemon}\n")
+    con.print(f" 1. streamed {rep.stream_tokens} tokens after a {rep.prompt_tokens}-token "
+              f"prompt, saving behind every {rep.every_tokens} tokens")
+    con.print(f" 2. crash: the in-memory cache is gone (the last {rep.lost_tokens} tokens "
+              f"were never saved)")
+    con.print(f" 3. restart: restored {rep.restored_tokens} tokens from kvkeeper, read "
+              f"{rep.restored.prompt_tokens} new ones, continued {rep.restored.generated}")
+    con.print(f" 4. the same request without kvkeeper: re-prefilled {rep.cold.prompt_tokens} "
+              f"tokens, continued {rep.cold.generated}")
+    con.print(f" 5. decoded from a {rep.decode_context}-token context without and with "
+              f"write-behind, in alternating rounds\n")
+
+    def table(title: str) -> Table:
+        t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE,
+                  show_header=False, pad_edge=False)
+        t.add_column(width=29, no_wrap=True)
+        t.add_column(justify="right", width=12, no_wrap=True)
+        t.add_column(style="dim", width=35)
+        return t
+
+    ttft = table("Time to first token")
+    ttft.add_row(f"re-prefill ({rep.cold.prompt_tokens} tokens)", f"{rep.cold.ttft_s:.2f} s", "")
+    speedup = rep.cold.ttft_s / max(rep.restored.ttft_s, 1e-9)
+    ttft.add_row("restored from kvkeeper", f"{rep.restored.ttft_s:.2f} s",
+                 f"{speedup:.0f}x sooner (load {rep.load_s * 1000:.0f} ms "
+                 f"+ {rep.restored.prompt_tokens} tokens)")
+    con.print(ttft)
+
+    dec = table(f"Decode throughput (best of {ROUNDS} rounds)")
+    plain = rep.decode[0]
+    for mode in rep.decode:
+        note = (f"noise: its rounds differed {plain.spread:.0%}" if mode.every_tokens is None else
+                f"{mode.best / plain.best - 1:+.0%}, {mode.saves_sent} saves"
+                + (f" of {_mib(rep.cache_bytes)}" if mode.every_tokens == 1 else ""))
+        dec.add_row(mode.label, f"{mode.best:.0f} tok/s", note)
+    con.print(dec)
+
+    wbt = table("Write-behind: what the daemon did")
+    wbt.add_row("saves sent by the loops", f"{rep.saves_sent}",
+                f"{rep.saves_dropped} dropped by the client")
+    wbt.add_row("written to disk", f"{rep.saves_written}", f"{rep.saves_failed} failed")
+    wbt.add_row("coalesced (superseded)", f"{rep.saves_superseded}",
+                "a newer save came while pending")
+    wbt.add_row("bytes written", _mib(rep.bytes_written),
+                f"cache: {_mib(rep.cache_bytes)}")
+    con.print(wbt)
+
+    n = min(len(rep.restored.tokens), len(rep.cold.tokens))
+    agree = ("identical" if rep.same_tokens == n else
+             f"identical for {rep.same_tokens} of {n} tokens (a cold prefill may round "
+             f"differently)")
+    con.print(f"Restored vs re-prefilled continuation: {agree}.")
+    con.print("Tokens decoded with and without write-behind: "
+              + ("identical." if rep.decode_same_tokens else "DIFFERENT."))
+    con.print(f"[dim]Measured just now, in {rep.wall_s:.1f} s; nothing here is canned.[/]")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=300, metavar="N",
+                   help="tokens to stream before the crash (default 300)")
+    p.add_argument("--prompt-tokens", type=int, default=1500, metavar="N",
+                   help="length of the first prompt (default 1500)")
+    p.add_argument("--every-tokens", type=int, default=64, metavar="N",
+                   help="save behind every N tokens (default 64)")
+    p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
+    p.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--socket", type=Path, default=None,
+                   help="use the daemon at this socket (default: the user's, if running)")
+    p.add_argument("--private", action="store_true",
+                   help="always start a private daemon in a temp dir")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="also write the measurements to PATH as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.tokens < 2 or args.prompt_tokens < 64 or args.every_tokens < 1:
+        print("kvkeeper demo: need --tokens >= 2, --prompt-tokens >= 64, --every-tokens >= 1",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        import mlx_lm  # noqa: F401
+        import rich  # noqa: F401
+    except ImportError as exc:
+        print(f"kvkeeper demo needs the mlx extra (pip install 'kvkeeper[mlx]'): {exc}",
+              file=sys.stderr)
+        return 2
+    try:
+        with _daemon(args.socket, args.private) as (socket, note):
+            rep = run(args, socket, note)
+    except RuntimeError as exc:
+        print(f"kvkeeper demo: {exc}", file=sys.stderr)
+        return 1
+    print_report(rep)
+    if args.json is not None:
+        data = asdict(rep)
+        for phase in ("stream", "restored", "cold"):
+            data[phase].pop("tokens", None)
+        args.json.write_text(json.dumps(data, indent=1))
+    return 0

@@ -1,0 +1,247 @@
+"""Generation-loop integrations: ``kvkeeper.integrations.mlx_lm`` and
+``kvkeeper.integrations.mlx_vlm``.
+
+Both wrap the library's own streaming loop (they never patch it) with the same
+decision, made on every request:
+
+1. Take the session's cache: the one kept in memory from the last turn, else
+   the one kvkeeper restores (``Client.load``), else none.
+2. Find the common prefix of the tokens it holds and the new prompt.
+3. Keep exactly that prefix, and always leave at least one prompt token to
+   feed the model:
+
+   * the cache holds nothing beyond the prefix: **extend** it (feed the rest);
+   * it holds more, and every layer can be trimmed back without loss (KVCache,
+     QuantizedKVCache, a RotatingKVCache that has not wrapped, ...): **trim**;
+   * otherwise (ArraysCache of hybrid/recurrent models, a wrapped sliding
+     window, nothing in common, a cache whose length disagrees with its
+     tokens): **cold** — a fresh cache and a full prefill. A wrong cache is
+     never fed to the model.
+
+4. Generate, handing snapshots to the daemon behind the loop
+   (:class:`kvkeeper.writebehind.WriteBehind`), and save the final state.
+
+This module imports neither MLX library.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvkeeper.writebehind import WriteBehind, cache_length
+
+if TYPE_CHECKING:
+    from kvkeeper.client.client import Client
+
+log = logging.getLogger("kvkeeper.integrations")
+
+__all__ = ["Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse"]
+
+Action = Literal["extend", "trim", "cold"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one request did with the session's cache.
+
+    ``source``: where the cache came from (``"memory"``, ``"kvkeeper"``, or
+    None when there was none). ``reused``: prompt tokens taken from the cache;
+    ``trimmed``: cached tokens dropped to get back to the common prefix;
+    ``prefill``: prompt tokens fed to the model.
+    """
+
+    action: Action
+    source: str | None
+    reused: int
+    trimmed: int
+    prefill: int
+    reason: str
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _fully_retained(layer: Any) -> bool:
+    """Whether a layer still holds its whole sequence from position 0, so that
+    trimming it gives back an earlier prefix exactly."""
+    children = getattr(layer, "caches", None)
+    if children is not None:
+        return all(_fully_retained(c) for c in children)
+    start = getattr(layer, "start_position", None)
+    if start is not None:  # ChunkedKVCache & co. evict by advancing the start
+        return int(start) == 0
+    max_size = getattr(layer, "max_size", None)
+    if max_size is not None:  # RotatingKVCache: fine until the window wraps
+        return int(getattr(layer, "offset", 0) or 0) <= int(max_size)
+    return True
+
+
+def _trimmable(cache: Sequence[Any]) -> bool:
+    for layer in cache:
+        is_trimmable = getattr(layer, "is_trimmable", None)
+        if is_trimmable is None or not is_trimmable() or not _fully_retained(layer):
+            return False
+    return True
+
+
+def plan_reuse(
+    cache: list[Any] | None,
+    cached_ids: Sequence[int] | None,
+    prompt_ids: Sequence[int],
+    source: str | None = None,
+) -> Plan:
+    """Decide how to use ``cache`` (holding ``cached_ids``) for ``prompt_ids``,
+    and trim it in place when that is the decision. After an ``extend`` or
+    ``trim`` plan the cache holds exactly ``prompt_ids[:plan.reused]``; after
+    ``cold`` it must not be used."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+
+    def cold(reason: str) -> Plan:
+        return Plan("cold", source, 0, 0, n, reason)
+
+    if cache is None or cached_ids is None:
+        return cold("no cache for this session")
+    have = cache_length(cache)
+    if have is not None and have != len(cached_ids):
+        return cold(f"cache holds {have} tokens but {len(cached_ids)} ids")
+    p = common_prefix(cached_ids, prompt_ids)
+    target = min(p, n - 1)  # the model needs at least one token to read
+    if target <= 0:
+        return cold("nothing in common with the cached tokens")
+    drop = len(cached_ids) - target
+    if drop == 0:
+        return Plan("extend", source, target, 0, n - target,
+                    f"cache holds {target} tokens of the prompt")
+    if not _trimmable(cache):
+        return cold(f"cache diverges at token {p} and its layers cannot be trimmed")
+    for layer in cache:
+        layer.trim(drop)
+    after = cache_length(cache)
+    if after is not None and after != target:
+        return cold(f"trimming left {after} tokens, not {target}")
+    return Plan("trim", source, target, drop, n - target,
+                f"trimmed {drop} cached tokens back to the common prefix")
+
+
+class SessionBase:
+    """One conversation's cache: kept in memory between requests, restored
+    from kvkeeper when memory has none, saved behind every generation.
+
+    ``client=None`` keeps the cache in memory only (nothing is saved).
+    """
+
+    def __init__(
+        self,
+        client: Client | None,
+        model_id: str,
+        session_id: str,
+        *,
+        every_tokens: int | None = 64,
+        every_seconds: float | None = 2.0,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.client = client
+        self.model_id = model_id
+        self.session_id = session_id
+        self.every_tokens = every_tokens
+        self.every_seconds = every_seconds
+        self.metadata = metadata
+        #: The cache and the tokens it holds, between requests (None: none in memory).
+        self.cache: list[Any] | None = None
+        self.token_ids: list[int] | None = None
+        self._source: str | None = None
+        #: The decision of the last request.
+        self.last_plan: Plan | None = None
+        #: The write-behind helper of the last request (its counters).
+        self.last_write_behind: WriteBehind | None = None
+
+    def forget(self) -> None:
+        """Drop the in-memory cache, as a restart would; kvkeeper keeps its copy."""
+        self.cache = None
+        self.token_ids = None
+        self._source = None
+
+    def restore(self) -> bool:
+        """Make sure a cache is in memory: keep the one there, else load the
+        session's from kvkeeper. False when there is none (or it is unusable)."""
+        if self.cache is not None:
+            return True
+        if self.client is None:
+            return False
+        from kvkeeper.client.client import DaemonError
+
+        try:
+            got = self.client.load(self.model_id, self.session_id)
+        except DaemonError as exc:  # kvkeeper trouble must not stop generation
+            log.warning("event=restore_failed model=%s id=%s error=%s",
+                        self.model_id, self.session_id, exc)
+            return False
+        if got is None or got.token_ids is None:
+            return False
+        have = cache_length(got.cache)
+        if have is not None and have != len(got.token_ids):
+            log.warning("event=restore_mismatch model=%s id=%s cache_tokens=%d ids=%d",
+                        self.model_id, self.session_id, have, len(got.token_ids))
+            return False
+        if not self._compatible(got.cache):
+            log.warning("event=restore_incompatible model=%s id=%s layers=%d",
+                        self.model_id, self.session_id, len(got.cache))
+            return False
+        self.cache, self.token_ids, self._source = got.cache, list(got.token_ids), "kvkeeper"
+        return True
+
+    def _compatible(self, cache: list[Any]) -> bool:
+        return True
+
+    def _prepare(self, prompt_ids: list[int]) -> Plan:
+        """Restore, decide, and leave ``self.cache`` holding exactly the reused
+        prefix (or None for a cold start)."""
+        if self.cache is None:
+            self.restore()
+        source = self._source if self.cache is not None else None
+        if self.cache is not None and source is None:
+            source = "memory"
+        plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source)
+        if plan.action == "cold":
+            self.forget()
+        else:
+            self.token_ids = list(prompt_ids[: plan.reused])
+        self.last_plan = plan
+        log.debug("event=plan model=%s id=%s action=%s source=%s reused=%d prefill=%d reason=%s",
+                  self.model_id, self.session_id, plan.action, plan.source, plan.reused,
+                  plan.prefill, plan.reason)
+        return plan
+
+    def _write_behind(self) -> WriteBehind | None:
+        if self.client is None:
+            self.last_write_behind = None
+            return None
+        wb = WriteBehind(self.client, self.model_id, self.session_id,
+                         every_tokens=self.every_tokens, every_seconds=self.every_seconds,
+                         metadata=self.metadata)
+        self.last_write_behind = wb
+        return wb
+
+    def _keep(self, cache: list[Any] | None, token_ids: list[int] | None) -> None:
+        """Remember what the cache holds after a request (None: nothing usable)."""
+        if cache is None or token_ids is None:
+            self.forget()
+            return
+        have = cache_length(cache)
+        if have is not None and have != len(token_ids):
+            log.warning("event=state_mismatch model=%s id=%s cache_tokens=%d ids=%d",
+                        self.model_id, self.session_id, have, len(token_ids))
+            self.forget()
+            return
+        self.cache, self.token_ids, self._source = cache, token_ids, "memory"

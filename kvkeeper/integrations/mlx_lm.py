@@ -1,0 +1,164 @@
+"""kvkeeper around ``mlx_lm.stream_generate``.
+
+    from kvkeeper import Client
+    from kvkeeper.integrations.mlx_lm import Session
+
+    kv = Client()
+    chat = Session(kv, model_fp, "chat-42", model, tokenizer)
+    for r in chat.stream_generate(prompt_ids, max_tokens=256):
+        print(r.text, end="", flush=True)
+
+A ``Session`` keeps the conversation's cache in memory between requests; after
+a restart (a new ``Session``) the first request restores it from kvkeeper.
+Each request reuses, trims or re-prefills the cache as described in
+:mod:`kvkeeper.integrations`, runs mlx-lm's own ``stream_generate`` with
+``prompt_cache=`` the cache, and saves it behind the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import stream_generate as _mlx_stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from kvkeeper.integrations import Plan, SessionBase
+
+if TYPE_CHECKING:
+    from kvkeeper.client.client import Client
+
+__all__ = ["Plan", "Session", "stream_generate"]
+
+
+class Session(SessionBase):
+    """One conversation with an mlx-lm model, its cache kept by kvkeeper.
+
+    ``client``: a :class:`kvkeeper.Client` (None: memory only). ``model_id``:
+    the model's fingerprint (a cache is only ever restored for the same one).
+    ``session_id``: the conversation. ``tokenizer``: what ``mlx_lm.load``
+    returns (a plain Hugging Face tokenizer is wrapped once). Saves happen every
+    ``every_tokens`` generated tokens or ``every_seconds``, and at the end.
+    """
+
+    def __init__(
+        self,
+        client: Client | None,
+        model_id: str,
+        session_id: str,
+        model: Any,
+        tokenizer: Any,
+        *,
+        every_tokens: int | None = 64,
+        every_seconds: float | None = 2.0,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(client, model_id, session_id, every_tokens=every_tokens,
+                         every_seconds=every_seconds, metadata=metadata)
+        self.model = model
+        if not isinstance(tokenizer, TokenizerWrapper):
+            tokenizer = TokenizerWrapper(tokenizer)
+        self.tokenizer = tokenizer
+
+    def _compatible(self, cache: list[Any]) -> bool:
+        return len(cache) == len(make_prompt_cache(self.model))
+
+    def encode(self, prompt: str | list[int] | mx.array) -> list[int]:
+        """The prompt's token ids, tokenized the way ``mlx_lm.stream_generate`` does."""
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token
+            add_special = bos is None or not prompt.startswith(bos)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+        if isinstance(prompt, mx.array):
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        return [int(t) for t in prompt]
+
+    def stream_generate(
+        self,
+        prompt: str | list[int] | mx.array,
+        max_tokens: int = 256,
+        **kwargs: Any,
+    ) -> Iterator[GenerationResponse]:
+        """``mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)``
+        with the session's cache: yields mlx-lm's own responses.
+
+        ``prompt`` is the whole conversation so far (text or token ids), not
+        just the new message: the session works out what its cache already
+        holds. ``max_kv_size`` builds a fresh cache as mlx-lm would;
+        ``prompt_cache`` and ``draft_model`` are not accepted. ``last_plan``
+        tells what was reused.
+        """
+        for name in ("prompt_cache", "draft_model"):
+            if name in kwargs:
+                raise TypeError(f"Session.stream_generate does not take {name}=")
+        max_kv_size = kwargs.pop("max_kv_size", None)
+        ids = self.encode(prompt)
+        plan = self._prepare(ids)
+        if plan.action == "cold":
+            cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+        else:
+            assert self.cache is not None
+            cache = self.cache
+        # While generating, the cache changes under us: nothing usable in memory
+        # until the loop ends cleanly.
+        self.forget()
+        all_ids = list(ids)
+        n_prompt = len(ids)
+        wb = self._write_behind()
+        clean = False
+        try:
+            responses = _mlx_stream_generate(
+                self.model, self.tokenizer, mx.array(ids[plan.reused:]), max_tokens,
+                prompt_cache=cache, **kwargs,
+            )
+            for r in responses:
+                # Every token mlx-lm yields has been fed to the cache already.
+                if r.generation_tokens > len(all_ids) - n_prompt:
+                    all_ids.append(int(r.token))
+                if wb is not None:
+                    wb.step(cache, all_ids)
+                try:
+                    yield r
+                except GeneratorExit:
+                    clean = True  # the caller stopped early: the cache is consistent
+                    raise
+            clean = True
+        finally:
+            if clean:
+                self._keep(cache, all_ids)
+                if wb is not None:
+                    wb.close(cache, all_ids)
+            elif wb is not None:
+                wb.discard()
+
+    def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
+                 **kwargs: Any) -> list[int]:
+        """Run :meth:`stream_generate` to the end; return the generated token ids."""
+        out: list[int] = []
+        for r in self.stream_generate(prompt, max_tokens, **kwargs):
+            if r.generation_tokens > len(out):
+                out.append(int(r.token))
+        return out
+
+
+def stream_generate(
+    client: Client | None,
+    model_id: str,
+    session_id: str,
+    model: Any,
+    tokenizer: Any,
+    prompt: str | list[int] | mx.array,
+    max_tokens: int = 256,
+    *,
+    every_tokens: int | None = 64,
+    every_seconds: float | None = 2.0,
+    **kwargs: Any,
+) -> Iterator[GenerationResponse]:
+    """One request without keeping a :class:`Session`: restore the session's
+    cache from kvkeeper, generate with it, save it behind."""
+    session = Session(client, model_id, session_id, model, tokenizer,
+                      every_tokens=every_tokens, every_seconds=every_seconds)
+    yield from session.stream_generate(prompt, max_tokens, **kwargs)

@@ -1,0 +1,206 @@
+"""kvkeeper around mlx-vlm's ``stream_generate`` and its ``PromptCacheState``.
+
+    from kvkeeper import Client
+    from kvkeeper.integrations.mlx_vlm import Session
+
+    kv = Client()
+    chat = Session(kv, model_fp, "chat-42", model, processor)
+    for r in chat.stream_generate(formatted_prompt, image=["cat.png"], max_tokens=256):
+        print(r.text, end="", flush=True)
+
+mlx-vlm already reuses a ``PromptCacheState`` from one turn to the next. A
+``Session`` restores that state from kvkeeper when memory has none (after a
+restart), prepares it (see :mod:`kvkeeper.integrations`: the state handed to
+mlx-vlm holds exactly the common prefix, trimmed if needed and possible, or is
+empty with a fresh cache for a cold prefill, so mlx-vlm's own prefix logic only
+ever sees a cache that matches its tokens), runs mlx-vlm's own
+``stream_generate(..., prompt_cache_state=state)``, and saves behind it.
+
+mlx-vlm may still decline the prefix (media tokens in the suffix, a model that
+cannot re-derive its RoPE state): it then prefills into a cache of its own.
+The session notices (the first result's ``cached_tokens`` and the cache's
+length tell), skips the intermediate saves it cannot make correctly, and saves
+the state mlx-vlm hands back at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_vlm.generate import GenerationResult, PromptCacheState
+from mlx_vlm.generate import stream_generate as _vlm_stream_generate
+from mlx_vlm.models import cache as vlm_cache
+
+from kvkeeper.integrations import Plan, SessionBase, cache_length, log
+
+if TYPE_CHECKING:
+    from kvkeeper.client.client import Client
+
+__all__ = ["Plan", "Session", "stream_generate"]
+
+
+class Session(SessionBase):
+    """One conversation with an mlx-vlm model, its ``PromptCacheState`` kept
+    by kvkeeper. Arguments as :class:`kvkeeper.integrations.mlx_lm.Session`,
+    with mlx-vlm's ``processor``.
+    """
+
+    def __init__(
+        self,
+        client: Client | None,
+        model_id: str,
+        session_id: str,
+        model: Any,
+        processor: Any,
+        *,
+        every_tokens: int | None = 64,
+        every_seconds: float | None = 2.0,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(client, model_id, session_id, every_tokens=every_tokens,
+                         every_seconds=every_seconds, metadata=metadata)
+        self.model = model
+        self.processor = processor
+        #: Whether the last request's intermediate saves could follow the cache.
+        self.tracked: bool | None = None
+
+    def _fresh_cache(self, max_kv_size: int | None) -> list[Any]:
+        return vlm_cache.make_prompt_cache(self.model.language_model, max_kv_size=max_kv_size)
+
+    def _compatible(self, cache: list[Any]) -> bool:
+        return len(cache) == len(self._fresh_cache(None))
+
+    @property
+    def state(self) -> PromptCacheState:
+        """The in-memory cache as a ``PromptCacheState`` (a copy of the references)."""
+        s = PromptCacheState()
+        if self.cache is not None:
+            s.update(list(self.token_ids or []), self.cache)
+        return s
+
+    def _inputs(self, prompt: str, image: Any, audio: Any, video: Any,
+                kwargs: dict[str, Any]) -> mx.array:
+        """The prompt's input ids, prepared once; the prepared tensors go back
+        into ``kwargs`` so that mlx-vlm does not prepare them again."""
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            from mlx_vlm.generate import dispatch
+
+            prepare = getattr(dispatch, "_prepare_generation_inputs", None)
+            if prepare is None:
+                raise TypeError("this mlx-vlm cannot prepare inputs for kvkeeper; "
+                                "pass input_ids= (and pixel_values=, mask=)")
+            input_ids, pixel_values, mask, _ = prepare(
+                self.model, self.processor, prompt, image, audio, video, kwargs)
+            kwargs["pixel_values"] = pixel_values
+            kwargs["mask"] = mask
+        if not isinstance(input_ids, mx.array):
+            input_ids = mx.array(input_ids)
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+        kwargs["input_ids"] = input_ids
+        return input_ids
+
+    def stream_generate(
+        self,
+        prompt: str = "",
+        image: str | list[str] | None = None,
+        audio: str | list[str] | None = None,
+        video: str | list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationResult]:
+        """``mlx_vlm.stream_generate(model, processor, prompt, image, ...)`` with
+        the session's prompt cache: yields mlx-vlm's own results.
+
+        ``prompt`` is the whole formatted conversation so far; ``input_ids=``
+        (ids of that prompt) may be given instead. ``prompt_cache_state`` and
+        ``prompt_cache`` are not accepted: the session owns them.
+        """
+        for name in ("prompt_cache_state", "prompt_cache", "draft_model"):
+            if name in kwargs:
+                raise TypeError(f"Session.stream_generate does not take {name}=")
+        input_ids = self._inputs(prompt, image, audio, video, kwargs)
+        ids = [int(t) for t in input_ids.reshape(-1).tolist()]
+        plan = self._prepare(ids)
+        state = PromptCacheState()
+        if plan.action == "cold":
+            expected = self._fresh_cache(kwargs.get("max_kv_size"))
+            kwargs["prompt_cache"] = expected
+        else:
+            assert self.cache is not None and self.token_ids is not None
+            expected = self.cache
+            state.update(self.token_ids, expected)  # exactly the common prefix
+        sentinel = state.token_ids
+        self.forget()  # the cache changes while generating
+        all_ids = list(ids)
+        n_prompt = len(ids)
+        wb = self._write_behind()
+        self.tracked = None
+        clean = False
+        finished = False
+        try:
+            results = _vlm_stream_generate(
+                self.model, self.processor, prompt, image=image, audio=audio, video=video,
+                prompt_cache_state=state, **kwargs,
+            )
+            for r in results:
+                if self.tracked is None:
+                    self.tracked = self._follows(r, plan, expected)
+                if r.token is not None and r.generation_tokens > len(all_ids) - n_prompt:
+                    all_ids.append(int(r.token))
+                if wb is not None and self.tracked:
+                    wb.step(expected, all_ids)
+                try:
+                    yield r
+                except GeneratorExit:
+                    clean = True
+                    raise
+            clean = finished = True
+        finally:
+            if clean:
+                if finished and state.token_ids is not sentinel and state.cache is not None:
+                    # mlx-vlm recorded what its cache holds: trust its pairing.
+                    final_cache, final_ids = state.cache, list(state.token_ids or [])
+                elif self.tracked:
+                    final_cache, final_ids = expected, all_ids
+                else:
+                    final_cache = final_ids = None
+                self._keep(final_cache, final_ids)
+                if wb is not None:
+                    if self.cache is not None:
+                        wb.close(self.cache, self.token_ids)
+                    else:
+                        wb.discard()
+            elif wb is not None:
+                wb.discard()
+
+    def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
+        """Whether mlx-vlm is generating into the cache we prepared."""
+        if r.cached_tokens != plan.reused:
+            log.info("event=vlm_declined_prefix model=%s id=%s planned=%d used=%d",
+                     self.model_id, self.session_id, plan.reused, r.cached_tokens)
+            return False
+        have = cache_length(expected)
+        return have is None or have == r.total_tokens
+
+
+def stream_generate(
+    client: Client | None,
+    model_id: str,
+    session_id: str,
+    model: Any,
+    processor: Any,
+    prompt: str = "",
+    image: str | list[str] | None = None,
+    *,
+    every_tokens: int | None = 64,
+    every_seconds: float | None = 2.0,
+    **kwargs: Any,
+) -> Iterator[GenerationResult]:
+    """One request without keeping a :class:`Session`: restore the session's
+    prompt cache from kvkeeper, generate with it, save it behind."""
+    session = Session(client, model_id, session_id, model, processor,
+                      every_tokens=every_tokens, every_seconds=every_seconds)
+    yield from session.stream_generate(prompt, image, **kwargs)

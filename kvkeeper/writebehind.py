@@ -1,0 +1,199 @@
+"""Write-behind for a streaming loop: call ``step()`` once per generated token.
+
+    wb = kv.write_behind(model_fp, session_id, every_tokens=64, every_seconds=2.0)
+    for response in stream_generate(..., prompt_cache=cache):
+        token_ids.append(response.token)
+        wb.step(cache, token_ids)          # now and then hands a snapshot off
+    wb.close()                             # the final state
+
+Every save is ``Client.save()``: a snapshot handed to the daemon at once,
+never waited for. The daemon keeps only the newest pending save of a key, so a
+slow disk costs dropped intermediate snapshots (counted by the daemon as
+``saves_superseded``), never a stall of the loop.
+
+The helper also refuses to save a cache that does not hold exactly the tokens
+it is saved with (when the layers tell their length): a cache restored later
+is fed to a model, and a wrong one would silently produce wrong tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvkeeper.client.client import Client
+
+log = logging.getLogger("kvkeeper.writebehind")
+
+__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length"]
+
+
+@dataclass
+class WriteBehindCounters:
+    """What one helper did. ``sent``: saves handed to the daemon; ``dropped``:
+    saves the client dropped (daemon down, too much in flight). Whether the
+    daemon wrote or superseded them shows in ``Client.stats()``."""
+
+    steps: int = 0
+    sent: int = 0
+    dropped: int = 0
+    last_saved_tokens: int | None = None
+
+
+class WriteBehind:
+    """Saves ``(cache, token_ids)`` of one session every ``every_tokens`` steps
+    or ``every_seconds`` seconds, whichever comes first, and once more on
+    ``close()``.
+
+    ``every_tokens=None`` / ``every_seconds=None`` turn one trigger off;
+    ``every_seconds=0`` saves at every step. ``save_first`` (default on) saves
+    at the first step too: right after a prefill, the state most expensive to
+    recompute. Not thread-safe: one helper per generation loop.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        model: str,
+        cache_id: str,
+        *,
+        every_tokens: int | None = 64,
+        every_seconds: float | None = 2.0,
+        save_first: bool = True,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        if every_tokens is not None and every_tokens < 1:
+            raise ValueError("every_tokens must be at least 1 (or None)")
+        if every_seconds is not None and every_seconds < 0:
+            raise ValueError("every_seconds must be >= 0 (or None)")
+        self.client = client
+        self.model = model
+        self.cache_id = cache_id
+        self.every_tokens = every_tokens
+        self.every_seconds = every_seconds
+        self.save_first = save_first
+        self.metadata = dict(metadata) if metadata else None
+        self.counters = WriteBehindCounters()
+        self._pending = 0  # steps since the last save
+        self._last_time = time.monotonic()
+        self._last: tuple[Any, Sequence[int]] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ the loop
+
+    def step(self, cache: Any, token_ids: Sequence[int]) -> bool:
+        """Note one more generated token; save if a trigger fired.
+
+        ``cache`` is the live cache (list of layers, or an object with
+        ``.cache``), ``token_ids`` every token it holds (prompt and generated).
+        Returns True when a save was handed off at this step. Never blocks on
+        the daemon. Raises ValueError when the cache's length and
+        ``len(token_ids)`` disagree.
+        """
+        if self._closed:
+            raise RuntimeError("write-behind is closed")
+        c = self.counters
+        c.steps += 1
+        self._pending += 1
+        self._last = (cache, token_ids)
+        if not self._due():
+            return False
+        return self._save(cache, token_ids)
+
+    def _due(self) -> bool:
+        c = self.counters
+        if self.save_first and c.sent == 0 and c.dropped == 0:
+            return True
+        if self.every_tokens is not None and self._pending >= self.every_tokens:
+            return True
+        return (
+            self.every_seconds is not None
+            and time.monotonic() - self._last_time >= self.every_seconds
+        )
+
+    def save(self, cache: Any, token_ids: Sequence[int]) -> bool:
+        """Save now, whatever the triggers say (still fire-and-forget)."""
+        if self._closed:
+            raise RuntimeError("write-behind is closed")
+        self._last = (cache, token_ids)
+        return self._save(cache, token_ids)
+
+    def close(self, cache: Any = None, token_ids: Sequence[int] | None = None) -> bool:
+        """The final save: of ``(cache, token_ids)`` when given, else of what the
+        last ``step()`` saw, as it is now (skipped when the last step saved it).
+        Returns True when a save was handed off. Does not wait for the daemon
+        (``Client.flush()`` does). Later calls do nothing."""
+        if self._closed:
+            return False
+        self._closed = True
+        if cache is not None:
+            if token_ids is None:
+                token_ids = getattr(cache, "token_ids", None)
+            if token_ids is None:
+                raise ValueError("close(cache) needs token_ids")
+            if (self._pending == 0 and self._last is not None and self._last[0] is cache
+                    and self.counters.last_saved_tokens == len(token_ids)):
+                return False  # the last step saved exactly this
+            return self._save(cache, token_ids)
+        if self._last is None or self._pending == 0:
+            return False
+        return self._save(*self._last)
+
+    def discard(self) -> None:
+        """Close without a final save (e.g. the loop failed half way and the
+        cache may be inconsistent); the last save stays the newest."""
+        self._closed = True
+        self._last = None
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None or exc_type is GeneratorExit:
+            self.close()
+        else:
+            self.discard()
+
+    # ------------------------------------------------------------ internals
+
+    def _save(self, cache: Any, token_ids: Sequence[int]) -> bool:
+        layers = cache if isinstance(cache, (list, tuple)) else getattr(cache, "cache", None)
+        n = len(token_ids)
+        have = cache_length(layers) if layers is not None else None
+        if have is not None and have != n:
+            raise ValueError(
+                f"the cache holds {have} tokens but {n} token ids were given; "
+                "refusing to save a cache that does not match its tokens"
+            )
+        ok = self.client.save(self.model, self.cache_id, cache, token_ids,
+                              metadata=self.metadata)
+        c = self.counters
+        if ok:
+            c.sent += 1
+            c.last_saved_tokens = n
+        else:
+            c.dropped += 1
+        self._pending = 0
+        self._last_time = time.monotonic()
+        return ok
+
+
+def cache_length(layers: Sequence[Any] | None) -> int | None:
+    """How many tokens a prompt cache holds, as its layers tell (the largest
+    integer ``offset``, looking inside CacheList); None when no layer has one
+    (e.g. only ArraysCache layers)."""
+    best: int | None = None
+    for layer in layers or ():
+        children = getattr(layer, "caches", None)
+        if children is not None and not isinstance(layer, (list, tuple)):
+            n = cache_length(list(children))
+        else:
+            off = getattr(layer, "offset", None)
+            n = off if isinstance(off, int) and not isinstance(off, bool) else None
+        if n is not None and (best is None or n > best):
+            best = n
+    return best

@@ -1,0 +1,73 @@
+"""``kvkeeper demo`` as a user runs it: a subprocess, small settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from kvkeeper.client.client import Client
+from kvkeeper.demo import MODEL_ID
+
+from .conftest import WAIT, RunningDaemon
+
+DEMO_TIMEOUT = 180.0  # a cap, not a timing assertion: the demo takes seconds
+
+
+def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvkeeper.cli", "demo", *args],
+        capture_output=True, text=True, timeout=DEMO_TIMEOUT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+SECTIONS = ("Time to first token", "Decode throughput", "Write-behind",
+            "Restored vs re-prefilled continuation")
+
+
+def test_demo_with_a_private_daemon(short_dir: Path) -> None:
+    out = short_dir / "demo.json"
+    # No daemon at the default socket either way: --private must not look for one.
+    proc = run_demo("--private", "--tokens", "64", "--prompt-tokens", "256", "--json", str(out),
+                    env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")})
+    assert proc.returncode == 0, proc.stderr
+    for section in SECTIONS:
+        assert section in proc.stdout, (section, proc.stdout)
+    assert "nothing here is canned" in proc.stdout
+
+    rep = json.loads(out.read_text())
+    assert rep["prompt_tokens"] == 256 and rep["stream_tokens"] == 64
+    # Saved right after the prefill, maybe again on the 2 s timer; never all 64 tokens.
+    assert 256 < rep["restored_tokens"] < 256 + 64
+    assert rep["restored"]["prompt_tokens"] == 256 + 64 + 32 - rep["restored_tokens"]
+    assert rep["cold"]["prompt_tokens"] == 256 + 64 + 32
+    assert rep["lost_tokens"] == 256 + 64 - rep["restored_tokens"]
+    assert rep["restored"]["ttft_s"] > 0 and rep["cold"]["ttft_s"] > 0
+    assert all(tps > 0 for d in rep["decode"] for tps in d["tps"])
+    # A private daemon: its counters are the demo's alone.
+    assert rep["saves_dropped"] == 0 and rep["saves_failed"] == 0
+    assert rep["saves_written"] + rep["saves_superseded"] == rep["saves_sent"]
+    # The crashed stream saved at least once, the restored turn at its first
+    # token and at its end; the decode rounds on top.
+    assert rep["saves_sent"] >= 3 + sum(d["saves_sent"] for d in rep["decode"])
+    assert rep["bytes_written"] > 0
+    assert rep["decode_same_tokens"] is True  # saving never changes what is generated
+    # The private daemon and its directory are gone.
+    where = re.search(r"private daemon in (\S+)", proc.stdout)
+    assert where is not None and not Path(where.group(1)).exists()
+
+
+def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
+    proc = run_demo("--socket", str(daemon.socket), "--tokens", "32", "--prompt-tokens", "128")
+    assert proc.returncode == 0, proc.stderr
+    assert f"running daemon at {daemon.socket}" in proc.stdout
+    for section in SECTIONS:
+        assert section in proc.stdout
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        stats = kv.stats()
+        assert stats["saves_written"] >= 1 and stats["saves_failed"] == 0
+        assert kv.entries(MODEL_ID) == []  # the demo cleans up after itself

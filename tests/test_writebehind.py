@@ -1,0 +1,166 @@
+"""Write-behind inside a real mlx-lm streaming loop, against a real daemon."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from kvkeeper.client.client import Client
+from kvkeeper.demo import word_tokenizer
+from kvkeeper.integrations.mlx_lm import Session
+from kvkeeper.writebehind import WriteBehind, cache_length
+
+from .conftest import WAIT, RunningDaemon
+from .tiny import prefill, prompt, tiny_llama
+
+FP = "tiny-llama-wb"
+
+
+@pytest.fixture(scope="module")
+def model():  # type: ignore[no-untyped-def]
+    return tiny_llama(seed=2)
+
+
+@pytest.fixture(scope="module")
+def tok() -> TokenizerWrapper:
+    return TokenizerWrapper(word_tokenizer())
+
+
+def next_logits(model, cache: list, token: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    out = model(mx.array([[token]]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+def daemon_counts(kv: Client) -> dict[str, float]:
+    s = kv.stats()
+    return {k: s[k] for k in ("saves_received", "saves_written", "saves_superseded",
+                              "saves_refused", "saves_failed")}
+
+
+def test_snapshots_while_streaming_restore_exactly(model, tok, client: Client,
+                                                   daemon: RunningDaemon) -> None:
+    """Saves every 8 tokens while mlx-lm streams; the process 'crashes' without a
+    final save; the newest snapshot restores a cache that computes exactly what
+    the live cache computed at that point, and the conversation goes on from it."""
+    p = prompt(30, seed=5)
+    before = daemon_counts(client)
+    cache = make_prompt_cache(model)
+    ids = list(p)
+    wb = client.write_behind(FP, "crash", every_tokens=8, every_seconds=None)
+    saved_at = []
+    for r in stream_generate(model, tok, mx.array(p), max_tokens=40, prompt_cache=cache):
+        ids.append(r.token)
+        if wb.step(cache, ids):
+            saved_at.append(len(ids) - len(p))
+    assert saved_at == [1, 9, 17, 25, 33]  # the first step right after the prefill, then every 8
+    assert wb.counters.sent == 5 and wb.counters.dropped == 0 and wb.counters.steps == 40
+    # Crash: no close(), the cache is gone. What the daemon received is durable.
+    generated = ids[len(p):]
+    del cache
+    assert client.flush(timeout=WAIT) is True
+    after = daemon_counts(client)
+    received = after["saves_received"] - before["saves_received"]
+    assert received == 5
+    assert (after["saves_written"] - before["saves_written"]
+            + after["saves_superseded"] - before["saves_superseded"]) == received
+    assert after["saves_failed"] == before["saves_failed"]
+
+    with Client(daemon.socket, timeout=WAIT) as kv:  # the restarted process
+        got = kv.load(FP, "crash")
+        assert got is not None
+        assert got.token_ids == p + generated[:33]
+        assert cache_length(got.cache) == len(p) + 33
+
+        # What the live cache held after 33 tokens, rebuilt in memory.
+        ref = make_prompt_cache(model)
+        ref_tokens = [r.token for r in stream_generate(model, tok, mx.array(p), max_tokens=33,
+                                                       prompt_cache=ref)]
+        assert ref_tokens == generated[:33]
+        np.testing.assert_array_equal(next_logits(model, got.cache, generated[33]),
+                                      next_logits(model, ref, generated[33]))
+
+        # Continue the conversation: the session restores the snapshot (the
+        # tokens after it are re-read), the in-memory reference just extends.
+        user = prompt(6, seed=6)
+        full = p + generated + user
+        session = Session(kv, FP, "crash", model, tok, every_tokens=8)
+        out = session.generate(full, max_tokens=12)
+        plan = session.last_plan
+        assert plan is not None and (plan.action, plan.source) == ("extend", "kvkeeper")
+        assert plan.reused == len(p) + 33 and plan.prefill == len(full) - plan.reused
+
+        ref2 = make_prompt_cache(model)
+        prefill_then = [r.token for r in stream_generate(model, tok, mx.array(p + generated[:33]),
+                                                         max_tokens=1, prompt_cache=ref2)]
+        assert prefill_then == [generated[33]]  # ref2 now holds p + generated[:34]
+        expected = [r.token for r in stream_generate(model, tok, mx.array(full[len(p) + 34:]),
+                                                     max_tokens=12, prompt_cache=ref2)]
+        assert out == expected
+
+
+def test_triggers_and_final_save(model, client: Client) -> None:
+    p = prompt(12, seed=7)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    ids = list(p)
+
+    every = client.write_behind(FP, "every", every_tokens=None, every_seconds=0.0)
+    assert [every.step(cache, ids) for _ in range(3)] == [True, True, True]
+    assert every.close() is False  # the last step was saved already
+    assert every.counters.sent == 3
+
+    quiet = WriteBehind(client, FP, "quiet", every_tokens=None, every_seconds=None,
+                        save_first=False)
+    assert [quiet.step(cache, ids) for _ in range(5)] == [False] * 5
+    assert quiet.counters.sent == 0 and quiet.counters.steps == 5
+    assert quiet.close() is True and quiet.counters.sent == 1
+    assert quiet.close() is False  # closed: later calls do nothing
+    with pytest.raises(RuntimeError):
+        quiet.step(cache, ids)
+
+    tokens = client.write_behind(FP, "tokens", every_tokens=4, every_seconds=None,
+                                 save_first=False)
+    assert [tokens.step(cache, ids) for _ in range(9)] == [False, False, False, True] * 2 + [False]
+    tokens.discard()
+    assert tokens.close() is False and tokens.counters.sent == 2
+
+    assert client.flush(timeout=WAIT) is True
+    got = client.load(FP, "quiet")
+    assert got is not None and got.token_ids == p
+
+
+def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -> None:
+    p = prompt(10, seed=8)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, "mismatch")
+    with pytest.raises(ValueError, match="holds 10 tokens but 9"):
+        wb.step(cache, p[:9])
+    assert wb.counters.sent == 0
+    assert client.load(FP, "mismatch") is None
+
+
+def test_daemon_down_drops_and_never_raises(model, daemon: RunningDaemon) -> None:
+    p = prompt(10, seed=9)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    kv = Client(daemon.socket, timeout=WAIT)
+    try:
+        daemon.stop()
+        deadline = time.monotonic() + WAIT
+        while kv.connected:  # the client notices the daemon is gone
+            assert time.monotonic() < deadline, "client did not notice the daemon stopped"
+            time.sleep(0.01)
+        wb = kv.write_behind(FP, "down", every_tokens=1, every_seconds=None)
+        assert [wb.step(cache, p) for _ in range(3)] == [False, False, False]
+        assert wb.counters.dropped == 3 and wb.counters.sent == 0
+        assert wb.close(cache, p) is False
+    finally:
+        kv.close()
