@@ -1,74 +1,168 @@
-"""``kvkeeper``: run the daemon and look at what it holds."""
+"""``kvkeeper``: run the daemon, look at and look after what it stores."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
-from kvkeeper import __version__, config
+from kvkeeper import __version__
 
-GiB = 1024**3
+EPILOG = """\
+Settings for serve come from flags, then KVKEEPER_* environment variables
+(KVKEEPER_ROOT, KVKEEPER_SOCKET, KVKEEPER_MAX_DISK_BYTES, ...), then the TOML
+config file ($KVKEEPER_CONFIG or ~/.config/kvkeeper/config.toml), then defaults;
+`kvkeeper serve --print-config` shows the result. Sizes take K/M/G/T suffixes.
+Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
+3 no daemon running."""
 
 
 def _size(text: str) -> int:
-    """Byte sizes like 1073741824, 512M, 1G, 1.5GiB."""
-    units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    from kvkeeper.settings import parse_size
+
     try:
-        value = int(float(num) * units[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 512M or 1G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("size must be positive")
-    return value
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", type=Path, default=None,
+                   help="daemon socket (default $KVKEEPER_SOCKET or the per-user default)")
+
+
+def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) -> None:
+    from kvkeeper.settings import BY_NAME
+
+    p.add_argument("--config", type=Path, default=None,
+                   help="TOML config file (default $KVKEEPER_CONFIG or "
+                        "~/.config/kvkeeper/config.toml, if it exists)")
+    for name, kind in (("root", Path), ("socket", Path), ("max_pending_bytes", _size),
+                       ("max_disk_bytes", _size), ("min_free_bytes", _size),
+                       ("drain_timeout", float), ("log_level", str)):
+        s = BY_NAME[name]
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       metavar=name.split("_")[-1].upper() if kind is not Path else "PATH",
+                       help=f"{s.help} (default: {s.default()})")
+    if not for_service:
+        p.add_argument("--print-config", action="store_true",
+                       help="print the effective settings and where each came from, then exit")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvkeeper",
-        description="Keep MLX prompt caches across restarts. A daemon takes saves off "
-        "the generation loop and writes them durably; clients load them back.",
+        description="Keep MLX prompt caches across restarts. A daemon takes saves off the "
+        "generation loop and writes them durably; clients load them back.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"kvkeeper {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
-        "serve",
-        help="run the daemon in the foreground",
-        description="Run the daemon in the foreground until SIGTERM or SIGINT, then finish "
-        "every save already received and exit 0. One daemon per root: a second one exits "
-        "with status 2 naming the first.",
-    )
-    serve.add_argument("--root", type=Path, default=None,
-                       help=f"store directory (default ${config.ENV_ROOT} or {config.default_root()})")
-    serve.add_argument("--socket", type=Path, default=None,
-                       help=f"ipc socket path (default ${config.ENV_SOCKET} or "
-                            f"{config.default_socket()})")
-    serve.add_argument("--max-pending-bytes", type=_size, default=1 * GiB, metavar="N",
-                       help="memory for saves received but not yet written; a save that "
-                            "does not fit is refused and counted (default 1G)")
-    serve.add_argument("--drain-timeout", type=float, default=20.0, metavar="S",
-                       help="on SIGTERM, how long to keep writing received saves (default 20)")
-    serve.add_argument("--log-level", default="info",
-                       choices=["debug", "info", "warning", "error"], help="default info")
+        "serve", help="run the daemon in the foreground",
+        description="Run the daemon in the foreground until SIGTERM or SIGINT, then write "
+        "every save already received (up to --drain-timeout) and exit 0 (1 if the timeout cut "
+        "the drain short). One daemon per root: a second one exits 2, naming the first. The "
+        "disk budget (--max-disk-bytes, --min-free-bytes) is applied at start and after every "
+        "write, evicting least recently used entries.")
+    _serve_settings(serve)
 
-    for name, text in (("stats", "the daemon's counters"), ("ls", "stored entries")):
-        c = sub.add_parser(name, help=text, description=f"Print {text}.")
-        c.add_argument("--socket", type=Path, default=None, help="daemon socket")
-        c.add_argument("--json", action="store_true", help="machine-readable output")
-        if name == "ls":
-            c.add_argument("--model", default=None, help="only this model fingerprint")
+    stats = sub.add_parser("stats", help="the daemon's live counters",
+                           description="Saves, loads, the writer's queue and latencies, disk "
+                           "use against the budget, uptime.")
+    _socket_arg(stats)
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
 
-    rm = sub.add_parser("rm", help="delete one entry", description="Delete one entry.")
-    rm.add_argument("model")
-    rm.add_argument("cache_id")
-    rm.add_argument("--socket", type=Path, default=None, help="daemon socket")
+    ls = sub.add_parser("ls", help="stored entries",
+                        description="Entries with model, id, tokens, size, when saved and "
+                        "last used.")
+    _socket_arg(ls)
+    ls.add_argument("--model", default=None, help="only entries of this model fingerprint")
+    ls.add_argument("--all", action="store_true",
+                    help="also files that are not entries: legacy-format files, quarantined "
+                         "(moved aside as unusable) and foreign ones, which are never deleted")
+    ls.add_argument("--sort", choices=sorted(["last-used", "saved", "size", "tokens", "id",
+                                              "model"]), default="last-used",
+                    help="default last-used (most recent first)")
+    ls.add_argument("--reverse", action="store_true", help="reverse the order")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+
+    rm = sub.add_parser("rm", help="delete one entry, or all of a model",
+                        description="kvkeeper rm MODEL ID, or kvkeeper rm --model FP.")
+    _socket_arg(rm)
+    rm.add_argument("model", nargs="?", help="model fingerprint")
+    rm.add_argument("cache_id", nargs="?", help="cache id")
+    rm.add_argument("--model", dest="all_of_model", default=None, metavar="FP",
+                    help="delete every entry of this model")
+
+    gc = sub.add_parser("gc", help="apply the disk budget now and show what went",
+                        description="Re-read the root (files added or removed by hand count) "
+                        "and evict least recently used entries until the budget holds.")
+    _socket_arg(gc)
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
+
+    verify = sub.add_parser("verify", help="check every file's header and checksums",
+                            description="Read every entry's file and check its header and the "
+                            "checksum of each tensor. Works without a daemon. Exit 1 if any "
+                            "file is bad.")
+    _socket_arg(verify)
+    verify.add_argument("--root", type=Path, default=None,
+                        help="store root (default: the running daemon's, else the configured)")
+    verify.add_argument("--repair", action="store_true",
+                        help="move bad files aside to <root>/quarantine")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+
+    imp = sub.add_parser("import", help="bring existing cache files into the store",
+                         description="Import files of the formats users already have: the "
+                         "cache_persist.py reference (schema 3) and mlx_lm's "
+                         "save_prompt_cache, or kvkeeper's own. Needs the mlx extra and a "
+                         "running daemon.")
+    _socket_arg(imp)
+    imp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                     help="files, or directories searched for *.safetensors")
+    imp.add_argument("--model", default=None,
+                     help="model fingerprint (required for mlx_lm files, which record none)")
+    imp.add_argument("--id", default=None,
+                     help="cache id (one file only; default: the file's own or its name)")
+    imp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    exp = sub.add_parser("export", help="write an entry as an mlx_lm prompt-cache file",
+                         description="Write an entry to PATH in mlx_lm's save_prompt_cache "
+                         "format, for mlx_lm.models.cache.load_prompt_cache or "
+                         "`mlx_lm.generate --prompt-cache-file`. Needs the mlx extra.")
+    _socket_arg(exp)
+    exp.add_argument("model")
+    exp.add_argument("cache_id")
+    exp.add_argument("path", type=Path)
+
+    for name, text in (("install-service", "run the daemon as a user service (launchd or "
+                                           "systemd)"),
+                       ("uninstall-service", "stop and remove the user service")):
+        sp = sub.add_parser(name, help=text, description=text.capitalize() + ": a LaunchAgent "
+                            "in ~/Library/LaunchAgents on macOS, a systemd user unit in "
+                            "~/.config/systemd/user elsewhere.")
+        sp.add_argument("--platform", choices=["macos", "linux"], default=None,
+                        help="the service manager to write for (default: this machine's)")
+        sp.add_argument("--no-load", action="store_true",
+                        help="only write (or remove) the file; do not start (or stop) it")
+        if name == "install-service":
+            sp.add_argument("--print", action="store_true",
+                            help="print the service file instead of installing it")
+            _serve_settings(sp, for_service=True)
+
+    from kvkeeper import demo
+
+    demo.add_arguments(sub.add_parser(
+        "demo",
+        help="show what kvkeeper buys a generation loop (needs the mlx extra)",
+        description="Stream from a tiny model with write-behind, crash, restore from kvkeeper "
+        "and continue; then print measured time to first token, decode throughput and "
+        "what the daemon wrote. Uses a running daemon or starts a private one.",
+    ))
     return p
 
 
@@ -81,14 +175,29 @@ def _logging(level: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvkeeper import config
     from kvkeeper.daemon.app import AlreadyRunning, Daemon, DaemonConfig
+    from kvkeeper.settings import SETTINGS, resolve
 
-    _logging(args.log_level)
+    try:
+        values, sources = resolve({s.name: getattr(args, s.name) for s in SETTINGS},
+                                  args.config)
+    except config.ConfigError as exc:
+        print(f"kvkeeper: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        width = max(len(s.name) for s in SETTINGS)
+        for s in SETTINGS:
+            print(f"{s.name:<{width}}  {values[s.name]!s:<40}  ({sources[s.name]})")
+        return 0
+    _logging(values["log_level"])
     cfg = DaemonConfig(
-        root=(args.root or config.default_root()).expanduser(),
-        socket=(args.socket or config.default_socket()).expanduser(),
-        max_pending_bytes=args.max_pending_bytes,
-        drain_timeout=args.drain_timeout,
+        root=values["root"],
+        socket=values["socket"],
+        max_pending_bytes=values["max_pending_bytes"],
+        max_disk_bytes=values["max_disk_bytes"] or None,
+        min_free_bytes=values["min_free_bytes"],
+        drain_timeout=values["drain_timeout"],
     )
     print(f"kvkeeper {__version__}: socket {cfg.socket}, root {cfg.root}", file=sys.stderr,
           flush=True)
@@ -102,65 +211,36 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kvkeeper.client.channel import DaemonUnavailable
-    from kvkeeper.client.client import Client
-
-    kv = Client(args.socket, connect_timeout=2.0)
-    if not kv.connected:
-        kv.close()
-        raise DaemonUnavailable(f"no kvkeeper daemon at {kv.socket_path}")
-    return kv
-
-
-def _stats(args: argparse.Namespace) -> int:
-    with _client(args) as kv:
-        counters = kv.stats()
-    counters = {k: v for k, v in counters.items() if not k.startswith("client_")}
-    if args.json:
-        print(json.dumps(counters, indent=1, sort_keys=True))
-    else:
-        width = max(map(len, counters))
-        for k, v in sorted(counters.items()):
-            print(f"{k:<{width}}  {v:g}")
-    return 0
-
-
-def _ls(args: argparse.Namespace) -> int:
-    with _client(args) as kv:
-        entries = kv.entries(args.model)
-    if args.json:
-        print(json.dumps([{f: getattr(e, f) for f in e.__struct_fields__} for e in entries],
-                         indent=1))
-        return 0
-    now = time.time()
-    print(f"{'MODEL':<20} {'ID':<30} {'TOKENS':>8} {'BYTES':>12} {'LAST USED':>10}")
-    for e in entries:
-        print(f"{e.model[:20]:<20} {e.cache_id[:30]:<30} {e.tokens:>8} {e.nbytes:>12} "
-              f"{int(now - e.last_used):>9}s")
-    return 0
-
-
-def _rm(args: argparse.Namespace) -> int:
-    with _client(args) as kv:
-        existed = kv.delete(args.model, args.cache_id)
-    print("deleted" if existed else "no such entry")
-    return 0 if existed else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "demo":
+        from kvkeeper import demo
+
+        return demo.main(args)
     if not os.environ.get("KVKEEPER_DEBUG"):
         logging.disable(logging.WARNING)
+    from kvkeeper import ops
     from kvkeeper.client.channel import DaemonUnavailable
+    from kvkeeper.client.client import DaemonError
 
+    command = {
+        "stats": ops.stats, "ls": ops.ls, "rm": ops.rm, "gc": ops.gc, "verify": ops.verify,
+        "import": ops.import_files, "export": ops.export,
+        "install-service": ops.install_service, "uninstall-service": ops.uninstall_service,
+    }[args.command]
     try:
-        return {"stats": _stats, "ls": _ls, "rm": _rm}[args.command](args)
+        return command(args)
+    except ops.CommandError as exc:
+        print(f"kvkeeper: {exc}", file=sys.stderr)
+        return exc.status
     except DaemonUnavailable as exc:
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 3
+    except DaemonError as exc:
+        print(f"kvkeeper: the daemon refused: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

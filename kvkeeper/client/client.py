@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -25,6 +25,9 @@ from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
+
+if TYPE_CHECKING:
+    from kvkeeper.writebehind import WriteBehind
 
 log = logging.getLogger("kvkeeper.client")
 
@@ -150,6 +153,24 @@ class Client:
                                           f"flight (max_inflight_bytes)")
         self._channel.send_save(messages, snap.nbytes)
         return True
+
+    def write_behind(
+        self,
+        model: str,
+        cache_id: str,
+        *,
+        every_tokens: int | None = 64,
+        every_seconds: float | None = 2.0,
+        save_first: bool = True,
+        metadata: Mapping[str, str] | None = None,
+    ) -> WriteBehind:
+        """A helper a streaming loop calls once per token (``step(cache,
+        token_ids)``, then ``close()``); see :mod:`kvkeeper.writebehind`."""
+        from kvkeeper.writebehind import WriteBehind
+
+        return WriteBehind(self, model, cache_id, every_tokens=every_tokens,
+                           every_seconds=every_seconds, save_first=save_first,
+                           metadata=metadata)
 
     def _messages(
         self,
@@ -292,13 +313,22 @@ class Client:
         assert isinstance(reply, m.Deleted)
         return reply.existed
 
-    def entries(self, model: str | None = None) -> list[m.Entry]:
-        """Every stored entry (of one model, if given): id, tokens, bytes, last used."""
+    def entries(self, model: str | None = None, *, everything: bool = False) -> list[m.Entry]:
+        """Every stored entry (of one model, if given), least recently used first:
+        id, tokens, bytes, saved, last used. ``everything`` adds the files under
+        the root that are not entries (``kind``: legacy, quarantine, foreign)."""
         if model is not None:
             naming.check_id(model, "model")
-        reply = self._request(lambda req: m.ListEntries(v=m.PROTOCOL_VERSION, req=req, model=model))
+        reply = self._request(lambda req: m.ListEntries(
+            v=m.PROTOCOL_VERSION, req=req, model=model, everything=everything))
         assert isinstance(reply, m.Entries)
         return reply.entries
+
+    def gc(self) -> m.Evicted:
+        """Re-read the root and apply the daemon's disk budget now."""
+        reply = self._request(lambda req: m.Gc(v=m.PROTOCOL_VERSION, req=req))
+        assert isinstance(reply, m.Evicted)
+        return reply
 
     def stats(self) -> dict[str, float]:
         """The daemon's counters, plus this client's own under ``client_*``."""

@@ -1,0 +1,437 @@
+"""The commands a person (or a script, with ``--json``) runs against a store:
+stats, ls, rm, gc, verify, import, export, and the service installers.
+
+Everything that changes the store goes through the daemon, its only writer;
+``verify`` reads files itself, and ``verify --repair`` without a daemon takes
+the daemon's lock so that nothing else writes meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvkeeper.protocol import messages as m
+from kvkeeper.protocol import naming
+from kvkeeper.protocol import safetensors as st
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class CommandError(Exception):
+    """Ends a command with a message and exit status 1 (3: no daemon)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def ago(t: float, now: float | None = None) -> str:
+    if not t:
+        return "-"
+    s = max(0.0, (now or time.time()) - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def client(socket: Path | None, *, required: bool = True):  # type: ignore[no-untyped-def]
+    from kvkeeper.client.client import Client
+
+    kv = Client(socket, connect_timeout=2.0, timeout=60.0)
+    if required and not kv.connected:
+        kv.close()
+        raise CommandError(f"no kvkeeper daemon at {kv.socket_path} (start it: kvkeeper serve)",
+                           status=3)
+    return kv
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _entry_dict(e: m.Entry) -> dict[str, Any]:
+    return {f: getattr(e, f) for f in e.__struct_fields__}
+
+
+# ------------------------------------------------------------------ stats
+
+_GROUPS = [
+    ("Saves", ["saves_received", "saves_written", "saves_superseded", "saves_refused",
+               "saves_failed", "bytes_received", "bytes_written"]),
+    ("Loads", ["loads_found", "loads_missing", "files_quarantined"]),
+    ("Writer", ["pending_bytes", "max_pending_bytes", "queue_depth", "write_seconds_p50",
+                "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
+    ("Disk", ["disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
+              "bytes_evicted", "deletes"]),
+    ("Daemon", ["uptime_s", "protocol_errors", "internal_errors", "forbidden_peers"]),
+]
+
+
+def _fmt(name: str, v: float) -> str:
+    if name.endswith("bytes") or name.startswith("bytes_"):
+        return human(v)
+    if name.endswith("_seconds_p50") or name.endswith("_seconds_p99"):
+        return f"{v * 1000:.1f} ms"
+    if name == "uptime_s":
+        return f"{v:.0f} s"
+    return f"{v:g}"
+
+
+def stats(args: argparse.Namespace) -> int:
+    with client(args.socket) as kv:
+        counters = {k: v for k, v in kv.stats().items() if not k.startswith("client_")}
+    if args.json:
+        _print_json(counters)
+        return 0
+    table = Table(title="kvkeeper daemon", show_header=False, box=None, padding=(0, 2))
+    shown = set()
+    for group, names in _GROUPS:
+        table.add_row(f"[bold]{group}[/]", "")
+        for name in names:
+            if name in counters:
+                table.add_row(f"  {name}", _fmt(name, counters[name]))
+                shown.add(name)
+    rest = sorted(set(counters) - shown)
+    if rest:
+        table.add_row("[bold]Other[/]", "")
+        for name in rest:
+            table.add_row(f"  {name}", _fmt(name, counters[name]))
+    out.print(table)
+    return 0
+
+
+# ------------------------------------------------------------------ ls, rm, gc
+
+_SORTS = {
+    "last-used": (lambda e: e.last_used, True),
+    "saved": (lambda e: e.saved_at, True),
+    "size": (lambda e: e.nbytes, True),
+    "tokens": (lambda e: e.tokens, True),
+    "id": (lambda e: e.cache_id, False),
+    "model": (lambda e: (e.model, e.cache_id), False),
+}
+
+
+def ls(args: argparse.Namespace) -> int:
+    with client(args.socket) as kv:
+        entries = kv.entries(args.model, everything=args.all)
+    key, descending = _SORTS[args.sort]
+    entries.sort(key=key, reverse=descending != args.reverse)
+    if args.json:
+        _print_json([_entry_dict(e) for e in entries])
+        return 0
+    now = time.time()
+    table = Table(title=f"{len(entries)} entries, {human(sum(e.nbytes for e in entries))}")
+    for col, justify in (("model", "left"), ("id", "left"), ("tokens", "right"),
+                         ("size", "right"), ("saved", "right"), ("last used", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    if args.all:
+        table.add_column("kind")
+    for e in entries:
+        row = [e.model, e.cache_id, str(e.tokens), human(e.nbytes), ago(e.saved_at, now),
+               ago(e.last_used, now)]
+        if args.all:
+            row.append(e.kind if e.kind == "entry" else f"[yellow]{e.kind}[/] {e.path}")
+        table.add_row(*row)
+    out.print(table)
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    if (args.cache_id is None) == (args.all_of_model is None):
+        raise CommandError("give MODEL ID for one entry, or --model FP for all of a model")
+    with client(args.socket) as kv:
+        if args.cache_id is not None:
+            if args.model is None:
+                raise CommandError("give MODEL ID")
+            existed = kv.delete(args.model, args.cache_id)
+            out.print("deleted" if existed else "no such entry")
+            return 0 if existed else 1
+        entries = kv.entries(args.all_of_model)
+        for e in entries:
+            kv.delete(e.model, e.cache_id)
+    out.print(f"deleted {len(entries)} entries of model {args.all_of_model}")
+    return 0
+
+
+def gc(args: argparse.Namespace) -> int:
+    with client(args.socket) as kv:
+        result = kv.gc()
+    if args.json:
+        _print_json({"evicted": [_entry_dict(e) for e in result.entries],
+                     "disk_used_bytes": result.disk_used_bytes, "free_bytes": result.free_bytes})
+        return 0
+    table = Table(title=f"evicted {len(result.entries)}")
+    for col in ("model", "id", "size", "kind"):
+        table.add_column(col)
+    for e in result.entries:
+        table.add_row(e.model, e.cache_id, human(e.nbytes), e.kind)
+    out.print(table)
+    out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
+              f"its file system")
+    return 0
+
+
+# ------------------------------------------------------------------ verify
+
+def _store_files(root: Path) -> Iterator[Path]:
+    sessions = root / naming.SESSIONS_DIR
+    if not sessions.is_dir():
+        return
+    for d in sorted(sessions.iterdir()):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        for f in sorted(d.iterdir()):
+            if not f.name.startswith(".") and f.name.endswith(naming.SUFFIX):
+                yield f
+
+
+def _root(args: argparse.Namespace, kv: Any) -> Path:
+    if args.root is not None:
+        return args.root.expanduser()
+    if kv is not None and kv.connected:
+        return kv.root
+    from kvkeeper.settings import resolve
+
+    return resolve({})[0]["root"]
+
+
+def verify(args: argparse.Namespace) -> int:
+    kv = client(args.socket, required=False)
+    try:
+        root = _root(args, kv)
+        files = list(_store_files(root))
+        bad: list[tuple[Path, str]] = []
+        legacy: list[Path] = []
+        total = sum(f.lstat().st_size for f in files)
+        with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                      console=err, disable=args.json or not err.is_terminal) as bar:
+            task = bar.add_task("verify", total=total)
+            for f in files:
+                try:
+                    with open(f, "rb") as fh:
+                        meta = st.read_header(fh).metadata
+                    if meta.get(st.FORMAT_KEY) != st.FORMAT:
+                        legacy.append(f)
+                        bar.advance(task, f.lstat().st_size)
+                        continue
+                    st.verify_file(f, lambda n: bar.advance(task, n))
+                except (OSError, st.LayoutError) as exc:
+                    bad.append((f, str(exc)))
+        repaired = _repair(root, bad, kv) if args.repair and bad else []
+    finally:
+        kv.close()
+    if args.json:
+        _print_json({"root": str(root), "checked": len(files) - len(legacy),
+                     "legacy_unchecked": [str(p) for p in legacy],
+                     "bad": [{"path": str(p), "reason": r} for p, r in bad],
+                     "moved_aside": [str(p) for p in repaired]})
+    else:
+        out.print(f"{len(files) - len(legacy)} files verified under {root}"
+                  + (f", {len(legacy)} legacy files without checksums" if legacy else ""))
+        for p, reason in bad:
+            out.print(f"[red]BAD[/] {p}: {reason}"
+                      + (" [green](moved aside)[/]" if p in repaired else ""))
+        if not bad:
+            out.print("[green]all good[/]")
+    return 1 if bad else 0
+
+
+def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
+    """Move bad files aside: through the daemon when it runs (it is the only
+    writer), else directly, holding its lock so that none starts meanwhile."""
+    moved = []
+    if kv.connected:
+        for path, reason in bad:
+            model = naming.decode_component(path.parent.name)
+            cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)])
+            if model is None or cache_id is None:
+                err.print(f"cannot repair {path}: its name does not decode to an id")
+                continue
+            ident = path.lstat()
+            reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
+                                reason=reason: m.Quarantine(
+                v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
+                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
+            if isinstance(reply, m.Deleted) and reply.existed:
+                moved.append(path)
+        return moved
+    from kvkeeper.daemon.app import LOCK_NAME, _Lock
+    from kvkeeper.daemon.store import QUARANTINE_DIR, fsync_dir
+
+    lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
+    try:
+        qdir = root / QUARANTINE_DIR
+        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        for path, _ in bad:
+            os.rename(path, qdir / f"{path.parent.name}.{path.name}.{time.time_ns()}")
+            fsync_dir(path.parent)
+            moved.append(path)
+    finally:
+        lock.release()
+    return moved
+
+
+# ------------------------------------------------------------------ import / export
+
+def _inputs(paths: list[Path]) -> list[Path]:
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            files.extend(sorted(p.rglob("*.safetensors")))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise CommandError(f"{p}: no such file or directory")
+    return files
+
+
+def import_files(args: argparse.Namespace) -> int:
+    from kvkeeper.client.reader import CacheFileError, read_cache_file
+
+    files = _inputs(args.paths)
+    if args.id is not None and len(files) != 1:
+        raise CommandError("--id names one entry: give exactly one file with it")
+    done: list[tuple[Path, str, str]] = []
+    failed: list[tuple[Path, str]] = []
+    with client(args.socket) as kv, Progress(
+        TextColumn("import"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
+        console=err, disable=args.json or not err.is_terminal,
+    ) as bar:
+        task = bar.add_task("import", total=len(files))
+        for f in files:
+            bar.advance(task)
+            try:
+                got = read_cache_file(f)
+            except CacheFileError as exc:
+                failed.append((f, str(exc)))
+                continue
+            model = args.model or got.model
+            if not model:
+                failed.append((f, "this format records no model fingerprint: give --model"))
+                continue
+            cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
+            meta = {k: v for k, v in got.metadata.items()
+                    if isinstance(v, str) and not k.startswith("kvkeeper.")} \
+                if got.format != st.FORMAT else got.metadata
+            if not kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta):
+                failed.append((f, "the daemon did not take the save (see its log)"))
+                continue
+            done.append((f, model, cache_id))
+        if done and not kv.flush(timeout=300):
+            raise CommandError("the daemon could not write every imported entry (see its log)")
+    if args.json:
+        _print_json({"imported": [{"path": str(p), "model": mo, "cache_id": c}
+                                  for p, mo, c in done],
+                     "failed": [{"path": str(p), "reason": r} for p, r in failed]})
+    else:
+        for p, mo, c in done:
+            out.print(f"imported {p} as {mo} / {c}")
+        for p, r in failed:
+            out.print(f"[red]not imported[/] {p}: {r}")
+    return 1 if failed else 0
+
+
+def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
+    bad = []
+    for layer in layers:
+        cls = type(layer)
+        if cls.__module__ != "mlx_lm.models.cache":
+            bad.append(f"{cls.__module__}.{cls.__name__}")
+        children = getattr(layer, "caches", None)
+        if isinstance(children, (list, tuple)):
+            bad.extend(_mlx_lm_classes_only(list(children)))
+    return bad
+
+
+def export(args: argparse.Namespace) -> int:
+    from mlx_lm.models.cache import save_prompt_cache
+
+    dest: Path = args.path
+    if dest.suffix != naming.SUFFIX:
+        raise CommandError(f"{dest}: the file name must end in {naming.SUFFIX} "
+                           f"(mlx-lm's loader expects it)")
+    with client(args.socket, required=False) as kv:
+        got = kv.load(args.model, args.cache_id)
+    if got is None:
+        raise CommandError(f"no entry {args.model} / {args.cache_id}")
+    foreign = _mlx_lm_classes_only(got.cache)
+    if foreign:
+        raise CommandError(f"mlx-lm's loader cannot rebuild {sorted(set(foreign))}; only caches "
+                           f"of mlx_lm.models.cache classes can be exported")
+    # No dots in the keys: mlx-lm's loader turns "a.b" into nested dicts.
+    meta = {"kvkeeper_model": args.model, "kvkeeper_cache_id": args.cache_id,
+            "token_ids": json.dumps(got.token_ids)}
+    tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
+    save_prompt_cache(str(tmp), got.cache, metadata=meta)
+    os.replace(tmp, dest)
+    out.print(f"wrote {dest} ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens); "
+              f"open it with mlx_lm.models.cache.load_prompt_cache or "
+              f"mlx_lm.generate --prompt-cache-file")
+    return 0
+
+
+# ------------------------------------------------------------------ services
+
+def serve_args_for_service(args: argparse.Namespace) -> list[str]:
+    out_args = []
+    for name in ("root", "socket", "config", "max_pending_bytes", "max_disk_bytes",
+                 "min_free_bytes", "drain_timeout", "log_level"):
+        value = getattr(args, name, None)
+        if value is not None:
+            if isinstance(value, Path):
+                value = os.path.abspath(value.expanduser())
+            out_args += [f"--{name.replace('_', '-')}", str(value)]
+    return out_args
+
+
+def install_service(args: argparse.Namespace) -> int:
+    from kvkeeper import service
+
+    platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
+    sf = service.service_file(serve_args_for_service(args), args.drain_timeout or 20.0,
+                              **({"platform": platform} if platform else {}))
+    if args.print:
+        print(sf.content.decode(), end="")
+        return 0
+    try:
+        service.install(sf, load=not args.no_load)
+    except service.ServiceError as exc:
+        raise CommandError(f"wrote {sf.path}, but loading it failed: {exc}") from None
+    out.print(f"installed {sf.path}" + ("" if args.no_load else " and started it"))
+    return 0
+
+
+def uninstall_service(args: argparse.Namespace) -> int:
+    from kvkeeper import service
+
+    platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
+    sf = service.service_file([], 20.0, **({"platform": platform} if platform else {}))
+    try:
+        existed = service.uninstall(sf, unload=not args.no_load)
+    except service.ServiceError as exc:
+        raise CommandError(str(exc)) from None
+    out.print(f"removed {sf.path}" if existed else f"no service file at {sf.path}")
+    return 0
+
+

@@ -1,0 +1,122 @@
+"""Run the daemon as a per-user service: a launchd LaunchAgent on macOS, a
+systemd user unit on Linux."""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+LABEL = "io.github.kvkeeper.daemon"
+UNIT = "kvkeeper.service"
+
+
+class ServiceError(Exception):
+    """A service manager command failed; the message has its output."""
+
+
+@dataclass(frozen=True)
+class ServiceFile:
+    path: Path
+    content: bytes
+    load: list[list[str]]  # commands that load/start it
+    unload: list[list[str]]  # commands that stop/unload it
+
+
+def serve_command(serve_args: Sequence[str]) -> list[str]:
+    """The exact command line the service runs: this interpreter, absolute."""
+    return [os.path.abspath(sys.executable), "-m", "kvkeeper.cli", "serve", *serve_args]
+
+
+def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path) -> ServiceFile:
+    logs = home / "Library" / "Logs" / "kvkeeper"
+    plist = {
+        "Label": LABEL,
+        "ProgramArguments": serve_command(serve_args),
+        "RunAtLoad": True,
+        "KeepAlive": True,
+        "ProcessType": "Background",
+        # launchd sends SIGTERM, waits ExitTimeOut, then SIGKILL: give the drain its time.
+        "ExitTimeOut": int(drain_timeout) + 10,
+        "StandardOutPath": str(logs / "kvkeeper.log"),
+        "StandardErrorPath": str(logs / "kvkeeper.log"),
+    }
+    path = home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+    domain = f"gui/{os.getuid()}"
+    return ServiceFile(
+        path,
+        plistlib.dumps(plist),
+        load=[["mkdir", "-p", str(logs)], ["launchctl", "bootstrap", domain, str(path)]],
+        unload=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
+    )
+
+
+def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) -> ServiceFile:
+    unit = "\n".join([
+        "[Unit]",
+        "Description=kvkeeper: keeps MLX prompt caches across restarts",
+        "",
+        "[Service]",
+        "Type=simple",
+        f"ExecStart={shlex.join(serve_command(serve_args))}",
+        "Restart=on-failure",
+        "KillSignal=SIGTERM",
+        f"TimeoutStopSec={int(drain_timeout) + 10}",
+        "",
+        "[Install]",
+        "WantedBy=default.target",
+        "",
+    ])
+    path = config_home / "systemd" / "user" / UNIT
+    return ServiceFile(
+        path,
+        unit.encode(),
+        load=[["systemctl", "--user", "daemon-reload"],
+              ["systemctl", "--user", "enable", "--now", UNIT]],
+        unload=[["systemctl", "--user", "disable", "--now", UNIT]],
+    )
+
+
+def service_file(serve_args: Sequence[str], drain_timeout: float,
+                 platform: str = sys.platform) -> ServiceFile:
+    home = Path.home()
+    if platform == "darwin":
+        return launchd(serve_args, drain_timeout, home)
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return systemd(serve_args, drain_timeout, config_home)
+
+
+def _run(commands: list[list[str]]) -> None:
+    for cmd in commands:
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise ServiceError(f"{cmd[0]} not found: is this machine's service manager "
+                               f"available?") from None
+        if r.returncode != 0:
+            raise ServiceError(f"{shlex.join(cmd)} failed ({r.returncode}): "
+                               f"{(r.stderr or r.stdout).strip()}")
+
+
+def install(sf: ServiceFile, *, load: bool = True) -> None:
+    sf.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sf.path.with_name(sf.path.name + ".tmp")
+    tmp.write_bytes(sf.content)
+    os.replace(tmp, sf.path)
+    if load:
+        _run(sf.load)
+
+
+def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
+    if unload and sf.path.exists():
+        _run(sf.unload)
+    try:
+        sf.path.unlink()
+    except FileNotFoundError:
+        return False
+    return True

@@ -1,0 +1,278 @@
+"""Operations through the real CLI against a real daemon: settings, stats, ls,
+rm, gc and the disk budget, verify, import/export, the service files."""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+
+from kvkeeper.client.client import Client
+
+from .conftest import WAIT, RunningDaemon, ping, start_daemon
+from .faultkit import FP, entry_path, filled, need_linux_root, run, version_of
+from .test_legacy import MANIFEST, ROOT
+from .tiny import prefill, prompt, tiny_llama
+
+MiB = 2**20
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_print_config_precedence(short_dir: Path) -> None:
+    cfg = short_dir / "kv.toml"
+    cfg.write_text('max_disk_bytes = "3G"\nmin_free_bytes = "1G"\ndrain_timeout = 7\n')
+    r = cli("serve", "--config", str(cfg), "--print-config", "--min-free-bytes", "2G",
+            env={"KVKEEPER_DRAIN_TIMEOUT": "9", "KVKEEPER_ROOT": str(short_dir / "envroot")})
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert "2147483648" in lines["min_free_bytes"] and "flag --min-free-bytes" in lines["min_free_bytes"]
+    assert "9.0" in lines["drain_timeout"] and "environment KVKEEPER_DRAIN_TIMEOUT" in lines["drain_timeout"]
+    assert "3221225472" in lines["max_disk_bytes"] and f"config file {cfg}" in lines["max_disk_bytes"]
+    assert str(short_dir / "envroot") in lines["root"] and "environment KVKEEPER_ROOT" in lines["root"]
+    assert "(default)" in lines["max_pending_bytes"]
+    bad = short_dir / "bad.toml"
+    bad.write_text("max_disk_bites = 1\n")
+    r = cli("serve", "--config", str(bad), "--print-config")
+    assert r.returncode == 2 and "unknown settings ['max_disk_bites']" in r.stderr
+
+
+def test_stats_ls_rm_gc_through_the_cli(client: Client, daemon: RunningDaemon) -> None:
+    sock = str(daemon.socket)
+    for i in range(3):
+        assert client.save("m1", f"s{i}", filled(0.5, i), [i] * (i + 1))
+    assert client.save("m2", "other", filled(0.5, 9), [9])
+    assert client.flush(timeout=WAIT)
+    stats = json.loads(cli("stats", "--socket", sock, "--json").stdout)
+    assert stats["saves_written"] == 4 and "write_seconds_p99" in stats
+    assert stats["disk_used_bytes"] > 2 * MiB
+    human = cli("stats", "--socket", sock).stdout
+    assert "saves_written" in human and "Disk" in human
+    listed = json.loads(cli("ls", "--socket", sock, "--json", "--sort", "tokens").stdout)
+    assert [e["cache_id"] for e in listed] == ["s2", "s1", "s0", "other"]
+    only = json.loads(cli("ls", "--socket", sock, "--json", "--model", "m2").stdout)
+    assert [e["cache_id"] for e in only] == ["other"]
+    table = cli("ls", "--socket", sock).stdout
+    assert "s0" in table and "m2" in table
+    assert cli("rm", "--socket", sock, "--model", "m1").returncode == 0
+    assert [e.cache_id for e in client.entries()] == ["other"]
+    assert cli("rm", "--socket", sock).returncode == 1  # says what to give
+    gc = json.loads(cli("gc", "--socket", sock, "--json").stdout)
+    assert gc["evicted"] == [] and gc["disk_used_bytes"] > 0
+
+
+def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
+    root = short_dir / "root"
+    rd = start_daemon(root, short_dir / "run" / "kv.sock", max_disk_bytes=int(3.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            # A foreign file counts against the budget but is never deleted.
+            (root / "sessions" / "notes.txt").write_bytes(b"x" * 100_000)
+            assert kv.gc().entries == []
+            for name in ("a", "b", "c"):
+                assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+                time.sleep(0.01)
+            assert kv.load(FP, "a") is not None  # a load is a use: "a" is now the newest
+            assert kv.save(FP, "d", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            left = {e.cache_id for e in kv.entries()}
+            assert left == {"a", "c", "d"}, left
+            stats = kv.stats()
+            assert stats["evictions"] == 1 and stats["disk_used_bytes"] <= 3.5 * MiB
+            everything = kv.entries(everything=True)
+            assert any(e.kind == "foreign" and e.path.endswith("notes.txt") for e in everything)
+        assert rd.stop() == 0
+        # At start, with a smaller budget: the order survived the restart (atime).
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", max_disk_bytes=int(2.5 * MiB))
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert {e.cache_id for e in kv.entries()} == {"a", "d"}
+        assert (root / "sessions" / "notes.txt").exists()
+    finally:
+        if rd.thread.is_alive():
+            rd.stop()
+
+
+def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
+    need_linux_root()
+    mnt = short_dir / "small"
+    mnt.mkdir(mode=0o700)
+    run("mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt))
+    try:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=5 * MiB)
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                for name in ("a", "b", "c"):
+                    assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+                assert {e.cache_id for e in kv.entries()} == {"b", "c"}
+                assert kv.stats()["evictions"] == 1
+        finally:
+            rd.stop()
+    finally:
+        run("umount", "-l", str(mnt))
+
+
+def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
+    assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    model_dir = entry_path(daemon.root, "ok").parent
+    (model_dir / ".leftover.tmp").write_bytes(b"partial")
+    shutil.copyfile(ROOT / "mlx-lm" / "kv.safetensors", model_dir / "old.safetensors")
+    client.gc()
+    rows = json.loads(cli("ls", "--socket", str(daemon.socket), "--all", "--json").stdout)
+    kinds = {Path(r["path"]).name: r["kind"] for r in rows}
+    assert kinds == {"ok.safetensors": "entry", ".leftover.tmp": "foreign",
+                     "old.safetensors": "legacy"}
+    assert "foreign" in cli("ls", "--socket", str(daemon.socket), "--all").stdout
+    assert [e.cache_id for e in client.entries()] == ["ok"]
+
+
+def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
+    for name in ("good", "bad"):
+        assert client.save(FP, name, filled(0.5, 3), [3])
+    assert client.flush(timeout=WAIT)
+    bad = entry_path(daemon.root, "bad")
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    r = cli("verify", "--socket", str(daemon.socket), "--json")
+    assert r.returncode == 1, r.stderr
+    report = json.loads(r.stdout)
+    assert report["checked"] == 2 and [b["path"] for b in report["bad"]] == [str(bad)]
+    assert "checksum mismatch" in report["bad"][0]["reason"]
+    r = cli("verify", "--socket", str(daemon.socket), "--repair")
+    assert r.returncode == 1 and "moved aside" in r.stdout
+    assert not bad.exists() and version_of(entry_path(daemon.root, "good")) == 3
+    assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
+
+
+def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    with Client(rd.socket, timeout=WAIT) as kv:
+        assert kv.save(FP, "x", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+    rd.stop()
+    path = entry_path(short_dir / "root", "x")
+    os.truncate(path, path.stat().st_size - 10)
+    r = cli("verify", "--root", str(short_dir / "root"), "--socket",
+            str(short_dir / "run" / "kv.sock"), "--repair")
+    assert r.returncode == 1 and "moved aside" in r.stdout, r.stdout + r.stderr
+    assert not path.exists() and len(list((short_dir / "root" / "quarantine").iterdir())) == 1
+
+
+def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: RunningDaemon,
+                                                    short_dir: Path) -> None:
+    sock = str(daemon.socket)
+    # mlx-lm files record no model: --model is required.
+    r = cli("import", "--socket", sock, str(ROOT / "mlx-lm" / "kv.safetensors"))
+    assert r.returncode == 1 and "give --model" in r.stdout
+    r = cli("import", "--socket", sock, "--model", "lm", str(ROOT / "mlx-lm"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(json.loads(r.stdout)["imported"]) == 6
+    r = cli("import", "--socket", sock, str(ROOT / "gezel-schema3"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = {(e.model, e.cache_id) for e in client.entries()}
+    assert ("fp-demo", "kv") in names and ("lm", "rotating") in names
+    got = client.load("fp-demo", "kv")
+    want = MANIFEST["gezel-schema3/fp-demo/kv.safetensors"]
+    assert got is not None and got.token_ids == want["token_ids"]
+
+    # Export a real model's cache; mlx-lm's own loader opens it and the model
+    # continues bit-identically.
+    model = tiny_llama(seed=3)
+    tokens = prompt(40)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    assert client.save("tiny", "conv", cache, tokens) and client.flush(timeout=WAIT)
+    out = short_dir / "exported.safetensors"
+    r = cli("export", "--socket", sock, "tiny", "conv", str(out))
+    assert r.returncode == 0, r.stderr
+    loaded, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert json.loads(meta["token_ids"]) == tokens and meta["kvkeeper_model"] == "tiny"
+    a = model(mx.array([[5]]), cache=loaded)[0, -1]
+    b = model(mx.array([[5]]), cache=cache)[0, -1]
+    mx.eval(a, b)
+    np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+    # And back: the exported file imports like any mlx-lm file.
+    r = cli("import", "--socket", sock, "--model", "tiny", "--id", "back", str(out))
+    assert r.returncode == 0, r.stdout
+    assert client.load("tiny", "back") is not None
+    # mlx-vlm classes cannot be rebuilt by mlx-lm's loader: a clear refusal.
+    r = cli("export", "--socket", sock, "fp-demo", "kv", str(short_dir / "vlm.safetensors"))
+    assert r.returncode == 1 and "only caches of mlx_lm.models.cache" in r.stderr
+    r = cli("export", "--socket", sock, "tiny", "nope", str(short_dir / "n.safetensors"))
+    assert r.returncode == 1 and "no entry" in r.stderr
+
+
+def _run_service_command(cmd: list[str], short_dir: Path) -> None:
+    """Run the exact command line a service file holds; it must serve and stop."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        sock = short_dir / "svc" / "kv.sock"
+        deadline = time.monotonic() + WAIT
+        while not (sock.exists() and ping(sock)):
+            assert proc.poll() is None, f"service command exited {proc.returncode}"
+            assert time.monotonic() < deadline, "service command did not serve"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT) == 0
+
+
+def test_launchd_plist(short_dir: Path) -> None:
+    r = cli("install-service", "--print", "--platform", "macos", "--root",
+            str(short_dir / "svcroot"), "--socket", str(short_dir / "svc" / "kv.sock"),
+            "--drain-timeout", "30", "--max-disk-bytes", "10G")
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads(r.stdout.encode())
+    assert plist["Label"].count(".") >= 2 and plist["RunAtLoad"] and plist["KeepAlive"]
+    assert plist["ExitTimeOut"] >= 30
+    args = plist["ProgramArguments"]
+    assert os.path.isabs(args[0]) and args[1:4] == ["-m", "kvkeeper.cli", "serve"]
+    assert "--max-disk-bytes" in args and plist["StandardErrorPath"].endswith(".log")
+    _run_service_command(args, short_dir)
+
+
+def test_systemd_unit(short_dir: Path) -> None:
+    r = cli("install-service", "--print", "--platform", "linux", "--root",
+            str(short_dir / "svcroot"), "--socket", str(short_dir / "svc" / "kv.sock"))
+    assert r.returncode == 0, r.stderr
+    unit = r.stdout
+    assert "[Service]" in unit and "WantedBy=default.target" in unit
+    assert "TimeoutStopSec=30" in unit
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    cmd = shlex.split(exec_start.removeprefix("ExecStart="))
+    assert os.path.isabs(cmd[0])
+    analyze = shutil.which("systemd-analyze")
+    if analyze:  # where available: systemd's own check of the unit
+        f = short_dir / "kvkeeper.service"
+        f.write_text(unit)
+        v = subprocess.run([analyze, "verify", "--user", str(f)], capture_output=True,
+                           text=True, timeout=WAIT)
+        assert "kvkeeper.service" not in v.stderr or v.returncode == 0, v.stderr
+    _run_service_command(cmd, short_dir)
+
+
+def test_install_and_uninstall_write_the_file(short_dir: Path) -> None:
+    env = {"HOME": str(short_dir / "home"), "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg")}
+    for platform, path in (("linux", short_dir / "home" / ".cfg" / "systemd" / "user"
+                            / "kvkeeper.service"),
+                           ("macos", short_dir / "home" / "Library" / "LaunchAgents"
+                            / "io.github.kvkeeper.daemon.plist")):
+        r = cli("install-service", "--platform", platform, "--no-load", env=env)
+        assert r.returncode == 0 and path.exists(), r.stderr
+        r = cli("uninstall-service", "--platform", platform, "--no-load", env=env)
+        assert r.returncode == 0 and not path.exists(), r.stderr
+    if sys.platform == "linux" and not shutil.which("systemctl"):
+        r = cli("install-service", env=env)
+        assert r.returncode == 1 and "loading it failed" in r.stderr
