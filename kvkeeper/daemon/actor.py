@@ -301,9 +301,10 @@ class WriterActor:
                         f"({job.received} of {job.total} received)"
                     )
             final = job.layout.header(job.metadata, hasher.hexdigests())
-            tokens = _int(job.metadata.get(TOKEN_COUNT_KEY))
             done, pending = pending, None  # commit cleans up after itself on failure
-            evicted = await anyio.to_thread.run_sync(self.store.commit, done, final, tokens)
+            evicted = await anyio.to_thread.run_sync(
+                self.store.commit, done, final, job.metadata.get(TOKEN_COUNT_KEY)
+            )
         except (OSError, StreamBroken, ValueError) as exc:
             if pending is not None:
                 await anyio.to_thread.run_sync(pending.abort)
@@ -392,13 +393,6 @@ def _append(pending: PendingFile, hasher: TensorHasher, batch: list[list[memoryv
         n += len(buf)
     pending.append(flat)
     return n
-
-
-def _int(text: str | None) -> int:
-    try:
-        return int(text or 0)
-    except ValueError:
-        return 0
 
 
 def _describe(exc: BaseException) -> str:

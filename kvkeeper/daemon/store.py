@@ -284,7 +284,7 @@ class Store:
         self._model_dir(model)
         return PendingFile(self.path_for(model, cache_id), header, data_bytes)
 
-    def commit(self, pending: PendingFile, header: bytes, tokens: int) -> list[StoredEntry]:
+    def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
         the entries evicted for it (never the one just written)."""
         pending.commit(header)
@@ -297,7 +297,7 @@ class Store:
             self._index[path] = StoredEntry(
                 old.model if old and old.model else model,
                 old.cache_id if old and old.cache_id else cache_id,
-                tokens, pending.nbytes, now, path, "entry", now)
+                _int(tokens), pending.nbytes, now, path, "entry", now)
         return self.enforce_budget(keep=path)
 
     def find(self, model: str, cache_id: str) -> Path | None:
