@@ -171,7 +171,9 @@ class Server:
         if stream is None or stream[0] != msg.save:
             # Unknown stream: say so once, then drop the rest of it quietly.
             self.stats.inc("protocol_errors")
-            self._refuse(peer, msg.save, "unknown_save", f"no save {msg.save} in progress")
+            # Not counted as a refused save: this daemon never received its start.
+            self._refuse(peer, msg.save, "unknown_save", f"no save {msg.save} in progress",
+                         count=False)
             return
         job = stream[1]
         if job is None:
