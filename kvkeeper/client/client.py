@@ -68,6 +68,7 @@ class Client:
         self._dropped = 0
         self._refused_since_flush = 0
         self._lost_seen = 0
+        self._failed_seen = 0
         self._warned: set[str] = set()
         self._closed = False
         self._channel = Channel(
@@ -298,10 +299,15 @@ class Client:
         reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Flushed)
         with self._lock:
+            # Running totals: what went wrong since the last flush that returned.
             refused, self._refused_since_flush = self._refused_since_flush, 0
             lost = self._channel.counters.saves_lost - self._lost_seen
             self._lost_seen += lost
-        return reply.failed == 0 and refused == 0 and lost == 0
+            # A smaller total means a new daemon, which counts from zero.
+            failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
+                else reply.failed
+            self._failed_seen = reply.failed
+        return failed == 0 and refused == 0 and lost == 0
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Delete an entry (after any pending save of it); True if it existed."""

@@ -15,7 +15,7 @@ import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -85,7 +85,7 @@ class GcJob(Job):
 
 @dataclass
 class Tally:
-    """What happened to one client's saves since its last flush."""
+    """What happened to one client's saves, since it connected."""
 
     written: int = 0
     superseded: int = 0
@@ -191,10 +191,13 @@ class WriterActor:
             await job.done.wait()
 
     async def flush(self, peer: bytes) -> Tally:
-        """Wait for every job ``peer`` sent so far; report and reset its tally."""
+        """Wait for every job ``peer`` sent so far; return its running tally.
+
+        The tally is cumulative, never reset: a client whose flush timed out
+        still sees, at its next flush, a failure the lost answer reported."""
         for job in list(self._by_peer.get(peer, ())):
             await job.done.wait()
-        return self._tally.pop(peer, Tally())
+        return replace(self._tally.get(peer) or Tally())
 
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
@@ -347,7 +350,7 @@ class WriterActor:
             self.stats.inc(f"saves_{outcome.value}")
             tally = self._tally.get(job.peer)
             if tally is None:
-                if len(self._tally) >= _MAX_TALLIES:  # clients that never flush
+                if len(self._tally) >= _MAX_TALLIES:  # bound the clients remembered
                     del self._tally[next(iter(self._tally))]
                 tally = self._tally[job.peer] = Tally()
             if outcome is Outcome.WRITTEN:

@@ -129,6 +129,8 @@ class Daemon:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A client that reconnects keeps its identity; its new pipe takes over.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A few messages of a few MiB each: ZeroMQ holds little, the writer's
         # pending-bytes budget is what bounds memory.
         sock.setsockopt(zmq.RCVHWM, 64)

@@ -203,7 +203,9 @@ class Stats(_Msg, tag="stats"):
 
 
 class Flushed(_Msg, tag="flushed"):
-    """``written``/``failed``: saves of this client resolved since its last flush."""
+    """Every save this client sent before it is resolved. The counts are running
+    totals for this client's connection, so that a flush whose answer was lost
+    (a timeout) hides nothing from the next one."""
 
     req: int
     written: int
