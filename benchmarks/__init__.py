@@ -1,0 +1,6 @@
+"""kvkeeper's benchmark suite: ``python -m benchmarks [--quick] [--tiny] [--out DIR]``.
+
+Starts its own daemon (a real ``kvkeeper serve`` subprocess) on a temporary
+root, runs every case side by side with its baselines, prints a summary and
+writes ``BENCHMARKS.md``, ``results.json`` and ``save_latency.png``.
+"""

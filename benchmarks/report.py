@@ -1,0 +1,702 @@
+"""Turn the raw results into BENCHMARKS.md, results.json and save_latency.png."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import dumps, fmt_bytes, fmt_s, med
+
+MiB = 2**20
+
+
+def write(doc: dict[str, Any], paths: dict[str, Path], *, write_json: bool = True) -> None:
+    try:
+        plot(doc, paths["png"])
+        doc["plot_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
+        doc["plot_error"] = f"{type(exc).__name__}: {exc}"
+    if write_json:
+        paths["json"].write_text(dumps(doc) + "\n")
+    rel = os.path.relpath(paths["png"], paths["md"].parent)
+    paths["md"].write_text(markdown(doc, rel))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _met(v: bool | None) -> str:
+    return "—" if v is None else ("yes" if v else "**no**")
+
+
+def _x(v: float | None, digits: int = 2) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}×"
+
+
+def _p(stats: dict[str, Any] | None, key: str = "median") -> str:
+    return fmt_s(None if not stats else stats.get(key))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _measured_text(t: dict[str, Any]) -> str:
+    m = t.get("measured", {})
+    case = t["case"]
+    if case.startswith("1") and "limit_s" in m:
+        sync = ", ".join(f"{k.replace('sync_', '')} {fmt_s(v)}" for k, v in m["sync_medians_s"].items())
+        return (f"save() p99 {fmt_s(m['save_p99_s'])} (idle {fmt_s(m['save_p99_idle_s'])}, "
+                f"streaming {fmt_s(m['save_p99_streaming_s'])}) vs limit {fmt_s(m['limit_s'])} "
+                f"(synchronous medians: {sync})")
+    if case.startswith("1"):
+        if m.get("apc_handoff_median_s") is None:
+            return f"mlx-vlm APC could not be measured: {m.get('apc_errors')}"
+        return (f"save() p99 {fmt_s(m['save_p99_s'])} vs mlx-vlm commit() median "
+                f"{fmt_s(m['apc_handoff_median_s'])}")
+    if case.startswith("2"):
+        return (f"{_x(m['ratio'], 3)} ({m['tokens_per_s_with_saves']:.1f} vs "
+                f"{m['tokens_per_s_no_saves']:.1f} tokens/s)")
+    if case.startswith("3"):
+        return (f"{_x(m['ratio'])} (kvkeeper {m['kvkeeper_gib_per_s']:.2f} GiB/s, plain "
+                f"{m['plain_gib_per_s']:.2f} GiB/s)")
+    if case.startswith("4") and "excess_s" in m:
+        return (f"{fmt_s(m['kvkeeper_lazy_s'])} vs {fmt_s(m['direct_lazy_s'])} "
+                f"(+{fmt_s(m['excess_s'])})")
+    if case.startswith("4"):
+        return (f"{_x(m['ratio'])} ({fmt_s(m['kvkeeper_verified_s'])} vs "
+                f"{fmt_s(m['direct_eval_s'])})")
+    if case.startswith("5"):
+        return ", ".join(f"{k} tokens: {_x(v, 1)}" for k, v in m.items())
+    if case.startswith("6") and "rss_peak_bytes" in m:
+        return (f"peak {fmt_bytes(m['rss_peak_bytes'])} vs limit {fmt_bytes(m['limit_bytes'])} "
+                f"(--max-pending-bytes {fmt_bytes(m['max_pending_bytes'])})")
+    if case.startswith("6"):
+        return f"{m['not_written']} not written, {m['explained_by_counters']} counted"
+    if case.startswith("7"):
+        return (f"{m['written_gib_per_s']:.2f} GiB/s written, p99 load "
+                f"{fmt_s(m['load_p99_s'])} over {m['loads']} loads")
+    return str(m)
+
+
+def summary_text(doc: dict[str, Any]) -> str:
+    lines = [f"kvkeeper benchmarks ({doc['mode']}), {doc['runtime_s']:.0f} s"]
+    for t in doc["targets"]:
+        size = f" @ {fmt_bytes(t['size_bytes'])}" if t.get("size_bytes") else ""
+        lines.append(f"  [{ {True: 'MET ', False: 'MISS', None: 'INFO'}[t['met']] }] "
+                     f"{t['case']}{size}: {t['target']}\n         {_measured_text(t)}")
+    for name, res in doc["cases"].items():
+        if "error" in res:
+            lines.append(f"  [FAIL] case {name}: {res['error']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plot
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hot = doc["cases"].get("hot_path")
+    fig, ax = plt.subplots(figsize=(12, 5.6), dpi=110)
+    if not hot or "error" in hot:
+        ax.text(0.5, 0.5, "hot-path case did not run", ha="center", va="center")
+        fig.savefig(path)
+        plt.close(fig)
+        return
+    sizes = hot["sizes"]
+    xs = [s["bytes"] / MiB for s in sizes]
+
+    def series(get: Any) -> list[float | None]:
+        out = []
+        for s in sizes:
+            try:
+                out.append(get(s))
+            except (KeyError, TypeError):
+                out.append(None)
+        return out
+
+    lines = [
+        ("kvkeeper save() p50", lambda s: s["kvkeeper_save_idle"]["median"],
+         dict(color="C0", marker="o", lw=2.2)),
+        ("kvkeeper save() p99 (idle and while streaming)",
+         lambda s: max(s["kvkeeper_save_idle"]["p99"], s["kvkeeper_stream"]["save"]["p99"]),
+         dict(color="C0", marker="o", ls="--", lw=1.4, mfc="white")),
+        ("kvkeeper save() → durable (background, fsynced)",
+         lambda s: s["kvkeeper_save_to_durable"]["median"],
+         dict(color="C0", marker=".", ls=":", lw=1.4)),
+        ("sync reference (mx.save_safetensors + rename), new file",
+         lambda s: s["sync_reference_new_file"]["median"], dict(color="C3", marker="s")),
+        ("sync reference, rename replaces a file",
+         lambda s: s["sync_reference_replace"]["median"],
+         dict(color="C3", marker="s", ls="--", mfc="white")),
+        ("sync mlx-lm save_prompt_cache", lambda s: s["sync_mlx_lm_save_prompt_cache"]["median"],
+         dict(color="C1", marker="^")),
+        ("mlx-vlm APC commit() hand-off", lambda s: s["mlx_vlm_apc"]["handoff_s"]["median"],
+         dict(color="C2", marker="D")),
+        ("mlx-vlm APC until written (background, no fsync)",
+         lambda s: s["mlx_vlm_apc"]["written_s"]["median"],
+         dict(color="C2", marker=".", ls=":")),
+    ]
+    for label, get, style in lines:
+        ys = series(get)
+        pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([fmt_bytes(s["bytes"]) for s in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel(f"cache size ({sizes[0]['tokens']}–{sizes[-1]['tokens']} tokens, "
+                  f"Llama-3-8B-shaped KV cache, bf16)" if doc["mode"] != "tiny"
+                  else "cache size (tiny smoke-test shape)")
+    ax.set_ylabel("seconds (log scale), medians unless marked p99")
+    m = doc["machine"]
+    ax.set_title(f"Save-call latency vs cache size — {m['cpu']}, {m['cores']} cores, "
+                 f"{doc['started_at'][:10]} ({doc['mode']})", fontsize=10)
+    ax.grid(True, which="major", alpha=0.35)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _machine(doc: dict[str, Any]) -> list[str]:
+    m = doc["machine"]
+    la0, la1 = m.get("load_average_start"), m.get("load_average_end")
+    rows = [
+        ["CPU", f"{m['cpu']}, {m['cores']} cores"],
+        ["RAM", fmt_bytes(m["ram_bytes"])],
+        ["OS", m["os"]],
+        ["Python", m["python"]],
+        ["mlx / mlx-lm / mlx-vlm", f"{m['mlx']} / {m['mlx_lm']} / {m['mlx_vlm']} "
+                                   f"(MLX device: {m['mlx_device']})"],
+        ["pyzmq", str(m["pyzmq"])],
+        ["kvkeeper", f"{m['kvkeeper']} (commit {m['git_commit']}"
+                     + (", with uncommitted changes under kvkeeper/" if m.get("git_dirty_kvkeeper")
+                        else "") + ")"],
+        ["File system of the store", str(m["filesystem"])],
+        ["Load average (1, 5, 15 min) at start / end",
+         f"{', '.join(f'{x:.2f}' for x in la0) if la0 else 'n/a'} / "
+         f"{', '.join(f'{x:.2f}' for x in la1) if la1 else 'n/a'}"],
+        ["Date (UTC)", doc["started_at"]],
+        ["Run time", f"{doc['runtime_s']:.0f} s ({doc['mode']} mode)"],
+    ]
+    return _table(["", ""], rows)
+
+
+def _gc_text(g: dict[str, Any] | None) -> str:
+    if not g:
+        return "n/a"
+    text = (f"the garbage collector ran inside {g['calls_with_a_collection']} of {g['calls']} "
+            f"calls")
+    if g["calls_with_a_gen2_collection"]:
+        text += (f", a full (generation 2) collection inside {g['calls_with_a_gen2_collection']}"
+                 f" of them (up to {fmt_s(g['max_gen2_pause_s'])})")
+    return text
+
+
+def _apc_cell(apc: dict[str, Any], key: str) -> str:
+    if apc.get(key):
+        return _p(apc[key])
+    return "n/a" if apc else "—"
+
+
+def _gc_total(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    gen2 = [p["max_gen2_pause_s"] for p in parts if p.get("max_gen2_pause_s")]
+    return {
+        "calls": sum(p["calls"] for p in parts),
+        "calls_with_a_collection": sum(p["calls_with_a_collection"] for p in parts),
+        "calls_with_a_gen2_collection": sum(p["calls_with_a_gen2_collection"] for p in parts),
+        "max_gen2_pause_s": max(gen2) if gen2 else None,
+    }
+
+
+def _hot(doc: dict[str, Any], png: str) -> list[str]:
+    hot = doc["cases"]["hot_path"]
+    prof = doc["profile"]
+    out = ["## 1. Hot path: what `save()` costs the generation loop", ""]
+    out.append(
+        f"`client.save()` wall time with the daemon idle ({prof['hot_idle_n']} calls, a `flush()` "
+        f"after each) and while streaming ({prof['hot_stream_n']} calls, one every "
+        f"{prof['stream_pace_s'] * 1000:.0f} ms, never waiting for the disk), against saving "
+        f"the same cache synchronously in-process ({prof['sync_reps']} runs each, in the same "
+        f"rounds): the reference approach (flatten the state, `mx.save_safetensors` to a sibling, "
+        f"`os.replace`; a new file and one that replaces a file) and mlx-lm's `save_prompt_cache`; "
+        f"and against mlx-vlm's APC disk tier (`commit()` hand-off, time until its background "
+        f"write is done, and the wait its next request pays in `prepare_prefill`). "
+        f"Synchronous savers and mlx-vlm never fsync; kvkeeper's *save → durable* includes fsync "
+        f"of the file and the directory.")
+    out.append("")
+    rows = []
+    for s in hot["sizes"] + hot["special"]:
+        st = s.get("kvkeeper_stream")
+        apc = s.get("mlx_vlm_apc") or {}
+        label = fmt_bytes(s["bytes"]) + (f" ({s['tokens']} tok)" if "kind" not in s
+                                         else f" {s['kind'].split(':')[0]}")
+        rows.append([
+            label,
+            f"{_p(s['kvkeeper_save_idle'])} / {_p(s['kvkeeper_save_idle'], 'p99')}",
+            (f"{_p(st['save'])} / {_p(st['save'], 'p99')} ({st['dropped']} dropped)" if st else "—"),
+            _p(s["sync_reference_new_file"]), _p(s["sync_reference_replace"]),
+            _p(s["sync_mlx_lm_save_prompt_cache"]) if s["sync_mlx_lm_save_prompt_cache"]["n"]
+            else f"failed: {s.get('sync_mlx_lm_error', '?')[:60]}",
+            _apc_cell(apc, "handoff_s"), _apc_cell(apc, "written_s"),
+            _apc_cell(apc, "next_request_wait_s"),
+            _p(s["kvkeeper_save_to_durable"]),
+        ])
+    out += _table(["cache", "save() p50 / p99, idle", "save() p50 / p99, streaming",
+                   "sync ref, new file", "sync ref, replace", "mlx-lm save_prompt_cache",
+                   "mlx-vlm commit()", "mlx-vlm until written", "mlx-vlm next-request wait",
+                   "kvkeeper save → durable"], rows)
+    out.append("")
+    out.append(f"![save-call latency against cache size]({png})")
+    out.append("")
+    notes = []
+    for s in hot["sizes"]:
+        apc = s.get("mlx_vlm_apc") or {}
+        if apc.get("file_bytes"):
+            notes.append(f"{fmt_bytes(s['bytes'])}: mlx-vlm wrote {fmt_bytes(apc['file_bytes'])} "
+                         f"(it pads the shard to the next 256 tokens + 1)")
+    big = max(hot["sizes"], key=lambda s: s["bytes"])
+    st = big["kvkeeper_stream"]
+    out.append(
+        f"Streaming at {fmt_bytes(big['bytes'])}: {st['handed_off']} saves handed off, "
+        f"{st['dropped']} dropped by the client (in-flight budget full), daemon counters over "
+        f"the stream: {', '.join(f'{k} {v:g}' for k, v in st['counters'].items())}. "
+        f"The snapshot alone (`snapshot_cache`, in-process) takes {_p(big['snapshot_only'])} "
+        f"median ({_p(big.get('snapshot_only_cpu'))} of CPU) of the "
+        f"{_p(big['kvkeeper_save_idle'])} a `save()` takes. CPU time of the "
+        f"calling thread inside `save()` (`time.thread_time`), idle: "
+        f"{_p(big['kvkeeper_save_idle_cpu'])} p50 / {_p(big['kvkeeper_save_idle_cpu'], 'p99')} "
+        f"p99; streaming: {_p(st['save_cpu'])} / {_p(st['save_cpu'], 'p99')}; wall time beyond "
+        f"that is time the thread waited for a core or for the GIL. Over all sizes, idle: "
+        f"{_gc_text(_gc_total([s.get('kvkeeper_save_idle_gc') for s in hot['sizes']]))}; "
+        f"streaming: "
+        f"{_gc_text(_gc_total([s['kvkeeper_stream'].get('gc') for s in hot['sizes']]))}."
+        + (" " + "; ".join(notes) + "." if notes else ""))
+    for s in hot["special"]:
+        apc = s.get("mlx_vlm_apc")
+        if apc and apc.get("strategy"):
+            out.append("")
+            out.append(f"mlx-vlm APC on the {s['kind'].split(':')[0]} cache uses its "
+                       f"\"{apc['strategy']}\" strategy; with no memory budget its `commit()` "
+                       f"writes the snapshot synchronously: {_p(apc.get('handoff_s'))} median.")
+        elif apc and apc.get("errors"):
+            out.append("")
+            out.append(f"mlx-vlm APC on the {s['kind']} cache failed: {apc['errors']}")
+    return out
+
+
+def _gen(doc: dict[str, Any]) -> list[str]:
+    g = doc["cases"]["generation"]
+    t, b = g["tiny_model"], g["big_cache_update"]
+    out = ["## 2. Cost to generation", ""]
+    out.append(
+        f"{t['model']}; prompt {t['prompt_tokens']} tokens, then {t['decode_tokens']} greedy "
+        f"decode steps, with a `save()` of the whole cache every {t['save_every']} tokens or "
+        f"none; {t['runs_per_mode']} runs per mode, alternated.")
+    out.append("")
+    out += _table(["", "no saves", f"save every {t['save_every']} tokens"], [
+        ["decode tokens/s (median)", f"{t['tokens_per_s_no_saves']['median']:.1f}",
+         f"{t['tokens_per_s_with_saves']['median']:.1f} ({_x(t['ratio'], 3)})"],
+        ["decode step, median", _p(t["step_no_saves"]), _p(t["step_with_saves_other"])],
+        ["first decode step after a save, median / max", "—",
+         f"{_p(t['step_first_after_save'])} / {_p(t['step_first_after_save'], 'max')}"],
+        ["save() call, median / max", "—", f"{_p(t['save_call'])} / {_p(t['save_call'], 'max')}"],
+    ])
+    out.append("")
+    out.append(f"Saves handed off: {t['saves_handed_off']} of {t['saves_attempted']}; every run "
+               f"produced the same tokens: {t['same_tokens_in_every_run']}. The daemon process "
+               f"used {t['daemon_cpu_share_with_saves'] * 100:.1f}% of a core during the runs "
+               f"with saves ({t['daemon_cpu_share_no_saves'] * 100:.1f}% during the others).")
+    out.append("")
+    out.append(
+        f"At the Llama-3-8B shape ({fmt_bytes(b['cache_bytes'])} of buffers, {b['tokens']} "
+        f"tokens): one decode step's cache update at every layer (what a real model's "
+        f"attention writes), evaluated:")
+    out.append("")
+    out += _table(["cache update", "median", "max"], [
+        ["no save in flight", _p(b["step_plain"]), _p(b["step_plain"], "max")],
+        ["right after `save()` (bytes still in flight)", _p(b["step_right_after_save"]),
+         _p(b["step_right_after_save"], "max")],
+        ["after the save was fully sent", _p(b["step_after_save_fully_sent"]),
+         _p(b["step_after_save_fully_sent"], "max")],
+        ["after the save was fully sent, flushed, and then a save of a small other cache",
+         _p(b.get("step_after_save_sent_then_small_save")),
+         _p(b.get("step_after_save_sent_then_small_save"), "max")],
+        ["(`save()` → every byte handed to the daemon)", _p(b["save_to_fully_sent"]),
+         _p(b["save_to_fully_sent"], "max")],
+    ])
+    out.append("")
+    out.append(
+        "While a snapshot's bytes are on their way, MLX cannot update those buffers in place, "
+        "so the first update copies them: that copy is the real price of a zero-copy `save()` "
+        "on a large cache, and it lands on the generation loop when the next decode step comes "
+        "before the send finishes. The first update still copies after every byte has been "
+        "sent and the save is durable; only a later save (here of a small, unrelated cache) "
+        "makes the next update cheap again: the client keeps the last sent save's buffers "
+        "alive until another save replaces it (in `Channel._run`, the local `save` of the "
+        "tracker loop holds the sent `_Save` and its frames), so every save costs one full "
+        "copy of the cache at the next decode step, whenever that comes.")
+    return out
+
+
+def _disk(doc: dict[str, Any]) -> list[str]:
+    d = doc["cases"]["disk"]
+    out = ["## 3. Disk throughput", ""]
+    out.append(
+        f"{fmt_bytes(d['bytes'])}: first `save()` until `flush()` returns (written, fsynced, "
+        f"renamed, directory fsynced) against plain Python writing the same bytes from memory "
+        f"(`os.write` + `fsync` + `rename` + directory `fsync`), "
+        f"{d['kvkeeper_save_to_durable']['n']} runs each, alternated.")
+    out.append("")
+    out += _table(["", "median", "min", "max", "GiB/s (median)"], [
+        ["kvkeeper save → durable", _p(d["kvkeeper_save_to_durable"]),
+         _p(d["kvkeeper_save_to_durable"], "min"), _p(d["kvkeeper_save_to_durable"], "max"),
+         f"{d['kvkeeper_gib_per_s']:.2f}"],
+        ["plain write + fsync + rename", _p(d["plain_write_fsync_rename"]),
+         _p(d["plain_write_fsync_rename"], "min"), _p(d["plain_write_fsync_rename"], "max"),
+         f"{d['plain_gib_per_s']:.2f}"],
+    ])
+    out.append("")
+    b = d.get("kvkeeper_breakdown")
+    out.append(f"kvkeeper reaches {_x(d['ratio'])} of plain Python's speed."
+               + (f" Where kvkeeper's time goes ({b['save_to_fully_sent']['n']} more runs, "
+                  f"polling `stats()`): `save()` until every byte reached the daemon "
+                  f"{_p(b['save_to_fully_sent'])}, then until durable "
+                  f"{_p(b['fully_sent_to_durable'])}. Plain Python's `write()` calls alone: "
+                  f"{_p(d['plain_write_calls_only'])} (the rest is fsync)." if b else ""))
+    return out
+
+
+def _load(doc: dict[str, Any]) -> list[str]:
+    ld = doc["cases"]["load"]
+    out = ["## 4. Load", ""]
+    out.append(
+        "`client.load()` until the cache is usable against `mx.load` of the same file "
+        "(`return_metadata=True`, since the caller needs the token ids). Lazy: "
+        "`verify=False`, arrays stay memory-mapped. Verified: the default, every array evaluated "
+        "and its xxh3 checksum checked, against `mx.load` + `mx.eval` of every array. "
+        "The file is in the page cache (it was just written) unless marked cold (`posix_fadvise(DONTNEED)` first); MLX's allocator "
+        "cache stays warm, as in a running server. mlx-vlm's disk restore "
+        "(`lookup_prefix_disk_cache` of the same cache committed to its disk tier: evaluated, "
+        "unverified) is timed in the same rotation.")
+    out.append("")
+    rows = []
+    for s in ld["sizes"] + ld["special"]:
+        direct = med(s["direct_eval"])
+        apc_r = med(s.get("mlx_vlm_apc_restore"))
+        label = fmt_bytes(s["bytes"]) if "kind" not in s else f"{s['kind']} ({s['tokens']} tok)"
+        rows.append([
+            label, _p(s["kvkeeper_lazy"]), _p(s["direct_lazy"]),
+            _p(s["kvkeeper_verified"]), _p(s["direct_eval"]),
+            _x(med(s["kvkeeper_verified"]) / direct), _p(s["hash_only"]),
+            (f"{_p(s['kvkeeper_verified_cold'])} vs {_p(s['direct_eval_cold'])} "
+             f"({_x(med(s['kvkeeper_verified_cold']) / med(s['direct_eval_cold']))})"
+             if "kvkeeper_verified_cold" in s else "—"),
+            (f"{fmt_s(apc_r)} ({_x(apc_r / direct)})" if apc_r
+             else (f"failed: {s['mlx_vlm_apc_error']}" if s.get("mlx_vlm_apc_error") else "—")),
+        ])
+    out += _table(["cache", "kvkeeper lazy", "mx.load lazy", "kvkeeper verified",
+                   "mx.load + eval", "verified / direct", "xxh3 of all tensors alone",
+                   "cold: verified vs mx.load + eval", "mlx-vlm restore (vs mx.load + eval)"],
+                  rows)
+    out.append("")
+    out.append(f"Daemon round trip (`ping()`), median: {_p(ld['ping_round_trip'])}.")
+    return out
+
+
+def _resume(doc: dict[str, Any]) -> list[str]:
+    r = doc["cases"]["resume"]
+    out = ["## 5. Resume", ""]
+    out.append(
+        f"{r['model']}: time to the first token of a continued conversation. Re-prefill: the "
+        f"whole conversation plus the new token through the model. Restore: `client.load()` "
+        f"(verified) plus one decode step with the new token.")
+    out.append("")
+    out += _table(["conversation", "re-prefill (median)", "restore + 1 step (median)",
+                   "re-prefill / restore", "same next token as the live cache"],
+                  [[f"{x['tokens']} tokens", _p(x["reprefill"]), _p(x["restore_plus_step"]),
+                    _x(x["ratio_reprefill_over_restore"], 1),
+                    str(x["restored_token_matches_live_cache"])] for x in r["lengths"]])
+    return out
+
+
+def _memory(doc: dict[str, Any]) -> list[str]:
+    m = doc["cases"]["memory"]
+    c = m["daemon_counters"]
+    out = ["## 6. Memory under overload", ""]
+    out.append(
+        f"A second daemon with `--max-pending-bytes {fmt_bytes(m['max_pending_bytes'])}`; "
+        f"{m['clients']} clients hand it saves of {fmt_bytes(m['save_bytes'])} (3 keys per "
+        f"client) as fast as `save()` accepts them, until `save()` has accepted "
+        f"{fmt_bytes(m['handed_off'] * m['save_bytes'])} (it accepted them at "
+        f"{m['handed_off_gib_per_s']:.1f} GiB/s: they wait in the clients' in-flight budgets; "
+        f"the daemon wrote {m['written_gib_per_s']:.2f} GiB/s until all were resolved). "
+        f"RSS sampled every 2 ms "
+        f"({m['rss_samples']} samples) and the kernel's VmHWM.")
+    out.append("")
+    out += _table(["", ""], [
+        ["daemon RSS idle", fmt_bytes(m["rss_idle_bytes"])],
+        ["daemon peak RSS (max of sampled, VmHWM)",
+         f"{fmt_bytes(m['rss_peak_bytes'])} (sampled {fmt_bytes(m['rss_peak_sampled_bytes'])}, "
+         f"VmHWM {fmt_bytes(m['rss_peak_vmhwm_bytes'])})"],
+        ["limit: --max-pending-bytes + 100 MiB",
+         fmt_bytes(m["max_pending_bytes"] + 100 * MiB)],
+        ["save() calls", str(m["attempts"])],
+        ["dropped by the clients (in-flight budget full)", str(m["client_counters"]["dropped"])],
+        ["lost by the clients (pipe broke)", str(m["client_counters"]["lost"])],
+        ["received by the daemon", str(c["saves_received"])],
+        ["written", str(c["saves_written"])],
+        ["superseded by a newer save of the same key", str(c["saves_superseded"])],
+        ["refused (busy: pending budget full)", str(c["saves_refused"])],
+        ["failed", str(c["saves_failed"])],
+        ["not written = calls − written", str(m["not_written"])],
+        ["dropped + lost + superseded + refused + failed", str(m["explained_by_counters"])],
+    ])
+    margin = m["max_pending_bytes"] + 100 * MiB - m["rss_peak_bytes"]
+    out.append("")
+    out.append(
+        f"Margin to the limit in this run: {margin / MiB:+.1f} MiB. The pending-bytes budget "
+        f"counts bytes accepted for writing; the rest of the peak is the daemon's own "
+        f"{fmt_bytes(m['rss_idle_bytes'])} at rest, messages ZeroMQ has received but the daemon "
+        f"has not read yet, and data frames of refused saves on their way to being dropped.")
+    return out
+
+
+def _clients(doc: dict[str, Any]) -> list[str]:
+    c = doc["cases"]["clients"]
+    d = c["daemon_counters"]
+    out = ["## 7. Many clients", ""]
+    out.append(
+        f"{c['processes']} client processes, each with its own {fmt_bytes(c['bytes_per_save'])} "
+        f"cache, for {c['duration_s']:g} s: `save()` under one of two keys, then a verified "
+        f"`load()` of an entry saved before the start, in a loop; then `flush()`. Time from the "
+        f"common start until every client's flush returned: {fmt_s(c['wall_s_to_all_durable'])}.")
+    out.append("")
+    out += _table(["", ""], [
+        ["saves handed off / dropped by clients / refused", f"{c['saves_handed_off']} / "
+         f"{c['saves_dropped_by_clients']} / {c['saves_refused']}"],
+        ["daemon: written / superseded", f"{d['saves_written']} / {d['saves_superseded']}"],
+        ["aggregate written (durable)", f"{c['written_gib_per_s']:.2f} GiB/s"],
+        ["aggregate handed off", f"{c['handed_off_gib_per_s']:.2f} GiB/s"],
+        ["verified loads (misses)", f"{c['loads']} ({c['load_misses']})"],
+        ["load latency p50 / p99", f"{_p(c['load_latency'])} / {_p(c['load_latency'], 'p99')}"],
+        ["save() latency p50 / p99", f"{_p(c['save_latency'])} / {_p(c['save_latency'], 'p99')}"],
+    ])
+    return out
+
+
+def _why(doc: dict[str, Any]) -> list[str]:
+    """Explanations of the misses, from this run's own numbers."""
+    cases = doc["cases"]
+    out: list[str] = []
+    for t in doc["targets"]:
+        if t["met"] is not False:
+            continue
+        m = t["measured"]
+        case = t["case"]
+        if case.startswith("1") and "limit_s" in m:
+            big = max(cases["hot_path"]["sizes"], key=lambda s: s["bytes"])
+            out.append(
+                f"- **Hot path, 1/100 of the synchronous median.** p99 of `save()` was "
+                f"{fmt_s(m['save_p99_s'])} against a limit of {fmt_s(m['limit_s'])}. The "
+                f"synchronous savers are fast here because they only copy into the page cache "
+                f"(no fsync) and this machine copies several GB/s. Of `save()`'s "
+                f"{_p(big['kvkeeper_save_idle'])} median, the zero-copy snapshot "
+                f"(`snapshot_cache`: a new MLX handle per tensor, an evaluation, numpy views) "
+                f"takes {_p(big['snapshot_only'])} ({_p(big.get('snapshot_only_cpu'))} of CPU); "
+                f"the rest is building a `SaveBegin` with "
+                f"every token id and {max(1, big['bytes'] // (8 * MiB))} data messages in "
+                f"Python: a cost per tensor, not per byte, so it does not shrink with the cache "
+                f"while the synchronous save does. The calling thread's CPU time in `save()` "
+                f"was {_p(big['kvkeeper_save_idle_cpu'])} p50 / "
+                f"{_p(big['kvkeeper_save_idle_cpu'], 'p99')} p99 (idle); the rest of the wall-"
+                f"clock tail is waiting for a core or the GIL on a shared 2-core machine, where "
+                f"the client's I/O thread and the daemon run beside the caller, and Python's "
+                f"garbage collector (`save()` allocates Python objects per tensor: descriptions, "
+                f"views, frames; at {fmt_bytes(big['bytes'])} "
+                f"{_gc_text(_gc_total([big.get('kvkeeper_save_idle_gc'), big['kvkeeper_stream'].get('gc')]))}"
+                f"; in a process that has imported mlx-lm and mlx-vlm a full collection takes "
+                f"tens of milliseconds).")
+        elif case.startswith("1"):
+            out.append(
+                f"- **Hot path, below mlx-vlm's hand-off.** p99 of `save()` "
+                f"{fmt_s(m['save_p99_s'])} against mlx-vlm's `commit()` median "
+                f"{fmt_s(m['apc_handoff_median_s'])}. mlx-vlm's hand-off evaluates the arrays, "
+                f"hashes token blocks and queues references to the live arrays; it builds no "
+                f"message, records no layer description and computes no per-tensor layout, "
+                f"and its write is a background `mx.save_safetensors` in the same process "
+                f"(never fsynced, holding the Python process's cores while it runs).")
+        elif case.startswith("2"):
+            tm = cases["generation"]["tiny_model"]
+            share = (tm["save_call"]["median"] or 0) / (16 * (tm["step_no_saves"]["median"] or 1))
+            out.append(
+                f"- **Cost to generation.** {_x(m['ratio'], 3)} of the no-save throughput. "
+                f"A `save()` call takes {_p(tm['save_call'])} median, "
+                f"{share * 100:.1f}% of the 16 decode steps between saves "
+                f"({_p(tm['step_no_saves'])} each); the first step after a save takes "
+                f"{_p(tm['step_first_after_save'])} median against "
+                f"{_p(tm['step_with_saves_other'])} for the others (no saves: "
+                f"{_p(tm['step_no_saves'])}). On this 2-core machine the client's I/O thread "
+                f"and the daemon (receive, hash, write, two fsyncs per save) take CPU the MLX "
+                f"decode loop would otherwise use: the daemon alone used "
+                f"{tm['daemon_cpu_share_with_saves'] * 100:.1f}% of a core during the runs with "
+                f"saves. The tiny model's decode step is only a few milliseconds, so this fixed "
+                f"cost per save weighs more than it would beside a real model.")
+        elif case.startswith("3"):
+            d = cases["disk"]
+            out.append(
+                f"- **Disk throughput.** kvkeeper reached {_x(m['ratio'])} of plain Python "
+                f"({d['kvkeeper_gib_per_s']:.2f} against {d['plain_gib_per_s']:.2f} GiB/s; "
+                f"fastest run of each: {_x(m.get('ratio_of_minimums'))}). "
+                f"Plain Python writes straight from its own memory into the page cache "
+                f"({_p(d['plain_write_calls_only'])} of `write()` calls); kvkeeper first moves "
+                f"every byte to the daemon over a unix socket (one more copy through the kernel: "
+                f"{_p(d['kvkeeper_breakdown']['save_to_fully_sent'])} until the daemon had every "
+                f"byte), and the daemon's worker hashes each batch and then writes it, one after "
+                f"the other in one thread; on a 2-core machine these stages share the cores "
+                f"with the sending process.")
+        elif case.startswith("4") and "excess_s" in m:
+            ld = cases["load"]
+            out.append(
+                f"- **Lazy load.** {fmt_s(m['kvkeeper_lazy_s'])} against "
+                f"{fmt_s(m['direct_lazy_s'])} for `mx.load` (+{fmt_s(m['excess_s'])}). The "
+                f"excess is a daemon round trip (`ping` {_p(ld['ping_round_trip'])} median; a "
+                f"load also waits for the writer's bookkeeping of that key), reading and "
+                f"checking the header before `mx.load`, decoding the token ids and the "
+                f"layer description, and rebuilding every layer object.")
+        elif case.startswith("4"):
+            out.append(
+                f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
+                f"{fmt_s(m['kvkeeper_verified_s'])} against {fmt_s(m['direct_eval_s'])} "
+                f"({_x(m['ratio'])}; fastest run of each: {_x(m.get('ratio_of_minimums'))}). "
+                f"kvkeeper's reader evaluates every array (the same work as `mx.load` + "
+                f"`mx.eval`) and only then hashes them one after another (xxh3 of all tensors "
+                f"alone: {fmt_s(m.get('hash_only_s'))}, against an excess of "
+                f"{fmt_s(m['kvkeeper_verified_s'] - m['direct_eval_s'])}): hashing follows "
+                f"reading instead of overlapping it, so verified ≥ direct + hash time, and "
+                f"the 1.2× target needs hashing to overlap the read"
+                + (" (cold reads from this shared virtual disk also vary a lot from run to run)"
+                   if "not in page cache" in t["target"] else "") + ".")
+        elif case.startswith("6") and "rss_peak_bytes" in m:
+            mm = cases["memory"]
+            out.append(
+                f"- **Memory.** Peak RSS {fmt_bytes(m['rss_peak_bytes'])} against "
+                f"{fmt_bytes(m['limit_bytes'])} (idle {fmt_bytes(mm['rss_idle_bytes'])}). "
+                f"The pending-bytes budget counts bytes accepted for writing; it does not "
+                f"count messages ZeroMQ has queued but the daemon has not read yet, data "
+                f"frames of saves it refuses (received, then dropped), or freed memory the "
+                f"allocator has not returned to the system.")
+        elif case.startswith("6"):
+            out.append(
+                f"- **Accounting.** {m['not_written']} saves were not written but the counters "
+                f"explain {m['explained_by_counters']}.")
+    return out
+
+
+def markdown(doc: dict[str, Any], png: str) -> str:
+    prof = doc["profile"]
+    out = ["# kvkeeper benchmarks", ""]
+    out.append(
+        f"Generated by `{doc['command']}` on {doc['started_at'][:10]} in "
+        f"{doc['runtime_s'] / 60:.1f} min ({doc['mode']} mode). Raw figures (every sample): "
+        f"`results.json` beside the plot. Re-run with `python -m benchmarks` (full, under 15 min) "
+        f"or `python -m benchmarks --quick` (under 2 min); either starts its own "
+        f"`kvkeeper serve` subprocess on a temporary root.")
+    out.append("")
+    out.append(
+        f"Cache shape: {prof['shape']['layers']} layers, {prof['shape']['kv_heads']} KV heads, "
+        f"head dim {prof['shape']['head_dim']}, bf16 "
+        f"({prof['shape']['bytes_per_token'] // 1024} KiB per token), mlx-lm `KVCache` layers "
+        f"filled with random values; plus an mlx-vlm `PromptCacheState` and a hybrid "
+        f"(`ArraysCache` + `KVCache`) cache. Every ratio compares figures measured side by side "
+        f"in the same run, alternating the contenders; figures are medians of at least "
+        f"{min(prof['sync_reps'], prof['disk_reps'], prof['load_reps'], prof['resume_reps'])} "
+        f"runs. **p99 is nearest-rank: with 100 samples or fewer it is the maximum.**")
+    out.append("")
+    out.append("## Machine")
+    out.append("")
+    out += _machine(doc)
+    out.append("")
+    out.append(
+        "A shared virtual machine: other jobs ran tests at the same time, so single samples "
+        "are noisy; the alternation keeps the comparisons fair, not the absolute numbers stable. "
+        "MLX runs on the CPU here (no Metal).")
+    out.append("")
+    out.append("## Targets")
+    out.append("")
+    rows = []
+    for t in doc["targets"]:
+        size = f" ({fmt_bytes(t['size_bytes'])})" if t.get("size_bytes") else ""
+        rows.append([t["case"], t["target"] + size, _measured_text(t), _met(t["met"])])
+    out += _table(["case", "target", "measured", "met"], rows)
+    failed = {n: r["error"] for n, r in doc["cases"].items() if "error" in r}
+    for n, e in failed.items():
+        out.append(f"\n**Case {n} failed:** `{e}`")
+    why = _why(doc)
+    if why:
+        out += ["", "### Why the misses", ""] + why
+    sections = (("hot_path", lambda: _hot(doc, png)), ("generation", lambda: _gen(doc)),
+                ("disk", lambda: _disk(doc)), ("load", lambda: _load(doc)),
+                ("resume", lambda: _resume(doc)), ("memory", lambda: _memory(doc)),
+                ("clients", lambda: _clients(doc)))
+    for name, make in sections:
+        res = doc["cases"].get(name)
+        if res is None or "error" in res:
+            continue
+        out.append("")
+        try:
+            out += make()
+        except Exception as exc:  # noqa: BLE001 - a report bug must not hide the other sections
+            out.append(f"(section {name} could not be rendered: {type(exc).__name__}: {exc})")
+    out.append("")
+    out += _apc_notes(doc)
+    out.append("")
+    return "\n".join(out)
+
+
+def _apc_notes(doc: dict[str, Any]) -> list[str]:
+    return [
+        "## mlx-vlm APC: what was measured, and how",
+        "",
+        f"mlx-vlm {doc['machine']['mlx_vlm']}, read from `mlx_vlm/apc.py` and "
+        "`apc_coordinator.py` and driven as its server drives it:",
+        "",
+        "- `apc.from_env(overrides={\"enabled\": True, \"disk_path\": <tmp>, "
+        "\"memory_max_gb\": 0, \"disk_max_gb\": 0})`: the disk tier alone, so that its "
+        "`commit()` copies nothing into its in-memory block pool (with a memory budget it "
+        "copies every 16-token block of every layer first). A fresh tier per round, and "
+        "distinct token ids per round (it skips shards already on disk).",
+        "- `manager.coordinator(model).commit(prompt_cache, token_ids)` with a stub model whose "
+        "`make_cache()` gives the same layout. Plain KV caches take its \"block\" strategy: it "
+        "evaluates the cache, hashes the blocks and queues one layer-major shard that references "
+        "the live arrays; a background thread pads them to the next multiple of 256 tokens "
+        "(+1), `mx.save_safetensors` to a sibling and `os.replace` — never fsynced. mlx-lm's "
+        "own `KVCache` is not supported by its checkpoint writer (\"unsupported exact-cache "
+        "entry\"), so the same arrays go in mlx-vlm's `KVCache` class.",
+        "- *Until written* and *next-request wait*: `coordinator.prepare_prefill()` called right "
+        "after `commit()`, as the next request's prefill does; it starts with "
+        "`DiskBlockStore.flush()` (`queue.join()`), so it returns when the write is done.",
+        "- Restore: `manager.lookup_prefix_disk_cache(token_ids)`, which returns evaluated "
+        "arrays without checksums. It reads free RAM with `psutil` (installed by the `bench` "
+        "extra); without psutil on Linux its memory check cannot pass and it never restores.",
+        "- The hybrid cache (mlx-vlm `ArraysCache` + `KVCache`) takes its \"checkpoint\" "
+        "strategy; with no memory budget `commit()` writes the snapshot synchronously on the "
+        "caller's thread, so its hand-off is a synchronous save. Its exact-cache restore "
+        "(`lookup_exact_cache`) was not measured.",
+    ]

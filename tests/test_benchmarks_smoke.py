@@ -1,0 +1,71 @@
+"""The benchmark suite itself runs end to end (tiny sizes) and writes its three outputs.
+
+No timing is asserted: only that every case ran and reported what the report needs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("psutil")
+pytest.importorskip("matplotlib")
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = {"hot_path", "generation", "disk", "load", "resume", "memory", "clients"}
+
+
+def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--tiny", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["mode"] == "tiny"
+    assert set(doc["cases"]) == CASES
+    for name, res in doc["cases"].items():
+        assert "error" not in res, (name, res.get("traceback"))
+    for key in ("cpu", "cores", "ram_bytes", "os", "python", "mlx", "mlx_lm", "mlx_vlm"):
+        assert doc["machine"][key], key
+
+    hot = doc["cases"]["hot_path"]
+    for size in hot["sizes"]:
+        for key in ("kvkeeper_save_idle", "kvkeeper_save_to_durable", "sync_reference_new_file",
+                    "sync_reference_replace", "sync_mlx_lm_save_prompt_cache", "kvkeeper_stream"):
+            assert key in size, key
+        assert size["kvkeeper_save_idle"]["n"] > 0
+        assert size["kvkeeper_all_ok"]
+        assert size["mlx_vlm_apc"]["handoff_s"]["n"] > 0, size["mlx_vlm_apc"]
+    assert {s["label"][:3] for s in hot["special"]} == {"pcs", "hyb"}
+    gen = doc["cases"]["generation"]
+    assert gen["tiny_model"]["ratio"] > 0
+    assert gen["tiny_model"]["same_tokens_in_every_run"]
+    assert doc["cases"]["disk"]["all_ok"]
+    for size in doc["cases"]["load"]["sizes"]:
+        for key in ("kvkeeper_lazy", "direct_lazy", "kvkeeper_verified", "direct_eval",
+                    "mlx_vlm_apc_restore"):
+            assert size[key]["n"] > 0, key
+    for length in doc["cases"]["resume"]["lengths"]:
+        assert length["restored_token_matches_live_cache"]
+    mem = doc["cases"]["memory"]
+    assert mem["accounted"], mem
+    assert mem["rss_peak_bytes"] > 0
+    clients = doc["cases"]["clients"]
+    assert clients["loads"] > 0 and clients["load_misses"] == 0
+
+    cases_with_targets = {t["case"] for t in doc["targets"]}
+    assert len(cases_with_targets) == 7
+    for t in doc["targets"]:
+        assert set(t) >= {"case", "target", "measured", "met"}
+
+    md = (out / "BENCHMARKS.md").read_text()
+    for heading in ("## Machine", "## Targets", "## 1. Hot path", "## 7. Many clients"):
+        assert heading in md
+    assert (out / "save_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
