@@ -312,3 +312,38 @@ def serve_process_fails(root: Path, sock: Path):  # type: ignore[no-untyped-def]
         [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root), "--socket", str(sock)],
         capture_output=True, timeout=WAIT,
     )
+
+
+def _address(a: mx.array) -> int:
+    mx.eval(a)
+    view = np.asarray(memoryview(a))  # a bare view: MLX does not count it as sharing
+    addr = view.__array_interface__["data"][0]
+    del view
+    return addr
+
+
+def test_after_a_save_is_sent_the_cache_updates_in_place(client: Client) -> None:
+    """Once its bytes are handed over, a save holds nothing of the cache, so the
+    next decode step writes in place instead of copying the whole cache."""
+    c = KVCache()
+    x = mx.ones((1, 2, 10, 8), dtype=mx.float32)
+    c.update_and_fetch(x, x)
+    one = mx.zeros((1, 2, 1, 8), dtype=mx.float32)
+
+    # Control: while something holds a second handle, MLX copies on update.
+    held = c.keys[..., :10, :]
+    mx.eval(held)
+    before = _address(c.keys)
+    c.update_and_fetch(one, one)
+    assert _address(c.keys) != before
+    del held
+
+    assert client.save(FP, "inplace", [c], list(range(11)))
+    assert client.flush(timeout=WAIT)
+    deadline = time.monotonic() + WAIT
+    while client.stats()["client_inflight_bytes"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    before = _address(c.keys)
+    c.update_and_fetch(one, one)
+    assert _address(c.keys) == before, "the sent save still shares the cache's buffer"

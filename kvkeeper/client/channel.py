@@ -205,8 +205,10 @@ class Channel:
                     self._receive(sock)
                 self._send_outbox(sock, trackers)
                 while trackers and trackers[0][0].done:
-                    save = trackers.popleft()[1]
-                    self._release(save.nbytes, len(save.messages))
+                    # No local name for the save: holding it one loop longer would
+                    # keep the cache's buffers shared, and MLX would copy the
+                    # whole cache on the next decode step.
+                    self._release_save(trackers.popleft()[1])
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -270,7 +272,7 @@ class Channel:
                 continue
             tracker = self._send_save(sock, item)
             if tracker is None:
-                self._release(item.nbytes, len(item.messages))
+                self._release_save(item)
             else:
                 trackers.append((tracker, item))
 
@@ -291,6 +293,10 @@ class Channel:
         self.counters.saves_sent += 1
         self.counters.bytes_sent += save.nbytes
         return tracker
+
+    def _release_save(self, save: _Save) -> None:
+        self._release(save.nbytes, len(save.messages))
+        save.messages.clear()
 
     def _release(self, nbytes: int, nmessages: int) -> None:
         with self._lock:
