@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -232,6 +233,11 @@ class WriterActor:
                             await self._delete(job)
                         elif isinstance(job, GcJob):
                             await self._gc(job)
+                    except Exception:  # noqa: BLE001 - a bug in one job must not stop the writer
+                        self.stats.inc("internal_errors")
+                        log.exception("event=job_crashed key=%s", job.key)
+                        self._resolve(job, Outcome.FAILED, "internal error")
+                        job.done.set()
                     finally:
                         self.current = None
         finally:
@@ -286,7 +292,7 @@ class WriterActor:
                 if job.chunks:
                     batch = list(job.chunks)
                     job.chunks.clear()
-                    n = await anyio.to_thread.run_sync(_append, pending, hasher, batch)
+                    n = await _append(pending, hasher, batch)
                     written += n
                     job.reserved -= n
                     self.pending_bytes -= n
@@ -388,14 +394,30 @@ class StreamBroken(Exception):
     """A save whose bytes stopped coming or did not add up."""
 
 
-def _append(pending: PendingFile, hasher: TensorHasher, batch: list[list[memoryview]]) -> int:
-    n = 0
+async def _append(pending: PendingFile, hasher: TensorHasher,
+                  batch: list[list[memoryview]]) -> int:
+    """Hash and write one batch at the same time, in two worker threads (both
+    release the GIL for large buffers), rather than one after the other.
+    Errors come back as values: a task group would wrap them in a group."""
     flat = [buf for bufs in batch for buf in bufs]
-    for buf in flat:
-        hasher.update(buf)
-        n += len(buf)
-    pending.append(flat)
-    return n
+    errors: list[BaseException] = []
+
+    def guarded(fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the group
+            errors.append(exc)
+
+    def hash_all() -> None:
+        for buf in flat:
+            hasher.update(buf)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, guarded, hash_all)
+        await anyio.to_thread.run_sync(guarded, lambda: pending.append(flat))
+    if errors:
+        raise errors[0]
+    return sum(len(buf) for buf in flat)
 
 
 def _describe(exc: BaseException) -> str:
