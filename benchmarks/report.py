@@ -344,14 +344,11 @@ def _gen(doc: dict[str, Any]) -> list[str]:
     out.append("")
     out.append(
         "While a snapshot's bytes are on their way, MLX cannot update those buffers in place, "
-        "so the first update copies them: that copy is the real price of a zero-copy `save()` "
-        "on a large cache, and it lands on the generation loop when the next decode step comes "
-        "before the send finishes. The first update still copies after every byte has been "
-        "sent and the save is durable; only a later save (here of a small, unrelated cache) "
-        "makes the next update cheap again: the client keeps the last sent save's buffers "
-        "alive until another save replaces it (in `Channel._run`, the local `save` of the "
-        "tracker loop holds the sent `_Save` and its frames), so every save costs one full "
-        "copy of the cache at the next decode step, whenever that comes.")
+        "so an update copies them: that copy is the real price of a zero-copy `save()` on a "
+        "large cache, and it lands on the generation loop when the next decode step comes "
+        "before the send finishes. ZeroMQ lets each frame go as soon as it is sent, so a "
+        "layer already sent is updated in place again; once every byte is sent the client "
+        "holds nothing of the cache (compare the third row with the first).")
     return out
 
 

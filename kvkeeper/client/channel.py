@@ -46,6 +46,10 @@ class DaemonUnavailable(ConnectionError):
 class _Save:
     messages: list[list[bytes | memoryview]]
     nbytes: int
+    count: int = 0  # messages, kept for the budget after ``messages`` is let go
+
+    def __post_init__(self) -> None:
+        self.count = len(self.messages)
 
 
 @dataclass(eq=False)
@@ -292,10 +296,14 @@ class Channel:
                 tracker = t
         self.counters.saves_sent += 1
         self.counters.bytes_sent += save.nbytes
+        # From here ZeroMQ alone holds the frames, and lets each go once it is
+        # sent: a tensor's snapshot handle dies with its last frame, so layers
+        # already sent no longer make MLX copy them on the next decode step.
+        save.messages.clear()
         return tracker
 
     def _release_save(self, save: _Save) -> None:
-        self._release(save.nbytes, len(save.messages))
+        self._release(save.nbytes, save.count)
         save.messages.clear()
 
     def _release(self, nbytes: int, nmessages: int) -> None:

@@ -131,10 +131,10 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A client that reconnects keeps its identity; its new pipe takes over.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # A few messages of up to 8 MiB: ZeroMQ holds at most ~64 MiB beyond the
-        # writer's pending-bytes budget (the benchmark saw 64 x 8 MiB eat the
-        # whole 100 MiB margin).
-        sock.setsockopt(zmq.RCVHWM, 8)
+        # Two messages of up to 8 MiB: ZeroMQ holds at most ~16 MiB beyond the
+        # writer's pending-bytes budget (the benchmark saw 64 x 8 MiB, then
+        # 8 x 8 MiB, eat most of the 100 MiB margin).
+        sock.setsockopt(zmq.RCVHWM, 2)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_pending_bytes, MAX_HEADER_BYTES))
         if hasattr(zmq, "IPC_FILTER_UID"):
