@@ -31,6 +31,9 @@ log = logging.getLogger("kvkeeper.daemon")
 
 GiB = 1024**3
 LOCK_NAME = ".kvkeeper.lock"
+RCVHWM = 8
+#: The largest message a client sends (kvkeeper.client.client.CHUNK_BYTES).
+CHUNK_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
@@ -123,7 +126,12 @@ class Daemon:
         self._stop = anyio.Event()
         if self._stop_requested:
             self._stop.set()
-        actor = WriterActor(store, self.stats, max_pending_bytes=cfg.max_pending_bytes,
+        # --max-pending-bytes bounds every save byte the daemon holds: what
+        # ZeroMQ may queue before the server reads it, and what the writer has
+        # accepted but not yet written. The writer gets the rest.
+        zmq_share = min(RCVHWM * CHUNK_BYTES, cfg.max_pending_bytes // 4)
+        actor = WriterActor(store, self.stats,
+                            max_pending_bytes=cfg.max_pending_bytes - zmq_share,
                             stall_timeout=cfg.stall_timeout)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
@@ -131,10 +139,9 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A client that reconnects keeps its identity; its new pipe takes over.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Two messages of up to 8 MiB: ZeroMQ holds at most ~16 MiB beyond the
-        # writer's pending-bytes budget (the benchmark saw 64 x 8 MiB, then
-        # 8 x 8 MiB, eat most of the 100 MiB margin).
-        sock.setsockopt(zmq.RCVHWM, 2)
+        # A few messages of up to 8 MiB (their share of the budget is above):
+        # enough for the receive loop to keep libzmq reading the socket.
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_pending_bytes, MAX_HEADER_BYTES))
         if hasattr(zmq, "IPC_FILTER_UID"):
