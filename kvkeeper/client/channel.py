@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -294,6 +295,9 @@ class Channel:
                 return None
             if i == last:
                 tracker = t
+            # Hand the GIL back between messages: the caller of save() may be
+            # waiting for it, and it should not wait for the whole save's sends.
+            time.sleep(0)
         self.counters.saves_sent += 1
         self.counters.bytes_sent += save.nbytes
         # From here ZeroMQ alone holds the frames, and lets each go once it is

@@ -528,7 +528,10 @@ def _byte_runs(nd: np.ndarray) -> tuple[memoryview, ...]:
 def _export(p: _Pending) -> TensorSnapshot:
     assert p.handle is not None
     dtype = mlx_dtype_name(p.source.dtype)
-    nd = np.asarray(memoryview(p.handle))
+    mv = memoryview(p.handle)
+    if mv.c_contiguous and mv.ndim >= 2:
+        return _export_contiguous(p.name, dtype, mv, p.length)
+    nd = np.asarray(mv)
     if p.length is not None:
         nd = nd[..., : p.length, :]
     if any(s < 0 for s in nd.strides):
@@ -538,6 +541,23 @@ def _export(p: _Pending) -> TensorSnapshot:
     if nbytes != nd.size * DTYPE_SIZES[dtype]:
         raise CodecError(f"{p.name}: exported {nbytes} bytes for shape {nd.shape} {dtype}")
     return TensorSnapshot(p.name, dtype, tuple(int(n) for n in nd.shape), runs, nbytes)
+
+
+def _export_contiguous(name: str, dtype: str, mv: memoryview, length: int | None) -> TensorSnapshot:
+    """The common case without numpy: a C-contiguous buffer, whole or cut to
+    its first ``length`` rows of axis -2 (one run per outer index). This is
+    the hot path of save(): a slice of a memoryview costs next to nothing."""
+    shape = list(mv.shape)
+    flat = mv.cast("B")  # keeps `mv`, and through it the MLX handle, alive
+    if length is None or length == shape[-2]:
+        runs: tuple[memoryview, ...] = (flat,) if len(flat) else ()
+    else:
+        row = shape[-1] * mv.itemsize
+        stride, block = shape[-2] * row, length * row
+        outer = math.prod(shape[:-2])
+        runs = tuple(flat[o * stride : o * stride + block] for o in range(outer)) if block else ()
+        shape[-2] = length
+    return TensorSnapshot(name, dtype, tuple(shape), runs, sum(len(r) for r in runs))
 
 
 def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
