@@ -80,7 +80,18 @@ def test_random_kill_soak(short_dir: Path) -> None:
     version = 0
     survived = 0
 
+    logs: list[Path] = []
+    history: list[str] = []
+
     def check_store() -> None:
+        try:
+            _check_store()
+        except AssertionError:
+            for log in logs[-2:]:  # the daemons that made this state
+                print(f"---- {log}\n{log.read_text(errors='replace')[-6000:]}")
+            raise
+
+    def _check_store() -> None:
         assert tmp_files(root) == []
         for key in keys:
             path = entry_path(root, key)
@@ -92,7 +103,8 @@ def test_random_kill_soak(short_dir: Path) -> None:
             assert v >= confirmed[key], f"{key}: v{v} older than confirmed v{confirmed[key]}"
 
     for _ in range(kills):
-        proc = serve_process(root, sock)
+        proc = serve_process(root, sock, "--log-level", "debug")
+        logs.append(proc.log_path)  # type: ignore[attr-defined]
         check_store()
         killer = threading.Timer(rng.uniform(0.3, 1.5), proc.kill)
         killer.start()
@@ -103,10 +115,13 @@ def test_random_kill_soak(short_dir: Path) -> None:
                     version += 1
                     if kv.save(FP, key, filled(rng.uniform(1, max_mib), version), [version]):
                         sent[key].add(version)
+                        history.append(f"cycle {survived} sent {key} v{version}")
                     if rng.random() < 0.3:
                         snapshot = {k: max(sent[k], default=0) for k in keys}
                         try:
-                            if kv.flush(timeout=5):
+                            ok = kv.flush(timeout=5)
+                            history.append(f"cycle {survived} flush {ok} {snapshot}")
+                            if ok:
                                 confirmed.update(snapshot)
                         except Exception:  # noqa: BLE001 - the kill can land mid-flush
                             pass

@@ -66,7 +66,6 @@ class Client:
         self._lock = threading.Lock()
         self._max_save_bytes: int | None = None
         self._dropped = 0
-        self._refused_since_flush = 0
         self._lost_seen = 0
         self._failed_seen = 0
         self._warned: set[str] = set()
@@ -230,8 +229,6 @@ class Client:
         return False
 
     def _refused(self, reply: m.SaveRefused) -> None:
-        with self._lock:
-            self._refused_since_flush += 1
         log.warning("event=save_refused code=%s detail=%s", reply.code, reply.message)
 
     # ------------------------------------------------------------ load
@@ -299,15 +296,15 @@ class Client:
         reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Flushed)
         with self._lock:
-            # Running totals: what went wrong since the last flush that returned.
-            refused, self._refused_since_flush = self._refused_since_flush, 0
+            # Running totals: what went wrong since the last flush that returned
+            # (the daemon counts refusals with failures: their replies can be lost).
             lost = self._channel.counters.saves_lost - self._lost_seen
             self._lost_seen += lost
             # A smaller total means a new daemon, which counts from zero.
             failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
                 else reply.failed
             self._failed_seen = reply.failed
-        return failed == 0 and refused == 0 and lost == 0
+        return failed == 0 and lost == 0
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Delete an entry (after any pending save of it); True if it existed."""

@@ -90,7 +90,7 @@ class Tally:
 
     written: int = 0
     superseded: int = 0
-    failed: int = 0
+    failed: int = 0  # failed, or refused before it reached the writer
 
 
 class WriterActor:
@@ -354,11 +354,7 @@ class WriterActor:
             if self._waiting.get(job.key) is job:
                 del self._waiting[job.key]
             self.stats.inc(f"saves_{outcome.value}")
-            tally = self._tally.get(job.peer)
-            if tally is None:
-                if len(self._tally) >= _MAX_TALLIES:  # bound the clients remembered
-                    del self._tally[next(iter(self._tally))]
-                tally = self._tally[job.peer] = Tally()
+            tally = self._tally_of(job.peer)
             if outcome is Outcome.WRITTEN:
                 tally.written += 1
             elif outcome is Outcome.SUPERSEDED:
@@ -377,6 +373,19 @@ class WriterActor:
     def unfinished(self) -> list[Key]:
         """Keys with a job not yet finished (for the drain-timeout log)."""
         return list(self._latest)
+
+    def note_refused(self, peer: bytes) -> None:
+        """A save of ``peer`` the server turned away: it will not be written, and
+        the peer's next flush says so even if the refusal's reply was lost."""
+        self._tally_of(peer).failed += 1
+
+    def _tally_of(self, peer: bytes) -> Tally:
+        tally = self._tally.get(peer)
+        if tally is None:
+            if len(self._tally) >= _MAX_TALLIES:  # bound the clients remembered
+                del self._tally[next(iter(self._tally))]
+            tally = self._tally[peer] = Tally()
+        return tally
 
     def gauges(self) -> dict[str, float]:
         budget = self.store.budget

@@ -186,7 +186,7 @@ class Server:
                       if len(data) != msg.frames
                       else f"more bytes than the {job.total} declared")
             self.actor.break_stream(job, reason)
-            self._refuse(peer, msg.save, "frames", reason, count=False)
+            self._refuse(peer, msg.save, "frames", reason, count=False, tally=False)
             return
         self.stats.inc("bytes_received", nbytes)
         self.actor.add_data(job, [f.buffer for f in data], nbytes)
@@ -194,9 +194,14 @@ class Server:
             del self._streams[peer]
 
     def _refuse(self, peer: bytes, save: int, code: m.ErrorCode, message: str,
-                *, count: bool = True) -> None:
+                *, count: bool = True, tally: bool = True) -> None:
+        """Turn a save away. ``count``: as a refused save in the stats (not for
+        one this daemon never saw begin); ``tally``: in the client's flush
+        totals (not for one the writer already failed)."""
         if count:
             self.stats.inc("saves_refused")
+        if tally:
+            self.actor.note_refused(peer)
         log.info("event=save_refused code=%s reason=%s", code, message)
         self._streams[peer] = (save, None)
         self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code=code,

@@ -205,7 +205,8 @@ class Stats(_Msg, tag="stats"):
 class Flushed(_Msg, tag="flushed"):
     """Every save this client sent before it is resolved. The counts are running
     totals for this client's connection, so that a flush whose answer was lost
-    (a timeout) hides nothing from the next one."""
+    (a timeout) hides nothing from the next one. ``failed`` counts refused
+    saves too."""
 
     req: int
     written: int
