@@ -87,8 +87,9 @@ def test_random_kill_soak(short_dir: Path) -> None:
         try:
             _check_store()
         except AssertionError:
-            for log in logs[-2:]:  # the daemons that made this state
+            for log in logs[-3:]:  # the daemons that made this state
                 print(f"---- {log}\n{log.read_text(errors='replace')[-6000:]}")
+            print("---- client\n" + "\n".join(history[-80:]))
             raise
 
     def _check_store() -> None:
@@ -110,21 +111,26 @@ def test_random_kill_soak(short_dir: Path) -> None:
         killer.start()
         try:
             with Client(sock, timeout=5) as kv:
+                # flush() answers for the saves handed off since the last flush
+                # that returned (True or False): only those can it confirm.
+                window: dict[str, int] = {}
                 while proc.poll() is None:
                     key = rng.choice(keys)
                     version += 1
                     if kv.save(FP, key, filled(rng.uniform(1, max_mib), version), [version]):
                         sent[key].add(version)
+                        window[key] = version
                         history.append(f"cycle {survived} sent {key} v{version}")
                     if rng.random() < 0.3:
-                        snapshot = {k: max(sent[k], default=0) for k in keys}
                         try:
                             ok = kv.flush(timeout=5)
-                            history.append(f"cycle {survived} flush {ok} {snapshot}")
-                            if ok:
-                                confirmed.update(snapshot)
                         except Exception:  # noqa: BLE001 - the kill can land mid-flush
-                            pass
+                            continue
+                        history.append(f"cycle {survived} flush {ok} {window}")
+                        if ok:
+                            for k, v in window.items():
+                                confirmed[k] = max(confirmed[k], v)
+                        window = {}
         finally:
             killer.cancel()
             proc.kill()

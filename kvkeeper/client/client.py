@@ -286,12 +286,14 @@ class Client:
     # ------------------------------------------------------------ the rest
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Block until every save handed off so far is on disk.
+        """Block until every save handed off so far is resolved.
 
-        Returns True when all of them were written (or replaced by a newer save
-        of the same key that was), False when any was refused, lost or failed.
-        Raises DaemonUnavailable when the daemon is down or does not answer in
-        ``timeout`` seconds.
+        Returns True when every save handed off since the last ``flush()`` that
+        returned was written (or replaced by a newer save of the same key that
+        was), False when any of them was refused, lost or failed (the log says
+        which). Raises DaemonUnavailable when the daemon is down or does not
+        answer in ``timeout`` seconds; the saves it covered are then answered
+        for by the next flush that returns.
         """
         reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Flushed)
