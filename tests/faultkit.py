@@ -7,6 +7,8 @@ import os
 import resource
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,3 +73,16 @@ def limit_file_size(nbytes: int):  # type: ignore[no-untyped-def]
 
 def run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+
+
+@contextmanager
+def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "6m") mounted at ``parent/small``: a small disk."""
+    need_linux_root()
+    mnt = parent / "small"
+    mnt.mkdir(mode=0o700)
+    run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt))
+    try:
+        yield mnt
+    finally:
+        run("umount", "-l", str(mnt))

@@ -27,7 +27,7 @@ from .faultkit import (
     filled,
     limit_file_size,
     need_linux_root,
-    run,
+    small_tmpfs,
     tmp_files,
     version_of,
 )
@@ -201,11 +201,7 @@ def fault_round(kv: Client, root: Path, v_good: int, v_bad: int, mib_bad: float)
 
 
 def test_full_disk(short_dir: Path) -> None:
-    need_linux_root()
-    mnt = short_dir / "small"
-    mnt.mkdir(mode=0o700)
-    run("mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt))
-    try:
+    with small_tmpfs(short_dir, "6m") as mnt:
         root = mnt / "root"
         rd = start_daemon(root, short_dir / "run" / "kv.sock")
         try:
@@ -216,8 +212,6 @@ def test_full_disk(short_dir: Path) -> None:
                 assert version_of(entry_path(root, "k")) == 3
         finally:
             assert rd.stop() == 0
-    finally:
-        run("umount", "-l", str(mnt))
 
 
 def test_file_size_limit_short_writes(short_dir: Path) -> None:

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
-from .faultkit import FP, entry_path, filled, need_linux_root, run, version_of
+from .faultkit import FP, entry_path, filled, small_tmpfs, version_of
 from .test_legacy import MANIFEST, ROOT
 from .tiny import prefill, prompt, tiny_llama
 
@@ -106,11 +106,7 @@ def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
 
 
 def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
-    need_linux_root()
-    mnt = short_dir / "small"
-    mnt.mkdir(mode=0o700)
-    run("mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt))
-    try:
+    with small_tmpfs(short_dir, "8m") as mnt:
         rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=5 * MiB)
         try:
             with Client(rd.socket, timeout=WAIT) as kv:
@@ -120,8 +116,6 @@ def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
                 assert kv.stats()["evictions"] == 1
         finally:
             rd.stop()
-    finally:
-        run("umount", "-l", str(mnt))
 
 
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
