@@ -58,9 +58,9 @@ def tmp_files(root: Path) -> list[Path]:
 
 
 def need_linux_root() -> None:
-    """Fault injection with mounts and libfiu needs Linux and root (CI has both)."""
+    """Mounts, libfiu and other users' credentials need Linux and root (CI has both)."""
     if sys.platform != "linux":
-        pytest.skip("fault injection by mount/libfiu exists on Linux only")
+        pytest.skip("mounts, libfiu and peer credentials are Linux-only tools")
     assert os.geteuid() == 0, "these fault tests need root (CI runs as root)"
 
 

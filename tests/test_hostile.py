@@ -24,7 +24,7 @@ from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
 
 from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
-from .faultkit import FP, entry_path, filled
+from .faultkit import FP, entry_path, filled, need_linux_root
 
 V = m.PROTOCOL_VERSION
 TAGS = ["ping", "save", "data", "load", "delete", "list", "stats", "flush", "quarantine", "pong"]
@@ -235,7 +235,7 @@ def test_files_and_dirs_are_private(client: Client, daemon: RunningDaemon) -> No
 
 
 def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
-    need_root()
+    need_linux_root()
     from kvkeeper.config import ConfigError
 
     open_dir = short_dir / "open"
@@ -255,14 +255,8 @@ def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
         start_daemon(short_dir / "r2", link / "kv.sock")
 
 
-def need_root() -> None:
-    if sys.platform != "linux":
-        pytest.skip("uid tests use Linux credentials")
-    assert os.geteuid() == 0, "these tests need root (CI runs as root)"
-
-
 def test_messages_from_another_user_are_never_processed(short_dir: Path) -> None:
-    need_root()
+    need_linux_root()
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
     try:
         # Open the path to everyone so that only the daemon's own checks stand
