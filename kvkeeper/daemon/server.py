@@ -35,6 +35,7 @@ from kvkeeper.protocol.safetensors import (
 )
 
 log = logging.getLogger("kvkeeper.server")
+_MAX_STREAMS = 10_000
 
 
 class Server:
@@ -143,7 +144,7 @@ class Server:
         self.stats.inc("saves_received")
         key = self._key(peer, msg)
         if key is None:
-            self._streams[peer] = (msg.save, None)
+            self._track(peer, msg.save, None)
             return
         try:
             layout = Layout.of(msg.tensors)
@@ -164,7 +165,7 @@ class Server:
             self._refuse(peer, msg.save, *refusal)
             return
         if job.total:
-            self._streams[peer] = (msg.save, job)
+            self._track(peer, msg.save, job)
 
     def _save_data(self, peer: bytes, msg: m.SaveData, data: list[zmq.Frame]) -> None:
         stream = self._streams.get(peer)
@@ -203,9 +204,17 @@ class Server:
         if tally:
             self.actor.note_refused(peer)
         log.info("event=save_refused code=%s reason=%s", code, message)
-        self._streams[peer] = (save, None)
+        self._track(peer, save, None)
         self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code=code,
                                         message=message))
+
+    def _track(self, peer: bytes, save: int, job: SaveJob | None) -> None:
+        self._streams.pop(peer, None)  # re-insert: the dict's order is recency
+        if len(self._streams) >= _MAX_STREAMS:
+            # Peers that went away leave their last slot; forget the oldest.
+            # A refused stream forgotten here costs one more "unknown_save".
+            del self._streams[next(iter(self._streams))]
+        self._streams[peer] = (save, job)
 
     # ------------------------------------------------------------ other requests
 
