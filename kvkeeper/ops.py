@@ -263,8 +263,7 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
     moved = []
     if kv.connected:
         for path, reason in bad:
-            model = naming.decode_component(path.parent.name)
-            cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)])
+            model, cache_id = naming.key_of(path)
             if model is None or cache_id is None:
                 err.print(f"cannot repair {path}: its name does not decode to an id")
                 continue

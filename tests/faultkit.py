@@ -50,7 +50,7 @@ def version_of(path: Path, model: str = FP) -> int:
 def entry_path(root: Path, cache_id: str, model: str = FP) -> Path:
     from kvkeeper.protocol import naming
 
-    return root / naming.SESSIONS_DIR / naming.entry_relpath(model, cache_id)
+    return naming.entry_path(root, model, cache_id)
 
 
 def tmp_files(root: Path) -> list[Path]:

@@ -253,7 +253,7 @@ class Client:
             )
             path = Path(reply.path) if isinstance(reply, m.Found) and reply.path else None
         except DaemonUnavailable:
-            path = self.root / naming.SESSIONS_DIR / naming.entry_relpath(model, cache_id)
+            path = naming.entry_path(self.root, model, cache_id)
             if not path.is_file():
                 return None
         if path is None:

@@ -204,7 +204,7 @@ class Store:
 
     # -- paths
     def path_for(self, model: str, cache_id: str) -> Path:
-        return self.sessions / naming.entry_relpath(model, cache_id)
+        return naming.entry_path(self.root, model, cache_id)
 
     def _model_dir(self, model: str) -> Path:
         d = self.sessions / naming.encode_component(model, "model")
@@ -271,8 +271,7 @@ class Store:
         except (OSError, LayoutError) as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign
-        model = naming.decode_component(path.parent.name) or ""
-        cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)]) or ""
+        model, cache_id = (k or "" for k in naming.key_of(path))
         if meta.get(FORMAT_KEY) == FORMAT:
             return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
                                _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
@@ -289,8 +288,7 @@ class Store:
         the entries evicted for it (never the one just written)."""
         pending.commit(header)
         path = pending.final
-        model = naming.decode_component(path.parent.name) or ""
-        cache_id = naming.decode_component(path.name[: -len(naming.SUFFIX)]) or ""
+        model, cache_id = (k or "" for k in naming.key_of(path))
         now = time.time()
         with self._lock:
             old = self._index.get(path)

@@ -13,6 +13,7 @@ compare it, so even then two ids never share a file silently.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 from kvkeeper.protocol.messages import MAX_ID_BYTES
 
@@ -79,3 +80,14 @@ def decode_component(name: str) -> str | None:
 def entry_relpath(model: str, cache_id: str) -> str:
     """Path of an entry's file relative to the sessions directory."""
     return f"{encode_component(model, 'model')}/{encode_component(cache_id, 'cache id')}{SUFFIX}"
+
+
+def entry_path(root: Path, model: str, cache_id: str) -> Path:
+    """Where an entry's file lives under a store root."""
+    return root / SESSIONS_DIR / entry_relpath(model, cache_id)
+
+
+def key_of(path: Path) -> tuple[str | None, str | None]:
+    """(model, cache id) an entry's file name stands for; None where a name is
+    hashed or foreign (the file's metadata still has the id)."""
+    return decode_component(path.parent.name), decode_component(path.name.removesuffix(SUFFIX))
