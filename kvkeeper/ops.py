@@ -276,16 +276,14 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
                 moved.append(path)
         return moved
     from kvkeeper.daemon.app import LOCK_NAME, _Lock
-    from kvkeeper.daemon.store import QUARANTINE_DIR, fsync_dir
+    from kvkeeper.daemon.store import Store
 
     lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
     try:
-        qdir = root / QUARANTINE_DIR
-        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        store = Store(root)
         for path, _ in bad:
-            os.rename(path, qdir / f"{path.parent.name}.{path.name}.{time.time_ns()}")
-            fsync_dir(path.parent)
-            moved.append(path)
+            if store.quarantine_path(path) is not None:
+                moved.append(path)
     finally:
         lock.release()
     return moved

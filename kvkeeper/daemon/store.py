@@ -338,7 +338,16 @@ class Store:
         """Move an entry's unusable file (or whatever non-file sits at its path) to
         ``<root>/quarantine/``, unless it was replaced since it was judged
         (``ino``/``mtime_ns`` differ). Returns where it went."""
-        path = self.path_for(model, cache_id)
+        dest = self.quarantine_path(self.path_for(model, cache_id), ino, mtime_ns)
+        if dest is not None:
+            log.warning("event=quarantined model=%s id=%s reason=%s moved_to=%s",
+                        model, cache_id, reason, dest)
+        return dest
+
+    def quarantine_path(self, path: Path, ino: int | None = None,
+                        mtime_ns: int | None = None) -> Path | None:
+        """Move ``path`` (under this root) to ``<root>/quarantine/``, unless it
+        is not the inode/mtime given; returns where it went."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -355,8 +364,6 @@ class Store:
             if stat.S_ISREG(st.st_mode):
                 self._index[dest] = StoredEntry("", "", 0, st.st_size, time.time(), dest,
                                                 "quarantine", st.st_mtime)
-        log.warning("event=quarantined model=%s id=%s reason=%s moved_to=%s",
-                    model, cache_id, reason, dest)
         return dest
 
     # -- listing and the budget
