@@ -229,13 +229,12 @@ def verify(args: argparse.Namespace) -> int:
             task = bar.add_task("verify", total=total)
             for f in files:
                 try:
-                    with open(f, "rb") as fh:
-                        meta = st.read_header(fh).metadata
-                    if meta.get(st.FORMAT_KEY) != st.FORMAT:
-                        legacy.append(f)
-                        bar.advance(task, f.lstat().st_size)
-                        continue
-                    st.verify_file(f, lambda n: bar.advance(task, n))
+                    with st.open_file(f) as (fh, header):
+                        if header.metadata.get(st.FORMAT_KEY) != st.FORMAT:
+                            legacy.append(f)
+                            bar.advance(task, f.lstat().st_size)
+                            continue
+                        st.verify_data(fh, header, lambda n: bar.advance(task, n))
                 except (OSError, st.LayoutError) as exc:
                     bad.append((f, str(exc)))
         repaired = _repair(root, bad, kv) if args.repair and bad else []

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,17 +113,12 @@ def read_cache_file(
 
 def _header(path: Path) -> st.FileHeader:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with st.open_file(path) as (_, header):
+            return header
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot open: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CacheFileError(f"{path}: not a regular file")
-        try:
-            return st.read_header(f, info.st_size)
-        except st.LayoutError as exc:
-            raise CacheFileError(f"{path}: {exc}") from None
+    except st.LayoutError as exc:
+        raise CacheFileError(f"{path}: {exc}") from None
 
 
 def _kvkeeper_file(

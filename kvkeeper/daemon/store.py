@@ -29,7 +29,7 @@ from kvkeeper.protocol.safetensors import (
     MODEL_KEY,
     TOKEN_COUNT_KEY,
     LayoutError,
-    read_header,
+    open_file,
 )
 
 log = logging.getLogger("kvkeeper.store")
@@ -265,9 +265,8 @@ class Store:
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                meta = read_header(f, st.st_size).metadata
+            with open_file(path) as (_, header):
+                meta = header.metadata
         except (OSError, LayoutError) as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign

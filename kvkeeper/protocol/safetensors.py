@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -216,32 +218,40 @@ class TensorHasher:
         return list(self._digests)
 
 
-def verify_file(path: str | os.PathLike[str], progress: Any = None) -> FileHeader:
-    """Check a kvkeeper file by reading it: header, layout, and every tensor's
-    checksum (no MLX needed). ``progress(nbytes)`` is called as bytes are read.
-    Raises LayoutError (or OSError) saying what is wrong."""
+@contextmanager
+def open_file(path: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, FileHeader]]:
+    """Open a cache file without following a symlink, insist on a regular
+    file, and read its header. Raises OSError or LayoutError."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb", buffering=0) as f:
-        header = read_header(f)
-        sums = header.checksums
-        if sums is None or set(sums) != set(header.tensors):
-            raise LayoutError("checksums missing or not covering every tensor")
-        buf = bytearray(8 * 1024 * 1024)
-        view = memoryview(buf)
-        ordered = sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        for name, t in ordered:
-            a, b = t["data_offsets"]
-            f.seek(header.data_start + a)
-            h = xxhash.xxh3_64()
-            left = b - a
-            while left:
-                n = f.readinto(view[: min(left, len(buf))])
-                if not n:
-                    raise LayoutError(f"tensor {name!r} is cut short")
-                h.update(view[:n])
-                left -= n
-                if progress is not None:
-                    progress(n)
-            if h.hexdigest() != sums[name]:
-                raise LayoutError(f"checksum mismatch in tensor {name!r}")
-    return header
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LayoutError("not a regular file")
+        yield f, read_header(f, info.st_size)
+
+
+def verify_data(f: BinaryIO, header: FileHeader, progress: Any = None) -> None:
+    """Check every tensor of a kvkeeper file against its checksum by reading it
+    (no MLX needed), on a file ``open_file`` opened. ``progress(nbytes)`` is
+    called as bytes are read. Raises LayoutError (or OSError) saying what."""
+    sums = header.checksums
+    if sums is None or set(sums) != set(header.tensors):
+        raise LayoutError("checksums missing or not covering every tensor")
+    buf = bytearray(8 * 1024 * 1024)
+    view = memoryview(buf)
+    ordered = sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    for name, t in ordered:
+        a, b = t["data_offsets"]
+        f.seek(header.data_start + a)
+        h = xxhash.xxh3_64()
+        left = b - a
+        while left:
+            n = f.readinto(view[: min(left, len(buf))])  # type: ignore[attr-defined]
+            if not n:
+                raise LayoutError(f"tensor {name!r} is cut short")
+            h.update(view[:n])
+            left -= n
+            if progress is not None:
+                progress(n)
+        if h.hexdigest() != sums[name]:
+            raise LayoutError(f"checksum mismatch in tensor {name!r}")
