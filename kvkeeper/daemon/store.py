@@ -389,17 +389,26 @@ class Store:
         Foreign files count but are never deleted; ``keep`` is never evicted."""
         b = self.budget
         evicted: list[StoredEntry] = []
+        used = self.usage()
+
+        def pressure() -> str | None:
+            if b.max_disk_bytes is not None and used > b.max_disk_bytes:
+                return "max_disk_bytes"
+            if b.min_free_bytes > 0 and self.free_bytes() < b.min_free_bytes:
+                return "min_free_bytes"
+            return None
+
+        if pressure() is None:
+            return evicted  # the common case after a write: no sort of the index
         with self._lock:
             candidates = sorted(
                 (e for e in self._index.values()
                  if e.kind in ("entry", "legacy", "quarantine") and e.path != keep),
                 key=lambda e: (e.kind != "quarantine", e.last_used),
             )
-        used = self.usage()
         for victim in candidates:
-            over = b.max_disk_bytes is not None and used > b.max_disk_bytes
-            short = b.min_free_bytes > 0 and self.free_bytes() < b.min_free_bytes
-            if not (over or short):
+            reason = pressure()
+            if reason is None:
                 break
             try:
                 os.unlink(victim.path)
@@ -414,8 +423,7 @@ class Store:
             used -= victim.nbytes
             evicted.append(victim)
             log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s",
-                     victim.model, victim.cache_id, victim.nbytes, victim.kind,
-                     "max_disk_bytes" if over else "min_free_bytes")
+                     victim.model, victim.cache_id, victim.nbytes, victim.kind, reason)
         if b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
