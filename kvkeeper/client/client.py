@@ -133,8 +133,7 @@ class Client:
         if self._closed:
             raise RuntimeError("client is closed")
         layers, token_ids = _unpack(cache, token_ids)
-        naming.check_id(model, "model")
-        naming.check_id(cache_id, "cache id")
+        naming.check_key(model, cache_id)
         meta = dict(metadata or {})
         bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
                or not isinstance(meta[k], str)]
@@ -244,8 +243,7 @@ class Client:
         ``verify`` checks every tensor's checksum (reads the whole file); off,
         the arrays stay lazily memory-mapped.
         """
-        naming.check_id(model, "model")
-        naming.check_id(cache_id, "cache id")
+        naming.check_key(model, cache_id)
         path: Path | None
         try:
             reply = self._request(
@@ -310,8 +308,7 @@ class Client:
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Delete an entry (after any pending save of it); True if it existed."""
-        naming.check_id(model, "model")
-        naming.check_id(cache_id, "cache id")
+        naming.check_key(model, cache_id)
         reply = self._request(
             lambda req: m.Delete(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id)
         )

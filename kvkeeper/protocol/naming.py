@@ -46,6 +46,12 @@ def check_id(value: str, what: str = "id") -> bytes:
     return raw
 
 
+def check_key(model: str, cache_id: str) -> None:
+    """Validate an entry's model fingerprint and cache id; raises BadId."""
+    check_id(model, "model")
+    check_id(cache_id, "cache id")
+
+
 def encode_component(value: str, what: str = "id") -> str:
     """File-name component for an id (see module docstring); raises BadId."""
     raw = check_id(value, what)
