@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -109,6 +110,30 @@ def test_mlx_vlm_prompt_cache_state_round_trips(model, client: Client) -> None:
     assert state.find_prefix_length(tokens) == got.find_prefix_length(tokens)
     np.testing.assert_array_equal(next_logits(model, got.cache, 3),
                                   next_logits(model, state.cache, 3))
+
+
+def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
+    c = KVCache()
+    x = mx.zeros((1, 1, 3, 8))
+    c.update_and_fetch(x, x)
+    tokens = [5, 6, 7]
+    assert client.save(FP, "list", [c], tokens)
+    tokens.append(8)  # the generation loop goes on appending after save() returned
+    tokens[0] = 99
+    assert client.save(FP, "numpy", [c], np.array([1, 2, 2**62], dtype=np.int64))
+    assert client.save(FP, "mlx", [c], mx.array([3, 4], dtype=mx.uint32))
+    assert client.save(FP, "numpy-scalars", [c], [np.int32(9), np.uint64(10)])
+    assert client.flush(timeout=WAIT)
+    expect = {"list": [5, 6, 7], "numpy": [1, 2, 2**62], "mlx": [3, 4], "numpy-scalars": [9, 10]}
+    for cid, ids in expect.items():
+        got = client.load(FP, cid)
+        assert got is not None and got.token_ids == ids, cid
+        with safe_open(got.path, "np") as f:
+            assert json.loads(f.metadata()["kvkeeper.token_ids"]) == ids, cid
+    for bad in ([1, 2.5], ["1"], [2**63], [None]):
+        with pytest.raises(ValueError, match="token_ids must be integers"):
+            client.save(FP, "bad", [c], bad)
+    assert client.load(FP, "bad") is None
 
 
 def test_read_your_writes_and_coalescing(client: Client, daemon: RunningDaemon) -> None:

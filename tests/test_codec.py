@@ -21,6 +21,8 @@ from kvkeeper.client.codec import (
     LAYERS_VERSION,
     CacheSnapshot,
     CodecError,
+    capture_cache,
+    encode_capture,
     mlx_dtype,
     mlx_dtype_name,
     restore_cache,
@@ -428,11 +430,16 @@ def _isolation(model: Any, cache: list[Any], before: Callable[[], None] | None =
     frozen = [bytes(b) for b in joined(snap)]
     expected = [raw(a) for a in arrays_from_snapshot(snap).values()]
     assert frozen == expected
+    # save() only captures; the I/O thread encodes later, while the loop goes on.
+    captured = capture_cache(cache)
     live = [raw(a) for a in _state_arrays(cache)]
     if before is not None:
         before()
     greedy_decode(model, cache, 3, 25)
+    late = encode_capture(captured)
     assert joined(snap) == frozen, "snapshot changed under the generation loop"
+    assert joined(late) == frozen, "a capture encoded after the decode steps changed"
+    assert late.layers == snap.layers
     assert [raw(a) for a in _state_arrays(cache)] != live  # the cache did move on
 
 
@@ -456,12 +463,15 @@ def test_isolation_trimmed_kv_rewrites_saved_rows(llama: Any) -> None:
         prefill(llama, prompt(50), cache)
         snap = snapshot_cache(cache)
         frozen = joined(snap)
+        captured = capture_cache(cache)
         old_rows = raw(cache[0].keys[..., 30:50, :])
         for c in cache:
             c.trim(20)
         greedy_decode(llama, cache, 3, 25)
         assert raw(cache[0].keys[..., 30:50, :]) != old_rows  # really rewritten
         assert joined(snap) == frozen, mod.__name__
+        late = encode_capture(captured)
+        assert joined(late) == frozen and late.layers == snap.layers, mod.__name__
 
 
 def test_isolation_rotating_wraps_into_saved_buffer(llama: Any) -> None:

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +22,7 @@ import msgspec
 
 from kvkeeper import config
 from kvkeeper.client.channel import Channel, DaemonUnavailable
-from kvkeeper.client.codec import CacheSnapshot, snapshot_cache
+from kvkeeper.client.codec import CacheCapture, capture_cache, encode_capture
 from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
@@ -141,16 +143,21 @@ class Client:
             raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
         if not self._channel.connected.is_set():
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
-        snap = snapshot_cache(layers)
+        # Only the capture runs here; the JSON, the byte runs and the messages
+        # are built on the I/O thread (see _messages).
+        cap = capture_cache(layers)
         limit = self._max_save_bytes
-        if limit is not None and snap.nbytes > limit:
-            return self._drop("too_large", f"a save of {snap.nbytes} bytes exceeds the daemon's "
+        if limit is not None and cap.nbytes > limit:
+            return self._drop("too_large", f"a save of {cap.nbytes} bytes exceeds the daemon's "
                                            f"limit of {limit} (--max-pending-bytes)")
-        messages = self._messages(model, cache_id, snap, token_ids, meta)
-        if not self._channel.reserve(snap.nbytes, len(messages)):
+        estimate = 1 + -(-cap.nbytes // CHUNK_BYTES) + cap.tensor_count
+        if not self._channel.reserve(cap.nbytes, estimate):
             return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
                                           f"flight (max_inflight_bytes)")
-        self._channel.send_save(messages, snap.nbytes)
+        self._channel.send_save(
+            functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
+            cap.nbytes, estimate,
+        )
         return True
 
     def write_behind(
@@ -175,15 +182,19 @@ class Client:
         self,
         model: str,
         cache_id: str,
-        snap: CacheSnapshot,
-        token_ids: list[int] | None,
+        cap: CacheCapture,
+        token_ids: array[int] | None,
         user: dict[str, str],
     ) -> list[list[bytes | memoryview]]:
+        """The save stream of a capture: a SaveBegin, then SaveData messages of
+        at most CHUNK_BYTES. Runs on the channel's I/O thread."""
+        snap = encode_capture(cap)
         save_id = self._channel.next_save_id()
+        ids = token_ids.tolist() if token_ids is not None else None
         meta = {
             st.LAYERS_KEY: snap.layers,
-            st.TOKENS_KEY: msgspec.json.encode(token_ids).decode(),
-            st.TOKEN_COUNT_KEY: str(len(token_ids or ())),
+            st.TOKENS_KEY: msgspec.json.encode(ids).decode(),
+            st.TOKEN_COUNT_KEY: str(len(ids or ())),
         }
         if user:
             meta[st.USER_KEY] = msgspec.json.encode(user).decode()
@@ -373,7 +384,7 @@ class DaemonError(Exception):
         self.code = code
 
 
-def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
+def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], array[int] | None]:
     if isinstance(cache, (list, tuple)):
         layers = list(cache)
     elif hasattr(cache, "cache"):
@@ -384,9 +395,15 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
         raise ValueError("cache must be a list of cache layers or have a .cache attribute")
     if not layers:
         raise ValueError("cache has no layers")
+    ids: array[int] | None = None
     if token_ids is not None:
         if hasattr(token_ids, "tolist"):
             token_ids = token_ids.tolist()
-        token_ids = [int(t) for t in token_ids]
-    return layers, token_ids
+        # A copy the caller cannot change afterwards, checked in C: whole
+        # numbers only (int, numpy integers), each within int64.
+        try:
+            ids = array("q", token_ids)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"token_ids must be integers within int64: {exc}") from None
+    return layers, ids
 

@@ -1,16 +1,18 @@
 """MLX prompt-cache layers <-> tensors plus a JSON description of the layers.
 
-`snapshot_cache` runs inside the generation loop, so it must cost close to
-nothing: it copies no tensor data. Each tensor is exported as a few contiguous
-byte runs that point straight into MLX's own buffers. Two facts make that safe:
+`capture_cache` runs inside the generation loop, so it must cost close to
+nothing: it copies no tensor data, and it leaves the JSON and the byte runs to
+`encode_capture`, which the client runs on its I/O thread. Each tensor is
+exported as a few contiguous byte runs that point straight into MLX's own
+buffers. Two facts make that safe:
 
 * MLX updates a cache buffer in place (``keys[..., a:b, :] = x``) only when no
   other array shares that buffer. A memoryview does not count as sharing; a
-  second evaluated array handle does. So for every exported tensor the
-  snapshot evaluates a new handle on the same buffer (a same-size
-  ``view``, which MLX implements by sharing the buffer), and the runs keep that
-  handle alive. The cache's next in-place update then finds the buffer shared
-  and writes into a copy instead; the snapshot keeps seeing the old bytes.
+  second array handle does. So for every exported tensor the capture takes a
+  new handle on the same buffer (``array.__copy__``, which shares the array
+  rather than its data, in about 50 ns), and the runs keep that handle alive.
+  The cache's next in-place update then finds the buffer shared and writes
+  into a copy instead; the snapshot keeps seeing the old bytes.
 * Non-contiguous views (``keys[..., :offset, :]``) are not copied either: the
   strided layout is turned into one run per contiguous block.
 
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
@@ -65,9 +68,12 @@ __all__ = [
     "LAYERS_FORMAT",
     "LAYERS_VERSION",
     "TRUSTED_MODULE_PREFIXES",
+    "CacheCapture",
     "CacheSnapshot",
     "CodecError",
     "TensorSnapshot",
+    "capture_cache",
+    "encode_capture",
     "is_composite_class",
     "mlx_dtype",
     "mlx_dtype_name",
@@ -326,12 +332,18 @@ class _Prefix:
     length: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
+    """One tensor met by the walk: its description as of capture time, the
+    array it came from, and (after capture) the handle that pins its bytes."""
+
     name: str
+    dtype: str
+    shape: tuple[int, ...]
     source: mx.array
     length: int | None
     handle: mx.array | None = None
+    view: memoryview | None = None  # of `handle`, taken on the capturing thread
 
 
 def _seq_len(x: Any) -> int | None:
@@ -411,7 +423,34 @@ _TRIMMERS: dict[tuple[str, str], Callable[[Any], Any]] = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], Any] | None]:
+    """(module, name, trimmer) of a cache class that restore can find again by
+    name; raises CodecError otherwise. Cached: it runs once per layer per save."""
+    module, name = cls.__module__, cls.__qualname__
+    try:
+        _check_trusted_module(module)
+    except CodecError as exc:
+        raise CodecError(f"{name}: {exc}") from None
+    if getattr(sys.modules.get(module), name, None) is not cls:
+        raise CodecError(f"{module}.{name} cannot be found again by name")
+    return module, name, _TRIMMERS.get((module, name))
+
+
+class _Unencodable(Exception):
+    """A state value the layers JSON cannot hold; ``path`` grows as it unwinds."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        self.path: list[str] = []
+
+
 class _Encoder:
+    """Walks cache layers into the JSON-ready description and the list of
+    tensors to export. Runs on the caller's thread inside ``save()``, so the
+    common shapes (tuples of arrays and ints) take the shortest path, and the
+    location of a bad value is only worked out when there is one."""
+
     def __init__(self) -> None:
         self.pending: list[_Pending] = []
 
@@ -421,11 +460,32 @@ class _Encoder:
         shape = list(array.shape)
         if length is not None:
             shape[-2] = length
-        self.pending.append(_Pending(name, array, length))
+        self.pending.append(_Pending(name, dtype, tuple(shape), array, length))
         return {"$": "tensor", "name": name, "dtype": dtype, "shape": shape}
 
-    def node(self, value: Any, where: str) -> Any:
-        if value is None or isinstance(value, (bool, str)):
+    def items(self, values: Any) -> list[Any]:
+        out = []
+        for i, v in enumerate(values):
+            try:
+                out.append(self.node(v))
+            except _Unencodable as exc:
+                exc.path.append(str(i))
+                raise
+        return out
+
+    def node(self, value: Any) -> Any:
+        t = type(value)
+        if t is mx.array:
+            return self.tensor(value, None)
+        if value is None or t is int or t is bool or t is str:
+            return value
+        if t is tuple:
+            return {"$": "tuple", "items": self.items(value)}
+        if t is _Prefix:
+            return self.tensor(value.array, value.length)
+        if t is list:
+            return self.items(value)
+        if isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
             return int(value)
@@ -433,54 +493,52 @@ class _Encoder:
             return float(value) if math.isfinite(value) else {"$": "float", "value": repr(value)}
         if isinstance(value, mx.array):
             return self.tensor(value, None)
-        if isinstance(value, _Prefix):
-            return self.tensor(value.array, value.length)
         if isinstance(value, tuple):
-            return {
-                "$": "tuple",
-                "items": [self.node(v, f"{where}.{i}") for i, v in enumerate(value)],
-            }
+            return {"$": "tuple", "items": self.items(value)}
         if isinstance(value, list):
-            return [self.node(v, f"{where}.{i}") for i, v in enumerate(value)]
+            return self.items(value)
         if isinstance(value, dict):
             items = []
             for k, v in value.items():
                 if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise CodecError(f"{where}: dict key {k!r} is not a scalar")
-                items.append([self.node(k, where), self.node(v, f"{where}.{k}")])
+                    raise _Unencodable(f"dict key {k!r} is not a scalar")
+                try:
+                    items.append([self.node(k), self.node(v)])
+                except _Unencodable as exc:
+                    exc.path.append(str(k))
+                    raise
             return {"$": "dict", "items": items}
-        raise CodecError(f"{where}: cannot encode a {type(value).__qualname__} in a cache state")
+        raise _Unencodable(f"cannot encode a {type(value).__qualname__} in a cache state")
 
     def layer(self, layer: Any, where: str) -> dict[str, Any]:
-        cls = type(layer)
-        module, name = cls.__module__, cls.__qualname__
-        # Refuse at save time what restore could not resolve to this same class.
         try:
-            _check_trusted_module(module)
+            module, name, trim = _layer_class(type(layer))
         except CodecError as exc:
-            raise CodecError(f"{where}: {name}: {exc}") from None
-        if getattr(sys.modules.get(module), name, None) is not cls:
-            raise CodecError(f"{where}: {module}.{name} cannot be found again by name")
+            raise CodecError(f"{where}: {exc}") from None
         entry: dict[str, Any] = {"class": name, "module": module}
 
         children = getattr(layer, "caches", None)
-        if is_composite_class(cls) and isinstance(children, (list, tuple)):
+        if isinstance(children, (list, tuple)) and is_composite_class(type(layer)):
             entry["children"] = [self.layer(c, f"{where}.{i}") for i, c in enumerate(children)]
             entry["children_type"] = "list" if isinstance(children, list) else "tuple"
             return entry
 
         try:
             state = layer.state
-            has_meta = hasattr(layer, "meta_state")
-            meta = layer.meta_state if has_meta else None
+            meta = getattr(layer, "meta_state", _MISSING)
         except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
             raise CodecError(f"{where}: cannot read the state of {name}: {exc!r}") from exc
-        trim = _TRIMMERS.get((module, name))
         if trim is not None:
             state = trim(state)
-        entry["state"] = self.node(state, f"{where}.state")
-        if has_meta:
-            entry["meta_state"] = self.node(meta, f"{where}.meta_state")
+        part = "state"
+        try:
+            entry["state"] = self.node(state)
+            if meta is not _MISSING:
+                part = "meta_state"
+                entry["meta_state"] = self.node(meta)
+        except _Unencodable as exc:
+            at = ".".join([where, part, *reversed(exc.path)])
+            raise CodecError(f"{at}: {exc.problem}") from None
         return entry
 
 
@@ -526,11 +584,10 @@ def _byte_runs(nd: np.ndarray) -> tuple[memoryview, ...]:
 
 
 def _export(p: _Pending) -> TensorSnapshot:
-    assert p.handle is not None
-    dtype = mlx_dtype_name(p.source.dtype)
-    mv = memoryview(p.handle)
-    if mv.c_contiguous and mv.ndim >= 2:
-        return _export_contiguous(p.name, dtype, mv, p.length)
+    mv = p.view
+    assert mv is not None
+    if mv.c_contiguous and (p.length is None or mv.ndim >= 2):
+        return _export_contiguous(p.name, p.dtype, mv, p.length)
     nd = np.asarray(mv)
     if p.length is not None:
         nd = nd[..., : p.length, :]
@@ -538,15 +595,15 @@ def _export(p: _Pending) -> TensorSnapshot:
         nd = np.ascontiguousarray(nd)  # MLX caches never do this; stay correct if one does
     runs = _byte_runs(nd)
     nbytes = sum(len(r) for r in runs)
-    if nbytes != nd.size * DTYPE_SIZES[dtype]:
-        raise CodecError(f"{p.name}: exported {nbytes} bytes for shape {nd.shape} {dtype}")
-    return TensorSnapshot(p.name, dtype, tuple(int(n) for n in nd.shape), runs, nbytes)
+    if nbytes != nd.size * DTYPE_SIZES[p.dtype]:
+        raise CodecError(f"{p.name}: exported {nbytes} bytes for shape {nd.shape} {p.dtype}")
+    return TensorSnapshot(p.name, p.dtype, tuple(int(n) for n in nd.shape), runs, nbytes)
 
 
 def _export_contiguous(name: str, dtype: str, mv: memoryview, length: int | None) -> TensorSnapshot:
     """The common case without numpy: a C-contiguous buffer, whole or cut to
-    its first ``length`` rows of axis -2 (one run per outer index). This is
-    the hot path of save(): a slice of a memoryview costs next to nothing."""
+    its first ``length`` rows of axis -2 (one run per outer index): a slice of
+    a memoryview costs next to nothing."""
     shape = list(mv.shape)
     flat = mv.cast("B")  # keeps `mv`, and through it the MLX handle, alive
     if length is None or length == shape[-2]:
@@ -560,40 +617,87 @@ def _export_contiguous(name: str, dtype: str, mv: memoryview, length: int | None
     return TensorSnapshot(name, dtype, tuple(shape), runs, sum(len(r) for r in runs))
 
 
-def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
+@dataclass(frozen=True, slots=True)
+class CacheCapture:
+    """The part of a snapshot taken on the caller's thread: the layers
+    description (as JSON-ready objects) and one evaluated MLX handle per
+    tensor. From here on nothing the generation loop does to the cache
+    changes it; `encode_capture` turns it into byte runs on any thread."""
+
+    description: dict[str, Any]
+    pending: tuple[_Pending, ...]
+    nbytes: int
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.pending)
+
+
+def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     """Freeze a prompt cache (list of mlx-lm / mlx-vlm cache layers) without copying its data.
 
-    The returned tensors' runs show the cache exactly as it is now, however the
-    generation loop updates the cache afterwards: they hold their own MLX
-    handles on the buffers, which makes MLX copy instead of writing in place
-    (one copy per buffer, in the next update, and only if it would have
-    written in place). Spare capacity of known mlx-lm caches (rows past the
-    offset) is left out. Raises CodecError for a layer it cannot describe.
+    Takes a new MLX handle on every tensor's buffer and evaluates them: from
+    then on MLX copies instead of writing those buffers in place (one copy per
+    buffer, in the next update, and only if it would have written in place),
+    so the capture shows the cache exactly as it is now. Spare capacity of
+    known mlx-lm caches (rows past the offset) is left out. Raises CodecError
+    for a layer it cannot describe. This is all of ``save()``'s work on the
+    generation loop's thread; the rest happens in `encode_capture`.
     """
     enc = _Encoder()
     entries = [enc.layer(layer, f"layer {i}") for i, layer in enumerate(layers)]
-    description = json.dumps(
-        {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "layers": entries},
-        separators=(",", ":"),
-        allow_nan=False,
-    )
+    handles = []
+    nbytes = 0
     for p in enc.pending:
-        if p.source.size:
-            p.handle = p.source.view(_UINT_OF_SIZE[p.source.dtype.size])
-    # Evaluating the views computes anything still lazy in the cache and makes
-    # each handle share its source's buffer (no copy for a same-size view).
-    mx.eval([p.handle for p in enc.pending if p.handle is not None])
-    tensors = []
+        size = math.prod(p.shape) * DTYPE_SIZES[p.dtype]
+        if size:
+            p.handle = p.source.__copy__()
+            handles.append(p.handle)
+            nbytes += size
+        # The cache's own array object may be rebound by the next update; the
+        # handle (and the description recorded above) is all that is kept.
+        p.source = None  # type: ignore[assignment]
+    # Computes whatever is still lazy in the cache (a few microseconds when
+    # nothing is): the I/O thread must only ever read finished buffers.
+    mx.eval(handles)
+    strided = []
     for p in enc.pending:
-        if p.handle is None:
-            shape = list(p.source.shape)
-            if p.length is not None:
-                shape[-2] = p.length
-            t = TensorSnapshot(p.name, mlx_dtype_name(p.source.dtype), tuple(shape), (), 0)
-        else:
-            t = _export(p)
-        tensors.append(t)
-    return CacheSnapshot(tuple(tensors), description, sum(t.nbytes for t in tensors))
+        if p.handle is not None:
+            p.view = memoryview(p.handle)
+            if not p.view.c_contiguous:
+                strided.append(p)
+    if strided:
+        # numpy, which splits a strided buffer into runs, cannot read every
+        # MLX buffer format (bf16 is "bfloat16"): give these a same-size
+        # unsigned view, which shares the buffer and the strides.
+        for p in strided:
+            assert p.handle is not None
+            p.handle = p.handle.view(_UINT_OF_SIZE[DTYPE_SIZES[p.dtype]])
+        mx.eval([p.handle for p in strided])
+        for p in strided:
+            p.view = memoryview(p.handle)
+    description = {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "layers": entries}
+    return CacheCapture(description, tuple(enc.pending), nbytes)
+
+
+def encode_capture(capture: CacheCapture) -> CacheSnapshot:
+    """The byte runs and layers JSON of a capture. Safe on another thread
+    than the one that captured: it only reads evaluated handles."""
+    layers = msgspec.json.encode(capture.description).decode()
+    tensors = [
+        _export(p) if p.view is not None else TensorSnapshot(p.name, p.dtype, p.shape, (), 0)
+        for p in capture.pending
+    ]
+    nbytes = sum(t.nbytes for t in tensors)
+    if nbytes != capture.nbytes:
+        raise CodecError(f"exported {nbytes} bytes, captured {capture.nbytes}")
+    return CacheSnapshot(tuple(tensors), layers, nbytes)
+
+
+def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
+    """`capture_cache` and `encode_capture` in one call: the cache's tensors as
+    zero-copy byte runs that never change, plus the layers JSON."""
+    return encode_capture(capture_cache(layers))
 
 
 # ---------------------------------------------------------------------------
