@@ -324,12 +324,14 @@ def rebuild_composite(cls: type, children: Sequence[Any], children_type: type = 
 # snapshot
 
 
-@dataclass
 class _Prefix:
     """A state leaf to save only partly: the first `length` rows of axis -2."""
 
-    array: mx.array
-    length: int
+    __slots__ = ("array", "length")
+
+    def __init__(self, array: mx.array, length: int) -> None:
+        self.array = array
+        self.length = length
 
 
 @dataclass(slots=True)
@@ -347,10 +349,12 @@ class _Pending:
 
 
 def _seq_len(x: Any) -> int | None:
-    if isinstance(x, mx.array) and x.ndim >= 2:
-        return int(x.shape[-2])
-    if isinstance(x, tuple) and x and all(isinstance(p, mx.array) and p.ndim >= 2 for p in x):
-        lens = {int(p.shape[-2]) for p in x}
+    """Rows on axis -2 of an array, or of a tuple of arrays that agree; else None."""
+    if type(x) is mx.array:
+        shape = x.shape
+        return shape[-2] if len(shape) >= 2 else None
+    if type(x) is tuple and x:
+        lens = {_seq_len(p) if type(p) is mx.array else None for p in x}
         return lens.pop() if len(lens) == 1 else None
     return None
 
@@ -359,17 +363,15 @@ def _cut(parts: tuple[Any, ...], valid: Any) -> tuple[Any, ...] | None:
     """`parts` (arrays or tuples of arrays) cut to `valid` rows of axis -2, or None if that does not apply."""
     if type(valid) is not int or valid < 0:
         return None
-    lens = {_seq_len(p) for p in parts}
-    if len(lens) != 1:
-        return None
-    cap = lens.pop()
+    cap = _seq_len(parts[0])
     if cap is None or valid >= cap:
         return None
-
-    def prefix(p: Any) -> Any:
-        return tuple(_Prefix(a, valid) for a in p) if isinstance(p, tuple) else _Prefix(p, valid)
-
-    return tuple(prefix(p) for p in parts)
+    out = []
+    for p in parts:
+        if _seq_len(p) != cap:
+            return None
+        out.append(tuple([_Prefix(a, valid) for a in p]) if type(p) is tuple else _Prefix(p, valid))
+    return tuple(out)
 
 
 def _trim_kv(state: Any) -> Any:
@@ -456,7 +458,7 @@ class _Encoder:
 
     def tensor(self, array: mx.array, length: int | None) -> dict[str, Any]:
         name = f"t{len(self.pending)}"
-        dtype = mlx_dtype_name(array.dtype)
+        dtype = _DTYPE_NAMES.get(array.dtype) or mlx_dtype_name(array.dtype)  # raises
         shape = list(array.shape)
         if length is not None:
             shape[-2] = length
@@ -464,13 +466,13 @@ class _Encoder:
         return {"$": "tensor", "name": name, "dtype": dtype, "shape": shape}
 
     def items(self, values: Any) -> list[Any]:
-        out = []
-        for i, v in enumerate(values):
-            try:
+        out: list[Any] = []
+        try:
+            for v in values:
                 out.append(self.node(v))
-            except _Unencodable as exc:
-                exc.path.append(str(i))
-                raise
+        except _Unencodable as exc:
+            exc.path.append(str(len(out)))
+            raise
         return out
 
     def node(self, value: Any) -> Any:
