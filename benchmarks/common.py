@@ -7,8 +7,10 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -206,6 +208,30 @@ class GcWatch:
                 total += b - a
                 gen = max(gen, g)
         return total, gen
+
+
+def preemptions() -> int | None:
+    """Involuntary context switches of the calling thread so far (the OS took
+    its core away), or None where there is no per-thread count (not Linux)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else resource.getrusage(who).ru_nivcsw
+
+
+def slow_calls(wall: Sequence[float], cpu: Sequence[float],
+               preempted: Sequence[int | None]) -> dict[str, Any]:
+    """Calls whose wall time exceeds twice the median CPU time of a call: how
+    many, how many of them the OS preempted, and the most CPU any of them used
+    (a slow call with little CPU waited, for a core or for the GIL)."""
+    limit = 2 * statistics.median(cpu) if cpu else 0.0
+    slow = [(w, c, p) for w, c, p in zip(wall, cpu, preempted, strict=True) if w > limit]
+    known = [p for _, _, p in slow if p is not None]
+    return {
+        "limit_s": limit,
+        "count": len(slow),
+        "preempted": sum(1 for p in known if p > 0) if len(known) == len(slow) else None,
+        "max_cpu_s": max((c for _, c, _ in slow), default=None),
+        "max_wall_s": max((w for w, _, _ in slow), default=None),
+    }
 
 
 def gc_summary(watch: GcWatch, windows: Sequence[tuple[float, float]]) -> dict[str, Any]:

@@ -24,7 +24,9 @@ from benchmarks.common import (
     hybrid_to_vlm,
     kv_cache,
     layers_of,
+    preemptions,
     prompt_cache_state,
+    slow_calls,
     state_arrays,
     summarize,
     token_ids,
@@ -52,11 +54,13 @@ def mlx_lm_save(cache: Any, tokens: list[int], target: Path) -> None:
 
 
 def _kvk_idle(kv: Any, key: str, cache: Any, tokens: list[int], out: dict[str, list]) -> None:
+    p0 = preemptions()
     c0 = time.thread_time()
     t0 = time.perf_counter()
     ok = kv.save(MODEL, key, cache, tokens)
     t1 = time.perf_counter()
     out["save_cpu"].append(time.thread_time() - c0)
+    out["preempted"].append(None if p0 is None else preemptions() - p0)  # type: ignore[operator]
     out["windows"].append((t0, t1))
     flushed = kv.flush(WAIT)
     t2 = time.perf_counter()
@@ -116,8 +120,9 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
             gcw: GcWatch) -> dict[str, Any]:
     """save() every ``pace`` seconds without waiting for the disk (write-behind)."""
     before = kv.stats()
-    lat, cpu, oks, windows = [], [], [], []
+    lat, cpu, oks, windows, pre = [], [], [], [], []
     for _ in range(n):
+        p0 = preemptions()
         c0 = time.thread_time()
         t0 = time.perf_counter()
         ok = kv.save(MODEL, key, cache, tokens)
@@ -125,6 +130,7 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
         lat.append(t1 - t0)
         windows.append((t0, t1))
         cpu.append(time.thread_time() - c0)
+        pre.append(None if p0 is None else preemptions() - p0)  # type: ignore[operator]
         oks.append(bool(ok))
         time.sleep(pace)
     flushed = kv.flush(WAIT)
@@ -133,6 +139,7 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
         "saves_received", "saves_written", "saves_superseded", "saves_refused", "saves_failed",
         "client_saves_dropped", "client_saves_lost")}
     return {"save": summarize(lat), "save_cpu": summarize(cpu),
+            "slow_calls": slow_calls(lat, cpu, pre),
             "gc": gc_summary(gcw, windows), "handed_off": sum(oks), "dropped": len(oks) - sum(oks),
             "flush_ok": bool(flushed), "pace_s": pace, "counters": delta}
 
@@ -143,7 +150,8 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
     key = f"hot-{label}"
     d = ctx.scratch / f"sync-{label}"
     d.mkdir(exist_ok=True)
-    raw: dict[str, list] = {"save": [], "save_cpu": [], "windows": [], "durable": [], "ok": [],
+    raw: dict[str, list] = {"save": [], "save_cpu": [], "preempted": [], "windows": [],
+                            "durable": [], "ok": [],
                             "reference_new": [],
                             "reference_replace": [], "mlx_lm": [], "apc": []}
     # Warm-up (first-call costs of every path), not recorded.
@@ -175,6 +183,7 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
         "kvkeeper_save_idle": summarize(raw["save"]),
         "kvkeeper_save_idle_cpu": summarize(raw["save_cpu"]),
         "kvkeeper_save_idle_gc": gc_summary(gcw, raw["windows"]),
+        "kvkeeper_save_idle_slow": slow_calls(raw["save"], raw["save_cpu"], raw["preempted"]),
         "kvkeeper_save_to_durable": summarize(raw["durable"]),
         "kvkeeper_all_ok": all(raw["ok"]),
         "sync_reference_new_file": summarize(raw["reference_new"]),
@@ -188,19 +197,24 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
     if stream:
         res["kvkeeper_stream"] = _stream(kv, key, cache, tokens, prof.hot_stream_n,
                                          prof.stream_pace_s, gcw)
-    # What save() is made of: the zero-copy snapshot alone, in-process.
-    from kvkeeper.client.codec import snapshot_cache
+    # What save() is made of: the capture (on the caller's thread) and the
+    # encoding that the client's I/O thread does afterwards, each in-process.
+    from kvkeeper.client.codec import capture_cache, encode_capture
 
-    snaps, snaps_cpu = [], []
+    caps, caps_cpu, encs = [], [], []
     for _ in range(max(5, prof.sync_reps)):
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        s = snapshot_cache(layers_of(cache))
-        snaps.append(time.perf_counter() - t0)
-        snaps_cpu.append(time.thread_time() - c0)
-        del s
-    res["snapshot_only"] = summarize(snaps)
-    res["snapshot_only_cpu"] = summarize(snaps_cpu)
+        cap = capture_cache(layers_of(cache))
+        t1 = time.perf_counter()
+        caps_cpu.append(time.thread_time() - c0)
+        snap = encode_capture(cap)
+        encs.append(time.perf_counter() - t1)
+        caps.append(t1 - t0)
+        del cap, snap
+    res["capture_only"] = summarize(caps)
+    res["capture_only_cpu"] = summarize(caps_cpu)
+    res["encode_only"] = summarize(encs)
     kv.delete(MODEL, key)
     for f in d.iterdir():
         f.unlink()
