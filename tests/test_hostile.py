@@ -17,6 +17,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 import kvkeeper
 from kvkeeper.client.client import Client
@@ -130,6 +131,16 @@ def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
     sent = [0]
     replies = [0]
     batches = [0]
+    # Some fuzzed headers are valid saves that are complete without any data:
+    # a broken_saves header (model "fuzz") whose tensors all have a zero in
+    # their shape, whatever its data message does wrong afterwards, or a random
+    # dict that happens to spell a save. The daemon rightly writes those; they
+    # are the only saves allowed to reach the disk.
+    valid = [0]
+
+    def complete_without_data(req: m.Request) -> bool:
+        return isinstance(req, m.SaveBegin) and (req.model != "fuzz" or all(
+            0 in t.shape for t in req.tensors))
     try:
         rss0 = rss_kib(proc.pid)
 
@@ -139,6 +150,10 @@ def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
         def batch(msgs: list[list[list[bytes]]]) -> None:
             for group in msgs:
                 for frames in group:
+                    try:
+                        valid[0] += complete_without_data(m.decode_request(frames[0]))
+                    except m.DecodeFailure:
+                        pass
                     s.send_multipart(frames)
                     sent[0] += 1
             batches[0] += 1
@@ -150,13 +165,21 @@ def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
         sent[0] += 1
         replies[0] += ping_through(s, 1)
         assert sent[0] >= 10_000, sent
-        print(f"fuzz: {sent[0]} messages in {batches[0]} batches, {replies[0]} replies")
+        print(f"fuzz: {sent[0]} messages in {batches[0]} batches, {replies[0]} replies, "
+              f"{valid[0]} save headers complete without data")
         with Client(sock, timeout=WAIT) as kv:
             stats = kv.stats()
-        assert stats["saves_written"] == 0
+        assert stats["saves_written"] <= valid[0]
         assert stats["protocol_errors"] + stats["saves_refused"] + stats["saves_failed"] > 0
         assert replies[0] > 0.5 * sent[0]  # most get an answer; the rest are counted drops
-        assert not [p for p in (root / "sessions").rglob("*") if p.is_file()]
+        files = [p for p in (root / "sessions").rglob("*") if p.is_file()]
+        assert len(files) <= valid[0], files
+        for p in files:  # a whole kvkeeper file; of a broken save only if it holds no data
+            with safe_open(str(p), "np") as f:
+                meta = f.metadata()
+                sizes = [f.get_tensor(k).size for k in f.keys()]
+            assert meta["kvkeeper.format"], meta
+            assert meta["kvkeeper.model"] != "fuzz" or not any(sizes), (meta, sizes)
         assert rss_kib(proc.pid) < rss0 + 200 * 1024, (rss0, rss_kib(proc.pid))
     finally:
         s.close(linger=0)
