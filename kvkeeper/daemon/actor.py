@@ -280,48 +280,49 @@ class WriterActor:
             del self._waiting[job.key]
         job.started = True
         t0 = time.monotonic()
-        pending: PendingFile | None = None
+        file = _FileWriter(self.store, job)
         try:
-            header = job.layout.header(job.metadata)
-            pending = await anyio.to_thread.run_sync(
-                self.store.begin, model, cache_id, header, job.total
-            )
-            hasher = TensorHasher(job.layout.sizes)
             written = 0
             while True:
                 if job.chunks:
-                    batch = list(job.chunks)
+                    batch = [buf for bufs in job.chunks for buf in bufs]
                     job.chunks.clear()
-                    n = await _append(pending, hasher, batch)
-                    written += n
-                    job.reserved -= n
-                    self.pending_bytes -= n
-                    continue
-                if job.broken:
+                elif job.broken:
                     raise StreamBroken(job.broken)
-                if written >= job.total:
+                elif written >= job.total:
+                    batch = []  # a save with no data bytes: open and commit only
+                else:
+                    job.arrived = anyio.Event()
+                    with anyio.move_on_after(self.stall_timeout):
+                        await job.arrived.wait()
+                    if not job.arrived.is_set():
+                        raise StreamBroken(
+                            f"no bytes for {self.stall_timeout:.0f} s "
+                            f"({job.received} of {job.total} received)"
+                        )
+                    continue
+                n = sum(len(buf) for buf in batch)
+                last = written + n >= job.total
+                if last and job.broken:
+                    # All the bytes are here, but the stream went wrong after them
+                    # (more data than declared, say): never commit such a save.
+                    raise StreamBroken(job.broken)
+                await file.write(batch, n, last=last)
+                written += n
+                job.reserved -= n
+                self.pending_bytes -= n
+                if last:
                     break
-                job.arrived = anyio.Event()
-                with anyio.move_on_after(self.stall_timeout):
-                    await job.arrived.wait()
-                if not job.arrived.is_set():
-                    raise StreamBroken(
-                        f"no bytes for {self.stall_timeout:.0f} s "
-                        f"({job.received} of {job.total} received)"
-                    )
-            final = job.layout.header(job.metadata, hasher.hexdigests())
-            done, pending = pending, None  # commit cleans up after itself on failure
-            evicted = await anyio.to_thread.run_sync(
-                self.store.commit, done, final, job.metadata.get(TOKEN_COUNT_KEY)
-            )
         except (OSError, StreamBroken, ValueError) as exc:
-            if pending is not None:
-                await anyio.to_thread.run_sync(pending.abort)
+            if file.pending is not None:
+                await anyio.to_thread.run_sync(file.pending.abort)
             log.error(
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
             return
+        done, evicted = file.committed, file.evicted
+        assert done is not None
         self.stats.inc("bytes_written", job.total)
         self.stats.sample("write_seconds", time.monotonic() - t0)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
@@ -403,30 +404,71 @@ class StreamBroken(Exception):
     """A save whose bytes stopped coming or did not add up."""
 
 
-async def _append(pending: PendingFile, hasher: TensorHasher,
-                  batch: list[list[memoryview]]) -> int:
-    """Hash and write one batch at the same time, in two worker threads (both
-    release the GIL for large buffers), rather than one after the other.
-    Errors come back as values: a task group would wrap them in a group."""
-    flat = [buf for bufs in batch for buf in bufs]
-    errors: list[BaseException] = []
+#: Below this many bytes a batch is hashed in the thread that writes it: a
+#: second worker thread costs more (a hand-off each way) than hashing it.
+PARALLEL_HASH_BYTES = 4 * 1024 * 1024
 
-    def guarded(fn: Any) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the group
-            errors.append(exc)
 
-    def hash_all() -> None:
-        for buf in flat:
-            hasher.update(buf)
+class _FileWriter:
+    """One save's file, written batch by batch off the event loop.
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(anyio.to_thread.run_sync, guarded, hash_all)
-        await anyio.to_thread.run_sync(guarded, lambda: pending.append(flat))
-    if errors:
-        raise errors[0]
-    return sum(len(buf) for buf in flat)
+    Each ``write`` is one trip to a worker thread that opens the file if it
+    is not open yet, writes and hashes the batch, and on the last batch
+    commits it, so a save that arrived whole costs one trip. Large batches
+    are hashed in a second thread at the same time as they are written (both
+    release the GIL for large buffers).
+    """
+
+    def __init__(self, store: Store, job: SaveJob) -> None:
+        assert job.layout is not None
+        self.store, self.job, self.layout = store, job, job.layout
+        self.hasher = TensorHasher(job.layout.sizes)
+        self.pending: PendingFile | None = None
+        self.committed: PendingFile | None = None
+        self.evicted: list[StoredEntry] = []
+
+    async def write(self, batch: list[memoryview], nbytes: int, *, last: bool) -> None:
+        if nbytes < PARALLEL_HASH_BYTES:
+            await anyio.to_thread.run_sync(self._step, batch, True, last)
+            return
+        errors: list[BaseException] = []
+
+        def guarded(fn: Any, *args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the group
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, guarded, self._hash, batch)
+            await anyio.to_thread.run_sync(guarded, self._step, batch, False, False)
+        if errors:
+            raise errors[0]
+        if last:
+            await anyio.to_thread.run_sync(self._commit)
+
+    def _hash(self, batch: list[memoryview]) -> None:
+        for buf in batch:
+            self.hasher.update(buf)
+
+    def _step(self, batch: list[memoryview], hash_too: bool, last: bool) -> None:
+        if self.pending is None:
+            model, cache_id = self.job.key
+            header = self.layout.header(self.job.metadata)
+            self.pending = self.store.begin(model, cache_id, header, self.job.total)
+        if hash_too:
+            self._hash(batch)
+        if batch:
+            self.pending.append(batch)
+        if last:
+            self._commit()
+
+    def _commit(self) -> None:
+        assert self.pending is not None
+        done, self.pending = self.pending, None  # commit cleans up after itself on failure
+        final = self.layout.header(self.job.metadata, self.hasher.hexdigests())
+        self.evicted = self.store.commit(done, final, self.job.metadata.get(TOKEN_COUNT_KEY))
+        self.committed = done
 
 
 def _describe(exc: BaseException) -> str:
