@@ -136,6 +136,27 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     assert client.load(FP, "bad") is None
 
 
+def test_saves_go_through_without_the_gil_holding_wake_up(
+    daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where ctypes cannot call write(2) with the GIL held, the I/O thread is
+    # woken with os.write: same behaviour, only slower.
+    from kvkeeper.client import channel
+
+    monkeypatch.setattr(channel, "_write_holding_gil", None)
+    c = KVCache()
+    x = mx.arange(48, dtype=mx.float32).reshape(1, 2, 3, 8)
+    c.update_and_fetch(x, x)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        for i in range(5):
+            assert kv.save(FP, f"fallback-{i}", [c], [i])
+        assert kv.flush(timeout=WAIT)
+        for i in range(5):
+            got = kv.load(FP, f"fallback-{i}")
+            assert got is not None and got.token_ids == [i]
+            np.testing.assert_array_equal(np.array(got.cache[0].keys), np.array(x))
+
+
 def test_read_your_writes_and_coalescing(client: Client, daemon: RunningDaemon) -> None:
     # A big save of one key keeps the writer busy while many saves of another arrive.
     big = [KVCache() for _ in range(8)]
