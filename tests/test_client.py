@@ -181,6 +181,18 @@ def test_read_your_writes_and_coalescing(client: Client, daemon: RunningDaemon) 
     with safe_open(str(got.path), "numpy") as f:
         assert f.metadata()["kvkeeper.token_count"] == "20"
     assert len(list(path.rglob("*.safetensors"))) == 2
+    # Again with the old version on disk: load() starts reading the file it
+    # finds while the daemon answers, and must not return that older version.
+    old_inode = got.path.stat().st_ino
+    assert client.save(FP, "big", big, list(range(2048)))
+    x = mx.full((1, 2, 1, 16), 20.0, dtype=mx.float32)
+    small.update_and_fetch(x, x)
+    assert client.save(FP, "hot", [small], list(range(21)))
+    got = client.load(FP, "hot", verify=False)
+    assert got is not None and got.token_ids == list(range(21))
+    assert got.path is not None and got.path.stat().st_ino != old_inode
+    assert np.array(got.cache[0].keys)[0, 0, 20, 0] == 20.0
+    assert client.flush(timeout=WAIT)
 
 
 def test_delete_entries_and_distinct_ids(client: Client) -> None:

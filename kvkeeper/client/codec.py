@@ -212,10 +212,16 @@ def resolve_cache_class(module: str, name: str) -> type:
     Raises CodecError for a module outside those packages (checked before any
     import), a name that is not a plain public identifier, or an attribute that
     is not a cache class (a type defined in those packages with a ``state``).
+    Classes found are remembered (a load resolves one per layer); refusals are not.
     """
     _check_trusted_module(module)
     if not isinstance(name, str) or not _CLASS_RE.fullmatch(name):
         raise CodecError(f"bad cache class name {name!r}")
+    return _resolve_checked(module, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_checked(module: str, name: str) -> type:
     try:
         mod = importlib.import_module(module)
     except Exception as exc:  # an import error of any kind means "not restorable"
