@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import json
 import math
 import re
 import sys
@@ -712,71 +711,100 @@ def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
 # restore
 
 
+class _BadNode(Exception):
+    """A value of the layers JSON that is not what it must be; ``path`` grows
+    as it unwinds, so the location costs nothing unless there is a problem."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        self.path: list[str] = []
+
+
 class _Decoder:
     def __init__(self, arrays: Mapping[str, mx.array]) -> None:
         self.arrays = arrays
 
-    def tensor(self, ref: Mapping[str, Any], where: str) -> mx.array:
+    def tensor(self, ref: dict[str, Any]) -> mx.array:
         name, dtype, shape = ref.get("name"), ref.get("dtype"), ref.get("shape")
-        if not isinstance(name, str) or not isinstance(shape, list):
-            raise CodecError(f"{where}: malformed tensor reference {dict(ref)!r}")
-        try:
-            array = self.arrays[name]
-        except KeyError:
-            raise CodecError(f"{where}: tensor {name!r} is missing") from None
-        if not isinstance(array, mx.array):
-            raise CodecError(f"{where}: tensor {name!r} is not an mx.array")
-        if mlx_dtype_name(array.dtype) != dtype or list(array.shape) != shape:
-            raise CodecError(
-                f"{where}: tensor {name!r} is {mlx_dtype_name(array.dtype)} {list(array.shape)},"
-                f" expected {dtype} {shape}"
-            )
+        if type(name) is not str or type(shape) is not list:
+            raise _BadNode(f"malformed tensor reference {ref!r}")
+        array = self.arrays.get(name)
+        if array is None:
+            raise _BadNode(f"tensor {name!r} is missing")
+        if type(array) is not mx.array:
+            raise _BadNode(f"tensor {name!r} is not an mx.array")
+        have = _DTYPE_NAMES.get(array.dtype)
+        if have != dtype or list(array.shape) != shape:
+            raise _BadNode(f"tensor {name!r} is {have} {list(array.shape)}, "
+                           f"expected {dtype} {shape}")
         return array
 
-    def node(self, node: Any, where: str) -> Any:
-        if node is None or isinstance(node, (bool, int, float, str)):
+    def items(self, values: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        try:
+            for v in values:
+                out.append(self.node(v))
+        except _BadNode as exc:
+            exc.path.append(str(len(out)))
+            raise
+        return out
+
+    def node(self, node: Any) -> Any:
+        # JSON decodes to exactly these types: no subclasses to allow for.
+        t = type(node)
+        if node is None or t is int or t is str or t is float or t is bool:
             return node
-        if isinstance(node, list):
-            return [self.node(v, f"{where}.{i}") for i, v in enumerate(node)]
-        if not isinstance(node, dict):
-            raise CodecError(f"{where}: unexpected JSON value {node!r}")
+        if t is list:
+            return self.items(node)
+        if t is not dict:
+            raise _BadNode(f"unexpected JSON value {node!r}")
         kind = node.get("$")
         if kind == "tensor":
-            return self.tensor(node, where)
+            return self.tensor(node)
         items = node.get("items")
-        if kind == "tuple" and isinstance(items, list):
-            return tuple(self.node(v, f"{where}.{i}") for i, v in enumerate(items))
-        if kind == "dict" and isinstance(items, list):
+        if kind == "tuple" and type(items) is list:
+            return tuple(self.items(items))
+        if kind == "dict" and type(items) is list:
             out: dict[Any, Any] = {}
             for item in items:
-                if not (isinstance(item, list) and len(item) == 2):
-                    raise CodecError(f"{where}: malformed dict item {item!r}")
-                key = self.node(item[0], where)
+                if not (type(item) is list and len(item) == 2):
+                    raise _BadNode(f"malformed dict item {item!r}")
+                key = self.node(item[0])
                 if not (key is None or isinstance(key, (bool, int, float, str))):
-                    raise CodecError(f"{where}: dict key {key!r} is not a scalar")
-                out[key] = self.node(item[1], f"{where}.{key}")
+                    raise _BadNode(f"dict key {key!r} is not a scalar")
+                try:
+                    out[key] = self.node(item[1])
+                except _BadNode as exc:
+                    exc.path.append(str(key))
+                    raise
             return out
         if kind == "float" and node.get("value") in ("nan", "inf", "-inf"):
             return float(node["value"])
-        raise CodecError(f"{where}: unknown node {node!r}")
+        raise _BadNode(f"unknown node {node!r}")
+
+    def part(self, entry: dict[str, Any], part: str, where: str) -> Any:
+        try:
+            return self.node(entry[part])
+        except _BadNode as exc:
+            at = ".".join([where, part, *reversed(exc.path)])
+            raise CodecError(f"{at}: {exc.problem}") from None
 
     def layer(self, entry: Any, where: str) -> Any:
-        if not isinstance(entry, dict):
+        if type(entry) is not dict:
             raise CodecError(f"{where}: layer entry is not an object")
         cls = resolve_cache_class(entry.get("module"), entry.get("class"))  # type: ignore[arg-type]
         if "children" in entry:
             children = entry["children"]
             kind = entry.get("children_type", "tuple")
-            if not isinstance(children, list) or kind not in ("tuple", "list"):
+            if type(children) is not list or kind not in ("tuple", "list"):
                 raise CodecError(f"{where}: malformed children")
             built = [self.layer(c, f"{where}.{i}") for i, c in enumerate(children)]
             return rebuild_composite(cls, built, list if kind == "list" else tuple)
         if "state" not in entry:
             raise CodecError(f"{where}: layer entry has no state")
-        state = self.node(entry["state"], f"{where}.state")
+        state = self.part(entry, "state", where)
         if "meta_state" in entry:
-            meta = self.node(entry["meta_state"], f"{where}.meta_state")
-            return rebuild_layer(cls, state, meta)
+            return rebuild_layer(cls, state, self.part(entry, "meta_state", where))
         return rebuild_layer(cls, state)
 
 
@@ -789,8 +817,8 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str) -> list[Any]:
     mismatched; never imports outside mlx_lm.models. / mlx_vlm.models.
     """
     try:
-        doc = json.loads(layers)
-    except (TypeError, ValueError, RecursionError) as exc:
+        doc = msgspec.json.decode(layers)
+    except (TypeError, ValueError, RecursionError, msgspec.DecodeError) as exc:
         raise CodecError(f"layers description is not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != LAYERS_FORMAT:
         raise CodecError("not a kvkeeper layers description")
