@@ -444,12 +444,26 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], Any] | None]:
     return module, name, _TRIMMERS.get((module, name))
 
 
-class _Unencodable(Exception):
-    """A state value the layers JSON cannot hold; ``path`` grows as it unwinds."""
+class _NodeProblem(Exception):
+    """A value that a cache state (saving) or the layers JSON (loading) must
+    not hold. ``path`` grows as it unwinds, so the location costs nothing
+    unless there is a problem."""
 
     def __init__(self, problem: str) -> None:
         self.problem = problem
         self.path: list[str] = []
+
+
+def _each(fn: Callable[[Any], Any], values: Any) -> list[Any]:
+    """``[fn(v) for v in values]``, adding the index to a _NodeProblem's path."""
+    out: list[Any] = []
+    try:
+        for v in values:
+            out.append(fn(v))
+    except _NodeProblem as exc:
+        exc.path.append(str(len(out)))
+        raise
+    return out
 
 
 class _Encoder:
@@ -470,16 +484,6 @@ class _Encoder:
         self.pending.append(_Pending(name, dtype, tuple(shape), array, length))
         return {"$": "tensor", "name": name, "dtype": dtype, "shape": shape}
 
-    def items(self, values: Any) -> list[Any]:
-        out: list[Any] = []
-        try:
-            for v in values:
-                out.append(self.node(v))
-        except _Unencodable as exc:
-            exc.path.append(str(len(out)))
-            raise
-        return out
-
     def node(self, value: Any) -> Any:
         t = type(value)
         if t is mx.array:
@@ -487,11 +491,11 @@ class _Encoder:
         if value is None or t is int or t is bool or t is str:
             return value
         if t is tuple:
-            return {"$": "tuple", "items": self.items(value)}
+            return {"$": "tuple", "items": _each(self.node, value)}
         if t is _Prefix:
             return self.tensor(value.array, value.length)
         if t is list:
-            return self.items(value)
+            return _each(self.node, value)
         if isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -501,21 +505,21 @@ class _Encoder:
         if isinstance(value, mx.array):
             return self.tensor(value, None)
         if isinstance(value, tuple):
-            return {"$": "tuple", "items": self.items(value)}
+            return {"$": "tuple", "items": _each(self.node, value)}
         if isinstance(value, list):
-            return self.items(value)
+            return _each(self.node, value)
         if isinstance(value, dict):
             items = []
             for k, v in value.items():
                 if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise _Unencodable(f"dict key {k!r} is not a scalar")
+                    raise _NodeProblem(f"dict key {k!r} is not a scalar")
                 try:
                     items.append([self.node(k), self.node(v)])
-                except _Unencodable as exc:
+                except _NodeProblem as exc:
                     exc.path.append(str(k))
                     raise
             return {"$": "dict", "items": items}
-        raise _Unencodable(f"cannot encode a {type(value).__qualname__} in a cache state")
+        raise _NodeProblem(f"cannot encode a {type(value).__qualname__} in a cache state")
 
     def layer(self, layer: Any, where: str) -> dict[str, Any]:
         try:
@@ -543,7 +547,7 @@ class _Encoder:
             if meta is not _MISSING:
                 part = "meta_state"
                 entry["meta_state"] = self.node(meta)
-        except _Unencodable as exc:
+        except _NodeProblem as exc:
             at = ".".join([where, part, *reversed(exc.path)])
             raise CodecError(f"{at}: {exc.problem}") from None
         return entry
@@ -711,15 +715,6 @@ def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
 # restore
 
 
-class _BadNode(Exception):
-    """A value of the layers JSON that is not what it must be; ``path`` grows
-    as it unwinds, so the location costs nothing unless there is a problem."""
-
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
-        self.path: list[str] = []
-
-
 class _Decoder:
     def __init__(self, arrays: Mapping[str, mx.array]) -> None:
         self.arrays = arrays
@@ -727,27 +722,17 @@ class _Decoder:
     def tensor(self, ref: dict[str, Any]) -> mx.array:
         name, dtype, shape = ref.get("name"), ref.get("dtype"), ref.get("shape")
         if type(name) is not str or type(shape) is not list:
-            raise _BadNode(f"malformed tensor reference {ref!r}")
+            raise _NodeProblem(f"malformed tensor reference {ref!r}")
         array = self.arrays.get(name)
         if array is None:
-            raise _BadNode(f"tensor {name!r} is missing")
+            raise _NodeProblem(f"tensor {name!r} is missing")
         if type(array) is not mx.array:
-            raise _BadNode(f"tensor {name!r} is not an mx.array")
+            raise _NodeProblem(f"tensor {name!r} is not an mx.array")
         have = _DTYPE_NAMES.get(array.dtype)
         if have != dtype or list(array.shape) != shape:
-            raise _BadNode(f"tensor {name!r} is {have} {list(array.shape)}, "
+            raise _NodeProblem(f"tensor {name!r} is {have} {list(array.shape)}, "
                            f"expected {dtype} {shape}")
         return array
-
-    def items(self, values: list[Any]) -> list[Any]:
-        out: list[Any] = []
-        try:
-            for v in values:
-                out.append(self.node(v))
-        except _BadNode as exc:
-            exc.path.append(str(len(out)))
-            raise
-        return out
 
     def node(self, node: Any) -> Any:
         # JSON decodes to exactly these types: no subclasses to allow for.
@@ -755,37 +740,37 @@ class _Decoder:
         if node is None or t is int or t is str or t is float or t is bool:
             return node
         if t is list:
-            return self.items(node)
+            return _each(self.node, node)
         if t is not dict:
-            raise _BadNode(f"unexpected JSON value {node!r}")
+            raise _NodeProblem(f"unexpected JSON value {node!r}")
         kind = node.get("$")
         if kind == "tensor":
             return self.tensor(node)
         items = node.get("items")
         if kind == "tuple" and type(items) is list:
-            return tuple(self.items(items))
+            return tuple(_each(self.node, items))
         if kind == "dict" and type(items) is list:
             out: dict[Any, Any] = {}
             for item in items:
                 if not (type(item) is list and len(item) == 2):
-                    raise _BadNode(f"malformed dict item {item!r}")
+                    raise _NodeProblem(f"malformed dict item {item!r}")
                 key = self.node(item[0])
                 if not (key is None or isinstance(key, (bool, int, float, str))):
-                    raise _BadNode(f"dict key {key!r} is not a scalar")
+                    raise _NodeProblem(f"dict key {key!r} is not a scalar")
                 try:
                     out[key] = self.node(item[1])
-                except _BadNode as exc:
+                except _NodeProblem as exc:
                     exc.path.append(str(key))
                     raise
             return out
         if kind == "float" and node.get("value") in ("nan", "inf", "-inf"):
             return float(node["value"])
-        raise _BadNode(f"unknown node {node!r}")
+        raise _NodeProblem(f"unknown node {node!r}")
 
     def part(self, entry: dict[str, Any], part: str, where: str) -> Any:
         try:
             return self.node(entry[part])
-        except _BadNode as exc:
+        except _NodeProblem as exc:
             at = ".".join([where, part, *reversed(exc.path)])
             raise CodecError(f"{at}: {exc.problem}") from None
 
