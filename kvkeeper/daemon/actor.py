@@ -185,6 +185,10 @@ class WriterActor:
         self._enqueued(job)
         return None
 
+    def has_pending(self, key: Key) -> bool:
+        """Whether a job of ``key`` received so far is not finished yet."""
+        return key in self._latest
+
     async def settled(self, key: Key) -> None:
         """Return once every job of ``key`` received so far is finished."""
         job = self._latest.get(key)

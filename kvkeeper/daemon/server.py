@@ -101,8 +101,12 @@ class Server:
                                          max_save_bytes=self.actor.max_pending_bytes))
             case m.Load():
                 key = self._key(peer, msg)
-                if key is not None:
+                if key is None:
+                    pass
+                elif self.actor.has_pending(key):
                     self.tg.start_soon(self._load, peer, msg.req, key)
+                else:  # nothing to write first: answer now, without a task
+                    self._answer_load(peer, msg.req, key)
             case m.Delete():
                 key = self._key(peer, msg)
                 if key is not None:
@@ -220,13 +224,18 @@ class Server:
 
     async def _load(self, peer: bytes, req: int, key: Key) -> None:
         await self.actor.settled(key)  # read-your-writes
-        path = self.store.find(*key)
-        self.stats.inc("loads_found" if path else "loads_missing")
-        if path is None and os.path.lexists(self.store.path_for(*key)):
+        self._answer_load(peer, req, key)
+
+    def _answer_load(self, peer: bytes, req: int, key: Key) -> None:
+        found = self.store.find(*key)
+        self.stats.inc("loads_found" if found else "loads_missing")
+        if found is None and os.path.lexists(self.store.path_for(*key)):
             # A directory or symlink where the entry's file should be.
             self._quarantine(None, req, DeleteJob(key=key, peer=b"", reason="not a regular file"))
         self._reply(peer, m.Found(v=m.PROTOCOL_VERSION, req=req,
-                                  path=str(path) if path else None))
+                                  path=str(found[0]) if found else None))
+        if found is not None:
+            self.store.record_use(*found)  # after the answer: the client need not wait for it
 
     async def _deleted(self, peer: bytes, req: int, job: DeleteJob) -> None:
         await job.done.wait()

@@ -297,10 +297,10 @@ class Store:
                 _int(tokens), pending.nbytes, now, path, "entry", now)
         return self.enforce_budget(keep=path)
 
-    def find(self, model: str, cache_id: str) -> Path | None:
-        """The entry's file if it is a regular file (never through a symlink).
-        Counts as a use for eviction, and records it in the file's atime so
-        the order survives a restart."""
+    def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
+        """The entry's file if it is a regular file (never through a symlink),
+        with its lstat. Counts as a use for eviction; ``record_use`` then
+        keeps that in the file's atime, so the order survives a restart."""
         path = self.path_for(model, cache_id)
         try:
             st = os.lstat(path)
@@ -309,16 +309,18 @@ class Store:
         if not stat.S_ISREG(st.st_mode):
             log.warning("event=not_a_file path=%s", path)
             return None
-        now = time.time()
         with self._lock:
             entry = self._index.get(path)
             if entry is not None:
-                self._index[path] = replace(entry, last_used=now)
+                self._index[path] = replace(entry, last_used=time.time())
+        return path, st
+
+    def record_use(self, path: Path, st: os.stat_result) -> None:
+        """Write a use found by ``find`` into the file's atime (mtime kept)."""
         try:
-            os.utime(path, ns=(int(now * 1e9), st.st_mtime_ns), follow_symlinks=False)
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
         except OSError:
-            pass  # read-only or foreign-owned: the in-memory order still holds
-        return path
+            pass  # read-only, foreign-owned or gone: the in-memory order still holds
 
     def delete(self, model: str, cache_id: str) -> bool:
         path = self.path_for(model, cache_id)
