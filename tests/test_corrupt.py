@@ -3,6 +3,7 @@ always see a whole version."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -104,6 +105,28 @@ def test_damaged_file_is_a_clean_miss_and_moved_aside(
     assert client.save(FP, "victim", filled(1, 9), [9])
     got = client.load(FP, "victim")
     assert got is not None and got.token_ids == [9]
+
+
+@pytest.mark.parametrize("tensor", ["t0", "t1", "t6", "t7"])
+def test_a_flipped_byte_in_any_tensor_of_a_big_file_is_caught(
+    tensor: str, client: Client, daemon: RunningDaemon
+) -> None:
+    # 24 MiB: large enough that verified loads share the hashing between two
+    # threads (even and odd tensors), so each thread's half is tried.
+    assert client.save(FP, "big", filled(24, 5), [5])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "big")
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    start, end = json.loads(data[8 : 8 + n])[tensor]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert client.load(FP, "big", verify=False) is not None  # unverified: not looked at
+    assert client.load(FP, "big") is None
+    deadline = time.monotonic() + WAIT
+    while os.path.lexists(path):
+        assert time.monotonic() < deadline, "damaged file was not moved aside"
+        time.sleep(0.01)
 
 
 def test_a_newer_version_is_never_moved_aside(client: Client, daemon: RunningDaemon) -> None:
