@@ -433,6 +433,14 @@ def _load(doc: dict[str, Any]) -> list[str]:
                   rows)
     out.append("")
     out.append(f"Daemon round trip (`ping()`), median: {_p(ld['ping_round_trip'])}.")
+    b2b = [(fmt_bytes(s["bytes"]), s) for s in ld["sizes"] if "kvkeeper_lazy_back_to_back" in s]
+    if b2b:
+        out.append("")
+        out.append("Every call above follows a collector pass (`gc.collect()`) and, in the "
+                   "rotation, whole-file loads, so it starts with cold CPU caches. Lazy loads "
+                   "back to back, alternated, no collector pass: " + "; ".join(
+                       f"{label}: kvkeeper {_p(s['kvkeeper_lazy_back_to_back'])}, mx.load "
+                       f"{_p(s['direct_lazy_back_to_back'])}" for label, s in b2b) + ".")
     return out
 
 
@@ -594,24 +602,37 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"process.")
         elif case.startswith("4") and "excess_s" in m:
             ld = cases["load"]
+            big = max(ld["sizes"], key=lambda s: s["bytes"])
+            b2b = ""
+            if "kvkeeper_lazy_back_to_back" in big:
+                k, d = med(big["kvkeeper_lazy_back_to_back"]), med(big["direct_lazy_back_to_back"])
+                b2b = (f" Back to back, without the collector pass and the whole-file loads "
+                       f"between calls that leave each call of the rotation with cold CPU "
+                       f"caches, the same loads took {fmt_s(k)} against {fmt_s(d)} "
+                       f"(+{fmt_s(k - d)}).")
             out.append(
                 f"- **Lazy load.** {fmt_s(m['kvkeeper_lazy_s'])} against "
                 f"{fmt_s(m['direct_lazy_s'])} for `mx.load` (+{fmt_s(m['excess_s'])}). The "
                 f"excess is a daemon round trip (`ping` {_p(ld['ping_round_trip'])} median; a "
-                f"load also waits for the writer's bookkeeping of that key), reading and "
-                f"checking the header before `mx.load`, decoding the token ids and the "
-                f"layer description, and rebuilding every layer object.")
+                f"load is answered at once unless a save of that key is still to be written), "
+                f"reading and checking the header before `mx.load`, decoding the token ids "
+                f"and the layer description, and rebuilding every layer object: Python work, "
+                f"where `mx.load` is mostly C++." + b2b)
         elif case.startswith("4"):
             out.append(
                 f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
                 f"{fmt_s(m['kvkeeper_verified_s'])} against {fmt_s(m['direct_eval_s'])} "
                 f"({_x(m['ratio'])}; fastest run of each: {_x(m.get('ratio_of_minimums'))}). "
                 f"kvkeeper's reader evaluates every array (the same work as `mx.load` + "
-                f"`mx.eval`) and only then hashes them one after another (xxh3 of all tensors "
-                f"alone: {fmt_s(m.get('hash_only_s'))}, against an excess of "
-                f"{fmt_s(m['kvkeeper_verified_s'] - m['direct_eval_s'])}): hashing follows "
-                f"reading instead of overlapping it, so verified ≥ direct + hash time, and "
-                f"the 1.2× target needs hashing to overlap the read"
+                f"`mx.eval`) and then hashes them, in two threads from 16 MiB up (xxh3 of all "
+                f"tensors in one thread alone: {fmt_s(m.get('hash_only_s'))}, against an "
+                f"excess of {fmt_s(m['kvkeeper_verified_s'] - m['direct_eval_s'])}): hashing "
+                f"follows reading instead of overlapping it, so verified ≥ direct + hash time "
+                f"over the cores, and the 1.2× target needs hashing to overlap the read. "
+                f"Reading the file into MLX-allocated arrays chunk by chunk and hashing each "
+                f"chunk while it is in cache was tried (1.33-1.54× here on 2026-11-30) and left "
+                f"out: it writes into MLX's buffers behind a stand-in file object given to "
+                f"`mx.load`, and a change in MLX there would make good files look damaged"
                 + (" (cold reads from this shared virtual disk also vary a lot from run to run)"
                    if "not in page cache" in t["target"] else "") + ".")
         elif case.startswith("6") and "rss_peak_bytes" in m:
