@@ -157,6 +157,34 @@ def test_saves_go_through_without_the_gil_holding_wake_up(
             np.testing.assert_array_equal(np.array(got.cache[0].keys), np.array(x))
 
 
+def test_a_save_that_fails_to_encode_is_counted_lost(
+    daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # save() returns once the cache is captured; if turning the capture into
+    # messages then fails on the I/O thread (a kvkeeper bug, injected here),
+    # the save is counted lost, the next flush() says so, its room in the
+    # in-flight budget comes back, and later saves go through.
+    from kvkeeper.client import client as client_module
+
+    def broken(cap: object) -> object:
+        raise RuntimeError("injected encoding failure")
+
+    c = KVCache()
+    x = mx.ones((1, 2, 3, 8))
+    c.update_and_fetch(x, x)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        with monkeypatch.context() as mp:
+            mp.setattr(client_module, "encode_capture", broken)
+            assert kv.save(FP, "lost", [c], [1]) is True
+            assert kv.flush(timeout=WAIT) is False
+        stats = kv.stats()
+        assert stats["client_saves_lost"] == 1 and stats["client_inflight_bytes"] == 0
+        assert kv.load(FP, "lost") is None
+        assert kv.save(FP, "lost", [c], [2]) and kv.flush(timeout=WAIT) is True
+        got = kv.load(FP, "lost")
+        assert got is not None and got.token_ids == [2]
+
+
 def test_read_your_writes_and_coalescing(client: Client, daemon: RunningDaemon) -> None:
     # A big save of one key keeps the writer busy while many saves of another arrive.
     big = [KVCache() for _ in range(8)]

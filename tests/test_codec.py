@@ -642,6 +642,30 @@ class _ForeignCache:
         return (mx.zeros((1,)), 0)
 
 
+def test_str_and_int_subclasses_are_saved_as_plain_values() -> None:
+    # The layers JSON is built on the client's I/O thread after save() returned:
+    # values msgspec would refuse there must already be plain (str enums, ...).
+    import enum
+
+    class Name(str):
+        pass
+
+    class Mode(str, enum.Enum):
+        FULL = "full"
+
+    class Level(enum.IntEnum):
+        TWO = 2
+
+    c = L.ArraysCache(size=4)
+    c[0] = mx.ones((1, 2))
+    c[1] = Name("plain")
+    c[2] = Mode.FULL
+    c[3] = Level.TWO
+    snap, (got,) = roundtrip([c])
+    assert got.cache[1:] == ["plain", "full", 2]
+    assert [type(v) for v in got.cache[1:]] == [str, str, int]
+
+
 def test_snapshot_refuses_what_restore_could_not_rebuild() -> None:
     with pytest.raises(CodecError, match="not inside"):
         snapshot_cache([_ForeignCache()])

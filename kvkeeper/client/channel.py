@@ -79,7 +79,7 @@ class _Request:
 @dataclass
 class ChannelCounters:
     saves_sent: int = 0
-    saves_lost: int = 0  # handed off, but the pipe broke before they were sent
+    saves_lost: int = 0  # handed off, but never sent whole (pipe broke, or building failed)
     saves_refused: int = 0  # the daemon said no (busy, too large, ...)
     bytes_sent: int = 0
 
@@ -316,7 +316,9 @@ class Channel:
         assert build is not None
         try:
             save.messages = build()
-        except Exception:  # a bug, not the caller's input: that was checked in save()
+        except Exception:  # noqa: BLE001 - save() already returned True: count it, go on
+            # save() checked the arguments and captured the cache; what fails
+            # here is kvkeeper's own encoding, so the log has the traceback.
             self.counters.saves_lost += 1
             log.exception("event=save_lost reason=encode")
             return False

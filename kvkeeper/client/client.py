@@ -150,7 +150,9 @@ class Client:
         if limit is not None and cap.nbytes > limit:
             return self._drop("too_large", f"a save of {cap.nbytes} bytes exceeds the daemon's "
                                            f"limit of {limit} (--max-pending-bytes)")
-        estimate = 1 + -(-cap.nbytes // CHUNK_BYTES) + cap.tensor_count
+        # Messages are only known once built; the I/O thread then corrects the
+        # reservation to the real count. Bytes are what bound a save here.
+        estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         if not self._channel.reserve(cap.nbytes, estimate):
             return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
                                           f"flight (max_inflight_bytes)")

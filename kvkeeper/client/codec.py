@@ -453,6 +453,10 @@ class _NodeProblem(Exception):
         self.problem = problem
         self.path: list[str] = []
 
+    def located(self, where: str, part: str) -> CodecError:
+        """The CodecError to raise, saying where the value is ("layer 3.state.1")."""
+        return CodecError(f"{'.'.join([where, part, *reversed(self.path)])}: {self.problem}")
+
 
 def _each(fn: Callable[[Any], Any], values: Any) -> list[Any]:
     """``[fn(v) for v in values]``, adding the index to a _NodeProblem's path."""
@@ -496,8 +500,8 @@ class _Encoder:
             return self.tensor(value.array, value.length)
         if t is list:
             return _each(self.node, value)
-        if isinstance(value, (bool, str)):
-            return value
+        if isinstance(value, str):
+            return str.__str__(value)  # a subclass as the plain str it holds
         if isinstance(value, int):
             return int(value)
         if isinstance(value, float):
@@ -548,8 +552,7 @@ class _Encoder:
                 part = "meta_state"
                 entry["meta_state"] = self.node(meta)
         except _NodeProblem as exc:
-            at = ".".join([where, part, *reversed(exc.path)])
-            raise CodecError(f"{at}: {exc.problem}") from None
+            raise exc.located(where, part) from None
         return entry
 
 
@@ -597,7 +600,7 @@ def _byte_runs(nd: np.ndarray) -> tuple[memoryview, ...]:
 def _export(p: _Pending) -> TensorSnapshot:
     mv = p.view
     assert mv is not None
-    if mv.c_contiguous and (p.length is None or mv.ndim >= 2):
+    if mv.c_contiguous:  # (a length is only ever set on arrays of 2 or more dims)
         return _export_contiguous(p.name, p.dtype, mv, p.length)
     nd = np.asarray(mv)
     if p.length is not None:
@@ -638,10 +641,6 @@ class CacheCapture:
     description: dict[str, Any]
     pending: tuple[_Pending, ...]
     nbytes: int
-
-    @property
-    def tensor_count(self) -> int:
-        return len(self.pending)
 
 
 def capture_cache(layers: Sequence[Any]) -> CacheCapture:
@@ -771,8 +770,7 @@ class _Decoder:
         try:
             return self.node(entry[part])
         except _NodeProblem as exc:
-            at = ".".join([where, part, *reversed(exc.path)])
-            raise CodecError(f"{at}: {exc.problem}") from None
+            raise exc.located(where, part) from None
 
     def layer(self, entry: Any, where: str) -> Any:
         if type(entry) is not dict:

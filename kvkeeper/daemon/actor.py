@@ -308,8 +308,8 @@ class WriterActor:
                 n = sum(len(buf) for buf in batch)
                 last = written + n >= job.total
                 if last and job.broken:
-                    # All the bytes are here, but the stream went wrong after them
-                    # (more data than declared, say): never commit such a save.
+                    # A guard: the server breaks a stream only before its last
+                    # byte, but a stream marked broken is never committed.
                     raise StreamBroken(job.broken)
                 await file.write(batch, n, last=last)
                 written += n
@@ -325,6 +325,13 @@ class WriterActor:
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
             return
+        except BaseException:
+            # A bug or a cancellation (drain cut short): no tmp file is left
+            # behind for the next start to sweep. Closing and unlinking it
+            # cannot wait for a worker thread here.
+            if file.pending is not None:
+                file.pending.abort()
+            raise
         done, evicted = file.committed, file.evicted
         assert done is not None
         self.stats.inc("bytes_written", job.total)
@@ -416,11 +423,12 @@ PARALLEL_HASH_BYTES = 4 * 1024 * 1024
 class _FileWriter:
     """One save's file, written batch by batch off the event loop.
 
-    Each ``write`` is one trip to a worker thread that opens the file if it
-    is not open yet, writes and hashes the batch, and on the last batch
-    commits it, so a save that arrived whole costs one trip. Large batches
-    are hashed in a second thread at the same time as they are written (both
-    release the GIL for large buffers).
+    Each ``write`` of a batch under PARALLEL_HASH_BYTES is one trip to a
+    worker thread that opens the file if it is not open yet, writes and
+    hashes the batch, and on the last batch commits it, so a small save that
+    arrived whole costs one trip. Larger batches are hashed in a second
+    thread at the same time as they are written (both release the GIL for
+    large buffers), and the commit takes a trip of its own.
     """
 
     def __init__(self, store: Store, job: SaveJob) -> None:

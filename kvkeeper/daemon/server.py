@@ -101,11 +101,9 @@ class Server:
                                          max_save_bytes=self.actor.max_pending_bytes))
             case m.Load():
                 key = self._key(peer, msg)
-                if key is None:
-                    pass
-                elif self.actor.has_pending(key):
+                if key is not None and self.actor.has_pending(key):
                     self.tg.start_soon(self._load, peer, msg.req, key)
-                else:  # nothing to write first: answer now, without a task
+                elif key is not None:  # nothing to write first: answer now, no task
                     self._answer_load(peer, msg.req, key)
             case m.Delete():
                 key = self._key(peer, msg)

@@ -306,6 +306,9 @@ class Store:
             st = os.lstat(path)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # e.g. a file planted where the model's directory goes
+            log.warning("event=entry_unreadable path=%s error=%s", path, exc)
+            return None
         if not stat.S_ISREG(st.st_mode):
             log.warning("event=not_a_file path=%s", path)
             return None
@@ -316,11 +319,24 @@ class Store:
         return path, st
 
     def record_use(self, path: Path, st: os.stat_result) -> None:
-        """Write a use found by ``find`` into the file's atime (mtime kept)."""
+        """Write a use found by ``find`` into the file's atime (mtime kept),
+        unless the path names another file by now (a newer save renamed in)."""
         try:
-            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except OSError:
-            pass  # read-only, foreign-owned or gone: the in-memory order still holds
+            return  # gone or not ours: the in-memory order still holds
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                times = (time.time_ns(), st.st_mtime_ns)
+                if os.utime in os.supports_fd:
+                    os.utime(fd, ns=times)
+                else:  # no futimens: by name, which the check above just vouched for
+                    os.utime(path, ns=times, follow_symlinks=False)
+        except OSError:
+            pass  # read-only or foreign-owned: the in-memory order still holds
+        finally:
+            os.close(fd)
 
     def delete(self, model: str, cache_id: str) -> bool:
         path = self.path_for(model, cache_id)
