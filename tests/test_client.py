@@ -78,7 +78,12 @@ def test_snapshot_isolation_under_continued_decoding(model, client: Client) -> N
     prefill(model, tokens, cache)
     before = leaves(cache)
     assert client.save(FP, "iso", cache, tokens)
-    greedy_decode(model, cache, tokens[-1], 20)  # mutates the same buffers in place
+    # Step back 20 tokens and decode again: the same buffers, rows 20..39 of
+    # which are part of the save, are rewritten in place while the client's
+    # I/O thread may still be encoding and sending them.
+    for c in cache:
+        c.trim(20)
+    greedy_decode(model, cache, tokens[-1], 20)
     assert client.flush(timeout=WAIT)
     got = client.load(FP, "iso")
     assert got is not None and got.token_ids == tokens
