@@ -171,15 +171,21 @@ class Channel:
         self._closing.set()
         self._wake()
         self._thread.join(timeout=5.0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._lock:
+            # Under the lock that _push wakes under: a save() racing close()
+            # must not write its byte to a descriptor number reused meanwhile.
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     def _push(self, item: _Save | _Request) -> None:
         with self._lock:
             self._outbox.append(item)
-        self._wake()
+            self._wake()
 
     def _wake(self) -> None:
+        if self._wake_w < 0:
+            return  # closed
         # os.write would let go of the GIL for the system call, and the I/O
         # thread, woken by that very write, would take it and build the save's
         # messages while save() waits to get it back (0.4 ms per 512 MiB save,
