@@ -204,7 +204,8 @@ def _slow_text(what: str, slow: dict[str, Any] | None) -> str:
     preempted = ("" if pre is None else
                  f"; the OS preempted the calling thread (an involuntary context switch) "
                  f"inside {pre} of them")
-    return (f"{what}: {slow['count']} calls took more than {fmt_s(slow['limit_s'])} (twice "
+    calls = "1 call" if slow["count"] == 1 else f"{slow['count']} calls"
+    return (f"{what}: {calls} took more than {fmt_s(slow['limit_s'])} (twice "
             f"the median CPU time), the slowest {fmt_s(slow['max_wall_s'])}, none of them "
             f"using more than {fmt_s(slow['max_cpu_s'])} of CPU{preempted}.")
 
