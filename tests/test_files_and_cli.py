@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from safetensors import safe_open
 
 import kvkeeper
 from kvkeeper.client.client import Client
@@ -108,3 +109,30 @@ def test_serve_refuses_unsafe_dirs(short_dir: Path) -> None:
     long_sock = short_dir / ("x" * 120) / "k.sock"
     r = cli("serve", "--root", str(short_dir / "r"), "--socket", str(long_sock))
     assert r.returncode == 1 and "bytes; this platform allows" in r.stderr
+
+
+@pytest.mark.parametrize("writeback", ["early", "at fsync only"])
+def test_big_saves_are_whole_with_and_without_early_writeback(
+    writeback: str, client: Client, daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linux starts writing a big save back while the rest still arrives
+    # (sync_file_range); elsewhere the final fsync does it all. Both ways the
+    # file is the same whole, checksummed version, and no tmp file is left.
+    from kvkeeper.daemon import store
+
+    from .faultkit import FP as FAULT_FP
+    from .faultkit import entry_path, filled, tmp_files, version_of
+
+    if sys.platform == "linux":
+        assert store._sync_file_range is not None
+    if writeback != "early":
+        monkeypatch.setattr(store, "_sync_file_range", None)
+    for v in (3, 4):  # a new file, then a replace
+        assert client.save(FAULT_FP, "big", filled(40, v), [v])
+        assert client.flush(timeout=WAIT)
+        path = entry_path(daemon.root, "big")
+        assert version_of(path) == v
+        with safe_open(str(path), "np") as f:  # an independent reader agrees on the layout
+            assert len(list(f.keys())) == 8 and f.metadata()["kvkeeper.token_ids"] == f"[{v}]"
+        assert path.stat().st_size >= 39 * 2**20
+    assert not tmp_files(daemon.root)
