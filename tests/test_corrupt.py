@@ -129,6 +129,28 @@ def test_a_flipped_byte_in_any_tensor_of_a_big_file_is_caught(
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("kind", ["truncated", "zero-filled", "header-2^40", "foreign-safetensors",
+                                  "another-models-file"])
+def test_lazy_loads_also_turn_damaged_files_into_misses(
+    kind: str, client: Client, daemon: RunningDaemon
+) -> None:
+    # A lazy load reads the file while the daemon answers; what it finds
+    # damaged is reported (and moved aside) only once the answer names it.
+    assert client.save(FP, "victim", filled(1, 7), [7])
+    assert client.save("model-b", "victim", filled(1, 8), [8])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "victim")
+    DAMAGE[kind](path)
+    assert client.load(FP, "victim", verify=False) is None
+    deadline = time.monotonic() + WAIT
+    while os.path.lexists(path):
+        assert time.monotonic() < deadline, "damaged file was not moved aside"
+        time.sleep(0.01)
+    assert client.save(FP, "victim", filled(1, 9), [9]) and client.flush(timeout=WAIT)
+    got = client.load(FP, "victim", verify=False)
+    assert got is not None and got.token_ids == [9]
+
+
 def test_a_newer_version_is_never_moved_aside(client: Client, daemon: RunningDaemon) -> None:
     """The move names the inode the client judged; a replaced file stays."""
     from kvkeeper.protocol import messages as m

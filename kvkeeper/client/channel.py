@@ -76,6 +76,10 @@ class _Request:
     future: Future[m.Reply] = field(default_factory=Future)
 
 
+#: A request on its way: what ``Channel.send_request`` returns.
+PendingReply = _Request
+
+
 @dataclass
 class ChannelCounters:
     saves_sent: int = 0
@@ -142,6 +146,12 @@ class Channel:
 
     def request(self, make: Callable[[int], m.Request], timeout: float) -> m.Reply:
         """Send a request and wait for its reply; raises DaemonUnavailable."""
+        return self.wait(self.send_request(make), timeout)
+
+    def send_request(self, make: Callable[[int], m.Request]) -> PendingReply:
+        """Send a request without waiting; ``wait`` collects the reply, so the
+        caller can work while the daemon answers. Raises DaemonUnavailable
+        when the daemon is not connected."""
         if not self.connected.is_set():
             raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
         req = self.next_req_id()
@@ -149,15 +159,19 @@ class Channel:
         with self._lock:
             self._waiting[req] = item
         self._push(item)
+        return item
+
+    def wait(self, pending: PendingReply, timeout: float) -> m.Reply:
+        """The reply to a ``send_request``; raises DaemonUnavailable."""
         try:
-            return item.future.result(timeout=timeout)
+            return pending.future.result(timeout=timeout)
         except TimeoutError:
             raise DaemonUnavailable(
                 f"the daemon at {self.endpoint} did not answer within {timeout} s"
             ) from None
         finally:
             with self._lock:
-                self._waiting.pop(req, None)
+                self._waiting.pop(pending.req, None)
 
     def close(self, timeout: float = 5.0) -> None:
         """Give queued saves up to ``timeout`` to reach the daemon, then stop."""
@@ -181,16 +195,18 @@ class Channel:
     def _push(self, item: _Save | _Request) -> None:
         with self._lock:
             self._outbox.append(item)
-            self._wake()
+            self._wake(hand_over=isinstance(item, _Request))
 
-    def _wake(self) -> None:
+    def _wake(self, *, hand_over: bool = True) -> None:
         if self._wake_w < 0:
             return  # closed
-        # os.write would let go of the GIL for the system call, and the I/O
-        # thread, woken by that very write, would take it and build the save's
-        # messages while save() waits to get it back (0.4 ms per 512 MiB save,
-        # measured). The byte goes to a non-blocking pipe, so the GIL can stay.
-        if _write_holding_gil is not None:
+        # os.write lets go of the GIL for the system call, and the I/O thread,
+        # woken by that very write, takes it: right for a request, whose
+        # caller waits for the answer or works while it comes (load). Wrong
+        # for a save: the thread would build the save's messages while save()
+        # waits to get the GIL back (0.4 ms per 512 MiB save, measured). The
+        # byte goes to a non-blocking pipe, so the GIL can stay with save().
+        if not hand_over and _write_holding_gil is not None:
             _write_holding_gil(self._wake_w, b"x", 1)  # -1 when full: already awake
             return
         try:

@@ -15,6 +15,7 @@ import os
 import threading
 from array import array
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,32 +256,42 @@ class Client:
         ``verify`` checks every tensor's checksum (reads the whole file); off,
         the arrays stay lazily memory-mapped.
         """
+        if self._closed:
+            raise RuntimeError("client is closed")
         naming.check_key(model, cache_id)
-        path: Path | None
+        guess = naming.entry_path(self.root, model, cache_id)
         try:
-            reply = self._request(
+            pending = self._channel.send_request(
                 lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id)
             )
-            path = Path(reply.path) if isinstance(reply, m.Found) and reply.path else None
         except DaemonUnavailable:
-            path = naming.entry_path(self.root, model, cache_id)
-            if not path.is_file():
-                return None
-        if path is None:
+            return self._conclude(model, cache_id, _read(guess, verify, model, cache_id))
+        # A lazy read costs about as much as the daemon's answer (which comes
+        # after any save of this key it holds is written): do it meanwhile, at
+        # the path the daemon keeps the key at, and keep it if the answer names
+        # that very file, unchanged. A verified read is far longer than the
+        # answer, and would be wasted whenever a newer version is on its way.
+        early = None if verify else _read(guess, verify, model, cache_id)
+        try:
+            reply = self._reply(self._channel.wait(pending, self.timeout))
+        except DaemonUnavailable:
+            return self._conclude(model, cache_id, early or _read(guess, verify, model, cache_id))
+        if not isinstance(reply, m.Found) or not reply.path:
             return None
-        for attempt in range(2):
-            try:
-                ident = os.lstat(path)
-                return read_cache_file(path, verify=verify, model=model, cache_id=cache_id)
-            except FileNotFoundError:
-                return None  # deleted since the daemon answered
-            except CacheFileError as exc:
-                if not exc.damaged and attempt == 0 and "replaced" in str(exc):
-                    continue
-                log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
-                if exc.damaged:
-                    self._report_damaged(model, cache_id, ident, str(exc))
-                return None
+        path = Path(reply.path)
+        if early is None or path != guess or not early.still_current():
+            early = _read(path, verify, model, cache_id)
+        return self._conclude(model, cache_id, early)
+
+    def _conclude(self, model: str, cache_id: str, attempt: _Attempt) -> LoadedCache | None:
+        """What load() returns for a read: the cache, or None with the reason
+        logged (and a damaged file reported to the daemon)."""
+        if attempt.error is None:
+            return attempt.loaded
+        exc = attempt.error
+        log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
+        if exc.damaged and attempt.ident is not None:
+            self._report_damaged(model, cache_id, attempt.ident, str(exc))
         return None
 
     def _report_damaged(self, model: str, cache_id: str, ident: os.stat_result,
@@ -371,10 +382,60 @@ class Client:
     def _request(self, make: Any, timeout: float | None = None) -> m.Reply:
         if self._closed:
             raise RuntimeError("client is closed")
-        reply = self._channel.request(make, self.timeout if timeout is None else timeout)
+        return self._reply(
+            self._channel.request(make, self.timeout if timeout is None else timeout))
+
+    @staticmethod
+    def _reply(reply: m.Reply) -> m.Reply:
         if isinstance(reply, m.Error):
             raise DaemonError(reply.code, reply.message)
         return reply
+
+
+@dataclass
+class _Attempt:
+    """One read of a cache file: the file's identity when the read began, and
+    the cache, or the reason there is none (``error``); neither when there is
+    no file."""
+
+    path: Path
+    ident: os.stat_result | None = None
+    loaded: LoadedCache | None = None
+    error: CacheFileError | None = None
+
+    def still_current(self) -> bool:
+        """Whether the path still names the file this attempt read (files are
+        only ever replaced by a rename, so a new version is a new inode)."""
+        try:
+            now = os.lstat(self.path)
+        except OSError:
+            return self.ident is None
+        return self.ident is not None and _same_file(self.ident, now)
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    # Not ctime: the daemon records each load in the atime, which moves it.
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == (
+        b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
+
+
+def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
+    """Read the cache file at ``path``, once more if it was replaced mid-read."""
+    attempt = _Attempt(path)
+    for retry in range(2):
+        try:
+            attempt.ident = os.lstat(path)
+            attempt.loaded = read_cache_file(path, verify=verify, model=model,
+                                             cache_id=cache_id)
+            attempt.error = None
+            return attempt
+        except FileNotFoundError:
+            return _Attempt(path)  # no file (or deleted meanwhile): a plain miss
+        except CacheFileError as exc:
+            attempt.error = exc
+            if exc.damaged or retry or "replaced" not in str(exc):
+                return attempt
+    return attempt
 
 
 class DaemonError(Exception):
