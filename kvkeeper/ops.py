@@ -79,7 +79,8 @@ _GROUPS = [
     ("Saves", ["saves_received", "saves_written", "saves_superseded", "saves_refused",
                "saves_failed", "bytes_received", "bytes_written"]),
     ("Loads", ["loads_found", "loads_missing", "files_quarantined"]),
-    ("Writer", ["pending_bytes", "max_pending_bytes", "queue_depth", "write_seconds_p50",
+    ("Writer", ["pending_bytes", "max_pending_bytes", "queue_depth", "held_saves",
+                "saves_held", "write_seconds_p50",
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
     ("Disk", ["disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
               "bytes_evicted", "deletes"]),
@@ -392,7 +393,7 @@ def export(args: argparse.Namespace) -> int:
 def serve_args_for_service(args: argparse.Namespace) -> list[str]:
     out_args = []
     for name in ("root", "socket", "config", "max_pending_bytes", "max_disk_bytes",
-                 "min_free_bytes", "drain_timeout", "log_level"):
+                 "min_free_bytes", "min_write_interval", "drain_timeout", "log_level"):
         value = getattr(args, name, None)
         if value is not None:
             if isinstance(value, Path):

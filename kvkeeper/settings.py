@@ -86,6 +86,11 @@ SETTINGS: tuple[Setting, ...] = (
             "used entries are evicted past it"),
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
             "free space kept on the root's file system; entries are evicted to keep it"),
+    Setting("min_write_interval", _seconds, lambda: 0.25,
+            "least seconds between two writes of one cache: a save that comes sooner "
+            "waits out the rest, and a newer save of the cache replaces it meanwhile; "
+            "a flush, a load of the cache and shutdown end the wait (0: write every "
+            "save at once)"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received"),
     Setting("log_level", _level, lambda: "info", "debug, info, warning or error"),

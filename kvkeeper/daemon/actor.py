@@ -7,6 +7,12 @@ many, only the newest matters). A save starts writing as soon as it reaches
 the head of the mailbox, while its bytes are still arriving, so receiving and
 writing overlap. Blocking disk work runs in a worker thread, so the event loop
 keeps answering loads and stats while a large file is written.
+
+A save of a key written less than ``min_write_interval`` ago is held aside
+until that interval is over, so that a loop saving every few tokens gets one
+write (and one fsync) per interval instead of one per save: any newer save of
+the key replaces the held one. A flush, a load of the key, memory pressure and
+shutdown end the wait at once, so nobody who asks for a save ever waits for it.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class SaveJob(Job):
     broken: str | None = None  # why its stream ended early
     started: bool = False
     arrived: anyio.Event = field(default_factory=anyio.Event)
+    # Set when someone waits for this save (or it is finished): it is not held.
+    hurry: anyio.Event = field(default_factory=anyio.Event)
     last_activity: float = field(default_factory=time.monotonic)
 
     @property
@@ -102,17 +110,25 @@ class WriterActor:
         max_pending_bytes: int,
         mailbox_size: int = 4096,
         stall_timeout: float = 10.0,
+        min_write_interval: float = 0.0,
     ) -> None:
         self.store = store
         self.stats = stats
         self.max_pending_bytes = max_pending_bytes
         self.stall_timeout = stall_timeout
+        self.min_write_interval = min_write_interval
         self.pending_bytes = 0
         self.accepting = True
         send, recv = anyio.create_memory_object_stream[Job](mailbox_size)
         self._send: MemoryObjectSendStream[Job] = send
         self._recv: MemoryObjectReceiveStream[Job] = recv
+        # Held saves go back into the mailbox through their own sender, which
+        # stays open after stop_accepting() until the last held save is back.
+        self._resend: MemoryObjectSendStream[Job] = send.clone()
         self._waiting: dict[Key, SaveJob] = {}  # saves that have not started writing
+        self._held: dict[Key, SaveJob] = {}  # of those, the ones waiting out their interval
+        self._holding = 0  # hold tasks not yet done putting their save back
+        self._written_at: dict[Key, float] = {}  # when each key's last write ended
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
@@ -138,6 +154,7 @@ class WriterActor:
         old = self._waiting.get(job.key)
         room = self.max_pending_bytes - self.pending_bytes + (old.reserved if old else 0)
         if total > room:
+            self._release_held()  # their memory is needed: write them now
             return "busy", (
                 f"{self.pending_bytes} bytes already pending of {self.max_pending_bytes}"
             )
@@ -191,16 +208,23 @@ class WriterActor:
 
     async def settled(self, key: Key) -> None:
         """Return once every job of ``key`` received so far is finished."""
-        job = self._latest.get(key)
-        if job is not None:
-            await job.done.wait()
+        waiting, latest = self._waiting.get(key), self._latest.get(key)
+        if waiting is not None:  # it may be held, and jobs after it may finish first
+            waiting.hurry.set()
+            await waiting.done.wait()
+        if latest is not None:
+            await latest.done.wait()
 
     async def flush(self, peer: bytes) -> Tally:
         """Wait for every job ``peer`` sent so far; return its running tally.
 
         The tally is cumulative, never reset: a client whose flush timed out
         still sees, at its next flush, a failure the lost answer reported."""
-        for job in list(self._by_peer.get(peer, ())):
+        jobs = list(self._by_peer.get(peer, ()))
+        for job in jobs:
+            if isinstance(job, SaveJob):
+                job.hurry.set()
+        for job in jobs:
             await job.done.wait()
         return replace(self._tally.get(peer) or Tally())
 
@@ -219,16 +243,25 @@ class WriterActor:
         """Refuse new saves from now on; finish those already received."""
         self.accepting = False
         self._send.close()
+        self._release_held()
+        if not self._holding:
+            self._resend.close()
 
     # ------------------------------------------------------------ the writer
 
     async def run(self) -> None:
         """Process jobs until the mailbox is closed and drained."""
         try:
-            async with self._recv:
+            async with self._recv, anyio.create_task_group() as holds:
                 async for job in self._recv:
                     if job.done.is_set():
                         continue  # superseded while it waited
+                    if isinstance(job, SaveJob) and self._hold_until(job) is not None:
+                        self._held[job.key] = job
+                        self._holding += 1
+                        self.stats.inc("saves_held")
+                        holds.start_soon(self._hold, job)
+                        continue
                     self.current = job
                     try:
                         if isinstance(job, SaveJob):
@@ -246,6 +279,35 @@ class WriterActor:
                         self.current = None
         finally:
             self.finished.set()
+
+    def _hold_until(self, job: SaveJob) -> float | None:
+        """When a save may be written, if that is later than now."""
+        last = self._written_at.get(job.key)
+        if (last is None or job.hurry.is_set() or not self.accepting
+                or self.pending_bytes > self.max_pending_bytes // 2):
+            return None
+        due = last + self.min_write_interval
+        return due if time.monotonic() < due else None
+
+    async def _hold(self, job: SaveJob) -> None:
+        due = self._hold_until(job)
+        if due is not None:
+            with anyio.move_on_after(due - time.monotonic()):
+                await job.hurry.wait()
+        if self._held.get(job.key) is job:
+            del self._held[job.key]
+        try:
+            if not job.done.is_set():
+                job.hurry.set()  # its turn has come: it is not held again
+                await self._resend.send(job)
+        finally:
+            self._holding -= 1
+            if not self.accepting and not self._holding:
+                self._resend.close()
+
+    def _release_held(self) -> None:
+        for job in self._held.values():
+            job.hurry.set()
 
     async def _gc(self, job: GcJob) -> None:
         def rescan_and_enforce() -> list[StoredEntry]:
@@ -334,6 +396,7 @@ class WriterActor:
             raise
         done, evicted = file.committed, file.evicted
         assert done is not None
+        self._wrote(job.key)
         self.stats.inc("bytes_written", job.total)
         self.stats.sample("write_seconds", time.monotonic() - t0)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
@@ -350,6 +413,15 @@ class WriterActor:
 
     # ------------------------------------------------------------ bookkeeping
 
+    def _wrote(self, key: Key) -> None:
+        if not self.min_write_interval:
+            return
+        now = time.monotonic()
+        if len(self._written_at) >= 1024:  # forget keys whose interval is over
+            self._written_at = {k: t for k, t in self._written_at.items()
+                                if now - t < self.min_write_interval}
+        self._written_at[key] = now
+
     def _enqueued(self, job: Job) -> None:
         self._latest[job.key] = job
         self._by_peer.setdefault(job.peer, set()).add(job)
@@ -360,6 +432,7 @@ class WriterActor:
         job.outcome = outcome
         job.detail = detail
         if isinstance(job, SaveJob):
+            job.hurry.set()  # ends its hold, if it is held
             self.pending_bytes -= job.reserved
             job.reserved = 0
             job.chunks.clear()
@@ -405,6 +478,7 @@ class WriterActor:
             "pending_bytes": float(self.pending_bytes),
             "max_pending_bytes": float(self.max_pending_bytes),
             "queue_depth": float(self._send.statistics().current_buffer_used),
+            "held_saves": float(len(self._held)),
             "disk_used_bytes": float(self.store.usage()),
             "max_disk_bytes": float(budget.max_disk_bytes or 0),
             "min_free_bytes": float(budget.min_free_bytes),

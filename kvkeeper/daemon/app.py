@@ -45,6 +45,7 @@ class DaemonConfig:
     min_free_bytes: int = 5 * GiB
     drain_timeout: float = 20.0
     stall_timeout: float = 10.0
+    min_write_interval: float = 0.25
 
 
 class AlreadyRunning(config.ConfigError):
@@ -132,7 +133,8 @@ class Daemon:
         zmq_share = min(RCVHWM * CHUNK_BYTES, cfg.max_pending_bytes // 4)
         actor = WriterActor(store, self.stats,
                             max_pending_bytes=cfg.max_pending_bytes - zmq_share,
-                            stall_timeout=cfg.stall_timeout)
+                            stall_timeout=cfg.stall_timeout,
+                            min_write_interval=cfg.min_write_interval)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -1,0 +1,163 @@
+"""--min-write-interval: a cache saved again soon after a write is held, and only
+its newest save is written; a flush, a load, a delete, memory pressure and
+SIGTERM each end the wait. Files are read back with the safetensors package."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from safetensors import safe_open
+
+from kvkeeper.client.client import Client
+from kvkeeper.protocol import naming
+from kvkeeper.protocol.safetensors import TOKENS_KEY
+
+from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .tiny import prefill, prompt, tiny_llama
+
+FP = "tiny-llama-interval"
+LONG = 60.0  # an interval no test outlasts: whatever ends a hold here is not the clock
+
+
+@pytest.fixture(scope="module")
+def versions() -> list[tuple[list, list[int]]]:
+    """Four states of one conversation: (cache, token ids), each one token longer."""
+    model = tiny_llama(seed=3)
+    out = []
+    for n in range(40, 44):
+        tokens = prompt(n, seed=3)
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache)
+        out.append((cache, tokens))
+    return out
+
+
+def tokens_on_disk(root: Path, cache_id: str) -> list[int] | None:
+    path = naming.entry_path(root, FP, cache_id)
+    if not path.exists():
+        return None
+    with safe_open(str(path), "numpy") as f:
+        return json.loads(f.metadata()[TOKENS_KEY])
+
+
+def wait_for(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def save_then_hold(kv: Client, root: Path, versions: list, cache_id: str = "c") -> None:
+    """Version 0 is written at once (no earlier write); 1-3 come within the interval."""
+    assert kv.save(FP, cache_id, *versions[0])
+    wait_for(lambda: tokens_on_disk(root, cache_id) == versions[0][1], "the first save")
+    for cache, tokens in versions[1:]:
+        assert kv.save(FP, cache_id, cache, tokens)
+    wait_for(lambda: kv.stats()["saves_received"] == len(versions), "every save to arrive")
+    wait_for(lambda: kv.stats()["held_saves"] == 1, "the newest save to be held")
+    assert tokens_on_disk(root, cache_id) == versions[0][1]
+
+
+@pytest.fixture
+def holding(short_dir: Path, versions) -> Iterator[tuple[Path, Client]]:
+    """A daemon with a long interval, its root, and a client whose cache "c" has
+    version 0 on disk and version 3 held."""
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            save_then_hold(kv, d.root, versions)
+            yield d.root, kv
+    finally:
+        d.stop()
+
+
+def test_held_saves_coalesce_and_flush_writes_the_newest(holding, versions) -> None:
+    root, kv = holding
+    assert kv.flush(WAIT) is True  # a superseded save is not a failure
+    assert tokens_on_disk(root, "c") == versions[-1][1]
+    s = kv.stats()
+    assert (s["saves_written"], s["saves_superseded"], s["held_saves"]) == (2, 2, 0)
+    assert s["saves_held"] >= 1
+
+
+def test_a_held_save_is_written_when_its_interval_ends(short_dir: Path, versions) -> None:
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=0.5)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, "c", *versions[0])
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[0][1], "the first save")
+            assert kv.save(FP, "c", *versions[1])
+            # No flush, no load: only the end of the interval writes it.
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[1][1], "the held save")
+            assert kv.stats()["saves_held"] == 1
+    finally:
+        d.stop()
+
+
+def test_interval_zero_writes_every_save(short_dir: Path, versions) -> None:
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=0.0)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            for cache, tokens in versions:
+                assert kv.save(FP, "c", cache, tokens)
+                wait_for(lambda t=tokens: tokens_on_disk(d.root, "c") == t, "each save")
+            assert kv.flush(WAIT) is True
+            s = kv.stats()
+            assert (s["saves_written"], s.get("saves_held", 0)) == (len(versions), 0)
+    finally:
+        d.stop()
+
+
+def test_a_load_does_not_wait_for_the_interval(holding, versions) -> None:
+    root, kv = holding
+    for verify in (False, True):
+        got = kv.load(FP, "c", verify=verify)
+        assert got is not None and got.token_ids == versions[-1][1]
+    assert tokens_on_disk(root, "c") == versions[-1][1]
+
+
+def test_a_delete_supersedes_a_held_save(holding) -> None:
+    root, kv = holding
+    assert kv.delete(FP, "c") is True
+    assert kv.flush(WAIT) is True
+    assert tokens_on_disk(root, "c") is None
+    assert kv.load(FP, "c") is None
+    s = kv.stats()
+    assert (s["saves_written"], s["saves_superseded"], s["held_saves"]) == (1, 3, 0)
+
+
+def test_saves_are_not_held_when_memory_is_short(short_dir: Path) -> None:
+    # 8 MiB budget: the writer gets 6 (ZeroMQ a quarter), and a 4 MiB save is
+    # more than half of that, so holding it could crowd out other saves.
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG,
+                     max_pending_bytes=8 << 20)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            for i in range(3):
+                layer = KVCache()
+                k = mx.full((1, 8, 1024, 128), i, dtype=mx.bfloat16)  # 2 MiB, keys and values
+                layer.update_and_fetch(k, k)
+                assert kv.save(FP, "big", [layer], [i])
+                # Written without a flush or a load, long before the interval ends.
+                wait_for(lambda i=i: tokens_on_disk(d.root, "big") == [i], f"save {i}")
+            assert kv.stats().get("saves_held", 0) == 0
+    finally:
+        d.stop()
+
+
+def test_sigterm_writes_a_held_save(short_dir: Path, versions) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", str(LONG))
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            save_then_hold(kv, root, versions)
+            assert stop_process(proc) == 0
+        assert tokens_on_disk(root, "c") == versions[-1][1]
+    finally:
+        stop_process(proc)
