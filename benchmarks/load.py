@@ -79,11 +79,15 @@ def _measure(ctx: Any, key: str, reps: int, cold: bool,
         _timed(fn)
     raw: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
+    before = kv.stats()
     for r in range(reps):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             raw[name].append(_timed(fns[name]))
+    after = kv.stats()
     res: dict[str, Any] = {"path_bytes": path.stat().st_size}
+    # How the rotation's loads went: read by the client itself, or asked of the daemon.
+    res["loads"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("loads_direct", "loads_found")}
     res.update({k: summarize(v) for k, v in raw.items()})
     # The rotation above runs a collector pass and whole-file loads between
     # calls, so every call starts with cold CPU caches. Lazy loads back to

@@ -623,14 +623,23 @@ def _why(doc: dict[str, Any]) -> list[str]:
                        f"between calls that leave each call of the rotation with cold CPU "
                        f"caches, the same loads took {fmt_s(k)} against {fmt_s(d)} "
                        f"(+{fmt_s(k - d)}).")
+            lds = big.get("loads") or {}
+            counts = (f" (loads of the rotation read directly: {lds['loads_direct']:g}, "
+                      f"asked of the daemon: {lds['loads_found']:g})" if lds else "")
             out.append(
                 f"- **Lazy load.** {fmt_s(m['kvkeeper_lazy_s'])} against "
                 f"{fmt_s(m['direct_lazy_s'])} for `mx.load` (+{fmt_s(m['excess_s'])}). The "
-                f"excess is a daemon round trip (`ping` {_p(ld['ping_round_trip'])} median; a "
-                f"load is answered at once unless a save of that key is still to be written), "
-                f"reading and checking the header before `mx.load`, decoding the token ids "
-                f"and the layer description, and rebuilding every layer object: Python work, "
-                f"where `mx.load` is mostly C++." + b2b)
+                + (f"client had no save of the key pending, so it read the file without "
+                   f"asking the daemon (a round trip, `ping`, is {_p(ld['ping_round_trip'])} "
+                   f"median) and only handed a use notice to its I/O thread{counts}. "
+                   if lds.get("loads_direct") else
+                   f"excess is a daemon round trip (`ping` "
+                   f"{_p(ld['ping_round_trip'])} median), plus ")
+                + ("The excess is " if lds.get("loads_direct") else "")
+                + "reading and "
+                "checking the header before `mx.load`, decoding the token ids and the layer "
+                "description, and rebuilding every layer object: Python work, where "
+                "`mx.load` is mostly C++." + b2b)
         elif case.startswith("4"):
             out.append(
                 f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
@@ -642,6 +651,10 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"excess of {fmt_s(m['kvkeeper_verified_s'] - m['direct_eval_s'])}): hashing "
                 f"follows reading instead of overlapping it, so verified ≥ direct + hash time "
                 f"over the cores, and the 1.2× target needs hashing to overlap the read. "
+                f"Hashing the file from the page cache (mmap, one or two threads) while "
+                f"`mx.load` + `mx.eval` run was tried too (1.54-1.60× at 512 MiB, warm): both "
+                f"then read the same 512 MiB from memory, and memory bandwidth, not the "
+                f"cores, is the limit. "
                 f"Reading the file into MLX-allocated arrays chunk by chunk and hashing each "
                 f"chunk while it is in cache was tried (1.33-1.54× here on 2026-11-30) and left "
                 f"out: it writes into MLX's buffers behind a stand-in file object given to "

@@ -78,7 +78,7 @@ def _entry_dict(e: m.Entry) -> dict[str, Any]:
 _GROUPS = [
     ("Saves", ["saves_received", "saves_written", "saves_superseded", "saves_refused",
                "saves_failed", "bytes_received", "bytes_written"]),
-    ("Loads", ["loads_found", "loads_missing", "files_quarantined"]),
+    ("Loads", ["loads_found", "loads_direct", "loads_missing", "files_quarantined"]),
     ("Writer", ["pending_bytes", "max_pending_bytes", "queue_depth", "held_saves",
                 "saves_held", "write_seconds_p50",
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),

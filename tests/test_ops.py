@@ -92,6 +92,8 @@ def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
             assert left == {"a", "c", "d"}, left
             stats = kv.stats()
             assert stats["evictions"] == 1 and stats["disk_used_bytes"] <= 3.5 * MiB
+            # Nothing was pending, so the client read "a" itself and told the daemon.
+            assert stats["loads_direct"] == 1 and stats.get("loads_found", 0) == 0
             everything = kv.entries(everything=True)
             assert any(e.kind == "foreign" and e.path.endswith("notes.txt") for e in everything)
         assert rd.stop() == 0

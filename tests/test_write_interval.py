@@ -1,6 +1,7 @@
 """--min-write-interval: a cache saved again soon after a write is held, and only
 its newest save is written; a flush, a load, a delete, memory pressure and
-SIGTERM each end the wait. Files are read back with the safetensors package."""
+SIGTERM each end the wait. Files are read back with the safetensors package.
+Held saves also show which loads skip the daemon (see the second part)."""
 
 from __future__ import annotations
 
@@ -161,3 +162,61 @@ def test_sigterm_writes_a_held_save(short_dir: Path, versions) -> None:
         assert tokens_on_disk(root, "c") == versions[-1][1]
     finally:
         stop_process(proc)
+
+
+# ------------------------------------------------------------ loads that skip the daemon
+# A load asks the daemon only when this client has a save of the key that no
+# flush, load or delete has waited for; otherwise it reads the file itself and
+# tells the daemon afterwards (``loads_direct``). A held save makes the
+# difference visible: the file on disk is then older than the newest save.
+
+
+def test_a_load_reads_directly_unless_this_client_has_a_save_pending(
+        short_dir: Path, versions) -> None:
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
+    try:
+        with Client(d.socket, timeout=WAIT) as a, Client(d.socket, timeout=WAIT) as b:
+            assert a.save(FP, "c", *versions[0]) and a.flush(WAIT)
+            assert a.load(FP, "c").token_ids == versions[0][1]
+            assert (a.stats()["loads_direct"], a.stats().get("loads_found", 0)) == (1, 0)
+
+            assert a.save(FP, "c", *versions[1])  # held: the file is still version 0
+            assert a.load(FP, "c").token_ids == versions[1][1]  # asked, so written first
+            assert a.stats()["loads_found"] == 1
+            assert a.load(FP, "c").token_ids == versions[1][1]  # settled: direct again
+            assert a.stats()["loads_direct"] == 2
+
+            assert a.save(FP, "c", *versions[2])
+            wait_for(lambda: a.stats()["held_saves"] == 1, "the save to be held")
+            # Another client's pending save is seen once that client has flushed.
+            assert b.load(FP, "c").token_ids == versions[1][1]
+            assert a.flush(WAIT)
+            assert b.load(FP, "c").token_ids == versions[2][1]
+            assert b.stats()["loads_direct"] == 4  # b's notices come before its request
+    finally:
+        d.stop()
+
+
+def test_a_client_reads_the_root_of_the_daemon_it_reconnected_to(
+        short_dir: Path, versions) -> None:
+    sock = short_dir / "kv.sock"
+    first = start_daemon(short_dir / "root-1", sock)
+    kv = Client(sock, timeout=WAIT)
+    try:
+        assert kv.save(FP, "c", *versions[0]) and kv.flush(WAIT)
+        first.stop()
+        wait_for(lambda: not kv.connected, "the client to see the daemon go")
+        second = start_daemon(short_dir / "root-2", sock)
+        try:
+            with Client(sock, timeout=WAIT) as other:
+                assert other.save(FP, "c", *versions[1]) and other.flush(WAIT)
+            wait_for(lambda: kv.connected, "the client to reconnect")
+            # Reading root-1 (where this client's daemon used to keep it) would
+            # give version 0.
+            got = kv.load(FP, "c")
+            assert got is not None and got.token_ids == versions[1][1]
+            assert got.path is not None and (short_dir / "root-2") in got.path.parents
+        finally:
+            second.stop()
+    finally:
+        kv.close()

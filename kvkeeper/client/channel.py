@@ -100,6 +100,7 @@ class Channel:
         self.max_inflight_bytes = max_inflight_bytes
         self.counters = ChannelCounters()
         self.connected = threading.Event()
+        self.connections = 0  # handshakes so far: a change means maybe another daemon
         self._on_refused = on_refused
         self._lock = threading.Lock()
         self._outbox: deque[_Save | _Request] = deque()
@@ -161,6 +162,12 @@ class Channel:
         self._push(item)
         return item
 
+    def notify(self, msg: m.Request) -> None:
+        """Send a message that gets no reply, if the daemon is connected; never
+        blocks, and keeps the GIL (the caller goes on at once)."""
+        if self.connected.is_set():
+            self._push(_Request(m.encode(msg), 0), hand_over=False)
+
     def wait(self, pending: PendingReply, timeout: float) -> m.Reply:
         """The reply to a ``send_request``; raises DaemonUnavailable."""
         try:
@@ -192,10 +199,10 @@ class Channel:
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
 
-    def _push(self, item: _Save | _Request) -> None:
+    def _push(self, item: _Save | _Request, *, hand_over: bool | None = None) -> None:
         with self._lock:
             self._outbox.append(item)
-            self._wake(hand_over=isinstance(item, _Request))
+            self._wake(hand_over=isinstance(item, _Request) if hand_over is None else hand_over)
 
     def _wake(self, *, hand_over: bool = True) -> None:
         if self._wake_w < 0:
@@ -280,6 +287,7 @@ class Channel:
             except zmq.Again:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connections += 1
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.connected.clear()

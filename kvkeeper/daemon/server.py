@@ -105,6 +105,12 @@ class Server:
                     self.tg.start_soon(self._load, peer, msg.req, key)
                 elif key is not None:  # nothing to write first: answer now, no task
                     self._answer_load(peer, msg.req, key)
+            case m.Used():
+                key = self._key(peer, msg)
+                found = self.store.find(*key) if key is not None else None
+                self.stats.inc("loads_direct")
+                if found is not None and found[1].st_ino == msg.ino:
+                    self.store.record_use(*found)
             case m.Delete():
                 key = self._key(peer, msg)
                 if key is not None:

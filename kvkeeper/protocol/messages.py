@@ -125,6 +125,15 @@ class Quarantine(_Msg, tag="quarantine"):
     reason: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
+class Used(_Msg, tag="used"):
+    """The client read an entry's file itself (inode ``ino``): count it as a use
+    for eviction, as a Load would. No reply."""
+
+    model: _Id
+    cache_id: _Id
+    ino: int
+
+
 class Flush(_Msg, tag="flush"):
     """Answered once every save this client sent before it is resolved."""
 
@@ -132,7 +141,8 @@ class Flush(_Msg, tag="flush"):
 
 
 Request = (
-    Ping | SaveBegin | SaveData | Load | Delete | ListEntries | GetStats | Flush | Quarantine | Gc
+    Ping | SaveBegin | SaveData | Load | Used | Delete | ListEntries | GetStats | Flush
+    | Quarantine | Gc
 )
 
 
