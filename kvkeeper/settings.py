@@ -87,10 +87,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
             "free space kept on the root's file system; entries are evicted to keep it"),
     Setting("min_write_interval", _seconds, lambda: 0.25,
-            "least seconds between two writes of one cache: a save that comes sooner "
-            "waits out the rest, and a newer save of the cache replaces it meanwhile; "
-            "a flush, a load of the cache and shutdown end the wait (0: write every "
-            "save at once)"),
+            "seconds a cache's writes are kept apart: a save of up to 64 MiB that "
+            "comes sooner after its cache's last write waits out the rest, and a newer "
+            "save of the cache replaces it meanwhile; a flush, a load or delete of the "
+            "cache, a memory budget more than half used and shutdown end the wait "
+            "(0: write every save as it arrives)"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received"),
     Setting("log_level", _level, lambda: "info", "debug, info, warning or error"),

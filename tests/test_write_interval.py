@@ -20,6 +20,7 @@ from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import TOKENS_KEY
 
 from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .faultkit import filled
 from .tiny import prefill, prompt, tiny_llama
 
 FP = "tiny-llama-interval"
@@ -220,3 +221,65 @@ def test_a_client_reads_the_root_of_the_daemon_it_reconnected_to(
             second.stop()
     finally:
         kv.close()
+
+
+def test_a_flush_waits_for_the_save_that_replaced_its_own(short_dir: Path, versions) -> None:
+    # a's version 1 is held, then b's version 2 replaces it (and is held): a's
+    # flush must answer for version 2, or a's next load would read version 0.
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
+    try:
+        with Client(d.socket, timeout=WAIT) as a, Client(d.socket, timeout=WAIT) as b:
+            save_then_hold(a, d.root, versions[:2])
+            assert b.save(FP, "c", *versions[2])
+            wait_for(lambda: b.stats()["saves_superseded"] == 1, "b's save to replace a's")
+            assert a.flush(WAIT) is True
+            assert tokens_on_disk(d.root, "c") == versions[2][1]
+            assert a.load(FP, "c").token_ids == versions[2][1]
+            assert b.flush(WAIT) is True
+    finally:
+        d.stop()
+
+
+def test_memory_pressure_releases_held_saves(short_dir: Path, versions) -> None:
+    # 8 MiB budget, 6 MiB of it the writer's: a 3.5 MiB save of another key
+    # takes it past half, so the held save is written at once.
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG,
+                     max_pending_bytes=8 << 20)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            save_then_hold(kv, d.root, versions)
+            assert kv.save(FP, "big", filled(3.5, 1, layers=1), [1])
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[-1][1], "the held save")
+    finally:
+        d.stop()
+
+
+def test_large_saves_are_never_held(short_dir: Path) -> None:
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            for v in (1, 2):
+                assert kv.save(FP, "big", filled(65, v, layers=1), [v])
+                wait_for(lambda v=v: tokens_on_disk(d.root, "big") == [v], f"save {v}")
+            assert kv.stats().get("saves_held", 0) == 0
+    finally:
+        d.stop()
+
+
+def test_an_older_daemon_is_always_asked(short_dir: Path, versions) -> None:
+    # A daemon of another kvkeeper version (one that may not know the Used
+    # notice) gets every load as a request.
+    site = short_dir / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import kvkeeper\nkvkeeper.__version__ = '0.1.0'\n")
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={"PYTHONPATH": str(site)})
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.ping().version == "0.1.0"
+            assert kv.save(FP, "c", *versions[0]) and kv.flush(WAIT)
+            assert kv.load(FP, "c").token_ids == versions[0][1]
+            s = kv.stats()
+            assert (s.get("loads_direct", 0), s["loads_found"]) == (0, 1)
+    finally:
+        stop_process(proc)

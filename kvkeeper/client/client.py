@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvkeeper import config
+from kvkeeper import __version__, config
 from kvkeeper.client.channel import Channel, DaemonUnavailable
 from kvkeeper.client.codec import CacheCapture, capture_cache, encode_capture
 from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
@@ -39,6 +39,10 @@ GiB = 1024**3
 #: Frames and messages of a save stream stay around this size: many messages
 #: of a few MiB let the daemon write while it receives (DESIGN.md).
 CHUNK_BYTES = 8 * 1024 * 1024
+#: Keys with unsettled saves a client remembers one by one; past that, a
+#: stand-in for every key makes all loads ask the daemon until a flush.
+_MAX_UNSETTLED = 100_000
+_ALL_KEYS = ("", "")  # no real key is empty (naming.check_key)
 
 __all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "LoadedCache"]
 
@@ -79,6 +83,7 @@ class Client:
         self._unsettled: dict[tuple[str, str], int] = {}
         self._saves = 0
         self._root_seen_at = -1  # channel.connections when the daemon named its root
+        self._daemon_version: str | None = None
         self._channel = Channel(
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
@@ -169,6 +174,9 @@ class Client:
         )
         with self._lock:
             self._saves += 1
+            if len(self._unsettled) >= _MAX_UNSETTLED:
+                # Past this many keys, every load asks the daemon until a flush.
+                self._unsettled = {_ALL_KEYS: self._saves}
             self._unsettled[(model, cache_id)] = self._saves
         return True
 
@@ -314,14 +322,16 @@ class Client:
         """Whether a load of ``key`` may skip the daemon: it is connected, this
         client has no save of the key it has not waited for, and the root was
         named by the daemon on this very connection (not an older daemon's)."""
-        if not self._channel.connected.is_set() or key in self._unsettled:
+        if (not self._channel.connected.is_set() or key in self._unsettled
+                or _ALL_KEYS in self._unsettled):
             return False
         if self._root_seen_at != self._channel.connections:
             try:
-                self.ping()
+                self.ping(min(self.timeout, 2.0))
             except DaemonUnavailable:
                 return False
-        return self.root == self._daemon_root
+        # The Used notice is new in this version: an older daemon would refuse it.
+        return self.root == self._daemon_root and self._daemon_version == __version__
 
     def _settled(self, key: tuple[str, str], mark: int | None) -> None:
         """The daemon answered for every save of ``key`` up to ``mark``."""
@@ -356,8 +366,9 @@ class Client:
         """Block until every save handed off so far is resolved.
 
         Returns True when every save handed off since the last ``flush()`` that
-        returned was written (or replaced by a newer save of the same key that
-        was), False when any of them was refused, lost or failed (the log says
+        returned was written (or replaced by a newer save of the same key, from
+        any client, that was, or by a delete that was done), False when any of
+        them, or what replaced it, was refused, lost or failed (the log says
         which). Raises DaemonUnavailable when the daemon is down or does not
         answer in ``timeout`` seconds; the saves it covered are then answered
         for by the next flush that returns.
@@ -429,6 +440,7 @@ class Client:
         reply = self._request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Pong)
         self._daemon_root = Path(reply.root)
+        self._daemon_version = reply.version
         self._root_seen_at = seen_at
         self._max_save_bytes = reply.max_save_bytes
         return reply

@@ -13,6 +13,14 @@ until that interval is over, so that a loop saving every few tokens gets one
 write (and one fsync) per interval instead of one per save: any newer save of
 the key replaces the held one. A flush, a load of the key, memory pressure and
 shutdown end the wait at once, so nobody who asks for a save ever waits for it.
+Only saves of up to HOLD_MAX_BYTES are held. While a save is held, a job of
+its key that is not a save (moving a damaged file aside, which checks it is
+still the file the client read) may run before it.
+
+A save replaced by another client's newer save (or a delete) is answered for
+by that newer job: the first client's flush waits for it, and counts it
+failed if it fails, so a flush that returned True means the key holds that
+save or a newer one.
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ log = logging.getLogger("kvkeeper.actor")
 
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
+#: Larger saves are never held: writing one takes long enough that newer saves
+#: coalesce behind it anyway, and holding it would stop its write from
+#: overlapping its arrival (512 MiB saved and flushed back to back went from
+#: 1.10x to 0.66x of plain write+fsync when held).
+HOLD_MAX_BYTES = 64 * 1024 * 1024
 
 
 class Outcome(enum.Enum):
@@ -52,6 +65,9 @@ class Job:
     done: anyio.Event = field(default_factory=anyio.Event)
     outcome: Outcome | None = None
     detail: str = ""
+    # Other clients whose saves this job replaced: their flushes wait for it,
+    # and its failure is theirs too.
+    heirs: set[bytes] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -129,6 +145,7 @@ class WriterActor:
         self._held: dict[Key, SaveJob] = {}  # of those, the ones waiting out their interval
         self._holding = 0  # hold tasks not yet done putting their save back
         self._written_at: dict[Key, float] = {}  # when each key's last write ended
+        self._prune_at = 1024
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
@@ -163,13 +180,15 @@ class WriterActor:
         except anyio.WouldBlock:
             return "busy", "the writer's mailbox is full"
         if old is not None:
-            self._resolve(old, Outcome.SUPERSEDED)
+            self._supersede(old, job)
         job.reserved = total
         self.pending_bytes += total
         self._enqueued(job)
         self._waiting[job.key] = job
         if total == 0:
             job.arrived.set()
+        if self.pending_bytes > self.max_pending_bytes // 2:
+            self._release_held()  # memory is getting short: write them now
         return None
 
     def add_data(self, job: SaveJob, bufs: list[memoryview], nbytes: int) -> None:
@@ -196,9 +215,11 @@ class WriterActor:
             self._send.send_nowait(job)
         except anyio.WouldBlock:
             return "busy", "the writer's mailbox is full"
+        except anyio.ClosedResourceError:
+            return "shutting_down", "the daemon is shutting down"
         old = self._waiting.get(job.key)
         if old is not None and job.reason is None:
-            self._resolve(old, Outcome.SUPERSEDED)
+            self._supersede(old, job)
         self._enqueued(job)
         return None
 
@@ -284,6 +305,7 @@ class WriterActor:
         """When a save may be written, if that is later than now."""
         last = self._written_at.get(job.key)
         if (last is None or job.hurry.is_set() or not self.accepting
+                or job.total > HOLD_MAX_BYTES
                 or self.pending_bytes > self.max_pending_bytes // 2):
             return None
         due = last + self.min_write_interval
@@ -417,10 +439,20 @@ class WriterActor:
         if not self.min_write_interval:
             return
         now = time.monotonic()
-        if len(self._written_at) >= 1024:  # forget keys whose interval is over
+        if len(self._written_at) >= self._prune_at:  # forget keys whose interval is over
             self._written_at = {k: t for k, t in self._written_at.items()
                                 if now - t < self.min_write_interval}
+            self._prune_at = max(1024, 2 * len(self._written_at))
         self._written_at[key] = now
+
+    def _supersede(self, old: SaveJob, new: Job) -> None:
+        """``new`` replaces ``old``, and answers for it to every client that
+        was waiting for it (see the module docstring)."""
+        heirs = ({old.peer} | old.heirs) - {new.peer}
+        new.heirs |= heirs
+        for peer in heirs:
+            self._by_peer.setdefault(peer, set()).add(new)
+        self._resolve(old, Outcome.SUPERSEDED)
 
     def _enqueued(self, job: Job) -> None:
         self._latest[job.key] = job
@@ -446,13 +478,17 @@ class WriterActor:
                 tally.superseded += 1
             else:
                 tally.failed += 1
+        if outcome is Outcome.FAILED:
+            for peer in job.heirs:  # their save was replaced by a job that failed
+                self._tally_of(peer).failed += 1
         if self._latest.get(job.key) is job:
             del self._latest[job.key]
-        peer_jobs = self._by_peer.get(job.peer)
-        if peer_jobs is not None:
-            peer_jobs.discard(job)
-            if not peer_jobs:
-                del self._by_peer[job.peer]
+        for peer in {job.peer} | job.heirs:
+            peer_jobs = self._by_peer.get(peer)
+            if peer_jobs is not None:
+                peer_jobs.discard(job)
+                if not peer_jobs:
+                    del self._by_peer[peer]
         job.done.set()
 
     def unfinished(self) -> list[Key]:

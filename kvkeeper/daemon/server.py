@@ -107,10 +107,11 @@ class Server:
                     self._answer_load(peer, msg.req, key)
             case m.Used():
                 key = self._key(peer, msg)
-                found = self.store.find(*key) if key is not None else None
-                self.stats.inc("loads_direct")
-                if found is not None and found[1].st_ino == msg.ino:
-                    self.store.record_use(*found)
+                if key is not None:
+                    self.stats.inc("loads_direct")
+                    found = self.store.find(*key)
+                    if found is not None and found[1].st_ino == msg.ino:
+                        self.store.record_use(*found)
             case m.Delete():
                 key = self._key(peer, msg)
                 if key is not None:
@@ -278,7 +279,8 @@ class Server:
         elif peer is not None:
             self.tg.start_soon(self._deleted, peer, req, job)
 
-    def _key(self, peer: bytes, msg: m.SaveBegin | m.Load | m.Delete | m.Quarantine) -> Key | None:
+    def _key(self, peer: bytes,
+             msg: m.SaveBegin | m.Load | m.Used | m.Delete | m.Quarantine) -> Key | None:
         model = self._check(peer, msg, msg.model, "model")
         cache_id = self._check(peer, msg, msg.cache_id, "cache id")
         if model is None or cache_id is None:
