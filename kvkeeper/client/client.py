@@ -39,6 +39,11 @@ GiB = 1024**3
 #: Frames and messages of a save stream stay around this size: many messages
 #: of a few MiB let the daemon write while it receives (DESIGN.md).
 CHUNK_BYTES = 8 * 1024 * 1024
+#: A message carrying at most this many bytes in several frames sends them as
+#: one copied frame: each zero-copy frame costs pyzmq a tracker and a trip
+#: through its garbage-collector thread (about 30 us of Python, GIL held),
+#: more than copying 64 KiB; and a copy lets the cache's buffers go at once.
+JOIN_BYTES = 2 * 1024 * 1024
 #: Keys with unsettled saves a client remembers one by one; past that, a
 #: stand-in for every key makes all loads ask the daemon until a flush.
 _MAX_UNSETTLED = 100_000
@@ -232,6 +237,8 @@ class Client:
         def cut() -> None:
             nonlocal frames, size
             if frames:
+                if len(frames) > 1 and size <= JOIN_BYTES:
+                    frames = [b"".join(frames)]
                 head = m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=save_id, frames=len(frames)))
                 messages.append([head, *frames])
                 frames, size = [], 0
