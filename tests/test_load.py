@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import resource
+import signal
 import time
 from pathlib import Path
 
@@ -128,4 +129,31 @@ def test_slow_disk_keeps_memory_bounded(short_dir: Path, max_pending_mib: int) -
         print(f"slow disk: daemon RSS {base // 1024} MiB at start, peak {peak // 1024} MiB; "
               f"{stats}")
     finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_full_inflight_budget_drops_saves_and_counts_them(short_dir: Path) -> None:
+    # A stopped daemon reads nothing, so what was handed off stays in flight.
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    stopped = False
+    try:
+        with Client(sock, timeout=WAIT, max_inflight_bytes=24 * 2**20) as kv:
+            proc.send_signal(signal.SIGSTOP)
+            stopped = True
+            assert kv.save(FP, "a", filled(12, 1), [1]) is True
+            # Exactly full now: each reserved its bytes in save(), and a stopped
+            # daemon takes too few of them for either to be sent whole.
+            assert kv.save(FP, "b", filled(12, 2), [2]) is True
+            assert kv.save(FP, "c", filled(1, 3), [3]) is False  # no room, not even 1 MiB
+            assert kv.save(FP, "c", filled(1, 3), [3]) is False
+            proc.send_signal(signal.SIGCONT)
+            stopped = False
+            assert kv.flush(WAIT) is True
+            s = kv.stats()
+            assert (s["client_saves_dropped"], s["saves_written"]) == (2, 2)
+            assert version_of(entry_path(root, "b")) == 2 and not entry_path(root, "c").exists()
+    finally:
+        if stopped:
+            proc.send_signal(signal.SIGCONT)
         assert stop_process(proc) == 0

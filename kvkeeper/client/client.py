@@ -160,6 +160,9 @@ class Client:
             raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
         if not self._channel.connected.is_set():
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
+        if self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
+            # Full: no save can fit, so do not pay for a capture first.
+            return self._drop_inflight()
         # Only the capture runs here; the JSON, the byte runs and the messages
         # are built on the I/O thread (see _messages).
         cap = capture_cache(layers)
@@ -171,8 +174,7 @@ class Client:
         # reservation to the real count. Bytes are what bound a save here.
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         if not self._channel.reserve(cap.nbytes, estimate):
-            return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
-                                          f"flight (max_inflight_bytes)")
+            return self._drop_inflight()
         self._channel.send_save(
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
             cap.nbytes, estimate,
@@ -253,6 +255,10 @@ class Client:
                     size += len(piece)
         cut()
         return messages
+
+    def _drop_inflight(self) -> bool:
+        return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
+                                      f"flight (max_inflight_bytes)")
 
     def _drop(self, reason: str, message: str) -> bool:
         with self._lock:
