@@ -66,6 +66,7 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
     kv.flush(WAIT)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "save": []}
     daemon_cpu = {"off": 0.0, "save": 0.0}
+    before = kv.stats()
     for r in range(prof.gen_runs):
         order = ("off", "save") if r % 2 == 0 else ("save", "off")
         for mode in order:
@@ -74,6 +75,9 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
                                           kv if mode == "save" else None, prof.gen_save_every))
             daemon_cpu[mode] += _daemon_cpu(ctx) - c0
             kv.flush(WAIT)  # the next run starts with the daemon idle
+    after = kv.stats()
+    counters = {k: after.get(k, 0) - before.get(k, 0)
+                for k in ("saves_received", "saves_written", "saves_superseded", "saves_held")}
     same_tokens = all(x["tokens"] == runs["off"][0]["tokens"] for x in runs["off"] + runs["save"])
     off_tps = [x["tokens_per_s"] for x in runs["off"]]
     on_tps = [x["tokens_per_s"] for x in runs["save"]]
@@ -93,6 +97,9 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         "saves_handed_off": sum(x["handed_off"] for x in runs["save"]),
         "saves_attempted": sum(len(x["saves"]) for x in runs["save"]),
         "same_tokens_in_every_run": same_tokens,
+        # What the daemon did with them: a save of a cache written less than
+        # --min-write-interval ago is held, and replaced by the next one.
+        "daemon_counters": counters,
         # CPU the daemon process used while the runs of each mode ran, as a share of one core.
         "daemon_cpu_share_no_saves": daemon_cpu["off"] / sum(x["wall_s"] for x in runs["off"]),
         "daemon_cpu_share_with_saves": daemon_cpu["save"] / sum(x["wall_s"] for x in runs["save"]),
