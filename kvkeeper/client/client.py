@@ -41,7 +41,7 @@ GiB = 1024**3
 CHUNK_BYTES = 8 * 1024 * 1024
 #: A message carrying at most this many bytes in several frames sends them as
 #: one copied frame: each zero-copy frame costs pyzmq a tracker and a trip
-#: through its garbage-collector thread (about 30 us of Python, GIL held),
+#: through its garbage-collector thread (about 20 us of Python, GIL held),
 #: more than copying 64 KiB; and a copy lets the cache's buffers go at once.
 JOIN_BYTES = 2 * 1024 * 1024
 #: Keys with unsettled saves a client remembers one by one; past that, a
