@@ -277,11 +277,11 @@ class WriterActor:
                 async for job in self._recv:
                     if job.done.is_set():
                         continue  # superseded while it waited
-                    if isinstance(job, SaveJob) and self._hold_until(job) is not None:
+                    if isinstance(job, SaveJob) and (due := self._hold_until(job)) is not None:
                         self._held[job.key] = job
                         self._holding += 1
                         self.stats.inc("saves_held")
-                        holds.start_soon(self._hold, job)
+                        holds.start_soon(self._hold, job, due)
                         continue
                     self.current = job
                     try:
@@ -311,11 +311,9 @@ class WriterActor:
         due = last + self.min_write_interval
         return due if time.monotonic() < due else None
 
-    async def _hold(self, job: SaveJob) -> None:
-        due = self._hold_until(job)
-        if due is not None:
-            with anyio.move_on_after(due - time.monotonic()):
-                await job.hurry.wait()
+    async def _hold(self, job: SaveJob, due: float) -> None:
+        with anyio.move_on_after(due - time.monotonic()):
+            await job.hurry.wait()
         if self._held.get(job.key) is job:
             del self._held[job.key]
         try:
