@@ -143,7 +143,7 @@ class Channel:
         """Queue a save whose room was reserved (``nbytes``, and ``nmessages``
         as estimated); never blocks. The I/O thread calls ``build`` for the
         messages, so the caller's thread does not pay for them."""
-        self._push(_Save(build, nbytes, nmessages))
+        self._push(_Save(build, nbytes, nmessages), hand_over=False)
 
     def request(self, make: Callable[[int], m.Request], timeout: float) -> m.Reply:
         """Send a request and wait for its reply; raises DaemonUnavailable."""
@@ -159,7 +159,7 @@ class Channel:
         item = _Request(m.encode(make(req)), req)
         with self._lock:
             self._waiting[req] = item
-        self._push(item)
+        self._push(item, hand_over=True)
         return item
 
     def notify(self, msg: m.Request) -> None:
@@ -199,10 +199,10 @@ class Channel:
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
 
-    def _push(self, item: _Save | _Request, *, hand_over: bool | None = None) -> None:
+    def _push(self, item: _Save | _Request, *, hand_over: bool) -> None:
         with self._lock:
             self._outbox.append(item)
-            self._wake(hand_over=isinstance(item, _Request) if hand_over is None else hand_over)
+            self._wake(hand_over=hand_over)
 
     def _wake(self, *, hand_over: bool = True) -> None:
         if self._wake_w < 0:
