@@ -498,13 +498,16 @@ def _memory(doc: dict[str, Any]) -> list[str]:
         ["save() calls", str(m["attempts"])],
         ["dropped by the clients (in-flight budget full)", str(m["client_counters"]["dropped"])],
         ["lost by the clients (pipe broke)", str(m["client_counters"]["lost"])],
+        ["coalesced by the clients (replaced while waiting out the send interval)",
+         str(m["client_counters"].get("coalesced", 0))],
         ["received by the daemon", str(c["saves_received"])],
         ["written", str(c["saves_written"])],
         ["superseded by a newer save of the same key", str(c["saves_superseded"])],
         ["refused (busy: pending budget full)", str(c["saves_refused"])],
         ["failed", str(c["saves_failed"])],
         ["not written = calls − written", str(m["not_written"])],
-        ["dropped + lost + superseded + refused + failed", str(m["explained_by_counters"])],
+        ["dropped + lost + coalesced + superseded + refused + failed",
+         str(m["explained_by_counters"])],
     ])
     margin = m["max_pending_bytes"] + 100 * MiB - m["rss_peak_bytes"]
     out.append("")

@@ -204,6 +204,7 @@ class Report:
     decode_same_tokens: bool  # every decode run produced the same tokens
     saves_sent: int
     saves_dropped: int
+    saves_coalesced: int  # replaced in the client while waiting out its send interval
     saves_written: int
     saves_superseded: int
     saves_failed: int
@@ -276,6 +277,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
     # client lets what it already handed off reach the daemon.)
     cache = wb = None  # nothing of the live cache survives
     kv.close()
+    coalesced = kv.client_stats()["client_saves_coalesced"]
 
     # 3. Restart: a new client and session restore the newest snapshot and
     # go on with the conversation: the whole of it, plus a new message.
@@ -337,6 +339,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
 
     kv.flush(timeout=60)
     after = kv.stats()
+    coalesced += int(after["client_saves_coalesced"])
     try:
         kv.delete(MODEL_ID, sid)
     finally:
@@ -363,6 +366,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
         decode_same_tokens=all(len(v) == 1 for v in outputs.values()),
         saves_sent=sent,
         saves_dropped=dropped,
+        saves_coalesced=coalesced,
         saves_written=delta("saves_written"),
         saves_superseded=delta("saves_superseded"),
         saves_failed=delta("saves_failed"),
@@ -428,7 +432,9 @@ def print_report(rep: Report) -> None:
     wbt.add_row("saves sent by the loops", f"{rep.saves_sent}",
                 f"{rep.saves_dropped} dropped by the client")
     wbt.add_row("written to disk", f"{rep.saves_written}", f"{rep.saves_failed} failed")
-    wbt.add_row("coalesced (superseded)", f"{rep.saves_superseded}",
+    wbt.add_row("coalesced in the client", f"{rep.saves_coalesced}",
+                "a newer save came within the send interval")
+    wbt.add_row("coalesced in the daemon (superseded)", f"{rep.saves_superseded}",
                 "a newer save came while pending")
     wbt.add_row("bytes written", _mib(rep.bytes_written),
                 f"cache: {_mib(rep.cache_bytes)}")

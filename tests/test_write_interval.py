@@ -1,16 +1,22 @@
 """--min-write-interval: a cache saved again soon after a write is held, and only
 its newest save is written; a flush, a load, a delete, memory pressure and
 SIGTERM each end the wait. Files are read back with the safetensors package.
-Held saves also show which loads skip the daemon (see the second part)."""
+Held saves also show which loads skip the daemon (see the second part). The
+clients of those parts send every save at once (min_send_interval=0); the
+third part holds saves in the client instead."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from safetensors import safe_open
@@ -19,9 +25,9 @@ from kvkeeper.client.client import Client
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import TOKENS_KEY
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
 from .faultkit import filled
-from .tiny import prefill, prompt, tiny_llama
+from .tiny import greedy_decode, prefill, prompt, tiny_llama
 
 FP = "tiny-llama-interval"
 LONG = 60.0  # an interval no test outlasts: whatever ends a hold here is not the clock
@@ -72,7 +78,7 @@ def holding(short_dir: Path, versions) -> Iterator[tuple[Path, Client]]:
     version 0 on disk and version 3 held."""
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
     try:
-        with Client(d.socket, timeout=WAIT) as kv:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
             save_then_hold(kv, d.root, versions)
             yield d.root, kv
     finally:
@@ -91,7 +97,7 @@ def test_held_saves_coalesce_and_flush_writes_the_newest(holding, versions) -> N
 def test_a_held_save_is_written_when_its_interval_ends(short_dir: Path, versions) -> None:
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=0.5)
     try:
-        with Client(d.socket, timeout=WAIT) as kv:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save(FP, "c", *versions[0])
             wait_for(lambda: tokens_on_disk(d.root, "c") == versions[0][1], "the first save")
             assert kv.save(FP, "c", *versions[1])
@@ -105,7 +111,7 @@ def test_a_held_save_is_written_when_its_interval_ends(short_dir: Path, versions
 def test_interval_zero_writes_every_save(short_dir: Path, versions) -> None:
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=0.0)
     try:
-        with Client(d.socket, timeout=WAIT) as kv:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
             for cache, tokens in versions:
                 assert kv.save(FP, "c", cache, tokens)
                 wait_for(lambda t=tokens: tokens_on_disk(d.root, "c") == t, "each save")
@@ -140,7 +146,7 @@ def test_saves_are_not_held_when_memory_is_short(short_dir: Path) -> None:
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG,
                      max_pending_bytes=8 << 20)
     try:
-        with Client(d.socket, timeout=WAIT) as kv:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
             for i in range(3):
                 layer = KVCache()
                 k = mx.full((1, 8, 1024, 128), i, dtype=mx.bfloat16)  # 2 MiB, keys and values
@@ -157,7 +163,7 @@ def test_sigterm_writes_a_held_save(short_dir: Path, versions) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, "--min-write-interval", str(LONG))
     try:
-        with Client(sock, timeout=WAIT) as kv:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             save_then_hold(kv, root, versions)
             assert stop_process(proc) == 0
         assert tokens_on_disk(root, "c") == versions[-1][1]
@@ -176,7 +182,7 @@ def test_a_load_reads_directly_unless_this_client_has_a_save_pending(
         short_dir: Path, versions) -> None:
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
     try:
-        with Client(d.socket, timeout=WAIT) as a, Client(d.socket, timeout=WAIT) as b:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as a, Client(d.socket, timeout=WAIT, min_send_interval=0) as b:
             assert a.save(FP, "c", *versions[0]) and a.flush(WAIT)
             assert a.load(FP, "c").token_ids == versions[0][1]
             assert (a.stats()["loads_direct"], a.stats().get("loads_found", 0)) == (1, 0)
@@ -202,14 +208,14 @@ def test_a_client_reads_the_root_of_the_daemon_it_reconnected_to(
         short_dir: Path, versions) -> None:
     sock = short_dir / "kv.sock"
     first = start_daemon(short_dir / "root-1", sock)
-    kv = Client(sock, timeout=WAIT)
+    kv = Client(sock, timeout=WAIT, min_send_interval=0)
     try:
         assert kv.save(FP, "c", *versions[0]) and kv.flush(WAIT)
         first.stop()
         wait_for(lambda: not kv.connected, "the client to see the daemon go")
         second = start_daemon(short_dir / "root-2", sock)
         try:
-            with Client(sock, timeout=WAIT) as other:
+            with Client(sock, timeout=WAIT, min_send_interval=0) as other:
                 assert other.save(FP, "c", *versions[1]) and other.flush(WAIT)
             wait_for(lambda: kv.connected, "the client to reconnect")
             # Reading root-1 (where this client's daemon used to keep it) would
@@ -228,7 +234,7 @@ def test_a_flush_waits_for_the_save_that_replaced_its_own(short_dir: Path, versi
     # flush must answer for version 2, or a's next load would read version 0.
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
     try:
-        with Client(d.socket, timeout=WAIT) as a, Client(d.socket, timeout=WAIT) as b:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as a, Client(d.socket, timeout=WAIT, min_send_interval=0) as b:
             save_then_hold(a, d.root, versions[:2])
             assert b.save(FP, "c", *versions[2])
             wait_for(lambda: b.stats()["saves_superseded"] == 1, "b's save to replace a's")
@@ -246,7 +252,7 @@ def test_memory_pressure_releases_held_saves(short_dir: Path, versions) -> None:
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG,
                      max_pending_bytes=8 << 20)
     try:
-        with Client(d.socket, timeout=WAIT) as kv:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
             save_then_hold(kv, d.root, versions)
             assert kv.save(FP, "big", filled(3.5, 1, layers=1), [1])
             wait_for(lambda: tokens_on_disk(d.root, "c") == versions[-1][1], "the held save")
@@ -257,7 +263,7 @@ def test_memory_pressure_releases_held_saves(short_dir: Path, versions) -> None:
 def test_large_saves_are_never_held(short_dir: Path) -> None:
     d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=LONG)
     try:
-        with Client(d.socket, timeout=WAIT) as kv:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
             for v in (1, 2):
                 assert kv.save(FP, "big", filled(65, v, layers=1), [v])
                 wait_for(lambda v=v: tokens_on_disk(d.root, "big") == [v], f"save {v}")
@@ -275,7 +281,7 @@ def test_an_older_daemon_is_always_asked(short_dir: Path, versions) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, env={"PYTHONPATH": str(site)})
     try:
-        with Client(sock, timeout=WAIT) as kv:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.ping().version == "0.1.0"
             assert kv.save(FP, "c", *versions[0]) and kv.flush(WAIT)
             assert kv.load(FP, "c").token_ids == versions[0][1]
@@ -283,3 +289,199 @@ def test_an_older_daemon_is_always_asked(short_dir: Path, versions) -> None:
             assert (s.get("loads_direct", 0), s["loads_found"]) == (0, 1)
     finally:
         stop_process(proc)
+
+
+# ------------------------------------------------------------ the client's send interval
+# Client(min_send_interval=S): a save of a cache this client sent less than S
+# ago waits in the client, unsent, and a newer save replaces it. The daemons
+# here write every save they receive (interval 0), so what reaches the disk
+# is what the client sent.
+
+
+@contextmanager
+def writing_every_save(short_dir: Path) -> Iterator[RunningDaemon]:
+    """A daemon that writes every save it receives at once (interval 0)."""
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", min_write_interval=0.0)
+    try:
+        yield d
+    finally:
+        if d.thread.is_alive():
+            d.stop()
+
+
+@pytest.fixture
+def sender(short_dir: Path, versions) -> Iterator[tuple[Path, Client]]:
+    """A daemon writing every save at once, and a client with a long send
+    interval whose cache "c" has version 0 on disk and version 3 waiting."""
+    with writing_every_save(short_dir) as d:
+        with Client(d.socket, timeout=WAIT, min_send_interval=LONG) as kv:
+            assert kv.save(FP, "c", *versions[0])  # never sent before: goes at once
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[0][1], "the first save")
+            for cache, tokens in versions[1:]:
+                assert kv.save(FP, "c", cache, tokens)
+            wait_for(lambda: kv.client_stats()["client_saves_coalesced"] == 2,
+                     "versions 1 and 2 to be replaced in the client")
+            s = kv.stats()
+            assert (s["saves_received"], s["client_held_saves"]) == (1, 1)
+            assert tokens_on_disk(d.root, "c") == versions[0][1]
+            yield d.root, kv
+
+
+def test_a_client_sends_one_save_per_interval_and_flush_sends_the_newest(sender,
+                                                                         versions) -> None:
+    root, kv = sender
+    assert kv.load(FP, "other") is None  # another key's load leaves it waiting
+    assert kv.stats()["client_held_saves"] == 1
+    assert kv.flush(WAIT) is True
+    assert tokens_on_disk(root, "c") == versions[-1][1]
+    s = kv.stats()
+    assert (s["saves_received"], s["saves_written"], s["client_held_saves"]) == (2, 2, 0)
+    assert s["client_saves_sent"] == 2 and s["client_inflight_bytes"] == 0
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_load_sends_the_waiting_save_first(sender, versions, verify: bool) -> None:
+    root, kv = sender
+    got = kv.load(FP, "c", verify=verify)
+    assert got is not None and got.token_ids == versions[-1][1]
+    assert tokens_on_disk(root, "c") == versions[-1][1]
+    assert kv.stats()["client_held_saves"] == 0
+
+
+def test_a_delete_comes_after_the_waiting_save(sender) -> None:
+    root, kv = sender
+    assert kv.delete(FP, "c") is True
+    assert kv.flush(WAIT) is True
+    assert tokens_on_disk(root, "c") is None
+    assert kv.stats()["client_held_saves"] == 0
+
+
+def test_close_sends_the_waiting_save(short_dir: Path, versions) -> None:
+    with writing_every_save(short_dir) as d:
+        kv = Client(d.socket, timeout=WAIT, min_send_interval=LONG)
+        assert kv.save(FP, "c", *versions[0])
+        assert kv.save(FP, "c", *versions[1])
+        kv.close()
+        assert kv.client_stats()["client_saves_sent"] == 2
+        wait_for(lambda: tokens_on_disk(d.root, "c") == versions[1][1], "the waiting save")
+
+
+def test_a_waiting_save_goes_when_its_interval_ends(short_dir: Path, versions) -> None:
+    with writing_every_save(short_dir) as d:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0.5) as kv:
+            for cache, tokens in versions:
+                assert kv.save(FP, "c", cache, tokens)
+            # No flush, no load: only the end of the interval sends the newest.
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[-1][1], "the newest save")
+            s = kv.stats()
+            assert s["saves_received"] + s["client_saves_coalesced"] == len(versions)
+            assert s["saves_received"] >= 2 and s["client_held_saves"] == 0
+
+
+def test_what_the_client_sends_at_once(short_dir: Path, versions) -> None:
+    # Interval 0; a save over 64 MiB; a save taking the in-flight budget past
+    # half: each goes as it comes, with no flush.
+    with writing_every_save(short_dir) as d:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
+            for cache, tokens in versions:
+                assert kv.save(FP, "c", cache, tokens)
+            wait_for(lambda: kv.stats()["saves_received"] == len(versions), "every save")
+        with Client(d.socket, timeout=WAIT, min_send_interval=LONG) as kv:
+            for v in (1, 2):
+                assert kv.save(FP, "big", filled(65, v, layers=1), [v])
+                wait_for(lambda v=v: tokens_on_disk(d.root, "big") == [v], f"65 MiB save {v}")
+        with Client(d.socket, timeout=WAIT, min_send_interval=LONG,
+                    max_inflight_bytes=6 << 20) as kv:
+            for v in (1, 2):
+                assert kv.save(FP, "mid", filled(3.5, v, layers=1), [v])
+                wait_for(lambda v=v: tokens_on_disk(d.root, "mid") == [v], f"3.5 MiB save {v}")
+            assert kv.client_stats()["client_saves_coalesced"] == 0
+
+
+def test_a_waiting_save_is_the_cache_as_it_was_at_save(short_dir: Path) -> None:
+    """While a save waits in the client, decoding rewrites rows it holds in
+    place; what is written is still the cache as it was at save()."""
+    model = tiny_llama(seed=4)
+    tokens = prompt(40, seed=4)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    before = _rows(cache, 0, 40)
+    with writing_every_save(short_dir) as d:
+        with Client(d.socket, timeout=WAIT, min_send_interval=LONG) as kv:
+            assert kv.save(FP, "iso", filled(0.1, 0, layers=1), [0])  # goes at once
+            wait_for(lambda: tokens_on_disk(d.root, "iso") == [0], "the first save")
+            assert kv.save(FP, "iso", cache, tokens)
+            wait_for(lambda: kv.client_stats()["client_held_saves"] == 1, "the save to wait")
+            for c in cache:
+                c.trim(20)
+            greedy_decode(model, cache, tokens[-1], 20)  # rewrites rows 20..39 in place
+            assert not all(np.array_equal(a, b[..., 20:40, :])  # really rewritten
+                           for a, b in zip(_rows(cache, 20, 40), before, strict=True))
+            assert kv.flush(WAIT) is True
+            assert tokens_on_disk(d.root, "iso") == tokens
+            got = kv.load(FP, "iso")
+            assert got is not None
+            for a, b in zip(_rows(got.cache, 0, 40), before, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def _rows(cache: list, start: int, end: int) -> list[np.ndarray]:
+    """Rows start..end of every layer's keys and values, as raw bf16 bits."""
+    out = []
+    for layer in cache:
+        for a in layer.state[:2]:
+            out.append(np.array(a[..., start:end, :].view(mx.uint16)))
+    return out
+
+
+def test_a_waiting_save_is_counted_lost_when_the_daemon_is_gone(short_dir: Path,
+                                                                 versions) -> None:
+    with writing_every_save(short_dir) as d:
+        kv = Client(d.socket, timeout=WAIT, min_send_interval=LONG)
+        assert kv.save(FP, "c", *versions[0])
+        wait_for(lambda: tokens_on_disk(d.root, "c") == versions[0][1], "the first save")
+        assert kv.save(FP, "c", *versions[1])
+        wait_for(lambda: kv.client_stats()["client_held_saves"] == 1, "the save to wait")
+        d.stop()
+        wait_for(lambda: not kv.connected, "the client to see the daemon go")
+        kv.close()
+        s = kv.client_stats()
+        assert (s["client_saves_lost"], s["client_held_saves"]) == (1, 0)
+        assert s["client_inflight_bytes"] == 0
+
+
+def test_a_save_past_half_the_in_flight_budget_sends_the_waiting_ones(short_dir: Path,
+                                                                      versions) -> None:
+    with writing_every_save(short_dir) as d:
+        with Client(d.socket, timeout=WAIT, min_send_interval=LONG,
+                    max_inflight_bytes=6 << 20) as kv:
+            assert kv.save(FP, "c", *versions[0])
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[0][1], "the first save")
+            assert kv.save(FP, "c", *versions[1])
+            wait_for(lambda: kv.client_stats()["client_held_saves"] == 1, "the save to wait")
+            assert kv.save(FP, "big", filled(3.5, 1, layers=1), [1])
+            wait_for(lambda: tokens_on_disk(d.root, "c") == versions[1][1], "the waiting save")
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+
+kv = Client(sys.argv[1], timeout=30, min_send_interval=60)
+for v in (1, 2):
+    layer = KVCache()
+    x = mx.full((1, 2, 8, 16), float(v), dtype=mx.bfloat16)
+    layer.update_and_fetch(x, x)
+    assert kv.save("tiny-llama-interval", "exit", [layer], [v] * 8)
+# No flush, no close: version 2 is still waiting out the interval.
+"""
+
+
+def test_a_normal_exit_sends_what_a_client_still_holds(short_dir: Path) -> None:
+    with writing_every_save(short_dir) as d:
+        proc = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(d.socket)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        wait_for(lambda: tokens_on_disk(d.root, "exit") == [2] * 8, "version 2")

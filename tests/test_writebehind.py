@@ -67,7 +67,9 @@ def test_snapshots_while_streaming_restore_exactly(model, tok, client: Client,
     assert client.flush(timeout=WAIT) is True
     after = daemon_counts(client)
     received = after["saves_received"] - before["saves_received"]
-    assert received == 5
+    # A save of a cache sent within the client's send interval waits in the
+    # client, and a newer one replaces it; the flush sent the newest.
+    assert received + client.client_stats()["client_saves_coalesced"] == 5 and received >= 2
     assert (after["saves_written"] - before["saves_written"]
             + after["saves_superseded"] - before["saves_superseded"]) == received
     assert after["saves_failed"] == before["saves_failed"]

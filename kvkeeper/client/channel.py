@@ -10,16 +10,25 @@ What the client holds in flight is bounded in bytes, not in messages: a save
 is taken whole or not at all, and its bytes stay reserved until ZeroMQ has
 handed the last of them to the kernel (the frames are sent without copying, so
 until then they still point into the cache's arrays).
+
+A save of a cache sent less than ``min_send_interval`` ago waits in the I/O
+thread until that interval is over, unbuilt, and a newer save of the cache
+replaces it: a loop saving every few tokens then sends (and the daemon
+receives) one save per interval, not one per call. A request that must see
+the cache's saves (flush, a load or delete of it) and closing send the waiting
+save first, so nothing that asks for a save waits for the interval.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -33,6 +42,14 @@ from kvkeeper.protocol import messages as m
 log = logging.getLogger("kvkeeper.client")
 
 Frames = Sequence[bytes | memoryview]
+Key = tuple[str, str]  # (model, cache id)
+#: A request's ``release`` that sends every save waiting out the interval.
+ALL_KEYS: Key = ("", "")  # no real key is empty (naming.check_key)
+#: Larger saves never wait: a waiting save keeps the cache's buffers shared,
+#: so MLX copies them at the next decode step, and sending one takes long
+#: enough that newer saves coalesce in the daemon anyway (its own hold stops
+#: at the same size).
+HOLD_MAX_BYTES = 64 * 1024 * 1024
 #: ZeroMQ's send queue counts messages; keep well under its high-water mark so
 #: that a save, once started, never meets a full queue half way (many tiny
 #: saves could otherwise fit the byte budget but not the queue).
@@ -54,6 +71,24 @@ def _libc_write() -> Callable[[int, bytes, int], int] | None:
 _write_holding_gil = _libc_write()
 
 
+#: Channels not closed yet (each one's I/O thread keeps it alive): at a normal
+#: interpreter exit, saves waiting out the send interval or on their way still
+#: go to the daemon, as close() sends them.
+_open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def _close_open_channels() -> None:
+    for channel in list(_open_channels):
+        channel.close()
+
+
+# Before atexit handlers: pyzmq's own (registered when its first zero-copy
+# send starts its garbage collector, so after ours) refuses zero-copy sends.
+# threading._register_atexit runs at thread shutdown, before them; the
+# standard library's concurrent.futures relies on it.
+getattr(threading, "_register_atexit", atexit.register)(_close_open_channels)
+
+
 class DaemonUnavailable(ConnectionError):
     """The daemon is not running or did not answer in time."""
 
@@ -66,13 +101,15 @@ class _Save:
     build: Callable[[], Messages] | None  # run on the I/O thread, then dropped
     nbytes: int
     count: int  # messages reserved in the budget (an estimate until built)
+    key: Key
     messages: Messages = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class _Request:
-    header: bytes
+    header: bytes | None  # None: nothing to send, only the release
     req: int
+    release: Key | None = None  # send this key's waiting save first (ALL_KEYS: every one)
     future: Future[m.Reply] = field(default_factory=Future)
 
 
@@ -85,6 +122,7 @@ class ChannelCounters:
     saves_sent: int = 0
     saves_lost: int = 0  # handed off, but never sent whole (pipe broke, or building failed)
     saves_refused: int = 0  # the daemon said no (busy, too large, ...)
+    saves_coalesced: int = 0  # replaced by a newer save of the cache while waiting to be sent
     bytes_sent: int = 0
 
 
@@ -94,10 +132,12 @@ class Channel:
         endpoint: str,
         *,
         max_inflight_bytes: int,
+        min_send_interval: float = 0.0,
         on_refused: Callable[[m.SaveRefused], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.max_inflight_bytes = max_inflight_bytes
+        self.min_send_interval = min_send_interval
         self.counters = ChannelCounters()
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
@@ -107,6 +147,11 @@ class Channel:
         self._waiting: dict[int, _Request] = {}
         self._inflight_bytes = 0
         self._inflight_messages = 0
+        # The I/O thread's alone: saves waiting out the interval, and when each
+        # key's last save was sent.
+        self._held: dict[Key, _Save] = {}
+        self._sent_at: dict[Key, float] = {}
+        self._prune_at = 4096
         self._req_ids = itertools.count(1)
         self._save_ids = itertools.count(1)
         self._closing = threading.Event()
@@ -116,12 +161,18 @@ class Channel:
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="kvkeeper-client-io", daemon=True)
         self._thread.start()
+        _open_channels.add(self)
 
     # ------------------------------------------------------------ caller side
 
     @property
     def inflight_bytes(self) -> int:
         return self._inflight_bytes
+
+    @property
+    def held_saves(self) -> int:
+        """Saves waiting out ``min_send_interval`` (their bytes count in flight)."""
+        return len(self._held)
 
     def next_save_id(self) -> int:
         return next(self._save_ids)
@@ -139,24 +190,31 @@ class Channel:
             self._inflight_messages += nmessages
             return True
 
-    def send_save(self, build: Callable[[], Messages], nbytes: int, nmessages: int) -> None:
-        """Queue a save whose room was reserved (``nbytes``, and ``nmessages``
-        as estimated); never blocks. The I/O thread calls ``build`` for the
-        messages, so the caller's thread does not pay for them."""
-        self._push(_Save(build, nbytes, nmessages), hand_over=False)
+    def send_save(self, key: Key, build: Callable[[], Messages], nbytes: int,
+                  nmessages: int) -> None:
+        """Queue a save of ``key`` whose room was reserved (``nbytes``, and
+        ``nmessages`` as estimated); never blocks. The I/O thread calls
+        ``build`` for the messages, so the caller's thread does not pay for
+        them."""
+        self._push(_Save(build, nbytes, nmessages, key), hand_over=False)
 
-    def request(self, make: Callable[[int], m.Request], timeout: float) -> m.Reply:
-        """Send a request and wait for its reply; raises DaemonUnavailable."""
-        return self.wait(self.send_request(make), timeout)
+    def request(self, make: Callable[[int], m.Request], timeout: float, *,
+                release: Key | None = None) -> m.Reply:
+        """Send a request and wait for its reply; raises DaemonUnavailable.
+        ``release`` as for ``send_request``."""
+        return self.wait(self.send_request(make, release=release), timeout)
 
-    def send_request(self, make: Callable[[int], m.Request]) -> PendingReply:
+    def send_request(self, make: Callable[[int], m.Request], *,
+                     release: Key | None = None) -> PendingReply:
         """Send a request without waiting; ``wait`` collects the reply, so the
-        caller can work while the daemon answers. Raises DaemonUnavailable
-        when the daemon is not connected."""
+        caller can work while the daemon answers. A save of ``release``
+        waiting out the send interval goes just before it (``ALL_KEYS``: every
+        waiting save). Raises DaemonUnavailable when the daemon is not
+        connected."""
         if not self.connected.is_set():
             raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
         req = self.next_req_id()
-        item = _Request(m.encode(make(req)), req)
+        item = _Request(m.encode(make(req)), req, release)
         with self._lock:
             self._waiting[req] = item
         self._push(item, hand_over=True)
@@ -184,6 +242,8 @@ class Channel:
         """Give queued saves up to ``timeout`` to reach the daemon, then stop."""
         if self._closing.is_set():
             return
+        _open_channels.discard(self)
+        self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
         deadline = threading.Event()
         waited = 0.0
         while (self._outbox or self._inflight_bytes) and self.connected.is_set() and waited < timeout:
@@ -250,8 +310,13 @@ class Channel:
         trackers: deque[tuple[zmq.MessageTracker, _Save]] = deque()
         try:
             while not self._closing.is_set():
-                # Poll briefly while sends are in flight so their bytes are released soon.
-                events = dict(poller.poll(2 if trackers else 200))
+                # Poll briefly while sends are in flight so their bytes are released
+                # soon, and no longer than until the next held save is due.
+                wait_ms = 2 if trackers else 200
+                if self._held:
+                    due = min(self._sent_at[k] for k in self._held) + self.min_send_interval
+                    wait_ms = min(wait_ms, max(0, int((due - time.monotonic()) * 1000) + 1))
+                events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
                     try:
                         while os.read(self._wake_r, 4096):
@@ -263,12 +328,18 @@ class Channel:
                 if sock in events:
                     self._receive(sock)
                 self._send_outbox(sock, trackers)
+                self._send_due(sock, trackers)
                 while trackers and trackers[0][0].done:
                     # No local name for the save: holding it one loop longer would
                     # keep the cache's buffers shared, and MLX would copy the
                     # whole cache on the next decode step.
                     self._release_save(trackers.popleft()[1])
         finally:
+            # Held saves not sent by now (no daemon) never will be.
+            self.counters.saves_lost += len(self._held)
+            for save in self._held.values():
+                self._release_save(save)
+            self._held.clear()
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
@@ -325,19 +396,80 @@ class Channel:
                     return
                 item = self._outbox.popleft()
             if isinstance(item, _Request):
+                if item.release is not None:
+                    self._send_held(sock, trackers, item.release)
+                if item.header is None:
+                    continue
                 try:
                     sock.send(item.header, zmq.NOBLOCK)
                 except zmq.ZMQError as exc:
                     item.future.set_exception(DaemonUnavailable(f"cannot reach the daemon: {exc}"))
                 continue
-            if not self._build(item):
-                self._release_save(item)
-                continue
-            tracker = self._send_save(sock, item)
-            if tracker is None:
-                self._release_save(item)
+            older = self._held.pop(item.key, None)
+            if older is not None:
+                # Never built, never sent: the newer save answers for it.
+                self.counters.saves_coalesced += 1
+                self._release_save(older)
+            if self._may_hold(item):
+                self._held[item.key] = item
             else:
-                trackers.append((tracker, item))
+                self._transmit(sock, trackers, item)
+
+    def _may_hold(self, save: _Save) -> bool:
+        """Whether ``save`` waits out the send interval: its key was sent less
+        than the interval ago, it is small, and the budget is at most half used
+        (a full budget would drop saves to keep one waiting)."""
+        sent = self._sent_at.get(save.key)
+        return (sent is not None
+                and time.monotonic() - sent < self.min_send_interval
+                and save.nbytes <= HOLD_MAX_BYTES
+                and self._inflight_bytes <= self.max_inflight_bytes // 2)
+
+    def _send_due(
+        self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, _Save]]
+    ) -> None:
+        """Send the held saves whose interval is over (all of them when the
+        budget is more than half used)."""
+        if not self._held:
+            return
+        if self._inflight_bytes > self.max_inflight_bytes // 2:
+            self._send_held(sock, trackers, ALL_KEYS)
+            return
+        now = time.monotonic()
+        for key in [k for k in self._held if now - self._sent_at[k] >= self.min_send_interval]:
+            self._transmit(sock, trackers, self._held.pop(key))
+
+    def _send_held(
+        self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, _Save]], key: Key
+    ) -> None:
+        if key == ALL_KEYS:
+            held, self._held = list(self._held.values()), {}
+        else:
+            one = self._held.pop(key, None)
+            held = [] if one is None else [one]
+        for save in held:
+            self._transmit(sock, trackers, save)
+
+    def _transmit(
+        self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, _Save]], save: _Save
+    ) -> None:
+        """Build a save's messages and send them; its bytes stay reserved
+        until ZeroMQ lets go of the last frame."""
+        if self.min_send_interval > 0:
+            now = time.monotonic()
+            if len(self._sent_at) > self._prune_at:
+                self._sent_at = {k: t for k, t in self._sent_at.items()
+                                 if now - t < self.min_send_interval or k in self._held}
+                self._prune_at = max(4096, 2 * len(self._sent_at))
+            self._sent_at[save.key] = now
+        if not self._build(save):
+            self._release_save(save)
+            return
+        tracker = self._send_save(sock, save)
+        if tracker is None:
+            self._release_save(save)
+        else:
+            trackers.append((tracker, save))
 
     def _build(self, save: _Save) -> bool:
         """Turn a queued save into its messages, and its message reservation
@@ -363,7 +495,7 @@ class Channel:
         for i, msg in enumerate(save.messages):
             try:
                 t = sock.send_multipart(msg, zmq.NOBLOCK, copy=False, track=(i == last))
-            except zmq.ZMQError as exc:
+            except (zmq.ZMQError, RuntimeError) as exc:  # RuntimeError: pyzmq shutting down
                 # Nothing more of this save goes out; the daemon drops the part it
                 # got when this client's next save starts (or after its stall timeout).
                 self.counters.saves_lost += 1

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvkeeper import __version__, config
-from kvkeeper.client.channel import Channel, DaemonUnavailable
+from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonUnavailable
 from kvkeeper.client.codec import CacheCapture, capture_cache, encode_capture
 from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
 from kvkeeper.protocol import messages as m
@@ -47,7 +47,6 @@ JOIN_BYTES = 2 * 1024 * 1024
 #: Keys with unsettled saves a client remembers one by one; past that, a
 #: stand-in for every key makes all loads ask the daemon until a flush.
 _MAX_UNSETTLED = 100_000
-_ALL_KEYS = ("", "")  # no real key is empty (naming.check_key)
 
 __all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "LoadedCache"]
 
@@ -60,7 +59,12 @@ class Client:
     defaults to what the daemon reports, else ``$KVKEEPER_ROOT`` or the
     per-user default. ``max_inflight_bytes`` bounds what saves may hold
     before the daemon has taken their bytes; a save that does not fit is
-    dropped, never waited for. ``timeout`` caps every wait for the daemon.
+    dropped, never waited for. A save (of up to 64 MiB) of a cache this
+    client sent less than ``min_send_interval`` seconds ago waits in the
+    client until then, and a newer save of the cache replaces it: ``flush()``,
+    a ``load()`` or ``delete()`` of the cache and ``close()`` send it at once
+    (0 sends every save as it comes). ``timeout`` caps every wait for the
+    daemon.
     """
 
     def __init__(
@@ -69,12 +73,15 @@ class Client:
         *,
         root: str | os.PathLike[str] | None = None,
         max_inflight_bytes: int = 2 * GiB,
+        min_send_interval: float = 0.25,
         timeout: float = 10.0,
         connect_timeout: float = 1.0,
     ) -> None:
         self.socket_path = Path(socket) if socket is not None else config.default_socket()
         self._root_override = Path(root) if root is not None else None
         self._daemon_root: Path | None = None
+        if not min_send_interval >= 0:
+            raise ValueError(f"min_send_interval must be >= 0 seconds, not {min_send_interval!r}")
         self.timeout = timeout
         self._lock = threading.Lock()
         self._max_save_bytes: int | None = None
@@ -92,6 +99,7 @@ class Client:
         self._channel = Channel(
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
+            min_send_interval=min_send_interval,
             on_refused=self._refused,
         )
         # With IMMEDIATE set, a save before the connection is up would be dropped:
@@ -112,7 +120,8 @@ class Client:
 
     def close(self, timeout: float = 5.0) -> None:
         """Give saves already handed off up to ``timeout`` to reach the daemon
-        (not to be written: use ``flush()`` for that), then disconnect."""
+        (not to be written: use ``flush()`` for that), then disconnect. A
+        normal interpreter exit closes clients still open."""
         if self._closed:
             return
         self._closed = True
@@ -176,6 +185,7 @@ class Client:
         if not self._channel.reserve(cap.nbytes, estimate):
             return self._drop_inflight()
         self._channel.send_save(
+            (model, cache_id),
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
             cap.nbytes, estimate,
         )
@@ -183,7 +193,7 @@ class Client:
             self._saves += 1
             if len(self._unsettled) >= _MAX_UNSETTLED:
                 # Past this many keys, every load asks the daemon until a flush.
-                self._unsettled = {_ALL_KEYS: self._saves}
+                self._unsettled = {ALL_KEYS: self._saves}
             self._unsettled[(model, cache_id)] = self._saves
         return True
 
@@ -309,7 +319,8 @@ class Client:
             mark = self._unsettled.get(key)
         try:
             pending = self._channel.send_request(
-                lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id)
+                lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
+                release=key,
             )
         except DaemonUnavailable:
             return self._conclude(model, cache_id, _read(guess, verify, model, cache_id))
@@ -336,7 +347,7 @@ class Client:
         client has no save of the key it has not waited for, and the root was
         named by the daemon on this very connection (not an older daemon's)."""
         if (not self._channel.connected.is_set() or key in self._unsettled
-                or _ALL_KEYS in self._unsettled):
+                or ALL_KEYS in self._unsettled):
             return False
         if self._root_seen_at != self._channel.connections:
             try:
@@ -388,7 +399,8 @@ class Client:
         """
         with self._lock:
             mark = self._saves
-        reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout)
+        reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout,
+                              release=ALL_KEYS)
         assert isinstance(reply, m.Flushed)
         with self._lock:
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
@@ -408,7 +420,8 @@ class Client:
         with self._lock:
             mark = self._unsettled.get((model, cache_id))
         reply = self._request(
-            lambda req: m.Delete(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id)
+            lambda req: m.Delete(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
+            release=(model, cache_id),
         )
         assert isinstance(reply, m.Deleted)
         self._settled((model, cache_id), mark)
@@ -436,16 +449,23 @@ class Client:
         reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req))
         assert isinstance(reply, m.Stats)
         out = dict(reply.counters)
+        out.update(self.client_stats())
+        return out
+
+    def client_stats(self) -> dict[str, int]:
+        """This client's own counters (``client_*``); asks no daemon, and works
+        after ``close()``."""
         c = self._channel.counters
-        out.update({
+        return {
             "client_saves_sent": c.saves_sent,
             "client_saves_dropped": self._dropped,
             "client_saves_lost": c.saves_lost,
             "client_saves_refused": c.saves_refused,
+            "client_saves_coalesced": c.saves_coalesced,
             "client_bytes_sent": c.bytes_sent,
             "client_inflight_bytes": self._channel.inflight_bytes,
-        })
-        return out
+            "client_held_saves": self._channel.held_saves,
+        }
 
     def ping(self, timeout: float | None = None) -> m.Pong:
         """Ask the daemon who it is; raises DaemonUnavailable."""
@@ -458,11 +478,12 @@ class Client:
         self._max_save_bytes = reply.max_save_bytes
         return reply
 
-    def _request(self, make: Any, timeout: float | None = None) -> m.Reply:
+    def _request(self, make: Any, timeout: float | None = None, *,
+                 release: tuple[str, str] | None = None) -> m.Reply:
         if self._closed:
             raise RuntimeError("client is closed")
-        return self._reply(
-            self._channel.request(make, self.timeout if timeout is None else timeout))
+        return self._reply(self._channel.request(
+            make, self.timeout if timeout is None else timeout, release=release))
 
     @staticmethod
     def _reply(reply: m.Reply) -> m.Reply:
