@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from benchmarks.common import (
     MODEL,
@@ -89,7 +90,11 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         "runs_per_mode": prof.gen_runs,
         "tokens_per_s_no_saves": summarize(off_tps),
         "tokens_per_s_with_saves": summarize(on_tps),
-        "ratio": (summarize(on_tps)["median"] / summarize(off_tps)["median"]),
+        # Run r of each mode ran back to back (order alternated): the ratio of
+        # each such pair is measured side by side, and the machine's slow
+        # spells (whole runs 20% slower) hit both sides of a pair alike.
+        "ratio": float(np.median([b / a for a, b in zip(off_tps, on_tps, strict=True)])),
+        "ratio_of_medians": summarize(on_tps)["median"] / summarize(off_tps)["median"],
         "step_no_saves": summarize([s for x in runs["off"] for s in x["steps"]]),
         "step_with_saves_other": summarize([s for x in runs["save"] for s in x["steps"]]),
         "step_first_after_save": summarize([s for x in runs["save"] for s in x["after_save"]]),
@@ -100,6 +105,9 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         # What the daemon did with them: a save of a cache written less than
         # --min-write-interval ago is held, and replaced by the next one.
         "daemon_counters": counters,
+        # Saves the client never sent: a newer one came within its send interval.
+        "client_saves_coalesced": after.get("client_saves_coalesced", 0)
+        - before.get("client_saves_coalesced", 0),
         # CPU the daemon process used while the runs of each mode ran, as a share of one core.
         "daemon_cpu_share_no_saves": daemon_cpu["off"] / sum(x["wall_s"] for x in runs["off"]),
         "daemon_cpu_share_with_saves": daemon_cpu["save"] / sum(x["wall_s"] for x in runs["save"]),
@@ -189,8 +197,9 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     t = res["tiny_model"]
     return [{
         "case": "2 cost to generation",
-        "target": "decode throughput with a save every 16 tokens >= 0.97x without",
-        "measured": {"ratio": t["ratio"],
+        "target": "decode throughput with a save every 16 tokens >= 0.97x without "
+                  "(median of the runs' side-by-side ratios)",
+        "measured": {"ratio": t["ratio"], "ratio_of_medians": t.get("ratio_of_medians"),
                      "tokens_per_s_no_saves": t["tokens_per_s_no_saves"]["median"],
                      "tokens_per_s_with_saves": t["tokens_per_s_with_saves"]["median"]},
         "met": bool(t["ratio"] >= 0.97),
