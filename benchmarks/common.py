@@ -94,7 +94,8 @@ class Profile:
 
 FULL = Profile(
     name="full", shape=LLAMA3_8B, tokens=(256, 1024, 4096),
-    hot_idle_n=20, hot_stream_n=40, stream_pace_s=0.05, sync_reps=5, special_tokens=1024,
+    # At least 100 calls each: a nearest-rank p99 of fewer samples is their maximum.
+    hot_idle_n=100, hot_stream_n=200, stream_pace_s=0.05, sync_reps=5, special_tokens=1024,
     gen_prompt=256, gen_decode=256, gen_runs=15, cow_samples=8,
     disk_tokens=4096, disk_reps=7, load_reps=7,
     resume_lengths=(256, 1024, 2048), resume_reps=5,

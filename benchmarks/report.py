@@ -280,8 +280,10 @@ def _hot(doc: dict[str, Any], png: str) -> list[str]:
                                          else f" {s['kind'].split(':')[0]}")
         rows.append([
             label,
-            f"{_p(s['kvkeeper_save_idle'])} / {_p(s['kvkeeper_save_idle'], 'p99')}",
-            (f"{_p(st['save'])} / {_p(st['save'], 'p99')} ({st['dropped']} dropped)" if st else "—"),
+            f"{_p(s['kvkeeper_save_idle'])} / {_p(s['kvkeeper_save_idle'], 'p99')} "
+            f"(n {s['kvkeeper_save_idle']['n']})",
+            (f"{_p(st['save'])} / {_p(st['save'], 'p99')} (n {st['save']['n']}, "
+             f"{st['dropped']} dropped)" if st else "—"),
             _p(s["sync_reference_new_file"]), _p(s["sync_reference_replace"]),
             _p(s["sync_mlx_lm_save_prompt_cache"]) if s["sync_mlx_lm_save_prompt_cache"]["n"]
             else f"failed: {s.get('sync_mlx_lm_error', '?')[:60]}",
