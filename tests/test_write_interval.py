@@ -465,23 +465,38 @@ def test_a_save_past_half_the_in_flight_budget_sends_the_waiting_ones(short_dir:
 
 _EXIT_WITHOUT_CLOSE = """
 import sys
+import threading
+import time
+
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from kvkeeper import Client
 
 kv = Client(sys.argv[1], timeout=30, min_send_interval=60)
-for v in (1, 2):
-    layer = KVCache()
-    x = mx.full((1, 2, 8, 16), float(v), dtype=mx.bfloat16)
-    layer.update_and_fetch(x, x)
-    assert kv.save("tiny-llama-interval", "exit", [layer], [v] * 8)
+
+
+def saves(pause):
+    time.sleep(pause)
+    for v in (1, 2):
+        layer = KVCache()
+        x = mx.full((1, 2, 8, 16), float(v), dtype=mx.bfloat16)
+        layer.update_and_fetch(x, x)
+        assert kv.save("tiny-llama-interval", "exit", [layer], [v] * 8)
+
+
+if sys.argv[2] == "main":
+    saves(0)
+else:  # the main thread is done before a worker thread saves
+    threading.Thread(target=saves, args=(0.5,)).start()
 # No flush, no close: version 2 is still waiting out the interval.
 """
 
 
-def test_a_normal_exit_sends_what_a_client_still_holds(short_dir: Path) -> None:
+@pytest.mark.parametrize("saver", ["main", "worker"])
+def test_a_normal_exit_sends_what_a_client_still_holds(short_dir: Path, saver: str) -> None:
     with writing_every_save(short_dir) as d:
-        proc = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(d.socket)],
+        proc = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(d.socket), saver],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
+        assert "save_lost" not in proc.stderr and "dropped" not in proc.stderr, proc.stderr
         wait_for(lambda: tokens_on_disk(d.root, "exit") == [2] * 8, "version 2")

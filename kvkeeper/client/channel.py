@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import zmq
+import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
 from zmq.utils.monitor import parse_monitor_message
 
 from kvkeeper.protocol import messages as m
@@ -82,11 +83,12 @@ def _close_open_channels() -> None:
         channel.close()
 
 
-# Before atexit handlers: pyzmq's own (registered when its first zero-copy
-# send starts its garbage collector, so after ours) refuses zero-copy sends.
-# threading._register_atexit runs at thread shutdown, before them; the
-# standard library's concurrent.futures relies on it.
-getattr(threading, "_register_atexit", atexit.register)(_close_open_channels)
+# atexit runs its handlers last registered first, and once pyzmq's garbage
+# collector has run its own, no zero-copy frame can be sent. pyzmq imports that
+# module (which registers the handler) at its first zero-copy send, after this
+# import: importing it here first makes ours run before it. (atexit also waits
+# for non-daemon threads, which may still be saving, to end first.)
+atexit.register(_close_open_channels)
 
 
 class DaemonUnavailable(ConnectionError):
