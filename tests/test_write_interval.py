@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -500,3 +501,44 @@ def test_a_normal_exit_sends_what_a_client_still_holds(short_dir: Path, saver: s
         assert proc.returncode == 0, proc.stderr
         assert "save_lost" not in proc.stderr and "dropped" not in proc.stderr, proc.stderr
         wait_for(lambda: tokens_on_disk(d.root, "exit") == [2] * 8, "version 2")
+
+
+def test_threads_sharing_a_client_read_their_writes_through_the_interval(
+        short_dir: Path) -> None:
+    """Four threads save their own cache 60 times each through one client with
+    a 50 ms send interval, loading and flushing as they go: every load gets
+    the thread's newest save, and every save is either sent or replaced."""
+    errors: list[BaseException] = []
+    saved = [0] * 4
+
+    def work(kv: Client, n: int) -> None:
+        try:
+            key = f"t{n}"
+            for v in range(1, 61):
+                assert kv.save(FP, key, filled(0.05, v, layers=1), [v])
+                saved[n] += 1
+                if v % 10 == 0:
+                    got = kv.load(FP, key, verify=v % 20 == 0)
+                    assert got is not None and got.token_ids == [v], (key, v, got)
+                if v % 15 == 0:
+                    assert kv.flush(WAIT) is True
+                time.sleep(0.002)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    with writing_every_save(short_dir) as d:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0.05) as kv:
+            threads = [threading.Thread(target=work, args=(kv, n)) for n in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT)
+            assert not any(t.is_alive() for t in threads), "a thread hung"
+            assert not errors, errors
+            assert kv.flush(WAIT) is True
+            for n in range(4):
+                assert tokens_on_disk(d.root, f"t{n}") == [60]
+            s = kv.stats()
+            assert s["saves_received"] + s["client_saves_coalesced"] == sum(saved) == 240
+            assert s["client_saves_coalesced"] > 0 and s["client_held_saves"] == 0
+            assert s["saves_written"] + s["saves_superseded"] == s["saves_received"]

@@ -241,7 +241,8 @@ class Channel:
                 self._waiting.pop(pending.req, None)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Give queued saves up to ``timeout`` to reach the daemon, then stop."""
+        """Send the saves waiting out the send interval, give queued saves up
+        to ``timeout`` to reach the daemon, then stop."""
         if self._closing.is_set():
             return
         _open_channels.discard(self)
