@@ -269,6 +269,9 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
         client.save(FP, "x", [])
     with pytest.raises(ValueError, match="metadata"):
         client.save(FP, "x", [c], metadata={"kvkeeper.model": "evil"})
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="min_send_interval"):
+            Client(client.socket_path, min_send_interval=bad)
 
 
 def test_wrong_model_and_corrupt_file_are_clean_misses(model, client: Client) -> None:

@@ -542,3 +542,25 @@ def test_threads_sharing_a_client_read_their_writes_through_the_interval(
             assert s["saves_received"] + s["client_saves_coalesced"] == sum(saved) == 240
             assert s["client_saves_coalesced"] > 0 and s["client_held_saves"] == 0
             assert s["saves_written"] + s["saves_superseded"] == s["saves_received"]
+
+
+def test_a_waiting_save_outlives_a_daemon_restart(short_dir: Path, versions) -> None:
+    root, sock = short_dir / "root", short_dir / "kv.sock"
+    d = start_daemon(root, sock, min_write_interval=0.0)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=2.0) as kv:
+            assert kv.save(FP, "c", *versions[0])
+            sent = time.monotonic()
+            wait_for(lambda: tokens_on_disk(root, "c") == versions[0][1], "the first save")
+            assert kv.save(FP, "c", *versions[1])
+            d.stop()
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            time.sleep(max(0.0, sent + 2.3 - time.monotonic()))  # past due, with no daemon
+            assert kv.client_stats()["client_held_saves"] == 1
+            d = start_daemon(root, sock, min_write_interval=0.0)
+            wait_for(lambda: tokens_on_disk(root, "c") == versions[1][1], "the waiting save")
+            s = kv.client_stats()
+            assert (s["client_saves_lost"], s["client_held_saves"]) == (0, 0)
+    finally:
+        if d.thread.is_alive():
+            d.stop()

@@ -432,8 +432,9 @@ class Channel:
         self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, _Save]]
     ) -> None:
         """Send the held saves whose interval is over (all of them when the
-        budget is more than half used)."""
-        if not self._held:
+        budget is more than half used). Without a daemon they stay held (a
+        newer save still replaces them) until it is back."""
+        if not self._held or not self.connected.is_set():
             return
         if self._inflight_bytes > self.max_inflight_bytes // 2:
             self._send_held(sock, trackers, ALL_KEYS)

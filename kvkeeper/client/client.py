@@ -62,9 +62,10 @@ class Client:
     dropped, never waited for. A save (of up to 64 MiB) of a cache this
     client sent less than ``min_send_interval`` seconds ago waits in the
     client until then, and a newer save of the cache replaces it: ``flush()``,
-    a ``load()`` or ``delete()`` of the cache and ``close()`` send it at once
-    (0 sends every save as it comes). ``timeout`` caps every wait for the
-    daemon.
+    a ``load()`` or ``delete()`` of the cache, ``close()`` (also at a normal
+    interpreter exit) and a save taking the in-flight budget past half send it
+    at once (0 sends every save as it comes). ``timeout`` caps every wait for
+    the daemon.
     """
 
     def __init__(
@@ -80,8 +81,9 @@ class Client:
         self.socket_path = Path(socket) if socket is not None else config.default_socket()
         self._root_override = Path(root) if root is not None else None
         self._daemon_root: Path | None = None
-        if not min_send_interval >= 0:
-            raise ValueError(f"min_send_interval must be >= 0 seconds, not {min_send_interval!r}")
+        if not 0 <= min_send_interval < float("inf"):
+            raise ValueError(f"min_send_interval must be a finite number of seconds >= 0, "
+                             f"not {min_send_interval!r}")
         self.timeout = timeout
         self._lock = threading.Lock()
         self._max_save_bytes: int | None = None
