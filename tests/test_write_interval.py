@@ -557,6 +557,11 @@ def test_a_waiting_save_outlives_a_daemon_restart(short_dir: Path, versions) -> 
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             time.sleep(max(0.0, sent + 2.3 - time.monotonic()))  # past due, with no daemon
             assert kv.client_stats()["client_held_saves"] == 1
+            # Meanwhile the I/O thread sleeps instead of spinning on the overdue
+            # save (it spun: about 1 s of CPU a second).
+            cpu = time.process_time()
+            time.sleep(1.0)
+            assert time.process_time() - cpu < 0.5
             d = start_daemon(root, sock, min_write_interval=0.0)
             wait_for(lambda: tokens_on_disk(root, "c") == versions[1][1], "the waiting save")
             s = kv.client_stats()
@@ -564,3 +569,56 @@ def test_a_waiting_save_outlives_a_daemon_restart(short_dir: Path, versions) -> 
     finally:
         if d.thread.is_alive():
             d.stop()
+
+
+_FORK_AND_EXIT = """
+import os
+import sys
+import time
+
+from kvkeeper import Client
+
+kv = Client(sys.argv[1], timeout=30)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: atexit handlers run, in a child without I/O threads
+deadline = time.monotonic() + 3.0
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() > deadline:
+        sys.exit("the forked child hung at exit")
+    time.sleep(0.01)
+kv.close()
+"""
+
+
+def test_a_forked_child_exits_without_waiting_for_its_parents_channels(short_dir: Path) -> None:
+    with writing_every_save(short_dir) as d:
+        proc = subprocess.run([sys.executable, "-c", _FORK_AND_EXIT, str(d.socket)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_closing_a_channel_from_two_threads_at_once(short_dir: Path, versions) -> None:
+    # What an exit does when a thread is closing its client meanwhile.
+    from kvkeeper import config
+    from kvkeeper.client.channel import Channel
+
+    with writing_every_save(short_dir) as d:
+        channel = Channel(config.endpoint(d.socket), max_inflight_bytes=1 << 30)
+        assert channel.connected.wait(WAIT)
+        errors: list[BaseException] = []
+        start = threading.Barrier(2)
+
+        def close() -> None:
+            start.wait(WAIT)
+            try:
+                channel.close()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=close) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert not errors, errors

@@ -4,7 +4,8 @@ ZeroMQ sockets are not thread-safe, and the generation loop must never wait on
 the daemon, so a single background thread owns the DEALER socket: callers hand
 it work through a queue and a wake-up pipe. Saves and requests share the one
 socket, so they reach the daemon in the order they were made (a load after a
-save sees that save).
+save sees that save), except for a save held back by the send interval (see
+below): requests that must see it send it first, others may pass it.
 
 What the client holds in flight is bounded in bytes, not in messages: a save
 is taken whole or not at all, and its bytes stay reserved until ZeroMQ has
@@ -80,7 +81,15 @@ _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 
 def _close_open_channels() -> None:
     for channel in list(_open_channels):
-        channel.close()
+        try:
+            channel.close()
+        except Exception:  # noqa: BLE001 - the other channels still get their turn
+            log.exception("event=close_failed_at_exit")
+
+
+# A forked child inherits the set but not the I/O threads: closing those
+# channels at its exit would wait for a thread that is not there.
+os.register_at_fork(after_in_child=_open_channels.clear)
 
 
 # atexit runs its handlers last registered first, and once pyzmq's garbage
@@ -122,7 +131,9 @@ PendingReply = _Request
 @dataclass
 class ChannelCounters:
     saves_sent: int = 0
-    saves_lost: int = 0  # handed off, but never sent whole (pipe broke, or building failed)
+    # Handed off, but never sent whole: the pipe broke, building failed, or the
+    # channel closed with the save still queued, held or half sent.
+    saves_lost: int = 0
     saves_refused: int = 0  # the daemon said no (busy, too large, ...)
     saves_coalesced: int = 0  # replaced by a newer save of the cache while waiting to be sent
     bytes_sent: int = 0
@@ -157,6 +168,7 @@ class Channel:
         self._req_ids = itertools.count(1)
         self._save_ids = itertools.count(1)
         self._closing = threading.Event()
+        self._close_claimed = False  # under _lock: only the first close() closes
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -243,8 +255,10 @@ class Channel:
     def close(self, timeout: float = 5.0) -> None:
         """Send the saves waiting out the send interval, give queued saves up
         to ``timeout`` to reach the daemon, then stop."""
-        if self._closing.is_set():
-            return
+        with self._lock:
+            if self._close_claimed:
+                return
+            self._close_claimed = True
         _open_channels.discard(self)
         self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
         deadline = threading.Event()
@@ -316,7 +330,9 @@ class Channel:
                 # Poll briefly while sends are in flight so their bytes are released
                 # soon, and no longer than until the next held save is due.
                 wait_ms = 2 if trackers else 200
-                if self._held:
+                # (Without a daemon held saves wait for the reconnect, which the
+                # monitor socket reports: no due time to wake up for.)
+                if self._held and self.connected.is_set():
                     due = min(self._sent_at[k] for k in self._held) + self.min_send_interval
                     wait_ms = min(wait_ms, max(0, int((due - time.monotonic()) * 1000) + 1))
                 events = dict(poller.poll(wait_ms))
@@ -338,11 +354,22 @@ class Channel:
                     # whole cache on the next decode step.
                     self._release_save(trackers.popleft()[1])
         finally:
-            # Held saves not sent by now (no daemon) never will be.
-            self.counters.saves_lost += len(self._held)
-            for save in self._held.values():
-                self._release_save(save)
+            # Saves not sent whole by now (no daemon, or close() timed out) never
+            # will be: count them, and give their reservations back.
+            with self._lock:
+                queued = [item for item in self._outbox if isinstance(item, _Save)]
+                self._outbox.clear()
+            unsent = [*queued, *self._held.values()]
+            for tracker, save in trackers:
+                if tracker.done:
+                    self._release_save(save)
+                else:
+                    unsent.append(save)
             self._held.clear()
+            trackers.clear()
+            self.counters.saves_lost += len(unsent)
+            for save in unsent:
+                self._release_save(save)
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
@@ -426,7 +453,11 @@ class Channel:
         return (sent is not None
                 and time.monotonic() - sent < self.min_send_interval
                 and save.nbytes <= HOLD_MAX_BYTES
-                and self._inflight_bytes <= self.max_inflight_bytes // 2)
+                and not self._budget_half_used())
+
+    def _budget_half_used(self) -> bool:
+        return (self._inflight_bytes > self.max_inflight_bytes // 2
+                or self._inflight_messages > _MAX_INFLIGHT_MESSAGES // 2)
 
     def _send_due(
         self, sock: zmq.Socket, trackers: deque[tuple[zmq.MessageTracker, _Save]]
@@ -436,7 +467,7 @@ class Channel:
         newer save still replaces them) until it is back."""
         if not self._held or not self.connected.is_set():
             return
-        if self._inflight_bytes > self.max_inflight_bytes // 2:
+        if self._budget_half_used():
             self._send_held(sock, trackers, ALL_KEYS)
             return
         now = time.monotonic()
@@ -459,21 +490,21 @@ class Channel:
     ) -> None:
         """Build a save's messages and send them; its bytes stay reserved
         until ZeroMQ lets go of the last frame."""
-        if self.min_send_interval > 0:
-            now = time.monotonic()
-            if len(self._sent_at) > self._prune_at:
-                self._sent_at = {k: t for k, t in self._sent_at.items()
-                                 if now - t < self.min_send_interval or k in self._held}
-                self._prune_at = max(4096, 2 * len(self._sent_at))
-            self._sent_at[save.key] = now
         if not self._build(save):
             self._release_save(save)
             return
         tracker = self._send_save(sock, save)
         if tracker is None:
             self._release_save(save)
-        else:
-            trackers.append((tracker, save))
+            return
+        trackers.append((tracker, save))
+        if self.min_send_interval > 0:  # the interval runs from a save that went
+            now = time.monotonic()
+            if len(self._sent_at) > self._prune_at:
+                self._sent_at = {k: t for k, t in self._sent_at.items()
+                                 if now - t < self.min_send_interval or k in self._held}
+                self._prune_at = max(4096, 2 * len(self._sent_at))
+            self._sent_at[save.key] = now
 
     def _build(self, save: _Save) -> bool:
         """Turn a queued save into its messages, and its message reservation
