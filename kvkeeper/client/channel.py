@@ -40,6 +40,7 @@ import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before
 from zmq.utils.monitor import parse_monitor_message
 
 from kvkeeper.protocol import messages as m
+from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 
 log = logging.getLogger("kvkeeper.client")
 
@@ -47,11 +48,6 @@ Frames = Sequence[bytes | memoryview]
 Key = tuple[str, str]  # (model, cache id)
 #: A request's ``release`` that sends every save waiting out the interval.
 ALL_KEYS: Key = ("", "")  # no real key is empty (naming.check_key)
-#: Larger saves never wait: a waiting save keeps the cache's buffers shared,
-#: so MLX copies them at the next decode step, and sending one takes long
-#: enough that newer saves coalesce in the daemon anyway (its own hold stops
-#: at the same size).
-HOLD_MAX_BYTES = 64 * 1024 * 1024
 #: ZeroMQ's send queue counts messages; keep well under its high-water mark so
 #: that a save, once started, never meets a full queue half way (many tiny
 #: saves could otherwise fit the byte budget but not the queue).
@@ -114,6 +110,7 @@ class _Save:
     count: int  # messages reserved in the budget (an estimate until built)
     key: Key
     messages: Messages = field(default_factory=list)
+    due: float = 0.0  # while held: when it may be sent
 
 
 @dataclass(eq=False)
@@ -150,7 +147,6 @@ class Channel:
     ) -> None:
         self.endpoint = endpoint
         self.max_inflight_bytes = max_inflight_bytes
-        self.min_send_interval = min_send_interval
         self.counters = ChannelCounters()
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
@@ -163,8 +159,7 @@ class Channel:
         # The I/O thread's alone: saves waiting out the interval, and when each
         # key's last save was sent.
         self._held: dict[Key, _Save] = {}
-        self._sent_at: dict[Key, float] = {}
-        self._prune_at = 4096
+        self._sends = Pacer(min_send_interval)
         self._req_ids = itertools.count(1)
         self._save_ids = itertools.count(1)
         self._closing = threading.Event()
@@ -333,7 +328,7 @@ class Channel:
                 # (Without a daemon held saves wait for the reconnect, which the
                 # monitor socket reports: no due time to wake up for.)
                 if self._held and self.connected.is_set():
-                    due = min(self._sent_at[k] for k in self._held) + self.min_send_interval
+                    due = min(save.due for save in self._held.values())
                     wait_ms = min(wait_ms, max(0, int((due - time.monotonic()) * 1000) + 1))
                 events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
@@ -440,20 +435,20 @@ class Channel:
                 # Never built, never sent: the newer save answers for it.
                 self.counters.saves_coalesced += 1
                 self._release_save(older)
-            if self._may_hold(item):
+            due = self._hold_until(item)
+            if due is not None:
+                item.due = due
                 self._held[item.key] = item
             else:
                 self._transmit(sock, trackers, item)
 
-    def _may_hold(self, save: _Save) -> bool:
-        """Whether ``save`` waits out the send interval: its key was sent less
+    def _hold_until(self, save: _Save) -> float | None:
+        """When ``save`` may be sent, if it is to wait: its key was sent less
         than the interval ago, it is small, and the budget is at most half used
         (a full budget would drop saves to keep one waiting)."""
-        sent = self._sent_at.get(save.key)
-        return (sent is not None
-                and time.monotonic() - sent < self.min_send_interval
-                and save.nbytes <= HOLD_MAX_BYTES
-                and not self._budget_half_used())
+        if save.nbytes > HOLD_MAX_BYTES or self._budget_half_used():
+            return None
+        return self._sends.due(save.key, time.monotonic())
 
     def _budget_half_used(self) -> bool:
         return (self._inflight_bytes > self.max_inflight_bytes // 2
@@ -471,7 +466,7 @@ class Channel:
             self._send_held(sock, trackers, ALL_KEYS)
             return
         now = time.monotonic()
-        for key in [k for k in self._held if now - self._sent_at[k] >= self.min_send_interval]:
+        for key in [k for k, save in self._held.items() if save.due <= now]:
             self._transmit(sock, trackers, self._held.pop(key))
 
     def _send_held(
@@ -498,13 +493,7 @@ class Channel:
             self._release_save(save)
             return
         trackers.append((tracker, save))
-        if self.min_send_interval > 0:  # the interval runs from a save that went
-            now = time.monotonic()
-            if len(self._sent_at) > self._prune_at:
-                self._sent_at = {k: t for k, t in self._sent_at.items()
-                                 if now - t < self.min_send_interval or k in self._held}
-                self._prune_at = max(4096, 2 * len(self._sent_at))
-            self._sent_at[save.key] = now
+        self._sends.went(save.key, time.monotonic())  # the interval runs from a save that went
 
     def _build(self, save: _Save) -> bool:
         """Turn a queued save into its messages, and its message reservation

@@ -38,17 +38,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import PendingFile, Store, StoredEntry
 from kvkeeper.protocol.messages import ErrorCode
+from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 from kvkeeper.protocol.safetensors import TOKEN_COUNT_KEY, Layout, TensorHasher
 
 log = logging.getLogger("kvkeeper.actor")
 
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
-#: Larger saves are never held: writing one takes long enough that newer saves
-#: coalesce behind it anyway, and holding it would stop its write from
-#: overlapping its arrival (256 MiB saved and flushed back to back, default
-#: budget: 0.33 s held against 0.15 s not held).
-HOLD_MAX_BYTES = 64 * 1024 * 1024
 
 
 class Outcome(enum.Enum):
@@ -132,7 +128,6 @@ class WriterActor:
         self.stats = stats
         self.max_pending_bytes = max_pending_bytes
         self.stall_timeout = stall_timeout
-        self.min_write_interval = min_write_interval
         self.pending_bytes = 0
         self.accepting = True
         send, recv = anyio.create_memory_object_stream[Job](mailbox_size)
@@ -144,8 +139,7 @@ class WriterActor:
         self._waiting: dict[Key, SaveJob] = {}  # saves that have not started writing
         self._held: dict[Key, SaveJob] = {}  # of those, the ones waiting out their interval
         self._holding = 0  # hold tasks not yet done putting their save back
-        self._written_at: dict[Key, float] = {}  # when each key's last write ended
-        self._prune_at = 1024
+        self._writes = Pacer(min_write_interval)  # when each key's last write ended
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
@@ -303,13 +297,10 @@ class WriterActor:
 
     def _hold_until(self, job: SaveJob) -> float | None:
         """When a save may be written, if that is later than now."""
-        last = self._written_at.get(job.key)
-        if (last is None or job.hurry.is_set() or not self.accepting
-                or job.total > HOLD_MAX_BYTES
+        if (job.hurry.is_set() or not self.accepting or job.total > HOLD_MAX_BYTES
                 or self.pending_bytes > self.max_pending_bytes // 2):
             return None
-        due = last + self.min_write_interval
-        return due if time.monotonic() < due else None
+        return self._writes.due(job.key, time.monotonic())
 
     async def _hold(self, job: SaveJob, due: float) -> None:
         with anyio.move_on_after(due - time.monotonic()):
@@ -416,7 +407,7 @@ class WriterActor:
             raise
         done, evicted = file.committed, file.evicted
         assert done is not None
-        self._wrote(job.key)
+        self._writes.went(job.key, time.monotonic())
         self.stats.inc("bytes_written", job.total)
         self.stats.sample("write_seconds", time.monotonic() - t0)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
@@ -432,16 +423,6 @@ class WriterActor:
         self._resolve(job, Outcome.WRITTEN)
 
     # ------------------------------------------------------------ bookkeeping
-
-    def _wrote(self, key: Key) -> None:
-        if not self.min_write_interval:
-            return
-        now = time.monotonic()
-        if len(self._written_at) >= self._prune_at:  # forget keys whose interval is over
-            self._written_at = {k: t for k, t in self._written_at.items()
-                                if now - t < self.min_write_interval}
-            self._prune_at = max(1024, 2 * len(self._written_at))
-        self._written_at[key] = now
 
     def _supersede(self, old: SaveJob, new: Job) -> None:
         """``new`` replaces ``old``, and answers for it to every client that
