@@ -20,7 +20,7 @@ import kvkeeper
 from kvkeeper.client.client import Client
 from kvkeeper.client.reader import CacheFileError
 
-from .conftest import WAIT, RunningDaemon, ping
+from .conftest import WAIT, RunningDaemon, ping, start_daemon
 from .faultkit import FP, entry_path, filled, version_of
 
 
@@ -57,6 +57,31 @@ def other_models_file(p: Path) -> None:
     shutil.copyfile(other, p)
 
 
+def _rewrite_header(p: Path, change: Callable[[dict], None]) -> None:
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def _first_tensor(header: dict) -> dict:
+    return next(v for k, v in header.items() if k != "__metadata__")
+
+
+def string_offsets(p: Path) -> None:
+    def change(header: dict) -> None:
+        t = _first_tensor(header)
+        t["data_offsets"] = [str(x) for x in t["data_offsets"]]
+    _rewrite_header(p, change)
+
+
+def string_shape(p: Path) -> None:
+    # "x" * 10**19 is what an unchecked product of this shape would compute.
+    _rewrite_header(p, lambda h: _first_tensor(h).update(shape=["x", 10**19]))
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -76,6 +101,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "another-models-file": other_models_file,
     "directory": directory,
     "symlink": symlink,
+    "string-offsets": string_offsets,
+    "string-shape": string_shape,
 }
 
 
@@ -192,3 +219,28 @@ def test_read_cache_file_errors_say_what(tmp_path: Path) -> None:
         kvkeeper.read_cache_file(p)
     with pytest.raises(CacheFileError, match="cannot open"):
         kvkeeper.read_cache_file(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["string-offsets", "string-shape", "truncated"])
+def test_a_damaged_file_under_the_root_does_not_stop_the_daemon(kind: str, short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "victim", filled(1, 7), [7])
+            assert kv.save(FP, "fine", filled(1, 8), [8])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert d.stop() == 0
+    DAMAGE[kind](entry_path(root, "victim"))
+    # The start-up scan reads every header under the root.
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            kv.gc()
+            assert kv.stats().get("internal_errors", 0) == 0
+            assert kv.load(FP, "victim") is None
+            got = kv.load(FP, "fine")
+            assert got is not None and got.token_ids == [8]
+    finally:
+        assert d.stop() == 0

@@ -64,6 +64,12 @@ class Job:
     # Other clients whose saves this job replaced: their flushes wait for it,
     # and its failure is theirs too.
     heirs: set[bytes] = field(default_factory=set)
+    # The job that replaced this one: whoever waits for this job waits for
+    # that one too (and for whatever replaces it in turn).
+    replaced_by: Job | None = None
+    # Whether this job replaced a save of its own client: a delete that then
+    # fails leaves that client's save neither written nor deleted.
+    replaced_own: bool = False
 
 
 @dataclass(eq=False)
@@ -219,16 +225,15 @@ class WriterActor:
 
     def has_pending(self, key: Key) -> bool:
         """Whether a job of ``key`` received so far is not finished yet."""
-        return key in self._latest
+        return key in self._latest or key in self._waiting
 
     async def settled(self, key: Key) -> None:
-        """Return once every job of ``key`` received so far is finished."""
-        waiting, latest = self._waiting.get(key), self._latest.get(key)
-        if waiting is not None:  # it may be held, and jobs after it may finish first
-            waiting.hurry.set()
-            await waiting.done.wait()
-        if latest is not None:
-            await latest.done.wait()
+        """Return once every job of ``key`` received so far is finished, or
+        replaced by a job that is."""
+        # The waiting save may be held, and jobs after it may finish first.
+        for job in (self._waiting.get(key), self._latest.get(key)):
+            if job is not None:
+                await _outcome_of(job)
 
     async def flush(self, peer: bytes) -> Tally:
         """Wait for every job ``peer`` sent so far; return its running tally.
@@ -240,7 +245,9 @@ class WriterActor:
             if isinstance(job, SaveJob):
                 job.hurry.set()
         for job in jobs:
-            await job.done.wait()
+            # A job replaced by another client's while this flush waits must
+            # be answered for by the replacement (see the module docstring).
+            await _outcome_of(job)
         return replace(self._tally.get(peer) or Tally())
 
     async def collect(self) -> list[StoredEntry]:
@@ -428,9 +435,11 @@ class WriterActor:
         """``new`` replaces ``old``, and answers for it to every client that
         was waiting for it (see the module docstring)."""
         heirs = ({old.peer} | old.heirs) - {new.peer}
+        new.replaced_own |= new.peer == old.peer or new.peer in old.heirs
         new.heirs |= heirs
         for peer in heirs:
             self._by_peer.setdefault(peer, set()).add(new)
+        old.replaced_by = new
         self._resolve(old, Outcome.SUPERSEDED)
 
     def _enqueued(self, job: Job) -> None:
@@ -460,8 +469,16 @@ class WriterActor:
         if outcome is Outcome.FAILED:
             for peer in job.heirs:  # their save was replaced by a job that failed
                 self._tally_of(peer).failed += 1
+            if job.replaced_own and not isinstance(job, SaveJob):
+                self._tally_of(job.peer).failed += 1  # (a failed save counts itself)
         if self._latest.get(job.key) is job:
-            del self._latest[job.key]
+            # A held save may still be waiting behind a job that overtook it
+            # (moving a damaged file aside): it is the newest unfinished now.
+            held = self._waiting.get(job.key)
+            if held is not None and held is not job:
+                self._latest[job.key] = held
+            else:
+                del self._latest[job.key]
         for peer in {job.peer} | job.heirs:
             peer_jobs = self._by_peer.get(peer)
             if peer_jobs is not None:
@@ -472,7 +489,7 @@ class WriterActor:
 
     def unfinished(self) -> list[Key]:
         """Keys with a job not yet finished (for the drain-timeout log)."""
-        return list(self._latest)
+        return list(self._latest.keys() | self._waiting.keys())
 
     def note_refused(self, peer: bytes) -> None:
         """A save of ``peer`` the server turned away: it will not be written, and
@@ -498,6 +515,18 @@ class WriterActor:
             "max_disk_bytes": float(budget.max_disk_bytes or 0),
             "min_free_bytes": float(budget.min_free_bytes),
         }
+
+
+async def _outcome_of(job: Job) -> None:
+    """Wait until ``job`` is finished and, if it was replaced, until its
+    replacement is (following the chain); saves on the way are not held."""
+    while True:
+        if isinstance(job, SaveJob):
+            job.hurry.set()
+        await job.done.wait()
+        if job.replaced_by is None:
+            return
+        job = job.replaced_by
 
 
 class StreamBroken(Exception):

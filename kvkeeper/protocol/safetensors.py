@@ -161,6 +161,10 @@ def read_header(f: BinaryIO, file_size: int | None = None) -> FileHeader:
     for name, t in body.items():
         try:
             dtype, shape, (a, b) = t["dtype"], t["shape"], t["data_offsets"]
+            # Any JSON may sit in a file under the root: only plain integers
+            # (no bools, strings or floats) may reach the arithmetic below.
+            if not all(type(x) is int and x >= 0 for x in (*shape, a, b)):
+                raise ValueError
             want = math.prod(shape) * DTYPE_SIZES[dtype]
         except (KeyError, TypeError, ValueError):
             raise LayoutError(f"tensor {name!r} has a malformed entry") from None

@@ -1,0 +1,194 @@
+"""A save replaced by another job still answers to whoever waits for it.
+
+Raw clients on a real daemon: one keeps the writer busy (a slow disk), so
+the saves of the key under test wait in the mailbox, where a newer save, a
+delete or a move aside can overtake or replace them. Files are read back
+with the `safetensors` package.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import zmq
+from safetensors.numpy import load_file
+
+from kvkeeper.daemon.faults import ENV
+from kvkeeper.protocol import messages as m
+from kvkeeper.protocol import naming
+
+from .conftest import WAIT, serve_process, start_daemon, stop_process
+
+V = m.PROTOCOL_VERSION
+
+
+@contextmanager
+def dealers(socket: Path, n: int) -> Iterator[list[zmq.Socket]]:
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(n):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"ipc://{socket}")
+            socks.append(s)
+        yield socks
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+
+
+def save(s: zmq.Socket, save_id: int, cache_id: str, data: bytes, *,
+         send_bytes: int | None = None) -> None:
+    """A one-tensor save; ``send_bytes`` sends only that many of its bytes."""
+    spec = m.TensorSpec("t", "U8", [len(data)])
+    s.send(m.encode(m.SaveBegin(v=V, save=save_id, model="fp", cache_id=cache_id,
+                                tensors=[spec], metadata={})))
+    part = data if send_bytes is None else data[:send_bytes]
+    if part:
+        s.send_multipart([m.encode(m.SaveData(v=V, save=save_id, frames=1)), part])
+
+
+def reply(s: zmq.Socket, timeout: float = WAIT) -> m.Reply:
+    assert s.poll(int(timeout * 1000)), "no reply"
+    return m.decode_reply(s.recv_multipart()[0])
+
+
+def ask(s: zmq.Socket, msg: m.Request) -> m.Reply:
+    s.send(m.encode(msg))
+    return reply(s)
+
+
+def held(path: Path) -> bytes:
+    return load_file(str(path))["t"].tobytes()
+
+
+V1, V2, V3 = b"v1" * 8, b"v2" * 8, b"v3" * 8
+BUSY = b"x" * (3 * 2**20)  # at 0.5 s per MiB: the writer is busy for 1.5 s
+
+
+def slow_daemon(short_dir: Path):  # noqa: ANN201 - a Popen
+    return serve_process(short_dir / "root", short_dir / "run" / "kv.sock",
+                         "--min-write-interval", "0", env={ENV: "write_delay=0.5"})
+
+
+def test_a_flush_waits_for_the_save_that_replaced_its_own(short_dir: Path) -> None:
+    proc = slow_daemon(short_dir)
+    path = naming.entry_path(short_dir / "root", "fp", "k")
+    try:
+        with dealers(short_dir / "run" / "kv.sock", 2) as (a, b):
+            save(a, 1, "k", V1)
+            assert ask(a, m.Flush(v=V, req=1)) == m.Flushed(v=V, req=1, written=1,
+                                                            superseded=0, failed=0)
+            save(b, 1, "busy", BUSY)
+            time.sleep(0.2)
+            save(a, 2, "k", V2)  # waits behind the busy save
+            a.send(m.encode(m.Flush(v=V, req=2)))
+            time.sleep(0.2)
+            # B's newer save of k replaces A's, and B then abandons it half sent.
+            save(b, 2, "k", V3, send_bytes=4)
+            time.sleep(0.3)
+            save(b, 3, "other", b"o")
+            flushed = reply(a)
+            assert isinstance(flushed, m.Flushed)
+            # A's save was replaced by one that never completed: the key still
+            # holds v1, and A's flush must say a save of A's was not written.
+            assert held(path) == V1
+            assert flushed.failed == 1, flushed
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_load_waits_for_the_save_that_replaced_the_loaders_own(short_dir: Path) -> None:
+    proc = slow_daemon(short_dir)
+    try:
+        with dealers(short_dir / "run" / "kv.sock", 2) as (a, b):
+            save(a, 1, "k", V1)
+            ask(a, m.Flush(v=V, req=1))
+            save(b, 1, "busy", BUSY)
+            time.sleep(0.2)
+            save(a, 2, "k", V2)
+            a.send(m.encode(m.Load(v=V, req=2, model="fp", cache_id="k")))
+            time.sleep(0.2)
+            save(b, 2, "k", V3)  # replaces A's v2 before it is written
+            found = reply(a)
+            assert isinstance(found, m.Found) and found.path is not None
+            # Read-your-writes: A's own save, or the newer one that replaced it.
+            assert held(Path(found.path)) == V3
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_held_save_still_counts_after_its_file_is_moved_aside(short_dir: Path) -> None:
+    # A 60 s write interval holds the second save; moving the damaged file
+    # aside may run before it, and must not make the daemon forget it.
+    d = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", min_write_interval=60.0)
+    path = naming.entry_path(short_dir / "root", "fp", "k")
+    try:
+        with dealers(d.socket, 2) as (a, q):
+            save(a, 1, "k", V1)
+            ask(a, m.Flush(v=V, req=1))
+            save(a, 2, "k", V2)
+            deadline = time.monotonic() + WAIT
+            while ask(a, m.GetStats(v=V, req=2)).counters.get("held_saves") != 1:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            st = os.stat(path)
+            moved = ask(q, m.Quarantine(v=V, req=3, model="fp", cache_id="k", ino=st.st_ino,
+                                        mtime_ns=st.st_mtime_ns, reason="test"))
+            assert moved == m.Deleted(v=V, req=3, existed=True)
+            found = ask(a, m.Load(v=V, req=4, model="fp", cache_id="k"))
+            assert isinstance(found, m.Found) and found.path is not None
+            assert held(Path(found.path)) == V2
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_failed_delete_of_a_clients_own_held_save_fails_its_flush(short_dir: Path) -> None:
+    d = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", min_write_interval=60.0)
+    path = naming.entry_path(short_dir / "root", "fp", "k")
+    try:
+        with dealers(d.socket, 1) as (a,):
+            save(a, 1, "k", V1)
+            ask(a, m.Flush(v=V, req=1))
+            save(a, 2, "k", V2)  # held: the interval is 60 s
+            # Something that unlink cannot remove sits where the file was.
+            path.unlink()
+            path.mkdir()
+            (path / "x").write_bytes(b"")
+            deleted = ask(a, m.Delete(v=V, req=2, model="fp", cache_id="k"))
+            assert isinstance(deleted, m.Error), deleted
+            flushed = ask(a, m.Flush(v=V, req=3))
+            # v2 was neither written nor deleted: that is a failed save of A's.
+            assert isinstance(flushed, m.Flushed) and flushed.failed == 1, flushed
+            assert path.is_dir()
+    finally:
+        assert d.stop() == 0
+
+
+def test_replaced_saves_keep_the_newest_bytes(short_dir: Path) -> None:
+    """The chain of replacements ends at the newest save: three clients, each
+    replacing the previous one's save while the writer is busy."""
+    proc = slow_daemon(short_dir)
+    path = naming.entry_path(short_dir / "root", "fp", "k")
+    try:
+        with dealers(short_dir / "run" / "kv.sock", 4) as (busy, *peers):
+            save(busy, 1, "busy", BUSY)
+            time.sleep(0.2)
+            for i, s in enumerate(peers):
+                save(s, 1, "k", np.full(16, i, np.uint8).tobytes())
+            for s in peers:
+                s.send(m.encode(m.Flush(v=V, req=1)))
+            for s in peers:
+                flushed = reply(s)
+                assert isinstance(flushed, m.Flushed) and flushed.failed == 0
+                # Each flush returned once the newest save was on disk.
+                assert held(path) == np.full(16, 2, np.uint8).tobytes()
+    finally:
+        assert stop_process(proc) == 0
