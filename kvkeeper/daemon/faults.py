@@ -9,10 +9,12 @@ lookup that finds nothing.
 - ``write_delay=S``: sleep S seconds per MiB written (a slow disk).
 - ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
   power-cut test: they must show loss).
+- ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -44,3 +46,8 @@ def skip(flag: str) -> bool:
 def slow_write(nbytes: int) -> None:
     if ACTIVE and "write_delay" in ACTIVE:
         time.sleep(float(ACTIVE["write_delay"]) * nbytes / 2**20)
+
+
+def io_error(point: str) -> None:
+    if ACTIVE and ACTIVE.get("io_error") == point:
+        raise OSError(errno.EIO, f"injected I/O error at {point}")

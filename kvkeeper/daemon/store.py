@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import itertools
 import logging
 import os
@@ -112,8 +113,11 @@ def write_all(fd: int, bufs: Sequence[memoryview | bytes]) -> int:
 class PendingFile:
     """A new version of one entry, written to a tmp file beside the target."""
 
-    def __init__(self, final: Path, header: bytes, data_bytes: int = 0) -> None:
+    def __init__(self, final: Path, header: bytes, data_bytes: int = 0,
+                 key: tuple[str, str] = ("", "")) -> None:
         self.final = final
+        self.key = key  # (model, cache id): a hashed file name does not give them back
+        self.renamed = False  # in place, and served, from then on
         self.tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self._fd: int | None = os.open(self.tmp, flags, 0o600)
@@ -165,12 +169,14 @@ class PendingFile:
             os.close(self._fd)
             self._fd = None
             os.rename(self.tmp, self.final)
+            self.renamed = True
         except BaseException:
             self.abort()
             raise
         faults.crash_point("renamed")
         t0 = time.perf_counter()
         if not faults.skip("no_dir_fsync"):
+            faults.io_error("dir_fsync")
             fsync_dir(self.final.parent)
         self.fsync_seconds += time.perf_counter() - t0
         faults.crash_point("dir_fsynced")
@@ -310,22 +316,25 @@ class Store:
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
         self._model_dir(model)
-        return PendingFile(self.path_for(model, cache_id), header, data_bytes)
+        return PendingFile(self.path_for(model, cache_id), header, data_bytes,
+                           (model, cache_id))
 
     def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
         the entries evicted for it (never the one just written)."""
-        pending.commit(header)
-        path = pending.final
-        model, cache_id = (k or "" for k in naming.key_of(path))
-        now = time.time()
-        with self._lock:
-            old = self._index.get(path)
-            self._index[path] = StoredEntry(
-                old.model if old and old.model else model,
-                old.cache_id if old and old.cache_id else cache_id,
-                _int(tokens), pending.nbytes, now, path, "entry", now)
-        return self.enforce_budget(keep=path)
+        try:
+            pending.commit(header)
+        finally:
+            if pending.renamed:
+                # The new file is served even if the directory's fsync then
+                # failed: the index (listing, disk budget) must know it.
+                now = time.time()
+                model, cache_id = pending.key
+                with self._lock:
+                    self._index[pending.final] = StoredEntry(
+                        model, cache_id, _int(tokens), pending.nbytes, now, pending.final,
+                        "entry", now)
+        return self.enforce_budget(keep=pending.final)
 
     def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
         """The entry's file if it is a regular file (never through a symlink),
@@ -403,7 +412,11 @@ class Store:
             return None  # a newer version took its place: keep it
         qdir = self.root / QUARANTINE_DIR
         os.makedirs(qdir, mode=0o700, exist_ok=True)
-        dest = qdir / f"{path.parent.name}.{path.name}.{time.time_ns()}"
+        name = f"{path.parent.name}.{path.name}.{time.time_ns()}"
+        if len(os.fsencode(name)) > 255:  # two long components: over a file name's limit
+            digest = hashlib.sha256(os.fsencode(f"{path.parent.name}/{path.name}")).hexdigest()
+            name = f"_z{digest}.{time.time_ns()}"
+        dest = qdir / name
         os.rename(path, dest)
         fsync_dir(path.parent)
         with self._lock:

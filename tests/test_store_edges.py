@@ -1,0 +1,73 @@
+"""The store's bookkeeping at its edges: long and hashed names, and a
+directory fsync that fails after the new file is already in place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+
+from kvkeeper.client.client import Client
+from kvkeeper.daemon.faults import ENV
+
+from .conftest import WAIT, RunningDaemon, serve_process, stop_process
+from .faultkit import entry_path, filled, version_of
+
+LONG_MODEL = "m-" + "0123456789abcdef" * 2  # the shape of model_fingerprint()
+
+
+def test_an_entry_with_a_hashed_file_name_is_listed_by_its_key(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    model, cache_id = "M" * 300, "Session/" + "x" * 400  # both too long for a file name
+    assert client.save(model, cache_id, filled(1, 3), [3])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, cache_id, model=model)
+    assert path.name.startswith("_z") and path.parent.name.startswith("_z")
+    listed = client.entries(model)
+    assert [(e.model, e.cache_id, e.tokens) for e in listed] == [(model, cache_id, 1)]
+    assert client.delete(model, cache_id)
+    assert client.entries(model) == []
+
+
+def test_a_damaged_file_with_a_long_key_is_moved_aside(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    # Each component fits a file name (190 bytes is not hashed); together
+    # they do not fit the name of the moved file.
+    cache_id = "c" * 190
+    assert client.save(LONG_MODEL, cache_id, filled(1, 5), [5])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, cache_id, model=LONG_MODEL)
+    with open(path, "r+b") as f:  # damage the last byte in place (same inode)
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert client.load(LONG_MODEL, cache_id) is None
+    assert not path.exists()
+    moved = list((daemon.root / "quarantine").iterdir())
+    assert len(moved) == 1 and len(moved[0].name.encode()) <= 255
+    assert client.stats().get("internal_errors", 0) == 0
+
+
+def test_a_failed_directory_fsync_still_indexes_the_file_it_put_in_place(
+    short_dir: Path,
+) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "io_error=dir_fsync"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "k", filled(1, 4), [4])
+            # Not durable (the directory's fsync failed), so the flush says so...
+            assert kv.flush(timeout=WAIT) is False
+            path = entry_path(root, "k", model="fp")
+            # ...but the file was renamed into place and is served.
+            assert version_of(path, "fp") == 4
+            with safe_open(str(path), "np") as f:
+                assert len(list(f.keys())) == 8
+            assert [(e.model, e.cache_id) for e in kv.entries("fp")] == [("fp", "k")]
+            assert kv.stats()["disk_used_bytes"] == path.stat().st_size
+    finally:
+        assert stop_process(proc) == 0
