@@ -167,3 +167,71 @@ def test_stalled_save_fails_and_frees_the_writer(short_dir: Path) -> None:
         s.close(linger=0)
         ctx.term()
         assert rd.stop() == 0
+
+
+def _counts_add_up(s: zmq.Socket) -> None:
+    c = ask(s, m.encode(m.GetStats(v=V, req=77)))
+    assert isinstance(c, m.Stats)
+    n = c.counters
+    assert n["saves_received"] == sum(n.get(f"saves_{k}", 0) for k in
+                                      ("written", "superseded", "refused", "failed")), n
+
+
+@pytest.mark.parametrize("stray", ["begin-with-frames", "data-of-unknown-save"])
+def test_a_stray_message_never_leaves_a_save_stalling_the_writer(stray: str,
+                                                                 short_dir: Path) -> None:
+    from .conftest import start_daemon
+
+    # A stall timeout far beyond the test's waits: a save left half received
+    # would block the single writer, and every flush behind it, for a minute.
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=60)
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (a, b):
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(f"ipc://{rd.socket}")
+    try:
+        a.send(begin(save=1, cache_id="a", tensors=[m.TensorSpec("t0", "U8", [100])]))
+        a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
+        if stray == "begin-with-frames":
+            refused = ask(a, begin(save=2, cache_id="z"), b"junk")
+        else:
+            refused = ask(a, m.encode(m.SaveData(v=V, save=7, frames=1)), b"x")
+        assert isinstance(refused, m.SaveRefused) and refused.code in ("frames", "unknown_save")
+        a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
+        if stray == "begin-with-frames":  # save 1 was abandoned: its rest is unknown
+            rest = m.decode_reply(a.recv())
+            assert isinstance(rest, m.SaveRefused) and rest.code == "unknown_save"
+        # Another client's save is written without waiting out a stall.
+        b.send(begin(save=1, cache_id="b", tensors=[m.TensorSpec("t0", "U8", [10])]))
+        b.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"y" * 10])
+        flushed = ask(b, m.encode(m.Flush(v=V, req=1)))
+        assert flushed == m.Flushed(v=V, req=1, written=1, superseded=0, failed=0)
+        flushed = ask(a, m.encode(m.Flush(v=V, req=2)))
+        assert isinstance(flushed, m.Flushed)
+        a_file = rd.root / "sessions" / "fp" / "a.safetensors"
+        if stray == "data-of-unknown-save":
+            # The stray was refused alone (one failure: a save this daemon
+            # never saw begin): save 1 went on and was written.
+            assert (flushed.written, flushed.failed) == (1, 1)
+            with safe_open(str(a_file), "np") as f:
+                assert f.get_tensor("t0").tobytes() == b"x" * 100
+        else:
+            # A new save began, so save 1 was abandoned: failed, not written.
+            assert flushed.written == 0 and flushed.failed >= 1 and not a_file.exists()
+        _counts_add_up(a)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+        assert rd.stop() == 0
+
+
+def test_a_save_with_two_bad_ids_is_refused_once(raw: zmq.Socket) -> None:
+    raw.send(begin(save=1, model="", cache_id=""))
+    first = m.decode_reply(raw.recv())
+    assert isinstance(first, m.SaveRefused) and first.code == "bad_id"
+    assert not raw.poll(300)  # no second refusal for the same save
+    flushed = ask(raw, m.encode(m.Flush(v=V, req=1)))
+    assert isinstance(flushed, m.Flushed) and flushed.failed == 1
+    _counts_add_up(raw)

@@ -89,6 +89,8 @@ class Server:
             self._save_data(peer, msg, data)
             return
         if data:
+            if isinstance(msg, m.SaveBegin):
+                self.stats.inc("saves_received")  # and refused: the counts add up
             self._error(peer, msg, "frames", f"{type(msg).__name__} takes no data frames, "
                                              f"got {len(data)}")
             return
@@ -146,10 +148,7 @@ class Server:
     # ------------------------------------------------------------ saves
 
     def _save_begin(self, peer: bytes, msg: m.SaveBegin) -> None:
-        prev = self._streams.pop(peer, None)
-        if prev is not None and prev[1] is not None and prev[1].received < prev[1].total:
-            # The client started a new save, so the previous one will never complete.
-            self.actor.break_stream(prev[1], "the client abandoned it part way")
+        self._end_stream(peer)
         self.stats.inc("saves_received")
         key = self._key(peer, msg)
         if key is None:
@@ -179,11 +178,13 @@ class Server:
     def _save_data(self, peer: bytes, msg: m.SaveData, data: list[zmq.Frame]) -> None:
         stream = self._streams.get(peer)
         if stream is None or stream[0] != msg.save:
-            # Unknown stream: say so once, then drop the rest of it quietly.
             self.stats.inc("protocol_errors")
-            # Not counted as a refused save: this daemon never received its start.
+            live = stream is not None and stream[1] is not None and not stream[1].done.is_set()
+            # Not counted as a refused save: this daemon never received its
+            # start. Said once, then the rest is dropped quietly; but a stray
+            # message must not take the slot of a save still arriving.
             self._refuse(peer, msg.save, "unknown_save", f"no save {msg.save} in progress",
-                         count=False)
+                         count=False, track=not live)
             return
         job = stream[1]
         if job is None:
@@ -204,7 +205,7 @@ class Server:
             del self._streams[peer]
 
     def _refuse(self, peer: bytes, save: int, code: m.ErrorCode, message: str,
-                *, count: bool = True, tally: bool = True) -> None:
+                *, count: bool = True, tally: bool = True, track: bool = True) -> None:
         """Turn a save away. ``count``: as a refused save in the stats (not for
         one this daemon never saw begin); ``tally``: in the client's flush
         totals (not for one the writer already failed)."""
@@ -213,12 +214,20 @@ class Server:
         if tally:
             self.actor.note_refused(peer)
         log.info("event=save_refused code=%s reason=%s", code, message)
-        self._track(peer, save, None)
+        if track:
+            self._track(peer, save, None)
         self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code=code,
                                         message=message))
 
+    def _end_stream(self, peer: bytes) -> None:
+        """Forget the peer's current stream; a save of it still missing bytes
+        will never get them, so it fails now instead of stalling the writer."""
+        prev = self._streams.pop(peer, None)
+        if prev is not None and prev[1] is not None and prev[1].received < prev[1].total:
+            self.actor.break_stream(prev[1], "the client abandoned it part way")
+
     def _track(self, peer: bytes, save: int, job: SaveJob | None) -> None:
-        self._streams.pop(peer, None)  # re-insert: the dict's order is recency
+        self._end_stream(peer)  # re-inserted below: the dict's order is recency
         if len(self._streams) >= _MAX_STREAMS:
             # Peers that went away leave their last slot; forget the oldest.
             # A refused stream forgotten here costs one more "unknown_save".
@@ -281,8 +290,9 @@ class Server:
 
     def _key(self, peer: bytes,
              msg: m.SaveBegin | m.Load | m.Used | m.Delete | m.Quarantine) -> Key | None:
+        # One error per message, even when both ids are bad.
         model = self._check(peer, msg, msg.model, "model")
-        cache_id = self._check(peer, msg, msg.cache_id, "cache id")
+        cache_id = model and self._check(peer, msg, msg.cache_id, "cache id")
         if model is None or cache_id is None:
             return None
         return model, cache_id
