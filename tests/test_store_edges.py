@@ -4,12 +4,16 @@ directory fsync that fails after the new file is already in place."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+import mlx.core as mx
+import pytest
 from safetensors import safe_open
 
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import ENV
+from kvkeeper.protocol import safetensors as st
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
 from .faultkit import entry_path, filled, version_of
@@ -71,3 +75,53 @@ def test_a_failed_directory_fsync_still_indexes_the_file_it_put_in_place(
             assert kv.stats()["disk_used_bytes"] == path.stat().st_size
     finally:
         assert stop_process(proc) == 0
+
+
+def _age(path: Path, *, used: float, modified: float) -> None:
+    os.utime(path, (used, modified))
+
+
+def test_the_daemons_own_reads_do_not_count_as_uses(short_dir: Path) -> None:
+    """Least recently used first, across a restart and a gc, both of which
+    read every header under the root."""
+    from .conftest import start_daemon
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for key in ("used", "never"):
+                assert kv.save("fp", key, filled(1, 1), [1])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert d.stop() == 0
+    now = time.time()
+    # "used" was written long ago and loaded recently; "never" was written
+    # later and never loaded (its atime is not after its mtime, so on a
+    # relatime mount the next read of it would move its atime to now).
+    _age(entry_path(root, "used", model="fp"), used=now - 100, modified=now - 2000)
+    never = entry_path(root, "never", model="fp")
+    _age(never, used=now - 1000, modified=now - 1000)
+    before = never.stat().st_atime_ns
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            kv.gc()
+            kv.gc()
+            assert [e.cache_id for e in kv.entries("fp")] == ["never", "used"]
+    finally:
+        assert d.stop() == 0
+    assert never.stat().st_atime_ns == before
+
+
+def test_reading_a_header_puts_the_atime_back_where_o_noatime_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # macOS has no O_NOATIME: the fallback restores the access time.
+    monkeypatch.setattr(st, "_O_NOATIME", 0)
+    path = tmp_path / "x.safetensors"
+    mx.save_safetensors(str(path), {"a": mx.zeros((4,))})
+    _age(path, used=1_000_000, modified=2_000_000)  # atime <= mtime: relatime reads move it
+    with st.open_file(path, keep_atime=True) as (_, header):
+        assert "a" in header.tensors
+    assert path.stat().st_atime == 1_000_000 and path.stat().st_mtime == 2_000_000

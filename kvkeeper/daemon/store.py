@@ -301,7 +301,7 @@ class Store:
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
         try:
-            with open_file(path) as (_, header):
+            with open_file(path, keep_atime=True) as (_, header):
                 meta = header.metadata
         except (OSError, LayoutError) as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)

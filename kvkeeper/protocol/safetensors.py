@@ -222,16 +222,48 @@ class TensorHasher:
         return list(self._digests)
 
 
+_O_NOATIME: int = getattr(os, "O_NOATIME", 0)  # Linux only; elsewhere the atime is put back
+
+
 @contextmanager
-def open_file(path: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, FileHeader]]:
+def open_file(path: str | os.PathLike[str], *,
+              keep_atime: bool = False) -> Iterator[tuple[BinaryIO, FileHeader]]:
     """Open a cache file without following a symlink, insist on a regular
-    file, and read its header. Raises OSError or LayoutError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    file, and read its header. Raises OSError or LayoutError.
+
+    ``keep_atime``: reading leaves the file's access time as it was. The
+    store keeps each entry's last use there (for eviction), so the daemon's
+    own reads (scans, checks) must not count as uses; on a ``relatime``
+    mount, the Linux default, a first read after a write would."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    noatime = _O_NOATIME if keep_atime else 0
+    try:
+        fd = os.open(path, flags | noatime)
+    except PermissionError:
+        if not noatime:
+            raise
+        fd = os.open(path, flags)  # O_NOATIME is for the file's owner only
+        noatime = 0
     with os.fdopen(fd, "rb", buffering=0) as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise LayoutError("not a regular file")
-        yield f, read_header(f, info.st_size)
+        try:
+            yield f, read_header(f, info.st_size)
+        finally:
+            if keep_atime and not noatime:
+                _restore_atime(fd, info)
+
+
+def _restore_atime(fd: int, before: os.stat_result) -> None:
+    # Through the descriptor: the path may name a newer file by now.
+    if os.utime not in os.supports_fd:
+        return
+    try:
+        if os.fstat(fd).st_atime_ns != before.st_atime_ns:
+            os.utime(fd, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError:
+        pass  # not ours to change: the order of use is only a hint
 
 
 def verify_data(f: BinaryIO, header: FileHeader, progress: Any = None) -> None:
