@@ -235,3 +235,32 @@ def test_a_save_with_two_bad_ids_is_refused_once(raw: zmq.Socket) -> None:
     flushed = ask(raw, m.encode(m.Flush(v=V, req=1)))
     assert isinstance(flushed, m.Flushed) and flushed.failed == 1
     _counts_add_up(raw)
+
+
+def test_metadata_counts_against_the_memory_budget(short_dir: Path) -> None:
+    from .conftest import start_daemon
+
+    # Saves that begin, carry large metadata (token ids can be megabytes) and
+    # never send their bytes: the metadata is held meanwhile, so the budget
+    # must see it, or such saves grow the daemon without bound.
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_pending_bytes=64 * 2**20, stall_timeout=2)
+    ctx = zmq.Context()
+    peers = []
+    for _ in range(3):  # one stream per peer: a second begin would abandon the first
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+        s.connect(f"ipc://{rd.socket}")
+        peers.append(s)
+    note = "x" * (20 * 2**20)  # the writer's share of the 64 MiB is 48 MiB
+    try:
+        for i, s in enumerate(peers):
+            s.send(begin(save=1, cache_id=f"c{i}", metadata={"note": note}))
+        assert not peers[0].poll(200) and not peers[1].poll(0), "accepted: no reply"
+        refused = m.decode_reply(peers[2].recv())
+        assert isinstance(refused, m.SaveRefused) and refused.code == "busy", refused
+    finally:
+        for s in peers:
+            s.close(linger=0)
+        ctx.term()
+        assert rd.stop() == 0

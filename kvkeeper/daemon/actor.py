@@ -94,6 +94,10 @@ class SaveJob(Job):
         assert self.layout is not None
         return self.layout.total
 
+    @property
+    def metadata_bytes(self) -> int:
+        return sum(len(k) + len(v) for k, v in self.metadata.items())
+
 
 @dataclass(eq=False)
 class DeleteJob(Job):
@@ -163,14 +167,17 @@ class WriterActor:
         disk = self.store.budget.max_disk_bytes
         if disk is not None and total > disk:
             return "too_large", f"save of {total} bytes exceeds max disk bytes ({disk})"
-        if total > self.max_pending_bytes:
+        # The metadata (token ids, up to 32 MiB) is held until the save is
+        # done, like its data: both count against the memory budget.
+        need = total + job.metadata_bytes
+        if need > self.max_pending_bytes:
             return "too_large", (
-                f"save of {total} bytes exceeds the daemon's max pending bytes "
-                f"({self.max_pending_bytes})"
+                f"save of {need} bytes (data and metadata) exceeds the daemon's max pending "
+                f"bytes ({self.max_pending_bytes})"
             )
         old = self._waiting.get(job.key)
         room = self.max_pending_bytes - self.pending_bytes + (old.reserved if old else 0)
-        if total > room:
+        if need > room:
             self._release_held()  # their memory is needed: write them now
             return "busy", (
                 f"{self.pending_bytes} bytes already pending of {self.max_pending_bytes}"
@@ -181,8 +188,8 @@ class WriterActor:
             return "busy", "the writer's mailbox is full"
         if old is not None:
             self._supersede(old, job)
-        job.reserved = total
-        self.pending_bytes += total
+        job.reserved = need
+        self.pending_bytes += need
         self._enqueued(job)
         self._waiting[job.key] = job
         if total == 0:
