@@ -78,7 +78,12 @@ class WriteBehind:
         self.save_first = save_first
         self.metadata = dict(metadata) if metadata else None
         self.counters = WriteBehindCounters()
-        self._pending = 0  # steps since the last save
+        # Steps since the last save handed off: what close() still has to
+        # save. A dropped save leaves them pending (the daemon may be back by
+        # then), while the triggers count from the last try (_tried), so an
+        # outage does not turn into a save attempt at every step.
+        self._pending = 0
+        self._tried = 0
         self._last_time = time.monotonic()
         self._last: tuple[Any, Sequence[int]] | None = None
         self._closed = False
@@ -99,6 +104,7 @@ class WriteBehind:
         c = self.counters
         c.steps += 1
         self._pending += 1
+        self._tried += 1
         self._last = (cache, token_ids)
         if not self._due():
             return False
@@ -108,7 +114,7 @@ class WriteBehind:
         c = self.counters
         if self.save_first and c.sent == 0 and c.dropped == 0:
             return True
-        if self.every_tokens is not None and self._pending >= self.every_tokens:
+        if self.every_tokens is not None and self._tried >= self.every_tokens:
             return True
         return (
             self.every_seconds is not None
@@ -175,9 +181,11 @@ class WriteBehind:
         if ok:
             c.sent += 1
             c.last_saved_tokens = n
+            self._pending = 0
         else:
             c.dropped += 1
-        self._pending = 0
+            self._pending = max(self._pending, 1)  # a dropped save() without steps too
+        self._tried = 0
         self._last_time = time.monotonic()
         return ok
 

@@ -23,6 +23,7 @@ save first, so nothing that asks for a save waits for the interval.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import itertools
 import logging
@@ -119,6 +120,7 @@ class _Request:
     req: int
     release: Key | None = None  # send this key's waiting save first (ALL_KEYS: every one)
     future: Future[m.Reply] = field(default_factory=Future)
+    sent: bool = False  # the I/O thread's: handed to a connection (which may die with it)
 
 
 #: A request on its way: what ``Channel.send_request`` returns.
@@ -164,6 +166,7 @@ class Channel:
         self._save_ids = itertools.count(1)
         self._closing = threading.Event()
         self._close_claimed = False  # under _lock: only the first close() closes
+        self._stopped = False  # under _lock: the I/O thread is gone, no request can be answered
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -225,6 +228,9 @@ class Channel:
         req = self.next_req_id()
         item = _Request(m.encode(make(req)), req, release)
         with self._lock:
+            if self._stopped:
+                # Nobody would ever answer it: fail now, not after the timeout.
+                raise DaemonUnavailable("client closed")
             self._waiting[req] = item
         self._push(item, hand_over=True)
         return item
@@ -239,7 +245,8 @@ class Channel:
         """The reply to a ``send_request``; raises DaemonUnavailable."""
         try:
             return pending.future.result(timeout=timeout)
-        except TimeoutError:
+        # Until Python 3.11 the futures' TimeoutError is not the builtin one.
+        except (TimeoutError, concurrent.futures.TimeoutError):
             raise DaemonUnavailable(
                 f"the daemon at {self.endpoint} did not answer within {timeout} s"
             ) from None
@@ -337,10 +344,12 @@ class Channel:
                             pass
                     except BlockingIOError:
                         pass
-                if monitor in events:
-                    self._monitor_events(monitor)
-                if sock in events:
+                lost = monitor in events and self._monitor_events(monitor)
+                if sock in events or lost:
+                    # Replies that arrived before the connection died still count.
                     self._receive(sock)
+                if lost:
+                    self._fail_sent(f"the daemon at {self.endpoint} went away")
                 self._send_outbox(sock, trackers)
                 self._send_due(sock, trackers)
                 while trackers and trackers[0][0].done:
@@ -371,22 +380,37 @@ class Channel:
             self._ctx.term()
             self.connected.clear()
             with self._lock:
+                self._stopped = True
                 waiting = list(self._waiting.values())
             for item in waiting:
                 if not item.future.done():
                     item.future.set_exception(DaemonUnavailable("client closed"))
 
-    def _monitor_events(self, monitor: zmq.Socket) -> None:
+    def _monitor_events(self, monitor: zmq.Socket) -> bool:
+        """Follow the connection's events; True when it was lost."""
+        lost = False
         while True:
             try:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
-                return
+                return lost
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connections += 1
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.connected.clear()
+                lost = True
+
+    def _fail_sent(self, reason: str) -> None:
+        """Fail every request sent on a connection that is gone: its daemon
+        will never answer, and a caller waiting for the timeout would stall
+        the generation loop (a load falls back to reading the file). Requests
+        not sent yet go out on the next connection, or fail when they cannot."""
+        with self._lock:
+            sent = [item for item in self._waiting.values() if item.sent]
+        for item in sent:
+            if not item.future.done():
+                item.future.set_exception(DaemonUnavailable(reason))
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
@@ -429,6 +453,8 @@ class Channel:
                     sock.send(item.header, zmq.NOBLOCK)
                 except zmq.ZMQError as exc:
                     item.future.set_exception(DaemonUnavailable(f"cannot reach the daemon: {exc}"))
+                else:
+                    item.sent = True
                 continue
             older = self._held.pop(item.key, None)
             if older is not None:

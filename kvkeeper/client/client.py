@@ -24,7 +24,7 @@ import msgspec
 
 from kvkeeper import __version__, config
 from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonUnavailable
-from kvkeeper.client.codec import CacheCapture, capture_cache, encode_capture
+from kvkeeper.client.codec import CacheCapture, capture_cache, check_cache, encode_capture
 from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
@@ -159,7 +159,9 @@ class Client:
         Returns True when the save was handed off, False when it was dropped
         (daemon not running, or too much already in flight); drops are counted
         in ``stats()`` and logged once per reason. Raises ValueError for bad
-        arguments.
+        arguments, whether or not the save would have been dropped: among them
+        a layer it cannot describe, or a float64 tensor (``mx.load`` cannot
+        read those back).
         """
         if self._closed:
             raise RuntimeError("client is closed")
@@ -170,13 +172,18 @@ class Client:
                or not isinstance(meta[k], str)]
         if bad:
             raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
+        # A save about to be dropped skips the capture but not the layers'
+        # check (a walk, no evaluation): a bad cache is the caller's mistake,
+        # and must not pass for a drop while the daemon happens to be down.
         if not self._channel.connected.is_set():
+            check_cache(layers)
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
         if self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
             # Full: no save can fit, so do not pay for a capture first.
+            check_cache(layers)
             return self._drop_inflight()
-        # Only the capture runs here; the JSON, the byte runs and the messages
-        # are built on the I/O thread (see _messages).
+        # Only the capture (which checks the layers) runs here; the JSON, the
+        # byte runs and the messages are built on the I/O thread (_messages).
         cap = capture_cache(layers)
         limit = self._max_save_bytes
         if limit is not None and cap.nbytes > limit:

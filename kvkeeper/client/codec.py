@@ -55,7 +55,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import msgspec
@@ -66,12 +66,14 @@ from kvkeeper.protocol.dtypes import DTYPE_SIZES
 __all__ = [
     "LAYERS_FORMAT",
     "LAYERS_VERSION",
+    "MLX_UNREADABLE_DTYPES",
     "TRUSTED_MODULE_PREFIXES",
     "CacheCapture",
     "CacheSnapshot",
     "CodecError",
     "TensorSnapshot",
     "capture_cache",
+    "check_cache",
     "encode_capture",
     "is_composite_class",
     "mlx_dtype",
@@ -99,8 +101,10 @@ _MAX_RUNS = 1024
 _MIN_AVG_RUN = 4096
 
 
-class CodecError(Exception):
-    """A cache, a layers description or a set of arrays cannot be encoded or decoded."""
+class CodecError(ValueError):
+    """A cache, a layers description or a set of arrays cannot be encoded or decoded.
+
+    A ValueError: to ``save()`` a cache it cannot describe is a bad argument."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,14 @@ _DTYPES: dict[str, mx.Dtype] = {
     "C64": mx.complex64,
 }
 _DTYPE_NAMES: dict[mx.Dtype, str] = {v: k for k, v in _DTYPES.items()}
+#: Dtypes MLX holds in memory but whose safetensors files ``mx.load`` refuses
+#: ("unsupported dtype F64"): a save of one would be written, then never load.
+MLX_UNREADABLE_DTYPES = frozenset({"F64"})
+# What a save may hold. The unreadable ones are left out rather than tested
+# for, so the lookup per tensor stays one dict.get on the generation loop.
+_SAVABLE_NAMES: dict[mx.Dtype, str] = {
+    v: k for k, v in _DTYPES.items() if k not in MLX_UNREADABLE_DTYPES
+}
 assert set(_DTYPES) <= set(DTYPE_SIZES)
 assert all(_DTYPES[n].size == DTYPE_SIZES[n] for n in _DTYPES)
 
@@ -458,6 +470,16 @@ class _NodeProblem(Exception):
         return CodecError(f"{'.'.join([where, part, *reversed(self.path)])}: {self.problem}")
 
 
+def _unsavable(dtype: mx.Dtype) -> NoReturn:
+    """Raise the _NodeProblem for a tensor of ``dtype``, which a save cannot hold."""
+    try:
+        name = mlx_dtype_name(dtype)
+    except CodecError as exc:
+        raise _NodeProblem(str(exc)) from None
+    raise _NodeProblem(f"{dtype} tensors cannot be saved: mx.load cannot read {name} "
+                       f"safetensors files back (cast the cache to float32)")
+
+
 def _each(fn: Callable[[Any], Any], values: Any) -> list[Any]:
     """``[fn(v) for v in values]``, adding the index to a _NodeProblem's path."""
     out: list[Any] = []
@@ -481,7 +503,7 @@ class _Encoder:
 
     def tensor(self, array: mx.array, length: int | None) -> dict[str, Any]:
         name = f"t{len(self.pending)}"
-        dtype = _DTYPE_NAMES.get(array.dtype) or mlx_dtype_name(array.dtype)  # raises
+        dtype = _SAVABLE_NAMES.get(array.dtype) or _unsavable(array.dtype)
         shape = list(array.shape)
         if length is not None:
             shape[-2] = length
@@ -643,6 +665,15 @@ class CacheCapture:
     nbytes: int
 
 
+def check_cache(layers: Sequence[Any]) -> None:
+    """Raise the CodecError ``capture_cache`` would raise for ``layers``, if
+    any, without capturing: it only walks the layers' states (no handles are
+    taken, nothing is evaluated)."""
+    enc = _Encoder()
+    for i, layer in enumerate(layers):
+        enc.layer(layer, f"layer {i}")
+
+
 def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     """Freeze a prompt cache (list of mlx-lm / mlx-vlm cache layers) without copying its data.
 
@@ -651,7 +682,8 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     buffer, in the next update, and only if it would have written in place),
     so the capture shows the cache exactly as it is now. Spare capacity of
     known mlx-lm caches (rows past the offset) is left out. Raises CodecError
-    for a layer it cannot describe. This is all of ``save()``'s work on the
+    for a layer it cannot describe, or a tensor that could not be loaded back
+    (see ``MLX_UNREADABLE_DTYPES``). This is all of ``save()``'s work on the
     generation loop's thread; the rest happens in `encode_capture`.
     """
     enc = _Encoder()

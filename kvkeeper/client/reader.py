@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 
-from kvkeeper.client.codec import CodecError, restore_cache
+from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, restore_cache
 from kvkeeper.protocol import safetensors as st
 
 log = logging.getLogger("kvkeeper.client")
@@ -29,7 +29,8 @@ class CacheFileError(Exception):
     ``damaged`` is True when the file itself is bad (unreadable, failed checksum,
     another model's or another id's file) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
-    class this process cannot import, or the file was replaced mid-read).
+    class this process cannot import, a dtype this MLX cannot load, or the
+    file was replaced mid-read).
     """
 
     def __init__(self, message: str, *, damaged: bool = True) -> None:
@@ -84,7 +85,13 @@ def read_cache_file(
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
-        raise CacheFileError(f"{path}: MLX cannot read it: {exc}") from None
+        # The header checked out: a dtype this MLX cannot load is a limit of
+        # this process, not damage (another reader may use the file).
+        unreadable = sorted({str(t.get("dtype")) for t in header.tensors.values()}
+                            & MLX_UNREADABLE_DTYPES)
+        why = f" (it holds {', '.join(unreadable)} tensors)" if unreadable else ""
+        raise CacheFileError(f"{path}: MLX cannot read it: {exc}{why}",
+                             damaged=not unreadable) from None
     if meta != header.metadata:
         raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False)
     if meta.get(st.FORMAT_KEY) == st.FORMAT:

@@ -1,0 +1,227 @@
+"""Client behaviour a review found wrong: argument checks that must not depend
+on the daemon, dtypes MLX cannot load back, the write-behind helper's final
+save after a drop, and calls that must not wait out their timeout for a
+daemon that is gone. Real daemons, real sockets, real MLX caches."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from kvkeeper.client.client import Client, DaemonUnavailable
+from kvkeeper.client.reader import CacheFileError, read_cache_file
+from kvkeeper.protocol import naming
+from kvkeeper.protocol import safetensors as st
+
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
+from .tiny import prefill, prompt, tiny_llama
+
+FP = "tiny-llama-checks"
+
+
+@pytest.fixture(scope="module")
+def model():  # type: ignore[no-untyped-def]
+    return tiny_llama(seed=11)
+
+
+def wait_until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + WAIT
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def kv_layer(dtype: mx.Dtype = mx.bfloat16, tokens: int = 4) -> KVCache:
+    # from_state, not update_and_fetch: no computation in float64, which
+    # MLX's GPU backend does not have.
+    x = mx.ones((1, 2, tokens, 8)).astype(dtype)
+    return KVCache.from_state((x, x, tokens))
+
+
+BAD_LAYERS = [
+    pytest.param([object()], "builtins", id="object"),
+    pytest.param([None], "builtins", id="none"),
+    pytest.param([mx.zeros((2, 2))], "mlx.core", id="bare-array"),
+]
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(("layers", "named"), BAD_LAYERS)
+def test_bad_layers_raise_valueerror_with_or_without_a_daemon(
+    layers: list, named: str, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """A cache save() cannot describe is a bad argument (ValueError), whether
+    the save would go out, be dropped for a missing daemon, or be dropped for
+    a full in-flight budget; and nothing is sent or counted as a drop."""
+    with Client(daemon.socket, timeout=WAIT) as up:
+        assert up.connected
+        with pytest.raises(ValueError, match=f"layer 0.*{named}"):
+            up.save(FP, "bad", layers, [1])
+        assert up.flush(timeout=WAIT) is True
+        assert up.client_stats()["client_saves_sent"] == 0
+        assert up.entries(FP) == []
+    with Client(daemon.socket, timeout=WAIT, max_inflight_bytes=0) as full:
+        assert full.connected
+        with pytest.raises(ValueError, match=f"layer 0.*{named}"):
+            full.save(FP, "bad", layers, [1])
+        assert full.save(FP, "ok", [kv_layer()], [1, 2, 3, 4]) is False  # a good one: dropped
+        assert full.client_stats()["client_saves_dropped"] == 1
+    with Client(short_dir / "none.sock", root=short_dir / "root",
+                connect_timeout=0.2, timeout=WAIT) as down:
+        assert not down.connected
+        with pytest.raises(ValueError, match=f"layer 0.*{named}"):
+            down.save(FP, "bad", layers, [1])
+        assert down.client_stats()["client_saves_dropped"] == 0
+        assert down.save(FP, "ok", [kv_layer()], [1, 2, 3, 4]) is False
+
+
+def test_float64_cache_is_refused_naming_the_layer(client: Client, daemon: RunningDaemon) -> None:
+    """MLX keeps float64 arrays but ``mx.load`` cannot read F64 files: such a
+    save would be written, then never load. It is refused before anything
+    is sent, and the error names the layer."""
+    mixed = [kv_layer(mx.float32), kv_layer(mx.float64)]
+    with pytest.raises(ValueError, match=r"layer 1\.state\.0: .*float64.*cannot be saved"):
+        client.save(FP, "f64", mixed, [1, 2, 3, 4])
+    assert client.flush(timeout=WAIT) is True
+    assert client.client_stats()["client_saves_sent"] == 0
+    assert not naming.entry_path(daemon.root, FP, "f64").exists()
+    # Cast as the message says, it saves and loads back.
+    cast = [kv_layer(mx.float32), kv_layer(mx.float32)]
+    assert client.save(FP, "f64", cast, [1, 2, 3, 4]) is True
+    assert client.flush(timeout=WAIT) is True
+    got = client.load(FP, "f64")
+    assert got is not None and got.token_ids == [1, 2, 3, 4]
+    arrays = mx.load(str(got.path))
+    assert {a.dtype for a in arrays.values()} == {mx.float32}
+
+
+def test_a_sound_file_this_mlx_cannot_read_is_a_miss_not_quarantined(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """A file whose header checks out but holds a dtype MLX cannot load (as
+    older clients wrote for float64 caches) is not damaged: a load misses,
+    and the file stays where it is."""
+    path = naming.entry_path(daemon.root, FP, "old-f64")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written by the safetensors package, an independent writer.
+    save_file({"t0": np.ones((1, 2, 4, 8), dtype=np.float64)}, str(path),
+              metadata={st.FORMAT_KEY: st.FORMAT, st.MODEL_KEY: FP, st.CACHE_ID_KEY: "old-f64"})
+    with safe_open(str(path), "numpy") as f:  # the file itself is sound
+        assert f.get_tensor("t0").dtype == np.float64
+    with pytest.raises(CacheFileError, match="F64") as err:
+        read_cache_file(path, model=FP, cache_id="old-f64")
+    assert err.value.damaged is False
+    assert client.load(FP, "old-f64") is None
+    assert path.exists()
+    assert client.stats()["files_quarantined"] == 0
+
+
+# --------------------------------------------------------------------------- write-behind
+
+
+def test_write_behind_close_saves_what_a_dropped_save_missed(model, short_dir: Path) -> None:
+    """The daemon is down at a triggering step (that save is dropped) and back
+    before close(): close() saves the final state, which is what is on disk."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    kv = Client(sock, timeout=WAIT, min_send_interval=0)
+    try:
+        cache = make_prompt_cache(model)
+        ids = prompt(20, seed=12)
+        prefill(model, ids, cache)
+        wb = kv.write_behind(FP, "wb-drop", every_tokens=4, every_seconds=None)
+
+        def step() -> bool:
+            mx.eval(model(mx.array([[7]]), cache=cache))
+            ids.append(7)
+            return wb.step(cache, ids)
+
+        assert step() is True  # the first step saves
+        assert [step() for _ in range(3)] == [False] * 3
+        rd.stop()
+        wait_until(lambda: not kv.connected, "client did not notice the daemon stopped")
+        assert step() is False  # the trigger fires: dropped
+        assert wb.counters.dropped == 1
+        # The triggers count from that try (no attempt at every step) ...
+        assert [step() for _ in range(3)] == [False] * 3
+        assert wb.counters.dropped == 1
+        assert step() is False  # ... and the next one is dropped too
+        assert wb.counters.dropped == 2 and wb.counters.sent == 1
+        rd = start_daemon(root, sock)
+        wait_until(lambda: kv.connected, "client did not reconnect")
+        assert wb.close() is True  # the state at the last drop was never saved
+        assert wb.counters.last_saved_tokens == len(ids) == 29
+        assert kv.flush(timeout=WAIT) is True
+        path = naming.entry_path(root, FP, "wb-drop")
+        with safe_open(str(path), "numpy") as f:
+            assert f.metadata()[st.TOKEN_COUNT_KEY] == str(len(ids))
+        got = kv.load(FP, "wb-drop")
+        assert got is not None and got.token_ids == ids
+    finally:
+        kv.close()
+        if rd.thread.is_alive():
+            rd.stop()
+
+
+# --------------------------------------------------------------------------- daemon gone
+
+
+@pytest.fixture
+def served(short_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``kvkeeper serve`` process on ``short_dir``, killed (for certain) at the end."""
+    proc = serve_process(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            stop_process(proc, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("call", ["load", "flush"])
+def test_a_daemon_dying_mid_request_fails_the_wait_at_once(
+    model, served: subprocess.Popen[bytes], short_dir: Path, call: str
+) -> None:
+    """The daemon is frozen while a load or flush waits for its answer, then
+    killed: the call ends right away (a load reads the file itself, a flush
+    raises DaemonUnavailable) instead of waiting out its 30 s timeout."""
+    proc = served
+    cache = make_prompt_cache(model)
+    ids = prompt(30, seed=13)
+    prefill(model, ids, cache)
+    with Client(short_dir / "run" / "kv.sock", timeout=WAIT, min_send_interval=0) as kv:
+        assert kv.save(FP, "gone", cache, ids) and kv.flush(timeout=WAIT) is True
+        proc.send_signal(signal.SIGSTOP)
+        # A newer save the daemon never answers for: the load must ask it.
+        mx.eval(model(mx.array([[5]]), cache=cache))
+        assert kv.save(FP, "gone", cache, [*ids, 5]) is True
+        killer = threading.Timer(0.5, proc.send_signal, (signal.SIGKILL,))
+        killer.start()
+        try:
+            t0 = time.monotonic()
+            if call == "load":
+                got = kv.load(FP, "gone")
+                # Read straight from the file the daemon wrote before.
+                assert got is not None and got.token_ids == ids
+            else:
+                with pytest.raises(DaemonUnavailable):
+                    kv.flush(timeout=WAIT)
+            elapsed = time.monotonic() - t0
+        finally:
+            killer.join(WAIT)
+        assert proc.wait(WAIT) == -signal.SIGKILL
+        # Without the fix the call waits out its timeout (WAIT); the bound is a
+        # hang guard with room for a slow machine, not a speed target.
+        assert 0.4 < elapsed < WAIT / 3, f"{call} took {elapsed:.1f} s"
