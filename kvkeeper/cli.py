@@ -93,12 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
 
     rm = sub.add_parser("rm", help="delete one entry, or all of a model",
-                        description="kvkeeper rm MODEL ID, or kvkeeper rm --model FP.")
+                        description="kvkeeper rm MODEL ID deletes one entry; kvkeeper rm "
+                        "--model FP deletes every entry of a model. Give one form, not both.")
     _socket_arg(rm)
     rm.add_argument("model", nargs="?", help="model fingerprint")
     rm.add_argument("cache_id", nargs="?", help="cache id")
     rm.add_argument("--model", dest="all_of_model", default=None, metavar="FP",
-                    help="delete every entry of this model")
+                    help="delete every entry of this model (without MODEL ID)")
 
     gc = sub.add_parser("gc", help="apply the disk budget now and show what went",
                         description="Re-read the root (files added or removed by hand count) "
@@ -133,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write an entry as an mlx_lm prompt-cache file",
                          description="Write an entry to PATH in mlx_lm's save_prompt_cache "
-                         "format, for mlx_lm.models.cache.load_prompt_cache or "
-                         "`mlx_lm.generate --prompt-cache-file`. Needs the mlx extra.")
+                         "format, for mlx_lm.models.cache.load_prompt_cache. Needs the mlx "
+                         "extra.")
     _socket_arg(exp)
     exp.add_argument("model")
     exp.add_argument("cache_id")
@@ -177,7 +178,7 @@ def _logging(level: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvkeeper import config
-    from kvkeeper.daemon.app import AlreadyRunning, Daemon, DaemonConfig
+    from kvkeeper.daemon.app import AlreadyRunning, Daemon, DaemonConfig, SocketPathTaken
     from kvkeeper.settings import SETTINGS, resolve
 
     try:
@@ -205,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
           flush=True)
     try:
         return Daemon(cfg).run()
-    except AlreadyRunning as exc:
+    except (AlreadyRunning, SocketPathTaken) as exc:
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 2
     except config.ConfigError as exc:
@@ -223,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(args)
     if not os.environ.get("KVKEEPER_DEBUG"):
         logging.disable(logging.WARNING)
-    from kvkeeper import ops
+    from kvkeeper import config, ops
     from kvkeeper.client.channel import DaemonUnavailable
     from kvkeeper.client.client import DaemonError
+    from kvkeeper.protocol.naming import BadId
 
     command = {
         "stats": ops.stats, "ls": ops.ls, "rm": ops.rm, "gc": ops.gc, "verify": ops.verify,
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     except DaemonError as exc:
         print(f"kvkeeper: the daemon refused: {exc}", file=sys.stderr)
         return 1
+    except (BadId, config.ConfigError) as exc:
+        # An id or setting given on the command line or in the config: usage.
+        print(f"kvkeeper: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ err = Console(stderr=True, highlight=False)
 
 
 class CommandError(Exception):
-    """Ends a command with a message and exit status 1 (3: no daemon)."""
+    """Ends a command with a message and exit status 1 (2: usage, 3: no daemon)."""
 
     def __init__(self, message: str, status: int = 1) -> None:
         super().__init__(message)
@@ -159,6 +159,12 @@ def ls(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
+    if args.all_of_model is not None and args.model is not None:
+        # Deleting all of a model when one entry was named would be the
+        # worst way to read it.
+        raise CommandError("give either MODEL ID (kvkeeper rm MODEL ID) for one entry, or "
+                           "only --model FP (kvkeeper rm --model FP) for all of a model",
+                           status=2)
     if (args.cache_id is None) == (args.all_of_model is None):
         raise CommandError("give MODEL ID for one entry, or --model FP for all of a model")
     with client(args.socket) as kv:
@@ -209,7 +215,11 @@ def _store_files(root: Path) -> Iterator[Path]:
 
 def _root(args: argparse.Namespace, kv: Any) -> Path:
     if args.root is not None:
-        return args.root.expanduser()
+        root: Path = args.root.expanduser()
+        if not root.is_dir():
+            what = "does not exist" if not root.exists() else "is not a directory"
+            raise CommandError(f"--root {root} {what}", status=2)
+        return root
     if kv is not None and kv.connected:
         return kv.root
     from kvkeeper.settings import resolve
@@ -230,7 +240,8 @@ def verify(args: argparse.Namespace) -> int:
             task = bar.add_task("verify", total=total)
             for f in files:
                 try:
-                    with st.open_file(f) as (fh, header):
+                    # A check is not a use: the eviction order stays as it was.
+                    with st.open_file(f, keep_atime=True) as (fh, header):
                         if header.metadata.get(st.FORMAT_KEY) != st.FORMAT:
                             legacy.append(f)
                             bar.advance(task, f.lstat().st_size)
@@ -367,7 +378,11 @@ def export(args: argparse.Namespace) -> int:
     dest: Path = args.path
     if dest.suffix != naming.SUFFIX:
         raise CommandError(f"{dest}: the file name must end in {naming.SUFFIX} "
-                           f"(mlx-lm's loader expects it)")
+                           f"(mlx-lm's loader expects it)", status=2)
+    if dest.is_dir():
+        raise CommandError(f"{dest} is a directory; give a file name", status=2)
+    if not dest.parent.is_dir():
+        raise CommandError(f"{dest.parent} is not an existing directory", status=2)
     with client(args.socket, required=False) as kv:
         got = kv.load(args.model, args.cache_id)
     if got is None:
@@ -380,11 +395,16 @@ def export(args: argparse.Namespace) -> int:
     meta = {"kvkeeper_model": args.model, "kvkeeper_cache_id": args.cache_id,
             "token_ids": json.dumps(got.token_ids)}
     tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
-    save_prompt_cache(str(tmp), got.cache, metadata=meta)
-    os.replace(tmp, dest)
+    try:
+        save_prompt_cache(str(tmp), got.cache, metadata=meta)
+        os.replace(tmp, dest)
+    except (OSError, RuntimeError) as exc:  # mlx reports a file it cannot open as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise CommandError(f"cannot write {dest}: {exc}") from None
+    # Not mlx_lm.generate --prompt-cache-file: it also wants the model and
+    # tokenizer config in the metadata, which kvkeeper does not have.
     out.print(f"wrote {dest} ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens); "
-              f"open it with mlx_lm.models.cache.load_prompt_cache or "
-              f"mlx_lm.generate --prompt-cache-file")
+              f"open it with mlx_lm.models.cache.load_prompt_cache")
     return 0
 
 
@@ -402,11 +422,36 @@ def serve_args_for_service(args: argparse.Namespace) -> list[str]:
     return out_args
 
 
+def _service_settings(args: argparse.Namespace) -> tuple[list[str], float]:
+    """The serve arguments for the service, and its drain timeout, resolved as
+    ``serve`` resolves them; invalid settings end the command with status 2
+    rather than write a service that fails at every start."""
+    from kvkeeper.settings import ENV_CONFIG, SETTINGS, SettingsError, resolve
+
+    try:
+        values, sources = resolve({s.name: getattr(args, s.name) for s in SETTINGS},
+                                  args.config)
+    except SettingsError as exc:
+        raise CommandError(str(exc), status=2) from None
+    # launchd and systemd do not hand this shell's environment to the service:
+    # what came from it goes on the service's command line, so that the
+    # service runs with the settings (and the drain timeout) resolved here.
+    pinned = argparse.Namespace(**vars(args))
+    for s in SETTINGS:
+        if sources[s.name].startswith("environment"):
+            setattr(pinned, s.name, values[s.name])
+    env_config = Path(os.environ.get(ENV_CONFIG) or "/nonexistent").expanduser()
+    if args.config is None and env_config.is_file():
+        pinned.config = env_config
+    return serve_args_for_service(pinned), values["drain_timeout"]
+
+
 def install_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
     platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
-    sf = service.service_file(serve_args_for_service(args), args.drain_timeout or 20.0,
+    serve_args, drain_timeout = _service_settings(args)
+    sf = service.service_file(serve_args, drain_timeout,
                               **({"platform": platform} if platform else {}))
     if args.print:
         print(sf.content.decode(), end="")

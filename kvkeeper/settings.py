@@ -6,6 +6,7 @@ Precedence: command-line flag > environment (``KVKEEPER_*``) > config file
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -37,9 +38,14 @@ def parse_size(text: str | int) -> int:
         t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
         num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
         try:
-            value = int(float(num) * units[unit])
+            number = float(num) * units[unit]
         except ValueError:
             raise ValueError(f"not a byte size: {text!r} (try 512M or 1G)") from None
+        # float() takes "inf", "nan" and "1e400" (inf); int() of them fails
+        # with an OverflowError no caller expects.
+        if not math.isfinite(number):
+            raise ValueError(f"a size must be a finite number of bytes, not {text!r}")
+        value = int(number)
     if value < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")
     return value
@@ -58,6 +64,9 @@ def _level(value: Any) -> str:
 
 def _seconds(value: Any) -> float:
     v = float(value)
+    # nan passes every comparison: --drain-timeout nan got as far as SIGTERM.
+    if not math.isfinite(v):
+        raise ValueError(f"seconds must be a finite number, not {value!r}")
     if v < 0:
         raise ValueError(f"seconds cannot be negative: {value!r}")
     return v

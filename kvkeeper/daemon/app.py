@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,29 @@ class DaemonConfig:
 
 class AlreadyRunning(config.ConfigError):
     """Another daemon holds the lock of this root or socket."""
+
+
+class SocketPathTaken(config.ConfigError):
+    """Something other than a socket is where the daemon's socket goes."""
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket a dead daemon left at ``path``; refuse anything else.
+
+    Called with the locks held, so no live daemon owns a socket there. A file,
+    directory or symlink there is someone's data or a wrong --socket: never
+    delete it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISSOCK(mode):
+        path.unlink()
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode)
+            else "a regular file" if stat.S_ISREG(mode) else "another kind of file")
+    raise SocketPathTaken(f"socket path {str(path)!r} is {kind}, not a socket; "
+                          f"move it away or choose another --socket")
 
 
 class _Lock:
@@ -108,6 +132,7 @@ class Daemon:
             holder = f"pid {os.getpid()}, root {root}, socket {sock_path}"
             locks.append(_Lock(root / LOCK_NAME, holder))
             locks.append(_Lock(sock_dir / f"{sock_path.name}.lock", holder))
+            _clear_stale_socket(sock_path)
             store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
             swept = store.open()
             if swept:
@@ -152,8 +177,6 @@ class Daemon:
             except zmq.ZMQError:
                 pass  # libzmq built without it; the 0700 directory still guards
         try:
-            if sock_path.exists() or sock_path.is_symlink():
-                sock_path.unlink()  # we hold the lock: whatever is there is stale
             sock.bind(config.endpoint(sock_path))
             os.chmod(sock_path, 0o600)
             log.info("event=listening socket=%s root=%s pid=%d max_pending_bytes=%d",

@@ -1,0 +1,261 @@
+"""The CLI refuses what it cannot do with a one-line message and the documented
+exit status (2: usage), instead of a traceback or a silent wrong action."""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvkeeper.client.client import Client
+
+from .conftest import WAIT, RunningDaemon, serve_process, stop_process
+
+
+def cli(*args: str, env: dict[str, str] | None = None,
+        timeout: float = WAIT) -> subprocess.CompletedProcess[str]:
+    """The real CLI, with no KVKEEPER_* setting or config file of this machine's."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
+    return subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**base, **(env or {})})
+
+
+def usage_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 2 with one ``kvkeeper: ...`` line that says each of ``needles``."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvkeeper: "), r.stderr
+    for needle in needles:
+        assert needle in r.stderr, r.stderr
+
+
+def small_cache() -> list[KVCache]:
+    c = KVCache()
+    x = mx.zeros((1, 2, 5, 8))
+    c.update_and_fetch(x, x)
+    return [c]
+
+
+# ------------------------------------------------------------------ rm
+
+
+@pytest.mark.parametrize("argv", [["--model", "m1", "a"], ["a", "--model", "m1"],
+                                  ["m1", "a", "--model", "m1"]])
+def test_rm_refuses_an_id_together_with_model(argv: list[str], client: Client,
+                                              daemon: RunningDaemon) -> None:
+    for name in ("a", "b"):
+        assert client.save("m1", name, small_cache(), [1, 2])
+    assert client.flush(timeout=WAIT)
+    r = cli("rm", "--socket", str(daemon.socket), *argv)
+    usage_error(r, "rm MODEL ID", "rm --model FP")
+    assert sorted(e.cache_id for e in client.entries()) == ["a", "b"]
+
+
+# ------------------------------------------------------------------ non-finite settings
+
+
+@pytest.mark.parametrize(("argv", "env", "toml"), [
+    (["--drain-timeout", "nan"], {}, ""),
+    (["--drain-timeout", "inf"], {}, ""),
+    (["--min-write-interval", "nan"], {}, ""),
+    ([], {"KVKEEPER_DRAIN_TIMEOUT": "nan"}, ""),
+    ([], {"KVKEEPER_MAX_DISK_BYTES": "1e400"}, ""),
+    ([], {}, "max_disk_bytes = inf\n"),
+    ([], {}, "min_free_bytes = nan\n"),
+    ([], {}, "drain_timeout = nan\n"),
+], ids=lambda v: repr(v))
+def test_non_finite_settings_are_refused(argv: list[str], env: dict[str, str], toml: str,
+                                         short_dir: Path) -> None:
+    cfg = short_dir / "kv.toml"
+    cfg.write_text(toml)
+    r = cli("serve", "--config", str(cfg), "--print-config", *argv, env=env)
+    usage_error(r, "finite")
+
+
+@pytest.mark.parametrize("value", ["inf", "1e400", "nan", "-inf"])
+def test_non_finite_size_flags_are_refused(value: str) -> None:
+    r = cli("serve", "--print-config", f"--max-disk-bytes={value}")
+    assert r.returncode == 2 and "finite" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_with_nan_drain_timeout_does_not_start(short_dir: Path) -> None:
+    sock = short_dir / "run" / "k.sock"
+    r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock),
+            "--drain-timeout", "nan")
+    usage_error(r, "drain_timeout", "finite")
+    assert not sock.exists()
+
+
+# ------------------------------------------------------------------ the socket path
+
+
+def _occupy(path: Path, kind: str, short_dir: Path) -> None:
+    if kind == "file":
+        path.write_text("precious")
+    elif kind == "directory":
+        path.mkdir()
+        (path / "inside").write_text("precious")
+    else:
+        target = short_dir / "target"
+        target.write_text("precious")
+        path.symlink_to(target)
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "symlink"])
+def test_serve_refuses_a_socket_path_that_is_not_a_socket(kind: str, short_dir: Path) -> None:
+    run = short_dir / "run"
+    run.mkdir(mode=0o700)
+    sock = run / "k.sock"
+    _occupy(sock, kind, short_dir)
+    # Before the fix the daemon deleted the file and served: the timeout ends it.
+    r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock), timeout=15)
+    # After serve's banner line, the one line that says why.
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvkeeper: ") and str(sock) in last and "not a socket" in last
+    if kind == "file":
+        assert sock.read_text() == "precious"
+    elif kind == "directory":
+        assert (sock / "inside").read_text() == "precious"
+    else:
+        assert sock.is_symlink() and (short_dir / "target").read_text() == "precious"
+
+
+def test_serve_replaces_a_stale_socket(short_dir: Path) -> None:
+    run = short_dir / "run"
+    run.mkdir(mode=0o700)
+    sock = run / "k.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock))  # a socket file nobody listens on, as a killed daemon leaves
+    s.close()
+    proc = serve_process(short_dir / "root", sock)
+    assert stop_process(proc) == 0
+
+
+# ------------------------------------------------------------------ verify --root
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_verify_refuses_a_root_that_is_not_a_directory(kind: str, short_dir: Path) -> None:
+    root = short_dir / "root"
+    if kind == "file":
+        root.write_text("not a store")
+    r = cli("verify", "--root", str(root), "--socket", str(short_dir / "none.sock"))
+    usage_error(r, str(root))
+    assert "all good" not in r.stdout
+
+
+# ------------------------------------------------------------------ bad ids, bad config
+
+
+def test_bad_ids_are_one_line_errors(daemon: RunningDaemon, short_dir: Path) -> None:
+    sock = str(daemon.socket)
+    usage_error(cli("ls", "--socket", sock, "--model", ""), "model is empty")
+    usage_error(cli("rm", "--socket", sock, "M", ""), "cache id is empty")
+    usage_error(cli("rm", "--socket", sock, "M", "x" * 5000), "5000 bytes")
+    usage_error(cli("export", "--socket", str(short_dir / "none.sock"), "", "x",
+                    str(short_dir / "f.safetensors")), "model is empty")
+    assert not (short_dir / "f.safetensors").exists()
+
+
+@pytest.mark.parametrize("toml", ["max_disk_bites = 1\n", "drain_timeout = -1\n",
+                                  "this is not toml\n"])
+def test_bad_config_file_is_a_one_line_error_outside_serve(toml: str,
+                                                           short_dir: Path) -> None:
+    cfg = short_dir / "bad.toml"
+    cfg.write_text(toml)
+    r = cli("verify", "--socket", str(short_dir / "none.sock"),
+            env={"KVKEEPER_CONFIG": str(cfg)})
+    usage_error(r, str(cfg))
+
+
+# ------------------------------------------------------------------ export
+
+
+def _leftovers(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if ".tmp" in p.name]
+
+
+def test_export_to_a_destination_it_cannot_write(client: Client, daemon: RunningDaemon,
+                                                 short_dir: Path) -> None:
+    sock = str(daemon.socket)
+    assert client.save("m1", "a", small_cache(), [1, 2, 3, 4, 5])
+    assert client.flush(timeout=WAIT)
+    missing = short_dir / "no-such-dir" / "x.safetensors"
+    usage_error(cli("export", "--socket", sock, "m1", "a", str(missing)), str(missing.parent))
+    a_dir = short_dir / "d.safetensors"
+    a_dir.mkdir()
+    usage_error(cli("export", "--socket", sock, "m1", "a", str(a_dir)), "is a directory")
+    assert a_dir.is_dir() and not list(a_dir.iterdir())
+    assert not _leftovers(short_dir)
+    # It still writes where it can, and says how to open the file.
+    ok = short_dir / "ok.safetensors"
+    r = cli("export", "--socket", sock, "m1", "a", str(ok))
+    assert r.returncode == 0 and ok.exists(), r.stderr
+    assert "load_prompt_cache" in r.stdout and "mlx_lm.generate" not in r.stdout
+    assert not _leftovers(short_dir)
+
+
+def test_export_help_claims_only_what_works() -> None:
+    text = cli("export", "--help").stdout
+    assert "load_prompt_cache" in text and "prompt-cache-file" not in text
+    assert "mlx_lm.generate" not in text
+
+
+# ------------------------------------------------------------------ install-service
+
+
+def _exec_start(unit: str) -> list[str]:
+    line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+def test_install_service_stop_timeout_follows_the_resolved_drain_timeout(
+        short_dir: Path) -> None:
+    cfg = short_dir / "kv.toml"
+    cfg.write_text("drain_timeout = 60\n")
+    r = cli("install-service", "--print", "--platform", "linux", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "TimeoutStopSec=70" in r.stdout
+    r = cli("install-service", "--print", "--platform", "macos",
+            env={"KVKEEPER_CONFIG": str(cfg)})
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads(r.stdout.encode())
+    assert plist["ExitTimeOut"] == 70
+    # The service manager does not hand this shell's environment to the
+    # service, so the file it runs has to be the one that said 60.
+    args = plist["ProgramArguments"]
+    assert args[args.index("--config") + 1] == str(cfg)
+    r = cli("install-service", "--print", "--platform", "linux", "--config", str(cfg),
+            env={"KVKEEPER_DRAIN_TIMEOUT": "45"})
+    assert r.returncode == 0, r.stderr
+    assert "TimeoutStopSec=55" in r.stdout
+    cmd = _exec_start(r.stdout)
+    assert float(cmd[cmd.index("--drain-timeout") + 1]) == 45
+    r = cli("install-service", "--print", "--platform", "linux", "--drain-timeout", "0")
+    assert r.returncode == 0 and "TimeoutStopSec=10" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["--min-write-interval", "-3"], {}, "min_write_interval"),
+    (["--log-level", "loud"], {}, "log_level"),
+    (["--drain-timeout", "nan"], {}, "drain_timeout"),
+    ([], {"KVKEEPER_MIN_WRITE_INTERVAL": "-3"}, "KVKEEPER_MIN_WRITE_INTERVAL"),
+], ids=lambda v: repr(v))
+def test_install_service_refuses_invalid_settings(argv: list[str], env: dict[str, str],
+                                                  needle: str, short_dir: Path) -> None:
+    home = {"HOME": str(short_dir / "home"), "XDG_CONFIG_HOME": str(short_dir / "cfg")}
+    r = cli("install-service", "--print", "--platform", "linux", *argv, env=env)
+    usage_error(r, needle)
+    r = cli("install-service", "--platform", "linux", "--no-load", *argv, env={**env, **home})
+    usage_error(r, needle)
+    assert not (short_dir / "cfg" / "systemd" / "user" / "kvkeeper.service").exists()
