@@ -5,6 +5,7 @@ daemon that is gone. Real daemons, real sockets, real MLX caches."""
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import threading
@@ -225,3 +226,55 @@ def test_a_daemon_dying_mid_request_fails_the_wait_at_once(
         # Without the fix the call waits out its timeout (WAIT); the bound is a
         # hang guard with room for a slow machine, not a speed target.
         assert 0.4 < elapsed < WAIT / 3, f"{call} took {elapsed:.1f} s"
+
+
+def test_a_flush_after_a_daemon_restart_does_not_vouch_for_lost_saves(short_dir: Path) -> None:
+    """A save the old daemon held (a 60 s write interval) and never wrote dies
+    with it; the new daemon knows nothing of it, so the flush must say False.
+    A flush with nothing handed off since says True again."""
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "60")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+            assert kv.save("fp", "k", filled(1, 2), [2])
+            wait_until(lambda: kv.stats().get("held_saves") == 1, "the daemon holds save 2")
+            stop_process(proc, signal.SIGKILL)
+            proc = serve_process(root, sock, "--min-write-interval", "60")
+            wait_until(lambda: kv.connected, "the client reconnects")
+            assert kv.flush(timeout=WAIT) is False
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 1
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.save("fp", "k", filled(1, 3), [3]) and kv.flush(timeout=WAIT) is True
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 3
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
+def test_a_failure_on_a_restarted_daemon_fails_the_flush(short_dir: Path) -> None:
+    """The new daemon counts failures from zero: one failure there must not
+    hide behind the old daemon's total."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+
+    def serve():  # noqa: ANN202 - a Popen
+        # Files over 200 kB cannot be written (EFBIG): a 1 MiB save fails.
+        # (Python ignores SIGXFSZ, so the write fails instead of the process.)
+        return serve_process(root, sock, "--min-write-interval", "0", preexec_fn=lambda: (
+            resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))))
+
+    from .faultkit import filled
+
+    proc = serve()
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "big", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is False
+            stop_process(proc, signal.SIGKILL)
+            proc = serve()
+            wait_until(lambda: kv.connected, "the client reconnects")
+            # The new daemon's total (1) equals the old one's: not a drop.
+            assert kv.save("fp", "big2", filled(1, 2), [2]) and kv.flush(timeout=WAIT) is False
+            assert kv.flush(timeout=WAIT) is True  # nothing handed off since
+    finally:
+        stop_process(proc, signal.SIGKILL)

@@ -97,6 +97,11 @@ class Client:
         self._unsettled: dict[tuple[str, str], int] = {}
         self._saves = 0
         self._root_seen_at = -1  # channel.connections when the daemon named its root
+        # The daemon that answered the last flush that returned (its pid, and
+        # channel.connections then), and self._saves at that flush.
+        self._flush_pid: int | None = None
+        self._flush_conn = -1
+        self._flushed_mark = 0
         self._daemon_version: str | None = None
         self._channel = Channel(
             config.endpoint(self.socket_path),
@@ -108,7 +113,8 @@ class Client:
         # connect now, so the first save after construction goes through.
         if self._channel.connected.wait(connect_timeout):
             try:
-                self.ping()
+                conn = self._channel.connections
+                self._flush_pid, self._flush_conn = self.ping().pid, conn
             except DaemonUnavailable:
                 pass
 
@@ -403,7 +409,8 @@ class Client:
         returned was written (or replaced by a newer save of the same key, from
         any client, that was, or by a delete that was done), False when any of
         them, or what replaced it, was refused, lost or failed (the log says
-        which). Raises DaemonUnavailable when the daemon is down or does not
+        which), or when the daemon was restarted in between (saves the old one
+        had not written are gone, and the new one cannot tell). Raises DaemonUnavailable when the daemon is down or does not
         answer in ``timeout`` seconds; the saves it covered are then answered
         for by the next flush that returns.
         """
@@ -412,17 +419,35 @@ class Client:
         reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout,
                               release=ALL_KEYS)
         assert isinstance(reply, m.Flushed)
+        restarted = False
+        conn = self._channel.connections
+        if conn != self._flush_conn:
+            # Reconnected since the last flush: to the same daemon, or to a new
+            # one, which knows nothing of what the old one had not written and
+            # counts its totals from zero. Its pid tells which.
+            pid = self.ping(timeout).pid
+            restarted = self._flush_pid is not None and pid != self._flush_pid
+            self._flush_pid, self._flush_conn = pid, conn
         with self._lock:
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
             # Running totals: what went wrong since the last flush that returned
             # (the daemon counts refusals with failures: their replies can be lost).
             lost = self._channel.counters.saves_lost - self._lost_seen
             self._lost_seen += lost
-            # A smaller total means a new daemon, which counts from zero.
+            if restarted:
+                self._failed_seen = 0
+            # A smaller total also means a new daemon (one this check missed).
             failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
                 else reply.failed
             self._failed_seen = reply.failed
-        return failed == 0 and lost == 0
+            # Saves handed off since the last flush may have gone to the daemon
+            # that went away: nothing can confirm them.
+            unconfirmed = restarted and mark > self._flushed_mark
+            self._flushed_mark = mark
+        if unconfirmed:
+            log.warning("event=flush_unconfirmed reason=the daemon was restarted since the "
+                        "last flush; saves handed off before may be lost")
+        return failed == 0 and lost == 0 and not unconfirmed
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Delete an entry (after any pending save of it); True if it existed."""
