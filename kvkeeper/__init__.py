@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-__all__ = ["Client", "LoadedCache", "read_cache_file", "model_fingerprint", "__version__"]
+__all__ = ["Client", "DaemonUnavailable", "LoadedCache", "read_cache_file", "model_fingerprint",
+           "__version__"]
 
 if TYPE_CHECKING:
+    from kvkeeper.client.channel import DaemonUnavailable
     from kvkeeper.client.client import Client
     from kvkeeper.client.reader import LoadedCache, read_cache_file
     from kvkeeper.fingerprint import model_fingerprint
@@ -23,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from kvkeeper.client.client import Client
 
         return Client
+    if name == "DaemonUnavailable":  # what flush() and the other requests raise
+        from kvkeeper.client.channel import DaemonUnavailable
+
+        return DaemonUnavailable
     if name in ("LoadedCache", "read_cache_file"):
         from kvkeeper.client import reader
 

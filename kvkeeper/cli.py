@@ -13,8 +13,10 @@ from kvkeeper import __version__
 EPILOG = """\
 Settings for serve come from flags, then KVKEEPER_* environment variables
 (KVKEEPER_ROOT, KVKEEPER_SOCKET, KVKEEPER_MAX_DISK_BYTES, ...), then the TOML
-config file ($KVKEEPER_CONFIG or ~/.config/kvkeeper/config.toml), then defaults;
-`kvkeeper serve --print-config` shows the result. Sizes take K/M/G/T suffixes.
+config file ($KVKEEPER_CONFIG or $XDG_CONFIG_HOME/kvkeeper/config.toml, by
+default ~/.config/kvkeeper/config.toml), then defaults;
+`kvkeeper serve --print-config` shows the result. The other commands, given
+no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running."""
 
@@ -38,6 +40,7 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
 
     p.add_argument("--config", type=Path, default=None,
                    help="TOML config file (default $KVKEEPER_CONFIG or "
+                        "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")
     for name, kind in (("root", Path), ("socket", Path), ("max_pending_bytes", _size),
                        ("max_disk_bytes", _size), ("min_free_bytes", _size),

@@ -113,10 +113,10 @@ def _ping(socket: Path | None, timeout: float = 1.0) -> bool:
 def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
     """The daemon at ``socket`` (default: the user's) if one answers and
     ``private`` is off, else a private one in a temp dir, stopped at the end."""
-    from kvkeeper import config
+    from kvkeeper import settings
 
     if not private:
-        path = socket or config.default_socket()
+        path = socket or settings.client_path("socket")
         if _ping(path):
             yield path, f"running daemon at {path}"
             return

@@ -157,3 +157,16 @@ def resolve(
             values[s.name] = s.default()
             sources[s.name] = "default"
     return values, sources
+
+
+def client_path(name: str) -> Path:
+    """The ``socket`` or ``root`` a client uses when none is given: the one
+    ``serve`` would use without flags (``$KVKEEPER_SOCKET``/``_ROOT``, else
+    the config file's, else the default), so one config file serves both
+    sides. A config file that cannot be used falls back to the default
+    (``serve`` reports what is wrong with it)."""
+    try:
+        values, _ = resolve({})
+    except SettingsError:
+        return Path(BY_NAME[name].default())
+    return Path(values[name])

@@ -9,6 +9,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -259,3 +260,39 @@ def test_install_service_refuses_invalid_settings(argv: list[str], env: dict[str
     r = cli("install-service", "--platform", "linux", "--no-load", *argv, env={**env, **home})
     usage_error(r, needle)
     assert not (short_dir / "cfg" / "systemd" / "user" / "kvkeeper.service").exists()
+
+
+# ------------------------------------------------------------------ one config for both sides
+
+
+def test_clients_find_the_daemon_by_the_config_files_socket(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sock = short_dir / "cs" / "k.sock"
+    conf = short_dir / "kvkeeper.toml"
+    conf.write_text(f'socket = "{sock}"\nroot = "{short_dir / "root"}"\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvkeeper.cli", "serve"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")},
+             "KVKEEPER_CONFIG": str(conf)})
+    try:
+        from .conftest import ping
+
+        deadline = time.monotonic() + WAIT
+        while not (sock.exists() and ping(sock, 0.5)):
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not answer"
+            time.sleep(0.05)
+        # The CLI and Client() with no socket given use the config's.
+        r = cli("stats", "--json", env={"KVKEEPER_CONFIG": str(conf)})
+        assert r.returncode == 0, r.stderr
+        for k in [k for k in os.environ if k.startswith("KVKEEPER_")]:
+            monkeypatch.delenv(k)
+        monkeypatch.setenv("KVKEEPER_CONFIG", str(conf))
+        with Client(timeout=WAIT) as kv:
+            assert kv.socket_path == sock and kv.connected
+            assert kv.save("fp", "c", small_cache(), [1, 2, 3, 4, 5])
+            assert kv.flush(timeout=WAIT)
+            assert kv.root == short_dir / "root"
+    finally:
+        assert stop_process(proc) == 0

@@ -278,3 +278,11 @@ def test_a_failure_on_a_restarted_daemon_fails_the_flush(short_dir: Path) -> Non
             assert kv.flush(timeout=WAIT) is True  # nothing handed off since
     finally:
         stop_process(proc, signal.SIGKILL)
+
+
+def test_what_flush_raises_is_importable_from_the_package(short_dir: Path) -> None:
+    import kvkeeper
+
+    with Client(short_dir / "none.sock", timeout=WAIT, connect_timeout=0.1) as kv:
+        with pytest.raises(kvkeeper.DaemonUnavailable):
+            kv.flush(timeout=1)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvkeeper import __version__, config
+from kvkeeper import __version__, config, settings
 from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonUnavailable
 from kvkeeper.client.codec import CacheCapture, capture_cache, check_cache, encode_capture
 from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
@@ -78,7 +78,7 @@ class Client:
         timeout: float = 10.0,
         connect_timeout: float = 1.0,
     ) -> None:
-        self.socket_path = Path(socket) if socket is not None else config.default_socket()
+        self.socket_path = Path(socket) if socket is not None else settings.client_path("socket")
         self._root_override = Path(root) if root is not None else None
         self._daemon_root: Path | None = None
         if not 0 <= min_send_interval < float("inf"):
@@ -144,7 +144,7 @@ class Client:
     @property
     def root(self) -> Path:
         """The store root that ``load()`` reads directly when the daemon is down."""
-        return self._root_override or self._daemon_root or config.default_root()
+        return self._root_override or self._daemon_root or settings.client_path("root")
 
     # ------------------------------------------------------------ save
 
