@@ -286,3 +286,59 @@ def test_what_flush_raises_is_importable_from_the_package(short_dir: Path) -> No
     with Client(short_dir / "none.sock", timeout=WAIT, connect_timeout=0.1) as kv:
         with pytest.raises(kvkeeper.DaemonUnavailable):
             kv.flush(timeout=1)
+
+
+_FORK_AND_USE = """
+import os
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from kvkeeper import Client, DaemonUnavailable
+
+def cache(v):
+    c = KVCache()
+    x = mx.full((1, 2, 4, 8), float(v))
+    c.update_and_fetch(x, x)
+    mx.eval(c.state)
+    return [c]
+
+kv = Client(sys.argv[1], timeout=30, min_send_interval=0)
+parent_cache, child_cache = cache(1), cache(2)
+pid = os.fork()
+if pid == 0:
+    t0 = time.monotonic()
+    code = 0
+    if kv.save("fp", "child", child_cache, [2]) is not False:
+        code = 3  # handed off to nothing: lost without a trace
+    try:
+        kv.flush(timeout=30)
+        code = code or 4
+    except DaemonUnavailable:
+        pass
+    kv.close()
+    if kv.client_stats()["client_saves_dropped"] != 1:
+        code = code or 5
+    os._exit(code or (6 if time.monotonic() - t0 > 10 else 0))
+_, status = os.waitpid(pid, 0)
+if os.waitstatus_to_exitcode(status) != 0:
+    sys.exit(f"child failed: {os.waitstatus_to_exitcode(status)}")
+# The parent's client is untouched by the child.
+assert kv.save("fp", "parent", parent_cache, [1]) and kv.flush(timeout=30)
+kv.close()
+"""
+
+
+def test_a_client_used_in_a_forked_child_drops_and_fails_at_once(daemon: RunningDaemon) -> None:
+    """The child has the parent's Client but not its I/O thread: a save is
+    dropped (counted), a flush raises at once, close() returns at once; the
+    parent goes on as if nothing happened."""
+    import sys as _sys
+
+    proc = subprocess.run([_sys.executable, "-c", _FORK_AND_USE, str(daemon.socket)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert naming.entry_path(daemon.root, "fp", "parent").exists()
+    assert not naming.entry_path(daemon.root, "fp", "child").exists()

@@ -84,9 +84,16 @@ def _close_open_channels() -> None:
             log.exception("event=close_failed_at_exit")
 
 
-# A forked child inherits the set but not the I/O threads: closing those
-# channels at its exit would wait for a thread that is not there.
-os.register_at_fork(after_in_child=_open_channels.clear)
+def _orphan_in_child() -> None:
+    # A forked child inherits the channels but not their I/O threads: each
+    # one is marked dead (its saves are dropped, its requests fail at once),
+    # and its exit must not wait for a thread that is not there.
+    for channel in list(_open_channels):
+        channel._orphan()
+    _open_channels.clear()
+
+
+os.register_at_fork(after_in_child=_orphan_in_child)
 
 
 # atexit runs its handlers last registered first, and once pyzmq's garbage
@@ -167,6 +174,7 @@ class Channel:
         self._closing = threading.Event()
         self._close_claimed = False  # under _lock: only the first close() closes
         self._stopped = False  # under _lock: the I/O thread is gone, no request can be answered
+        self.forked = False  # this is a forked child's copy: it can never send
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -253,6 +261,25 @@ class Channel:
         finally:
             with self._lock:
                 self._waiting.pop(pending.req, None)
+
+    def _orphan(self) -> None:
+        """In a forked child: nothing here can reach the daemon any more."""
+        self.forked = True
+        # The parent's I/O thread may have held the lock at the fork: the
+        # child's copy would then never be released.
+        self._lock = threading.Lock()
+        self._stopped = self._close_claimed = True
+        self.connected.clear()
+        self._closing.set()
+        # The pipe is shared with the parent: a byte from here would wake its
+        # I/O thread for nothing. The child's copies are closed.
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        for item in self._waiting.values():
+            if not item.future.done():
+                item.future.set_exception(DaemonUnavailable("the client was made before a fork"))
 
     def close(self, timeout: float = 5.0) -> None:
         """Send the saves waiting out the send interval, give queued saves up

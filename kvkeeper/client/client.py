@@ -183,6 +183,9 @@ class Client:
         # and must not pass for a drop while the daemon happens to be down.
         if not self._channel.connected.is_set():
             check_cache(layers)
+            if self._channel.forked:
+                return self._drop("forked", "this Client was made before the process forked; "
+                                            "make a new one in the child")
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
         if self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
             # Full: no save can fit, so do not pay for a capture first.
