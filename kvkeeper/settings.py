@@ -108,11 +108,12 @@ SETTINGS: tuple[Setting, ...] = (
 BY_NAME = {s.name: s for s in SETTINGS}
 
 
-def default_config_file() -> Path:
-    env = os.environ.get(ENV_CONFIG)
+def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    env = environ.get(ENV_CONFIG)
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    base = environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "kvkeeper" / "config.toml"
 
 
@@ -123,8 +124,10 @@ def resolve(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Effective values and, for each, where it came from."""
     environ = os.environ if environ is None else environ
-    explicit = config_file is not None
-    path = config_file or default_config_file()
+    # A file named by $KVKEEPER_CONFIG is asked for as much as one given by
+    # --config: its absence is an error, not a silent fallback to defaults.
+    explicit = config_file is not None or bool(environ.get(ENV_CONFIG))
+    path = config_file or default_config_file(environ)
     file_values: dict[str, Any] = {}
     if path.exists():
         try:
@@ -142,7 +145,8 @@ def resolve(
     for s in SETTINGS:
         candidates = [
             (flags.get(s.name), f"flag --{s.name.replace('_', '-')}"),
-            (environ.get(s.env), f"environment {s.env}"),
+            # Empty means unset, as for the clients (KVKEEPER_ROOT= is not the cwd).
+            (environ.get(s.env) or None, f"environment {s.env}"),
             (file_values.get(s.name), f"config file {path}"),
         ]
         for raw, source in candidates:

@@ -296,3 +296,17 @@ def test_clients_find_the_daemon_by_the_config_files_socket(
             assert kv.root == short_dir / "root"
     finally:
         assert stop_process(proc) == 0
+
+
+def test_a_missing_config_file_named_by_the_environment_is_an_error(short_dir: Path) -> None:
+    r = cli("serve", "--print-config", env={"KVKEEPER_CONFIG": str(short_dir / "nope.toml")})
+    usage_error(r, "nope.toml", "does not exist")
+
+
+def test_an_empty_environment_variable_means_unset(short_dir: Path) -> None:
+    # KVKEEPER_ROOT= made serve take the current directory as its root, while
+    # the clients took the default.
+    r = cli("serve", "--print-config", env={"KVKEEPER_ROOT": "", "KVKEEPER_SOCKET": ""})
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
+    assert "environment" not in lines["root"] and "environment" not in lines["socket"], r.stdout
