@@ -264,3 +264,13 @@ def test_metadata_counts_against_the_memory_budget(short_dir: Path) -> None:
             s.close(linger=0)
         ctx.term()
         assert rd.stop() == 0
+
+
+def test_every_counter_is_there_from_the_start(raw: zmq.Socket) -> None:
+    # A script reading stats --json must not find a counter missing until it
+    # first moves (the README names loads_direct and saves_held).
+    got = ask(raw, m.encode(m.GetStats(v=V, req=1)))
+    assert isinstance(got, m.Stats)
+    for name in ("saves_received", "saves_written", "saves_held", "saves_refused",
+                 "loads_found", "loads_missing", "loads_direct", "files_quarantined"):
+        assert got.counters.get(name) == 0, name
