@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                      help="files, or directories searched for *.safetensors")
     imp.add_argument("--model", default=None,
-                     help="model fingerprint (required for mlx_lm files, which record none)")
+                     help="model fingerprint (required for mlx_lm files, which record none, "
+                          "unless kvkeeper export wrote them)")
     imp.add_argument("--id", default=None,
                      help="cache id (one file only; default: the file's own or its name)")
     imp.add_argument("--json", action="store_true", help="machine-readable output")

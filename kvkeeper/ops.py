@@ -375,6 +375,8 @@ def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
 def export(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import save_prompt_cache
 
+    from kvkeeper.client.legacy import EXPORT_CACHE_ID_KEY, EXPORT_MODEL_KEY, EXPORT_TOKENS_KEY
+
     dest: Path = args.path
     if dest.suffix != naming.SUFFIX:
         raise CommandError(f"{dest}: the file name must end in {naming.SUFFIX} "
@@ -392,8 +394,8 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError(f"mlx-lm's loader cannot rebuild {sorted(set(foreign))}; only caches "
                            f"of mlx_lm.models.cache classes can be exported")
     # No dots in the keys: mlx-lm's loader turns "a.b" into nested dicts.
-    meta = {"kvkeeper_model": args.model, "kvkeeper_cache_id": args.cache_id,
-            "token_ids": json.dumps(got.token_ids)}
+    meta = {EXPORT_MODEL_KEY: args.model, EXPORT_CACHE_ID_KEY: args.cache_id,
+            EXPORT_TOKENS_KEY: json.dumps(got.token_ids)}
     tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
     try:
         save_prompt_cache(str(tmp), got.cache, metadata=meta)

@@ -202,7 +202,14 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     # And back: the exported file imports like any mlx-lm file.
     r = cli("import", "--socket", sock, "--model", "tiny", "--id", "back", str(out))
     assert r.returncode == 0, r.stdout
-    assert client.load("tiny", "back") is not None
+    back = client.load("tiny", "back")
+    assert back is not None and back.token_ids == tokens
+    # With no --model or --id, the key it was exported from, and its tokens.
+    client.delete("tiny", "conv")
+    r = cli("import", "--socket", sock, str(out))
+    assert r.returncode == 0, r.stdout
+    again = client.load("tiny", "conv")
+    assert again is not None and again.token_ids == tokens
     # mlx-vlm classes cannot be rebuilt by mlx-lm's loader: a clear refusal.
     r = cli("export", "--socket", sock, "fp-demo", "kv", str(short_dir / "vlm.safetensors"))
     assert r.returncode == 1 and "only caches of mlx_lm.models.cache" in r.stderr

@@ -45,6 +45,9 @@ MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
 # Where each writer's own loader looks class names up.
 _VLM_CACHE = "mlx_vlm.models.cache"
 _LM_CACHE = "mlx_lm.models.cache"
+#: The user metadata `kvkeeper export` adds to an mlx-lm prompt-cache file.
+EXPORT_MODEL_KEY, EXPORT_CACHE_ID_KEY, EXPORT_TOKENS_KEY = (
+    "kvkeeper_model", "kvkeeper_cache_id", "token_ids")
 
 _MLX_LM_KEY = re.compile(r"0\..+|1\.\d+|2\.0|2\.\d+\.[01]")
 _MLX_LM_SCALAR = re.compile(r"2\.(\d+)\.([01])")
@@ -258,4 +261,13 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
         _mlx_lm_layer(_class_named(name, [_LM_CACHE]), state, f"layer {i}")
         for i, (name, state) in enumerate(zip(classes, states, strict=True))
     ]
-    return LegacyCache(MLX_LM_PROMPT_CACHE, layers, None, None, user)
+    # `kvkeeper export` writes its key and token ids beside the cache; any
+    # other writer's "token_ids" is used only if it is a list of integers.
+    tokens: list[int] | None = None
+    try:
+        parsed = json.loads(user.get(EXPORT_TOKENS_KEY, "null"))
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, list) and all(type(t) is int for t in parsed):
+        tokens = parsed
+    return LegacyCache(MLX_LM_PROMPT_CACHE, layers, tokens, user.get(EXPORT_MODEL_KEY), user)

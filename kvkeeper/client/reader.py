@@ -96,7 +96,12 @@ def read_cache_file(
         raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False)
     if meta.get(st.FORMAT_KEY) == st.FORMAT:
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
-    from kvkeeper.client.legacy import decode_legacy, detect_legacy
+    from kvkeeper.client.legacy import (
+        EXPORT_CACHE_ID_KEY,
+        MLX_LM_PROMPT_CACHE,
+        decode_legacy,
+        detect_legacy,
+    )
 
     fmt = detect_legacy(meta)
     if fmt is None:
@@ -114,6 +119,8 @@ def read_cache_file(
         token_ids=legacy.token_ids,
         metadata=dict(legacy.metadata),
         model=legacy.model_fingerprint,
+        cache_id=legacy.metadata.get(EXPORT_CACHE_ID_KEY) if legacy.format == MLX_LM_PROMPT_CACHE
+        else None,
         path=path,
         format=legacy.format,
     )
