@@ -246,6 +246,10 @@ class Store:
         d = self.sessions / naming.encode_component(model, "model")
         try:
             os.mkdir(d, 0o700)
+            # The new directory's entry must be as durable as the file put in
+            # it: a file system that does not journal them in order could
+            # otherwise lose the directory, and the fsynced file with it.
+            fsync_dir(self.sessions)
         except FileExistsError:
             st = os.lstat(d)
             if not stat.S_ISDIR(st.st_mode):
