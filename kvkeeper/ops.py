@@ -272,7 +272,9 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
     """Move bad files aside: through the daemon when it runs (it is the only
     writer), else directly, holding its lock so that none starts meanwhile."""
     moved = []
-    if kv.connected:
+    # Only the daemon that serves this root may move its files; one serving
+    # another root would refuse (the files it knows are elsewhere).
+    if kv.connected and kv.root.resolve() == root.resolve():
         for path, reason in bad:
             model, cache_id = naming.key_of(path)
             if model is None or cache_id is None:

@@ -310,3 +310,30 @@ def test_an_empty_environment_variable_means_unset(short_dir: Path) -> None:
     assert r.returncode == 0, r.stderr
     lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
     assert "environment" not in lines["root"] and "environment" not in lines["socket"], r.stdout
+
+
+def test_verify_repair_of_another_root_than_the_running_daemons(
+    daemon: RunningDaemon, short_dir: Path
+) -> None:
+    from .conftest import start_daemon
+
+    other = short_dir / "other-root"
+    d = start_daemon(other, short_dir / "o" / "kv.sock")
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            assert kv.save("fp", "c", small_cache(), [1, 2, 3, 4, 5])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert d.stop() == 0
+    path = naming_entry(other, "fp", "c")
+    os.truncate(path, path.stat().st_size - 10)
+    # A daemon is running, but on another root: the repair is done directly.
+    r = cli("verify", "--socket", str(daemon.socket), "--root", str(other), "--repair")
+    assert r.returncode == 1 and "moved aside" in r.stdout, r.stdout + r.stderr
+    assert not path.exists() and len(list((other / "quarantine").iterdir())) == 1
+
+
+def naming_entry(root: Path, model: str, cache_id: str) -> Path:
+    from kvkeeper.protocol import naming
+
+    return naming.entry_path(root, model, cache_id)
