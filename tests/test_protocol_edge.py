@@ -274,3 +274,20 @@ def test_every_counter_is_there_from_the_start(raw: zmq.Socket) -> None:
     for name in ("saves_received", "saves_written", "saves_held", "saves_refused",
                  "loads_found", "loads_missing", "loads_direct", "files_quarantined"):
         assert got.counters.get(name) == 0, name
+
+
+def test_stats_report_the_configured_pending_budget(short_dir: Path) -> None:
+    from kvkeeper.client.client import Client
+
+    from .conftest import start_daemon
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_pending_bytes=64 * 2**20)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            s = kv.stats()
+            assert s["max_pending_bytes"] == 64 * 2**20
+            # The writer's share leaves room for what ZeroMQ may queue.
+            assert 0 < s["writer_max_pending_bytes"] < s["max_pending_bytes"]
+    finally:
+        assert rd.stop() == 0

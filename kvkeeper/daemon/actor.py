@@ -515,7 +515,9 @@ class WriterActor:
         budget = self.store.budget
         return {
             "pending_bytes": float(self.pending_bytes),
-            "max_pending_bytes": float(self.max_pending_bytes),
+            # The writer's share of --max-pending-bytes (the rest is what
+            # ZeroMQ may queue before the server reads it).
+            "writer_max_pending_bytes": float(self.max_pending_bytes),
             "queue_depth": float(self._send.statistics().current_buffer_used),
             "held_saves": float(len(self._held)),
             "disk_used_bytes": float(self.store.usage()),

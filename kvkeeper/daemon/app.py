@@ -156,6 +156,7 @@ class Daemon:
         # ZeroMQ may queue before the server reads it, and what the writer has
         # accepted but not yet written. The writer gets the rest.
         zmq_share = min(RCVHWM * CHUNK_BYTES, cfg.max_pending_bytes // 4)
+        self.stats.gauges["max_pending_bytes"] = float(cfg.max_pending_bytes)  # as configured
         actor = WriterActor(store, self.stats,
                             max_pending_bytes=cfg.max_pending_bytes - zmq_share,
                             stall_timeout=cfg.stall_timeout,
