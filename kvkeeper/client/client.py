@@ -413,9 +413,10 @@ class Client:
         any client, that was, or by a delete that was done), False when any of
         them, or what replaced it, was refused, lost or failed (the log says
         which), or when the daemon was restarted in between (saves the old one
-        had not written are gone, and the new one cannot tell). Raises DaemonUnavailable when the daemon is down or does not
-        answer in ``timeout`` seconds; the saves it covered are then answered
-        for by the next flush that returns.
+        had not written are gone, and the new one cannot tell). Raises
+        DaemonUnavailable when the daemon is down, goes away while the flush
+        waits, or does not answer in ``timeout`` seconds; the saves it covered
+        are then answered for by the next flush that returns.
         """
         with self._lock:
             mark = self._saves
