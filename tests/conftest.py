@@ -14,9 +14,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,36 @@ from kvkeeper.client.client import Client
 from kvkeeper.daemon.app import Daemon, DaemonConfig
 
 WAIT = 30.0  # cap on every wait in the tests
+
+
+def wait_for(cond: Callable[[], bool], what: str) -> None:
+    """Poll ``cond`` until it holds; fail after WAIT seconds, naming ``what``."""
+    deadline = time.monotonic() + WAIT
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def dealers(socket: Path, n: int, timeout: float = WAIT) -> Iterator[list[Any]]:
+    """``n`` raw ZeroMQ DEALER sockets connected to the daemon at ``socket``
+    (a ``recv`` waits at most ``timeout`` seconds), closed at the end."""
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(n):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+            s.connect(f"ipc://{socket}")
+            socks.append(s)
+        yield socks
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
 
 
 @pytest.fixture

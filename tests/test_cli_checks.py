@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
+from .faultkit import entry_path
 
 
 def cli(*args: str, env: dict[str, str] | None = None,
@@ -325,15 +326,10 @@ def test_verify_repair_of_another_root_than_the_running_daemons(
             assert kv.flush(timeout=WAIT)
     finally:
         assert d.stop() == 0
-    path = naming_entry(other, "fp", "c")
+    path = entry_path(other, "c", model="fp")
     os.truncate(path, path.stat().st_size - 10)
     # A daemon is running, but on another root: the repair is done directly.
     r = cli("verify", "--socket", str(daemon.socket), "--root", str(other), "--repair")
     assert r.returncode == 1 and "moved aside" in r.stdout, r.stdout + r.stderr
     assert not path.exists() and len(list((other / "quarantine").iterdir())) == 1
 
-
-def naming_entry(root: Path, model: str, cache_id: str) -> Path:
-    from kvkeeper.protocol import naming
-
-    return naming.entry_path(root, model, cache_id)

@@ -25,7 +25,7 @@ from kvkeeper.client.reader import CacheFileError, read_cache_file
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
 
-from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
 from .tiny import prefill, prompt, tiny_llama
 
 FP = "tiny-llama-checks"
@@ -34,13 +34,6 @@ FP = "tiny-llama-checks"
 @pytest.fixture(scope="module")
 def model():  # type: ignore[no-untyped-def]
     return tiny_llama(seed=11)
-
-
-def wait_until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + WAIT
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def kv_layer(dtype: mx.Dtype = mx.bfloat16, tokens: int = 4) -> KVCache:
@@ -153,7 +146,7 @@ def test_write_behind_close_saves_what_a_dropped_save_missed(model, short_dir: P
         assert step() is True  # the first step saves
         assert [step() for _ in range(3)] == [False] * 3
         rd.stop()
-        wait_until(lambda: not kv.connected, "client did not notice the daemon stopped")
+        wait_for(lambda: not kv.connected, "client did not notice the daemon stopped")
         assert step() is False  # the trigger fires: dropped
         assert wb.counters.dropped == 1
         # The triggers count from that try (no attempt at every step) ...
@@ -162,7 +155,7 @@ def test_write_behind_close_saves_what_a_dropped_save_missed(model, short_dir: P
         assert step() is False  # ... and the next one is dropped too
         assert wb.counters.dropped == 2 and wb.counters.sent == 1
         rd = start_daemon(root, sock)
-        wait_until(lambda: kv.connected, "client did not reconnect")
+        wait_for(lambda: kv.connected, "client did not reconnect")
         assert wb.close() is True  # the state at the last drop was never saved
         assert wb.counters.last_saved_tokens == len(ids) == 29
         assert kv.flush(timeout=WAIT) is True
@@ -240,10 +233,10 @@ def test_a_flush_after_a_daemon_restart_does_not_vouch_for_lost_saves(short_dir:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
             assert kv.save("fp", "k", filled(1, 2), [2])
-            wait_until(lambda: kv.stats().get("held_saves") == 1, "the daemon holds save 2")
+            wait_for(lambda: kv.stats().get("held_saves") == 1, "the daemon holds save 2")
             stop_process(proc, signal.SIGKILL)
             proc = serve_process(root, sock, "--min-write-interval", "60")
-            wait_until(lambda: kv.connected, "the client reconnects")
+            wait_for(lambda: kv.connected, "the client reconnects")
             assert kv.flush(timeout=WAIT) is False
             assert version_of(entry_path(root, "k", model="fp"), "fp") == 1
             assert kv.flush(timeout=WAIT) is True
@@ -272,7 +265,7 @@ def test_a_failure_on_a_restarted_daemon_fails_the_flush(short_dir: Path) -> Non
             assert kv.save("fp", "big", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is False
             stop_process(proc, signal.SIGKILL)
             proc = serve()
-            wait_until(lambda: kv.connected, "the client reconnects")
+            wait_for(lambda: kv.connected, "the client reconnects")
             # The new daemon's total (1) equals the old one's: not a drop.
             assert kv.save("fp", "big2", filled(1, 2), [2]) and kv.flush(timeout=WAIT) is False
             assert kv.flush(timeout=WAIT) is True  # nothing handed off since

@@ -14,23 +14,15 @@ from safetensors import safe_open
 
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, RunningDaemon
+from .conftest import WAIT, RunningDaemon, dealers
 
 V = m.PROTOCOL_VERSION
 
 
 @pytest.fixture
 def raw(daemon: RunningDaemon) -> Iterator[zmq.Socket]:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
-    s.connect(f"ipc://{daemon.socket}")
-    try:
+    with dealers(daemon.socket, 1) as (s,):
         yield s
-    finally:
-        s.close(linger=0)
-        ctx.term()
 
 
 def ask(s: zmq.Socket, *frames: bytes | memoryview) -> m.Reply:
@@ -152,20 +144,15 @@ def test_stalled_save_fails_and_frees_the_writer(short_dir: Path) -> None:
     from .conftest import start_daemon
 
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=0.5)
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
-    s.connect(f"ipc://{rd.socket}")
     try:
-        s.send(begin(save=1, cache_id="stalled"))
-        s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 8])
-        flushed = ask(s, m.encode(m.Flush(v=V, req=1)))
-        assert isinstance(flushed, m.Flushed) and flushed.failed == 1
-        assert files_under(rd.root / "sessions") == []
-        assert_alive(s)
+        with dealers(rd.socket, 1) as (s,):
+            s.send(begin(save=1, cache_id="stalled"))
+            s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 8])
+            flushed = ask(s, m.encode(m.Flush(v=V, req=1)))
+            assert isinstance(flushed, m.Flushed) and flushed.failed == 1
+            assert files_under(rd.root / "sessions") == []
+            assert_alive(s)
     finally:
-        s.close(linger=0)
-        ctx.term()
         assert rd.stop() == 0
 
 
@@ -185,45 +172,38 @@ def test_a_stray_message_never_leaves_a_save_stalling_the_writer(stray: str,
     # A stall timeout far beyond the test's waits: a save left half received
     # would block the single writer, and every flush behind it, for a minute.
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=60)
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for s in (a, b):
-        s.setsockopt(zmq.RCVTIMEO, 5000)
-        s.connect(f"ipc://{rd.socket}")
     try:
-        a.send(begin(save=1, cache_id="a", tensors=[m.TensorSpec("t0", "U8", [100])]))
-        a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
-        if stray == "begin-with-frames":
-            refused = ask(a, begin(save=2, cache_id="z"), b"junk")
-        else:
-            refused = ask(a, m.encode(m.SaveData(v=V, save=7, frames=1)), b"x")
-        assert isinstance(refused, m.SaveRefused) and refused.code in ("frames", "unknown_save")
-        a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
-        if stray == "begin-with-frames":  # save 1 was abandoned: its rest is unknown
-            rest = m.decode_reply(a.recv())
-            assert isinstance(rest, m.SaveRefused) and rest.code == "unknown_save"
-        # Another client's save is written without waiting out a stall.
-        b.send(begin(save=1, cache_id="b", tensors=[m.TensorSpec("t0", "U8", [10])]))
-        b.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"y" * 10])
-        flushed = ask(b, m.encode(m.Flush(v=V, req=1)))
-        assert flushed == m.Flushed(v=V, req=1, written=1, superseded=0, failed=0)
-        flushed = ask(a, m.encode(m.Flush(v=V, req=2)))
-        assert isinstance(flushed, m.Flushed)
-        a_file = rd.root / "sessions" / "fp" / "a.safetensors"
-        if stray == "data-of-unknown-save":
-            # The stray was refused alone (one failure: a save this daemon
-            # never saw begin): save 1 went on and was written.
-            assert (flushed.written, flushed.failed) == (1, 1)
-            with safe_open(str(a_file), "np") as f:
-                assert f.get_tensor("t0").tobytes() == b"x" * 100
-        else:
-            # A new save began, so save 1 was abandoned: failed, not written.
-            assert flushed.written == 0 and flushed.failed >= 1 and not a_file.exists()
-        _counts_add_up(a)
+        with dealers(rd.socket, 2, timeout=5) as (a, b):
+            a.send(begin(save=1, cache_id="a", tensors=[m.TensorSpec("t0", "U8", [100])]))
+            a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
+            if stray == "begin-with-frames":
+                refused = ask(a, begin(save=2, cache_id="z"), b"junk")
+            else:
+                refused = ask(a, m.encode(m.SaveData(v=V, save=7, frames=1)), b"x")
+            assert isinstance(refused, m.SaveRefused) and refused.code in ("frames", "unknown_save")
+            a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
+            if stray == "begin-with-frames":  # save 1 was abandoned: its rest is unknown
+                rest = m.decode_reply(a.recv())
+                assert isinstance(rest, m.SaveRefused) and rest.code == "unknown_save"
+            # Another client's save is written without waiting out a stall.
+            b.send(begin(save=1, cache_id="b", tensors=[m.TensorSpec("t0", "U8", [10])]))
+            b.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"y" * 10])
+            flushed = ask(b, m.encode(m.Flush(v=V, req=1)))
+            assert flushed == m.Flushed(v=V, req=1, written=1, superseded=0, failed=0)
+            flushed = ask(a, m.encode(m.Flush(v=V, req=2)))
+            assert isinstance(flushed, m.Flushed)
+            a_file = rd.root / "sessions" / "fp" / "a.safetensors"
+            if stray == "data-of-unknown-save":
+                # The stray was refused alone (one failure: a save this daemon
+                # never saw begin): save 1 went on and was written.
+                assert (flushed.written, flushed.failed) == (1, 1)
+                with safe_open(str(a_file), "np") as f:
+                    assert f.get_tensor("t0").tobytes() == b"x" * 100
+            else:
+                # A new save began, so save 1 was abandoned: failed, not written.
+                assert flushed.written == 0 and flushed.failed >= 1 and not a_file.exists()
+            _counts_add_up(a)
     finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
         assert rd.stop() == 0
 
 
@@ -245,24 +225,16 @@ def test_metadata_counts_against_the_memory_budget(short_dir: Path) -> None:
     # must see it, or such saves grow the daemon without bound.
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
                       max_pending_bytes=64 * 2**20, stall_timeout=2)
-    ctx = zmq.Context()
-    peers = []
-    for _ in range(3):  # one stream per peer: a second begin would abandon the first
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
-        s.connect(f"ipc://{rd.socket}")
-        peers.append(s)
     note = "x" * (20 * 2**20)  # the writer's share of the 64 MiB is 48 MiB
     try:
-        for i, s in enumerate(peers):
-            s.send(begin(save=1, cache_id=f"c{i}", metadata={"note": note}))
-        assert not peers[0].poll(200) and not peers[1].poll(0), "accepted: no reply"
-        refused = m.decode_reply(peers[2].recv())
-        assert isinstance(refused, m.SaveRefused) and refused.code == "busy", refused
+        # One stream per peer: a second begin from one peer would abandon its first.
+        with dealers(rd.socket, 3) as peers:
+            for i, s in enumerate(peers):
+                s.send(begin(save=1, cache_id=f"c{i}", metadata={"note": note}))
+            assert not peers[0].poll(200) and not peers[1].poll(0), "accepted: no reply"
+            refused = m.decode_reply(peers[2].recv())
+            assert isinstance(refused, m.SaveRefused) and refused.code == "busy", refused
     finally:
-        for s in peers:
-            s.close(linger=0)
-        ctx.term()
         assert rd.stop() == 0
 
 

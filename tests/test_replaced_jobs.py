@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,26 +20,9 @@ from kvkeeper.daemon.faults import ENV
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .conftest import WAIT, dealers, serve_process, start_daemon, stop_process, wait_for
 
 V = m.PROTOCOL_VERSION
-
-
-@contextmanager
-def dealers(socket: Path, n: int) -> Iterator[list[zmq.Socket]]:
-    ctx = zmq.Context()
-    socks = []
-    try:
-        for _ in range(n):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"ipc://{socket}")
-            socks.append(s)
-        yield socks
-    finally:
-        for s in socks:
-            s.close(linger=0)
-        ctx.term()
 
 
 def save(s: zmq.Socket, save_id: int, cache_id: str, data: bytes, *,
@@ -135,10 +116,8 @@ def test_a_held_save_still_counts_after_its_file_is_moved_aside(short_dir: Path)
             save(a, 1, "k", V1)
             ask(a, m.Flush(v=V, req=1))
             save(a, 2, "k", V2)
-            deadline = time.monotonic() + WAIT
-            while ask(a, m.GetStats(v=V, req=2)).counters.get("held_saves") != 1:  # type: ignore[union-attr]
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for(lambda: ask(a, m.GetStats(v=V, req=2)).counters.get(  # type: ignore[union-attr]
+                "held_saves") == 1, "the daemon to hold save 2")
             st = os.stat(path)
             moved = ask(q, m.Quarantine(v=V, req=3, model="fp", cache_id="k", ino=st.st_ino,
                                         mtime_ns=st.st_mtime_ns, reason="test"))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from kvkeeper.client.client import Client
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import TOKENS_KEY
 
-from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import filled
 from .tiny import greedy_decode, prefill, prompt, tiny_llama
 
@@ -53,13 +53,6 @@ def tokens_on_disk(root: Path, cache_id: str) -> list[int] | None:
         return None
     with safe_open(str(path), "numpy") as f:
         return json.loads(f.metadata()[TOKENS_KEY])
-
-
-def wait_for(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def save_then_hold(kv: Client, root: Path, versions: list, cache_id: str = "c") -> None:

@@ -178,19 +178,18 @@ class Client:
                or not isinstance(meta[k], str)]
         if bad:
             raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
-        # A save about to be dropped skips the capture but not the layers'
-        # check (a walk, no evaluation): a bad cache is the caller's mistake,
-        # and must not pass for a drop while the daemon happens to be down.
-        if not self._channel.connected.is_set():
+        # A save about to be dropped (daemon down, or no room for any save)
+        # skips the capture but not the layers' check (a walk, no evaluation):
+        # a bad cache is the caller's mistake, and must not pass for a drop.
+        connected = self._channel.connected.is_set()
+        if not connected or self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
             check_cache(layers)
+            if connected:
+                return self._drop_inflight()
             if self._channel.forked:
                 return self._drop("forked", "this Client was made before the process forked; "
                                             "make a new one in the child")
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
-        if self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
-            # Full: no save can fit, so do not pay for a capture first.
-            check_cache(layers)
-            return self._drop_inflight()
         # Only the capture (which checks the layers) runs here; the JSON, the
         # byte runs and the messages are built on the I/O thread (_messages).
         cap = capture_cache(layers)
