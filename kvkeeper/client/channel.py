@@ -277,9 +277,7 @@ class Channel:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-        for item in self._waiting.values():
-            if not item.future.done():
-                item.future.set_exception(DaemonUnavailable("the client was made before a fork"))
+        self._fail_waiting("the client was made before a fork")
 
     def close(self, timeout: float = 5.0) -> None:
         """Send the saves waiting out the send interval, give queued saves up
@@ -376,7 +374,12 @@ class Channel:
                     # Replies that arrived before the connection died still count.
                     self._receive(sock)
                 if lost:
-                    self._fail_sent(f"the daemon at {self.endpoint} went away")
+                    # The daemon that had them will never answer, and a caller
+                    # waiting out its timeout would stall the generation loop
+                    # (a load falls back to reading the file). Requests not
+                    # sent yet go out on the next connection.
+                    self._fail_waiting(f"the daemon at {self.endpoint} went away",
+                                       sent_only=True)
                 self._send_outbox(sock, trackers)
                 self._send_due(sock, trackers)
                 while trackers and trackers[0][0].done:
@@ -407,11 +410,8 @@ class Channel:
             self._ctx.term()
             self.connected.clear()
             with self._lock:
-                self._stopped = True
-                waiting = list(self._waiting.values())
-            for item in waiting:
-                if not item.future.done():
-                    item.future.set_exception(DaemonUnavailable("client closed"))
+                self._stopped = True  # from here on send_request fails at once
+            self._fail_waiting("client closed")
 
     def _monitor_events(self, monitor: zmq.Socket) -> bool:
         """Follow the connection's events; True when it was lost."""
@@ -428,14 +428,12 @@ class Channel:
                 self.connected.clear()
                 lost = True
 
-    def _fail_sent(self, reason: str) -> None:
-        """Fail every request sent on a connection that is gone: its daemon
-        will never answer, and a caller waiting for the timeout would stall
-        the generation loop (a load falls back to reading the file). Requests
-        not sent yet go out on the next connection, or fail when they cannot."""
+    def _fail_waiting(self, reason: str, *, sent_only: bool = False) -> None:
+        """Fail the requests waiting for a reply (with ``sent_only``, those
+        already sent) with DaemonUnavailable: no daemon will answer them."""
         with self._lock:
-            sent = [item for item in self._waiting.values() if item.sent]
-        for item in sent:
+            items = [item for item in self._waiting.values() if item.sent or not sent_only]
+        for item in items:
             if not item.future.done():
                 item.future.set_exception(DaemonUnavailable(reason))
 
