@@ -232,7 +232,8 @@ class WriterActor:
 
     def has_pending(self, key: Key) -> bool:
         """Whether a job of ``key`` received so far is not finished yet."""
-        return key in self._latest or key in self._waiting
+        # A key with a save still waiting always has a newest job (_resolve hands it on).
+        return key in self._latest
 
     async def settled(self, key: Key) -> None:
         """Return once every job of ``key`` received so far is finished, or
@@ -496,7 +497,7 @@ class WriterActor:
 
     def unfinished(self) -> list[Key]:
         """Keys with a job not yet finished (for the drain-timeout log)."""
-        return list(self._latest.keys() | self._waiting.keys())
+        return list(self._latest)
 
     def note_refused(self, peer: bytes) -> None:
         """A save of ``peer`` the server turned away: it will not be written, and
