@@ -20,7 +20,7 @@ import pytest
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import CRASH_POINTS, ENV
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .conftest import WAIT, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import (
     FP,
     entry_path,
@@ -167,6 +167,26 @@ def test_sigterm_writes_every_received_save(short_dir: Path) -> None:
     for i in range(6):
         assert version_of(entry_path(root, f"q{i}")) == i + 1
     assert not sock.exists()
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: int) -> None:
+    root, sock = paths(short_dir)
+    # 50 ms per MiB: the four 4 MiB saves take about 0.8 s to write.
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.05"})
+    with Client(sock, timeout=WAIT) as kv:
+        for i in range(4):
+            assert kv.save(FP, f"twice{i}", filled(4, i + 1), [i + 1])
+    wait_received(sock, 4)
+    proc.send_signal(signal.SIGINT)
+    log_path = proc.log_path  # type: ignore[attr-defined]
+    wait_for(lambda: "event=draining" in log_path.read_text(), "the drain to start")
+    proc.send_signal(second)
+    assert proc.wait(WAIT) == 0
+    for i in range(4):
+        assert version_of(entry_path(root, f"twice{i}")) == i + 1
+    assert "event=signal_ignored" in log_path.read_text()
+    assert tmp_files(root) == []
 
 
 def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:

@@ -203,11 +203,20 @@ class Daemon:
 
     async def _signals(self) -> None:
         assert self._stop is not None
+        # Listening goes on through the drain: a second Ctrl-C or SIGTERM (an
+        # impatient user, a supervisor repeating itself) must not cut short
+        # the writes the first one promised. --drain-timeout bounds the wait;
+        # SIGKILL remains the way to give up on them.
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                log.info("event=signal signal=%s", signal.Signals(signum).name)
+                name = signal.Signals(signum).name
+                if self._stop.is_set():
+                    log.warning("event=signal_ignored signal=%s reason=draining "
+                                "drain_timeout=%.1f (SIGKILL stops at once, losing what is "
+                                "not written yet)", name, self.cfg.drain_timeout)
+                    continue
+                log.info("event=signal signal=%s", name)
                 self._stop.set()
-                return
 
     async def _drain(self, actor: WriterActor) -> bool:
         """Refuse new saves, let the writer finish every save already received.
