@@ -153,31 +153,35 @@ def wait_received(sock: Path, n: int) -> None:
             time.sleep(0.02)
 
 
-def test_sigterm_writes_every_received_save(short_dir: Path) -> None:
+def serve_with_queued_saves(short_dir: Path, name: str, n: int, delay: float,
+                            *extra: str) -> tuple[Path, subprocess.Popen[bytes]]:
+    """``kvkeeper serve`` on a disk slowed to ``delay`` s per MiB, once it has
+    received ``n`` saves of 4 MiB (``name0``... at versions 1...); returns the
+    root and the process."""
     root, sock = paths(short_dir)
-    # A slow disk (20 ms per MiB) keeps saves queued when SIGTERM arrives.
-    proc = serve_process(root, sock, env={ENV: "write_delay=0.02"})
+    proc = serve_process(root, sock, *extra, env={ENV: f"write_delay={delay}"})
     with Client(sock, timeout=WAIT) as kv:
-        for i in range(6):
-            assert kv.save(FP, f"q{i}", filled(4, i + 1), [i + 1])
-    wait_received(sock, 6)
+        for i in range(n):
+            assert kv.save(FP, f"{name}{i}", filled(4, i + 1), [i + 1])
+    wait_received(sock, n)
+    return root, proc
+
+
+def test_sigterm_writes_every_received_save(short_dir: Path) -> None:
+    # A slow disk (20 ms per MiB) keeps saves queued when SIGTERM arrives.
+    root, proc = serve_with_queued_saves(short_dir, "q", 6, 0.02)
     t0 = time.monotonic()
     assert stop_process(proc) == 0
     assert time.monotonic() - t0 < 20  # the default drain timeout
     for i in range(6):
         assert version_of(entry_path(root, f"q{i}")) == i + 1
-    assert not sock.exists()
+    assert not paths(short_dir)[1].exists()
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: int) -> None:
-    root, sock = paths(short_dir)
-    # 50 ms per MiB: the four 4 MiB saves take about 0.8 s to write.
-    proc = serve_process(root, sock, env={ENV: "write_delay=0.05"})
-    with Client(sock, timeout=WAIT) as kv:
-        for i in range(4):
-            assert kv.save(FP, f"twice{i}", filled(4, i + 1), [i + 1])
-    wait_received(sock, 4)
+    # 50 ms per MiB: the four saves take about 0.8 s to write.
+    root, proc = serve_with_queued_saves(short_dir, "twice", 4, 0.05)
     proc.send_signal(signal.SIGINT)
     log_path = proc.log_path  # type: ignore[attr-defined]
     wait_for(lambda: "event=draining" in log_path.read_text(), "the drain to start")
@@ -190,12 +194,7 @@ def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: i
 
 
 def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
-    root, sock = paths(short_dir)
-    proc = serve_process(root, sock, "--drain-timeout", "0.5", env={ENV: "write_delay=0.25"})
-    with Client(sock, timeout=WAIT) as kv:
-        for i in range(4):
-            assert kv.save(FP, f"slow{i}", filled(4, i + 1), [i + 1])
-    wait_received(sock, 4)
+    root, proc = serve_with_queued_saves(short_dir, "slow", 4, 0.25, "--drain-timeout", "0.5")
     assert stop_process(proc) == 1  # not everything was written: say so
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
     unsaved = [f"slow{i}" for i in range(4) if not entry_path(root, f"slow{i}").exists()]
