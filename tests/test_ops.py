@@ -107,6 +107,27 @@ def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
             rd.stop()
 
 
+def test_a_save_whose_metadata_takes_it_past_the_disk_budget_is_refused(
+    short_dir: Path,
+) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_disk_bytes=int(1.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, "a", filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
+            # 1 MiB of data fits the budget; its 150,000 token ids (about
+            # 1 MiB more in the header) do not. Written, it would evict "a"
+            # and still be over the budget alone.
+            assert kv.save(FP, "b", filled(1, 2), [100_000] * 150_000)
+            assert kv.flush(timeout=WAIT) is False
+            assert {e.cache_id for e in kv.entries()} == {"a"}
+            assert not entry_path(rd.root, "b").exists()
+            assert version_of(entry_path(rd.root, "a")) == 1
+            assert kv.stats()["saves_refused"] == 1
+    finally:
+        rd.stop()
+
+
 def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
     with small_tmpfs(short_dir, "8m") as mnt:
         rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=5 * MiB)

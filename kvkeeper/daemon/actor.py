@@ -163,13 +163,14 @@ class WriterActor:
         """Queue a save; returns (code, reason) when it is refused instead."""
         if not self.accepting:
             return "shutting_down", "the daemon is shutting down"
-        total = job.total
-        disk = self.store.budget.max_disk_bytes
-        if disk is not None and total > disk:
-            return "too_large", f"save of {total} bytes exceeds max disk bytes ({disk})"
         # The metadata (token ids, up to 32 MiB) is held until the save is
-        # done, like its data: both count against the memory budget.
-        need = total + job.metadata_bytes
+        # done, like its data, and goes into the file's header: both count
+        # against the memory budget and the disk budget.
+        need = job.total + job.metadata_bytes
+        disk = self.store.budget.max_disk_bytes
+        if disk is not None and need > disk:
+            return "too_large", (f"save of {need} bytes (data and metadata) exceeds max disk "
+                                 f"bytes ({disk})")
         if need > self.max_pending_bytes:
             return "too_large", (
                 f"save of {need} bytes (data and metadata) exceeds the daemon's max pending "
@@ -192,7 +193,7 @@ class WriterActor:
         self.pending_bytes += need
         self._enqueued(job)
         self._waiting[job.key] = job
-        if total == 0:
+        if job.total == 0:
             job.arrived.set()
         if self.pending_bytes > self.max_pending_bytes // 2:
             self._release_held()  # memory is getting short: write them now
