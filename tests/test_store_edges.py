@@ -125,3 +125,44 @@ def test_reading_a_header_puts_the_atime_back_where_o_noatime_is_missing(
     with st.open_file(path, keep_atime=True) as (_, header):
         assert "a" in header.tensors
     assert path.stat().st_atime == 1_000_000 and path.stat().st_mtime == 2_000_000
+
+
+def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
+    """Eviction sorts its candidates, then deletes them one by one; a load
+    answered in between makes its entry the newest, so it must be spared."""
+    from kvkeeper.daemon.store import Budget, Store
+
+    from .conftest import start_daemon
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for key in ("a", "b", "c"):
+                assert kv.save("fp", key, filled(0.25, 1), [1])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert d.stop() == 0
+
+    class LoadedMidEviction(Store):
+        """Short of free space until one file is gone; the first check after
+        the candidates are sorted is where a load of "a" lands."""
+
+        checks = 0
+
+        def free_bytes(self) -> int:
+            self.checks += 1
+            if self.checks == 2:
+                assert self.find("fp", "a") is not None
+            files = list(entry_path(root, "a", model="fp").parent.iterdir())
+            return 0 if len(files) == 3 else 2**40
+
+    store = LoadedMidEviction(root, Budget(None, 1))
+    store.open()
+    for key in ("a", "b", "c"):  # the order of use: "a" oldest
+        assert store.find("fp", key) is not None
+        time.sleep(0.01)
+    evicted = store.enforce_budget()
+    assert [e.cache_id for e in evicted] == ["b"]
+    assert [e.cache_id for e in store.entries("fp")] == ["c", "a"]
+    assert version_of(entry_path(root, "a", model="fp"), "fp") == 1

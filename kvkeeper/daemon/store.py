@@ -475,16 +475,23 @@ class Store:
             reason = pressure()
             if reason is None:
                 break
-            try:
-                os.unlink(victim.path)
-                fsync_dir(victim.path.parent)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.error("event=evict_failed path=%s error=%s", victim.path, exc)
-                continue
             with self._lock:
-                self._index.pop(victim.path, None)
+                # A load answered since the sort made it the newest: keep it.
+                # Under the lock, so no load finds it between check and unlink.
+                if self._index.get(victim.path) is not victim:
+                    continue
+                try:
+                    os.unlink(victim.path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.error("event=evict_failed path=%s error=%s", victim.path, exc)
+                    continue
+                del self._index[victim.path]
+            try:
+                fsync_dir(victim.path.parent)
+            except OSError as exc:  # gone all the same; only its durability is in doubt
+                log.error("event=evict_dir_fsync_failed path=%s error=%s", victim.path, exc)
             used -= victim.nbytes
             evicted.append(victim)
             log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s",
