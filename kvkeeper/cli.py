@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
 
     rm = sub.add_parser("rm", help="delete one entry, or all of a model",
                         description="kvkeeper rm MODEL ID deletes one entry; kvkeeper rm "
-                        "--model FP deletes every entry of a model. Give one form, not both.")
+                        "--model FP deletes every entry of a model. Give one form, not both "
+                        "(anything else exits 2). Exit 1 if MODEL ID names no entry.")
     _socket_arg(rm)
     rm.add_argument("model", nargs="?", help="model fingerprint")
     rm.add_argument("cache_id", nargs="?", help="cache id")
@@ -125,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                          description="Import files of the formats users already have: the "
                          "cache_persist.py reference (schema 3) and mlx_lm's "
                          "save_prompt_cache, or kvkeeper's own. Needs the mlx extra and a "
-                         "running daemon.")
+                         "running daemon. Exit 1 if any file was not imported, or if there "
+                         "was nothing to import (only directories with no *.safetensors "
+                         "files); a missing PATH exits 2.")
     _socket_arg(imp)
     imp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                      help="files, or directories searched for *.safetensors")
@@ -133,14 +136,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="model fingerprint (required for mlx_lm files, which record none, "
                           "unless kvkeeper export wrote them)")
     imp.add_argument("--id", default=None,
-                     help="cache id (one file only; default: the file's own or its name)")
+                     help="cache id (with one PATH that is or holds one file; default: the "
+                          "file's own or its name)")
     imp.add_argument("--json", action="store_true", help="machine-readable output")
 
     exp = sub.add_parser("export", help="write an entry as an mlx_lm prompt-cache file",
                          description="Write an entry to PATH in mlx_lm's save_prompt_cache "
-                         "format, for mlx_lm.models.cache.load_prompt_cache. Needs the mlx "
-                         "extra.")
+                         "format, for mlx_lm.models.cache.load_prompt_cache, readable by you "
+                         "alone (mode 0600, as the store's files: it holds the conversation). "
+                         "Needs the mlx extra. Works without a daemon, reading the store's "
+                         "file.")
     _socket_arg(exp)
+    exp.add_argument("--root", type=Path, default=None,
+                     help="store root to export from (default: the running daemon's, else "
+                          "the configured)")
     exp.add_argument("model")
     exp.add_argument("cache_id")
     exp.add_argument("path", type=Path)
@@ -154,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--platform", choices=["macos", "linux"], default=None,
                         help="the service manager to write for (default: this machine's)")
         sp.add_argument("--no-load", action="store_true",
-                        help="only write (or remove) the file; do not start (or stop) it")
+                        help="only write (or remove) the file; do not start (or stop) it "
+                             "(for a machine without the service manager running)")
         if name == "install-service":
             sp.add_argument("--print", action="store_true",
                             help="print the service file instead of installing it")
@@ -167,7 +177,8 @@ def _parser() -> argparse.ArgumentParser:
         help="show what kvkeeper buys a generation loop (needs the mlx extra)",
         description="Stream from a tiny model with write-behind, crash, restore from kvkeeper "
         "and continue; then print measured time to first token, decode throughput and "
-        "what the daemon wrote. Uses a running daemon or starts a private one.",
+        "what the daemon wrote. Uses the daemon at --socket (exit 3 if none answers "
+        "there), else the user's daemon if it is running, else a private one.",
     ))
     return p
 

@@ -109,14 +109,27 @@ def _ping(socket: Path | None, timeout: float = 1.0) -> bool:
         kv.close(0)
 
 
+class NoDaemon(Exception):
+    """No daemon answers at the socket the user named."""
+
+
 @contextlib.contextmanager
 def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
-    """The daemon at ``socket`` (default: the user's) if one answers and
-    ``private`` is off, else a private one in a temp dir, stopped at the end."""
+    """With ``private`` off, the daemon at ``socket`` if one answers (none is
+    NoDaemon: the user asked for that one); with no ``socket``, the user's if
+    one answers, else (and with ``private``) a private one in a temp dir,
+    stopped at the end."""
     from kvkeeper import settings
 
+    if socket is not None and not private:
+        if not _ping(socket, 2.0):
+            raise NoDaemon(f"no kvkeeper daemon at {socket} (start it: kvkeeper serve "
+                           f"--socket {socket}; or leave out --socket and the demo starts "
+                           f"a private one)")
+        yield socket, f"running daemon at {socket}"
+        return
     if not private:
-        path = socket or settings.client_path("socket")
+        path = settings.client_path("socket")
         if _ping(path):
             yield path, f"running daemon at {path}"
             return
@@ -463,10 +476,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     p.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    p.add_argument("--socket", type=Path, default=None,
-                   help="use the daemon at this socket (default: the user's, if running)")
-    p.add_argument("--private", action="store_true",
-                   help="always start a private daemon in a temp dir")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", type=Path, default=None,
+                       help="use the daemon at this socket; if none answers there, exit 3 "
+                            "(default: the user's daemon if it is running, else a private one)")
+    where.add_argument("--private", action="store_true",
+                       help="always start a private daemon in a temp dir")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the measurements to PATH as JSON")
 
@@ -487,6 +502,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         with _daemon(args.socket, args.private) as (socket, note):
             rep = run(args, socket, note)
+    except NoDaemon as exc:
+        print(f"kvkeeper demo: {exc}", file=sys.stderr)
+        return 3
     except RuntimeError as exc:
         print(f"kvkeeper demo: {exc}", file=sys.stderr)
         return 1

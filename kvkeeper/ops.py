@@ -166,12 +166,15 @@ def rm(args: argparse.Namespace) -> int:
         raise CommandError("give either MODEL ID (kvkeeper rm MODEL ID) for one entry, or "
                            "only --model FP (kvkeeper rm --model FP) for all of a model",
                            status=2)
-    if (args.cache_id is None) == (args.all_of_model is None):
-        raise CommandError("give MODEL ID for one entry, or --model FP for all of a model")
+    if args.all_of_model is None and args.cache_id is None:
+        # Checked before looking for the daemon: a usage error is one with or
+        # without it.
+        raise CommandError(("rm MODEL ID needs the cache id too" if args.model is not None
+                            else "nothing to delete")
+                           + ": give MODEL ID (kvkeeper rm MODEL ID) for one entry, or "
+                           "--model FP (kvkeeper rm --model FP) for all of a model", status=2)
     with client(args.socket) as kv:
         if args.cache_id is not None:
-            if args.model is None:
-                raise CommandError("give MODEL ID")
             existed = kv.delete(args.model, args.cache_id)
             out.print("deleted" if existed else "no such entry")
             return 0 if existed else 1
@@ -305,24 +308,41 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
 
 # ------------------------------------------------------------------ import / export
 
-def _inputs(paths: list[Path]) -> list[Path]:
+def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The files to import, and the directories that hold none."""
     files: list[Path] = []
+    empty: list[Path] = []
     for p in paths:
         if p.is_dir():
-            files.extend(sorted(p.rglob("*.safetensors")))
+            found = sorted(p.rglob(f"*{naming.SUFFIX}"))
+            files.extend(found)
+            if not found:
+                empty.append(p)
         elif p.exists():
             files.append(p)
         else:
-            raise CommandError(f"{p}: no such file or directory")
-    return files
+            raise CommandError(f"{p}: no such file or directory", status=2)
+    return files, empty
 
 
 def import_files(args: argparse.Namespace) -> int:
     from kvkeeper.client.reader import CacheFileError, read_cache_file
 
-    files = _inputs(args.paths)
+    if args.id is not None and len(args.paths) != 1:
+        raise CommandError(f"--id names one entry: give exactly one file with it, not "
+                           f"{len(args.paths)} paths", status=2)
+    files, empty = _inputs(args.paths)
+    if not files:
+        # Nothing imported is not success: a script that imports a directory
+        # must not read a typo or an empty download as done.
+        raise CommandError("nothing to import: no *" + naming.SUFFIX + " files in "
+                           + ", ".join(str(d) for d in empty))
     if args.id is not None and len(files) != 1:
-        raise CommandError("--id names one entry: give exactly one file with it")
+        raise CommandError(f"--id names one entry: give exactly one file with it; "
+                           f"{args.paths[0]} holds {len(files)} *{naming.SUFFIX} files",
+                           status=2)
+    for d in empty:
+        err.print(f"no *{naming.SUFFIX} files in {d}", markup=False)
     done: list[tuple[Path, str, str]] = []
     failed: list[tuple[Path, str]] = []
     with client(args.socket) as kv, Progress(
@@ -375,6 +395,20 @@ def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
     return bad
 
 
+def _read_entry(root: Path, model: str, cache_id: str) -> Any:
+    """The entry ``model`` / ``cache_id`` read from the files under ``root``,
+    or None when it has none."""
+    from kvkeeper.client.reader import CacheFileError, read_cache_file
+
+    path = naming.entry_path(root, model, cache_id)
+    if not path.exists():
+        return None
+    try:
+        return read_cache_file(path, model=model, cache_id=cache_id)
+    except CacheFileError as exc:
+        raise CommandError(f"cannot export {model} / {cache_id}: {exc}") from None
+
+
 def export(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import save_prompt_cache
 
@@ -388,10 +422,19 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError(f"{dest} is a directory; give a file name", status=2)
     if not dest.parent.is_dir():
         raise CommandError(f"{dest.parent} is not an existing directory", status=2)
+    naming.check_key(args.model, args.cache_id)
     with client(args.socket, required=False) as kv:
-        got = kv.load(args.model, args.cache_id)
+        root = _root(args, kv) if args.root is not None else None
+        if root is None or (kv.connected and kv.root.resolve() == root.resolve()):
+            got = kv.load(args.model, args.cache_id)
+            where = ""
+        else:
+            # Another root than the running daemon's (or none runs): read the
+            # file there; the daemon writes by rename, so it is whole.
+            got = _read_entry(root, args.model, args.cache_id)
+            where = f" under {root}"
     if got is None:
-        raise CommandError(f"no entry {args.model} / {args.cache_id}")
+        raise CommandError(f"no entry {args.model} / {args.cache_id}{where}")
     foreign = _mlx_lm_classes_only(got.cache)
     if foreign:
         raise CommandError(f"mlx-lm's loader cannot rebuild {sorted(set(foreign))}; only caches "
@@ -401,7 +444,13 @@ def export(args: argparse.Namespace) -> int:
             EXPORT_TOKENS_KEY: json.dumps(got.token_ids)}
     tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
     try:
+        # The file holds a conversation: 0600 like the store's own files, from
+        # its creation on (mlx opens it for writing without changing its mode).
+        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
         save_prompt_cache(str(tmp), got.cache, metadata=meta)
+        os.chmod(tmp, 0o600)  # in case the writer replaced the file instead
         os.replace(tmp, dest)
     except (OSError, RuntimeError) as exc:  # mlx reports a file it cannot open as RuntimeError
         tmp.unlink(missing_ok=True)
@@ -464,7 +513,8 @@ def install_service(args: argparse.Namespace) -> int:
     try:
         service.install(sf, load=not args.no_load)
     except service.ServiceError as exc:
-        raise CommandError(f"wrote {sf.path}, but loading it failed: {exc}") from None
+        raise CommandError(f"wrote {sf.path}, but loading it failed: {exc} (with --no-load, "
+                           f"install-service only writes the file)") from None
     out.print(f"installed {sf.path}" + ("" if args.no_load else " and started it"))
     return 0
 
@@ -477,7 +527,8 @@ def uninstall_service(args: argparse.Namespace) -> int:
     try:
         existed = service.uninstall(sf, unload=not args.no_load)
     except service.ServiceError as exc:
-        raise CommandError(str(exc)) from None
+        raise CommandError(f"stopping the service failed, so {sf.path} stays: {exc} (with "
+                           f"--no-load, uninstall-service only removes the file)") from None
     out.print(f"removed {sf.path}" if existed else f"no service file at {sf.path}")
     return 0
 

@@ -96,8 +96,10 @@ def _run(commands: list[list[str]]) -> None:
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         except FileNotFoundError:
-            raise ServiceError(f"{cmd[0]} not found: is this machine's service manager "
-                               f"available?") from None
+            raise ServiceError(f"{cmd[0]} not found on PATH: is this machine's service "
+                               f"manager available?") from None
+        except subprocess.TimeoutExpired:
+            raise ServiceError(f"{shlex.join(cmd)} did not finish within 60 s") from None
         if r.returncode != 0:
             raise ServiceError(f"{shlex.join(cmd)} failed ({r.returncode}): "
                                f"{(r.stderr or r.stdout).strip()}")

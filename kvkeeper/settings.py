@@ -29,9 +29,19 @@ class SettingsError(config.ConfigError):
     """A setting with a value that cannot be used; the message names its source."""
 
 
-def parse_size(text: str | int) -> int:
+def _not_a(what: str, value: Any) -> ValueError:
+    """The error for a config file value of the wrong TOML type."""
+    if isinstance(value, bool):
+        # bool is an int: `drain_timeout = true` was taken as 1 second.
+        return ValueError(f"{what}, not the boolean {str(value).lower()}")
+    return ValueError(f"{what}, not {value!r} ({type(value).__name__})")
+
+
+def parse_size(text: str | int | float) -> int:
     """Byte sizes: 1073741824, "512M", "1G", "1.5GiB", "0"."""
-    if isinstance(text, int) and not isinstance(text, bool):
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise _not_a('a size must be a number of bytes or a string such as "512M"', text)
+    if isinstance(text, int):
         value = text
     else:
         units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -52,17 +62,23 @@ def parse_size(text: str | int) -> int:
 
 
 def _path(value: Any) -> Path:
-    return Path(str(value)).expanduser()
+    if not isinstance(value, (str, os.PathLike)):
+        raise _not_a("a path must be a string", value)
+    return Path(value).expanduser()
 
 
 def _level(value: Any) -> str:
-    v = str(value).lower()
+    if not isinstance(value, str):
+        raise _not_a("log level must be the string debug, info, warning or error", value)
+    v = value.lower()
     if v not in ("debug", "info", "warning", "error"):
         raise ValueError(f"log level must be debug, info, warning or error, not {value!r}")
     return v
 
 
 def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _not_a("seconds must be a number", value)
     v = float(value)
     # nan passes every comparison: --drain-timeout nan got as far as SIGTERM.
     if not math.isfinite(v):

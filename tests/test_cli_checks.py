@@ -22,13 +22,13 @@ from .conftest import WAIT, RunningDaemon, serve_process, stop_process
 from .faultkit import entry_path
 
 
-def cli(*args: str, env: dict[str, str] | None = None,
-        timeout: float = WAIT) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
+        umask: int = -1) -> subprocess.CompletedProcess[str]:
     """The real CLI, with no KVKEEPER_* setting or config file of this machine's."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
     return subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**base, **(env or {})})
+                          text=True, timeout=timeout, env={**base, **(env or {})}, umask=umask)
 
 
 def usage_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -70,7 +70,7 @@ def test_stats_ls_rm_gc_through_the_cli(client: Client, daemon: RunningDaemon) -
     assert "s0" in table and "m2" in table
     assert cli("rm", "--socket", sock, "--model", "m1").returncode == 0
     assert [e.cache_id for e in client.entries()] == ["other"]
-    assert cli("rm", "--socket", sock).returncode == 1  # says what to give
+    assert cli("rm", "--socket", sock).returncode == 2  # a usage error: says what to give
     gc = json.loads(cli("gc", "--socket", sock, "--json").stdout)
     assert gc["evicted"] == [] and gc["disk_used_bytes"] > 0
 

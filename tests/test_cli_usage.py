@@ -1,0 +1,271 @@
+"""The CLI as a user runs it: usage errors exit 2 and real failures 1, config
+values of the wrong TOML type are refused, ``export`` takes ``--root`` and
+writes 0600, ``import`` of nothing says so, ``demo --socket`` insists on that
+daemon, and the service commands point at ``--no-load`` where there is no
+service manager. Every command is a real subprocess against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, load_prompt_cache
+
+from kvkeeper.client.client import Client
+
+from .conftest import WAIT, RunningDaemon, start_daemon
+from .test_cli_checks import cli, usage_error
+
+DEMO_TIMEOUT = 180.0  # a cap: without the fix the demo runs in full
+
+
+def small_cache(value: float = 0.0) -> list[KVCache]:
+    c = KVCache()
+    x = mx.full((1, 2, 5, 8), value)
+    c.update_and_fetch(x, x)
+    return [c]
+
+
+def _save(kv: Client, model: str, cache_id: str, value: float = 0.0) -> None:
+    assert kv.save(model, cache_id, small_cache(value), [1, 2, 3, 4, 5])
+    assert kv.flush(timeout=WAIT)
+
+
+def _cache_files(d: Path, n: int) -> list[Path]:
+    """``n`` mlx-lm prompt-cache files in ``d`` (made by kvkeeper export's
+    own writer, mlx-lm's save_prompt_cache)."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    d.mkdir(exist_ok=True)
+    files = []
+    for i in range(n):
+        f = d / f"c{i}.safetensors"
+        save_prompt_cache(str(f), small_cache(float(i)))
+        files.append(f)
+    return files
+
+
+# ------------------------------------------------------------------ 1. usage errors exit 2
+
+
+def test_rm_without_a_whole_key_is_a_usage_error(client: Client, daemon: RunningDaemon) -> None:
+    _save(client, "m1", "a")
+    sock = str(daemon.socket)
+    usage_error(cli("rm", "--socket", sock), "rm MODEL ID", "rm --model FP")
+    # Only MODEL: not a delete of anything, and it says what is missing.
+    usage_error(cli("rm", "--socket", sock, "m1"), "cache id", "rm --model FP")
+    assert [e.cache_id for e in client.entries()] == ["a"]
+    # Without a daemon, a usage error is still one (not "no daemon").
+    usage_error(cli("rm", "--socket", str(daemon.socket.parent / "none.sock"), "m1"))
+    # A real failure stays 1: the key names no entry.
+    r = cli("rm", "--socket", sock, "m1", "nope")
+    assert r.returncode == 1 and "no such entry" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_import_usage_errors(client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    sock = str(daemon.socket)
+    a, b = _cache_files(short_dir / "two", 2)
+    # --id names one entry: two files, or a directory of two, cannot take it.
+    usage_error(cli("import", "--socket", sock, "--model", "m", "--id", "x", str(a), str(b)),
+                "--id")
+    usage_error(cli("import", "--socket", sock, "--model", "m", "--id", "x",
+                    str(short_dir / "two")), "--id", "2")
+    # A PATH that does not exist is a mistake on the command line.
+    missing = short_dir / "no-such-file.safetensors"
+    usage_error(cli("import", "--socket", sock, "--model", "m", str(missing)), str(missing))
+    assert client.entries() == []
+    # Real failures stay 1: a file that is not a cache.
+    junk = short_dir / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    r = cli("import", "--socket", sock, "--model", "m", str(junk))
+    assert r.returncode == 1 and "not imported" in r.stdout, (r.stdout, r.stderr)
+    # And --id with exactly one file works.
+    r = cli("import", "--socket", sock, "--model", "m", "--id", "x", str(a))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert [(e.model, e.cache_id) for e in client.entries()] == [("m", "x")]
+
+
+# ------------------------------------------------------------------ 2. TOML booleans
+
+
+@pytest.mark.parametrize("toml", [
+    "drain_timeout = true\n",
+    "min_write_interval = false\n",
+    "max_disk_bytes = true\n",
+    "min_free_bytes = false\n",
+    "max_pending_bytes = true\n",
+    "root = true\n",
+])
+def test_config_file_booleans_are_refused(toml: str, short_dir: Path) -> None:
+    cfg = short_dir / "kv.toml"
+    cfg.write_text(toml)
+    name = toml.split()[0]
+    usage_error(cli("serve", "--config", str(cfg), "--print-config"), name, str(cfg),
+                "boolean")
+    usage_error(cli("install-service", "--print", "--platform", "linux", "--config", str(cfg)),
+                name, "boolean")
+
+
+def test_serve_does_not_start_with_a_boolean_drain_timeout(short_dir: Path) -> None:
+    cfg = short_dir / "kv.toml"
+    cfg.write_text("drain_timeout = true\n")
+    sock = short_dir / "run" / "k.sock"
+    # Before the fix this served (drain_timeout 1.0 s) until the timeout.
+    r = cli("serve", "--config", str(cfg), "--root", str(short_dir / "root"), "--socket",
+            str(sock), timeout=15)
+    usage_error(r, "drain_timeout", "boolean true")
+    assert not sock.exists()
+
+
+def test_config_file_numbers_and_strings_still_work(short_dir: Path) -> None:
+    cfg = short_dir / "kv.toml"
+    cfg.write_text('drain_timeout = 3\nmin_write_interval = 0.5\nmax_disk_bytes = "2G"\n'
+                   "min_free_bytes = 0\n")
+    r = cli("serve", "--config", str(cfg), "--print-config")
+    assert r.returncode == 0, r.stderr
+    got = {ln.split()[0]: ln.split()[1] for ln in r.stdout.splitlines() if ln.strip()}
+    assert got["drain_timeout"] == "3.0" and got["min_write_interval"] == "0.5"
+    assert got["max_disk_bytes"] == str(2 * 1024**3) and got["min_free_bytes"] == "0"
+
+
+# ------------------------------------------------------------------ 3. export --root
+
+
+def _root_holding(root: Path, sock: Path, value: float) -> None:
+    """Have a daemon of its own write m1 / a (every element ``value``) under
+    ``root``, then stop it."""
+    d = start_daemon(root, sock)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            _save(kv, "m1", "a", value)
+    finally:
+        assert d.stop() == 0
+
+
+def test_export_from_a_root_without_a_daemon(short_dir: Path) -> None:
+    root = short_dir / "root"
+    _root_holding(root, short_dir / "r1" / "kv.sock", 7.0)
+    out = short_dir / "out.safetensors"
+    none = str(short_dir / "none.sock")
+    r = cli("export", "--socket", none, "--root", str(root), "m1", "a", str(out))
+    assert r.returncode == 0, r.stderr
+    layers, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert json.loads(meta["token_ids"]) == [1, 2, 3, 4, 5]
+    assert mx.all(layers[0].state[0] == 7.0).item()
+    # A root that is not a directory is a usage error; a key it lacks a failure.
+    usage_error(cli("export", "--socket", none, "--root", str(short_dir / "nope"), "m1", "a",
+                    str(short_dir / "o2.safetensors")), "--root", "nope")
+    r = cli("export", "--socket", none, "--root", str(root), "m1", "zz",
+            str(short_dir / "o3.safetensors"))
+    assert r.returncode == 1 and "no entry" in r.stderr and str(root) in r.stderr, r.stderr
+    assert "--root" in cli("export", "--help").stdout
+
+
+def test_export_root_is_read_even_when_a_daemon_serves_another(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    other = short_dir / "other"
+    _root_holding(other, short_dir / "r2" / "kv.sock", 3.0)
+    _save(client, "m1", "a", 9.0)  # the same key in the running daemon's root
+    sock = str(daemon.socket)
+    out = short_dir / "other.safetensors"
+    r = cli("export", "--socket", sock, "--root", str(other), "m1", "a", str(out))
+    assert r.returncode == 0, r.stderr
+    assert mx.all(load_prompt_cache(str(out))[0].state[0] == 3.0).item()
+    # --root naming the running daemon's own root goes through the daemon.
+    out2 = short_dir / "mine.safetensors"
+    r = cli("export", "--socket", sock, "--root", str(daemon.root), "m1", "a", str(out2))
+    assert r.returncode == 0, r.stderr
+    assert mx.all(load_prompt_cache(str(out2))[0].state[0] == 9.0).item()
+
+
+# ------------------------------------------------------------------ 4. import of nothing
+
+
+def test_import_of_a_directory_without_cache_files(client: Client, daemon: RunningDaemon,
+                                                   short_dir: Path) -> None:
+    sock = str(daemon.socket)
+    empty = short_dir / "empty"
+    empty.mkdir()
+    others = short_dir / "others"
+    others.mkdir()
+    (others / "notes.txt").write_text("no caches here")
+    for d in (empty, others):
+        r = cli("import", "--socket", sock, "--model", "m", str(d))
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "no *.safetensors files" in r.stderr and str(d) in r.stderr, r.stderr
+    r = cli("import", "--socket", sock, "--model", "m", "--json", str(empty))
+    assert r.returncode == 1 and "nothing to import" in r.stderr, r.stderr
+    # With something to import next to it, the empty directory is mentioned,
+    # and what could be imported is.
+    (f,) = _cache_files(short_dir / "one", 1)
+    r = cli("import", "--socket", sock, "--model", "m", str(empty), str(f))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert str(empty) in r.stderr and "imported" in r.stdout
+    assert [e.cache_id for e in client.entries()] == ["c0"]
+    assert "nothing to import" in " ".join(cli("import", "--help").stdout.split())
+
+
+# ------------------------------------------------------------------ 5. demo --socket
+
+
+def test_demo_with_a_named_socket_and_no_daemon_there(short_dir: Path) -> None:
+    sock = short_dir / "none.sock"
+    r = cli("demo", "--socket", str(sock), "--tokens", "2", "--prompt-tokens", "64",
+            timeout=DEMO_TIMEOUT)
+    assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert str(sock) in r.stderr and "kvkeeper serve" in r.stderr, r.stderr
+    assert "private daemon" not in r.stdout
+    # Naming a socket and asking for a private daemon contradict each other.
+    r = cli("demo", "--socket", str(sock), "--private", timeout=DEMO_TIMEOUT)
+    assert r.returncode == 2 and "not allowed with" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ 6. no service manager
+
+
+def test_service_commands_without_a_service_manager_point_at_no_load(
+        short_dir: Path) -> None:
+    bare = short_dir / "bin"
+    bare.mkdir()  # a PATH with no systemctl or launchctl on it
+    env = {"PATH": str(bare), "HOME": str(short_dir / "home"),
+           "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg")}
+    for platform, path in (("linux", short_dir / "home" / ".cfg" / "systemd" / "user"
+                            / "kvkeeper.service"),
+                           ("macos", short_dir / "home" / "Library" / "LaunchAgents"
+                            / "io.github.kvkeeper.daemon.plist")):
+        r = cli("install-service", "--platform", platform, env=env)
+        assert r.returncode == 1 and "--no-load" in r.stderr, r.stderr
+        assert path.exists()  # written; only loading it failed
+        r = cli("uninstall-service", "--platform", platform, env=env)
+        assert r.returncode == 1, r.stderr
+        assert "--no-load" in r.stderr and str(path) in r.stderr, r.stderr
+        assert path.exists()
+        r = cli("uninstall-service", "--platform", platform, "--no-load", env=env)
+        assert r.returncode == 0 and not path.exists(), r.stderr
+
+
+# ------------------------------------------------------------------ 7. export is 0600
+
+
+def test_export_writes_a_private_file(client: Client, daemon: RunningDaemon,
+                                      short_dir: Path) -> None:
+    _save(client, "m1", "a")
+    sock = str(daemon.socket)
+    out = short_dir / "new.safetensors"
+    r = cli("export", "--socket", sock, "m1", "a", str(out), umask=0o022)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    # Over an existing, readable file: the new one is private too.
+    old = short_dir / "old.safetensors"
+    old.write_bytes(b"old")
+    os.chmod(old, 0o644)
+    r = cli("export", "--socket", sock, "m1", "a", str(old), umask=0o022)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(os.stat(old).st_mode) == 0o600
+    assert load_prompt_cache(str(old))[0].state[0].shape == (1, 2, 5, 8)
+    assert not [p for p in short_dir.iterdir() if ".tmp" in p.name]
+    assert "0600" in cli("export", "--help").stdout
