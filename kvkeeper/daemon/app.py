@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from kvkeeper import config
 from kvkeeper.daemon.actor import WriterActor
-from kvkeeper.daemon.server import Server
+from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
@@ -172,6 +172,7 @@ class Daemon:
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_pending_bytes, MAX_HEADER_BYTES))
+        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         if hasattr(zmq, "IPC_FILTER_UID"):
             try:
                 sock.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
@@ -183,9 +184,10 @@ class Daemon:
             log.info("event=listening socket=%s root=%s pid=%d max_pending_bytes=%d",
                      sock_path, store.root, os.getpid(), cfg.max_pending_bytes)
             async with anyio.create_task_group() as tg:
-                self.server = Server(sock, actor, store, self.stats, tg)
+                self.server = Server(sock, actor, store, self.stats, tg, monitor)
                 tg.start_soon(actor.run)
                 tg.start_soon(self.server.run)
+                tg.start_soon(self.server.watch_connections)
                 if handle_signals:
                     tg.start_soon(self._signals)
                 self.ready.set()
@@ -193,6 +195,8 @@ class Daemon:
                 drained = await self._drain(actor)
                 tg.cancel_scope.cancel()
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             ctx.term()
             try:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import sys
 import time
+from typing import NamedTuple
 
 import anyio
 import zmq
@@ -36,6 +39,21 @@ from kvkeeper.protocol.safetensors import (
 
 log = logging.getLogger("kvkeeper.server")
 _MAX_STREAMS = 10_000
+#: A save whose client process has died fails once nothing is left to read
+#: and none of its bytes came for this long: its last messages may still be
+#: read after the death is seen (this covers that read, not the client).
+GONE_GRACE = 1.0
+GONE_CHECK = 0.25
+#: The event that has the server look for saves whose client died.
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+
+
+class Stream(NamedTuple):
+    """The save a peer is sending now; ``job`` is None once it was refused."""
+
+    save: int
+    job: SaveJob | None
+    pid: int | None = None  # the sending process, when the platform says
 
 
 class Server:
@@ -46,6 +64,7 @@ class Server:
         store: Store,
         stats: Stats,
         tg: TaskGroup,
+        monitor: zmq.asyncio.Socket | None = None,
     ) -> None:
         self.sock = sock
         self.actor = actor
@@ -53,9 +72,15 @@ class Server:
         self.stats = stats
         self.tg = tg
         self._uid = os.getuid()
-        # Per peer, the save stream it is sending now: (save id, job or None when
-        # refused). A client sends one save at a time, so one slot per peer.
-        self._streams: dict[bytes, tuple[int, SaveJob | None]] = {}
+        # Per peer, the save stream it is sending now. A client sends one save
+        # at a time, so one slot per peer.
+        self._streams: dict[bytes, Stream] = {}
+        # ROUTER does not say which peer left; its monitor says that some
+        # connection closed, and each save's stream knows its sender's pid.
+        self.monitor = monitor
+        self._dead: dict[SaveJob, float] = {}  # saves whose sender died: seen when
+        self._reaping = False
+        self._last_close = -float("inf")
 
     async def run(self) -> None:
         while True:
@@ -96,7 +121,7 @@ class Server:
             return
         match msg:
             case m.SaveBegin():
-                self._save_begin(peer, msg)
+                self._save_begin(peer, msg, header)
             case m.Ping():
                 self._reply(peer, m.Pong(v=m.PROTOCOL_VERSION, req=msg.req, pid=os.getpid(),
                                          root=str(self.store.root), version=__version__,
@@ -147,7 +172,7 @@ class Server:
 
     # ------------------------------------------------------------ saves
 
-    def _save_begin(self, peer: bytes, msg: m.SaveBegin) -> None:
+    def _save_begin(self, peer: bytes, msg: m.SaveBegin, header: zmq.Frame) -> None:
         self._end_stream(peer)
         self.stats.inc("saves_received")
         key = self._key(peer, msg)
@@ -173,20 +198,20 @@ class Server:
             self._refuse(peer, msg.save, *refusal)
             return
         if job.total:
-            self._track(peer, msg.save, job)
+            self._track(peer, msg.save, job, _peer_pid(header))
 
     def _save_data(self, peer: bytes, msg: m.SaveData, data: list[zmq.Frame]) -> None:
         stream = self._streams.get(peer)
-        if stream is None or stream[0] != msg.save:
+        if stream is None or stream.save != msg.save:
             self.stats.inc("protocol_errors")
-            live = stream is not None and stream[1] is not None and not stream[1].done.is_set()
+            live = stream is not None and stream.job is not None and not stream.job.done.is_set()
             # Not counted as a refused save: this daemon never received its
             # start. Said once, then the rest is dropped quietly; but a stray
             # message must not take the slot of a save still arriving.
             self._refuse(peer, msg.save, "unknown_save", f"no save {msg.save} in progress",
                          count=False, track=not live)
             return
-        job = stream[1]
+        job = stream.job
         if job is None:
             return  # the rest of a refused save
         nbytes = sum(len(f) for f in data)
@@ -223,16 +248,81 @@ class Server:
         """Forget the peer's current stream; a save of it still missing bytes
         will never get them, so it fails now instead of stalling the writer."""
         prev = self._streams.pop(peer, None)
-        if prev is not None and prev[1] is not None and prev[1].received < prev[1].total:
-            self.actor.break_stream(prev[1], "the client abandoned it part way")
+        if prev is not None and prev.job is not None and prev.job.received < prev.job.total:
+            self.actor.break_stream(prev.job, "the client abandoned it part way")
 
-    def _track(self, peer: bytes, save: int, job: SaveJob | None) -> None:
+    def _track(self, peer: bytes, save: int, job: SaveJob | None,
+               pid: int | None = None) -> None:
         self._end_stream(peer)  # re-inserted below: the dict's order is recency
         if len(self._streams) >= _MAX_STREAMS:
             # Peers that went away leave their last slot; forget the oldest.
             # A refused stream forgotten here costs one more "unknown_save".
             del self._streams[next(iter(self._streams))]
-        self._streams[peer] = (save, job)
+        self._streams[peer] = Stream(save, job, pid)
+        if pid is not None and self._closed_lately():
+            self._reap_soon()  # its start may have been read after its sender died
+
+    # ------------------------------------------------------------ senders that died
+
+    async def watch_connections(self) -> None:
+        """Look for saves whose sender died part way whenever a connection
+        closes, so that such a save fails within seconds instead of holding
+        the writer (and every save behind it) for its stall timeout."""
+        if self.monitor is None:
+            return
+        while True:
+            await self.monitor.poll(flags=zmq.POLLIN)
+            closed = False
+            while True:
+                fut = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+                if fut.exception() is not None:
+                    break  # zmq.Again: no more events for now
+                closed = True
+            if closed:
+                self._last_close = time.monotonic()
+                self._reap_soon()
+
+    def _closed_lately(self) -> bool:
+        return time.monotonic() - self._last_close <= self.actor.stall_timeout
+
+    def _reap_soon(self) -> None:
+        if not self._reaping:
+            self._reaping = True
+            self.tg.start_soon(self._reap)
+
+    async def _reap(self) -> None:
+        """Fail the saves whose sending process is gone, once no byte of
+        theirs can still come: nothing is left to read, and none came for
+        GONE_GRACE. A killed process may linger a moment (exiting, or a
+        zombie until reaped), so this looks again every GONE_CHECK until no
+        save is arriving, or the stall timeout since the last close is over."""
+        try:
+            while True:
+                await anyio.sleep(GONE_CHECK)
+                arriving = [s.job for s in self._streams.values()
+                            if s.pid is not None and s.job is not None
+                            and s.job.received < s.job.total and not s.job.done.is_set()]
+                still = set(arriving)
+                self._dead = {job: t for job, t in self._dead.items() if job in still}
+                if not arriving or not self._closed_lately():
+                    return
+                if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue  # their last messages may be among those queued
+                now = time.monotonic()
+                for job in arriving:
+                    pid = self._streams[job.peer].pid
+                    assert pid is not None
+                    if _alive(pid):
+                        continue
+                    since = self._dead.setdefault(job, now)
+                    if now - max(since, job.last_activity) >= GONE_GRACE:
+                        del self._dead[job], self._streams[job.peer]
+                        self.stats.inc("saves_cut_off")
+                        self.actor.break_stream(
+                            job, f"its client (pid {pid}) died after sending {job.received} "
+                                 f"of {job.total} bytes")
+        finally:
+            self._reaping = False
 
     # ------------------------------------------------------------ other requests
 
@@ -332,6 +422,44 @@ class Server:
         if exc is not None:
             # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
             log.debug("event=reply_dropped error=%s", exc)
+
+
+def _peer_pid(header: zmq.Frame) -> int | None:
+    """The sending process's pid, when the platform tells: on Linux ZeroMQ
+    puts the connection's credentials in "Peer-Address" as host:uid:gid:pid;
+    on macOS it leaves the pid out, so it is asked of the socket the message
+    came from (LOCAL_PEERPID), which may have closed meanwhile (then None)."""
+    try:
+        parts = str(header.get("Peer-Address")).split(":")
+        if len(parts) == 4 and parts[3].isdigit() and int(parts[3]) > 0:
+            return int(parts[3])
+        if sys.platform == "darwin":
+            with socket.socket(fileno=os.dup(header.get(zmq.SRCFD))) as s:
+                pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
+                return pid or None
+    except Exception:  # noqa: BLE001 - no pid only means no early failure
+        return None
+    return None
+
+
+_LOCAL_PEERPID = 2  # <sys/un.h>, at level SOL_LOCAL (0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` may still send: it exists and, where /proc
+    tells, is not a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # exists, but not ours to signal
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses.
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): existing is alive
 
 
 def _entry(e: StoredEntry) -> m.Entry:

@@ -1,0 +1,160 @@
+"""A client that dies part way through a save costs nobody else anything.
+
+The daemon's single writer writes a save while its bytes arrive. When the
+sending process is killed, no more bytes come; the save must fail as soon as
+the daemon can tell (its connection closed and nothing of it is left to
+read), not after the writer's stall timeout, during which every other
+client's saves wait behind it. A client that sends a whole save and exits at
+once must still get it written.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from kvkeeper.client.client import Client
+
+from .conftest import WAIT, serve_process, start_daemon, stop_process, wait_for
+from .faultkit import FP, entry_path, filled, tmp_files, version_of
+
+MiB = 1024 * 1024
+
+#: A raw client in its own process. Once connected (a ping answered) it
+#: prints "ready" and waits for a line; then it sends SaveBegin for ``total``
+#: float32 values and ``chunks`` chunks of ``per`` values each (value i at
+#: index i), prints "sent", and either exits at once (``exit``) or waits to be
+#: killed.
+CHILD = textwrap.dedent("""
+    import sys, time, numpy as np, zmq
+    from kvkeeper.protocol import messages as m
+    sock_path, cache_id, total, chunks, per, how = sys.argv[1:]
+    total, chunks, per = int(total), int(chunks), int(per)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect("ipc://" + sock_path)
+    V = m.PROTOCOL_VERSION
+    s.send(m.encode(m.Ping(v=V, req=1)))
+    assert s.poll(30_000), "no pong"
+    s.recv()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    s.send(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id=cache_id,
+                                tensors=[m.TensorSpec("t", "F32", [total])])))
+    for i in range(chunks):
+        part = np.arange(i * per, (i + 1) * per, dtype=np.float32)
+        s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), part.tobytes()])
+    if how == "wait":
+        time.sleep(0.5)  # for ZeroMQ's I/O thread to hand the bytes to the kernel
+    print("sent", flush=True)
+    if how == "exit":
+        s.close(linger=-1)  # a normal exit: whatever was sent goes out first
+        ctx.term()
+    else:
+        sys.stdin.read()  # until killed
+""")
+
+
+def child(sock: Path, cache_id: str, total: int, chunks: int, per: int,
+          how: str) -> subprocess.Popen[str]:
+    """The CHILD client, connected and waiting for ``go()``."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(sock), cache_id, str(total),
+                             str(chunks), str(per), how],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    """Let the CHILD send its save; returns once it has."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "sent"
+
+
+def test_a_killed_client_does_not_hold_up_the_writer(short_dir: Path) -> None:
+    # A stall timeout far beyond the test's waits: only noticing the closed
+    # connection can let the other client's flush through in time.
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            # 16 MiB declared, 1 MiB sent, then SIGKILL.
+            dead = child(rd.socket, "dead", 4 * MiB, 1, MiB // 4, "wait")
+            go(dead)
+            wait_for(lambda: kv.stats()["bytes_received"] >= MiB, "the first MiB to arrive")
+            # Not reaped until the end: a zombie counts as dead.
+            dead.send_signal(signal.SIGKILL)
+            assert kv.save(FP, "alive", filled(1, 7), [7])
+            assert kv.flush(timeout=WAIT) is True
+            assert dead.wait(WAIT) == -signal.SIGKILL
+            assert version_of(entry_path(rd.root, "alive")) == 7
+            stats = kv.stats()
+            assert stats["saves_cut_off"] == 1 and stats["saves_failed"] == 1
+            assert stats["saves_written"] == 1 and stats["pending_bytes"] == 0
+        assert not entry_path(rd.root, "dead", model="fp").exists()
+        assert tmp_files(rd.root) == []
+    finally:
+        assert rd.stop() == 0
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_client_that_sends_a_whole_save_and_exits_gets_it_written(
+    short_dir: Path, round_: int
+) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        # 48 MiB in 12 messages: more than the daemon's receive queue holds,
+        # so some are still queued when the connection's close is reported.
+        per = MiB
+        proc = child(rd.socket, "whole", 12 * per, 12, per, "exit")
+        go(proc)
+        assert proc.wait(WAIT) == 0
+        with Client(rd.socket, timeout=WAIT) as kv:
+            wait_for(lambda: kv.stats()["saves_written"] == 1, "the save to be written")
+            stats = kv.stats()
+            assert stats["saves_failed"] == 0 and stats["saves_cut_off"] == 0
+        path = entry_path(rd.root, "whole", model="fp")
+        with safe_open(str(path), "np") as f:
+            t = f.get_tensor("t")
+        assert np.array_equal(t, np.arange(12 * per, dtype=np.float32))
+    finally:
+        assert rd.stop() == 0
+
+
+def test_a_save_whose_start_is_read_after_its_client_died_is_cut_off(
+    short_dir: Path,
+) -> None:
+    """The daemon stopped (SIGSTOP) while the client sends part of a save and
+    is killed: on resuming it reads the start, the part, and the close
+    together, in whatever order its two sockets report them."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        dead = child(sock, "dead", 4 * MiB, 1, 16 * 1024, "wait")
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            go(dead)  # 64 KiB fits the socket's kernel buffer
+            dead.send_signal(signal.SIGKILL)
+            assert dead.wait(WAIT) == -signal.SIGKILL
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        with Client(sock, timeout=WAIT) as kv:
+            wait_for(lambda: kv.stats()["saves_failed"] == 1, "the dead save to fail")
+            assert kv.stats()["saves_cut_off"] == 1  # not the 10 s stall timeout
+            assert kv.save(FP, "alive", filled(1, 3), [3])
+            assert kv.flush(timeout=WAIT) is True
+        assert tmp_files(root) == []
+    finally:
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "died after sending 65536 of 16777216 bytes" in log
+
