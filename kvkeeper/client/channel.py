@@ -211,12 +211,20 @@ class Channel:
             return True
 
     def send_save(self, key: Key, build: Callable[[], Messages], nbytes: int,
-                  nmessages: int) -> None:
+                  nmessages: int) -> bool:
         """Queue a save of ``key`` whose room was reserved (``nbytes``, and
         ``nmessages`` as estimated); never blocks. The I/O thread calls
         ``build`` for the messages, so the caller's thread does not pay for
-        them."""
-        self._push(_Save(build, nbytes, nmessages, key), hand_over=False)
+        them. False (the room given back) when the I/O thread has stopped: a
+        ``close()`` ran meanwhile, e.g. the exit hook beside a worker thread."""
+        with self._lock:
+            if self._stopped:
+                self._inflight_bytes -= nbytes
+                self._inflight_messages -= nmessages
+                return False
+            self._outbox.append(_Save(build, nbytes, nmessages, key))
+            self._wake(hand_over=False)
+        return True
 
     def request(self, make: Callable[[int], m.Request], timeout: float, *,
                 release: Key | None = None) -> m.Reply:
@@ -303,7 +311,7 @@ class Channel:
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
 
-    def _push(self, item: _Save | _Request, *, hand_over: bool) -> None:
+    def _push(self, item: _Request, *, hand_over: bool) -> None:
         with self._lock:
             self._outbox.append(item)
             self._wake(hand_over=hand_over)
@@ -391,6 +399,9 @@ class Channel:
             # Saves not sent whole by now (no daemon, or close() timed out) never
             # will be: count them, and give their reservations back.
             with self._lock:
+                # In the same hold of the lock as the last look at the outbox:
+                # a save queued after it would be neither sent nor counted.
+                self._stopped = True  # from here on saves and requests fail at once
                 queued = [item for item in self._outbox if isinstance(item, _Save)]
                 self._outbox.clear()
             unsent = [*queued, *self._held.values()]
@@ -398,6 +409,10 @@ class Channel:
                 if tracker.done:
                     self._release_save(save)
                 else:
+                    # Counted sent when its frames were handed to ZeroMQ; they
+                    # never left: it is lost instead.
+                    self.counters.saves_sent -= 1
+                    self.counters.bytes_sent -= save.nbytes
                     unsent.append(save)
             self._held.clear()
             trackers.clear()
@@ -409,8 +424,6 @@ class Channel:
             sock.close(linger=0)
             self._ctx.term()
             self.connected.clear()
-            with self._lock:
-                self._stopped = True  # from here on send_request fails at once
             self._fail_waiting("client closed")
 
     def _monitor_events(self, monitor: zmq.Socket) -> bool:
@@ -466,7 +479,9 @@ class Channel:
     ) -> None:
         while True:
             with self._lock:
-                if not self._outbox:
+                # Past close()'s timeout, what is still queued is lost, not
+                # sent while close() waits for this thread to end.
+                if not self._outbox or self._closing.is_set():
                     return
                 item = self._outbox.popleft()
             if isinstance(item, _Request):

@@ -202,11 +202,12 @@ class Client:
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         if not self._channel.reserve(cap.nbytes, estimate):
             return self._drop_inflight()
-        self._channel.send_save(
+        if not self._channel.send_save(
             (model, cache_id),
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
             cap.nbytes, estimate,
-        )
+        ):
+            return self._drop("closed", "the client's connection was closed meanwhile")
         with self._lock:
             self._saves += 1
             if len(self._unsettled) >= _MAX_UNSETTLED:

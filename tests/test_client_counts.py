@@ -1,0 +1,79 @@
+"""The client's own counters account for every save ``save()`` handed off.
+
+A save that returned True ends up sent, lost or coalesced, exactly once,
+however ``close()`` and the daemon's state cut its way short.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from kvkeeper.client.client import Client
+
+from .conftest import WAIT, serve_process, stop_process
+from .faultkit import FP, filled
+
+
+def accounted(kv: Client) -> int:
+    c = kv.client_stats()
+    return int(c["client_saves_sent"] + c["client_saves_lost"] + c["client_saves_coalesced"])
+
+
+def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        assert kv.connected
+        # A stopped daemon reads nothing: 64 MiB cannot all leave before
+        # close() gives up on it.
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            assert kv.save(FP, "big", filled(64, 1), [1])
+            kv.close(timeout=0.5)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        c = kv.client_stats()
+        assert c["client_saves_lost"] == 1, c
+        assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
+    finally:
+        assert stop_process(proc) == 0
+
+
+def save_until_closed(kv: Client, started: threading.Event, handed: list[int]) -> None:
+    """Save in a loop until the client is closed, counting the saves handed off."""
+    cache = filled(0.05, 1)  # made here: MLX evaluates an array on its own thread's stream
+    started.set()
+    while True:
+        try:
+            handed[0] += kv.save(FP, "race", cache, [1])
+        except RuntimeError as exc:
+            assert "client is closed" in str(exc)
+            return
+
+
+def test_saves_racing_close_are_each_sent_lost_or_dropped(short_dir: Path) -> None:
+    """A thread saves in a loop while another closes the client, as the exit
+    hook does beside a worker thread: no save that returned True vanishes."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        for _ in range(30):
+            kv = Client(sock, timeout=WAIT, min_send_interval=0)
+            assert kv.connected
+            handed, started = [0], threading.Event()
+            t = threading.Thread(target=save_until_closed, args=(kv, started, handed))
+            t.start()
+            assert started.wait(WAIT)
+            kv._channel.close(timeout=0.05)  # the exit hook's close: the Client is not marked
+            kv.close()
+            t.join(WAIT)
+            assert not t.is_alive()
+            assert handed[0] > 0
+            assert accounted(kv) == handed[0], (kv.client_stats(), handed)
+            assert kv._channel.inflight_bytes == 0
+    finally:
+        assert stop_process(proc) == 0
+
