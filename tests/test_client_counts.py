@@ -77,3 +77,36 @@ def test_saves_racing_close_are_each_sent_lost_or_dropped(short_dir: Path) -> No
     finally:
         assert stop_process(proc) == 0
 
+
+def test_concurrent_flushes_report_each_failure_once(short_dir: Path) -> None:
+    """Threads sharing a client save and flush at once; some saves are too
+    large for the disk budget and are refused. Every refusal makes some flush
+    say False, and once they are all reported a flush says True."""
+    from .conftest import start_daemon
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
+    falses: list[int] = []
+    try:
+        with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+
+            def worker(i: int) -> None:
+                small, big = filled(0.05, 1), filled(1.5, 2)  # on this thread's stream
+                for j in range(12):
+                    assert kv.save(FP, f"t{i}", big if j % 4 == 3 else small, [j])
+                    if not kv.flush(timeout=WAIT):
+                        falses.append(i)
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT * 2)
+                assert not t.is_alive()
+            refused = kv.stats()["saves_refused"]
+            assert refused == 12
+            assert 1 <= len(falses) <= refused
+            # Nothing new failed: a failure already reported is not reported again.
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.flush(timeout=WAIT) is True
+    finally:
+        assert rd.stop() == 0

@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,10 @@ class Client:
         self._flush_pid: int | None = None
         self._flush_conn = -1
         self._flushed_mark = 0
+        # One flush at a time: each reply carries running totals, and a reply
+        # taken in after a later one would set them back (a failure would be
+        # reported twice, or by the wrong flush).
+        self._flushing = threading.Lock()
         self._daemon_version: str | None = None
         self._channel = Channel(
             config.endpoint(self.socket_path),
@@ -416,8 +421,19 @@ class Client:
         had not written are gone, and the new one cannot tell). Raises
         DaemonUnavailable when the daemon is down, goes away while the flush
         waits, or does not answer in ``timeout`` seconds; the saves it covered
-        are then answered for by the next flush that returns.
+        are then answered for by the next flush that returns. Flushes from
+        several threads take turns; the wait for a turn counts in ``timeout``.
         """
+        t0 = time.monotonic()
+        if not self._flushing.acquire(timeout=timeout):
+            raise DaemonUnavailable(f"another flush of this client did not end within "
+                                    f"{timeout} s")
+        try:
+            return self._flush(max(0.0, timeout - (time.monotonic() - t0)))
+        finally:
+            self._flushing.release()
+
+    def _flush(self, timeout: float) -> bool:
         with self._lock:
             mark = self._saves
         reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout,
