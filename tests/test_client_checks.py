@@ -5,6 +5,7 @@ daemon that is gone. Real daemons, real sockets, real MLX caches."""
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import subprocess
@@ -158,6 +159,9 @@ def test_write_behind_close_saves_what_a_dropped_save_missed(model, short_dir: P
         wait_for(lambda: kv.connected, "client did not reconnect")
         assert wb.close() is True  # the state at the last drop was never saved
         assert wb.counters.last_saved_tokens == len(ids) == 29
+        # The first save went to the daemon before its restart, and no flush
+        # returned since: the new run cannot vouch for it. Then all is settled.
+        assert kv.flush(timeout=WAIT) is False
         assert kv.flush(timeout=WAIT) is True
         path = naming.entry_path(root, FP, "wb-drop")
         with safe_open(str(path), "numpy") as f:
@@ -271,6 +275,31 @@ def test_a_failure_on_a_restarted_daemon_fails_the_flush(short_dir: Path) -> Non
             assert kv.flush(timeout=WAIT) is True  # nothing handed off since
     finally:
         stop_process(proc, signal.SIGKILL)
+
+
+def test_a_daemon_restarted_with_the_same_pid_is_told_apart(short_dir: Path) -> None:
+    """A daemon run again in the same process (as a container's pid 1 is)
+    has the pid of the last run: the flush must still see a new daemon,
+    whose failure count starts again from zero."""
+    from .faultkit import filled
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    # Saves over the 1 MiB disk budget are refused: a failure per save.
+    d = start_daemon(root, sock, max_disk_bytes=2**20)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "big", filled(1.5, 1), [1]) and kv.flush(timeout=WAIT) is False
+            assert d.stop() == 0
+            d = start_daemon(root, sock, max_disk_bytes=2**20)
+            wait_for(lambda: kv.connected, "the client reconnects")
+            assert kv.ping().pid == os.getpid()
+            # The new run's total (1) equals the old run's: still a failure.
+            assert kv.save("fp", "big2", filled(1.5, 2), [2]) and kv.flush(timeout=WAIT) is False
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.stats()["boot_id"] > 0
+    finally:
+        if d.thread.is_alive():
+            d.stop()
 
 
 def test_what_flush_raises_is_importable_from_the_package(short_dir: Path) -> None:

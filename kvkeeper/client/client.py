@@ -100,9 +100,13 @@ class Client:
         self._root_seen_at = -1  # channel.connections when the daemon named its root
         # The daemon that answered the last flush that returned (its pid, and
         # channel.connections then), and self._saves at that flush.
-        self._flush_pid: int | None = None
+        self._flush_daemon: tuple[int, float] | None = None  # (pid, boot id)
         self._flush_conn = -1
         self._flushed_mark = 0
+        # The channel's connection count when the oldest save not covered by a
+        # flush that returned was handed off: a save handed off after the
+        # connection to a restarted daemon cannot have gone to the old one.
+        self._unflushed_conn: int | None = None
         # One flush at a time: each reply carries running totals, and a reply
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
@@ -119,7 +123,7 @@ class Client:
         if self._channel.connected.wait(connect_timeout):
             try:
                 conn = self._channel.connections
-                self._flush_pid, self._flush_conn = self.ping().pid, conn
+                self._flush_daemon, self._flush_conn = self._daemon_run(), conn
             except DaemonUnavailable:
                 pass
 
@@ -215,6 +219,8 @@ class Client:
             return self._drop("closed", "the client's connection was closed meanwhile")
         with self._lock:
             self._saves += 1
+            if self._unflushed_conn is None:
+                self._unflushed_conn = self._channel.connections
             if len(self._unsettled) >= _MAX_UNSETTLED:
                 # Past this many keys, every load asks the daemon until a flush.
                 self._unsettled = {ALL_KEYS: self._saves}
@@ -436,6 +442,7 @@ class Client:
     def _flush(self, timeout: float) -> bool:
         with self._lock:
             mark = self._saves
+            conn_at_mark = self._channel.connections
         reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout,
                               release=ALL_KEYS)
         assert isinstance(reply, m.Flushed)
@@ -444,10 +451,10 @@ class Client:
         if conn != self._flush_conn:
             # Reconnected since the last flush: to the same daemon, or to a new
             # one, which knows nothing of what the old one had not written and
-            # counts its totals from zero. Its pid tells which.
-            pid = self.ping(timeout).pid
-            restarted = self._flush_pid is not None and pid != self._flush_pid
-            self._flush_pid, self._flush_conn = pid, conn
+            # counts its totals from zero. Its pid and boot id tell which.
+            run = self._daemon_run(timeout)
+            restarted = self._flush_daemon is not None and run != self._flush_daemon
+            self._flush_daemon, self._flush_conn = run, conn
         with self._lock:
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
             # Running totals: what went wrong since the last flush that returned
@@ -462,8 +469,11 @@ class Client:
             self._failed_seen = reply.failed
             # Saves handed off since the last flush may have gone to the daemon
             # that went away: nothing can confirm them.
-            unconfirmed = restarted and mark > self._flushed_mark
+            unconfirmed = (restarted and mark > self._flushed_mark
+                           and self._unflushed_conn is not None and self._unflushed_conn < conn)
             self._flushed_mark = mark
+            # Saves handed off since the mark: on this connection or a later one.
+            self._unflushed_conn = conn_at_mark if self._saves > mark else None
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=the daemon was restarted since the "
                         "last flush; saves handed off before may be lost")
@@ -521,6 +531,15 @@ class Client:
             "client_inflight_bytes": self._channel.inflight_bytes,
             "client_held_saves": self._channel.held_saves,
         }
+
+    def _daemon_run(self, timeout: float | None = None) -> tuple[int, float]:
+        """Which run of which daemon answers: its pid and boot id. A pid alone
+        does not tell a restart (a container's pid 1 is always 1); a daemon
+        older than the boot id reports 0 for it."""
+        pid = self.ping(timeout).pid
+        reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req), timeout)
+        assert isinstance(reply, m.Stats)
+        return pid, reply.counters.get("boot_id", 0.0)
 
     def ping(self, timeout: float | None = None) -> m.Pong:
         """Ask the daemon who it is; raises DaemonUnavailable."""

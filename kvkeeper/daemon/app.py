@@ -11,6 +11,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import signal
 import stat
 import threading
@@ -157,6 +158,10 @@ class Daemon:
         # accepted but not yet written. The writer gets the rest.
         zmq_share = min(RCVHWM * CHUNK_BYTES, cfg.max_pending_bytes // 4)
         self.stats.gauges["max_pending_bytes"] = float(cfg.max_pending_bytes)  # as configured
+        # Tells this run from a restart with the same pid (a container's pid 1,
+        # a daemon run twice in one process): a client's flush must not vouch
+        # for saves the previous run never wrote. 52 bits: exact as a float.
+        self.stats.gauges["boot_id"] = float(secrets.randbits(52) | 1)
         actor = WriterActor(store, self.stats,
                             max_pending_bytes=cfg.max_pending_bytes - zmq_share,
                             stall_timeout=cfg.stall_timeout,
