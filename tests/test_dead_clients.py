@@ -62,6 +62,30 @@ CHILD = textwrap.dedent("""
 """)
 
 
+#: A live raw client streaming one save in many tiny messages at a steady
+#: rate (value 0 throughout), then exiting once it has sent the last one.
+STREAMER = textwrap.dedent("""
+    import sys, time, numpy as np, zmq
+    from kvkeeper.protocol import messages as m
+    sock_path, n, per, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect("ipc://" + sock_path)
+    V = m.PROTOCOL_VERSION
+    s.send(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id="live",
+                                tensors=[m.TensorSpec("t", "F32", [n * per])])))
+    part = np.zeros(per, dtype=np.float32).tobytes()
+    hdr = m.encode(m.SaveData(v=V, save=1, frames=1))
+    print("started", flush=True)
+    t0 = time.monotonic()
+    for i in range(n):
+        s.send_multipart([hdr, part])
+        time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
+    s.close(linger=-1)
+    ctx.term()
+""")
+
+
 def child(sock: Path, cache_id: str, total: int, chunks: int, per: int,
           how: str) -> subprocess.Popen[str]:
     """The CHILD client, connected and waiting for ``go()``."""
@@ -158,3 +182,76 @@ def test_a_save_whose_start_is_read_after_its_client_died_is_cut_off(
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
     assert "died after sending 65536 of 16777216 bytes" in log
 
+
+
+def test_looking_for_dead_clients_never_stops_the_daemon_reading(short_dir: Path) -> None:
+    """A connection closes while a live client streams a save in many small
+    messages: the daemon starts looking for dead senders while that save
+    arrives, and must go on reading it (no other connection opens meanwhile
+    to wake the socket up), so the save is written whole."""
+    from .conftest import ping
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    try:
+        n, per = 40_000, 16  # 40,000 messages of 64 bytes at 8,000 a second
+        live = subprocess.Popen([sys.executable, "-c", STREAMER, str(rd.socket), str(n),
+                                 str(per), "8000"], stdout=subprocess.PIPE, text=True)
+        assert live.stdout is not None and live.stdout.readline().strip() == "started"
+        assert ping(rd.socket, 5.0)  # a connection that closes
+        path = entry_path(rd.root, "live", model="fp")
+        wait_for(path.exists, "the live save to be written")
+        assert live.wait(WAIT) == 0
+        with safe_open(str(path), "np") as f:
+            assert f.get_tensor("t").shape == (n * per,)
+    finally:
+        assert rd.stop() == 0
+
+
+#: A client whose main thread ends (pthread_exit) while a worker thread sends
+#: a save in two halves, pausing in between: the process lives on.
+HEADLESS = textwrap.dedent("""
+    import ctypes, sys, threading, time, numpy as np, zmq
+    from kvkeeper.protocol import messages as m
+
+    def send():
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect("ipc://" + sys.argv[1])
+        V = m.PROTOCOL_VERSION
+        s.send(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id="headless",
+                                    tensors=[m.TensorSpec("t", "F32", [2048])])))
+        half = np.arange(1024, dtype=np.float32)
+        s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), half.tobytes()])
+        print("half", flush=True)
+        time.sleep(3.0)
+        s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)),
+                          (half + 1024).tobytes()])
+        s.close(linger=-1)
+        ctx.term()
+
+    threading.Thread(target=send).start()
+    time.sleep(0.2)
+    ctypes.CDLL(None).pthread_exit(None)
+""")
+
+
+def test_a_process_whose_main_thread_ended_is_not_taken_for_dead(short_dir: Path) -> None:
+    """Its main thread shows as a zombie, but another thread is still sending."""
+    from .conftest import ping
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", HEADLESS, str(rd.socket)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "half"
+        assert ping(rd.socket, 5.0)  # a connection closes: the daemon looks for dead senders
+        path = entry_path(rd.root, "headless", model="fp")
+        try:
+            wait_for(path.exists, "the save to be written")
+        finally:
+            proc.kill()  # a process without its main thread may not exit by itself
+            proc.wait(WAIT)
+        with safe_open(str(path), "np") as f:
+            assert np.array_equal(f.get_tensor("t"), np.arange(2048, dtype=np.float32))
+    finally:
+        assert rd.stop() == 0

@@ -306,7 +306,10 @@ class Server:
                 self._dead = {job: t for job, t in self._dead.items() if job in still}
                 if not arriving or not self._closed_lately():
                     return
-                if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # .get, not .getsockopt: reading EVENTS consumes the socket's
+                # wake-up, and only pyzmq's asyncio .get schedules the pending
+                # receive again (getsockopt left the server deaf for seconds).
+                if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                     continue  # their last messages may be among those queued
                 now = time.monotonic()
                 for job in arriving:
@@ -455,10 +458,13 @@ def _alive(pid: int) -> bool:
     except OSError:
         pass  # exists, but not ours to signal
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # "pid (comm) state ...": comm may hold spaces and parentheses.
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f if b":" in line)
+        # The state is the main thread's: a process whose main thread ended
+        # while others go on shows Z too, with more than one thread.
+        return not (fields[b"State"].strip().startswith(b"Z")
+                    and int(fields[b"Threads"]) <= 1)
+    except (OSError, KeyError, ValueError):
         return True  # no /proc (macOS): existing is alive
 
 
