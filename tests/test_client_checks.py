@@ -302,6 +302,33 @@ def test_a_daemon_restarted_with_the_same_pid_is_told_apart(short_dir: Path) -> 
             d.stop()
 
 
+def test_a_client_made_before_any_daemon_still_tells_a_restart(short_dir: Path) -> None:
+    """The client never learnt which daemon took its save (none answered when
+    it was made): a save sent to a daemon that then died must not be vouched
+    for by the next one."""
+    from .faultkit import entry_path, filled
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    (short_dir / "run").mkdir(mode=0o700)
+    kv = Client(sock, timeout=WAIT, connect_timeout=0.2, min_send_interval=0)
+    proc = serve_process(root, sock)
+    try:
+        wait_for(lambda: kv.connected, "the client connects")
+        proc.send_signal(signal.SIGSTOP)  # it will never read the save
+        assert kv.save("fp", "x", filled(0.05, 7), [7])
+        wait_for(lambda: kv.client_stats()["client_saves_sent"] == 1, "the save to go out")
+        stop_process(proc, signal.SIGKILL)
+        proc = serve_process(root, sock)
+        wait_for(lambda: kv.connected, "the client reconnects")
+        assert kv.flush(timeout=WAIT) is False
+        assert not entry_path(root, "x", model="fp").exists()
+        # Made on the new connection, a save is vouched for.
+        assert kv.save("fp", "y", filled(0.05, 8), [8]) and kv.flush(timeout=WAIT) is True
+    finally:
+        kv.close()
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_what_flush_raises_is_importable_from_the_package(short_dir: Path) -> None:
     import kvkeeper
 

@@ -211,6 +211,9 @@ class Client:
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         if not self._channel.reserve(cap.nbytes, estimate):
             return self._drop_inflight()
+        # Read before the hand-off: once queued, the save may go out, its
+        # daemon die and a new one be connected before this thread goes on.
+        conn = self._channel.connections
         if not self._channel.send_save(
             (model, cache_id),
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
@@ -220,7 +223,7 @@ class Client:
         with self._lock:
             self._saves += 1
             if self._unflushed_conn is None:
-                self._unflushed_conn = self._channel.connections
+                self._unflushed_conn = conn
             if len(self._unsettled) >= _MAX_UNSETTLED:
                 # Past this many keys, every load asks the daemon until a flush.
                 self._unsettled = {ALL_KEYS: self._saves}
@@ -453,7 +456,10 @@ class Client:
             # one, which knows nothing of what the old one had not written and
             # counts its totals from zero. Its pid and boot id tell which.
             run = self._daemon_run(timeout)
-            restarted = self._flush_daemon is not None and run != self._flush_daemon
+            # Never having learnt which daemon took the saves before (the
+            # client was made before one answered) counts as a restart: only
+            # saves handed off on this connection are then vouched for.
+            restarted = self._flush_daemon is None or run != self._flush_daemon
             self._flush_daemon, self._flush_conn = run, conn
         with self._lock:
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
