@@ -111,12 +111,12 @@ def test_a_save_whose_metadata_takes_it_past_the_disk_budget_is_refused(
     short_dir: Path,
 ) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
-                      max_disk_bytes=int(1.5 * MiB))
+                      max_disk_bytes=1_700_000)
     try:
         with Client(rd.socket, timeout=WAIT) as kv:
             assert kv.save(FP, "a", filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
-            # 1 MiB of data fits the budget; its 150,000 token ids (about
-            # 1 MiB more in the header) do not. Written, it would evict "a"
+            # 1 MiB of data fits the 1.7 MB budget; its 150,000 token ids
+            # (about 1 MiB more in the header) do not. Written, it would evict "a"
             # and still be over the budget alone.
             assert kv.save(FP, "b", filled(1, 2), [100_000] * 150_000)
             assert kv.flush(timeout=WAIT) is False
@@ -124,6 +124,18 @@ def test_a_save_whose_metadata_takes_it_past_the_disk_budget_is_refused(
             assert not entry_path(rd.root, "b").exists()
             assert version_of(entry_path(rd.root, "a")) == 1
             assert kv.stats()["saves_refused"] == 1
+            # 250,000 characters of text take 750,000 bytes in UTF-8: over.
+            assert kv.save(FP, "c", filled(1, 3), [1], metadata={"note": "中" * 250_000})
+            # 100,000 control characters: 600,000 bytes as they travel (the
+            # client JSON-encodes user metadata), which fits; about 700,000
+            # in the file's header (escaped again), which does not. Only the
+            # writer, which encodes the header, can tell.
+            assert kv.save(FP, "d", filled(1, 4), [1], metadata={"note": "\x01" * 100_000})
+            assert kv.flush(timeout=WAIT) is False
+            assert kv.stats()["saves_refused"] + kv.stats()["saves_failed"] == 3
+            assert {e.cache_id for e in kv.entries()} == {"a"}
+            assert not entry_path(rd.root, "c").exists()
+            assert not entry_path(rd.root, "d").exists()
     finally:
         rd.stop()
 

@@ -96,7 +96,8 @@ class SaveJob(Job):
 
     @property
     def metadata_bytes(self) -> int:
-        return sum(len(k) + len(v) for k, v in self.metadata.items())
+        # Encoded: a character of a stored conversation may take 4 bytes.
+        return sum(len(k.encode()) + len(v.encode()) for k, v in self.metadata.items())
 
 
 @dataclass(eq=False)
@@ -596,6 +597,12 @@ class _FileWriter:
         if self.pending is None:
             model, cache_id = self.job.key
             header = self.layout.header(self.job.metadata)
+            # submit_save checked data and metadata against the disk budget;
+            # the exact size needs the encoded header (escapes, tensor table).
+            disk = self.store.budget.max_disk_bytes
+            if disk is not None and len(header) + self.job.total > disk:
+                raise ValueError(f"the file would take {len(header) + self.job.total} bytes, "
+                                 f"over max disk bytes ({disk})")
             self.pending = self.store.begin(model, cache_id, header, self.job.total)
         if hash_too:
             self._hash(batch)

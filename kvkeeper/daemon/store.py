@@ -477,7 +477,7 @@ class Store:
                 break
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
-                # Under the lock, so no load finds it between check and unlink.
+                # (A load racing the unlink itself still just misses.)
                 if self._index.get(victim.path) is not victim:
                     continue
                 try:
