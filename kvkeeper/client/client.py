@@ -98,8 +98,8 @@ class Client:
         self._unsettled: dict[tuple[str, str], int] = {}
         self._saves = 0
         self._root_seen_at = -1  # channel.connections when the daemon named its root
-        # The daemon that answered the last flush that returned (its pid, and
-        # channel.connections then), and self._saves at that flush.
+        # The daemon run that answered the last flush that returned (its pid
+        # and boot id, and channel.connections then), and self._saves then.
         self._flush_daemon: tuple[int, float] | None = None  # (pid, boot id)
         self._flush_conn = -1
         self._flushed_mark = 0
