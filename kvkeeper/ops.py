@@ -77,7 +77,7 @@ def _entry_dict(e: m.Entry) -> dict[str, Any]:
 
 _GROUPS = [
     ("Saves", ["saves_received", "saves_written", "saves_superseded", "saves_refused",
-               "saves_failed", "bytes_received", "bytes_written"]),
+               "saves_failed", "saves_cut_off", "bytes_received", "bytes_written"]),
     ("Loads", ["loads_found", "loads_direct", "loads_missing", "files_quarantined"]),
     ("Writer", ["pending_bytes", "writer_max_pending_bytes", "max_pending_bytes",
                 "queue_depth", "held_saves",
@@ -85,7 +85,8 @@ _GROUPS = [
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
     ("Disk", ["disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
               "bytes_evicted", "deletes"]),
-    ("Daemon", ["uptime_s", "protocol_errors", "internal_errors", "forbidden_peers"]),
+    ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "internal_errors",
+                "forbidden_peers"]),
 ]
 
 
@@ -96,6 +97,8 @@ def _fmt(name: str, v: float) -> str:
         return f"{v * 1000:.1f} ms"
     if name == "uptime_s":
         return f"{v:.0f} s"
+    if name == "boot_id":
+        return f"{int(v):x}"  # an identifier, not a quantity
     return f"{v:g}"
 
 

@@ -75,6 +75,14 @@ def test_stats_ls_rm_gc_through_the_cli(client: Client, daemon: RunningDaemon) -
     assert gc["evicted"] == [] and gc["disk_used_bytes"] > 0
 
 
+def test_stats_table_places_every_counter_of_a_fresh_daemon(daemon: RunningDaemon) -> None:
+    r = cli("stats", "--socket", str(daemon.socket))
+    assert r.returncode == 0, r.stderr
+    assert "Other" not in r.stdout, r.stdout  # each counter sits in its group
+    boot = json.loads(cli("stats", "--socket", str(daemon.socket), "--json").stdout)["boot_id"]
+    assert f"{int(boot):x}" in r.stdout  # an identifier, shown as one
+
+
 def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
     root = short_dir / "root"
     rd = start_daemon(root, short_dir / "run" / "kv.sock", max_disk_bytes=int(3.5 * MiB))
