@@ -52,7 +52,7 @@ CHILD = textwrap.dedent("""
         part = np.arange(i * per, (i + 1) * per, dtype=np.float32)
         s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), part.tobytes()])
     if how == "wait":
-        time.sleep(0.5)  # for ZeroMQ's I/O thread to hand the bytes to the kernel
+        time.sleep(1.0)  # for ZeroMQ's I/O thread to hand the bytes to the kernel
     print("sent", flush=True)
     if how == "exit":
         s.close(linger=-1)  # a normal exit: whatever was sent goes out first
