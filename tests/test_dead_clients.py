@@ -30,8 +30,8 @@ MiB = 1024 * 1024
 #: A raw client in its own process. Once connected (a ping answered) it
 #: prints "ready" and waits for a line; then it sends SaveBegin for ``total``
 #: float32 values and ``chunks`` chunks of ``per`` values each (value i at
-#: index i), prints "sent", and either exits at once (``exit``) or waits to be
-#: killed.
+#: index i), prints "sent", and either exits at once (``exit``), or waits to
+#: be killed (``wait``), or closes its socket and waits on, alive (``close``).
 CHILD = textwrap.dedent("""
     import sys, time, numpy as np, zmq
     from kvkeeper.protocol import messages as m
@@ -51,8 +51,10 @@ CHILD = textwrap.dedent("""
     for i in range(chunks):
         part = np.arange(i * per, (i + 1) * per, dtype=np.float32)
         s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), part.tobytes()])
-    if how == "wait":
+    if how != "exit":
         time.sleep(1.0)  # for ZeroMQ's I/O thread to hand the bytes to the kernel
+    if how == "close":
+        s.close(linger=0)  # what a Client does once close() has waited long enough
     print("sent", flush=True)
     if how == "exit":
         s.close(linger=-1)  # a normal exit: whatever was sent goes out first
@@ -125,6 +127,30 @@ def test_a_killed_client_does_not_hold_up_the_writer(short_dir: Path) -> None:
             assert stats["saves_cut_off"] == 1 and stats["saves_failed"] == 1
             assert stats["saves_written"] == 1 and stats["pending_bytes"] == 0
         assert not entry_path(rd.root, "dead", model="fp").exists()
+        assert tmp_files(rd.root) == []
+    finally:
+        assert rd.stop() == 0
+
+
+def test_a_live_client_that_closed_its_connection_does_not_hold_up_the_writer(
+    short_dir: Path,
+) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            # 16 MiB declared, 1 MiB sent, then the socket closed; the process lives on.
+            gone = child(rd.socket, "half", 4 * MiB, 1, MiB // 4, "close")
+            try:
+                go(gone)
+                assert kv.save(FP, "alive", filled(1, 5), [5])
+                assert kv.flush(timeout=WAIT) is True
+                assert gone.poll() is None  # still running
+            finally:
+                gone.kill()
+                gone.wait(WAIT)
+            assert version_of(entry_path(rd.root, "alive")) == 5
+            assert kv.stats()["saves_cut_off"] == 1
+        assert not entry_path(rd.root, "half", model="fp").exists()
         assert tmp_files(rd.root) == []
     finally:
         assert rd.stop() == 0
@@ -207,13 +233,16 @@ def test_looking_for_dead_clients_never_stops_the_daemon_reading(short_dir: Path
         assert rd.stop() == 0
 
 
-#: A client whose main thread ends (pthread_exit) while a worker thread sends
-#: a save in two halves, pausing in between: the process lives on.
+#: A client whose worker thread sends a save in two halves, pausing 3 s in
+#: between; with "headless", its main thread ends meanwhile (pthread_exit)
+#: while the process lives on.
 HEADLESS = textwrap.dedent("""
     import ctypes, sys, threading, time, numpy as np, zmq
     from kvkeeper.protocol import messages as m
 
     def send():
+        if sys.argv[2] == "on-cue":
+            sys.stdin.readline()
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
         s.connect("ipc://" + sys.argv[1])
@@ -229,29 +258,66 @@ HEADLESS = textwrap.dedent("""
         s.close(linger=-1)
         ctx.term()
 
+    print("ready", flush=True)
     threading.Thread(target=send).start()
     time.sleep(0.2)
-    ctypes.CDLL(None).pthread_exit(None)
+    if sys.argv[2] == "headless":
+        ctypes.CDLL(None).pthread_exit(None)
 """)
 
 
-def test_a_process_whose_main_thread_ended_is_not_taken_for_dead(short_dir: Path) -> None:
-    """Its main thread shows as a zombie, but another thread is still sending."""
+def pausing_save(sock: Path, root: Path, mode: str) -> None:
+    """Run the HEADLESS client in ``mode``, with a connection of another
+    closing while it pauses (or, "on-cue", just before it connects), and
+    check that its save is written whole."""
     from .conftest import ping
 
+    proc = subprocess.Popen([sys.executable, "-c", HEADLESS, str(sock), mode],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        if mode == "on-cue":
+            # The closed connection's descriptor is free: the client's own
+            # connection is likely to get it, and must not be taken for it.
+            assert ping(sock, 5.0)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "half"
+        else:
+            assert proc.stdout.readline().strip() == "half"
+            assert ping(sock, 5.0)  # a connection closes: the daemon looks for gone senders
+        path = entry_path(root, "headless", model="fp")
+        wait_for(path.exists, "the save to be written")
+    finally:
+        proc.kill()  # a process without its main thread may not exit by itself
+        proc.wait(WAIT)
+    with safe_open(str(path), "np") as f:
+        assert np.array_equal(f.get_tensor("t"), np.arange(2048, dtype=np.float32))
+
+
+@pytest.mark.parametrize("main_thread", ["headless", "running"])
+def test_a_live_client_pausing_mid_save_is_not_cut_off(short_dir: Path, main_thread: str) -> None:
+    """A client pauses 3 s between two halves of a save while another
+    connection closes: its process lives (even if its main thread ended, which
+    shows as a zombie) and its connection is open, so it is waited for."""
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
     try:
-        proc = subprocess.Popen([sys.executable, "-c", HEADLESS, str(rd.socket)],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "half"
-        assert ping(rd.socket, 5.0)  # a connection closes: the daemon looks for dead senders
-        path = entry_path(rd.root, "headless", model="fp")
-        try:
-            wait_for(path.exists, "the save to be written")
-        finally:
-            proc.kill()  # a process without its main thread may not exit by itself
-            proc.wait(WAIT)
-        with safe_open(str(path), "np") as f:
-            assert np.array_equal(f.get_tensor("t"), np.arange(2048, dtype=np.float32))
+        pausing_save(rd.socket, rd.root, main_thread)
     finally:
         assert rd.stop() == 0
+
+
+def test_a_client_on_a_reused_descriptor_is_not_taken_for_the_closed_one(
+    short_dir: Path,
+) -> None:
+    """A connection closes, and the next one (a client that then pauses mid
+    save) gets its descriptor number: the daemon, which records the closed
+    descriptor, must see that it now carries a live client's connection.
+    (A daemon process of its own, so that its descriptors are its own.)"""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        pausing_save(sock, root, "on-cue")
+    finally:
+        assert stop_process(proc) == 0

@@ -11,14 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import sys
 import time
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import anyio
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
+from zmq.utils.monitor import parse_monitor_message
 
 from kvkeeper import __version__
 from kvkeeper.daemon.actor import DeleteJob, Key, SaveJob, WriterActor
@@ -48,12 +50,14 @@ GONE_CHECK = 0.25
 MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
 
 
-class Stream(NamedTuple):
+@dataclass(slots=True)
+class Stream:
     """The save a peer is sending now; ``job`` is None once it was refused."""
 
     save: int
     job: SaveJob | None
     pid: int | None = None  # the sending process, when the platform says
+    fd: int | None = None  # the daemon's descriptor its last message came on
 
 
 class Server:
@@ -75,10 +79,12 @@ class Server:
         # Per peer, the save stream it is sending now. A client sends one save
         # at a time, so one slot per peer.
         self._streams: dict[bytes, Stream] = {}
-        # ROUTER does not say which peer left; its monitor says that some
-        # connection closed, and each save's stream knows its sender's pid.
+        # ROUTER does not say which peer left; its monitor says which
+        # descriptor's connection closed, and each save's stream knows its
+        # sender's pid and the descriptor its bytes last came on.
         self.monitor = monitor
-        self._dead: dict[SaveJob, float] = {}  # saves whose sender died: seen when
+        self._dead: dict[SaveJob, float] = {}  # saves whose sender is gone: seen when
+        self._closed_fds: set[int] = set()  # descriptors whose connection closed lately
         self._reaping = False
         self._last_close = -float("inf")
 
@@ -111,7 +117,7 @@ class Server:
                                       message=str(exc)))
             return
         if isinstance(msg, m.SaveData):
-            self._save_data(peer, msg, data)
+            self._save_data(peer, msg, header, data)
             return
         if data:
             if isinstance(msg, m.SaveBegin):
@@ -198,9 +204,10 @@ class Server:
             self._refuse(peer, msg.save, *refusal)
             return
         if job.total:
-            self._track(peer, msg.save, job, _peer_pid(header))
+            self._track(peer, msg.save, job, _peer_pid(header), _source_fd(header))
 
-    def _save_data(self, peer: bytes, msg: m.SaveData, data: list[zmq.Frame]) -> None:
+    def _save_data(self, peer: bytes, msg: m.SaveData, header: zmq.Frame,
+                   data: list[zmq.Frame]) -> None:
         stream = self._streams.get(peer)
         if stream is None or stream.save != msg.save:
             self.stats.inc("protocol_errors")
@@ -225,6 +232,8 @@ class Server:
             self._refuse(peer, msg.save, "frames", reason, count=False, tally=False)
             return
         self.stats.inc("bytes_received", nbytes)
+        if stream.pid is not None:
+            stream.fd = _source_fd(header)  # a client that reconnected goes on on another
         self.actor.add_data(job, [f.buffer for f in data], nbytes)
         if job.received == job.total:
             del self._streams[peer]
@@ -252,20 +261,20 @@ class Server:
             self.actor.break_stream(prev.job, "the client abandoned it part way")
 
     def _track(self, peer: bytes, save: int, job: SaveJob | None,
-               pid: int | None = None) -> None:
+               pid: int | None = None, fd: int | None = None) -> None:
         self._end_stream(peer)  # re-inserted below: the dict's order is recency
         if len(self._streams) >= _MAX_STREAMS:
             # Peers that went away leave their last slot; forget the oldest.
             # A refused stream forgotten here costs one more "unknown_save".
             del self._streams[next(iter(self._streams))]
-        self._streams[peer] = Stream(save, job, pid)
+        self._streams[peer] = Stream(save, job, pid, fd)
         if pid is not None and self._closed_lately():
             self._reap_soon()  # its start may have been read after its sender died
 
     # ------------------------------------------------------------ senders that died
 
     async def watch_connections(self) -> None:
-        """Look for saves whose sender died part way whenever a connection
+        """Look for saves whose sender is gone part way whenever a connection
         closes, so that such a save fails within seconds instead of holding
         the writer (and every save behind it) for its stall timeout."""
         if self.monitor is None:
@@ -278,6 +287,7 @@ class Server:
                 if fut.exception() is not None:
                     break  # zmq.Again: no more events for now
                 closed = True
+                self._closed_fds.add(int(parse_monitor_message(fut.result())["value"]))
             if closed:
                 self._last_close = time.monotonic()
                 self._reap_soon()
@@ -291,20 +301,24 @@ class Server:
             self.tg.start_soon(self._reap)
 
     async def _reap(self) -> None:
-        """Fail the saves whose sending process is gone, once no byte of
-        theirs can still come: nothing is left to read, and none came for
-        GONE_GRACE. A killed process may linger a moment (exiting, or a
-        zombie until reaped), so this looks again every GONE_CHECK until no
-        save is arriving, or the stall timeout since the last close is over."""
+        """Fail the saves whose sender is gone, once no byte of theirs can
+        still come: nothing is left to read, and none came for GONE_GRACE.
+        Gone is a dead process, or a live one whose connection closed (a
+        client closed with a save half sent): the descriptor its bytes came
+        on closed, and is not now a connection from that process (a
+        descriptor is reused). A killed process may linger a moment (exiting,
+        or a zombie until reaped), so this looks again every GONE_CHECK until
+        no save is arriving, or the stall timeout since the last close is over."""
         try:
             while True:
                 await anyio.sleep(GONE_CHECK)
-                arriving = [s.job for s in self._streams.values()
+                arriving = [s for s in self._streams.values()
                             if s.pid is not None and s.job is not None
                             and s.job.received < s.job.total and not s.job.done.is_set()]
-                still = set(arriving)
+                still = {s.job for s in arriving}
                 self._dead = {job: t for job, t in self._dead.items() if job in still}
                 if not arriving or not self._closed_lately():
+                    self._closed_fds.clear()
                     return
                 # .get, not .getsockopt: reading EVENTS consumes the socket's
                 # wake-up, and only pyzmq's asyncio .get schedules the pending
@@ -312,20 +326,31 @@ class Server:
                 if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                     continue  # their last messages may be among those queued
                 now = time.monotonic()
-                for job in arriving:
-                    pid = self._streams[job.peer].pid
-                    assert pid is not None
-                    if _alive(pid):
+                for stream in arriving:
+                    job, pid = stream.job, stream.pid
+                    assert job is not None and pid is not None
+                    why = self._gone(stream)
+                    if why is None:
                         continue
                     since = self._dead.setdefault(job, now)
                     if now - max(since, job.last_activity) >= GONE_GRACE:
                         del self._dead[job], self._streams[job.peer]
                         self.stats.inc("saves_cut_off")
                         self.actor.break_stream(
-                            job, f"its client (pid {pid}) died after sending {job.received} "
-                                 f"of {job.total} bytes")
+                            job, f"its client (pid {pid}) {why} after sending "
+                                 f"{job.received} of {job.total} bytes")
         finally:
             self._reaping = False
+
+    def _gone(self, stream: Stream) -> str | None:
+        """Why ``stream``'s sender can send no more, or None if it may."""
+        assert stream.pid is not None
+        if not _alive(stream.pid):
+            return "died"
+        if (stream.fd is not None and stream.fd in self._closed_fds
+                and _socket_peer_pid(stream.fd) != stream.pid):
+            return "closed its connection"
+        return None
 
     # ------------------------------------------------------------ other requests
 
@@ -431,21 +456,44 @@ def _peer_pid(header: zmq.Frame) -> int | None:
     """The sending process's pid, when the platform tells: on Linux ZeroMQ
     puts the connection's credentials in "Peer-Address" as host:uid:gid:pid;
     on macOS it leaves the pid out, so it is asked of the socket the message
-    came from (LOCAL_PEERPID), which may have closed meanwhile (then None)."""
+    came from, which may have closed meanwhile (then None)."""
     try:
         parts = str(header.get("Peer-Address")).split(":")
         if len(parts) == 4 and parts[3].isdigit() and int(parts[3]) > 0:
             return int(parts[3])
-        if sys.platform == "darwin":
-            with socket.socket(fileno=os.dup(header.get(zmq.SRCFD))) as s:
-                pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
-                return pid or None
     except Exception:  # noqa: BLE001 - no pid only means no early failure
         return None
-    return None
+    fd = _source_fd(header)
+    return None if fd is None else _socket_peer_pid(fd)
 
 
-_LOCAL_PEERPID = 2  # <sys/un.h>, at level SOL_LOCAL (0)
+def _source_fd(header: zmq.Frame) -> int | None:
+    """The daemon's descriptor of the connection a message came on."""
+    try:
+        return int(header.get(zmq.SRCFD))
+    except Exception:  # noqa: BLE001 - older or newer libzmq without it: no early failure
+        return None
+
+
+_LOCAL_PEERPID = 2  # macOS <sys/un.h>, at level SOL_LOCAL (0)
+
+
+def _socket_peer_pid(fd: int) -> int | None:
+    """The pid of the process at the other end of the unix socket ``fd`` is
+    now (a descriptor may have closed, or been reused, since a message came
+    on it): None if it is not such a socket."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.family != socket.AF_UNIX:
+                return None
+            if sys.platform == "darwin":
+                pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
+            else:
+                pid = struct.unpack("3i", s.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except (OSError, ValueError, AttributeError):  # closed, not a socket, no SO_PEERCRED
+        return None
+    return pid or None
 
 
 def _alive(pid: int) -> bool:

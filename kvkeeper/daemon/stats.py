@@ -12,7 +12,7 @@ COUNTERS = (
     "saves_superseded",
     "saves_refused",
     "saves_failed",
-    "saves_cut_off",  # of the failed: their client process died part way
+    "saves_cut_off",  # of the failed: their client died or hung up part way
     "saves_held",
     "bytes_received",
     "bytes_written",
