@@ -31,7 +31,8 @@ MiB = 1024 * 1024
 #: prints "ready" and waits for a line; then it sends SaveBegin for ``total``
 #: float32 values and ``chunks`` chunks of ``per`` values each (value i at
 #: index i), prints "sent", and either exits at once (``exit``), or waits to
-#: be killed (``wait``), or closes its socket and waits on, alive (``close``).
+#: be killed (``wait``), or closes its socket and waits on, alive (``close``;
+#: ``reopen`` then connects anew).
 CHILD = textwrap.dedent("""
     import sys, time, numpy as np, zmq
     from kvkeeper.protocol import messages as m
@@ -53,8 +54,15 @@ CHILD = textwrap.dedent("""
         s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), part.tobytes()])
     if how != "exit":
         time.sleep(1.0)  # for ZeroMQ's I/O thread to hand the bytes to the kernel
-    if how == "close":
+    if how in ("close", "reopen"):
         s.close(linger=0)  # what a Client does once close() has waited long enough
+    if how == "reopen":  # and a new Client of the same process, likely on the same fd
+        time.sleep(0.2)
+        s = ctx.socket(zmq.DEALER)
+        s.connect("ipc://" + sock_path)
+        s.send(m.encode(m.Ping(v=V, req=2)))
+        assert s.poll(30_000), "no pong"
+        s.recv()
     print("sent", flush=True)
     if how == "exit":
         s.close(linger=-1)  # a normal exit: whatever was sent goes out first
@@ -132,14 +140,18 @@ def test_a_killed_client_does_not_hold_up_the_writer(short_dir: Path) -> None:
         assert rd.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["close", "reopen"])
 def test_a_live_client_that_closed_its_connection_does_not_hold_up_the_writer(
-    short_dir: Path,
+    short_dir: Path, how: str
 ) -> None:
-    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    # A daemon process of its own, so that its descriptors are its own: the
+    # reopened connection is then likely to get the closed one's number.
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
     try:
-        with Client(rd.socket, timeout=WAIT) as kv:
+        with Client(sock, timeout=WAIT) as kv:
             # 16 MiB declared, 1 MiB sent, then the socket closed; the process lives on.
-            gone = child(rd.socket, "half", 4 * MiB, 1, MiB // 4, "close")
+            gone = child(sock, "half", 4 * MiB, 1, MiB // 4, how)
             try:
                 go(gone)
                 assert kv.save(FP, "alive", filled(1, 5), [5])
@@ -148,12 +160,12 @@ def test_a_live_client_that_closed_its_connection_does_not_hold_up_the_writer(
             finally:
                 gone.kill()
                 gone.wait(WAIT)
-            assert version_of(entry_path(rd.root, "alive")) == 5
-            assert kv.stats()["saves_cut_off"] == 1
-        assert not entry_path(rd.root, "half", model="fp").exists()
-        assert tmp_files(rd.root) == []
+            assert version_of(entry_path(root, "alive")) == 5
+            assert kv.stats()["saves_cut_off"] == 1  # not the 10 s stall timeout
+        assert not entry_path(root, "half", model="fp").exists()
+        assert tmp_files(root) == []
     finally:
-        assert rd.stop() == 0
+        assert stop_process(proc) == 0
 
 
 @pytest.mark.parametrize("round_", range(3))

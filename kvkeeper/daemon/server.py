@@ -8,10 +8,11 @@ small task of their own, so one slow answer never holds up the receive loop.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
-import struct
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -57,7 +58,10 @@ class Stream:
     save: int
     job: SaveJob | None
     pid: int | None = None  # the sending process, when the platform says
-    fd: int | None = None  # the daemon's descriptor its last message came on
+    # The connection its last message came on: the daemon's descriptor, and
+    # that socket's inode (a descriptor number is reused; an inode is not
+    # while the socket is open).
+    conn: tuple[int, int] | None = None
 
 
 class Server:
@@ -84,7 +88,7 @@ class Server:
         # sender's pid and the descriptor its bytes last came on.
         self.monitor = monitor
         self._dead: dict[SaveJob, float] = {}  # saves whose sender is gone: seen when
-        self._closed_fds: set[int] = set()  # descriptors whose connection closed lately
+        self._closed_fds: dict[int, float] = {}  # descriptors whose connection closed: when
         self._reaping = False
         self._last_close = -float("inf")
 
@@ -204,7 +208,7 @@ class Server:
             self._refuse(peer, msg.save, *refusal)
             return
         if job.total:
-            self._track(peer, msg.save, job, _peer_pid(header), _source_fd(header))
+            self._track(peer, msg.save, job, _peer_pid(header), _connection(_source_fd(header)))
 
     def _save_data(self, peer: bytes, msg: m.SaveData, header: zmq.Frame,
                    data: list[zmq.Frame]) -> None:
@@ -233,7 +237,11 @@ class Server:
             return
         self.stats.inc("bytes_received", nbytes)
         if stream.pid is not None:
-            stream.fd = _source_fd(header)  # a client that reconnected goes on on another
+            # A raw client that reconnected may go on on another connection
+            # (kvkeeper's own sets IMMEDIATE: its queued messages die with one).
+            fd = _source_fd(header)
+            if stream.conn is None or stream.conn[0] != fd:
+                stream.conn = _connection(fd)
         self.actor.add_data(job, [f.buffer for f in data], nbytes)
         if job.received == job.total:
             del self._streams[peer]
@@ -261,13 +269,13 @@ class Server:
             self.actor.break_stream(prev.job, "the client abandoned it part way")
 
     def _track(self, peer: bytes, save: int, job: SaveJob | None,
-               pid: int | None = None, fd: int | None = None) -> None:
+               pid: int | None = None, conn: tuple[int, int] | None = None) -> None:
         self._end_stream(peer)  # re-inserted below: the dict's order is recency
         if len(self._streams) >= _MAX_STREAMS:
             # Peers that went away leave their last slot; forget the oldest.
             # A refused stream forgotten here costs one more "unknown_save".
             del self._streams[next(iter(self._streams))]
-        self._streams[peer] = Stream(save, job, pid, fd)
+        self._streams[peer] = Stream(save, job, pid, conn)
         if pid is not None and self._closed_lately():
             self._reap_soon()  # its start may have been read after its sender died
 
@@ -287,7 +295,8 @@ class Server:
                 if fut.exception() is not None:
                     break  # zmq.Again: no more events for now
                 closed = True
-                self._closed_fds.add(int(parse_monitor_message(fut.result())["value"]))
+                fd = int(parse_monitor_message(fut.result())["value"])
+                self._closed_fds[fd] = time.monotonic()
             if closed:
                 self._last_close = time.monotonic()
                 self._reap_soon()
@@ -305,8 +314,8 @@ class Server:
         still come: nothing is left to read, and none came for GONE_GRACE.
         Gone is a dead process, or a live one whose connection closed (a
         client closed with a save half sent): the descriptor its bytes came
-        on closed, and is not now a connection from that process (a
-        descriptor is reused). A killed process may linger a moment (exiting,
+        on closed, and does not hold that very socket now (it may hold a new
+        one, even of the same process). A killed process may linger a moment (exiting,
         or a zombie until reaped), so this looks again every GONE_CHECK until
         no save is arriving, or the stall timeout since the last close is over."""
         try:
@@ -317,8 +326,12 @@ class Server:
                             and s.job.received < s.job.total and not s.job.done.is_set()]
                 still = {s.job for s in arriving}
                 self._dead = {job: t for job, t in self._dead.items() if job in still}
+                now = time.monotonic()
+                # Kept for a stall timeout, not cleared: a save whose start is
+                # read after its connection's close needs the close still known.
+                self._closed_fds = {fd: t for fd, t in self._closed_fds.items()
+                                    if now - t <= self.actor.stall_timeout}
                 if not arriving or not self._closed_lately():
-                    self._closed_fds.clear()
                     return
                 # .get, not .getsockopt: reading EVENTS consumes the socket's
                 # wake-up, and only pyzmq's asyncio .get schedules the pending
@@ -331,6 +344,7 @@ class Server:
                     assert job is not None and pid is not None
                     why = self._gone(stream)
                     if why is None:
+                        self._dead.pop(job, None)  # one uncertain look is not a trend
                         continue
                     since = self._dead.setdefault(job, now)
                     if now - max(since, job.last_activity) >= GONE_GRACE:
@@ -347,9 +361,15 @@ class Server:
         assert stream.pid is not None
         if not _alive(stream.pid):
             return "died"
-        if (stream.fd is not None and stream.fd in self._closed_fds
-                and _socket_peer_pid(stream.fd) != stream.pid):
-            return "closed its connection"
+        if stream.conn is not None and stream.conn[0] in self._closed_fds:
+            fd, ino = stream.conn
+            try:
+                st = os.fstat(fd)  # no new descriptor: this must work at the fd limit too
+            except OSError as exc:
+                # Closed: gone. Anything else: cannot tell, so not gone.
+                return "closed its connection" if exc.errno == errno.EBADF else None
+            if not stat.S_ISSOCK(st.st_mode) or st.st_ino != ino:
+                return "closed its connection"
         return None
 
     # ------------------------------------------------------------ other requests
@@ -467,6 +487,17 @@ def _peer_pid(header: zmq.Frame) -> int | None:
     return None if fd is None else _socket_peer_pid(fd)
 
 
+def _connection(fd: int | None) -> tuple[int, int] | None:
+    """Descriptor and socket inode of a connection, while it is open."""
+    if fd is None:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (fd, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+
+
 def _source_fd(header: zmq.Frame) -> int | None:
     """The daemon's descriptor of the connection a message came on."""
     try:
@@ -479,19 +510,17 @@ _LOCAL_PEERPID = 2  # macOS <sys/un.h>, at level SOL_LOCAL (0)
 
 
 def _socket_peer_pid(fd: int) -> int | None:
-    """The pid of the process at the other end of the unix socket ``fd`` is
-    now (a descriptor may have closed, or been reused, since a message came
-    on it): None if it is not such a socket."""
+    """On macOS, the pid of the process at the other end of the unix socket
+    ``fd`` (LOCAL_PEERPID); None elsewhere, or if ``fd`` is not such a
+    socket any more."""
+    if sys.platform != "darwin":
+        return None
     try:
         with socket.socket(fileno=os.dup(fd)) as s:
             if s.family != socket.AF_UNIX:
                 return None
-            if sys.platform == "darwin":
-                pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
-            else:
-                pid = struct.unpack("3i", s.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    except (OSError, ValueError, AttributeError):  # closed, not a socket, no SO_PEERCRED
+            pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
+    except (OSError, ValueError):
         return None
     return pid or None
 
