@@ -85,7 +85,8 @@ class Server:
         self._streams: dict[bytes, Stream] = {}
         # ROUTER does not say which peer left; its monitor says which
         # descriptor's connection closed, and each save's stream knows its
-        # sender's pid and the descriptor its bytes last came on.
+        # sender's pid and the connection (descriptor, inode) its bytes last
+        # came on.
         self.monitor = monitor
         self._dead: dict[SaveJob, float] = {}  # saves whose sender is gone: seen when
         self._closed_fds: dict[int, float] = {}  # descriptors whose connection closed: when
@@ -279,7 +280,7 @@ class Server:
         if pid is not None and self._closed_lately():
             self._reap_soon()  # its start may have been read after its sender died
 
-    # ------------------------------------------------------------ senders that died
+    # ------------------------------------------------------------ senders that are gone
 
     async def watch_connections(self) -> None:
         """Look for saves whose sender is gone part way whenever a connection
