@@ -316,9 +316,10 @@ class Server:
         Gone is a dead process, or a live one whose connection closed (a
         client closed with a save half sent): the descriptor its bytes came
         on closed, and does not hold that very socket now (it may hold a new
-        one, even of the same process). A killed process may linger a moment (exiting,
-        or a zombie until reaped), so this looks again every GONE_CHECK until
-        no save is arriving, or the stall timeout since the last close is over."""
+        one, even of the same process). A killed process may linger a moment
+        (exiting, or a zombie until reaped), so this looks again every
+        GONE_CHECK until no save is arriving, or the stall timeout since the
+        last close is over."""
         try:
             while True:
                 await anyio.sleep(GONE_CHECK)
@@ -339,7 +340,6 @@ class Server:
                 # receive again (getsockopt left the server deaf for seconds).
                 if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                     continue  # their last messages may be among those queued
-                now = time.monotonic()
                 for stream in arriving:
                     job, pid = stream.job, stream.pid
                     assert job is not None and pid is not None
