@@ -17,6 +17,14 @@ Only saves of up to HOLD_MAX_BYTES are held. While a save is held, a job of
 its key that is not a save (moving a damaged file aside, which checks it is
 still the file the client read) may run before it.
 
+A save whose bytes stop coming part way (its client is paused, or slower
+than the disk) does not hold up the others: once none of its bytes have come
+for PARK_AFTER while other jobs wait, it is parked, its tmp file kept open,
+and goes back into the mailbox when its bytes come again (or after the stall
+timeout, to fail). Jobs of its key taken meanwhile keep their order: a newer
+save or a delete of the key replaces it (its tmp file is removed), moving a
+damaged file aside runs before it as it may before a held save.
+
 A save replaced by another client's newer save (or a delete) is answered for
 by that newer job: the first client's flush waits for it, and counts it
 failed if it fails, so a flush that returned True means the key holds that
@@ -25,6 +33,7 @@ save or a newer one.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -42,6 +51,10 @@ from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 from kvkeeper.protocol.safetensors import TOKEN_COUNT_KEY, Layout, TensorHasher
 
 log = logging.getLogger("kvkeeper.actor")
+
+#: How long a save being written may go without bytes before it makes way for
+#: other jobs waiting behind it (it is parked, not failed: see the docstring).
+PARK_AFTER = 0.5
 
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
@@ -88,6 +101,8 @@ class SaveJob(Job):
     # Set when someone waits for this save (or it is finished): it is not held.
     hurry: anyio.Event = field(default_factory=anyio.Event)
     last_activity: float = field(default_factory=time.monotonic)
+    file: _FileWriter | None = None  # once started: kept while it is parked
+    starved_since: float | None = None  # since when the writer has had no bytes of it
 
     @property
     def total(self) -> int:
@@ -144,12 +159,14 @@ class WriterActor:
         send, recv = anyio.create_memory_object_stream[Job](mailbox_size)
         self._send: MemoryObjectSendStream[Job] = send
         self._recv: MemoryObjectReceiveStream[Job] = recv
-        # Held saves go back into the mailbox through their own sender, which
-        # stays open after stop_accepting() until the last held save is back.
+        # Held and parked saves go back into the mailbox through their own
+        # sender, which stays open after stop_accepting() until the last one
+        # is back (see _close_resend).
         self._resend: MemoryObjectSendStream[Job] = send.clone()
         self._waiting: dict[Key, SaveJob] = {}  # saves that have not started writing
         self._held: dict[Key, SaveJob] = {}  # of those, the ones waiting out their interval
-        self._holding = 0  # hold tasks not yet done putting their save back
+        self._parked: dict[Key, SaveJob] = {}  # started saves waiting for their bytes
+        self._away = 0  # hold and park tasks not yet done putting their save back
         self._writes = Pacer(min_write_interval)  # when each key's last write ended
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
@@ -240,8 +257,9 @@ class WriterActor:
     async def settled(self, key: Key) -> None:
         """Return once every job of ``key`` received so far is finished, or
         replaced by a job that is."""
-        # The waiting save may be held, and jobs after it may finish first.
-        for job in (self._waiting.get(key), self._latest.get(key)):
+        # The waiting save may be held, a started one parked, and jobs after
+        # them may finish first.
+        for job in (self._parked.get(key), self._waiting.get(key), self._latest.get(key)):
             if job is not None:
                 await _outcome_of(job)
 
@@ -276,28 +294,34 @@ class WriterActor:
         self.accepting = False
         self._send.close()
         self._release_held()
-        if not self._holding:
-            self._resend.close()
+        self._close_resend()
 
     # ------------------------------------------------------------ the writer
 
     async def run(self) -> None:
         """Process jobs until the mailbox is closed and drained."""
         try:
-            async with self._recv, anyio.create_task_group() as holds:
+            async with self._recv, anyio.create_task_group() as away:
                 async for job in self._recv:
                     if job.done.is_set():
                         continue  # superseded while it waited
-                    if isinstance(job, SaveJob) and (due := self._hold_until(job)) is not None:
+                    parked = self._parked.get(job.key)
+                    if parked is not None and parked is not job:
+                        await self._overtake(parked, job)
+                    if (isinstance(job, SaveJob) and not job.started
+                            and (due := self._hold_until(job)) is not None):
                         self._held[job.key] = job
-                        self._holding += 1
+                        self._away += 1
                         self.stats.inc("saves_held")
-                        holds.start_soon(self._hold, job, due)
+                        away.start_soon(self._hold, job, due)
                         continue
                     self.current = job
                     try:
                         if isinstance(job, SaveJob):
-                            await self._write(job)
+                            if not await self._write(job):
+                                self._parked[job.key] = job
+                                self._away += 1
+                                away.start_soon(self._park, job)
                         elif isinstance(job, DeleteJob):
                             await self._delete(job)
                         elif isinstance(job, GcJob):
@@ -309,8 +333,55 @@ class WriterActor:
                         job.done.set()
                     finally:
                         self.current = None
+                        self._close_resend()
         finally:
+            # The drain was cut short: no parked save's tmp file is left
+            # behind (closing and unlinking cannot wait for a thread here).
+            for job in self._parked.values():
+                if job.file is not None and job.file.pending is not None:
+                    with contextlib.suppress(OSError):  # the next start sweeps it
+                        job.file.pending.abort()
             self.finished.set()
+
+    async def _overtake(self, parked: SaveJob, job: Job) -> None:
+        """``job`` of a parked save's key is taken first: a newer save or a
+        delete replaces the parked save, whose result it would undo anyway;
+        moving a damaged file aside goes first and leaves it parked."""
+        if isinstance(job, DeleteJob) and job.reason is not None:
+            return
+        del self._parked[parked.key]
+        if parked.file is not None and parked.file.pending is not None:
+            try:
+                await anyio.to_thread.run_sync(parked.file.pending.abort)
+            except OSError as exc:  # the next start sweeps it
+                log.error("event=tmp_not_removed path=%s error=%s",
+                          parked.file.pending.tmp, _describe(exc))
+        self._supersede(parked, job)
+        parked.arrived.set()  # its park task ends
+
+    async def _park(self, job: SaveJob) -> None:
+        """Wait until a parked save's bytes come again (or it broke, or was
+        replaced), or its stall timeout is over, then put it back in line."""
+        assert job.starved_since is not None
+        deadline = job.starved_since + self.stall_timeout
+        with anyio.move_on_after(deadline - time.monotonic()):
+            await job.arrived.wait()
+        try:
+            if not job.done.is_set():
+                await self._resend.send(job)
+        finally:
+            self._came_back()
+
+    def _came_back(self) -> None:
+        self._away -= 1
+        self._close_resend()
+
+    def _close_resend(self) -> None:
+        # Once accepting ended, the mailbox closes (ending run) when no save
+        # can come back to it: none held or parked, none being written (it
+        # may yet be parked).
+        if not self.accepting and not self._away and self.current is None:
+            self._resend.close()
 
     def _hold_until(self, job: SaveJob) -> float | None:
         """When a save may be written, if that is later than now."""
@@ -329,9 +400,7 @@ class WriterActor:
                 job.hurry.set()  # its turn has come: it is not held again
                 await self._resend.send(job)
         finally:
-            self._holding -= 1
-            if not self.accepting and not self._holding:
-                self._resend.close()
+            self._came_back()
 
     def _release_held(self) -> None:
         for job in self._held.values():
@@ -367,42 +436,39 @@ class WriterActor:
             log.error("event=delete_failed model=%s id=%s error=%s", model, cache_id, exc)
             self._resolve(job, Outcome.FAILED, str(exc))
 
-    async def _write(self, job: SaveJob) -> None:
+    async def _write(self, job: SaveJob) -> bool:
+        """Write a save as its bytes come; False if it was parked instead."""
         assert job.layout is not None
         model, cache_id = job.key
         if self._waiting.get(job.key) is job:
             del self._waiting[job.key]
+        if self._parked.get(job.key) is job:
+            del self._parked[job.key]
         job.started = True
-        t0 = time.monotonic()
-        file = _FileWriter(self.store, job)
+        if job.file is None:
+            job.file = _FileWriter(self.store, job)
+        file = job.file
         try:
-            written = 0
             while True:
                 if job.chunks:
                     batch = [buf for bufs in job.chunks for buf in bufs]
                     job.chunks.clear()
+                    job.starved_since = None
                 elif job.broken:
                     raise StreamBroken(job.broken)
-                elif written >= job.total:
+                elif file.written >= job.total:
                     batch = []  # a save with no data bytes: open and commit only
                 else:
-                    job.arrived = anyio.Event()
-                    with anyio.move_on_after(self.stall_timeout):
-                        await job.arrived.wait()
-                    if not job.arrived.is_set():
-                        raise StreamBroken(
-                            f"no bytes for {self.stall_timeout:.0f} s "
-                            f"({job.received} of {job.total} received)"
-                        )
+                    if not await self._await_bytes(job):
+                        return False
                     continue
                 n = sum(len(buf) for buf in batch)
-                last = written + n >= job.total
+                last = file.written + n >= job.total
                 if last and job.broken:
                     # A guard: the server breaks a stream only before its last
                     # byte, but a stream marked broken is never committed.
                     raise StreamBroken(job.broken)
                 await file.write(batch, n, last=last)
-                written += n
                 job.reserved -= n
                 self.pending_bytes -= n
                 if last:
@@ -414,7 +480,7 @@ class WriterActor:
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
-            return
+            return True
         except BaseException:
             # A bug or a cancellation (drain cut short): no tmp file is left
             # behind for the next start to sweep. Closing and unlinking it
@@ -426,7 +492,7 @@ class WriterActor:
         assert done is not None
         self._writes.went(job.key, time.monotonic())
         self.stats.inc("bytes_written", job.total)
-        self.stats.sample("write_seconds", time.monotonic() - t0)
+        self.stats.sample("write_seconds", time.monotonic() - file.started)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
         self.stats.inc("evictions", len(evicted))
         self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
@@ -435,9 +501,30 @@ class WriterActor:
             model,
             cache_id,
             job.total,
-            time.monotonic() - t0,
+            time.monotonic() - file.started,
         )
         self._resolve(job, Outcome.WRITTEN)
+        return True
+
+    async def _await_bytes(self, job: SaveJob) -> bool:
+        """Wait for more of a started save's bytes; False when it should be
+        parked (others are waiting and its bytes have not come for
+        PARK_AFTER). Raises StreamBroken after the stall timeout."""
+        now = time.monotonic()
+        if job.starved_since is None:
+            job.starved_since = now
+        deadline = job.starved_since + self.stall_timeout
+        if now >= deadline:
+            raise StreamBroken(f"no bytes for {self.stall_timeout:.0f} s "
+                               f"({job.received} of {job.total} received)")
+        job.arrived = anyio.Event()
+        with anyio.move_on_after(min(deadline, now + PARK_AFTER) - now):
+            await job.arrived.wait()
+        if job.arrived.is_set() or not self._recv.statistics().current_buffer_used:
+            return True
+        log.info("event=save_parked model=%s id=%s received=%d total=%d",
+                 *job.key, job.received, job.total)
+        return False
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -482,11 +569,12 @@ class WriterActor:
             if job.replaced_own and not isinstance(job, SaveJob):
                 self._tally_of(job.peer).failed += 1  # (a failed save counts itself)
         if self._latest.get(job.key) is job:
-            # A held save may still be waiting behind a job that overtook it
-            # (moving a damaged file aside): it is the newest unfinished now.
-            held = self._waiting.get(job.key)
-            if held is not None and held is not job:
-                self._latest[job.key] = held
+            # A held or parked save may still be waiting behind a job that
+            # overtook it (moving a damaged file aside): it is the newest
+            # unfinished now.
+            behind = self._waiting.get(job.key) or self._parked.get(job.key)
+            if behind is not None and behind is not job:
+                self._latest[job.key] = behind
             else:
                 del self._latest[job.key]
         for peer in {job.peer} | job.heirs:
@@ -568,10 +656,13 @@ class _FileWriter:
         self.pending: PendingFile | None = None
         self.committed: PendingFile | None = None
         self.evicted: list[StoredEntry] = []
+        self.written = 0
+        self.started = time.monotonic()
 
     async def write(self, batch: list[memoryview], nbytes: int, *, last: bool) -> None:
         if nbytes < PARALLEL_HASH_BYTES:
             await anyio.to_thread.run_sync(self._step, batch, True, last)
+            self.written += nbytes
             return
         errors: list[BaseException] = []
 
@@ -586,6 +677,7 @@ class _FileWriter:
             await anyio.to_thread.run_sync(guarded, self._step, batch, False, False)
         if errors:
             raise errors[0]
+        self.written += nbytes
         if last:
             await anyio.to_thread.run_sync(self._commit)
 

@@ -1,0 +1,191 @@
+"""A save whose bytes stop coming part way, from a client that is alive and
+connected (paused, stopped with Ctrl-Z, slow), makes way for the jobs behind
+it instead of holding the single writer for its stall timeout."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from safetensors import safe_open
+
+from kvkeeper.protocol import messages as m
+
+from .conftest import WAIT, RunningDaemon, dealers, start_daemon, wait_for
+from .faultkit import tmp_files
+from .test_cli_checks import cli
+from .test_protocol_edge import ask, begin
+
+V = m.PROTOCOL_VERSION
+HALF = 2**20  # the stalled save sends this much of its 2 MiB, then pauses
+
+
+@pytest.fixture
+def patient(short_dir: Path) -> Iterator[RunningDaemon]:
+    """A daemon whose stall timeout is far beyond any wait of these tests: a
+    save behind a stalled one gets through only if the writer moves on."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    try:
+        yield rd
+    finally:
+        if rd.thread.is_alive():
+            rd.stop()
+
+
+def entry(rd: RunningDaemon, cache_id: str) -> Path:
+    return rd.root / "sessions" / "fp" / f"{cache_id}.safetensors"
+
+
+def content(path: Path) -> bytes:
+    """The tensor, read back with the safetensors package."""
+    with safe_open(str(path), "np") as f:
+        return f.get_tensor("t0").tobytes()
+
+
+def start_stalled(rd: RunningDaemon, s: zmq.Socket, cache_id: str) -> None:
+    """Begin a 2 MiB save, send its first half, and return once the writer
+    has started writing it (its tmp file exists)."""
+    s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [2 * HALF])]))
+    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"a" * HALF])
+    wait_for(lambda: tmp_files(rd.root) != [], "the stalled save's tmp file")
+
+
+def finish_stalled(s: zmq.Socket) -> None:
+    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"b" * HALF])
+
+
+def load_waits_for_the_stalled_save(slow: zmq.Socket) -> None:
+    """The stalled client loads its key: no answer until it sends the rest of
+    its save, then the file holding that whole save."""
+    slow.send(m.encode(m.Load(v=V, req=99, model="fp", cache_id="k")))
+    assert not slow.poll(700), "answered before the stalled save was written"
+    finish_stalled(slow)
+    found = m.decode_reply(slow.recv())
+    assert isinstance(found, m.Found) and found.path
+    assert content(Path(found.path)) == b"a" * HALF + b"b" * HALF
+
+
+def save_whole(s: zmq.Socket, cache_id: str, fill: bytes, req: int = 1) -> m.Reply:
+    """A small save sent whole, then a flush; returns the flush's answer."""
+    s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [1000])]))
+    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), fill * 1000])
+    return ask(s, m.encode(m.Flush(v=V, req=req)))
+
+
+def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
+    patient: RunningDaemon,
+) -> None:
+    with dealers(patient.socket, 2) as (slow, other):
+        start_stalled(patient, slow, "slow")
+        # The writer is inside the slow save; with no parking this flush
+        # would wait out the 600 s stall timeout (and time out after WAIT).
+        assert save_whole(other, "other", b"o") == m.Flushed(
+            v=V, req=1, written=1, superseded=0, failed=0)
+        assert content(entry(patient, "other")) == b"o" * 1000
+        assert not entry(patient, "slow").exists()
+        finish_stalled(slow)
+        assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+            v=V, req=2, written=1, superseded=0, failed=0)
+        # Resumed in the same tmp file: both halves, in order, and the
+        # checksums the header holds (hashed across the pause) are right.
+        assert content(entry(patient, "slow")) == b"a" * HALF + b"b" * HALF
+        r = cli("verify", "--socket", str(patient.socket), "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["checked"] == 2, r.stdout + r.stderr
+        got = ask(slow, m.encode(m.GetStats(v=V, req=3)))
+        assert isinstance(got, m.Stats)
+        assert got.counters["saves_failed"] == 0 and got.counters["pending_bytes"] == 0
+    assert tmp_files(patient.root) == []
+
+
+def test_a_newer_save_of_the_key_replaces_the_stalled_one(patient: RunningDaemon) -> None:
+    with dealers(patient.socket, 2) as (slow, other):
+        start_stalled(patient, slow, "k")
+        assert save_whole(other, "k", b"n") == m.Flushed(
+            v=V, req=1, written=1, superseded=0, failed=0)
+        assert content(entry(patient, "k")) == b"n" * 1000
+        assert tmp_files(patient.root) == []  # the stalled save's tmp file is gone
+        # Its bytes coming later change nothing: it was replaced, and its
+        # client hears so.
+        finish_stalled(slow)
+        assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+            v=V, req=2, written=0, superseded=1, failed=0)
+        assert content(entry(patient, "k")) == b"n" * 1000
+
+
+def test_a_delete_of_the_key_replaces_the_stalled_save(patient: RunningDaemon) -> None:
+    with dealers(patient.socket, 2) as (slow, other):
+        assert save_whole(other, "k", b"o") == m.Flushed(
+            v=V, req=1, written=1, superseded=0, failed=0)
+        start_stalled(patient, slow, "k")
+        deleted = ask(other, m.encode(m.Delete(v=V, req=2, model="fp", cache_id="k")))
+        assert deleted == m.Deleted(v=V, req=2, existed=True)
+        assert not entry(patient, "k").exists() and tmp_files(patient.root) == []
+        finish_stalled(slow)
+        assert ask(slow, m.encode(m.Flush(v=V, req=3))) == m.Flushed(
+            v=V, req=3, written=0, superseded=1, failed=0)
+        assert not entry(patient, "k").exists()
+
+
+def test_a_load_of_the_key_waits_for_the_stalled_save(patient: RunningDaemon) -> None:
+    # Read-your-writes holds for a parked save too: the client's own load
+    # is answered once the save it sent before is written.
+    with dealers(patient.socket, 2) as (slow, other):
+        start_stalled(patient, slow, "k")
+        assert save_whole(other, "x", b"x")  # the stalled save is parked meanwhile
+        load_waits_for_the_stalled_save(slow)
+
+
+def test_moving_a_damaged_file_aside_goes_first_and_the_stalled_save_stays_pending(
+    patient: RunningDaemon,
+) -> None:
+    with dealers(patient.socket, 2) as (slow, other):
+        assert save_whole(other, "k", b"o")
+        st = entry(patient, "k").stat()
+        start_stalled(patient, slow, "k")
+        moved = ask(other, m.encode(m.Quarantine(v=V, req=2, model="fp", cache_id="k",
+                                                 ino=st.st_ino, mtime_ns=st.st_mtime_ns,
+                                                 reason="test: unreadable")))
+        assert moved == m.Deleted(v=V, req=2, existed=True)
+        assert not entry(patient, "k").exists()
+        # The stalled save is still the key's newest job: a load waits for it
+        # instead of answering "missing" from the empty place.
+        load_waits_for_the_stalled_save(slow)
+
+
+def test_a_stalled_save_still_fails_after_the_stall_timeout(short_dir: Path) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2)
+    try:
+        with dealers(rd.socket, 2) as (slow, other):
+            start_stalled(rd, slow, "slow")
+            assert save_whole(other, "other", b"o") == m.Flushed(
+                v=V, req=1, written=1, superseded=0, failed=0)
+            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+                v=V, req=2, written=0, superseded=0, failed=1)
+            assert tmp_files(rd.root) == [] and not entry(rd, "slow").exists()
+            got = ask(other, m.encode(m.GetStats(v=V, req=3)))
+            assert isinstance(got, m.Stats) and got.counters["saves_cut_off"] == 0
+    finally:
+        assert rd.stop() == 0
+
+
+@pytest.mark.parametrize("resumes", [True, False])
+def test_the_drain_finishes_or_cleans_up_a_parked_save(short_dir: Path, resumes: bool) -> None:
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      stall_timeout=600, drain_timeout=3)
+    with dealers(rd.socket, 2) as (slow, other):
+        start_stalled(rd, slow, "slow")
+        assert save_whole(other, "other", b"o")  # parks the slow save
+        rd.daemon.stop()
+        if resumes:  # its bytes come during the drain: it is written
+            finish_stalled(slow)
+        rd.thread.join(WAIT)
+        assert not rd.thread.is_alive()
+    assert rd.exit_code == [0 if resumes else 1]
+    assert tmp_files(rd.root) == []
+    if resumes:
+        assert content(entry(rd, "slow")) == b"a" * HALF + b"b" * HALF
+    else:
+        assert not entry(rd, "slow").exists()
