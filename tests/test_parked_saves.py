@@ -5,6 +5,7 @@ it instead of holding the single writer for its stall timeout."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,15 @@ from safetensors import safe_open
 
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, RunningDaemon, dealers, start_daemon, wait_for
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    dealers,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
 from .faultkit import tmp_files
 from .test_cli_checks import cli
 from .test_protocol_edge import ask, begin
@@ -68,11 +77,12 @@ def load_waits_for_the_stalled_save(slow: zmq.Socket) -> None:
     assert content(Path(found.path)) == b"a" * HALF + b"b" * HALF
 
 
-def save_whole(s: zmq.Socket, cache_id: str, fill: bytes, req: int = 1) -> m.Reply:
+def save_whole(s: zmq.Socket, cache_id: str, fill: bytes, req: int = 1, *,
+               send_only: bool = False) -> m.Reply | None:
     """A small save sent whole, then a flush; returns the flush's answer."""
     s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [1000])]))
     s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), fill * 1000])
-    return ask(s, m.encode(m.Flush(v=V, req=req)))
+    return None if send_only else ask(s, m.encode(m.Flush(v=V, req=req)))
 
 
 def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
@@ -189,3 +199,72 @@ def test_the_drain_finishes_or_cleans_up_a_parked_save(short_dir: Path, resumes:
         assert content(entry(rd, "slow")) == b"a" * HALF + b"b" * HALF
     else:
         assert not entry(rd, "slow").exists()
+
+
+def test_a_save_parked_during_the_drain_is_written(short_dir: Path) -> None:
+    # SIGTERM comes while the writer is inside a trickling save, with two
+    # saves queued behind it: the first of them stalls once its turn comes
+    # and is parked during the drain, then its bytes come.
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      stall_timeout=600, drain_timeout=15)
+    with dealers(rd.socket, 3) as (trickling, slow, last):
+        trickling.send(begin(save=1, cache_id="first",
+                             tensors=[m.TensorSpec("t0", "U8", [64 * 1024])]))
+
+        def trickle(n: int) -> None:
+            for _ in range(n):  # a KiB every 0.1 s: slow, never parked
+                trickling.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)),
+                                          b"f" * 1024])
+                time.sleep(0.1)
+
+        trickle(1)
+        wait_for(lambda: tmp_files(rd.root) != [], "the trickling save's tmp file")
+        slow.send(begin(save=1, cache_id="slow", tensors=[m.TensorSpec("t0", "U8", [2 * HALF])]))
+        slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"a" * HALF])
+        assert save_whole(last, "last", b"l", send_only=True) is None
+        trickle(3)
+        rd.daemon.stop()
+        trickle(3)
+        trickling.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)),
+                                  b"f" * (57 * 1024)])
+        time.sleep(1.5)  # the slow save's turn, its stall, and "last" waiting: parked
+        finish_stalled(slow)
+        rd.thread.join(WAIT)
+        assert not rd.thread.is_alive()
+    assert rd.exit_code == [0]
+    assert content(entry(rd, "first")) == b"f" * (64 * 1024)
+    assert content(entry(rd, "slow")) == b"a" * HALF + b"b" * HALF
+    assert content(entry(rd, "last")) == b"l" * 1000
+    assert tmp_files(rd.root) == []
+
+
+def test_a_save_replaced_while_it_replaces_a_parked_one_passes_its_client_on(
+    short_dir: Path,
+) -> None:
+    # Replacing a parked save removes its tmp file in a worker thread (made
+    # slow here); meanwhile the replacing save is itself replaced, and that
+    # one fails. The parked save's client must hear of the failure, and the
+    # writer must not write the save it had in hand, now finished.
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": "abort_delay=2"})
+    try:
+        with dealers(sock, 2) as (slow, other):
+            slow.send(begin(save=1, cache_id="k",
+                            tensors=[m.TensorSpec("t0", "U8", [2 * HALF])]))
+            slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"a" * HALF])
+            wait_for(lambda: tmp_files(root) != [], "the stalled save's tmp file")
+            assert save_whole(other, "k", b"2", send_only=True) is None
+            time.sleep(1.2)  # parked after 0.5 s, then its tmp file going for 2 s
+            other.send(begin(save=2, cache_id="k", tensors=[m.TensorSpec("t0", "U8", [1000])]))
+            other.send_multipart([m.encode(m.SaveData(v=V, save=2, frames=1)), b"3" * 500])
+            # A new save of the same client abandons that one half way: it fails.
+            other.send(begin(save=3, cache_id="x", tensors=[m.TensorSpec("t0", "U8", [10])]))
+            other.send_multipart([m.encode(m.SaveData(v=V, save=3, frames=1)), b"x" * 10])
+            assert ask(other, m.encode(m.Flush(v=V, req=1))) == m.Flushed(
+                v=V, req=1, written=1, superseded=1, failed=1)
+            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+                v=V, req=2, written=0, superseded=1, failed=1)
+            assert not (root / "sessions" / "fp" / "k.safetensors").exists()
+    finally:
+        assert stop_process(proc) == 0
+    assert "event=save_parked model=fp id=k received=1000" not in proc.log_path.read_text()

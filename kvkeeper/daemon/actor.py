@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvkeeper.daemon.stats import Stats
@@ -302,30 +303,17 @@ class WriterActor:
         """Process jobs until the mailbox is closed and drained."""
         try:
             async with self._recv, anyio.create_task_group() as away:
-                async for job in self._recv:
+                while True:
+                    self._close_resend()
+                    try:
+                        job = await self._recv.receive()
+                    except anyio.EndOfStream:
+                        break
                     if job.done.is_set():
                         continue  # superseded while it waited
-                    parked = self._parked.get(job.key)
-                    if parked is not None and parked is not job:
-                        await self._overtake(parked, job)
-                    if (isinstance(job, SaveJob) and not job.started
-                            and (due := self._hold_until(job)) is not None):
-                        self._held[job.key] = job
-                        self._away += 1
-                        self.stats.inc("saves_held")
-                        away.start_soon(self._hold, job, due)
-                        continue
                     self.current = job
                     try:
-                        if isinstance(job, SaveJob):
-                            if not await self._write(job):
-                                self._parked[job.key] = job
-                                self._away += 1
-                                away.start_soon(self._park, job)
-                        elif isinstance(job, DeleteJob):
-                            await self._delete(job)
-                        elif isinstance(job, GcJob):
-                            await self._gc(job)
+                        await self._take(job, away)
                     except Exception:  # noqa: BLE001 - a bug in one job must not stop the writer
                         self.stats.inc("internal_errors")
                         log.exception("event=job_crashed key=%s", job.key)
@@ -333,7 +321,6 @@ class WriterActor:
                         job.done.set()
                     finally:
                         self.current = None
-                        self._close_resend()
         finally:
             # The drain was cut short: no parked save's tmp file is left
             # behind (closing and unlinking cannot wait for a thread here).
@@ -343,21 +330,46 @@ class WriterActor:
                         job.file.pending.abort()
             self.finished.set()
 
+    async def _take(self, job: Job, away: TaskGroup) -> None:
+        """Do one job from the mailbox: hold it, write it (or park it), delete."""
+        parked = self._parked.get(job.key)
+        if parked is not None and parked is not job:
+            await self._overtake(parked, job)
+            if job.done.is_set():
+                return  # replaced or failed while the parked save's tmp file went
+        if (isinstance(job, SaveJob) and not job.started
+                and (due := self._hold_until(job)) is not None):
+            self._held[job.key] = job
+            self._away += 1
+            self.stats.inc("saves_held")
+            away.start_soon(self._hold, job, due)
+        elif isinstance(job, SaveJob):
+            if not await self._write(job):
+                self._parked[job.key] = job
+                self._away += 1
+                away.start_soon(self._park, job)
+        elif isinstance(job, DeleteJob):
+            await self._delete(job)
+        elif isinstance(job, GcJob):
+            await self._gc(job)
+
     async def _overtake(self, parked: SaveJob, job: Job) -> None:
         """``job`` of a parked save's key is taken first: a newer save or a
         delete replaces the parked save, whose result it would undo anyway;
         moving a damaged file aside goes first and leaves it parked."""
         if isinstance(job, DeleteJob) and job.reason is not None:
             return
+        # Replaced before the tmp file goes: meanwhile ``job`` itself may be
+        # replaced in turn, and must pass the parked save's client on.
         del self._parked[parked.key]
+        self._supersede(parked, job)
+        parked.arrived.set()  # its park task ends
         if parked.file is not None and parked.file.pending is not None:
             try:
                 await anyio.to_thread.run_sync(parked.file.pending.abort)
             except OSError as exc:  # the next start sweeps it
                 log.error("event=tmp_not_removed path=%s error=%s",
                           parked.file.pending.tmp, _describe(exc))
-        self._supersede(parked, job)
-        parked.arrived.set()  # its park task ends
 
     async def _park(self, job: SaveJob) -> None:
         """Wait until a parked save's bytes come again (or it broke, or was
@@ -366,21 +378,33 @@ class WriterActor:
         deadline = job.starved_since + self.stall_timeout
         with anyio.move_on_after(deadline - time.monotonic()):
             await job.arrived.wait()
+        await self._put_back(job)
+
+    async def _put_back(self, job: SaveJob) -> None:
+        """Return a held or parked save to the mailbox, unless it is done."""
         try:
             if not job.done.is_set():
+                job.hurry.set()  # its turn has come: it is not held again
                 await self._resend.send(job)
+        except anyio.ClosedResourceError:
+            # A bug (see _close_resend), but not one to lose a save silently
+            # over or to stop the writer with: the save fails, and says so.
+            self.stats.inc("internal_errors")
+            log.error("event=save_not_requeued model=%s id=%s", *job.key)
+            if job.file is not None and job.file.pending is not None:
+                with contextlib.suppress(OSError):
+                    job.file.pending.abort()
+            self._resolve(job, Outcome.FAILED, "internal error: the writer had closed its mailbox")
         finally:
-            self._came_back()
-
-    def _came_back(self) -> None:
-        self._away -= 1
-        self._close_resend()
+            self._away -= 1
+            self._close_resend()
 
     def _close_resend(self) -> None:
         # Once accepting ended, the mailbox closes (ending run) when no save
-        # can come back to it: none held or parked, none being written (it
-        # may yet be parked).
-        if not self.accepting and not self._away and self.current is None:
+        # can come back to it: none held or parked, and the writer idle on an
+        # empty mailbox (a save in hand or still queued may yet be parked).
+        if (not self.accepting and not self._away and self.current is None
+                and not self._recv.statistics().current_buffer_used):
             self._resend.close()
 
     def _hold_until(self, job: SaveJob) -> float | None:
@@ -395,12 +419,7 @@ class WriterActor:
             await job.hurry.wait()
         if self._held.get(job.key) is job:
             del self._held[job.key]
-        try:
-            if not job.done.is_set():
-                job.hurry.set()  # its turn has come: it is not held again
-                await self._resend.send(job)
-        finally:
-            self._came_back()
+        await self._put_back(job)
 
     def _release_held(self) -> None:
         for job in self._held.values():

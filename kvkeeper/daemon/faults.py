@@ -7,6 +7,8 @@ lookup that finds nothing.
 - ``crash_at=POINT``: SIGKILL the daemon at a point of a durable replace:
   ``tmp_created``, ``half_written``, ``fsynced``, ``renamed``, ``dir_fsynced``.
 - ``write_delay=S``: sleep S seconds per MiB written (a slow disk).
+- ``abort_delay=S``: sleep S seconds before removing a tmp file (widens the
+  writer's wait on it, for the tests of what may happen meanwhile).
 - ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
   power-cut test: they must show loss).
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename).
@@ -46,6 +48,11 @@ def skip(flag: str) -> bool:
 def slow_write(nbytes: int) -> None:
     if ACTIVE and "write_delay" in ACTIVE:
         time.sleep(float(ACTIVE["write_delay"]) * nbytes / 2**20)
+
+
+def slow_abort() -> None:
+    if ACTIVE and "abort_delay" in ACTIVE:
+        time.sleep(float(ACTIVE["abort_delay"]))
 
 
 def io_error(point: str) -> None:

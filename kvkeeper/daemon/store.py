@@ -182,6 +182,7 @@ class PendingFile:
         faults.crash_point("dir_fsynced")
 
     def abort(self) -> None:
+        faults.slow_abort()
         if self._fd is not None:
             try:
                 os.close(self._fd)
