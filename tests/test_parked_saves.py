@@ -96,6 +96,9 @@ def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
             v=V, req=1, written=1, superseded=0, failed=0)
         assert content(entry(patient, "other")) == b"o" * 1000
         assert not entry(patient, "slow").exists()
+        parked = ask(other, m.encode(m.GetStats(v=V, req=2)))
+        assert isinstance(parked, m.Stats)
+        assert parked.counters["parked_saves"] == 1 and parked.counters["saves_parked"] == 1
         finish_stalled(slow)
         assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
             v=V, req=2, written=1, superseded=0, failed=0)
@@ -107,6 +110,7 @@ def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
         got = ask(slow, m.encode(m.GetStats(v=V, req=3)))
         assert isinstance(got, m.Stats)
         assert got.counters["saves_failed"] == 0 and got.counters["pending_bytes"] == 0
+        assert got.counters["parked_saves"] == 0
     assert tmp_files(patient.root) == []
 
 

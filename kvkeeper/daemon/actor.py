@@ -543,6 +543,7 @@ class WriterActor:
             return True
         log.info("event=save_parked model=%s id=%s received=%d total=%d",
                  *job.key, job.received, job.total)
+        self.stats.inc("saves_parked")
         return False
 
     # ------------------------------------------------------------ bookkeeping
@@ -630,6 +631,7 @@ class WriterActor:
             "writer_max_pending_bytes": float(self.max_pending_bytes),
             "queue_depth": float(self._send.statistics().current_buffer_used),
             "held_saves": float(len(self._held)),
+            "parked_saves": float(len(self._parked)),
             "disk_used_bytes": float(self.store.usage()),
             "max_disk_bytes": float(budget.max_disk_bytes or 0),
             "min_free_bytes": float(budget.min_free_bytes),

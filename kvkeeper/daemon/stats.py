@@ -14,6 +14,7 @@ COUNTERS = (
     "saves_failed",
     "saves_cut_off",  # of the failed: their client died or hung up part way
     "saves_held",
+    "saves_parked",  # times a save being written made way, its bytes not coming
     "bytes_received",
     "bytes_written",
     "loads_found",
