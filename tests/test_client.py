@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache, make_prompt_cache
 from safetensors import safe_open
 
 import kvkeeper
@@ -95,6 +95,35 @@ def test_snapshot_isolation_under_continued_decoding(model, client: Client) -> N
     ref = make_prompt_cache(model)
     prefill(model, tokens, ref)
     assert greedy_decode(model, got.cache, 5, 8) == greedy_decode(model, ref, 5, 8)
+
+
+def test_a_strided_bf16_cache_is_saved_as_it_was(client: Client) -> None:
+    """Transposed bf16 keys (strided, a format numpy cannot read) reach the
+    file as they were at save(), though the arrays are rewritten in place
+    right after it: the I/O thread, which exports them, makes its own
+    same-size views, and the capture's handles keep the old bytes."""
+    layers, before = [], []
+    for i in range(4):
+        c = ConcatenateKVCache()
+        k = (mx.random.normal((1, 64, 4, 32), key=mx.random.key(i)) * 8).astype(mx.bfloat16)
+        c.update_and_fetch(k.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3))
+        mx.eval(c.keys, c.values)
+        layers.append(c)
+        before.append(np.array(c.keys.astype(mx.float32)))
+    assert client.save(FP, "strided", layers, list(range(64)))
+    for c in layers:  # in place: the handle makes MLX copy instead
+        c.keys[..., :8, :] = mx.zeros((1, 4, 8, 32), dtype=mx.bfloat16)
+        mx.eval(c.keys)
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, "strided")
+    assert got is not None
+    for c, want in zip(got.cache, before, strict=True):
+        np.testing.assert_array_equal(np.array(c.keys.astype(mx.float32)), want)
+    assert got.path is not None
+    stored = mx.load(str(got.path))  # the file itself, through MLX's own reader
+    for want in before:
+        assert sum(np.array_equal(np.array(a.astype(mx.float32)), want)
+                   for a in stored.values()) == 2  # keys and values
 
 
 def test_mlx_vlm_prompt_cache_state_round_trips(model, client: Client) -> None:

@@ -362,7 +362,7 @@ class _Pending:
     source: mx.array
     length: int | None
     handle: mx.array | None = None
-    view: memoryview | None = None  # of `handle`, taken on the capturing thread
+    view: memoryview | None = None  # of `handle`, taken by encode_capture
 
 
 def _seq_len(x: Any) -> int | None:
@@ -700,10 +700,19 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
         # handle (and the description recorded above) is all that is kept.
         p.source = None  # type: ignore[assignment]
     # Computes whatever is still lazy in the cache (a few microseconds when
-    # nothing is): the I/O thread must only ever read finished buffers.
+    # nothing is): the I/O thread must only ever read finished buffers. The
+    # memoryviews are taken there too: each one lets go of the GIL (MLX's
+    # buffer export), and every let-go is a chance for another thread to
+    # keep save() waiting for it (up to the 5 ms switch interval).
     mx.eval(handles)
+    description = {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "layers": entries}
+    return CacheCapture(description, tuple(enc.pending), nbytes)
+
+
+def _take_views(pending: Sequence[_Pending]) -> None:
+    """A memoryview of every evaluated handle."""
     strided = []
-    for p in enc.pending:
+    for p in pending:
         if p.handle is not None:
             p.view = memoryview(p.handle)
             if not p.view.c_contiguous:
@@ -711,20 +720,21 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     if strided:
         # numpy, which splits a strided buffer into runs, cannot read every
         # MLX buffer format (bf16 is "bfloat16"): give these a same-size
-        # unsigned view, which shares the buffer and the strides.
+        # unsigned view, which shares the buffer and the strides. Made and
+        # evaluated on this thread, as MLX wants (per-thread streams).
         for p in strided:
             assert p.handle is not None
             p.handle = p.handle.view(_UINT_OF_SIZE[DTYPE_SIZES[p.dtype]])
         mx.eval([p.handle for p in strided])
         for p in strided:
             p.view = memoryview(p.handle)
-    description = {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "layers": entries}
-    return CacheCapture(description, tuple(enc.pending), nbytes)
 
 
 def encode_capture(capture: CacheCapture) -> CacheSnapshot:
     """The byte runs and layers JSON of a capture. Safe on another thread
-    than the one that captured: it only reads evaluated handles."""
+    than the one that captured: it reads evaluated handles (and evaluates
+    only views it makes itself)."""
+    _take_views(capture.pending)
     layers = msgspec.json.encode(capture.description).decode()
     tensors = [
         _export(p) if p.view is not None else TensorSnapshot(p.name, p.dtype, p.shape, (), 0)
