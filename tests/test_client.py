@@ -126,6 +126,32 @@ def test_a_strided_bf16_cache_is_saved_as_it_was(client: Client) -> None:
                    for a in stored.values()) == 2  # keys and values
 
 
+def test_clients_saving_strided_caches_leave_no_threads_behind(daemon: RunningDaemon) -> None:
+    """Each Client's I/O thread exports the buffers; it must run no MLX
+    operation, which would start an MLX stream (a thread) for it that
+    outlives it: a server opening a client per session would grow."""
+    k = mx.random.normal((1, 16, 4, 32)).astype(mx.bfloat16).transpose(0, 2, 1, 3)
+    c = ConcatenateKVCache()
+    c.update_and_fetch(k, k)
+    mx.eval(c.keys, c.values)
+
+    def one_client() -> None:
+        with Client(daemon.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, "strided", [c], list(range(16)))
+            assert kv.flush(timeout=WAIT)
+
+    def threads() -> int:  # native ones too (MLX's), which threading does not see
+        import psutil
+
+        return psutil.Process().num_threads()
+
+    one_client()  # whatever is started once per process
+    before = threads()
+    for _ in range(5):
+        one_client()
+    assert threads() <= before
+
+
 def test_mlx_vlm_prompt_cache_state_round_trips(model, client: Client) -> None:
     from mlx_vlm.generate import PromptCacheState
     from mlx_vlm.models import cache as vlm_cache

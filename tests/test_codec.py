@@ -524,6 +524,21 @@ def test_runs_point_into_mlx_buffers() -> None:
         assert all(r.format == "B" and r.ndim == 1 and r.c_contiguous for r in t.runs)
 
 
+def test_a_strided_bf16_buffer_goes_as_runs_of_its_own_memory() -> None:
+    # Every head's first 300 of 512 rows, sliced out of one bf16 buffer: a
+    # strided array whose format numpy cannot read; still no copy.
+    full = mx.random.normal((1, H, 512, D)).astype(mx.bfloat16)
+    mx.eval(full)
+    c = L.ConcatenateKVCache()
+    c.keys, c.values = full[..., :300, :], full[..., :300, :]
+    mx.eval(c.keys, c.values)
+    snap = snapshot_cache([c])
+    base = buffer_addr(full)
+    for t in snap.tensors:
+        assert [addr(r) for r in t.runs] == [base + h * 512 * D * 2 for h in range(H)]
+    assert joined(snap) == [raw(c.keys), raw(c.values)]
+
+
 def test_snapshot_of_a_big_cache_copies_nothing() -> None:
     # 16 layers of (1, 8, 4096, 128) bf16 keys + values: 256 MiB of buffers.
     cache = []

@@ -61,6 +61,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
+from kvkeeper.client.rawbuffer import as_unsigned
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
 
 __all__ = [
@@ -162,12 +163,6 @@ _SAVABLE_NAMES: dict[mx.Dtype, str] = {
 }
 assert set(_DTYPES) <= set(DTYPE_SIZES)
 assert all(_DTYPES[n].size == DTYPE_SIZES[n] for n in _DTYPES)
-
-# Same-size unsigned views: MLX shares the buffer for these, and their buffer
-# formats are plain struct codes that numpy and memoryview.cast understand
-# (bf16 exports as "bfloat16", complex64 as "Zf").
-_UINT_OF_SIZE: dict[int, mx.Dtype] = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
 
 def mlx_dtype_name(dtype: mx.Dtype) -> str:
     """The safetensors name ("BF16", "F32", ...) of an MLX dtype."""
@@ -624,7 +619,9 @@ def _export(p: _Pending) -> TensorSnapshot:
     assert mv is not None
     if mv.c_contiguous:  # (a length is only ever set on arrays of 2 or more dims)
         return _export_contiguous(p.name, p.dtype, mv, p.length)
-    nd = np.asarray(mv)
+    # numpy cannot read every MLX buffer format (bf16 is "bfloat16"): the
+    # same memory as unsigned integers of the same size, strides and all.
+    nd = as_unsigned(p.handle)
     if p.length is not None:
         nd = nd[..., : p.length, :]
     if any(s < 0 for s in nd.strides):
@@ -710,23 +707,11 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
 
 
 def _take_views(pending: Sequence[_Pending]) -> None:
-    """A memoryview of every evaluated handle."""
-    strided = []
+    """A memoryview of every evaluated handle. No MLX operation runs here: on
+    the I/O thread one would make MLX start a stream for that thread, which
+    outlives it (one leaked thread per client)."""
     for p in pending:
         if p.handle is not None:
-            p.view = memoryview(p.handle)
-            if not p.view.c_contiguous:
-                strided.append(p)
-    if strided:
-        # numpy, which splits a strided buffer into runs, cannot read every
-        # MLX buffer format (bf16 is "bfloat16"): give these a same-size
-        # unsigned view, which shares the buffer and the strides. Made and
-        # evaluated on this thread, as MLX wants (per-thread streams).
-        for p in strided:
-            assert p.handle is not None
-            p.handle = p.handle.view(_UINT_OF_SIZE[DTYPE_SIZES[p.dtype]])
-        mx.eval([p.handle for p in strided])
-        for p in strided:
             p.view = memoryview(p.handle)
 
 
