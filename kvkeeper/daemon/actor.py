@@ -391,6 +391,8 @@ class WriterActor:
             # over or to stop the writer with: the save fails, and says so.
             self.stats.inc("internal_errors")
             log.error("event=save_not_requeued model=%s id=%s", *job.key)
+            if self._parked.get(job.key) is job:
+                del self._parked[job.key]
             if job.file is not None and job.file.pending is not None:
                 with contextlib.suppress(OSError):
                     job.file.pending.abort()
