@@ -233,9 +233,15 @@ def _tail_cause(stream: dict[str, Any]) -> str:
             f"against 2-14 in runs of the same script with the full capture); a specialised "
             f"walk for plain `KVCache` lists saved 30 µs of the median and none of the slow "
             f"calls (18-19 of 300, against 9-12), and spinning instead of sleeping between "
-            f"calls did not lower the count either (8-9, against 8-14). So the slow "
-            f"calls are this shared machine running the thread slowly for a while, not a step "
-            f"of `save()`, and the work was left as it is.")
+            f"calls did not lower the count either (8-9, against 8-14). On 2026-12-01 "
+            f"per-phase timing of the slow streaming calls found waits of one GIL switch "
+            f"interval (about 5 ms, with 0.1 ms of CPU) where MLX's buffer export lets go of "
+            f"the GIL, once per tensor: `save()` now leaves the memoryviews to the I/O thread "
+            f"and lets go of the GIL once (one `mx.eval`), which lowered the idle median from "
+            f"0.43 to 0.34-0.35 ms and the streaming p90 from 0.64 to 0.44-0.51 ms side by "
+            f"side, but not the tail: the rest is the thread waiting for one of this shared "
+            f"machine's two cores (no steal time was seen inside any call) or running "
+            f"slowly for a while, not a step of `save()`.")
 
 
 def _gc_text(g: dict[str, Any] | None) -> str:
@@ -710,7 +716,16 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"Reading the file into MLX-allocated arrays chunk by chunk and hashing each "
                 f"chunk while it is in cache was tried (1.33-1.54× here on 2026-11-30) and left "
                 f"out: it writes into MLX's buffers behind a stand-in file object given to "
-                f"`mx.load`, and a change in MLX there would make good files look damaged"
+                f"`mx.load`, and a change in MLX there would make good files look damaged. "
+                f"Tried again on 2026-12-01, each against direct in the same script: `mx.load` "
+                f"+ `mx.eval` already copies on both cores (system time about twice the wall "
+                f"time), so hashing beside it has no core of its own: hashing the file with "
+                f"`pread` beside the load 1.79-1.86×, `mx.load` from a Python file object "
+                f"hashing each tensor in `readinto` 1.72× (that path alone, unhashed: 1.45×), "
+                f"filling MLX-allocated arrays in two threads with `pread` then xxh3 of each "
+                f"chunk in cache 1.28-1.44×, none below the current reader. xxh3 needs about "
+                f"10 ms of CPU for 512 MiB on two cores where 1.2× of an 18-31 ms load leaves "
+                f"4-6 ms"
                 + (" (cold reads from this shared virtual disk also vary a lot from run to run)"
                    if "not in page cache" in t["target"] else "") + ".")
         elif case.startswith("6") and "rss_peak_bytes" in m:
