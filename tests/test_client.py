@@ -100,8 +100,9 @@ def test_snapshot_isolation_under_continued_decoding(model, client: Client) -> N
 def test_a_strided_bf16_cache_is_saved_as_it_was(client: Client) -> None:
     """Transposed bf16 keys (strided, a format numpy cannot read) reach the
     file as they were at save(), though the arrays are rewritten in place
-    right after it: the I/O thread, which exports them, makes its own
-    same-size views, and the capture's handles keep the old bytes."""
+    right after it: the I/O thread exports them without an MLX operation
+    (kvkeeper.client.rawbuffer), and the capture's handles keep the old
+    bytes."""
     layers, before = [], []
     for i in range(4):
         c = ConcatenateKVCache()

@@ -717,8 +717,8 @@ def _take_views(pending: Sequence[_Pending]) -> None:
 
 def encode_capture(capture: CacheCapture) -> CacheSnapshot:
     """The byte runs and layers JSON of a capture. Safe on another thread
-    than the one that captured: it reads evaluated handles (and evaluates
-    only views it makes itself)."""
+    than the one that captured: it only reads evaluated handles, and runs
+    no MLX operation."""
     _take_views(capture.pending)
     layers = msgspec.json.encode(capture.description).decode()
     tensors = [

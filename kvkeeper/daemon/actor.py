@@ -110,6 +110,10 @@ class SaveJob(Job):
         assert self.layout is not None
         return self.layout.total
 
+    def tmp_file(self) -> PendingFile | None:
+        """The tmp file a started (possibly parked) save has open, if any."""
+        return self.file.pending if self.file is not None else None
+
     @property
     def metadata_bytes(self) -> int:
         # Encoded: a character of a stored conversation may take 4 bytes.
@@ -325,9 +329,9 @@ class WriterActor:
             # The drain was cut short: no parked save's tmp file is left
             # behind (closing and unlinking cannot wait for a thread here).
             for job in self._parked.values():
-                if job.file is not None and job.file.pending is not None:
+                if (tmp := job.tmp_file()) is not None:
                     with contextlib.suppress(OSError):  # the next start sweeps it
-                        job.file.pending.abort()
+                        tmp.abort()
             self.finished.set()
 
     async def _take(self, job: Job, away: TaskGroup) -> None:
@@ -364,12 +368,11 @@ class WriterActor:
         del self._parked[parked.key]
         self._supersede(parked, job)
         parked.arrived.set()  # its park task ends
-        if parked.file is not None and parked.file.pending is not None:
+        if (tmp := parked.tmp_file()) is not None:
             try:
-                await anyio.to_thread.run_sync(parked.file.pending.abort)
+                await anyio.to_thread.run_sync(tmp.abort)
             except OSError as exc:  # the next start sweeps it
-                log.error("event=tmp_not_removed path=%s error=%s",
-                          parked.file.pending.tmp, _describe(exc))
+                log.error("event=tmp_not_removed path=%s error=%s", tmp.tmp, _describe(exc))
 
     async def _park(self, job: SaveJob) -> None:
         """Wait until a parked save's bytes come again (or it broke, or was
@@ -393,9 +396,9 @@ class WriterActor:
             log.error("event=save_not_requeued model=%s id=%s", *job.key)
             if self._parked.get(job.key) is job:
                 del self._parked[job.key]
-            if job.file is not None and job.file.pending is not None:
+            if (tmp := job.tmp_file()) is not None:
                 with contextlib.suppress(OSError):
-                    job.file.pending.abort()
+                    tmp.abort()
             self._resolve(job, Outcome.FAILED, "internal error: the writer had closed its mailbox")
         finally:
             self._away -= 1
@@ -513,7 +516,7 @@ class WriterActor:
         assert done is not None
         self._writes.went(job.key, time.monotonic())
         self.stats.inc("bytes_written", job.total)
-        self.stats.sample("write_seconds", time.monotonic() - file.started)
+        self.stats.sample("write_seconds", time.monotonic() - file.began)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
         self.stats.inc("evictions", len(evicted))
         self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
@@ -522,7 +525,7 @@ class WriterActor:
             model,
             cache_id,
             job.total,
-            time.monotonic() - file.started,
+            time.monotonic() - file.began,
         )
         self._resolve(job, Outcome.WRITTEN)
         return True
@@ -680,7 +683,7 @@ class _FileWriter:
         self.committed: PendingFile | None = None
         self.evicted: list[StoredEntry] = []
         self.written = 0
-        self.started = time.monotonic()
+        self.began = time.monotonic()
 
     async def write(self, batch: list[memoryview], nbytes: int, *, last: bool) -> None:
         if nbytes < PARALLEL_HASH_BYTES:
