@@ -409,8 +409,12 @@ class WriterActor:
         # can come back to it: none held or parked, and the writer idle on an
         # empty mailbox (a save in hand or still queued may yet be parked).
         if (not self.accepting and not self._away and self.current is None
-                and not self._recv.statistics().current_buffer_used):
+                and not self._queued()):
             self._resend.close()
+
+    def _queued(self) -> int:
+        """Jobs in the mailbox, not yet taken by the writer."""
+        return self._recv.statistics().current_buffer_used
 
     def _hold_until(self, job: SaveJob) -> float | None:
         """When a save may be written, if that is later than now."""
@@ -544,7 +548,7 @@ class WriterActor:
         job.arrived = anyio.Event()
         with anyio.move_on_after(min(deadline, now + PARK_AFTER) - now):
             await job.arrived.wait()
-        if job.arrived.is_set() or not self._recv.statistics().current_buffer_used:
+        if job.arrived.is_set() or not self._queued():
             return True
         log.info("event=save_parked model=%s id=%s received=%d total=%d",
                  *job.key, job.received, job.total)
@@ -634,7 +638,7 @@ class WriterActor:
             # The writer's share of --max-pending-bytes (the rest is what
             # ZeroMQ may queue before the server reads it).
             "writer_max_pending_bytes": float(self.max_pending_bytes),
-            "queue_depth": float(self._send.statistics().current_buffer_used),
+            "queue_depth": float(self._queued()),
             "held_saves": float(len(self._held)),
             "parked_saves": float(len(self._parked)),
             "disk_used_bytes": float(self.store.usage()),

@@ -264,7 +264,8 @@ class Server:
 
     def _end_stream(self, peer: bytes) -> None:
         """Forget the peer's current stream; a save of it still missing bytes
-        will never get them, so it fails now instead of stalling the writer."""
+        will never get them, so it fails now instead of after its stall
+        timeout (parked meanwhile, holding its memory and tmp file)."""
         prev = self._streams.pop(peer, None)
         if prev is not None and prev.job is not None and prev.job.received < prev.job.total:
             self.actor.break_stream(prev.job, "the client abandoned it part way")
@@ -284,8 +285,9 @@ class Server:
 
     async def watch_connections(self) -> None:
         """Look for saves whose sender is gone part way whenever a connection
-        closes, so that such a save fails within seconds instead of holding
-        the writer (and every save behind it) for its stall timeout."""
+        closes, so that such a save fails within seconds instead of after its
+        stall timeout: the writer parks it (see actor), but its memory and tmp
+        file stay until it is failed."""
         if self.monitor is None:
             return
         while True:
