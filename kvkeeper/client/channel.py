@@ -40,6 +40,7 @@ import zmq
 import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
 from zmq.utils.monitor import parse_monitor_message
 
+from kvkeeper.cpupolicy import batch_this_thread
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 
@@ -336,6 +337,9 @@ class Channel:
     # ------------------------------------------------------------ I/O thread
 
     def _run(self) -> None:
+        # Before the first socket: ZeroMQ's threads (and pyzmq's, if this is
+        # the first zero-copy send in the process) start now and inherit it.
+        batch_this_thread()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # One identity for this client's life: the daemon tallies saves per peer

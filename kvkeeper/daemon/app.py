@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvkeeper import config
+from kvkeeper.cpupolicy import batch_this_thread, restore_this_thread
 from kvkeeper.daemon.actor import WriterActor
 from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
@@ -125,6 +126,8 @@ class Daemon:
         cfg = self.cfg
         old_umask = os.umask(0o077)
         locks: list[_Lock] = []
+        # Before any thread starts: the daemon's threads all inherit it.
+        policy = batch_this_thread()
         try:
             config.check_socket_path(cfg.socket)
             root = config.private_dir(cfg.root, "root directory")
@@ -146,6 +149,7 @@ class Daemon:
             for lock in reversed(locks):
                 lock.release()
             os.umask(old_umask)
+            restore_this_thread(policy)
 
     async def _main(self, store: Store, sock_path: Path, handle_signals: bool) -> int:
         cfg = self.cfg
