@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -213,8 +214,12 @@ def _slow_text(what: str, slow: dict[str, Any] | None) -> str:
             f"using more than {fmt_s(slow['max_cpu_s'])} of CPU{preempted}.")
 
 
+def _ordinal(n: int) -> str:
+    return {1: "", 2: "second ", 3: "third "}.get(n, f"{n}th ")
+
+
 def _tail_cause(stream: dict[str, Any]) -> str:
-    """What the slowest streaming call was made of, from its own figures."""
+    """What the slowest call of a series was made of, from its own figures."""
     slow = stream.get("slow_calls") or {}
     if not slow.get("count"):
         return ""
@@ -239,9 +244,12 @@ def _tail_cause(stream: dict[str, Any]) -> str:
             f"the GIL, once per tensor: `save()` now leaves the memoryviews to the I/O thread "
             f"and lets go of the GIL once (one `mx.eval`), which lowered the idle median from "
             f"0.43 to 0.34-0.35 ms and the streaming p90 from 0.64 to 0.44-0.51 ms side by "
-            f"side, but not the tail: the rest is the thread waiting for one of this shared "
-            f"machine's two cores (no steal time was seen inside any call) or running "
-            f"slowly for a while, not a step of `save()`.")
+            f"side, but not the tail. Later that day the daemon's and the client's background "
+            f"threads moved to `SCHED_BATCH` (they no longer preempt the caller when they wake "
+            f"up): in 600 streaming calls side by side, those over 1.07 ms fell from 46 to 13 "
+            f"and those preempted from 110 to 39. The rest is the thread waiting for one of "
+            f"this shared machine's two cores (no steal time was seen inside any call) or "
+            f"running slowly for a while, not a step of `save()`.")
 
 
 def _gc_text(g: dict[str, Any] | None) -> str:
@@ -598,24 +606,37 @@ def _why(doc: dict[str, Any]) -> list[str]:
         if case.startswith("1") and "limit_s" in m:
             big = max(cases["hot_path"]["sizes"], key=lambda s: s["bytes"])
             st = big["kvkeeper_stream"]
-            idle_p99 = (big["kvkeeper_save_idle"] or {}).get("p99")
-            idle_met = idle_p99 is not None and idle_p99 <= m["limit_s"]
+            idle = {"save": big["kvkeeper_save_idle"], "save_cpu": big["kvkeeper_save_idle_cpu"],
+                    "slow_calls": big.get("kvkeeper_save_idle_slow")}
+            missed = [name for name, s in (("idle", idle), ("streaming", st))
+                      if (s["save"] or {}).get("p99") is None or s["save"]["p99"] > m["limit_s"]]
+            streaming_text = (
+                f"where a {fmt_bytes(big['bytes'])} save starts every "
+                f"{st['pace_s'] * 1e3:.0f} ms while earlier ones are still being sent, hashed and "
+                f"written: the client's ZeroMQ thread and the daemon keep this machine's cores "
+                f"busy")
+            if missed == ["idle"]:
+                n = idle["save"]["n"]
+                which = (f"While saves stream, `save()` meets the limit; the miss is the idle run "
+                         f"({n} calls, each right after a `flush()`, so its p99 is decided by its "
+                         f"{_ordinal(n - max(1, math.ceil(0.99 * n)) + 1)}slowest call)")
+                worst = idle
+            elif missed == ["streaming"]:
+                which = f"Idle, `save()` meets the limit; the miss is the streaming run, {streaming_text}"
+                worst = st
+            else:
+                which = f"Both runs miss it; in the streaming run, {streaming_text}"
+                worst = st
             out.append(
                 f"- **Hot path, 1/100 of the synchronous median.** p99 of `save()` was "
                 f"{fmt_s(m['save_p99_s'])} against a limit of {fmt_s(m['limit_s'])} "
                 f"(idle {_p(big['kvkeeper_save_idle'], 'p99')}, streaming "
                 f"{_p(st['save'], 'p99')}). The synchronous savers are fast here because they "
                 f"only copy into the page cache (no fsync) and this machine copies several "
-                f"GB/s. "
-                + ("Idle, `save()` meets the limit; the miss is the streaming run, "
-                   if idle_met else "Both runs miss it; in the streaming run, ")
-                + f"where a {fmt_bytes(big['bytes'])} save starts every "
-                f"{st['pace_s'] * 1e3:.0f} ms while earlier ones are still being sent, hashed and "
-                f"written: the client's ZeroMQ thread and the daemon keep this machine's cores "
-                f"busy. The calling thread's CPU time in `save()` was {_p(st['save_cpu'])} p50 / "
-                f"{_p(st['save_cpu'], 'p99')} p99 there; "
-                f"{_slow_text('the slow calls', st.get('slow_calls')).removeprefix('the slow calls: ')}"
-                f" {_tail_cause(st)} At {fmt_bytes(big['bytes'])} "
+                f"GB/s. {which}. The calling thread's CPU time in `save()` was "
+                f"{_p(worst['save_cpu'])} p50 / {_p(worst['save_cpu'], 'p99')} p99 there; "
+                f"{_slow_text('the slow calls', worst.get('slow_calls')).removeprefix('the slow calls: ')}"
+                f" {_tail_cause(worst)} At {fmt_bytes(big['bytes'])} "
                 f"{_gc_text(_gc_total([big.get('kvkeeper_save_idle_gc'), st.get('gc')]))}.")
         elif case.startswith("1"):
             pairs = [(med(x["kvkeeper_save_idle"]), med((x.get("mlx_vlm_apc") or {}).get("handoff_s")))
