@@ -9,6 +9,14 @@ running thread when they wake: they wait for its time slice to end. On the
 2-core benchmark machine (512 MiB saves every 50 ms while earlier ones
 stream), the ``save()`` calls that lost their core fell from 18% to 6.5%.
 
+The price: when every core is busy with other work, a request's round trip
+(``flush()``, ``ping()``, a ``load()`` that asks the daemon) waits for those
+threads to get a core, a few milliseconds instead of a fraction of one (with
+two CPU-bound processes on the two cores: ping p50 2.9 ms against 0.2 ms in
+one run, the same in another). ``cpu_policy="normal"`` (the daemon's
+``--cpu-policy``, the client's ``Client(cpu_policy=...)``) leaves the threads
+as they are.
+
 macOS has no ``SCHED_BATCH``; there launchd's ``ProcessType`` of the service
 (Background) does the daemon's part, and the client's threads keep the
 default policy.
@@ -18,7 +26,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["batch_this_thread", "restore_this_thread"]
+__all__ = ["CPU_POLICIES", "batch_this_thread", "check_cpu_policy", "restore_this_thread"]
+
+#: "batch": background threads under SCHED_BATCH where there is one;
+#: "normal": left under the policy they inherit.
+CPU_POLICIES = ("batch", "normal")
+
+
+def check_cpu_policy(value: object) -> str:
+    """``value`` if it is one of `CPU_POLICIES`; raises ValueError otherwise."""
+    if value not in CPU_POLICIES:
+        raise ValueError(f"cpu policy must be batch or normal, not {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def batch_this_thread() -> int | None:

@@ -468,9 +468,12 @@ def export(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ services
 
 def serve_args_for_service(args: argparse.Namespace) -> list[str]:
+    from kvkeeper.settings import SETTINGS
+
     out_args = []
-    for name in ("root", "socket", "config", "max_pending_bytes", "max_disk_bytes",
-                 "min_free_bytes", "min_write_interval", "drain_timeout", "log_level"):
+    # Every serve setting (a list kept here apart once left --cpu-policy out).
+    names = [s.name for s in SETTINGS]
+    for name in [*names[:2], "config", *names[2:]]:
         value = getattr(args, name, None)
         if value is not None:
             if isinstance(value, Path):

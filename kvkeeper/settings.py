@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvkeeper import config
+from kvkeeper.cpupolicy import check_cpu_policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,6 +77,12 @@ def _level(value: Any) -> str:
     return v
 
 
+def _cpu_policy(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _not_a("cpu policy must be the string batch or normal", value)
+    return check_cpu_policy(value.lower())
+
+
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _not_a("seconds must be a number", value)
@@ -119,6 +126,11 @@ SETTINGS: tuple[Setting, ...] = (
             "(0: write every save as it arrives)"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received"),
+    Setting("cpu_policy", _cpu_policy, lambda: "batch",
+            "batch: on Linux the daemon's threads run under SCHED_BATCH, so waking up "
+            "never takes a core from a running thread such as the generation loop (when "
+            "every core is busy, its answers come a few ms later); normal: they keep the "
+            "policy the daemon was started with"),
     Setting("log_level", _level, lambda: "info", "debug, info, warning or error"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -18,6 +18,7 @@ from kvkeeper.client.client import Client
 from kvkeeper.daemon.app import Daemon, DaemonConfig
 
 from .conftest import WAIT, serve_process, stop_process
+from .test_cli_checks import _exec_start, cli, usage_error
 from .test_cli_usage import small_cache
 
 TOKENS = [1, 2, 3, 4, 5]
@@ -45,48 +46,88 @@ def round_trip(kv: Client, key: str) -> None:
     assert loaded is not None and loaded.token_ids == TOKENS
 
 
-def test_every_daemon_thread_runs_batch(short_dir: Path) -> None:
+def daemon_policies(short_dir: Path, *extra: str, preexec_fn: object = None,
+                    ) -> dict[int, tuple[str, int]]:
+    """The threads of a ``kvkeeper serve`` process that has written and served a save."""
     sock = short_dir / "run" / "kv.sock"
-    proc = serve_process(short_dir / "root", sock)
+    proc = serve_process(short_dir / "root", sock, *extra, preexec_fn=preexec_fn)
     try:
         with Client(sock, timeout=WAIT) as kv:
             round_trip(kv, "a")  # the disk worker threads exist from now on
         threads = policies(proc.pid)
-        assert len(threads) >= 3, threads  # main, ZeroMQ's, a disk worker at least
-        assert all(policy == os.SCHED_BATCH for _, policy in threads.values()), threads
     finally:
-        assert stop_process(proc) == 0
+        code = stop_process(proc)
+    assert code == 0
+    assert len(threads) >= 3, threads  # main, ZeroMQ's, a disk worker at least
+    return threads
+
+
+def test_every_daemon_thread_runs_batch(short_dir: Path) -> None:
+    threads = daemon_policies(short_dir)
+    assert all(policy == os.SCHED_BATCH for _, policy in threads.values()), threads
+
+
+def test_cpu_policy_normal_leaves_the_daemon_s_threads_alone(short_dir: Path) -> None:
+    threads = daemon_policies(short_dir, "--cpu-policy", "normal")
+    assert all(policy == os.SCHED_OTHER for _, policy in threads.values()), threads
 
 
 def test_a_policy_the_user_chose_is_kept(short_dir: Path) -> None:
-    sock = short_dir / "run" / "kv.sock"
-    proc = serve_process(short_dir / "root", sock, preexec_fn=lambda: os.sched_setscheduler(
+    threads = daemon_policies(short_dir, preexec_fn=lambda: os.sched_setscheduler(
         0, os.SCHED_IDLE, os.sched_param(0)))
-    try:
-        with Client(sock, timeout=WAIT) as kv:
-            round_trip(kv, "a")
-        threads = policies(proc.pid)
-        assert all(policy == os.SCHED_IDLE for _, policy in threads.values()), threads
-    finally:
-        assert stop_process(proc) == 0
+    assert all(policy == os.SCHED_IDLE for _, policy in threads.values()), threads
 
 
-def test_client_background_threads_run_batch_and_the_caller_is_untouched(
-        short_dir: Path) -> None:
+def test_the_service_runs_with_the_cpu_policy_it_was_given(short_dir: Path) -> None:
+    r = cli("install-service", "--print", "--platform", "linux",
+            env={"KVKEEPER_CPU_POLICY": "normal"})
+    assert r.returncode == 0, r.stderr
+    cmd = _exec_start(r.stdout)
+    assert cmd[cmd.index("--cpu-policy") + 1] == "normal"
+
+
+def client_thread_policies(short_dir: Path, **kw: str) -> dict[int, tuple[str, int]]:
+    """The client's I/O thread and ZeroMQ's threads it started, once a Client
+    (made with ``kw``) has saved and loaded."""
     sock = short_dir / "run" / "kv.sock"
     proc = serve_process(short_dir / "root", sock)
     try:
         before = set(policies(os.getpid()))
-        with Client(sock, timeout=WAIT) as kv:
+        with Client(sock, timeout=WAIT, **kw) as kv:
             round_trip(kv, "a")
-            new = {tid: v for tid, v in policies(os.getpid()).items() if tid not in before}
-            # The client's I/O thread, and ZeroMQ's threads that it started.
-            assert len(new) >= 2, new
-            assert all(policy == os.SCHED_BATCH for _, policy in new.values()), new
-            assert any(name.startswith("ZMQbg") for name, _ in new.values()), new
-            assert os.sched_getscheduler(0) == os.SCHED_OTHER
+            io = [t.native_id for t in threading.enumerate() if t.name == "kvkeeper-client-io"]
+            # Threads MLX starts for the caller (its first evaluation, its
+            # file readers) are the caller's, not the client's.
+            new = {tid: v for tid, v in policies(os.getpid()).items()
+                   if tid not in before and (tid in io or v[0].startswith("ZMQbg"))}
     finally:
-        assert stop_process(proc) == 0
+        code = stop_process(proc)
+    assert code == 0
+    assert len(io) == 1 and io[0] in new, (io, new)
+    assert len(new) >= 3, new  # with ZeroMQ's I/O thread and reaper
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread
+    return new
+
+
+def test_client_background_threads_run_batch_and_the_caller_is_untouched(
+        short_dir: Path) -> None:
+    new = client_thread_policies(short_dir)
+    assert all(policy == os.SCHED_BATCH for _, policy in new.values()), new
+
+
+def test_a_client_with_cpu_policy_normal_leaves_its_threads_alone(short_dir: Path) -> None:
+    new = client_thread_policies(short_dir, cpu_policy="normal")
+    assert all(policy == os.SCHED_OTHER for _, policy in new.values()), new
+
+
+def test_a_bad_cpu_policy_is_refused(short_dir: Path) -> None:
+    with pytest.raises(ValueError, match="batch or normal"):
+        Client(short_dir / "kv.sock", cpu_policy="low", connect_timeout=0)
+    with pytest.raises(ValueError, match="batch or normal"):
+        Daemon(DaemonConfig(root=short_dir / "root", socket=short_dir / "kv.sock",
+                            cpu_policy="Batch"))
+    r = cli("serve", "--print-config", "--cpu-policy", "fast")
+    usage_error(r, "cpu_policy", "batch or normal")
 
 
 def test_a_thread_that_ran_a_daemon_gets_its_policy_back(short_dir: Path) -> None:
@@ -98,7 +139,7 @@ def test_a_thread_that_ran_a_daemon_gets_its_policy_back(short_dir: Path) -> Non
         seen["code"] = d.run(handle_signals=False)
         seen["after"] = os.sched_getscheduler(0)
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     try:
         assert d.ready.wait(WAIT)

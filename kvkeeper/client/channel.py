@@ -40,7 +40,7 @@ import zmq
 import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
 from zmq.utils.monitor import parse_monitor_message
 
-from kvkeeper.cpupolicy import batch_this_thread
+from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 
@@ -154,8 +154,10 @@ class Channel:
         max_inflight_bytes: int,
         min_send_interval: float = 0.0,
         on_refused: Callable[[m.SaveRefused], None] | None = None,
+        cpu_policy: str = "batch",
     ) -> None:
         self.endpoint = endpoint
+        self._cpu_policy = check_cpu_policy(cpu_policy)
         self.max_inflight_bytes = max_inflight_bytes
         self.counters = ChannelCounters()
         self.connected = threading.Event()
@@ -321,11 +323,12 @@ class Channel:
         if self._wake_w < 0:
             return  # closed
         # os.write lets go of the GIL for the system call, and the I/O thread,
-        # woken by that very write, takes it: right for a request, whose
-        # caller waits for the answer or works while it comes (load). Wrong
-        # for a save: the thread would build the save's messages while save()
-        # waits to get the GIL back (0.4 ms per 512 MiB save, measured). The
-        # byte goes to a non-blocking pipe, so the GIL can stay with save().
+        # woken by that very write, takes it once it has a core (it runs
+        # SCHED_BATCH): right for a request, whose caller waits for the
+        # answer or works while it comes (load). Wrong for a save: the thread
+        # would build the save's messages while save() waits to get the GIL
+        # back (0.4 ms per 512 MiB save, measured). The byte goes to a
+        # non-blocking pipe, so the GIL can stay with save().
         if not hand_over and _write_holding_gil is not None:
             _write_holding_gil(self._wake_w, b"x", 1)  # -1 when full: already awake
             return
@@ -337,9 +340,11 @@ class Channel:
     # ------------------------------------------------------------ I/O thread
 
     def _run(self) -> None:
-        # Before the first socket: ZeroMQ's threads (and pyzmq's, if this is
-        # the first zero-copy send in the process) start now and inherit it.
-        batch_this_thread()
+        # Before the first socket: ZeroMQ's threads (and pyzmq's garbage
+        # collector, shared by the whole process, if this is the first
+        # zero-copy send in it) start from this thread and inherit it.
+        if self._cpu_policy == "batch":
+            batch_this_thread()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # One identity for this client's life: the daemon tallies saves per peer

@@ -66,7 +66,11 @@ class Client:
     a ``load()`` or ``delete()`` of the cache, ``close()`` (also at a normal
     interpreter exit) and a save taking the in-flight budget past half send it
     at once (0 sends every save as it comes). ``timeout`` caps every wait for
-    the daemon.
+    the daemon. ``cpu_policy`` "batch" (on Linux) runs the client's
+    background threads under SCHED_BATCH, so they never take a core from the
+    generation loop when they wake up; "normal" leaves them under the
+    caller's policy (see :mod:`kvkeeper.cpupolicy`). The caller's own thread
+    is never changed.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class Client:
         min_send_interval: float = 0.25,
         timeout: float = 10.0,
         connect_timeout: float = 1.0,
+        cpu_policy: str = "batch",
     ) -> None:
         self.socket_path = Path(socket) if socket is not None else settings.client_path("socket")
         self._root_override = Path(root) if root is not None else None
@@ -117,6 +122,7 @@ class Client:
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
             on_refused=self._refused,
+            cpu_policy=cpu_policy,
         )
         # With IMMEDIATE set, a save before the connection is up would be dropped:
         # connect now, so the first save after construction goes through.

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvkeeper import config
-from kvkeeper.cpupolicy import batch_this_thread, restore_this_thread
+from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy, restore_this_thread
 from kvkeeper.daemon.actor import WriterActor
 from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
@@ -49,6 +49,7 @@ class DaemonConfig:
     drain_timeout: float = 20.0
     stall_timeout: float = 10.0
     min_write_interval: float = 0.25
+    cpu_policy: str = "batch"  # see kvkeeper.cpupolicy
 
 
 class AlreadyRunning(config.ConfigError):
@@ -108,6 +109,7 @@ class Daemon:
     1 when the drain timeout left some unwritten (each is logged by key)."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
+        check_cpu_policy(cfg.cpu_policy)
         self.cfg = cfg
         self.ready = threading.Event()
         self.stats = Stats()
@@ -127,7 +129,7 @@ class Daemon:
         old_umask = os.umask(0o077)
         locks: list[_Lock] = []
         # Before any thread starts: the daemon's threads all inherit it.
-        policy = batch_this_thread()
+        policy = batch_this_thread() if cfg.cpu_policy == "batch" else None
         try:
             config.check_socket_path(cfg.socket)
             root = config.private_dir(cfg.root, "root directory")
