@@ -45,7 +45,7 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
     for name, kind in (("root", Path), ("socket", Path), ("max_pending_bytes", _size),
                        ("max_disk_bytes", _size), ("min_free_bytes", _size),
                        ("min_write_interval", float), ("drain_timeout", float),
-                       ("cpu_policy", str), ("log_level", str)):
+                       ("stall_timeout", float), ("cpu_policy", str), ("log_level", str)):
         s = BY_NAME[name]
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                        metavar=name.split("_")[-1].upper() if kind is not Path else "PATH",
@@ -217,6 +217,7 @@ def _serve(args: argparse.Namespace) -> int:
         min_free_bytes=values["min_free_bytes"],
         drain_timeout=values["drain_timeout"],
         min_write_interval=values["min_write_interval"],
+        stall_timeout=values["stall_timeout"],
         cpu_policy=values["cpu_policy"],
     )
     print(f"kvkeeper {__version__}: socket {cfg.socket}, root {cfg.root}", file=sys.stderr,

@@ -77,6 +77,13 @@ def _level(value: Any) -> str:
     return v
 
 
+def _positive_seconds(value: Any) -> float:
+    v = _seconds(value)
+    if v == 0:
+        raise ValueError("seconds must be more than 0")
+    return v
+
+
 def _cpu_policy(value: Any) -> str:
     if not isinstance(value, str):
         raise _not_a("cpu policy must be the string batch or normal", value)
@@ -126,6 +133,11 @@ SETTINGS: tuple[Setting, ...] = (
             "(0: write every save as it arrives)"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received"),
+    Setting("stall_timeout", _positive_seconds, lambda: 10.0,
+            "seconds a save whose client stops sending part way, connection open "
+            "(paused, stopped, starved), waits for its next bytes before it fails and "
+            "its memory and tmp file are freed; other saves go by meanwhile, and a "
+            "client that exits or hangs up is cut off within about 1 s"),
     Setting("cpu_policy", _cpu_policy, lambda: "batch",
             "batch: on Linux the daemon's threads run under SCHED_BATCH, so waking up "
             "never takes a core from a running thread such as the generation loop (when "

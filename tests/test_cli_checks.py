@@ -253,6 +253,7 @@ def test_install_service_stop_timeout_follows_the_resolved_drain_timeout(
     (["--drain-timeout", "nan"], {}, "drain_timeout"),
     ([], {"KVKEEPER_MIN_WRITE_INTERVAL": "-3"}, "KVKEEPER_MIN_WRITE_INTERVAL"),
     (["--cpu-policy", "fast"], {}, "cpu_policy"),
+    (["--stall-timeout", "0"], {}, "stall_timeout"),
 ], ids=lambda v: repr(v))
 def test_install_service_refuses_invalid_settings(argv: list[str], env: dict[str, str],
                                                   needle: str, short_dir: Path) -> None:

@@ -54,12 +54,12 @@ def content(path: Path) -> bytes:
         return f.get_tensor("t0").tobytes()
 
 
-def start_stalled(rd: RunningDaemon, s: zmq.Socket, cache_id: str) -> None:
+def start_stalled(root: Path, s: zmq.Socket, cache_id: str) -> None:
     """Begin a 2 MiB save, send its first half, and return once the writer
-    has started writing it (its tmp file exists)."""
+    has started writing it (its tmp file exists under ``root``)."""
     s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [2 * HALF])]))
     s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"a" * HALF])
-    wait_for(lambda: tmp_files(rd.root) != [], "the stalled save's tmp file")
+    wait_for(lambda: tmp_files(root) != [], "the stalled save's tmp file")
 
 
 def finish_stalled(s: zmq.Socket) -> None:
@@ -89,7 +89,7 @@ def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
     patient: RunningDaemon,
 ) -> None:
     with dealers(patient.socket, 2) as (slow, other):
-        start_stalled(patient, slow, "slow")
+        start_stalled(patient.root, slow, "slow")
         # The writer is inside the slow save; with no parking this flush
         # would wait out the 600 s stall timeout (and time out after WAIT).
         assert save_whole(other, "other", b"o") == m.Flushed(
@@ -116,7 +116,7 @@ def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
 
 def test_a_newer_save_of_the_key_replaces_the_stalled_one(patient: RunningDaemon) -> None:
     with dealers(patient.socket, 2) as (slow, other):
-        start_stalled(patient, slow, "k")
+        start_stalled(patient.root, slow, "k")
         assert save_whole(other, "k", b"n") == m.Flushed(
             v=V, req=1, written=1, superseded=0, failed=0)
         assert content(entry(patient, "k")) == b"n" * 1000
@@ -133,7 +133,7 @@ def test_a_delete_of_the_key_replaces_the_stalled_save(patient: RunningDaemon) -
     with dealers(patient.socket, 2) as (slow, other):
         assert save_whole(other, "k", b"o") == m.Flushed(
             v=V, req=1, written=1, superseded=0, failed=0)
-        start_stalled(patient, slow, "k")
+        start_stalled(patient.root, slow, "k")
         deleted = ask(other, m.encode(m.Delete(v=V, req=2, model="fp", cache_id="k")))
         assert deleted == m.Deleted(v=V, req=2, existed=True)
         assert not entry(patient, "k").exists() and tmp_files(patient.root) == []
@@ -147,7 +147,7 @@ def test_a_load_of_the_key_waits_for_the_stalled_save(patient: RunningDaemon) ->
     # Read-your-writes holds for a parked save too: the client's own load
     # is answered once the save it sent before is written.
     with dealers(patient.socket, 2) as (slow, other):
-        start_stalled(patient, slow, "k")
+        start_stalled(patient.root, slow, "k")
         assert save_whole(other, "x", b"x")  # the stalled save is parked meanwhile
         load_waits_for_the_stalled_save(slow)
 
@@ -158,7 +158,7 @@ def test_moving_a_damaged_file_aside_goes_first_and_the_stalled_save_stays_pendi
     with dealers(patient.socket, 2) as (slow, other):
         assert save_whole(other, "k", b"o")
         st = entry(patient, "k").stat()
-        start_stalled(patient, slow, "k")
+        start_stalled(patient.root, slow, "k")
         moved = ask(other, m.encode(m.Quarantine(v=V, req=2, model="fp", cache_id="k",
                                                  ino=st.st_ino, mtime_ns=st.st_mtime_ns,
                                                  reason="test: unreadable")))
@@ -173,7 +173,7 @@ def test_a_stalled_save_still_fails_after_the_stall_timeout(short_dir: Path) -> 
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2)
     try:
         with dealers(rd.socket, 2) as (slow, other):
-            start_stalled(rd, slow, "slow")
+            start_stalled(rd.root, slow, "slow")
             assert save_whole(other, "other", b"o") == m.Flushed(
                 v=V, req=1, written=1, superseded=0, failed=0)
             assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
@@ -185,12 +185,27 @@ def test_a_stalled_save_still_fails_after_the_stall_timeout(short_dir: Path) -> 
         assert rd.stop() == 0
 
 
+def test_the_stall_timeout_is_a_serve_setting(short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--stall-timeout", "1")
+    try:
+        # With the default 10 s, the flush's answer would not come within 5 s.
+        with dealers(sock, 1, timeout=5) as (slow,):
+            start_stalled(root, slow, "slow")
+            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+                v=V, req=2, written=0, superseded=0, failed=1)
+            assert tmp_files(root) == []
+    finally:
+        code = stop_process(proc)
+    assert code == 0
+
+
 @pytest.mark.parametrize("resumes", [True, False])
 def test_the_drain_finishes_or_cleans_up_a_parked_save(short_dir: Path, resumes: bool) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
                       stall_timeout=600, drain_timeout=3)
     with dealers(rd.socket, 2) as (slow, other):
-        start_stalled(rd, slow, "slow")
+        start_stalled(rd.root, slow, "slow")
         assert save_whole(other, "other", b"o")  # parks the slow save
         rd.daemon.stop()
         if resumes:  # its bytes come during the drain: it is written
