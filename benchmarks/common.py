@@ -212,6 +212,18 @@ class GcWatch:
         return total, gen
 
 
+def steal_seconds() -> float | None:
+    """CPU time the hypervisor has taken from this machine's CPUs so far (the
+    "steal" column of /proc/stat, all CPUs together), or None where there is
+    none to read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def preemptions() -> int | None:
     """Involuntary context switches of the calling thread so far (the OS took
     its core away), or None where there is no per-thread count (not Linux)."""

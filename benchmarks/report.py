@@ -196,7 +196,35 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         ["Date (UTC)", doc["started_at"]],
         ["Run time", f"{doc['runtime_s']:.0f} s ({doc['mode']} mode)"],
     ]
+    steal = _steal_text(doc)
+    if steal:
+        rows.append(["CPU time the hypervisor took (steal), per case", steal])
     return _table(["", ""], rows)
+
+
+def _hot_path_steal(doc: dict[str, Any]) -> str:
+    s = (doc.get("case_steal_s") or {}).get("hot_path")
+    wall = (doc.get("case_runtimes_s") or {}).get("hot_path")
+    if s is None or not wall:
+        return ""
+    cores = doc["machine"].get("cores") or 1
+    return (f" During the hot-path case the hypervisor took {s:.2f} s of this machine's "
+            f"CPU time (steal: {s / (wall * cores) * 100:.1f}% of {wall:.0f} s on "
+            f"{cores} cores).")
+
+
+def _steal_text(doc: dict[str, Any]) -> str:
+    """Steal per case, as seconds and as a share of the CPU time the case's wall
+    time spans on every core. Empty for runs that did not record it."""
+    steal, runtimes = doc.get("case_steal_s") or {}, doc.get("case_runtimes_s") or {}
+    cores = doc["machine"].get("cores") or 1
+    parts = []
+    for name, s in steal.items():
+        wall = runtimes.get(name)
+        if s is None or not wall:
+            continue
+        parts.append(f"{name} {s:.2f} s ({s / (wall * cores) * 100:.1f}%)")
+    return ", ".join(parts)
 
 
 def _slow_text(what: str, slow: dict[str, Any] | None) -> str:
@@ -637,7 +665,8 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"{_p(worst['save_cpu'])} p50 / {_p(worst['save_cpu'], 'p99')} p99 there; "
                 f"{_slow_text('the slow calls', worst.get('slow_calls')).removeprefix('the slow calls: ')}"
                 f" {_tail_cause(worst)} At {fmt_bytes(big['bytes'])} "
-                f"{_gc_text(_gc_total([big.get('kvkeeper_save_idle_gc'), st.get('gc')]))}.")
+                f"{_gc_text(_gc_total([big.get('kvkeeper_save_idle_gc'), st.get('gc')]))}."
+                + _hot_path_steal(doc))
         elif case.startswith("1"):
             pairs = [(med(x["kvkeeper_save_idle"]), med((x.get("mlx_vlm_apc") or {}).get("handoff_s")))
                      for x in cases["hot_path"]["sizes"]]

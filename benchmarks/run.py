@@ -30,6 +30,7 @@ from benchmarks.common import (
     machine_info,
     remove_tree,
     short_tmpdir,
+    steal_seconds,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     base = short_tmpdir()
     results: dict[str, Any] = {}
     runtimes: dict[str, float] = {}
+    steal: dict[str, float | None] = {}
     machine = machine_info(base)
     daemon = DaemonProcess(base, max_pending_bytes=GiB)
     kv = None
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"root {daemon.root}")
         for name in names:
             ctx.log(f"case {name}")
+            stolen0 = steal_seconds()
             t0 = time.monotonic()
             try:
                 results[name] = CASES[name].run(ctx)
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "traceback": traceback.format_exc()}
                 ctx.log(f"case {name} FAILED: {type(exc).__name__}: {exc}")
             runtimes[name] = time.monotonic() - t0
+            stolen1 = steal_seconds()
+            steal[name] = None if stolen0 is None or stolen1 is None else stolen1 - stolen0
             ctx.log(f"case {name} done in {runtimes[name]:.1f} s")
     finally:
         if sampler is not None:
@@ -166,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": started_at.isoformat(timespec="seconds"),
         "runtime_s": time.monotonic() - started,
         "case_runtimes_s": runtimes,
+        # Host interference: on a shared virtual machine the hypervisor may run
+        # other guests on these CPUs, which shows in the tail of every timing.
+        "case_steal_s": steal,
         "machine": machine,
         "profile": profile.as_dict(),
         "daemon": {"rss_peak_bytes": sampler.peak if sampler else None,
