@@ -77,13 +77,6 @@ def _level(value: Any) -> str:
     return v
 
 
-def _positive_seconds(value: Any) -> float:
-    v = _seconds(value)
-    if v == 0:
-        raise ValueError("seconds must be more than 0")
-    return v
-
-
 def _cpu_policy(value: Any) -> str:
     if not isinstance(value, str):
         raise _not_a("cpu policy must be the string batch or normal", value)
@@ -99,6 +92,13 @@ def _seconds(value: Any) -> float:
         raise ValueError(f"seconds must be a finite number, not {value!r}")
     if v < 0:
         raise ValueError(f"seconds cannot be negative: {value!r}")
+    return v
+
+
+def _positive_seconds(value: Any) -> float:
+    v = _seconds(value)
+    if v == 0:
+        raise ValueError("seconds must be more than 0")
     return v
 
 
