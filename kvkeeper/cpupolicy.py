@@ -10,16 +10,16 @@ running thread when they wake: they wait for its time slice to end. On the
 stream), the ``save()`` calls that lost their core fell from 18% to 6.5%.
 
 The price: when every core is busy with other work, a request's round trip
-(``flush()``, ``ping()``, a ``load()`` that asks the daemon) waits for those
-threads to get a core, a few milliseconds instead of a fraction of one (with
-two CPU-bound processes on the two cores: ping p50 2.9 ms against 0.2 ms in
-one run, 0.14 against 0.24 ms in another). ``cpu_policy="normal"`` (the daemon's
+(``flush()``, ``ping()``, a ``load()`` that asks the daemon) may wait for
+those threads to get a core (two CPU-bound processes on the two cores: ping
+p50 2.9 ms against 0.2 ms in one run, 0.14 against 0.24 ms in another). ``cpu_policy="normal"`` (the daemon's
 ``--cpu-policy``, the client's ``Client(cpu_policy=...)``) leaves the threads
 as they are.
 
 macOS has no ``SCHED_BATCH``; there the LaunchAgent's ``ProcessType``
-(Background) does the daemon's part when it runs as a service; a daemon
-started by hand, and the client's threads, keep the default policy.
+(Background, or Standard for "normal") does the daemon's part when it runs
+as a service; a daemon started by hand, and the client's threads, keep the
+default policy.
 """
 
 from __future__ import annotations

@@ -482,8 +482,8 @@ def serve_args_for_service(args: argparse.Namespace) -> list[str]:
     return out_args
 
 
-def _service_settings(args: argparse.Namespace) -> tuple[list[str], float]:
-    """The serve arguments for the service, and its drain timeout, resolved as
+def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """The serve arguments for the service, and every setting, resolved as
     ``serve`` resolves them; invalid settings end the command with status 2
     rather than write a service that fails at every start."""
     from kvkeeper.settings import ENV_CONFIG, SETTINGS, SettingsError, resolve
@@ -503,15 +503,16 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], float]:
     env_config = Path(os.environ.get(ENV_CONFIG) or "/nonexistent").expanduser()
     if args.config is None and env_config.is_file():
         pinned.config = env_config
-    return serve_args_for_service(pinned), values["drain_timeout"]
+    return serve_args_for_service(pinned), values
 
 
 def install_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
     platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
-    serve_args, drain_timeout = _service_settings(args)
-    sf = service.service_file(serve_args, drain_timeout,
+    serve_args, values = _service_settings(args)
+    sf = service.service_file(serve_args, values["drain_timeout"],
+                              background=values["cpu_policy"] == "batch",
                               **({"platform": platform} if platform else {}))
     if args.print:
         print(sf.content.decode(), end="")

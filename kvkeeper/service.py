@@ -33,14 +33,17 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
     return [os.path.abspath(sys.executable), "-m", "kvkeeper.cli", "serve", *serve_args]
 
 
-def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path) -> ServiceFile:
+def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
+            background: bool = True) -> ServiceFile:
     logs = home / "Library" / "Logs" / "kvkeeper"
     plist = {
         "Label": LABEL,
         "ProgramArguments": serve_command(serve_args),
         "RunAtLoad": True,
         "KeepAlive": True,
-        "ProcessType": "Background",
+        # macOS's counterpart of SCHED_BATCH (--cpu-policy batch); "normal"
+        # gets launchd's own default.
+        "ProcessType": "Background" if background else "Standard",
         # launchd sends SIGTERM, waits ExitTimeOut, then SIGKILL: give the drain its time.
         "ExitTimeOut": int(drain_timeout) + 10,
         "StandardOutPath": str(logs / "kvkeeper.log"),
@@ -83,10 +86,13 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
 
 
 def service_file(serve_args: Sequence[str], drain_timeout: float,
-                 platform: str = sys.platform) -> ServiceFile:
+                 platform: str = sys.platform, *, background: bool = True) -> ServiceFile:
+    """The service file for this platform. ``background`` (the daemon's cpu
+    policy is batch) marks a LaunchAgent as background work; on Linux the
+    daemon sets its own policy from ``--cpu-policy`` on the command line."""
     home = Path.home()
     if platform == "darwin":
-        return launchd(serve_args, drain_timeout, home)
+        return launchd(serve_args, drain_timeout, home, background=background)
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
     return systemd(serve_args, drain_timeout, config_home)
 

@@ -95,10 +95,12 @@ def _seconds(value: Any) -> float:
     return v
 
 
-def _positive_seconds(value: Any) -> float:
+def _stall_seconds(value: Any) -> float:
     v = _seconds(value)
-    if v == 0:
-        raise ValueError("seconds must be more than 0")
+    # Less would fail a live client's save over an ordinary gap between two
+    # of its messages on a busy machine (the writer parks a save after 0.5 s).
+    if v < 1:
+        raise ValueError(f"must be at least 1 second, not {value!r}")
     return v
 
 
@@ -133,8 +135,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(0: write every save as it arrives)"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received"),
-    Setting("stall_timeout", _positive_seconds, lambda: 10.0,
-            "seconds a save whose client stops sending part way, connection open "
+    Setting("stall_timeout", _stall_seconds, lambda: 10.0,
+            "seconds (1 or more) a save whose client stops sending part way, connection open "
             "(paused, stopped, starved), waits for its next bytes before it fails and "
             "its memory and tmp file are freed; other saves go by meanwhile, and a "
             "client that exits or hangs up is cut off within about 1 s"),

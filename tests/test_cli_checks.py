@@ -247,13 +247,25 @@ def test_install_service_stop_timeout_follows_the_resolved_drain_timeout(
     assert r.returncode == 0 and "TimeoutStopSec=10" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize(("argv", "process_type"), [
+    ([], "Background"),
+    (["--cpu-policy", "normal"], "Standard"),
+])
+def test_the_launch_agent_follows_the_cpu_policy(argv: list[str], process_type: str) -> None:
+    r = cli("install-service", "--print", "--platform", "macos", *argv)
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads(r.stdout.encode())
+    assert plist["ProcessType"] == process_type
+    assert ("--cpu-policy" in plist["ProgramArguments"]) == bool(argv)
+
+
 @pytest.mark.parametrize(("argv", "env", "needle"), [
     (["--min-write-interval", "-3"], {}, "min_write_interval"),
     (["--log-level", "loud"], {}, "log_level"),
     (["--drain-timeout", "nan"], {}, "drain_timeout"),
     ([], {"KVKEEPER_MIN_WRITE_INTERVAL": "-3"}, "KVKEEPER_MIN_WRITE_INTERVAL"),
     (["--cpu-policy", "fast"], {}, "cpu_policy"),
-    (["--stall-timeout", "0"], {}, "stall_timeout"),
+    (["--stall-timeout", "0.5"], {}, "stall_timeout"),
 ], ids=lambda v: repr(v))
 def test_install_service_refuses_invalid_settings(argv: list[str], env: dict[str, str],
                                                   needle: str, short_dir: Path) -> None:

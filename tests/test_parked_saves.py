@@ -13,6 +13,7 @@ import pytest
 import zmq
 from safetensors import safe_open
 
+from kvkeeper.daemon.app import Daemon, DaemonConfig
 from kvkeeper.protocol import messages as m
 
 from .conftest import (
@@ -198,6 +199,13 @@ def test_the_stall_timeout_is_a_serve_setting(short_dir: Path) -> None:
     finally:
         code = stop_process(proc)
     assert code == 0
+
+
+@pytest.mark.parametrize("stall_timeout", [0, -1, float("inf"), float("nan")])
+def test_a_daemon_needs_a_stall_timeout_above_zero(short_dir: Path, stall_timeout: float) -> None:
+    with pytest.raises(ValueError, match="stall_timeout"):
+        Daemon(DaemonConfig(root=short_dir / "root", socket=short_dir / "kv.sock",
+                            stall_timeout=stall_timeout))
 
 
 @pytest.mark.parametrize("resumes", [True, False])

@@ -543,7 +543,7 @@ class WriterActor:
             job.starved_since = now
         deadline = job.starved_since + self.stall_timeout
         if now >= deadline:
-            raise StreamBroken(f"no bytes for {self.stall_timeout:.0f} s "
+            raise StreamBroken(f"no bytes for {self.stall_timeout:g} s "
                                f"({job.received} of {job.total} received)")
         job.arrived = anyio.Event()
         with anyio.move_on_after(min(deadline, now + PARK_AFTER) - now):

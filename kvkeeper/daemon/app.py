@@ -110,6 +110,9 @@ class Daemon:
 
     def __init__(self, cfg: DaemonConfig) -> None:
         check_cpu_policy(cfg.cpu_policy)
+        if not 0 < cfg.stall_timeout < float("inf"):
+            raise ValueError(f"stall_timeout must be a finite number of seconds > 0, "
+                             f"not {cfg.stall_timeout!r}")
         self.cfg = cfg
         self.ready = threading.Event()
         self.stats = Stats()
