@@ -65,10 +65,12 @@ def batch_this_thread() -> int | None:
 
 
 def restore_this_thread(policy: int | None) -> None:
-    """Give the calling thread back the policy `batch_this_thread` replaced."""
+    """Give the calling thread back the policy `batch_this_thread` replaced,
+    unless someone gave it another one meanwhile (that one is kept)."""
     if policy is None:
         return
     try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+        if os.sched_getscheduler(0) == os.SCHED_BATCH:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
     except OSError:
         pass  # the thread keeps SCHED_BATCH: slower to wake, otherwise the same

@@ -130,7 +130,10 @@ def test_a_bad_cpu_policy_is_refused(short_dir: Path) -> None:
     usage_error(r, "cpu_policy", "batch or normal")
 
 
-def test_a_thread_that_ran_a_daemon_gets_its_policy_back(short_dir: Path) -> None:
+@pytest.mark.parametrize("changed_to", [None, "SCHED_IDLE"])
+def test_a_thread_that_ran_a_daemon_gets_its_policy_back(short_dir: Path,
+                                                         changed_to: str | None) -> None:
+    """... unless its policy was changed while the daemon ran: that one stays."""
     d = Daemon(DaemonConfig(root=short_dir / "root", socket=short_dir / "run" / "kv.sock",
                             max_disk_bytes=None, min_free_bytes=0))
     seen: dict[str, int] = {}
@@ -144,11 +147,14 @@ def test_a_thread_that_ran_a_daemon_gets_its_policy_back(short_dir: Path) -> Non
     try:
         assert d.ready.wait(WAIT)
         assert os.sched_getscheduler(t.native_id) == os.SCHED_BATCH
+        if changed_to is not None:
+            os.sched_setscheduler(t.native_id, getattr(os, changed_to), os.sched_param(0))
     finally:
         d.stop()
         t.join(WAIT)
     assert not t.is_alive()
-    assert seen == {"code": 0, "after": os.SCHED_OTHER}
+    after = os.SCHED_OTHER if changed_to is None else getattr(os, changed_to)
+    assert seen == {"code": 0, "after": after}
 
 
 def test_without_sched_batch_everything_works_under_the_default_policy(
