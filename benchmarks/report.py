@@ -216,28 +216,34 @@ def _slow_mode(d: dict[str, Any]) -> str:
             f"a run that measured 0.48×, gave 1.26×, 1.11× and 1.14×.")
 
 
-def _hot_path_steal(doc: dict[str, Any]) -> str:
-    s = (doc.get("case_steal_s") or {}).get("hot_path")
-    wall = (doc.get("case_runtimes_s") or {}).get("hot_path")
+def _steal_of(doc: dict[str, Any], case: str) -> tuple[float, float, int, float] | None:
+    """(steal seconds, wall seconds, cores, steal as a % of the CPU time the
+    case's wall time spans on every core) of a case; None if not recorded."""
+    s = (doc.get("case_steal_s") or {}).get(case)
+    wall = (doc.get("case_runtimes_s") or {}).get(case)
     if s is None or not wall:
-        return ""
+        return None
     cores = doc["machine"].get("cores") or 1
+    return s, wall, cores, s / (wall * cores) * 100
+
+
+def _hot_path_steal(doc: dict[str, Any]) -> str:
+    got = _steal_of(doc, "hot_path")
+    if got is None:
+        return ""
+    s, wall, cores, pct = got
     return (f" During the hot-path case the hypervisor took {s:.2f} s of this machine's "
-            f"CPU time (steal: {s / (wall * cores) * 100:.1f}% of {wall:.0f} s on "
-            f"{cores} cores).")
+            f"CPU time (steal: {pct:.1f}% of {wall:.0f} s on {cores} cores).")
 
 
 def _steal_text(doc: dict[str, Any]) -> str:
-    """Steal per case, as seconds and as a share of the CPU time the case's wall
-    time spans on every core. Empty for runs that did not record it."""
-    steal, runtimes = doc.get("case_steal_s") or {}, doc.get("case_runtimes_s") or {}
-    cores = doc["machine"].get("cores") or 1
+    """Steal per case, in seconds and in % (see `_steal_of`). Empty for runs
+    that did not record it."""
     parts = []
-    for name, s in steal.items():
-        wall = runtimes.get(name)
-        if s is None or not wall:
-            continue
-        parts.append(f"{name} {s:.2f} s ({s / (wall * cores) * 100:.1f}%)")
+    for name in doc.get("case_steal_s") or {}:
+        got = _steal_of(doc, name)
+        if got is not None:
+            parts.append(f"{name} {got[0]:.2f} s ({got[3]:.1f}%)")
     return ", ".join(parts)
 
 
