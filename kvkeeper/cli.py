@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvkeeper import __version__
 
@@ -36,19 +38,17 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) -> None:
-    from kvkeeper.settings import BY_NAME
+    from kvkeeper.settings import SETTINGS
 
     p.add_argument("--config", type=Path, default=None,
                    help="TOML config file (default $KVKEEPER_CONFIG or "
                         "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")
-    for name, kind in (("root", Path), ("socket", Path), ("max_pending_bytes", _size),
-                       ("max_disk_bytes", _size), ("min_free_bytes", _size),
-                       ("min_write_interval", float), ("drain_timeout", float),
-                       ("stall_timeout", float), ("cpu_policy", str), ("log_level", str)):
-        s = BY_NAME[name]
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                       metavar=name.split("_")[-1].upper() if kind is not Path else "PATH",
+    flag_types: dict[str, Callable[[str], Any]] = {"path": Path, "size": _size,
+                                                   "seconds": float, "text": str}
+    for s in SETTINGS:
+        p.add_argument(f"--{s.name.replace('_', '-')}", type=flag_types[s.kind], default=None,
+                       metavar="PATH" if s.kind == "path" else s.name.split("_")[-1].upper(),
                        help=f"{s.help} (default: {s.default()})")
     if not for_service:
         p.add_argument("--print-config", action="store_true",

@@ -110,6 +110,9 @@ class Setting:
     parse: Callable[[Any], Any]
     default: Callable[[], Any]
     help: str
+    #: What the value is, for the command line's flag: "path", "size",
+    #: "seconds" or "text" (the flag's own check, before ``parse``).
+    kind: str = "text"
 
     @property
     def env(self) -> str:
@@ -117,29 +120,29 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("root", _path, config.default_root, "store directory"),
-    Setting("socket", _path, config.default_socket, "ipc socket path"),
+    Setting("root", _path, config.default_root, "store directory", "path"),
+    Setting("socket", _path, config.default_socket, "ipc socket path", "path"),
     Setting("max_pending_bytes", parse_size, lambda: 1 * GiB,
             "memory for saves received but not yet written; a save that does not fit "
-            "is refused and counted"),
+            "is refused and counted", "size"),
     Setting("max_disk_bytes", parse_size, lambda: 20 * GiB,
             "disk budget over everything under the root (0: none); least recently "
-            "used entries are evicted past it"),
+            "used entries are evicted past it", "size"),
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
-            "free space kept on the root's file system; entries are evicted to keep it"),
+            "free space kept on the root's file system; entries are evicted to keep it", "size"),
     Setting("min_write_interval", _seconds, lambda: 0.25,
             "seconds a cache's writes are kept apart: a save of up to 64 MiB that "
             "comes sooner after its cache's last write waits out the rest, and a newer "
             "save of the cache replaces it meanwhile; a flush, a load or delete of the "
             "cache, a memory budget more than half used and shutdown end the wait "
-            "(0: write every save as it arrives)"),
+            "(0: write every save as it arrives)", "seconds"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
-            "on SIGTERM, seconds to keep writing saves already received"),
+            "on SIGTERM, seconds to keep writing saves already received", "seconds"),
     Setting("stall_timeout", _stall_seconds, lambda: 10.0,
             "seconds (1 or more) a save whose client stops sending part way, connection open "
             "(paused, stopped, starved), waits for its next bytes before it fails and "
             "its memory and tmp file are freed; other saves go by meanwhile, and a "
-            "client that exits or hangs up is cut off within about 1 s"),
+            "client that exits or hangs up is cut off within about 1 s", "seconds"),
     Setting("cpu_policy", _cpu_policy, lambda: "batch",
             "batch: on Linux the daemon's threads run under SCHED_BATCH, so waking up "
             "never takes a core from a running thread such as the generation loop (when "

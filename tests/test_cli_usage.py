@@ -269,3 +269,24 @@ def test_export_writes_a_private_file(client: Client, daemon: RunningDaemon,
     assert load_prompt_cache(str(old))[0].state[0].shape == (1, 2, 5, 8)
     assert not [p for p in short_dir.iterdir() if ".tmp" in p.name]
     assert "0600" in cli("export", "--help").stdout
+
+
+def test_every_setting_is_a_serve_flag(short_dir: Path) -> None:
+    """Each setting of ``kvkeeper.settings`` can be given as a flag of serve
+    (and of install-service, which passes them on): the effective settings
+    say the flag gave every one."""
+    from kvkeeper.settings import SETTINGS
+
+    sample = {"path": str(short_dir / "p"), "size": "1G", "seconds": "3", "text": None}
+    args: list[str] = []
+    for s in SETTINGS:
+        value = sample[s.kind] or {"cpu_policy": "normal", "log_level": "debug"}[s.name]
+        args += [f"--{s.name.replace('_', '-')}", value]
+    r = cli("serve", *args, "--print-config")
+    assert r.returncode == 0, r.stderr
+    sources = {ln.split()[0]: ln.split()[-1] for ln in r.stdout.splitlines() if ln.strip()}
+    assert sources == {s.name: f"--{s.name.replace('_', '-')})" for s in SETTINGS}
+    r = cli("install-service", "--print", "--platform", "linux", *args)
+    assert r.returncode == 0, r.stderr
+    for s in SETTINGS:
+        assert f"--{s.name.replace('_', '-')}" in r.stdout, s.name
