@@ -190,7 +190,8 @@ def served(short_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 @pytest.mark.parametrize("call", ["load", "flush"])
 def test_a_daemon_dying_mid_request_fails_the_wait_at_once(
-    model, served: subprocess.Popen[bytes], short_dir: Path, call: str
+    model, served: subprocess.Popen[bytes], short_dir: Path, call: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The daemon is frozen while a load or flush waits for its answer, then
     killed: the call ends right away (a load reads the file itself, a flush
@@ -223,6 +224,40 @@ def test_a_daemon_dying_mid_request_fails_the_wait_at_once(
         # Without the fix the call waits out its timeout (WAIT); the bound is a
         # hang guard with room for a slow machine, not a speed target.
         assert 0.4 < elapsed < WAIT / 3, f"{call} took {elapsed:.1f} s"
+        if call == "load":  # the older file is returned, and it says so
+            assert "event=load_from_file" in caplog.text and "may be older" in caplog.text
+
+
+def test_a_load_the_daemon_does_not_answer_in_time_does_not_return_an_older_file(
+    model, served: subprocess.Popen[bytes], short_dir: Path
+) -> None:
+    """The daemon is up but does not answer within the client's timeout while
+    a newer save of the key made through this client is unwritten (a big save
+    on a slow disk; here the daemon is frozen): load() raises instead of
+    returning the older file on disk, as flush() does. A client with no save
+    of its own pending still reads the file."""
+    proc = served
+    cache = make_prompt_cache(model)
+    ids = prompt(30, seed=17)
+    prefill(model, ids, cache)
+    sock = short_dir / "run" / "kv.sock"
+    with Client(sock, timeout=1.0, min_send_interval=0) as kv, \
+            Client(sock, timeout=1.0) as other:
+        assert kv.save(FP, "late", cache, ids) and kv.flush(timeout=WAIT) is True
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            mx.eval(model(mx.array([[5]]), cache=cache))
+            assert kv.save(FP, "late", cache, [*ids, 5]) is True
+            # Before the fix: the 30-token file, returned as if current.
+            with pytest.raises(DaemonUnavailable, match="may not be written yet"):
+                kv.load(FP, "late")
+            seen = other.load(FP, "late")
+            assert seen is not None and seen.token_ids == ids
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        got = kv.load(FP, "late")
+        assert got is not None and got.token_ids == [*ids, 5]
+    assert stop_process(proc) == 0
 
 
 def test_a_flush_after_a_daemon_restart_does_not_vouch_for_lost_saves(short_dir: Path) -> None:

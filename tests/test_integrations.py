@@ -5,7 +5,9 @@ cannot be trimmed), random weights, greedy sampling, a real daemon."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -29,7 +31,7 @@ from kvkeeper.integrations import mlx_lm as kv_lm
 from kvkeeper.integrations import mlx_vlm as kv_vlm
 from kvkeeper.writebehind import cache_length
 
-from .conftest import WAIT, RunningDaemon
+from .conftest import WAIT, RunningDaemon, serve_process, stop_process
 from .tiny import VOCAB, _finish, prompt, tiny_lfm2, tiny_llama
 
 GEN = 16  # tokens per turn
@@ -330,3 +332,32 @@ def test_mlx_vlm_request_without_tokens_keeps_state_consistent(client: Client) -
     s2 = kv_vlm.Session(client, "tiny-vlm-lfm2", "empty", model, proc)  # restarted
     s2.restore()
     assert s2.token_ids == longer
+
+
+def test_a_session_whose_daemon_does_not_answer_starts_cold(
+    lm_tok: TokenizerWrapper, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restore that cannot be sure of the newest save (the daemon is frozen
+    while this session's own saves of the conversation are unwritten) does not
+    stop generation: the session starts cold, and logs why."""
+    model = tiny_llama(seed=3)
+    proc = serve_process(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        with Client(short_dir / "run" / "kv.sock", timeout=1.0, min_send_interval=0) as kv:
+            session = kv_lm.Session(kv, "tiny-lm-frozen", "chat", model, lm_tok, every_tokens=4)
+            first = conversation([], 0)
+            out = [session.generate(first, max_tokens=GEN)]
+            assert kv.flush(timeout=WAIT) is True
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                out.append(session.generate(conversation(out, 1), max_tokens=GEN))
+                session.forget()  # as a restart would; its last saves are unwritten
+                gen = session.generate(conversation(out, 1), max_tokens=GEN)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert len(gen) == GEN
+            plan = session.last_plan
+            assert plan is not None and (plan.action, plan.source) == ("cold", None)
+            assert "event=restore_failed" in caplog.text and "not be written yet" in caplog.text
+    finally:
+        assert stop_process(proc) == 0

@@ -334,7 +334,11 @@ class Client:
         (read-your-writes); so is any save of it the daemon has received by
         then, when this client has one pending too. Saves made through other
         clients are certain to be seen once their ``flush()`` has returned.
-        When the daemon is down, reads the file directly.
+        When the daemon is down, or goes away while the load waits, reads the
+        file directly (logged when this client's last save of the key may not
+        be in it). Raises DaemonUnavailable when the daemon does not answer
+        within ``timeout`` while a save of the key made through this client
+        may still be unwritten (the file may be older than it).
         ``verify`` checks every tensor's checksum (reads the whole file); off,
         the arrays stay lazily memory-mapped.
         """
@@ -356,13 +360,15 @@ class Client:
                 return self._conclude(model, cache_id, direct)
         with self._lock:
             mark = self._unsettled.get(key)
+            ours_unwritten = mark is not None or ALL_KEYS in self._unsettled
         try:
             pending = self._channel.send_request(
                 lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
                 release=key,
             )
-        except DaemonUnavailable:
-            return self._conclude(model, cache_id, _read(guess, verify, model, cache_id))
+        except DaemonUnavailable as exc:
+            return self._read_instead(model, cache_id, exc, ours_unwritten,
+                                      _read(guess, verify, model, cache_id))
         # A lazy read costs about as much as the daemon's answer (which comes
         # after any save of this key it holds is written): do it meanwhile, at
         # the path the daemon keeps the key at, and keep it if the answer names
@@ -371,8 +377,17 @@ class Client:
         early = None if verify else _read(guess, verify, model, cache_id)
         try:
             reply = self._reply(self._channel.wait(pending, self.timeout))
-        except DaemonUnavailable:
-            return self._conclude(model, cache_id, early or _read(guess, verify, model, cache_id))
+        except DaemonUnavailable as exc:
+            if ours_unwritten and self._channel.connected.is_set():
+                # The daemon is up but still writing (a big save on a slow
+                # disk): the file may be older than this client's last save
+                # of the key, and read-your-writes was promised.
+                raise DaemonUnavailable(
+                    f"{exc}; a save of {model}/{cache_id} made through this client may "
+                    f"not be written yet"
+                ) from None
+            return self._read_instead(model, cache_id, exc, ours_unwritten,
+                                      early or _read(guess, verify, model, cache_id))
         self._settled(key, mark)
         if not isinstance(reply, m.Found) or not reply.path:
             return None
@@ -380,6 +395,14 @@ class Client:
         if early is None or path != guess or not early.still_current():
             early = _read(path, verify, model, cache_id)
         return self._conclude(model, cache_id, early)
+
+    def _read_instead(self, model: str, cache_id: str, why: DaemonUnavailable,
+                      ours_unwritten: bool, attempt: _Attempt) -> LoadedCache | None:
+        """load()'s answer from the file itself, the daemon being gone."""
+        if ours_unwritten:
+            log.warning("event=load_from_file model=%s id=%s reason=%s: the file may be "
+                        "older than this client's last save of the key", model, cache_id, why)
+        return self._conclude(model, cache_id, attempt)
 
     def _can_read_directly(self, key: tuple[str, str]) -> bool:
         """Whether a load of ``key`` may skip the daemon: it is connected, this

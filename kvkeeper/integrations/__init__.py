@@ -179,11 +179,12 @@ class SessionBase:
             return True
         if self.client is None:
             return False
+        from kvkeeper.client.channel import DaemonUnavailable
         from kvkeeper.client.client import DaemonError
 
         try:
             got = self.client.load(self.model_id, self.session_id)
-        except DaemonError as exc:  # kvkeeper trouble must not stop generation
+        except (DaemonError, DaemonUnavailable) as exc:  # must not stop generation
             log.warning("event=restore_failed model=%s id=%s error=%s",
                         self.model_id, self.session_id, exc)
             return False
