@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-__all__ = ["Client", "DaemonUnavailable", "LoadedCache", "read_cache_file", "model_fingerprint",
-           "__version__"]
+__all__ = ["CacheFileError", "Client", "DaemonUnavailable", "LoadedCache", "read_cache_file",
+           "model_fingerprint", "__version__"]
 
 if TYPE_CHECKING:
     from kvkeeper.client.channel import DaemonUnavailable
     from kvkeeper.client.client import Client
-    from kvkeeper.client.reader import LoadedCache, read_cache_file
+    from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
     from kvkeeper.fingerprint import model_fingerprint
 
 
@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:
         from kvkeeper.client.channel import DaemonUnavailable
 
         return DaemonUnavailable
-    if name in ("LoadedCache", "read_cache_file"):
+    if name in ("CacheFileError", "LoadedCache", "read_cache_file"):
         from kvkeeper.client import reader
 
         return getattr(reader, name)

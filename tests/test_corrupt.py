@@ -244,3 +244,26 @@ def test_a_damaged_file_under_the_root_does_not_stop_the_daemon(kind: str, short
             assert got is not None and got.token_ids == [8]
     finally:
         assert d.stop() == 0
+
+
+def test_a_file_moved_aside_can_still_be_opened_for_salvage(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """A quarantined file keeps its bytes under a name MLX cannot tell the
+    format of (``...safetensors.<ns>``): read_cache_file still opens it, and
+    says exactly what is wrong with it."""
+    assert client.save(FP, "salvage", filled(1, 7), [7])
+    assert client.flush(timeout=WAIT)
+    flip_bit(entry_path(daemon.root, "salvage"))
+    assert client.load(FP, "salvage") is None
+    deadline = time.monotonic() + WAIT
+    while not (moved := list((daemon.root / "quarantine").iterdir())):
+        assert time.monotonic() < deadline, "damaged file was not moved aside"
+        time.sleep(0.01)
+    assert not moved[0].name.endswith(".safetensors")
+    # Before the fix: "MLX cannot read it: [load] Unknown file format", even unverified.
+    with pytest.raises(kvkeeper.CacheFileError, match="checksum mismatch") as info:
+        kvkeeper.read_cache_file(moved[0])
+    assert info.value.damaged
+    got = kvkeeper.read_cache_file(moved[0], verify=False)
+    assert got.token_ids == [7] and len(got.cache) == 4

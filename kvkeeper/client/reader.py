@@ -83,7 +83,9 @@ def read_cache_file(
     path = Path(path)
     header = _header(path)
     try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        # Every supported format is safetensors; MLX would otherwise go by the
+        # name, and refuse a file moved aside (".safetensors.<ns>") or renamed.
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         # The header checked out: a dtype this MLX cannot load is a limit of
         # this process, not damage (another reader may use the file).
