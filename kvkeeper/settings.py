@@ -62,6 +62,13 @@ def parse_size(text: str | int | float) -> int:
     return value
 
 
+def _positive_size(value: Any) -> int:
+    v = parse_size(value)
+    if v == 0:
+        raise ValueError("must be more than 0 bytes (0 would refuse every save)")
+    return v
+
+
 def _path(value: Any) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise _not_a("a path must be a string", value)
@@ -122,7 +129,7 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("root", _path, config.default_root, "store directory", "path"),
     Setting("socket", _path, config.default_socket, "ipc socket path", "path"),
-    Setting("max_pending_bytes", parse_size, lambda: 1 * GiB,
+    Setting("max_pending_bytes", _positive_size, lambda: 1 * GiB,
             "memory for saves received but not yet written; a save that does not fit "
             "is refused and counted", "size"),
     Setting("max_disk_bytes", parse_size, lambda: 20 * GiB,

@@ -290,3 +290,19 @@ def test_every_setting_is_a_serve_flag(short_dir: Path) -> None:
     assert r.returncode == 0, r.stderr
     for s in SETTINGS:
         assert f"--{s.name.replace('_', '-')}" in r.stdout, s.name
+
+
+def test_a_pending_budget_of_zero_is_refused(short_dir: Path) -> None:
+    """--max-pending-bytes 0 would start a daemon that refuses every save (as
+    too large); --max-disk-bytes 0 means no limit, so a user may try it."""
+    sock = short_dir / "run" / "k.sock"
+    r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock),
+            "--max-pending-bytes", "0", timeout=15)
+    usage_error(r, "max_pending_bytes", "more than 0")
+    assert not sock.exists()
+    usage_error(cli("serve", "--print-config", env={"KVKEEPER_MAX_PENDING_BYTES": "0"}),
+                "KVKEEPER_MAX_PENDING_BYTES", "more than 0")
+    from kvkeeper.daemon.app import Daemon, DaemonConfig
+
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        Daemon(DaemonConfig(root=short_dir / "root", socket=sock, max_pending_bytes=0))

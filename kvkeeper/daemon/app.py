@@ -110,6 +110,8 @@ class Daemon:
 
     def __init__(self, cfg: DaemonConfig) -> None:
         check_cpu_policy(cfg.cpu_policy)
+        if cfg.max_pending_bytes <= 0:
+            raise ValueError(f"max_pending_bytes must be more than 0, not {cfg.max_pending_bytes!r}")
         if not 0 < cfg.stall_timeout < float("inf"):
             raise ValueError(f"stall_timeout must be a finite number of seconds > 0, "
                              f"not {cfg.stall_timeout!r}")
