@@ -140,8 +140,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("min_write_interval", _seconds, lambda: 0.25,
             "seconds a cache's writes are kept apart: a save of up to 64 MiB that "
             "comes sooner after its cache's last write waits out the rest, and a newer "
-            "save of the cache replaces it meanwhile; a flush, a load or delete of the "
-            "cache, a memory budget more than half used and shutdown end the wait "
+            "save of the cache replaces it meanwhile; a flush or a load of the cache by "
+            "the client that saved it, a delete of the cache, a memory budget more than "
+            "half used and shutdown end the wait (other clients see the version written "
+            "before) "
             "(0: write every save as it arrives)", "seconds"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received", "seconds"),
