@@ -32,8 +32,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _socket(text: str) -> Path:
+    from kvkeeper.config import socket_path
+
+    try:
+        return socket_path(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _socket_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", type=Path, default=None,
+    p.add_argument("--socket", type=_socket, default=None,
                    help="daemon socket (default $KVKEEPER_SOCKET or the per-user default)")
 
 
@@ -44,11 +53,12 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
                    help="TOML config file (default $KVKEEPER_CONFIG or "
                         "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")
-    flag_types: dict[str, Callable[[str], Any]] = {"path": Path, "size": _size,
-                                                   "seconds": float, "text": str}
+    flag_types: dict[str, Callable[[str], Any]] = {"path": Path, "socket": _socket,
+                                                   "size": _size, "seconds": float, "text": str}
     for s in SETTINGS:
         p.add_argument(f"--{s.name.replace('_', '-')}", type=flag_types[s.kind], default=None,
-                       metavar="PATH" if s.kind == "path" else s.name.split("_")[-1].upper(),
+                       metavar="PATH" if s.kind in ("path", "socket")
+                       else s.name.split("_")[-1].upper(),
                        help=f"{s.help} (default: {s.default()})")
     if not for_service:
         p.add_argument("--print-config", action="store_true",

@@ -37,7 +37,10 @@ def default_socket() -> Path:
     """Socket path: $KVKEEPER_SOCKET, else a per-user 0700 runtime dir."""
     env = os.environ.get(ENV_SOCKET)
     if env:
-        return Path(env).expanduser()
+        try:
+            return socket_path(env)
+        except ValueError:  # serve's settings report it; a client finds no daemon there
+            return Path(env).expanduser()
     if sys.platform == "darwin":
         # $TMPDIR is per user on macOS (/var/folders/...), and short enough.
         base = Path(os.environ.get("TMPDIR") or "/tmp") / f"kvkeeper-{os.getuid()}"
@@ -47,8 +50,23 @@ def default_socket() -> Path:
     return base / SOCKET_NAME
 
 
+IPC_SCHEME = "ipc://"
+
+
 def endpoint(socket_path: Path) -> str:
-    return f"ipc://{socket_path}"
+    return f"{IPC_SCHEME}{socket_path}"
+
+
+def socket_path(value: str | os.PathLike[str]) -> Path:
+    """A socket given as a path or as the endpoint kvkeeper prints in its
+    messages (``ipc://`` + path). Raises ValueError for another transport."""
+    text = os.fspath(value)
+    if text.startswith(IPC_SCHEME):
+        text = text[len(IPC_SCHEME):]
+    elif "://" in text:
+        raise ValueError(f"{text!r}: kvkeeper listens on a local socket only: give its path "
+                         f"(or {IPC_SCHEME}<path>)")
+    return Path(text).expanduser()
 
 
 def check_socket_path(socket_path: Path) -> None:

@@ -75,6 +75,12 @@ def _path(value: Any) -> Path:
     return Path(value).expanduser()
 
 
+def _socket(value: Any) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise _not_a("a socket must be a string", value)
+    return config.socket_path(value)
+
+
 def _level(value: Any) -> str:
     if not isinstance(value, str):
         raise _not_a("log level must be the string debug, info, warning or error", value)
@@ -117,8 +123,8 @@ class Setting:
     parse: Callable[[Any], Any]
     default: Callable[[], Any]
     help: str
-    #: What the value is, for the command line's flag: "path", "size",
-    #: "seconds" or "text" (the flag's own check, before ``parse``).
+    #: What the value is, for the command line's flag: "path", "socket",
+    #: "size", "seconds" or "text" (the flag's own check, before ``parse``).
     kind: str = "text"
 
     @property
@@ -128,7 +134,7 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("root", _path, config.default_root, "store directory", "path"),
-    Setting("socket", _path, config.default_socket, "ipc socket path", "path"),
+    Setting("socket", _socket, config.default_socket, "ipc socket path", "socket"),
     Setting("max_pending_bytes", _positive_size, lambda: 1 * GiB,
             "memory for saves received but not yet written; a save that does not fit "
             "is refused and counted", "size"),

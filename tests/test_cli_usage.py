@@ -277,7 +277,8 @@ def test_every_setting_is_a_serve_flag(short_dir: Path) -> None:
     say the flag gave every one."""
     from kvkeeper.settings import SETTINGS
 
-    sample = {"path": str(short_dir / "p"), "size": "1G", "seconds": "3", "text": None}
+    sample = {"path": str(short_dir / "p"), "socket": str(short_dir / "s"), "size": "1G",
+              "seconds": "3", "text": None}
     args: list[str] = []
     for s in SETTINGS:
         value = sample[s.kind] or {"cpu_policy": "normal", "log_level": "debug"}[s.name]
@@ -306,3 +307,26 @@ def test_a_pending_budget_of_zero_is_refused(short_dir: Path) -> None:
 
     with pytest.raises(ValueError, match="max_pending_bytes"):
         Daemon(DaemonConfig(root=short_dir / "root", socket=sock, max_pending_bytes=0))
+
+
+def test_a_socket_given_as_the_endpoint_kvkeeper_prints(
+    daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """kvkeeper's messages name the socket as ``ipc://<path>``; pasted back
+    into --socket, $KVKEEPER_SOCKET or Client(socket=...), it reaches the
+    daemon. Another transport is refused with a message that says why."""
+    ep = f"ipc://{daemon.socket}"
+    r = cli("stats", "--socket", ep)
+    assert r.returncode == 0, r.stderr  # before: "no kvkeeper daemon at ipc:/..."
+    assert cli("ls", env={"KVKEEPER_SOCKET": ep}).returncode == 0
+    with Client(ep, timeout=WAIT) as kv:
+        assert kv.connected and kv.save("m", "c", small_cache(), [1, 2, 3, 4, 5])
+        assert kv.flush(timeout=WAIT) is True
+    for args in (("stats", "--socket", "tcp://127.0.0.1:5555"),
+                 ("serve", "--socket", "tcp://127.0.0.1:5555", "--print-config")):
+        r = cli(*args)  # argparse's usage line, then its error
+        assert r.returncode == 2 and "local socket only" in r.stderr, r.stderr
+    usage_error(cli("serve", "--print-config", env={"KVKEEPER_SOCKET": "tcp://h:1"}),
+                "KVKEEPER_SOCKET", "local socket only")
+    with pytest.raises(ValueError, match="local socket only"):
+        Client("tcp://127.0.0.1:5555")

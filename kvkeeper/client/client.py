@@ -55,7 +55,8 @@ __all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "Load
 class Client:
     """A connection to the kvkeeper daemon. Thread-safe.
 
-    ``socket`` defaults to ``$KVKEEPER_SOCKET`` or the per-user default;
+    ``socket`` (a path, or the ``ipc://`` endpoint kvkeeper prints) defaults to
+    ``$KVKEEPER_SOCKET`` or the per-user default;
     ``root`` (where ``load()`` reads files itself when the daemon is down)
     defaults to what the daemon reports, else ``$KVKEEPER_ROOT`` or the
     per-user default. ``max_inflight_bytes`` bounds what saves may hold
@@ -84,7 +85,8 @@ class Client:
         connect_timeout: float = 1.0,
         cpu_policy: str = "batch",
     ) -> None:
-        self.socket_path = Path(socket) if socket is not None else settings.client_path("socket")
+        self.socket_path = (config.socket_path(socket) if socket is not None
+                            else settings.client_path("socket"))
         self._root_override = Path(root) if root is not None else None
         self._daemon_root: Path | None = None
         if not 0 <= min_send_interval < float("inf"):
