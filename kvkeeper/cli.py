@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="delete one entry, or all of a model",
                         description="kvkeeper rm MODEL ID deletes one entry; kvkeeper rm "
                         "--model FP deletes every entry of a model. Give one form, not both "
-                        "(anything else exits 2). Exit 1 if MODEL ID names no entry.")
+                        "(anything else exits 2). Exit 1 if MODEL ID names no entry, or FP none.")
     _socket_arg(rm)
     rm.add_argument("model", nargs="?", help="model fingerprint")
     rm.add_argument("cache_id", nargs="?", help="cache id")
@@ -145,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="files, or directories searched for *.safetensors")
     imp.add_argument("--model", default=None,
                      help="model fingerprint (required for mlx_lm files, which record none, "
-                          "unless kvkeeper export wrote them)")
+                          "unless kvkeeper export wrote them); a file that records another "
+                          "model is not imported")
     imp.add_argument("--id", default=None,
                      help="cache id (with one PATH that is or holds one file; default: the "
                           "file's own or its name)")

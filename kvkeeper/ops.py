@@ -146,7 +146,9 @@ def ls(args: argparse.Namespace) -> int:
         _print_json([_entry_dict(e) for e in entries])
         return 0
     now = time.time()
-    table = Table(title=f"{len(entries)} entries, {human(sum(e.nbytes for e in entries))}")
+    n = sum(e.kind == "entry" for e in entries)
+    others = f", {len(entries) - n} other files" if len(entries) > n else ""
+    table = Table(title=f"{n} entries{others}, {human(sum(e.nbytes for e in entries))}")
     for col, justify in (("model", "left"), ("id", "left"), ("tokens", "right"),
                          ("size", "right"), ("saved", "right"), ("last used", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -184,6 +186,9 @@ def rm(args: argparse.Namespace) -> int:
         entries = kv.entries(args.all_of_model)
         for e in entries:
             kv.delete(e.model, e.cache_id)
+    if not entries:  # as for one entry: a typo in the model must not read as done
+        out.print(f"no entries of model {args.all_of_model}")
+        return 1
     out.print(f"deleted {len(entries)} entries of model {args.all_of_model}")
     return 0
 
@@ -363,6 +368,12 @@ def import_files(args: argparse.Namespace) -> int:
             model = args.model or got.model
             if not model:
                 failed.append((f, "this format records no model fingerprint: give --model"))
+                continue
+            if got.model and model != got.model:
+                # A cache is only ever restored for the model that made it:
+                # relabelling one would hand another model its keys and values.
+                failed.append((f, f"the file records model {got.model!r}, not --model "
+                                  f"{model!r} (leave --model out to keep its own)"))
                 continue
             cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
             meta = {k: v for k, v in got.metadata.items()

@@ -330,3 +330,24 @@ def test_a_socket_given_as_the_endpoint_kvkeeper_prints(
                 "KVKEEPER_SOCKET", "local socket only")
     with pytest.raises(ValueError, match="local socket only"):
         Client("tcp://127.0.0.1:5555")
+
+
+def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(
+    daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """import --model does not relabel a file that records another model (a
+    cache is only restored for the model that made it); rm --model with a
+    model that has no entries (a typo) exits 1, as rm MODEL ID does."""
+    sock = str(daemon.socket)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        _save(kv, "model-a", "conv", 1.0)
+        out = short_dir / "a.safetensors"
+        assert cli("export", "--socket", sock, "model-a", "conv", str(out)).returncode == 0
+        r = cli("import", "--socket", sock, "--model", "model-b", str(out))
+        assert r.returncode == 1 and "records model 'model-a'" in " ".join(r.stdout.split())
+        assert {(e.model, e.cache_id) for e in kv.entries()} == {("model-a", "conv")}
+        assert cli("import", "--socket", sock, str(out)).returncode == 0  # its own model
+    r = cli("rm", "--socket", sock, "--model", "model-aa")
+    assert r.returncode == 1 and "no entries of model model-aa" in r.stdout
+    r = cli("rm", "--socket", sock, "--model", "model-a")
+    assert r.returncode == 0 and "deleted 1 entries" in r.stdout

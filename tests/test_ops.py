@@ -171,7 +171,9 @@ def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon
     kinds = {Path(r["path"]).name: r["kind"] for r in rows}
     assert kinds == {"ok.safetensors": "entry", ".leftover.tmp": "foreign",
                      "old.safetensors": "legacy"}
-    assert "foreign" in cli("ls", "--socket", str(daemon.socket), "--all").stdout
+    table = cli("ls", "--socket", str(daemon.socket), "--all").stdout
+    assert "foreign" in table and "1 entries, 2 other files" in table  # not "3 entries"
+    assert "1 entries," in cli("ls", "--socket", str(daemon.socket)).stdout
     assert [e.cache_id for e in client.entries()] == ["ok"]
 
 
