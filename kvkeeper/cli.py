@@ -235,12 +235,11 @@ def _serve(args: argparse.Namespace) -> int:
           flush=True)
     try:
         return Daemon(cfg).run()
-    except (AlreadyRunning, SocketPathTaken) as exc:
+    except (AlreadyRunning, SocketPathTaken, config.ConfigError) as exc:
+        # A root or socket that cannot be used (not a directory, open to
+        # others, too long a path) is an invalid setting, as a bad value is.
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 2
-    except config.ConfigError as exc:
-        print(f"kvkeeper: {exc}", file=sys.stderr)
-        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

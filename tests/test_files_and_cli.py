@@ -101,14 +101,18 @@ def test_serve_refuses_unsafe_dirs(short_dir: Path) -> None:
     open_root.mkdir(mode=0o755)
     open_root.chmod(0o755)
     r = cli("serve", "--root", str(open_root), "--socket", str(short_dir / "s" / "k.sock"))
-    assert r.returncode == 1 and "chmod 700" in r.stderr
+    assert r.returncode == 2 and "chmod 700" in r.stderr
     link = short_dir / "link"
     link.symlink_to(short_dir)
     r = cli("serve", "--root", str(link), "--socket", str(short_dir / "s" / "k.sock"))
-    assert r.returncode == 1 and "symlink" in r.stderr
+    assert r.returncode == 2 and "symlink" in r.stderr
+    a_file = short_dir / "plain"
+    a_file.write_bytes(b"")
+    r = cli("serve", "--root", str(a_file), "--socket", str(short_dir / "s" / "k.sock"))
+    assert r.returncode == 2 and "not a directory" in r.stderr  # as --socket <a file> is
     long_sock = short_dir / ("x" * 120) / "k.sock"
     r = cli("serve", "--root", str(short_dir / "r"), "--socket", str(long_sock))
-    assert r.returncode == 1 and "bytes; this platform allows" in r.stderr
+    assert r.returncode == 2 and "bytes; this platform allows" in r.stderr
 
 
 @pytest.mark.parametrize("writeback", ["early", "at fsync only"])
