@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from kvkeeper.client.client import Client
@@ -159,6 +160,25 @@ def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
                 assert kv.stats()["evictions"] == 1
         finally:
             rd.stop()
+
+
+def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """With --min-free-bytes beyond what evicting entries can free, every
+    write evicts the entries before it: the log says so, as a warning."""
+    with small_tmpfs(short_dir, "8m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=64 * MiB)
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert kv.save(FP, "a", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+                assert "event=below_min_free" not in caplog.text  # nothing evicted yet
+                assert kv.save(FP, "b", filled(1, 2), [2]) and kv.flush(timeout=WAIT)
+                assert {e.cache_id for e in kv.entries()} == {"b"}
+        finally:
+            rd.stop()
+    warned = [r for r in caplog.records if "event=below_min_free" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.text
+    assert f"min_free_bytes={64 * MiB}" in warned[0].getMessage()
 
 
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
