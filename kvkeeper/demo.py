@@ -467,6 +467,8 @@ def print_report(rep: Report) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvkeeper.cli import _socket  # the same --socket as every other command
+
     p.add_argument("--tokens", type=int, default=300, metavar="N",
                    help="tokens to stream before the crash (default 300)")
     p.add_argument("--prompt-tokens", type=int, default=1500, metavar="N",
@@ -477,7 +479,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", type=Path, default=None,
+    where.add_argument("--socket", type=_socket, default=None,
                        help="use the daemon at this socket; if none answers there, exit 3 "
                             "(default: the user's daemon if it is running, else a private one)")
     where.add_argument("--private", action="store_true",

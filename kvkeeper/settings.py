@@ -148,8 +148,8 @@ SETTINGS: tuple[Setting, ...] = (
             "comes sooner after its cache's last write waits out the rest, and a newer "
             "save of the cache replaces it meanwhile; a flush or a load of the cache by "
             "the client that saved it, a delete of the cache, a memory budget more than "
-            "half used and shutdown end the wait (other clients see the version written "
-            "before) "
+            "half used and shutdown end the wait (other clients reading the file directly "
+            "see the version written before) "
             "(0: write every save as it arrives)", "seconds"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
             "on SIGTERM, seconds to keep writing saves already received", "seconds"),

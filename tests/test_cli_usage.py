@@ -330,6 +330,10 @@ def test_a_socket_given_as_the_endpoint_kvkeeper_prints(
                 "KVKEEPER_SOCKET", "local socket only")
     with pytest.raises(ValueError, match="local socket only"):
         Client("tcp://127.0.0.1:5555")
+    # The demo's --socket too (before: "no kvkeeper daemon at ipc:/...", exit 3).
+    r = cli("demo", "--socket", ep, "--tokens", "2", "--prompt-tokens", "64",
+            timeout=DEMO_TIMEOUT)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
 
 
 def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(

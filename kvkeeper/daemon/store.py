@@ -500,12 +500,13 @@ class Store:
         if b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
-        if evicted and pressure() == "min_free_bytes":
-            # Entries went and the disk is still short: it is filled by other
-            # files, and every save from now on evicts the ones before it.
-            log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (other "
-                        "files fill the disk; lower --min-free-bytes or free space)",
-                        self.free_bytes(), b.min_free_bytes, len(evicted))
+        free = self.free_bytes()
+        if evicted and b.min_free_bytes > 0 and free < b.min_free_bytes:
+            # Entries went and the disk is still short: other files (or the
+            # newest entry) fill it, and every save evicts the ones before it.
+            log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
+                        "disk stays short; lower --min-free-bytes or free space)",
+                        free, b.min_free_bytes, len(evicted))
         return evicted
 
 
