@@ -23,22 +23,24 @@ Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running."""
 
 
+def _flag_value(parse: Callable[[str], Any], text: str) -> Any:
+    """``parse(text)``, its ValueError's message made argparse's error."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _size(text: str) -> int:
     from kvkeeper.settings import parse_size
 
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _flag_value(parse_size, text)
 
 
 def _socket(text: str) -> Path:
     from kvkeeper.config import socket_path
 
-    try:
-        return socket_path(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _flag_value(socket_path, text)
 
 
 def _socket_arg(p: argparse.ArgumentParser) -> None:

@@ -500,8 +500,8 @@ class Store:
         if b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
-        free = self.free_bytes()
-        if evicted and b.min_free_bytes > 0 and free < b.min_free_bytes:
+        # Free space is read again only when entries went (a statvfs call).
+        if evicted and b.min_free_bytes > 0 and (free := self.free_bytes()) < b.min_free_bytes:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
