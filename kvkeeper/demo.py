@@ -489,6 +489,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvkeeper import config
+
     if args.tokens < 2 or args.prompt_tokens < 64 or args.every_tokens < 1:
         print("kvkeeper demo: need --tokens >= 2, --prompt-tokens >= 64, --every-tokens >= 1",
               file=sys.stderr)
@@ -507,6 +509,9 @@ def main(args: argparse.Namespace) -> int:
     except NoDaemon as exc:
         print(f"kvkeeper demo: {exc}", file=sys.stderr)
         return 3
+    except config.ConfigError as exc:  # $KVKEEPER_SOCKET names no local socket
+        print(f"kvkeeper demo: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         print(f"kvkeeper demo: {exc}", file=sys.stderr)
         return 1

@@ -26,8 +26,11 @@ GiB = 1024**3
 ENV_CONFIG = "KVKEEPER_CONFIG"
 
 
-class SettingsError(config.ConfigError):
-    """A setting with a value that cannot be used; the message names its source."""
+class SettingsError(config.ConfigError, ValueError):
+    """A setting with a value that cannot be used; the message names its source.
+
+    A ValueError too: what a ``Client`` raises for a bad ``socket`` argument
+    is what it raises for a bad ``$KVKEEPER_SOCKET``."""
 
 
 def _not_a(what: str, value: Any) -> ValueError:
@@ -228,7 +231,16 @@ def client_path(name: str) -> Path:
     ``serve`` would use without flags (``$KVKEEPER_SOCKET``/``_ROOT``, else
     the config file's, else the default), so one config file serves both
     sides. A config file that cannot be used falls back to the default
-    (``serve`` reports what is wrong with it)."""
+    (``serve`` reports what is wrong with it); an unusable value in the
+    setting's own environment variable raises SettingsError, as it would for
+    ``serve``: it names this process's daemon, not a shared file."""
+    s = BY_NAME[name]
+    raw = os.environ.get(s.env)
+    if raw:
+        try:
+            return Path(s.parse(raw))
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(f"{name} from environment {s.env}: {exc}") from None
     try:
         values, _ = resolve({})
     except SettingsError:

@@ -330,6 +330,18 @@ def test_a_socket_given_as_the_endpoint_kvkeeper_prints(
                 "KVKEEPER_SOCKET", "local socket only")
     with pytest.raises(ValueError, match="local socket only"):
         Client("tcp://127.0.0.1:5555")
+    # A client given no socket reads $KVKEEPER_SOCKET: it refuses one there
+    # too (before: it looked for a daemon at the path "tcp:/h:1", exit 3).
+    for args in (("stats",), ("ls", "--all")):
+        usage_error(cli(*args, env={"KVKEEPER_SOCKET": "tcp://h:1"}),
+                    "KVKEEPER_SOCKET", "local socket only")
+    r = cli("demo", "--tokens", "2", "--prompt-tokens", "64",
+            env={"KVKEEPER_SOCKET": "tcp://h:1"}, timeout=DEMO_TIMEOUT)
+    assert r.returncode == 2 and "KVKEEPER_SOCKET" in r.stderr, r.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVKEEPER_SOCKET", "tcp://h:1")
+        with pytest.raises(ValueError, match="KVKEEPER_SOCKET.*local socket only"):
+            Client()
     # The demo's --socket too (before: "no kvkeeper daemon at ipc:/...", exit 3).
     r = cli("demo", "--socket", ep, "--tokens", "2", "--prompt-tokens", "64",
             timeout=DEMO_TIMEOUT)

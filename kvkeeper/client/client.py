@@ -56,7 +56,8 @@ class Client:
     """A connection to the kvkeeper daemon. Thread-safe.
 
     ``socket`` (a path, or the ``ipc://`` endpoint kvkeeper prints) defaults to
-    ``$KVKEEPER_SOCKET`` or the per-user default;
+    ``$KVKEEPER_SOCKET`` or the per-user default (a ``ValueError`` if it names
+    another transport than a local socket);
     ``root`` (where ``load()`` reads files itself when the daemon is down)
     defaults to what the daemon reports, else ``$KVKEEPER_ROOT`` or the
     per-user default. ``max_inflight_bytes`` bounds what saves may hold
