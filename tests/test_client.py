@@ -416,6 +416,30 @@ def test_client_without_any_daemon(short_dir: Path) -> None:
     assert time.perf_counter() - t0 < 5
 
 
+def test_a_root_given_with_a_tilde_is_the_home_one(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Client(root="~/...")`` reads under the home directory, as
+    ``socket="~/..."`` and ``--root ~/...`` do (before: a relative path
+    named "~" under the working directory, where it found nothing)."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    c = KVCache()
+    x = mx.ones((1, 1, 3, 8))
+    c.update_and_fetch(x, x)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, "tilde", [c], [1, 2, 3])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert rd.stop() == 0
+    monkeypatch.setenv("HOME", str(short_dir))
+    with Client(rd.socket, root="~/root", connect_timeout=0.2) as kv:
+        assert not kv.connected
+        assert kv.root == short_dir / "root"
+        got = kv.load(FP, "tilde")
+        assert got is not None and got.token_ids == [1, 2, 3]
+
+
 def test_pending_bytes_budget_refuses_and_counts(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
                       max_pending_bytes=4 * 1024 * 1024)

@@ -88,7 +88,7 @@ class Client:
     ) -> None:
         self.socket_path = (config.socket_path(socket) if socket is not None
                             else settings.client_path("socket"))
-        self._root_override = Path(root) if root is not None else None
+        self._root_override = Path(root).expanduser() if root is not None else None
         self._daemon_root: Path | None = None
         if not 0 <= min_send_interval < float("inf"):
             raise ValueError(f"min_send_interval must be a finite number of seconds >= 0, "
