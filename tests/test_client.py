@@ -200,7 +200,8 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
         assert got is not None and got.token_ids == ids, cid
         with safe_open(got.path, "np") as f:
             assert json.loads(f.metadata()["kvkeeper.token_ids"]) == ids, cid
-    for bad in ([1, 2.5], ["1"], [None], [np.float32(1)], 7):
+    for bad in ([1, 2.5], ["1"], [None], [np.float32(1)], 7, [1, True],
+                np.array([True, False]), mx.array([False, True])):
         with pytest.raises(ValueError, match="token_ids must be integers"):
             client.save(FP, "bad", [c], bad)
     assert client.load(FP, "bad") is None
@@ -330,6 +331,10 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
         client.save(FP, "", [c])
     with pytest.raises(ValueError, match="limit is 1024"):
         client.load(FP, "x" * 2000)
+    with pytest.raises(ValueError, match="1026 bytes; the limit is 1024"):
+        client.delete(FP, "\u00e9" * 513)  # bytes of UTF-8 count, not characters
+    with pytest.raises(ValueError, match="model must be a string"):
+        client.load(7, "x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no layers"):
         client.save(FP, "x", [])
     with pytest.raises(ValueError, match="metadata"):

@@ -680,6 +680,10 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
             ids = msgspec.convert(token_ids, list[int])
         except msgspec.ValidationError:
             try:
+                # array("q") takes True as 1: a mask passed by mistake would
+                # be saved as token ids that look real.
+                if any(isinstance(t, bool) for t in token_ids):
+                    raise TypeError("bools are not token ids")
                 ids = array("q", token_ids).tolist()
             except (TypeError, OverflowError) as exc:
                 raise ValueError(f"token_ids must be integers: {exc}") from None
