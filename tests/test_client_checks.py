@@ -5,6 +5,7 @@ daemon that is gone. Real daemons, real sockets, real MLX caches."""
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -81,6 +82,24 @@ def test_bad_layers_raise_valueerror_with_or_without_a_daemon(
             down.save(FP, "bad", layers, [1])
         assert down.client_stats()["client_saves_dropped"] == 0
         assert down.save(FP, "ok", [kv_layer()], [1, 2, 3, 4]) is False
+
+
+def test_a_save_larger_than_max_inflight_bytes_is_logged_as_such(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save that can never fit the in-flight budget is dropped with a
+    warning that says so (before: "0 bytes already in flight", which sent
+    the reader looking for a backlog there was none of)."""
+    big = kv_layer()
+    nbytes = big.keys.nbytes + big.values.nbytes
+    with Client(daemon.socket, timeout=WAIT, max_inflight_bytes=nbytes - 1) as kv:
+        assert kv.connected
+        with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+            assert kv.save(FP, "big", [big], [1, 2, 3, 4]) is False
+        assert kv.client_stats()["client_saves_dropped"] == 1
+    [warning] = [r.getMessage() for r in caplog.records if "save_dropped" in r.getMessage()]
+    assert "reason=larger_than_inflight" in warning
+    assert f"a save of {nbytes} bytes is larger than max_inflight_bytes ({nbytes - 1})" in warning
 
 
 def test_float64_cache_is_refused_naming_the_layer(client: Client, daemon: RunningDaemon) -> None:

@@ -219,7 +219,7 @@ class Client:
         # reservation to the real count. Bytes are what bound a save here.
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         if not self._channel.reserve(cap.nbytes, estimate):
-            return self._drop_inflight()
+            return self._drop_inflight(cap.nbytes)
         # Read before the hand-off: once queued, the save may go out, its
         # daemon die and a new one be connected before this thread goes on.
         conn = self._channel.connections
@@ -308,9 +308,18 @@ class Client:
         cut()
         return messages
 
-    def _drop_inflight(self) -> bool:
+    def _drop_inflight(self, nbytes: int | None = None) -> bool:
+        limit = self._channel.max_inflight_bytes
+        if nbytes is not None and nbytes > limit:
+            # No wait would let it through: say so, rather than blame the
+            # saves in flight (there may be none).
+            return self._drop("larger_than_inflight",
+                              f"a save of {nbytes} bytes is larger than max_inflight_bytes "
+                              f"({limit}); a save that size is always dropped")
+        then = (" reach" if nbytes is None
+                else f"; this save of {nbytes} bytes would pass")
         return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
-                                      f"flight (max_inflight_bytes)")
+                                      f"flight{then} max_inflight_bytes ({limit})")
 
     def _drop(self, reason: str, message: str) -> bool:
         with self._lock:
