@@ -279,6 +279,40 @@ def test_a_load_the_daemon_does_not_answer_in_time_does_not_return_an_older_file
     assert stop_process(proc) == 0
 
 
+def test_a_load_past_the_tracked_keys_says_it_cannot_tell(
+    served: subprocess.Popen[bytes], short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its limit of tracked keys (100,000; lowered to 2 here, a constant,
+    not the daemon or the socket) a client no longer knows which keys it
+    saved, so a load the daemon does not answer in time raises for any key.
+    The message says the client cannot tell, not that this key was saved
+    (before: "a save of fp/never made through this client may not be
+    written yet", for a key never saved)."""
+    from kvkeeper.client import client as client_module
+
+    from .faultkit import filled
+
+    monkeypatch.setattr(client_module, "_MAX_UNSETTLED", 2)
+    proc = served
+    with Client(short_dir / "run" / "kv.sock", timeout=1.0, min_send_interval=0) as kv:
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(3):
+                assert kv.save("fp", f"k{i}", filled(0.05, i), [i])
+            with pytest.raises(DaemonUnavailable) as raised:
+                kv.load("fp", "never")
+            assert "no longer tracks which keys" in str(raised.value)
+            assert "a save of fp/never made through this client" not in str(raised.value)
+            with pytest.raises(DaemonUnavailable, match="a save of fp/k2 made through this "
+                                                        "client may not be written yet"):
+                kv.load("fp", "k2")  # tracked still: the save that overflowed
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert kv.flush(timeout=WAIT) is True
+        assert kv.load("fp", "never") is None
+    assert stop_process(proc) == 0
+
+
 def test_a_flush_after_a_daemon_restart_does_not_vouch_for_lost_saves(short_dir: Path) -> None:
     """A save the old daemon held (a 60 s write interval) and never wrote dies
     with it; the new daemon knows nothing of it, so the flush must say False.

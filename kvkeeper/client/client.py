@@ -372,14 +372,22 @@ class Client:
                 return self._conclude(model, cache_id, direct)
         with self._lock:
             mark = self._unsettled.get(key)
-            ours_unwritten = mark is not None or ALL_KEYS in self._unsettled
+            if mark is not None:
+                unwritten = (f"a save of {model}/{cache_id} made through this client may not "
+                             f"be written yet")
+            elif ALL_KEYS in self._unsettled:
+                unwritten = (f"this client has saves of over {_MAX_UNSETTLED} keys no flush() "
+                             f"has waited for, and no longer tracks which keys: one of "
+                             f"{model}/{cache_id} may be among them, unwritten")
+            else:
+                unwritten = None
         try:
             pending = self._channel.send_request(
                 lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
                 release=key,
             )
         except DaemonUnavailable as exc:
-            return self._read_instead(model, cache_id, exc, ours_unwritten,
+            return self._read_instead(model, cache_id, exc, unwritten,
                                       _read(guess, verify, model, cache_id))
         # A lazy read costs about as much as the daemon's answer (which comes
         # after any save of this key it holds is written): do it meanwhile, at
@@ -390,15 +398,12 @@ class Client:
         try:
             reply = self._reply(self._channel.wait(pending, self.timeout))
         except DaemonUnavailable as exc:
-            if ours_unwritten and self._channel.connected.is_set():
+            if unwritten and self._channel.connected.is_set():
                 # The daemon is up but still writing (a big save on a slow
                 # disk): the file may be older than this client's last save
                 # of the key, and read-your-writes was promised.
-                raise DaemonUnavailable(
-                    f"{exc}; a save of {model}/{cache_id} made through this client may "
-                    f"not be written yet"
-                ) from None
-            return self._read_instead(model, cache_id, exc, ours_unwritten,
+                raise DaemonUnavailable(f"{exc}; {unwritten}") from None
+            return self._read_instead(model, cache_id, exc, unwritten,
                                       early or _read(guess, verify, model, cache_id))
         self._settled(key, mark)
         if not isinstance(reply, m.Found) or not reply.path:
@@ -409,11 +414,12 @@ class Client:
         return self._conclude(model, cache_id, early)
 
     def _read_instead(self, model: str, cache_id: str, why: DaemonUnavailable,
-                      ours_unwritten: bool, attempt: _Attempt) -> LoadedCache | None:
-        """load()'s answer from the file itself, the daemon being gone."""
-        if ours_unwritten:
+                      unwritten: str | None, attempt: _Attempt) -> LoadedCache | None:
+        """load()'s answer from the file itself, the daemon being gone;
+        ``unwritten`` says why a save of ours may be missing from it."""
+        if unwritten:
             log.warning("event=load_from_file model=%s id=%s reason=%s: the file may be "
-                        "older than this client's last save of the key", model, cache_id, why)
+                        "older than this client's saves: %s", model, cache_id, why, unwritten)
         return self._conclude(model, cache_id, attempt)
 
     def _can_read_directly(self, key: tuple[str, str]) -> bool:
