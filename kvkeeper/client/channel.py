@@ -109,6 +109,10 @@ class DaemonUnavailable(ConnectionError):
     """The daemon is not running or did not answer in time."""
 
 
+class DaemonTimedOut(DaemonUnavailable):
+    """The daemon did not answer in time; it may still be up (and busy)."""
+
+
 Messages = list[list[bytes | memoryview]]
 
 
@@ -266,7 +270,7 @@ class Channel:
             return pending.future.result(timeout=timeout)
         # Until Python 3.11 the futures' TimeoutError is not the builtin one.
         except (TimeoutError, concurrent.futures.TimeoutError):
-            raise DaemonUnavailable(
+            raise DaemonTimedOut(
                 f"the daemon at {self.endpoint} did not answer within {timeout} s"
             ) from None
         finally:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvkeeper import __version__, config, settings
-from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonUnavailable
+from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonTimedOut, DaemonUnavailable
 from kvkeeper.client.codec import CacheCapture, capture_cache, check_cache, encode_capture
 from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
 from kvkeeper.protocol import messages as m
@@ -398,10 +398,11 @@ class Client:
         try:
             reply = self._reply(self._channel.wait(pending, self.timeout))
         except DaemonUnavailable as exc:
-            if unwritten and self._channel.connected.is_set():
+            if unwritten and isinstance(exc, DaemonTimedOut) and self._channel.connected.is_set():
                 # The daemon is up but still writing (a big save on a slow
                 # disk): the file may be older than this client's last save
-                # of the key, and read-your-writes was promised.
+                # of the key, and read-your-writes was promised. (A daemon
+                # that went away lost that save: the file is all there is.)
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
             return self._read_instead(model, cache_id, exc, unwritten,
                                       early or _read(guess, verify, model, cache_id))
