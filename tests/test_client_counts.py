@@ -102,11 +102,74 @@ def test_concurrent_flushes_report_each_failure_once(short_dir: Path) -> None:
             for t in threads:
                 t.join(WAIT * 2)
                 assert not t.is_alive()
-            refused = kv.stats()["saves_refused"]
+            s = kv.stats()
+            refused = s["saves_refused"]
             assert refused == 12
+            # Every refusal reached this client and nothing else went wrong: the
+            # other 36 were written or replaced by a newer save of their key.
+            assert s["client_saves_refused"] == 12, s
+            assert s["client_saves_sent"] == 48 and s["client_saves_lost"] == 0, s
+            assert s["saves_written"] + s["saves_superseded"] == 36 and s["saves_failed"] == 0, s
             assert 1 <= len(falses) <= refused
             # Nothing new failed: a failure already reported is not reported again.
             assert kv.flush(timeout=WAIT) is True
             assert kv.flush(timeout=WAIT) is True
+    finally:
+        assert rd.stop() == 0
+
+
+#: What each batch saves before its flush: small saves that fit, and saves
+#: over the disk budget that the daemon refuses ("big"), or over the client's
+#: in-flight budget that save() itself drops ("huge").
+BATCHES = [
+    ("small", "small", "small"),
+    ("small", "big", "small"),
+    ("small", "small"),
+    ("big",),
+    ("small",),
+    ("big", "small", "big"),
+    ("small", "huge", "small"),
+    ("small",),
+]
+
+COUNTS = ("saves_received", "saves_written", "saves_superseded", "saves_refused",
+          "saves_failed", "client_saves_sent", "client_saves_refused",
+          "client_saves_dropped", "client_saves_lost", "client_saves_coalesced")
+
+
+def test_each_refusal_is_reported_by_the_flush_of_its_batch(short_dir: Path) -> None:
+    """One thread, batches of saves each closed by a flush: a flush says False
+    exactly when its batch holds a refused save, and the next flush, of a batch
+    without one, says True; the counters move by exactly the batch's saves."""
+    from .conftest import start_daemon
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
+    try:
+        with Client(rd.socket, timeout=WAIT, min_send_interval=0,
+                    max_inflight_bytes=4 * 2**20) as kv:
+            caches = {"small": filled(0.05, 1), "big": filled(1.5, 2), "huge": filled(6, 3)}
+            before = {k: kv.stats()[k] for k in COUNTS}
+            for n, batch in enumerate(BATCHES):
+                for j, kind in enumerate(batch):
+                    # Small saves use a key of their own in the batch: none
+                    # replaces another, so each is written.
+                    assert kv.save(FP, f"{kind}-{j}", caches[kind], [n]) is (kind != "huge")
+                refused, small = batch.count("big"), batch.count("small")
+                assert kv.flush(timeout=WAIT) is (refused == 0), (n, batch)
+                after = {k: kv.stats()[k] for k in COUNTS}
+                moved = {k: after[k] - before[k] for k in COUNTS}
+                # A refusal is the daemon's (counted there and in this client,
+                # whose flush reports it); a drop is save()'s own False, never
+                # sent and never a flush's business.
+                assert moved == {
+                    "saves_received": small + refused, "saves_written": small,
+                    "saves_superseded": 0, "saves_refused": refused, "saves_failed": 0,
+                    "client_saves_sent": small + refused, "client_saves_refused": refused,
+                    "client_saves_dropped": batch.count("huge"), "client_saves_lost": 0,
+                    "client_saves_coalesced": 0,
+                }, (n, batch, moved)
+                before = after
+                # Reported once: a flush with nothing handed off since says True.
+                assert kv.flush(timeout=WAIT) is True, (n, batch)
     finally:
         assert rd.stop() == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -111,23 +112,67 @@ def test_slow_disk_keeps_memory_bounded(short_dir: Path, max_pending_mib: int) -
         base = vm_kib(proc.pid, "VmRSS")
         caches = [filled(12, v) for v in range(1, 5)]
         sent = 0
-        with Client(sock, timeout=60, max_inflight_bytes=64 * 2**20) as kv:
-            for i in range(40):
-                v = i + 1
-                c = caches[i % 4]
-                if kv.save(FP, f"k{i % 4}", c, [v]):
-                    sent += 1
-                time.sleep(0.01)
-            assert kv.flush(timeout=120) is False  # some were refused: flush says so
-            stats = kv.stats()
+        # The daemon's own gauge of what its writer holds, sampled by a client
+        # of its own all through the saves and the flush: RSS alone cannot
+        # tell the budget from the allocator's slack.
+        gauges: list[dict[str, float]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            with Client(sock, timeout=WAIT) as mon:
+                while not done.is_set():
+                    gauges.append(mon.stats())
+                    done.wait(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            with Client(sock, timeout=60, max_inflight_bytes=64 * 2**20) as kv:
+                for i in range(40):
+                    v = i + 1
+                    c = caches[i % 4]
+                    if kv.save(FP, f"k{i % 4}", c, [v]):
+                        sent += 1
+                    time.sleep(0.01)
+                assert kv.flush(timeout=120) is False  # some were refused: flush says so
+                stats = kv.stats()
+        finally:
+            done.set()
+            sampler.join(WAIT)
+        assert not sampler.is_alive()
         accounted(stats)
         assert stats["saves_received"] == sent
         assert stats["saves_superseded"] + stats["saves_refused"] > 0
         assert stats["client_saves_dropped"] + sent == 40
+        # Every save not written is counted once as why: dropped by the
+        # client, or superseded, refused or failed in the daemon.
+        assert stats["saves_failed"] == 0 and stats["client_saves_lost"] == 0, stats
+        assert stats["client_saves_sent"] + stats["client_saves_coalesced"] == sent, stats
+        assert stats["client_saves_refused"] == stats["saves_refused"], stats
+        assert 40 - stats["saves_written"] == (stats["client_saves_dropped"]
+                                               + stats["client_saves_coalesced"]
+                                               + stats["saves_superseded"]
+                                               + stats["saves_refused"]), stats
+        # Refused for the memory budget, not for anything else.
+        log = proc.log_path.read_text(errors="replace")  # type: ignore[attr-defined]
+        assert log.count("event=save_refused code=busy ") == stats["saves_refused"], log[-2000:]
+        # The daemon reports no peak of its pending bytes, only the gauge now:
+        # every sample stays within the writer's share of the budget, and that
+        # share within --max-pending-bytes (ZeroMQ's queue has the rest).
+        limit = max_pending_mib * 2**20
+        assert all(g["max_pending_bytes"] == limit for g in gauges)
+        share = gauges[0]["writer_max_pending_bytes"]
+        assert 0 < share < limit and all(g["writer_max_pending_bytes"] == share for g in gauges)
+        pending = [g["pending_bytes"] for g in gauges]
+        assert max(pending) <= share, (max(pending), share)
+        # The samples saw the pressure: at least one 12 MiB save waiting.
+        assert max(pending) >= 12 * 2**20, max(pending)
+        assert stats["pending_bytes"] == 0, stats
         peak = vm_kib(proc.pid, "VmHWM")
         assert peak - base < (max_pending_mib + 100) * 1024, (base, peak)
         print(f"slow disk: daemon RSS {base // 1024} MiB at start, peak {peak // 1024} MiB; "
-              f"{stats}")
+              f"pending peak sampled {max(pending) / 2**20:.1f} of {share / 2**20:.1f} MiB "
+              f"in {len(gauges)} samples; {stats}")
     finally:
         assert stop_process(proc) == 0
 
