@@ -60,7 +60,7 @@ def test_saves_racing_close_are_each_sent_lost_or_dropped(short_dir: Path) -> No
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
     try:
-        for _ in range(30):
+        for _ in range(12):
             kv = Client(sock, timeout=WAIT, min_send_interval=0)
             assert kv.connected
             handed, started = [0], threading.Event()

@@ -181,6 +181,8 @@ class Channel:
         self._closing = threading.Event()
         self._close_claimed = False  # under _lock: only the first close() closes
         self._stopped = False  # under _lock: the I/O thread is gone, no request can be answered
+        self._thread_closes_pipe = False  # under _lock: close() gave up waiting for the thread
+        self._ended = threading.Event()  # the I/O thread has stopped and counted everything
         self.forked = False  # this is a forked child's copy: it can never send
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -225,7 +227,9 @@ class Channel:
         them. False (the room given back) when the I/O thread has stopped: a
         ``close()`` ran meanwhile, e.g. the exit hook beside a worker thread."""
         with self._lock:
-            if self._stopped:
+            # Once close() stops waiting, nothing queued is sent any more: a
+            # save then would return True only to be counted lost.
+            if self._stopped or self._closing.is_set():
                 self._inflight_bytes -= nbytes
                 self._inflight_messages -= nmessages
                 return False
@@ -308,15 +312,27 @@ class Channel:
         while (self._outbox or self._inflight_bytes) and self.connected.is_set() and waited < timeout:
             deadline.wait(0.01)
             waited += 0.01
-        self._closing.set()
+        with self._lock:  # send_save looks under it
+            self._closing.set()
         self._wake()
-        self._thread.join(timeout=5.0)
+        # The thread's loop is over and everything counted once _ended is set;
+        # the pipe is polled in that loop only.
+        self._ended.wait(timeout=5.0)
         with self._lock:
-            # Under the lock that _push wakes under: a save() racing close()
-            # must not write its byte to a descriptor number reused meanwhile.
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
+            if not self._ended.is_set():
+                # It still polls the pipe: closing it now could hand its
+                # descriptor number to another file. It closes them as it ends.
+                self._thread_closes_pipe = True
+                log.warning("event=client_close_slow: the I/O thread did not end within 5 s")
+                return
+            self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        # Under the lock that _push wakes under: a save() racing close() must
+        # not write its byte to a descriptor number reused meanwhile.
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._wake_r = self._wake_w = -1
 
     def _push(self, item: _Request, *, hand_over: bool) -> None:
         with self._lock:
@@ -430,14 +446,27 @@ class Channel:
             self._held.clear()
             trackers.clear()
             self.counters.saves_lost += len(unsent)
-            for save in unsent:
-                self._release_save(save)
+            # In one hold of the lock: a thread still calling save() contends
+            # for it, and each wait for it costs this thread a GIL hand-over.
+            with self._lock:
+                self._inflight_bytes -= sum(save.nbytes for save in unsent)
+                self._inflight_messages -= sum(save.count for save in unsent)
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
             self._ctx.term()
             self.connected.clear()
             self._fail_waiting("client closed")
+            with self._lock:
+                if self._thread_closes_pipe:
+                    self._close_pipe()
+            self._ended.set()
+            # Last, once close() may return: letting go of thousands of
+            # captures takes seconds while a thread still calling save() holds
+            # the GIL (each MLX array freed hands it over).
+            for save in unsent:
+                save.messages.clear()
+                save.build = None
 
     def _monitor_events(self, monitor: zmq.Socket) -> bool:
         """Follow the connection's events; True when it was lost."""
