@@ -193,8 +193,10 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     assert client.save(FP, "numpy", [c], np.array([1, 2, 2**62], dtype=np.int64))
     assert client.save(FP, "mlx", [c], mx.array([3, 4], dtype=mx.uint32))
     assert client.save(FP, "numpy-scalars", [c], [np.int32(9), np.uint64(10)])
+    assert client.save(FP, "generator", [c], (i for i in (11, 12)))  # read once
     assert client.flush(timeout=WAIT)
-    expect = {"list": [5, 6, 7], "numpy": [1, 2, 2**62], "mlx": [3, 4], "numpy-scalars": [9, 10]}
+    expect = {"list": [5, 6, 7], "numpy": [1, 2, 2**62], "mlx": [3, 4], "numpy-scalars": [9, 10],
+              "generator": [11, 12]}
     for cid, ids in expect.items():
         got = client.load(FP, cid)
         assert got is not None and got.token_ids == ids, cid
@@ -204,6 +206,9 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
                 np.array([True, False]), mx.array([False, True])):
         with pytest.raises(ValueError, match="token_ids must be integers"):
             client.save(FP, "bad", [c], bad)
+    for batch in (mx.array([[1, 2, 3]]), np.array([[1, 2, 3]])):
+        with pytest.raises(ValueError, match=r"one row of integers.*\(1, 3\)"):
+            client.save(FP, "bad", [c], batch)
     assert client.load(FP, "bad") is None
 
 

@@ -687,6 +687,9 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
         raise ValueError("cache has no layers")
     ids: list[int] | None = None
     if token_ids is not None:
+        if getattr(token_ids, "ndim", 1) != 1:  # e.g. a batch of one, mx.array([ids])
+            raise ValueError(f"token_ids must be one row of integers, not an array of shape "
+                             f"{tuple(token_ids.shape)}")
         if hasattr(token_ids, "tolist"):
             token_ids = token_ids.tolist()
         # A copy the caller cannot change afterwards, checked in C: a list of
@@ -696,11 +699,12 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
             ids = msgspec.convert(token_ids, list[int])
         except msgspec.ValidationError:
             try:
+                items = list(token_ids)  # once: it may be an iterator
                 # array("q") takes True as 1: a mask passed by mistake would
                 # be saved as token ids that look real.
-                if any(isinstance(t, bool) for t in token_ids):
+                if any(isinstance(t, bool) for t in items):
                     raise TypeError("bools are not token ids")
-                ids = array("q", token_ids).tolist()
+                ids = array("q", items).tolist()
             except (TypeError, OverflowError) as exc:
                 raise ValueError(f"token_ids must be integers: {exc}") from None
     return layers, ids
