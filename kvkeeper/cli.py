@@ -279,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         # An id or setting given on the command line or in the config: usage.
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        # import and export read and write caches through MLX, which an
+        # install of the daemon alone does not have.
+        if (exc.name or "").partition(".")[0] not in ("mlx", "mlx_lm", "mlx_vlm", "numpy"):
+            raise
+        print(f"kvkeeper {args.command} needs the mlx extra (pip install 'kvkeeper[mlx]'): "
+              f"{exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

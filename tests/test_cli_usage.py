@@ -367,3 +367,60 @@ def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(
     assert r.returncode == 1 and "no entries of model model-aa" in r.stdout
     r = cli("rm", "--socket", sock, "--model", "model-a")
     assert r.returncode == 0 and "deleted 1 entries" in r.stdout
+
+
+#: The CLI as an install without the mlx extra runs it: MLX, mlx-lm and
+#: mlx-vlm cannot be imported (the finder refuses them, as a missing package
+#: would; nothing of MLX is imitated).
+_WITHOUT_MLX = """
+import importlib.abc, sys
+
+class NoMlx(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("mlx", "mlx_lm", "mlx_vlm"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoMlx())
+from kvkeeper.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_commands_that_only_talk_to_the_daemon_run_without_mlx(
+    daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """``pip install kvkeeper`` brings the daemon only: stats, ls, rm, gc,
+    verify and install-service work there (before: every one of them died
+    importing MLX, with a traceback); import and export, which read and write
+    caches through MLX, say what to install, exit 2."""
+    import subprocess
+    import sys
+
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        assert kv.save("m", "c", small_cache(), [1, 2, 3, 4, 5])
+        assert kv.flush(timeout=WAIT)
+    sock = str(daemon.socket)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    base["XDG_CONFIG_HOME"] = str(short_dir / "config")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _WITHOUT_MLX, *args], capture_output=True,
+                              text=True, timeout=WAIT, env=base)
+
+    for args in (("stats", "--socket", sock), ("ls", "--socket", sock, "--json"),
+                 ("gc", "--socket", sock), ("verify", "--socket", sock),
+                 ("install-service", "--print", "--platform", "linux", "--socket", sock)):
+        r = run(*args)
+        assert r.returncode == 0, (args, r.stderr)
+        assert "mlx" not in r.stderr.lower(), (args, r.stderr)
+    assert [e["cache_id"] for e in json.loads(run("ls", "--socket", sock, "--json").stdout)] \
+        == ["c"]
+    for args in (("export", "--socket", sock, "m", "c", str(short_dir / "out.safetensors")),
+                 ("import", "--socket", sock, str(short_dir / "out.safetensors"))):
+        r = run(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "needs the mlx extra" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("rm", "--socket", sock, "m", "c")
+    assert r.returncode == 0, r.stderr
+    assert run("ls", "--socket", sock, "--json").stdout.strip() == "[]"

@@ -25,13 +25,13 @@ import msgspec
 
 from kvkeeper import __version__, config, settings
 from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonTimedOut, DaemonUnavailable
-from kvkeeper.client.codec import CacheCapture, capture_cache, check_cache, encode_capture
-from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
 
 if TYPE_CHECKING:
+    from kvkeeper.client.codec import CacheCapture
+    from kvkeeper.client.reader import CacheFileError, LoadedCache
     from kvkeeper.writebehind import WriteBehind
 
 log = logging.getLogger("kvkeeper.client")
@@ -49,7 +49,16 @@ JOIN_BYTES = 2 * 1024 * 1024
 #: stand-in for every key makes all loads ask the daemon until a flush.
 _MAX_UNSETTLED = 100_000
 
-__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "LoadedCache"]
+__all__ = ["Client", "DaemonError", "DaemonUnavailable"]
+
+
+def _codec():  # type: ignore[no-untyped-def]
+    # MLX is imported on a first save or load, not with this module: the
+    # commands that only talk to the daemon (stats, ls, rm, gc) work in an
+    # install without the mlx extra.
+    from kvkeeper.client import codec
+
+    return codec
 
 
 class Client:
@@ -201,7 +210,7 @@ class Client:
         # a bad cache is the caller's mistake, and must not pass for a drop.
         connected = self._channel.connected.is_set()
         if not connected or self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
-            check_cache(layers)
+            _codec().check_cache(layers)
             if connected:
                 return self._drop_inflight()
             if self._channel.forked:
@@ -210,7 +219,7 @@ class Client:
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
         # Only the capture (which checks the layers) runs here; the JSON, the
         # byte runs and the messages are built on the I/O thread (_messages).
-        cap = capture_cache(layers)
+        cap = _codec().capture_cache(layers)
         limit = self._max_save_bytes
         if limit is not None and cap.nbytes > limit:
             return self._drop("too_large", f"a save of {cap.nbytes} bytes exceeds the daemon's "
@@ -267,7 +276,7 @@ class Client:
     ) -> list[list[bytes | memoryview]]:
         """The save stream of a capture: a SaveBegin, then SaveData messages of
         at most CHUNK_BYTES. Runs on the channel's I/O thread."""
-        snap = encode_capture(cap)
+        snap = _codec().encode_capture(cap)
         save_id = self._channel.next_save_id()
         meta = {
             st.LAYERS_KEY: snap.layers,
@@ -649,6 +658,8 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
     """Read the cache file at ``path``, once more if it was replaced mid-read."""
+    from kvkeeper.client.reader import CacheFileError, read_cache_file
+
     attempt = _Attempt(path)
     for retry in range(2):
         try:
