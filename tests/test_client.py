@@ -240,7 +240,7 @@ def test_a_save_that_fails_to_encode_is_counted_lost(
     # messages then fails on the I/O thread (a kvkeeper bug, injected here),
     # the save is counted lost, the next flush() says so, its room in the
     # in-flight budget comes back, and later saves go through.
-    from kvkeeper.client import client as client_module
+    from kvkeeper.client import codec
 
     def broken(cap: object) -> object:
         raise RuntimeError("injected encoding failure")
@@ -250,7 +250,7 @@ def test_a_save_that_fails_to_encode_is_counted_lost(
     c.update_and_fetch(x, x)
     with Client(daemon.socket, timeout=WAIT) as kv:
         with monkeypatch.context() as mp:
-            mp.setattr(client_module, "encode_capture", broken)
+            mp.setattr(codec, "encode_capture", broken)
             assert kv.save(FP, "lost", [c], [1]) is True
             assert kv.flush(timeout=WAIT) is False
         stats = kv.stats()
