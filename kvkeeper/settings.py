@@ -180,6 +180,23 @@ def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "kvkeeper" / "config.toml"
 
 
+def _config_values(config_file: Path | None,
+                   environ: Mapping[str, str]) -> tuple[Path, dict[str, Any]]:
+    """The config file's path and its values (none if it does not exist)."""
+    # A file named by $KVKEEPER_CONFIG is asked for as much as one given by
+    # --config: its absence is an error, not a silent fallback to defaults.
+    explicit = config_file is not None or bool(environ.get(ENV_CONFIG))
+    path = config_file or default_config_file(environ)
+    if not path.exists():
+        if explicit:
+            raise SettingsError(f"config file {path} does not exist")
+        return path, {}
+    try:
+        return path, tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"config file {path}: {exc}") from None
+
+
 def resolve(
     flags: Mapping[str, Any],
     config_file: Path | None = None,
@@ -187,22 +204,11 @@ def resolve(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Effective values and, for each, where it came from."""
     environ = os.environ if environ is None else environ
-    # A file named by $KVKEEPER_CONFIG is asked for as much as one given by
-    # --config: its absence is an error, not a silent fallback to defaults.
-    explicit = config_file is not None or bool(environ.get(ENV_CONFIG))
-    path = config_file or default_config_file(environ)
-    file_values: dict[str, Any] = {}
-    if path.exists():
-        try:
-            file_values = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SettingsError(f"config file {path}: {exc}") from None
-        unknown = sorted(set(file_values) - set(BY_NAME))
-        if unknown:
-            raise SettingsError(f"config file {path}: unknown settings {unknown}; "
-                                f"known: {sorted(BY_NAME)}")
-    elif explicit:
-        raise SettingsError(f"config file {path} does not exist")
+    path, file_values = _config_values(config_file, environ)
+    unknown = sorted(set(file_values) - set(BY_NAME))
+    if unknown:
+        raise SettingsError(f"config file {path}: unknown settings {unknown}; "
+                            f"known: {sorted(BY_NAME)}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for s in SETTINGS:
@@ -230,19 +236,19 @@ def client_path(name: str) -> Path:
     """The ``socket`` or ``root`` a client uses when none is given: the one
     ``serve`` would use without flags (``$KVKEEPER_SOCKET``/``_ROOT``, else
     the config file's, else the default), so one config file serves both
-    sides. A config file that cannot be used falls back to the default
-    (``serve`` reports what is wrong with it); an unusable value in the
-    setting's own environment variable raises SettingsError, as it would for
-    ``serve``: it names this process's daemon, not a shared file."""
+    sides. Only this setting is looked at: a bad value of another one is
+    ``serve``'s to report. Raises SettingsError when this setting's value, or
+    the config file itself, cannot be used, as ``serve`` would: falling back
+    to the default would look for a daemon where none is."""
     s = BY_NAME[name]
-    raw = os.environ.get(s.env)
-    if raw:
-        try:
-            return Path(s.parse(raw))
-        except (ValueError, TypeError) as exc:
-            raise SettingsError(f"{name} from environment {s.env}: {exc}") from None
+    raw = os.environ.get(s.env) or None
+    source = f"environment {s.env}"
+    if raw is None:
+        path, values = _config_values(None, os.environ)
+        raw, source = values.get(name), f"config file {path}"
+    if raw is None:
+        return Path(s.default())
     try:
-        values, _ = resolve({})
-    except SettingsError:
-        return Path(BY_NAME[name].default())
-    return Path(values[name])
+        return Path(s.parse(raw))
+    except (ValueError, TypeError) as exc:
+        raise SettingsError(f"{name} from {source}: {exc}") from None

@@ -424,3 +424,35 @@ def test_the_commands_that_only_talk_to_the_daemon_run_without_mlx(
     r = run("rm", "--socket", sock, "m", "c")
     assert r.returncode == 0, r.stderr
     assert run("ls", "--socket", sock, "--json").stdout.strip() == "[]"
+
+
+def test_a_client_takes_its_socket_from_the_config_file_whatever_else_is_in_it(
+    daemon: RunningDaemon, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config file names the socket; a bad value of another setting (in
+    the file or the environment), or a setting this version does not know,
+    is serve's to report, and the client still finds the daemon (before: it
+    fell back to the default socket, "no daemon", exit 3). A file that does
+    not parse, or a socket in it that cannot be used, is an error naming the
+    file (exit 2), not a silent fallback."""
+    cfg = short_dir / "cfg"
+    (cfg / "kvkeeper").mkdir(parents=True)
+    toml = cfg / "kvkeeper" / "config.toml"
+    env = {"XDG_CONFIG_HOME": str(cfg)}
+    good = f'socket = "{daemon.socket}"\n'
+    for extra, extra_env in (("", {}), ('max_disk_bytes = "lots"\n', {}),
+                             ("colour = 1\n", {}), ("", {"KVKEEPER_DRAIN_TIMEOUT": "20s"})):
+        toml.write_text(good + extra)
+        r = cli("stats", "--json", env={**env, **extra_env})
+        assert r.returncode == 0, (extra, extra_env, r.stderr)
+        assert json.loads(r.stdout)["max_pending_bytes"] > 0
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(cfg))
+    monkeypatch.delenv("KVKEEPER_SOCKET", raising=False)
+    with Client(timeout=WAIT) as kv:  # the file still has an unknown setting
+        assert kv.socket_path == daemon.socket and kv.connected
+    for text, needle in (("socket = [", "config.toml"),
+                         ('socket = "tcp://h:1"\n', "local socket only")):
+        toml.write_text(text)
+        usage_error(cli("ls", env=env), str(toml), needle)
+        with pytest.raises(ValueError, match=needle):
+            Client(timeout=WAIT)

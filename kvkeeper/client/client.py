@@ -65,11 +65,12 @@ class Client:
     """A connection to the kvkeeper daemon. Thread-safe.
 
     ``socket`` (a path, or the ``ipc://`` endpoint kvkeeper prints) defaults to
-    ``$KVKEEPER_SOCKET`` or the per-user default (a ``ValueError`` if it names
-    another transport than a local socket);
+    ``$KVKEEPER_SOCKET``, the config file's or the per-user default;
     ``root`` (where ``load()`` reads files itself when the daemon is down)
-    defaults to what the daemon reports, else ``$KVKEEPER_ROOT`` or the
-    per-user default. ``max_inflight_bytes`` bounds what saves may hold
+    defaults to what the daemon reports, else ``$KVKEEPER_ROOT``, the config
+    file's or the per-user default. A ``ValueError`` if either, given or
+    found, cannot be used (a socket of another transport than a local one, a
+    config file that does not parse). ``max_inflight_bytes`` bounds what saves may hold
     before the daemon has taken their bytes; a save that does not fit is
     dropped, never waited for. A save (of up to 64 MiB) of a cache this
     client sent less than ``min_send_interval`` seconds ago waits in the
@@ -98,6 +99,9 @@ class Client:
         self.socket_path = (config.socket_path(socket) if socket is not None
                             else settings.client_path("socket"))
         self._root_override = Path(root).expanduser() if root is not None else None
+        # Resolved now: a config file that cannot be used is an error of the
+        # constructor's, not of a later load() with the daemon down.
+        self._configured_root = settings.client_path("root") if root is None else None
         self._daemon_root: Path | None = None
         if not 0 <= min_send_interval < float("inf"):
             raise ValueError(f"min_send_interval must be a finite number of seconds >= 0, "
@@ -171,7 +175,9 @@ class Client:
     @property
     def root(self) -> Path:
         """The store root that ``load()`` reads directly when the daemon is down."""
-        return self._root_override or self._daemon_root or settings.client_path("root")
+        root = self._root_override or self._daemon_root or self._configured_root
+        assert root is not None
+        return root
 
     # ------------------------------------------------------------ save
 
