@@ -18,7 +18,8 @@ Settings for serve come from flags, then KVKEEPER_* environment variables
 config file ($KVKEEPER_CONFIG or $XDG_CONFIG_HOME/kvkeeper/config.toml, by
 default ~/.config/kvkeeper/config.toml), then defaults;
 `kvkeeper serve --print-config` shows the result. The other commands, given
-no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes.
+no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
+(1.5G); without one they are whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running."""
 

@@ -59,6 +59,11 @@ def parse_size(text: str | int | float) -> int:
         # with an OverflowError no caller expects.
         if not math.isfinite(number):
             raise ValueError(f"a size must be a finite number of bytes, not {text!r}")
+        # Cut to whole bytes, "1.5" would be a disk budget of 1 byte (every
+        # entry evicted) and "0.5" none at all: surely a missing unit.
+        if number != int(number) and (unit == "" or int(number) == 0):
+            hint = f" (a unit missing? e.g. {num.strip()}G)" if unit == "" else ""
+            raise ValueError(f"a size is a whole number of bytes, not {text!r}{hint}")
         value = int(number)
     if value < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")

@@ -309,6 +309,24 @@ def test_a_pending_budget_of_zero_is_refused(short_dir: Path) -> None:
         Daemon(DaemonConfig(root=short_dir / "root", socket=sock, max_pending_bytes=0))
 
 
+def test_a_size_in_fractions_of_a_byte_is_refused(short_dir: Path) -> None:
+    """"1.5" as a disk budget was cut to 1 byte (every entry evicted at
+    start) and "0.5" to 0 (no budget at all): a unit was surely missing. A
+    size without a unit is a whole number of bytes; with one, it is rounded
+    down to whole bytes."""
+    r = cli("serve", "--max-disk-bytes", "1.5", "--print-config")
+    assert r.returncode == 2 and "whole number of bytes" in r.stderr and "1.5G" in r.stderr
+    usage_error(cli("serve", "--print-config", env={"KVKEEPER_MAX_DISK_BYTES": "0.5"}),
+                "KVKEEPER_MAX_DISK_BYTES", "whole number of bytes")
+    cfg = short_dir / "config.toml"
+    cfg.write_text("min_free_bytes = 1.5\n")
+    usage_error(cli("serve", "--config", str(cfg), "--print-config"),
+                "min_free_bytes", "whole number of bytes")
+    r = cli("serve", "--max-disk-bytes", "1.5G", "--min-free-bytes", "0.5K", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert str(3 * 2**29) in r.stdout and " 512 " in r.stdout.replace("\n", " "), r.stdout
+
+
 def test_a_socket_given_as_the_endpoint_kvkeeper_prints(
     daemon: RunningDaemon, short_dir: Path
 ) -> None:
