@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
@@ -34,6 +35,18 @@ class CommandError(Exception):
     def __init__(self, message: str, status: int = 1) -> None:
         super().__init__(message)
         self.status = status
+
+
+def shown(value: object) -> Text:
+    """A name that came from a user (model, id, path, a message quoting one)
+    as it is: never read as markup ("arr[i]" stays so, for copying into
+    ``rm``), control characters escaped (a newline or ESC would break a
+    table or drive the terminal)."""
+    s = str(value)
+    if not s.isprintable():
+        s = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                    for c in s)
+    return Text(s)
 
 
 def human(n: float) -> str:
@@ -155,10 +168,11 @@ def ls(args: argparse.Namespace) -> int:
     if args.all:
         table.add_column("kind")
     for e in entries:
-        row = [e.model, e.cache_id, str(e.tokens), human(e.nbytes), ago(e.saved_at, now),
-               ago(e.last_used, now)]
+        row: list[str | Text] = [shown(e.model), shown(e.cache_id), str(e.tokens),
+                                 human(e.nbytes), ago(e.saved_at, now), ago(e.last_used, now)]
         if args.all:
-            row.append(e.kind if e.kind == "entry" else f"[yellow]{e.kind}[/] {e.path}")
+            row.append(e.kind if e.kind == "entry"
+                       else Text.assemble((e.kind, "yellow"), " ", shown(e.path)))
         table.add_row(*row)
     out.print(table)
     return 0
@@ -187,9 +201,10 @@ def rm(args: argparse.Namespace) -> int:
         for e in entries:
             kv.delete(e.model, e.cache_id)
     if not entries:  # as for one entry: a typo in the model must not read as done
-        out.print(f"no entries of model {args.all_of_model}")
+        out.print(Text.assemble("no entries of model ", shown(args.all_of_model)))
         return 1
-    out.print(f"deleted {len(entries)} entries of model {args.all_of_model}")
+    out.print(Text.assemble(f"deleted {len(entries)} entries of model ",
+                            shown(args.all_of_model)))
     return 0
 
 
@@ -204,7 +219,7 @@ def gc(args: argparse.Namespace) -> int:
     for col in ("model", "id", "size", "kind"):
         table.add_column(col)
     for e in result.entries:
-        table.add_row(e.model, e.cache_id, human(e.nbytes), e.kind)
+        table.add_row(shown(e.model), shown(e.cache_id), human(e.nbytes), e.kind)
     out.print(table)
     out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
               f"its file system")
@@ -270,11 +285,12 @@ def verify(args: argparse.Namespace) -> int:
                      "bad": [{"path": str(p), "reason": r} for p, r in bad],
                      "moved_aside": [str(p) for p in repaired]})
     else:
-        out.print(f"{len(files) - len(legacy)} files verified under {root}"
-                  + (f", {len(legacy)} legacy files without checksums" if legacy else ""))
+        out.print(Text.assemble(f"{len(files) - len(legacy)} files verified under ", shown(root),
+                                f", {len(legacy)} legacy files without checksums"
+                                if legacy else ""))
         for p, reason in bad:
-            out.print(f"[red]BAD[/] {p}: {reason}"
-                      + (" [green](moved aside)[/]" if p in repaired else ""))
+            out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
+                                    (" (moved aside)", "green") if p in repaired else ""))
         if not bad:
             out.print("[green]all good[/]")
     return 1 if bad else 0
@@ -290,7 +306,8 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
         for path, reason in bad:
             model, cache_id = naming.key_of(path)
             if model is None or cache_id is None:
-                err.print(f"cannot repair {path}: its name does not decode to an id")
+                err.print(Text.assemble("cannot repair ", shown(path),
+                                        ": its name does not decode to an id"))
                 continue
             ident = path.lstat()
             reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
@@ -391,9 +408,9 @@ def import_files(args: argparse.Namespace) -> int:
                      "failed": [{"path": str(p), "reason": r} for p, r in failed]})
     else:
         for p, mo, c in done:
-            out.print(f"imported {p} as {mo} / {c}")
+            out.print(Text.assemble("imported ", shown(p), " as ", shown(mo), " / ", shown(c)))
         for p, r in failed:
-            out.print(f"[red]not imported[/] {p}: {r}")
+            out.print(Text.assemble(("not imported", "red"), " ", shown(p), ": ", shown(r)))
     return 1 if failed else 0
 
 
@@ -471,8 +488,9 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot write {dest}: {exc}") from None
     # Not mlx_lm.generate --prompt-cache-file: it also wants the model and
     # tokenizer config in the metadata, which kvkeeper does not have.
-    out.print(f"wrote {dest} ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens); "
-              f"open it with mlx_lm.models.cache.load_prompt_cache")
+    out.print(Text.assemble("wrote ", shown(dest),
+                            f" ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens); "
+                            f"open it with mlx_lm.models.cache.load_prompt_cache"))
     return 0
 
 
@@ -533,7 +551,7 @@ def install_service(args: argparse.Namespace) -> int:
     except service.ServiceError as exc:
         raise CommandError(f"wrote {sf.path}, but loading it failed: {exc} (with --no-load, "
                            f"install-service only writes the file)") from None
-    out.print(f"installed {sf.path}" + ("" if args.no_load else " and started it"))
+    out.print(Text.assemble("installed ", shown(sf.path), "" if args.no_load else " and started it"))
     return 0
 
 
@@ -547,7 +565,7 @@ def uninstall_service(args: argparse.Namespace) -> int:
     except service.ServiceError as exc:
         raise CommandError(f"stopping the service failed, so {sf.path} stays: {exc} (with "
                            f"--no-load, uninstall-service only removes the file)") from None
-    out.print(f"removed {sf.path}" if existed else f"no service file at {sf.path}")
+    out.print(Text.assemble("removed " if existed else "no service file at ", shown(sf.path)))
     return 0
 
 

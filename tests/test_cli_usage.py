@@ -474,3 +474,26 @@ def test_a_client_takes_its_socket_from_the_config_file_whatever_else_is_in_it(
         usage_error(cli("ls", env=env), str(toml), needle)
         with pytest.raises(ValueError, match=needle):
             Client(timeout=WAIT)
+
+
+def test_names_are_printed_as_they_are(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """Models and ids are the user's text: brackets are not markup ("m[b]x"
+    was listed as "mx", so `rm` of what ls showed missed), and a newline or
+    ESC in an id is shown escaped, never sent to the terminal."""
+    sock = str(daemon.socket)
+    names = [("m[b]x", "arr[i]"), ("m[b]x", "[bold]rich[/bold]"), ("m[b]x", "two\nlines\x1b[2J")]
+    for model, cache_id in names:
+        assert client.save(model, cache_id, small_cache(), [1, 2, 3, 4, 5])
+    assert client.flush(timeout=WAIT)
+    listed = cli("ls", "--socket", sock, env={"COLUMNS": "200"}).stdout
+    assert "m[b]x" in listed and "arr[i]" in listed and "[bold]rich[/bold]" in listed, listed
+    assert "two\\nlines\\x1b[2J" in listed and "\x1b" not in listed, listed
+    out = short_dir / "x[1].safetensors"
+    r = cli("export", "--socket", sock, "m[b]x", "arr[i]", str(out))
+    assert r.returncode == 0 and str(out) in r.stdout, r.stdout
+    r = cli("import", "--socket", sock, str(out), "--id", "c[d]")
+    assert r.returncode == 0 and "as m[b]x / c[d]" in r.stdout, r.stdout
+    r = cli("rm", "--socket", sock, "--model", "m[b]x")
+    assert r.returncode == 0 and "4 entries of model m[b]x" in r.stdout, r.stdout
