@@ -159,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
                          description="Write an entry to PATH in mlx_lm's save_prompt_cache "
                          "format, for mlx_lm.models.cache.load_prompt_cache, readable by you "
                          "alone (mode 0600, as the store's files: it holds the conversation). "
+                         "Its metadata holds the model (kvkeeper_model), the id "
+                         "(kvkeeper_cache_id), the token ids (token_ids) and the entry's own "
+                         "metadata (kvkeeper_metadata, JSON); kvkeeper import restores each. "
                          "Needs the mlx extra. Works without a daemon, reading the store's "
                          "file.")
     _socket_arg(exp)

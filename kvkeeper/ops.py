@@ -443,7 +443,12 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
 def export(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import save_prompt_cache
 
-    from kvkeeper.client.legacy import EXPORT_CACHE_ID_KEY, EXPORT_MODEL_KEY, EXPORT_TOKENS_KEY
+    from kvkeeper.client.legacy import (
+        EXPORT_CACHE_ID_KEY,
+        EXPORT_METADATA_KEY,
+        EXPORT_MODEL_KEY,
+        EXPORT_TOKENS_KEY,
+    )
 
     dest: Path = args.path
     if dest.suffix != naming.SUFFIX:
@@ -473,6 +478,8 @@ def export(args: argparse.Namespace) -> int:
     # No dots in the keys: mlx-lm's loader turns "a.b" into nested dicts.
     meta = {EXPORT_MODEL_KEY: args.model, EXPORT_CACHE_ID_KEY: args.cache_id,
             EXPORT_TOKENS_KEY: json.dumps(got.token_ids)}
+    if got.metadata:
+        meta[EXPORT_METADATA_KEY] = json.dumps(got.metadata)
     tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
     try:
         # The file holds a conversation: 0600 like the store's own files, from

@@ -252,12 +252,15 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     tokens = prompt(40)
     cache = make_prompt_cache(model)
     prefill(model, tokens, cache)
-    assert client.save("tiny", "conv", cache, tokens) and client.flush(timeout=WAIT)
+    user = {"user": "alice", "turn.no": "3"}  # a dot: mlx-lm's loader would nest it
+    assert client.save("tiny", "conv", cache, tokens, metadata=user)
+    assert client.flush(timeout=WAIT)
     out = short_dir / "exported.safetensors"
     r = cli("export", "--socket", sock, "tiny", "conv", str(out))
     assert r.returncode == 0, r.stderr
     loaded, meta = load_prompt_cache(str(out), return_metadata=True)
     assert json.loads(meta["token_ids"]) == tokens and meta["kvkeeper_model"] == "tiny"
+    assert json.loads(meta["kvkeeper_metadata"]) == user
     a = model(mx.array([[5]]), cache=loaded)[0, -1]
     b = model(mx.array([[5]]), cache=cache)[0, -1]
     mx.eval(a, b)
@@ -267,6 +270,10 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     assert r.returncode == 0, r.stdout
     back = client.load("tiny", "back")
     assert back is not None and back.token_ids == tokens
+    # Its metadata is the exported entry's, without the export's bookkeeping
+    # (before: the user's was lost, and the model, id and every token id
+    # were copied into it).
+    assert back.metadata == user
     # With no --model or --id, the key it was exported from, and its tokens.
     client.delete("tiny", "conv")
     r = cli("import", "--socket", sock, str(out))

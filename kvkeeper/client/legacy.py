@@ -45,9 +45,11 @@ MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
 # Where each writer's own loader looks class names up.
 _VLM_CACHE = "mlx_vlm.models.cache"
 _LM_CACHE = "mlx_lm.models.cache"
-#: The user metadata `kvkeeper export` adds to an mlx-lm prompt-cache file.
-EXPORT_MODEL_KEY, EXPORT_CACHE_ID_KEY, EXPORT_TOKENS_KEY = (
-    "kvkeeper_model", "kvkeeper_cache_id", "token_ids")
+#: The user metadata `kvkeeper export` adds to an mlx-lm prompt-cache file;
+#: the entry's own metadata goes in as one JSON object (mlx-lm's loader would
+#: turn a key with a dot into nested dicts).
+EXPORT_MODEL_KEY, EXPORT_CACHE_ID_KEY, EXPORT_TOKENS_KEY, EXPORT_METADATA_KEY = (
+    "kvkeeper_model", "kvkeeper_cache_id", "token_ids", "kvkeeper_metadata")
 
 _MLX_LM_KEY = re.compile(r"0\..+|1\.\d+|2\.0|2\.\d+\.[01]")
 _MLX_LM_SCALAR = re.compile(r"2\.(\d+)\.([01])")
@@ -101,6 +103,24 @@ def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
 
 # ---------------------------------------------------------------------------
 # helpers
+
+
+def entry_metadata(format: str, metadata: Mapping[str, str]) -> dict[str, str]:
+    """The metadata an entry restored from a legacy file carries: for a file
+    ``kvkeeper export`` wrote, the exported entry's own (its bookkeeping keys
+    are gone: the model, id and tokens are restored as such); otherwise the
+    file's metadata as it is."""
+    if format != MLX_LM_PROMPT_CACHE or EXPORT_MODEL_KEY not in metadata:
+        return dict(metadata)
+    own = (EXPORT_MODEL_KEY, EXPORT_CACHE_ID_KEY, EXPORT_TOKENS_KEY, EXPORT_METADATA_KEY)
+    out = {k: v for k, v in metadata.items() if k not in own}
+    try:
+        exported = json.loads(metadata.get(EXPORT_METADATA_KEY, "{}"))
+    except ValueError:
+        exported = {}
+    if isinstance(exported, dict):
+        out.update({k: v for k, v in exported.items() if isinstance(v, str)})
+    return out
 
 
 def _json_field(metadata: Mapping[str, str], key: str, kind: type) -> Any:

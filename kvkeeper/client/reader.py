@@ -103,6 +103,7 @@ def read_cache_file(
         MLX_LM_PROMPT_CACHE,
         decode_legacy,
         detect_legacy,
+        entry_metadata,
     )
 
     fmt = detect_legacy(meta)
@@ -119,7 +120,7 @@ def read_cache_file(
     return LoadedCache(
         cache=legacy.layers,
         token_ids=legacy.token_ids,
-        metadata=dict(legacy.metadata),
+        metadata=entry_metadata(legacy.format, legacy.metadata),
         model=legacy.model_fingerprint,
         cache_id=legacy.metadata.get(EXPORT_CACHE_ID_KEY) if legacy.format == MLX_LM_PROMPT_CACHE
         else None,
