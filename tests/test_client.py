@@ -344,6 +344,10 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
         client.save(FP, "x", [])
     with pytest.raises(ValueError, match="metadata"):
         client.save(FP, "x", [c], metadata={"kvkeeper.model": "evil"})
+    for meta in ({"a": "\udc80"}, {"\ud800": "b"}):  # before: True, then lost on the I/O thread
+        with pytest.raises(ValueError, match="metadata must be valid Unicode"):
+            client.save(FP, "x", [c], [1], metadata=meta)
+    assert client.flush(timeout=WAIT) is True
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="min_send_interval"):
             Client(client.socket_path, min_send_interval=bad)

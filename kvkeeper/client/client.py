@@ -211,6 +211,11 @@ class Client:
                or not isinstance(meta[k], str)]
         if bad:
             raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
+        if meta:
+            try:  # the header is UTF-8: a lone surrogate would fail on the I/O thread
+                msgspec.json.encode(meta)
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"metadata must be valid Unicode text: {exc}") from None
         # A save about to be dropped (daemon down, or no room for any save)
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
