@@ -66,6 +66,8 @@ def socket_path(value: str | os.PathLike[str]) -> Path:
     elif "://" in text:
         raise ValueError(f"{text!r}: kvkeeper listens on a local socket only: give its path "
                          f"(or {IPC_SCHEME}<path>)")
+    if not text:
+        raise ValueError("the socket path is empty")
     return Path(text).expanduser()
 
 

@@ -351,6 +351,21 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="min_send_interval"):
             Client(client.socket_path, min_send_interval=bad)
+    # Each was accepted, and then every save dropped, every wait failed, or
+    # flush raised a TypeError; and "" became the socket ".".
+    for kw, name in ((dict(max_inflight_bytes=0), "max_inflight_bytes"),
+                     (dict(max_inflight_bytes=-1), "max_inflight_bytes"),
+                     (dict(max_inflight_bytes=1.5), "max_inflight_bytes"),
+                     (dict(timeout=0), "timeout"), (dict(timeout=None), "timeout"),
+                     (dict(connect_timeout=-1), "connect_timeout")):
+        with pytest.raises(ValueError, match=name):
+            Client(client.socket_path, **kw)
+    for socket in ("", "ipc://"):
+        with pytest.raises(ValueError, match="socket path is empty"):
+            Client(socket)
+    for timeout in (None, -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a finite number"):
+            client.flush(timeout=timeout)
 
 
 def test_wrong_model_and_corrupt_file_are_clean_misses(model, client: Client) -> None:

@@ -69,7 +69,7 @@ def test_bad_layers_raise_valueerror_with_or_without_a_daemon(
         assert up.flush(timeout=WAIT) is True
         assert up.client_stats()["client_saves_sent"] == 0
         assert up.entries(FP) == []
-    with Client(daemon.socket, timeout=WAIT, max_inflight_bytes=0) as full:
+    with Client(daemon.socket, timeout=WAIT, max_inflight_bytes=1) as full:
         assert full.connected
         with pytest.raises(ValueError, match=f"layer 0.*{named}"):
             full.save(FP, "bad", layers, [1])

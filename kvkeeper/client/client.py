@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import stat
 import threading
@@ -103,9 +104,13 @@ class Client:
         # constructor's, not of a later load() with the daemon down.
         self._configured_root = settings.client_path("root") if root is None else None
         self._daemon_root: Path | None = None
-        if not 0 <= min_send_interval < float("inf"):
-            raise ValueError(f"min_send_interval must be a finite number of seconds >= 0, "
-                             f"not {min_send_interval!r}")
+        _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
+        _check_seconds("timeout", timeout)
+        _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
+        if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) \
+                or max_inflight_bytes <= 0:
+            raise ValueError(f"max_inflight_bytes must be a number of bytes > 0 (0 would drop "
+                             f"every save), not {max_inflight_bytes!r}")
         self.timeout = timeout
         self._lock = threading.Lock()
         self._max_save_bytes: int | None = None
@@ -502,6 +507,7 @@ class Client:
         several threads take turns; the wait for a turn counts in ``timeout``.
         """
         t0 = time.monotonic()
+        _check_seconds("timeout", timeout, zero_ok=True)
         if not self._flushing.acquire(timeout=timeout):
             raise DaemonUnavailable(f"another flush of this client did not end within "
                                     f"{timeout} s")
@@ -694,6 +700,14 @@ class DaemonError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value >= 0 if zero_ok else value > 0))
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of seconds "
+                         f"{'>= 0' if zero_ok else '> 0'}, not {value!r}")
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
