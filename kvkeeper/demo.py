@@ -476,7 +476,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every-tokens", type=int, default=64, metavar="N",
                    help="save behind every N tokens (default 64)")
     p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    p.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
+    p.add_argument("--hidden", type=int, default=256,
+                   help="model width, a multiple of 8 (default 256)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", type=_socket, default=None,
@@ -491,8 +492,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from kvkeeper import config
 
-    if args.tokens < 2 or args.prompt_tokens < 64 or args.every_tokens < 1:
-        print("kvkeeper demo: need --tokens >= 2, --prompt-tokens >= 64, --every-tokens >= 1",
+    if (args.tokens < 2 or args.prompt_tokens < 64 or args.every_tokens < 1
+            or args.layers < 1 or args.hidden < 8 or args.hidden % 8):
+        # hidden: 4 attention heads, each of an even width for RoPE.
+        print("kvkeeper demo: need --tokens >= 2, --prompt-tokens >= 64, --every-tokens >= 1, "
+              "--layers >= 1, --hidden a multiple of 8", file=sys.stderr)
+        return 2
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        # Found out after the run, it would cost the measurements.
+        print(f"kvkeeper demo: --json {args.json}: not a file in an existing directory",
               file=sys.stderr)
         return 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -72,3 +72,17 @@ def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
         stats = kv.stats()
         assert stats["saves_written"] >= 1 and stats["saves_failed"] == 0
         assert kv.entries(MODEL_ID) == []  # the demo cleans up after itself
+
+
+def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
+    """A model the settings cannot build, or a --json path that cannot be
+    written, is a usage error at once (before: a traceback, or a crash after
+    the whole run, its measurements lost)."""
+    for args, needle in ((("--layers", "0"), "--layers >= 1"),
+                         (("--hidden", "7"), "multiple of 8"),
+                         (("--json", str(short_dir / "nope" / "x.json")), "existing directory"),
+                         (("--json", str(short_dir)), "existing directory")):
+        r = run_demo("--private", "--tokens", "2", "--prompt-tokens", "64", *args)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (short_dir / "nope").exists()
