@@ -249,9 +249,14 @@ def _root(args: argparse.Namespace, kv: Any) -> Path:
         return root
     if kv is not None and kv.connected:
         return kv.root
-    from kvkeeper.settings import resolve
+    from kvkeeper.settings import client_path
 
-    return resolve({})[0]["root"]
+    root = client_path("root")
+    if not root.is_dir():
+        # Checking nothing must not read as "all good".
+        raise CommandError(f"no store at {root} (the root serve would use; no daemon runs "
+                           f"to name another): give --root")
+    return root
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -353,6 +358,11 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
 def import_files(args: argparse.Namespace) -> int:
     from kvkeeper.client.reader import CacheFileError, read_cache_file
 
+    # Checked as given: "" is not "none given" (it was ignored, silently).
+    if args.model is not None:
+        naming.check_id(args.model, "--model")
+    if args.id is not None:
+        naming.check_id(args.id, "--id")
     if args.id is not None and len(args.paths) != 1:
         raise CommandError(f"--id names one entry: give exactly one file with it, not "
                            f"{len(args.paths)} paths", status=2)

@@ -497,3 +497,22 @@ def test_names_are_printed_as_they_are(
     assert r.returncode == 0 and "as m[b]x / c[d]" in r.stdout, r.stdout
     r = cli("rm", "--socket", sock, "--model", "m[b]x")
     assert r.returncode == 0 and "4 entries of model m[b]x" in r.stdout, r.stdout
+
+
+def test_empty_import_names_and_a_missing_store_are_errors(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """import --id "" was ignored (the file imported under another id) and
+    --model "" asked to "give --model"; verify of a root that does not exist
+    reported "0 files verified, all good"."""
+    sock = str(daemon.socket)
+    _save(client, "m1", "a")
+    out = short_dir / "a.safetensors"
+    assert cli("export", "--socket", sock, "m1", "a", str(out)).returncode == 0
+    usage_error(cli("import", "--socket", sock, str(out), "--id", ""), "--id is empty")
+    usage_error(cli("import", "--socket", sock, str(out), "--model", ""), "--model is empty")
+    assert [e.cache_id for e in client.entries("m1")] == ["a"]  # nothing imported
+    r = cli("verify", "--socket", str(short_dir / "none.sock"),
+            env={"KVKEEPER_ROOT": str(short_dir / "never-made")})
+    assert r.returncode == 1 and "no store at" in r.stderr and "all good" not in r.stdout, \
+        (r.stdout, r.stderr)
