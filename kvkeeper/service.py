@@ -59,6 +59,17 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
     )
 
 
+def _systemd_word(word: str) -> str:
+    """One ExecStart argument, as systemd reads it back: it expands %
+    specifiers and $VARIABLES and unescapes C escapes even in quotes (a
+    socket path "/tmp/a%i" would have become the instance name)."""
+    w = word.replace("%", "%%").replace("$", "$$")
+    if w and all(c.isalnum() or c in "/._-=+:,@" for c in w):
+        return w
+    w = w.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return '"' + w + '"'
+
+
 def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) -> ServiceFile:
     unit = "\n".join([
         "[Unit]",
@@ -66,7 +77,7 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
         "",
         "[Service]",
         "Type=simple",
-        f"ExecStart={shlex.join(serve_command(serve_args))}",
+        f"ExecStart={' '.join(_systemd_word(w) for w in serve_command(serve_args))}",
         "Restart=on-failure",
         "KillSignal=SIGTERM",
         f"TimeoutStopSec={int(drain_timeout) + 10}",

@@ -516,3 +516,50 @@ def test_empty_import_names_and_a_missing_store_are_errors(
             env={"KVKEEPER_ROOT": str(short_dir / "never-made")})
     assert r.returncode == 1 and "no store at" in r.stderr and "all good" not in r.stdout, \
         (r.stdout, r.stderr)
+
+
+def _systemd_words(line: str) -> list[str]:
+    """An ExecStart command line read by systemd.service(5)'s rules: a word
+    is bare or wrapped whole in quotes; C escapes; "%%" is "%" and any other
+    "%" a specifier; "$$" is "$" and "$NAME" or "${NAME}" a variable (both
+    refused here: they would not be the text that was meant)."""
+    words, i = [], 0
+    while i < len(line):
+        if line[i] == " ":
+            i += 1
+            continue
+        if line[i] in "\"'":
+            quote, i, raw = line[i], i + 1, ""
+            while line[i] != quote:
+                if line[i] == "\\":
+                    raw += {"n": "\n", "t": "\t"}.get(line[i + 1], line[i + 1])
+                    i += 2
+                else:
+                    raw += line[i]
+                    i += 1
+            i += 1
+        else:
+            end = line.find(" ", i)
+            end = len(line) if end < 0 else end
+            raw, i = line[i:end], end
+        word, j = "", 0
+        while j < len(raw):
+            if raw[j] in "%$":
+                assert raw[j + 1:j + 2] == raw[j], f"{raw!r}: {raw[j]} would be expanded"
+                j += 1
+            word += raw[j]
+            j += 1
+        words.append(word)
+    return words
+
+
+def test_a_systemd_unit_runs_the_socket_path_it_was_given(short_dir: Path) -> None:
+    """systemd expands % specifiers and $VARIABLES in ExecStart: a socket
+    path "/tmp/a%i" would have become the unit's instance name."""
+    odd = str(short_dir / 'x%i$HOME "q" b\\c.sock')
+    r = cli("install-service", "--print", "--platform", "linux", "--socket", odd)
+    assert r.returncode == 0, r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("ExecStart=")]
+    words = _systemd_words(line.removeprefix("ExecStart="))
+    assert words[words.index("--socket") + 1] == odd, words
+    assert words[1:4] == ["-m", "kvkeeper.cli", "serve"], words
