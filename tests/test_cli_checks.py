@@ -169,8 +169,7 @@ def test_bad_ids_are_one_line_errors(daemon: RunningDaemon, short_dir: Path) -> 
     assert not (short_dir / "f.safetensors").exists()
 
 
-@pytest.mark.parametrize("toml", ["max_disk_bites = 1\n", "drain_timeout = -1\n",
-                                  "this is not toml\n"])
+@pytest.mark.parametrize("toml", ["root = 5\n", "this is not toml\n"])
 def test_bad_config_file_is_a_one_line_error_outside_serve(toml: str,
                                                            short_dir: Path) -> None:
     cfg = short_dir / "bad.toml"
@@ -178,6 +177,20 @@ def test_bad_config_file_is_a_one_line_error_outside_serve(toml: str,
     r = cli("verify", "--socket", str(short_dir / "none.sock"),
             env={"KVKEEPER_CONFIG": str(cfg)})
     usage_error(r, str(cfg))
+
+
+def test_verify_without_a_daemon_reads_the_configured_root_past_other_typos(
+    short_dir: Path,
+) -> None:
+    """Like a client, verify takes only the root from the config file: a typo
+    in another setting is serve's to report."""
+    root = short_dir / "root"
+    root.mkdir(mode=0o700)
+    cfg = short_dir / "cfg.toml"
+    cfg.write_text(f'root = "{root}"\nmax_disk_bites = 1\ndrain_timeout = -1\n')
+    r = cli("verify", "--socket", str(short_dir / "none.sock"),
+            env={"KVKEEPER_CONFIG": str(cfg)})
+    assert r.returncode == 0 and f"verified under {root}" in r.stdout, (r.stdout, r.stderr)
 
 
 # ------------------------------------------------------------------ export
