@@ -474,6 +474,11 @@ def test_a_client_takes_its_socket_from_the_config_file_whatever_else_is_in_it(
         usage_error(cli("ls", env=env), str(toml), needle)
         with pytest.raises(ValueError, match=needle):
             Client(timeout=WAIT)
+        # Given the socket, a client has no use for the file.
+        r = cli("stats", "--socket", str(daemon.socket), env=env)
+        assert r.returncode == 0, r.stderr
+        with Client(daemon.socket, timeout=WAIT) as kv:
+            assert kv.connected
 
 
 def test_names_are_printed_as_they_are(

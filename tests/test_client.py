@@ -363,9 +363,17 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
     for socket in ("", "ipc://"):
         with pytest.raises(ValueError, match="socket path is empty"):
             Client(socket)
-    for timeout in (None, -1, float("nan")):
-        with pytest.raises(ValueError, match="timeout must be a finite number"):
+    for timeout in (None, -1, float("nan"), float("inf"), 1e10):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
             client.flush(timeout=timeout)
+    # Whole numbers of bytes and seconds in the types a caller has at hand.
+    with Client(client.socket_path, max_inflight_bytes=4e9, timeout=np.int64(5),
+                connect_timeout=np.float32(1)) as other:
+        assert other.connected
+    with Client(client.socket_path, max_inflight_bytes=np.int64(2**30)) as other:
+        assert other.connected
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        Client(client.socket_path, timeout=1e10)  # before: OverflowError, thread left running
 
 
 def test_wrong_model_and_corrupt_file_are_clean_misses(model, client: Client) -> None:

@@ -479,3 +479,24 @@ def test_a_client_used_in_a_forked_child_drops_and_fails_at_once(daemon: Running
     assert proc.returncode == 0, proc.stderr
     assert naming.entry_path(daemon.root, "fp", "parent").exists()
     assert not naming.entry_path(daemon.root, "fp", "child").exists()
+
+
+def test_a_socket_path_too_long_fails_at_once(short_dir: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A path over the platform's socket limit is the constructor's error;
+    a channel whose socket could not be set up (its I/O thread ended at the
+    start) still closes at once, its pipe closed (before: close() waited 5 s
+    for the thread and logged it as slow)."""
+    from kvkeeper import config
+    from kvkeeper.client.channel import Channel
+
+    long = short_dir / ("x" * 200) / "kv.sock"
+    with pytest.raises(ValueError, match="socket path .* bytes"):
+        Client(long)
+    channel = Channel(config.endpoint(long), max_inflight_bytes=1 << 20)
+    channel._thread.join(WAIT)  # it ends by itself: the socket cannot be set up
+    assert not channel._thread.is_alive()
+    with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+        channel.close()
+    assert "client_close_slow" not in caplog.text
+    assert channel._wake_r == channel._wake_w == -1

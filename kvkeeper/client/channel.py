@@ -365,31 +365,36 @@ class Channel:
         # zero-copy send in it) start from this thread and inherit it.
         if self._cpu_policy == "batch":
             batch_this_thread()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # One identity for this client's life: the daemon tallies saves per peer
-        # (for flush), and a reconnect to the same daemon keeps the tally.
-        # (A leading zero byte is reserved by ZeroMQ.)
-        sock.setsockopt(zmq.ROUTING_ID, b"kvk" + os.urandom(13))
-        # No daemon, no queueing: a send fails at once instead of piling up.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        # The in-flight budget (bytes and messages) bounds what is queued.
-        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
-        # Track every frame for real: below the threshold pyzmq would copy it and
-        # report it sent at once, releasing its reservation early.
-        sock.copy_threshold = 0
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        )
-        sock.connect(self.endpoint)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        sock: zmq.Socket | None = None
+        monitor: zmq.Socket | None = None
         trackers: deque[tuple[zmq.MessageTracker, _Save]] = deque()
         try:
+            # Set up inside the try: if it fails (a path too long for the
+            # socket), the saves queued meanwhile are still counted and
+            # close() is still told the thread has ended.
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # One identity for this client's life: the daemon tallies saves per peer
+            # (for flush), and a reconnect to the same daemon keeps the tally.
+            # (A leading zero byte is reserved by ZeroMQ.)
+            sock.setsockopt(zmq.ROUTING_ID, b"kvk" + os.urandom(13))
+            # No daemon, no queueing: a send fails at once instead of piling up.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            # The in-flight budget (bytes and messages) bounds what is queued.
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            # Track every frame for real: below the threshold pyzmq would copy it and
+            # report it sent at once, releasing its reservation early.
+            sock.copy_threshold = 0
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            )
+            sock.connect(self.endpoint)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
             while not self._closing.is_set():
                 # Poll briefly while sends are in flight so their bytes are released
                 # soon, and no longer than until the next held save is due.
@@ -424,6 +429,8 @@ class Channel:
                     # keep the cache's buffers shared, and MLX would copy the
                     # whole cache on the next decode step.
                     self._release_save(trackers.popleft()[1])
+        except zmq.ZMQError as exc:  # e.g. the socket could not be set up
+            log.error("event=client_io_failed endpoint=%s error=%s", self.endpoint, exc)
         finally:
             # Saves not sent whole by now (no daemon, or close() timed out) never
             # will be: count them, and give their reservations back.
@@ -451,16 +458,23 @@ class Channel:
             with self._lock:
                 self._inflight_bytes -= sum(save.nbytes for save in unsent)
                 self._inflight_messages -= sum(save.count for save in unsent)
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            self._ctx.term()
-            self.connected.clear()
-            self._fail_waiting("client closed")
-            with self._lock:
-                if self._thread_closes_pipe:
-                    self._close_pipe()
-            self._ended.set()
+            try:
+                if monitor is not None:
+                    assert sock is not None
+                    sock.disable_monitor()
+                    monitor.close(linger=0)
+                if sock is not None:
+                    sock.close(linger=0)
+                self._ctx.term()
+            finally:
+                self.connected.clear()
+                self._fail_waiting("client closed")
+                with self._lock:
+                    # Under the lock close() looks at _ended with: either it
+                    # closes the pipe, or this thread does, never neither.
+                    if self._thread_closes_pipe:
+                        self._close_pipe()
+                    self._ended.set()
             # Last, once close() may return: letting go of thousands of
             # captures takes seconds while a thread still calling save() holds
             # the GIL (each MLX array freed hands it over).

@@ -19,6 +19,7 @@ import time
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +70,9 @@ class Client:
     ``$KVKEEPER_SOCKET``, the config file's or the per-user default;
     ``root`` (where ``load()`` reads files itself when the daemon is down)
     defaults to what the daemon reports, else ``$KVKEEPER_ROOT``, the config
-    file's or the per-user default. A ``ValueError`` if either, given or
-    found, cannot be used (a socket of another transport than a local one, a
-    config file that does not parse). ``max_inflight_bytes`` bounds what saves may hold
+    file's or the per-user default. A ``ValueError`` if the socket, given or
+    found, cannot be used (another transport than a local socket, a path too
+    long), or if the config file it is looked up in does not parse. ``max_inflight_bytes`` bounds what saves may hold
     before the daemon has taken their bytes; a save that does not fit is
     dropped, never waited for. A save (of up to 64 MiB) of a cache this
     client sent less than ``min_send_interval`` seconds ago waits in the
@@ -99,18 +100,26 @@ class Client:
     ) -> None:
         self.socket_path = (config.socket_path(socket) if socket is not None
                             else settings.client_path("socket"))
+        try:
+            config.check_socket_path(self.socket_path)
+        except config.ConfigError as exc:  # ZeroMQ would fail later, on the I/O thread
+            raise ValueError(str(exc)) from None
         self._root_override = Path(root).expanduser() if root is not None else None
-        # Resolved now: a config file that cannot be used is an error of the
-        # constructor's, not of a later load() with the daemon down.
-        self._configured_root = settings.client_path("root") if root is None else None
+        # Resolved now when the socket came from the settings too (a config
+        # file that cannot be used has just raised for it); with a socket
+        # given, only when it is needed, and the config file cannot fail it.
+        self._configured_root = (settings.client_path("root")
+                                 if root is None and socket is None else None)
         self._daemon_root: Path | None = None
-        _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
-        _check_seconds("timeout", timeout)
-        _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
-        if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) \
-                or max_inflight_bytes <= 0:
-            raise ValueError(f"max_inflight_bytes must be a number of bytes > 0 (0 would drop "
-                             f"every save), not {max_inflight_bytes!r}")
+        min_send_interval = _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
+        timeout = _check_seconds("timeout", timeout)
+        connect_timeout = _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
+        if (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, Real)
+                or not math.isfinite(max_inflight_bytes) or max_inflight_bytes != int(max_inflight_bytes)
+                or max_inflight_bytes <= 0):
+            raise ValueError(f"max_inflight_bytes must be a whole number of bytes > 0 (0 would "
+                             f"drop every save), not {max_inflight_bytes!r}")
+        max_inflight_bytes = int(max_inflight_bytes)
         self.timeout = timeout
         self._lock = threading.Lock()
         self._max_save_bytes: int | None = None
@@ -181,7 +190,13 @@ class Client:
     def root(self) -> Path:
         """The store root that ``load()`` reads directly when the daemon is down."""
         root = self._root_override or self._daemon_root or self._configured_root
-        assert root is not None
+        if root is None:
+            try:
+                root = settings.client_path("root")
+            except settings.SettingsError as exc:
+                log.warning("event=root_from_default reason=%s", exc)
+                root = Path(settings.BY_NAME["root"].default())
+            self._configured_root = root
         return root
 
     # ------------------------------------------------------------ save
@@ -507,7 +522,7 @@ class Client:
         several threads take turns; the wait for a turn counts in ``timeout``.
         """
         t0 = time.monotonic()
-        _check_seconds("timeout", timeout, zero_ok=True)
+        timeout = _check_seconds("timeout", timeout, zero_ok=True)
         if not self._flushing.acquire(timeout=timeout):
             raise DaemonUnavailable(f"another flush of this client did not end within "
                                     f"{timeout} s")
@@ -702,12 +717,15 @@ class DaemonError(Exception):
         self.code = code
 
 
-def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value >= 0 if zero_ok else value > 0))
+def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
+    # Real: numpy's numbers too. TIMEOUT_MAX: past it threading's waits raise
+    # OverflowError, from the middle of a call.
+    ok = (not isinstance(value, bool) and isinstance(value, Real)
+          and (0 <= value if zero_ok else 0 < value) and value <= threading.TIMEOUT_MAX)
     if not ok:
-        raise ValueError(f"{name} must be a finite number of seconds "
-                         f"{'>= 0' if zero_ok else '> 0'}, not {value!r}")
+        raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'} "
+                         f"and at most {threading.TIMEOUT_MAX:.0f}, not {value!r}")
+    return float(value)  # threading's waits take no numpy scalar
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
