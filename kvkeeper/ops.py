@@ -44,8 +44,8 @@ def shown(value: object) -> Text:
     table or drive the terminal)."""
     s = str(value)
     if not s.isprintable():
-        s = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                    for c in s)
+        # All of it, backslashes too: a real newline must not look like "\n".
+        s = s.encode("unicode_escape").decode("ascii")
     return Text(s)
 
 
@@ -122,14 +122,14 @@ def stats(args: argparse.Namespace) -> int:
         _print_json(counters)
         return 0
     table = Table(title="kvkeeper daemon", show_header=False, box=None, padding=(0, 2))
-    shown = set()
+    listed = set()
     for group, names in _GROUPS:
         table.add_row(f"[bold]{group}[/]", "")
         for name in names:
             if name in counters:
                 table.add_row(f"  {name}", _fmt(name, counters[name]))
-                shown.add(name)
-    rest = sorted(set(counters) - shown)
+                listed.add(name)
+    rest = sorted(set(counters) - listed)
     if rest:
         table.add_row("[bold]Other[/]", "")
         for name in rest:

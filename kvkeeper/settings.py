@@ -62,7 +62,7 @@ def parse_size(text: str | int | float) -> int:
         # Cut to whole bytes, "1.5" would be a disk budget of 1 byte (every
         # entry evicted) and "0.5" none at all: surely a missing unit.
         if number != int(number) and (unit == "" or int(number) == 0):
-            hint = f" (a unit missing? e.g. {num.strip()}G)" if unit == "" else ""
+            hint = f' (a unit missing? e.g. "{num.strip()}G")' if unit == "" else ""
             raise ValueError(f"a size is a whole number of bytes, not {text!r}{hint}")
         value = int(number)
     if value < 0:

@@ -495,13 +495,16 @@ def test_names_are_printed_as_they_are(
     listed = cli("ls", "--socket", sock, env={"COLUMNS": "200"}).stdout
     assert "m[b]x" in listed and "arr[i]" in listed and "[bold]rich[/bold]" in listed, listed
     assert "two\\nlines\\x1b[2J" in listed and "\x1b" not in listed, listed
+    assert client.save("m[b]x", "back\\slash\n", small_cache(), [1])  # escaped whole
+    assert client.flush(timeout=WAIT)
+    assert "back\\\\slash\\n" in cli("ls", "--socket", sock, env={"COLUMNS": "200"}).stdout
     out = short_dir / "x[1].safetensors"
     r = cli("export", "--socket", sock, "m[b]x", "arr[i]", str(out))
     assert r.returncode == 0 and str(out) in r.stdout, r.stdout
     r = cli("import", "--socket", sock, str(out), "--id", "c[d]")
     assert r.returncode == 0 and "as m[b]x / c[d]" in r.stdout, r.stdout
     r = cli("rm", "--socket", sock, "--model", "m[b]x")
-    assert r.returncode == 0 and "4 entries of model m[b]x" in r.stdout, r.stdout
+    assert r.returncode == 0 and "5 entries of model m[b]x" in r.stdout, r.stdout
 
 
 def test_empty_import_names_and_a_missing_store_are_errors(

@@ -360,6 +360,8 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
                      (dict(connect_timeout=-1), "connect_timeout")):
         with pytest.raises(ValueError, match=name):
             Client(client.socket_path, **kw)
+    with pytest.raises(ValueError, match="root is empty"):
+        Client(client.socket_path, root="")  # before: the working directory
     for socket in ("", "ipc://"):
         with pytest.raises(ValueError, match="socket path is empty"):
             Client(socket)

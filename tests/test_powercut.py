@@ -8,8 +8,10 @@ switched off by a test-only hook) must lose the save in the copy. What would
 write it out anyway is kept out of the few seconds the test takes: the image
 is mounted with a 60 s journal commit interval and without ext4's
 auto_da_alloc (which writes a file's data out when it is renamed over
-another), and the kernel writes dirty pages back only once they are 30 s old
-(vm.dirty_expire_centisecs, checked)."""
+another), and the kernel writes dirty pages back only once they are
+vm.dirty_expire_centisecs old (30 s by default; checked to be 10 s or more).
+A `sync` run by another process during the few seconds would defeat a
+control: on a machine shared with such a process, it fails."""
 
 from __future__ import annotations
 

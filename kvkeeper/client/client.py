@@ -104,6 +104,8 @@ class Client:
             config.check_socket_path(self.socket_path)
         except config.ConfigError as exc:  # ZeroMQ would fail later, on the I/O thread
             raise ValueError(str(exc)) from None
+        if root is not None and not os.fspath(root):
+            raise ValueError("root is empty")
         self._root_override = Path(root).expanduser() if root is not None else None
         # Resolved now when the socket came from the settings too (a config
         # file that cannot be used has just raised for it); with a socket
@@ -356,9 +358,14 @@ class Client:
             return self._drop("larger_than_inflight",
                               f"a save of {nbytes} bytes is larger than max_inflight_bytes "
                               f"({limit}); a save that size is always dropped")
+        inflight = self._channel.inflight_bytes
+        if nbytes is not None and inflight + nbytes <= limit:
+            # The bytes fit: the cap on messages in flight (ZeroMQ's queue) did not.
+            return self._drop("inflight", "too many messages already in flight "
+                                          "(many small saves not yet sent)")
         then = (" reach" if nbytes is None
                 else f"; this save of {nbytes} bytes would pass")
-        return self._drop("inflight", f"{self._channel.inflight_bytes} bytes already in "
+        return self._drop("inflight", f"{inflight} bytes already in "
                                       f"flight{then} max_inflight_bytes ({limit})")
 
     def _drop(self, reason: str, message: str) -> bool:
