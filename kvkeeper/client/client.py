@@ -72,9 +72,10 @@ class Client:
     defaults to what the daemon reports, else ``$KVKEEPER_ROOT``, the config
     file's or the per-user default. A ``ValueError`` if the socket, given or
     found, cannot be used (another transport than a local socket, a path too
-    long), or if the config file it is looked up in does not parse. ``max_inflight_bytes`` bounds what saves may hold
-    before the daemon has taken their bytes; a save that does not fit is
-    dropped, never waited for. A save (of up to 64 MiB) of a cache this
+    long), or if the config file it is looked up in does not parse.
+    ``max_inflight_bytes`` bounds what saves may hold before the daemon has
+    taken their bytes; a save that does not fit is dropped, never waited
+    for. A save (of up to 64 MiB) of a cache this
     client sent less than ``min_send_interval`` seconds ago waits in the
     client until then, and a newer save of the cache replaces it: ``flush()``,
     a ``load()`` or ``delete()`` of the cache, ``close()`` (also at a normal
@@ -116,9 +117,9 @@ class Client:
         min_send_interval = _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
         timeout = _check_seconds("timeout", timeout)
         connect_timeout = _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
-        if (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, Real)
-                or not math.isfinite(max_inflight_bytes) or max_inflight_bytes != int(max_inflight_bytes)
-                or max_inflight_bytes <= 0):
+        budget = max_inflight_bytes
+        if (isinstance(budget, bool) or not isinstance(budget, Real)
+                or not math.isfinite(budget) or budget != int(budget) or budget <= 0):
             raise ValueError(f"max_inflight_bytes must be a whole number of bytes > 0 (0 would "
                              f"drop every save), not {max_inflight_bytes!r}")
         max_inflight_bytes = int(max_inflight_bytes)
