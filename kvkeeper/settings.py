@@ -223,18 +223,20 @@ def resolve(
             (environ.get(s.env) or None, f"environment {s.env}"),
             (file_values.get(s.name), f"config file {path}"),
         ]
-        for raw, source in candidates:
-            if raw is not None:
-                try:
-                    values[s.name] = s.parse(raw)
-                except (ValueError, TypeError) as exc:
-                    raise SettingsError(f"{s.name} from {source}: {exc}") from None
-                sources[s.name] = source
-                break
-        else:
-            values[s.name] = s.default()
-            sources[s.name] = "default"
+        values[s.name], sources[s.name] = _first_set(s, candidates)
     return values, sources
+
+
+def _first_set(s: Setting, candidates: list[tuple[Any, str]]) -> tuple[Any, str]:
+    """The first candidate that is set, parsed, and its source; else the
+    default. Raises SettingsError naming the source of a value it refuses."""
+    for raw, source in candidates:
+        if raw is not None:
+            try:
+                return s.parse(raw), source
+            except (ValueError, TypeError) as exc:
+                raise SettingsError(f"{s.name} from {source}: {exc}") from None
+    return s.default(), "default"
 
 
 def client_path(name: str) -> Path:
@@ -246,14 +248,10 @@ def client_path(name: str) -> Path:
     the config file itself, cannot be used, as ``serve`` would: falling back
     to the default would look for a daemon where none is."""
     s = BY_NAME[name]
-    raw = os.environ.get(s.env) or None
-    source = f"environment {s.env}"
-    if raw is None:
+    env = os.environ.get(s.env) or None
+    if env is not None:  # the config file is not even read
+        candidates = [(env, f"environment {s.env}")]
+    else:
         path, values = _config_values(None, os.environ)
-        raw, source = values.get(name), f"config file {path}"
-    if raw is None:
-        return Path(s.default())
-    try:
-        return Path(s.parse(raw))
-    except (ValueError, TypeError) as exc:
-        raise SettingsError(f"{name} from {source}: {exc}") from None
+        candidates = [(values.get(name), f"config file {path}")]
+    return Path(_first_set(s, candidates)[0])
