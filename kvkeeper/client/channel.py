@@ -125,6 +125,12 @@ class _Save:
     messages: Messages = field(default_factory=list)
     due: float = 0.0  # while held: when it may be sent
 
+    def let_go(self) -> None:
+        """Drop the capture and the frames: the cache's buffers are the
+        caller's alone again."""
+        self.messages.clear()
+        self.build = None
+
 
 @dataclass(eq=False)
 class _Request:
@@ -479,8 +485,7 @@ class Channel:
             # captures takes seconds while a thread still calling save() holds
             # the GIL (each MLX array freed hands it over).
             for save in unsent:
-                save.messages.clear()
-                save.build = None
+                save.let_go()
 
     def _monitor_events(self, monitor: zmq.Socket) -> bool:
         """Follow the connection's events; True when it was lost."""
@@ -662,8 +667,7 @@ class Channel:
 
     def _release_save(self, save: _Save) -> None:
         self._release(save.nbytes, save.count)
-        save.messages.clear()
-        save.build = None
+        save.let_go()
 
     def _release(self, nbytes: int, nmessages: int) -> None:
         with self._lock:
