@@ -23,11 +23,13 @@ from .faultkit import entry_path
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
-        umask: int = -1) -> subprocess.CompletedProcess[str]:
-    """The real CLI, with no KVKEEPER_* setting or config file of this machine's."""
+        umask: int = -1, run: tuple[str, ...] = ("-m", "kvkeeper.cli"),
+        ) -> subprocess.CompletedProcess[str]:
+    """The real CLI, with no KVKEEPER_* setting or config file of this machine's;
+    ``run`` is how Python starts it."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
-    return subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, *run, *args], capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})}, umask=umask)
 
 

@@ -412,19 +412,13 @@ def test_the_commands_that_only_talk_to_the_daemon_run_without_mlx(
     verify and install-service work there (before: every one of them died
     importing MLX, with a traceback); import and export, which read and write
     caches through MLX, say what to install, exit 2."""
-    import subprocess
-    import sys
-
     with Client(daemon.socket, timeout=WAIT) as kv:
         assert kv.save("m", "c", small_cache(), [1, 2, 3, 4, 5])
         assert kv.flush(timeout=WAIT)
     sock = str(daemon.socket)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
-    base["XDG_CONFIG_HOME"] = str(short_dir / "config")
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-c", _WITHOUT_MLX, *args], capture_output=True,
-                              text=True, timeout=WAIT, env=base)
+    def run(*args: str):  # type: ignore[no-untyped-def]
+        return cli(*args, run=("-c", _WITHOUT_MLX))
 
     for args in (("stats", "--socket", sock), ("ls", "--socket", sock, "--json"),
                  ("gc", "--socket", sock), ("verify", "--socket", sock),
