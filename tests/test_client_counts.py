@@ -6,9 +6,12 @@ however ``close()`` and the daemon's state cut its way short.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
+
+import pytest
 
 from kvkeeper.client.client import Client
 
@@ -38,6 +41,30 @@ def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(short_dir: Path)
         c = kv.client_stats()
         assert c["client_saves_lost"] == 1, c
         assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_close_says_when_the_daemon_did_not_confirm_it_read_the_saves(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A small save leaves at once, but a stopped daemon never answers the
+    ping close() sends after it: close() gives up after its timeout and says
+    so in the log."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        assert kv.connected
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            assert kv.save(FP, "small", filled(0.01, 1), [1])
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                kv.close(timeout=1.0)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert "event=client_close_unconfirmed" in caplog.text
+        assert kv.client_stats()["client_saves_sent"] == 1
     finally:
         assert stop_process(proc) == 0
 

@@ -103,6 +103,22 @@ STREAMER = textwrap.dedent("""
 """)
 
 
+#: A kvkeeper client process: ``n`` small saves of distinct caches, printing
+#: how many save() handed off, then a normal exit with no flush() or close()
+#: (the exit hook closes the client).
+SAVER = textwrap.dedent("""
+    import sys, mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from kvkeeper import Client
+    sock_path, n = sys.argv[1], int(sys.argv[2])
+    kv = Client(sock_path, timeout=30)
+    assert kv.connected, "no daemon"
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
+    print(sum(kv.save("fp", f"k{i}", [c], [1, 2, 3, 4]) for i in range(n)), flush=True)
+""")
+
+
 def child(sock: Path, cache_id: str, total: int, chunks: int, per: int,
           how: str) -> subprocess.Popen[str]:
     """The CHILD client, connected and waiting for ``go()``."""
@@ -199,6 +215,42 @@ def test_a_client_that_sends_a_whole_save_and_exits_gets_it_written(
         with safe_open(str(path), "np") as f:
             t = f.get_tensor("t")
         assert np.array_equal(t, np.arange(12 * per, dtype=np.float32))
+    finally:
+        assert rd.stop() == 0
+
+
+def test_a_client_process_exiting_right_after_saving_gets_every_save_to_the_daemon(
+    short_dir: Path,
+) -> None:
+    """Thousands of small saves, then exit. ZeroMQ had taken the last ones
+    (the client counted them sent) when the connection closed, and they never
+    reached the daemon: up to 43 of 3,000 in a round, about every other
+    round, before close() waited for the daemon to answer a ping."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            n, rounds = 3000, 6
+            for r in range(rounds):
+                out = subprocess.run([sys.executable, "-c", SAVER, str(rd.socket), str(n)],
+                                     stdout=subprocess.PIPE, text=True, timeout=WAIT)
+                assert out.returncode == 0 and int(out.stdout) == n
+                # A lost tail takes the round's last saves, whole or in part.
+                handed = (r + 1) * n
+                wait_for(lambda: kv.stats()["saves_received"] == handed,  # noqa: B023 - waited for here
+                         f"round {r}'s saves to reach the daemon")
+            # Each round saves the same keys anew: a save still waiting for the
+            # writer is replaced by the next round's, or refused while the
+            # writer's queue is full; none is left half received.
+            def resolved() -> float:
+                s = kv.stats()
+                return s["saves_written"] + s["saves_superseded"] + s["saves_refused"]
+
+            wait_for(lambda: resolved() == rounds * n, "every save resolved")
+            stats = kv.stats()
+            assert stats["saves_failed"] == stats["saves_cut_off"] == 0
+        with safe_open(str(entry_path(rd.root, f"k{n - 1}", model="fp")), "np") as f:
+            assert sorted(f.keys())  # written whole: its header and tensors read back
+        assert len(list(rd.root.rglob("*.safetensors"))) == n
     finally:
         assert rd.stop() == 0
 

@@ -176,7 +176,8 @@ class Client:
 
     def close(self, timeout: float = 5.0) -> None:
         """Give saves already handed off up to ``timeout`` to reach the daemon
-        (not to be written: use ``flush()`` for that), then disconnect. A
+        (not to be written: use ``flush()`` for that), confirmed by a ping's
+        answer, then disconnect. A
         normal interpreter exit does this for clients still open (their
         connections close; a ``save()`` after that is dropped)."""
         if self._closed:
