@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +22,7 @@ import kvkeeper
 from kvkeeper.client.client import Client, DaemonUnavailable
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
+from .faultkit import entry_path, filled
 from .tiny import greedy_decode, prefill, prompt, tiny_llama
 
 FP = "tiny-llama-test"
@@ -159,6 +164,111 @@ def test_clients_saving_strided_caches_leave_no_threads_behind(short_dir: Path) 
         # A thread that leaks stays; one that is ending is gone within the wait.
         wait_for(lambda: threads() <= before, f"threads back to {before} (now {threads()})")
     finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_client_dropped_without_close_sends_its_save_and_leaves_nothing_behind(
+    short_dir: Path,
+) -> None:
+    """A server making a client per request and never closing it must not
+    grow by an I/O thread, ZeroMQ's threads and a dozen descriptors each
+    time (it ran out of descriptors), and what the client held still goes
+    to the daemon. The daemon runs in its own process, as above."""
+    import psutil
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    me = psutil.Process()
+
+    def dropped(*keys: str) -> None:
+        gone = []
+        for key in keys:
+            kv = Client(sock, timeout=WAIT)
+            assert kv.save(FP, key, filled(1, 7), [1, 2])
+            gone.append(weakref.ref(kv))
+            del kv  # no close()
+        # The queued save holds its client until the I/O thread has built it.
+        gc.collect()
+        wait_for(lambda: all(ref() is None for ref in gone), "the clients to be collected")
+
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            with pytest.warns(ResourceWarning, match="dropped without close"):
+                dropped("first")  # whatever is started once per process
+            wait_for(lambda: kv.stats()["saves_written"] == 1, "the first save written")
+            threads, fds = me.num_threads(), me.num_fds()
+            with pytest.warns(ResourceWarning, match="dropped without close"):
+                dropped(*(f"d{i}" for i in range(8)))
+            wait_for(lambda: me.num_threads() <= threads and me.num_fds() <= fds,
+                     f"threads and descriptors back to {threads} and {fds} "
+                     f"(now {me.num_threads()} and {me.num_fds()})")
+            wait_for(lambda: kv.stats()["saves_written"] == 9, "every dropped client's save")
+        for i in range(8):
+            arrays = mx.load(str(entry_path(root, f"d{i}", model=FP)))
+            assert arrays and all(bool(mx.all(a == 7)) for a in arrays.values())
+    finally:
+        assert stop_process(proc) == 0
+
+
+#: Connects, says "ready", and on a line from stdin drops a client holding a
+#: 64 MiB save and exits at once: the exit must wait for the background close
+#: the drop started (here the daemon is stopped meanwhile), not cut it short.
+DROP_AND_EXIT = """
+import sys, time, weakref, mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+layers = []
+for _ in range(4):
+    c = KVCache()
+    x = mx.full((1, 8, 8192, 128), 9.0, dtype=mx.bfloat16)
+    c.update_and_fetch(x, x)
+    layers.append(c)
+kv = Client(sys.argv[1], timeout=30)
+assert kv.connected
+print("ready", flush=True)
+sys.stdin.readline()
+assert kv.save("fp", "last", layers, [1])
+gone = weakref.ref(kv)
+del kv
+# The queued save holds the client until the I/O thread has built it.
+for _ in range(3000):
+    if gone() is None:
+        break
+    time.sleep(0.01)
+assert gone() is None, "the client was never collected"
+"""
+
+
+def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    child = subprocess.Popen([sys.executable, "-c", DROP_AND_EXIT, str(sock)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        # A stopped daemon reads nothing: the 64 MiB cannot leave before the
+        # child reaches its exit.
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            time.sleep(1.0)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert child.wait(WAIT) == 0
+        with Client(sock, timeout=WAIT) as kv:
+            def ended() -> float:
+                s = kv.stats()
+                return s["saves_written"] + s["saves_failed"] + s["saves_cut_off"]
+
+            wait_for(lambda: ended() >= 1, "the save to be written or to fail")
+            assert kv.stats()["saves_written"] == 1
+        arrays = mx.load(str(entry_path(root, "last", model="fp")))
+        assert all(bool(mx.all(a == 9)) for a in arrays.values())
+    finally:
+        child.kill()
+        child.wait(WAIT)
         assert stop_process(proc) == 0
 
 

@@ -16,6 +16,8 @@ import os
 import stat
 import threading
 import time
+import warnings
+import weakref
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,9 +156,16 @@ class Client:
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
-            on_refused=self._refused,
+            on_refused=_log_refused,  # not a method: the channel must not keep this client alive
             cpu_policy=cpu_policy,
         )
+        # A client dropped without close() would keep its I/O thread, ZeroMQ's
+        # threads and a dozen descriptors for the life of the process (one
+        # client per request, never closed, ran a server out of descriptors):
+        # once it is collected its channel closes in the background, after
+        # sending what it holds. At exit the exit hook closes it instead.
+        self._finalizer = weakref.finalize(self, _close_dropped, self._channel)
+        self._finalizer.atexit = False
         # With IMMEDIATE set, a save before the connection is up would be dropped:
         # connect now, so the first save after construction goes through.
         if self._channel.connected.wait(connect_timeout):
@@ -183,6 +192,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._channel.close(timeout)
 
     @property
@@ -379,9 +389,6 @@ class Client:
             log.warning("event=save_dropped reason=%s detail=%s (logged once per reason)",
                         reason, message)
         return False
-
-    def _refused(self, reply: m.SaveRefused) -> None:
-        log.warning("event=save_refused code=%s detail=%s", reply.code, reply.message)
 
     # ------------------------------------------------------------ load
 
@@ -668,6 +675,24 @@ class Client:
         if isinstance(reply, m.Error):
             raise DaemonError(reply.code, reply.message)
         return reply
+
+
+def _log_refused(reply: m.SaveRefused) -> None:
+    log.warning("event=save_refused code=%s detail=%s", reply.code, reply.message)
+
+
+def _close_dropped(channel: Channel) -> None:
+    warnings.warn("a kvkeeper Client was dropped without close(); closing it in the background",
+                  ResourceWarning, stacklevel=1)
+    try:
+        # Not a daemon thread (said outright: this often runs on the client's
+        # I/O thread, which is one, as it lets go of the last save holding
+        # the client): an exit meanwhile waits for it, at most the close
+        # timeout and 5 s, as it would for the exit hook's close.
+        threading.Thread(target=channel.close, name="kvkeeper-client-close",
+                         daemon=False).start()
+    except RuntimeError:  # the interpreter is exiting: the exit hook closes the channel
+        pass
 
 
 @dataclass
