@@ -682,6 +682,8 @@ def _log_refused(reply: m.SaveRefused) -> None:
 
 
 def _close_dropped(channel: Channel) -> None:
+    if channel.forked:
+        return  # a forked child's copy: there is nothing of it to close
     warnings.warn("a kvkeeper Client was dropped without close(); closing it in the background",
                   ResourceWarning, stacklevel=1)
     try:
