@@ -25,6 +25,7 @@ import zmq.asyncio
 from kvkeeper import config
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy, restore_this_thread
 from kvkeeper.daemon.actor import WriterActor
+from kvkeeper.daemon.fdlimit import raise_fd_limit
 from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
@@ -177,6 +178,8 @@ class Daemon:
                             max_pending_bytes=cfg.max_pending_bytes - zmq_share,
                             stall_timeout=cfg.stall_timeout,
                             min_write_interval=cfg.min_write_interval)
+        # Before ZeroMQ starts: past the limit it aborts the process (fdlimit).
+        fd_limit = raise_fd_limit()
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -197,8 +200,9 @@ class Daemon:
         try:
             sock.bind(config.endpoint(sock_path))
             os.chmod(sock_path, 0o600)
-            log.info("event=listening socket=%s root=%s pid=%d max_pending_bytes=%d",
-                     sock_path, store.root, os.getpid(), cfg.max_pending_bytes)
+            log.info("event=listening socket=%s root=%s pid=%d max_pending_bytes=%d "
+                     "fd_limit=%s", sock_path, store.root, os.getpid(), cfg.max_pending_bytes,
+                     fd_limit if fd_limit is not None else "none")
             async with anyio.create_task_group() as tg:
                 self.server = Server(sock, actor, store, self.stats, tg, monitor)
                 tg.start_soon(actor.run)

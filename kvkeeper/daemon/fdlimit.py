@@ -1,0 +1,51 @@
+"""Room for client connections: the daemon holds one descriptor per client.
+
+libzmq (4.3.5) aborts the whole process when ``accept()`` on an ``ipc://``
+socket fails with EMFILE (an assertion in ``ipc_listener.cpp``), so running
+out of descriptors would kill the daemon and every save it holds. The usual
+soft limit (1024 in a shell or a systemd service, 256 under launchd) is
+reached by about a thousand connected clients (measured: the daemon aborted
+at 1,010); the hard limit is far above it, and any process may raise its soft
+limit up to the hard one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+try:
+    import resource
+except ImportError:  # not POSIX: nothing to raise
+    resource = None  # type: ignore[assignment]
+
+log = logging.getLogger("kvkeeper.daemon")
+
+#: Enough for any real number of clients; not more, as some code sizes
+#: tables by the limit.
+WANTED = 65536
+#: macOS refuses a soft limit above kern.maxfilesperproc (commonly 10240,
+#: OPEN_MAX) even when the hard limit is unlimited.
+_FALLBACK = 10240
+
+
+def raise_fd_limit() -> int | None:
+    """Raise this process's soft limit on open descriptors toward the hard
+    limit (at most `WANTED`); return the soft limit in force afterwards, or
+    None when the platform has no such limit or it is unlimited."""
+    if resource is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    for want in (WANTED, _FALLBACK):
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+        if want <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            log.debug("event=fd_limit_not_raised want=%d error=%s", want, exc)
+            continue
+        return want
+    return soft

@@ -1,0 +1,82 @@
+"""Hundreds of connected clients: libzmq aborts the daemon when accepting a
+connection fails for want of a descriptor, so the daemon raises its soft
+limit on descriptors to the hard one (at most 65536) before it listens."""
+
+from __future__ import annotations
+
+import re
+import resource
+import time
+from pathlib import Path
+
+import zmq
+
+from kvkeeper.protocol import messages as m
+
+from .conftest import WAIT, serve_process, stop_process
+
+V = m.PROTOCOL_VERSION
+
+
+def limited(soft: int, hard: int):  # type: ignore[no-untyped-def]
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return preexec
+
+
+def fd_limit(proc) -> int:  # type: ignore[no-untyped-def]
+    """The soft limit the daemon's log says it listened with."""
+    found = re.search(r"event=listening .* fd_limit=(\d+)", proc.log_path.read_text())
+    assert found, proc.log_path.read_text()
+    return int(found.group(1))
+
+
+def ping_all(sock: Path, n: int) -> int:
+    """Connect ``n`` raw clients at once, each pinging; how many got a pong."""
+    ctx = zmq.Context()
+    peers = []
+    try:
+        for i in range(n):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"ipc://{sock}")
+            s.send(m.encode(m.Ping(v=V, req=i + 1)))
+            peers.append(s)
+        answered = 0
+        deadline = time.monotonic() + WAIT  # one wait for them all
+        for s in peers:
+            if s.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                answered += isinstance(m.decode_reply(s.recv()), m.Pong)
+        return answered
+    finally:
+        for s in peers:
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_hundreds_of_clients_under_a_low_soft_limit(short_dir: Path) -> None:
+    """Started with a soft limit of 64 descriptors (the daemon aborted at
+    about 50 connections), 300 clients connected at once are all served."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard == resource.RLIM_INFINITY or hard >= 1024, f"hard limit {hard}: too low to test"
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock, preexec_fn=limited(64, hard))
+    try:
+        assert ping_all(sock, 300) == 300
+        assert proc.poll() is None
+    finally:
+        assert stop_process(proc) == 0
+    assert fd_limit(proc) == min(hard, 65536)
+
+
+def test_a_limit_that_cannot_be_raised_is_kept(short_dir: Path) -> None:
+    """The fallback: soft and hard limit both 64. The daemon starts, says so
+    in its log, and serves the clients it has room for."""
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock, preexec_fn=limited(64, 64))
+    try:
+        assert ping_all(sock, 20) == 20
+    finally:
+        assert stop_process(proc) == 0
+    assert fd_limit(proc) == 64
