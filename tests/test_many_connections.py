@@ -9,11 +9,9 @@ import resource
 import time
 from pathlib import Path
 
-import zmq
-
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, serve_process, stop_process
+from .conftest import WAIT, dealers, serve_process, stop_process
 
 V = m.PROTOCOL_VERSION
 
@@ -34,25 +32,15 @@ def fd_limit(proc) -> int:  # type: ignore[no-untyped-def]
 
 def ping_all(sock: Path, n: int) -> int:
     """Connect ``n`` raw clients at once, each pinging; how many got a pong."""
-    ctx = zmq.Context()
-    peers = []
-    try:
-        for i in range(n):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"ipc://{sock}")
+    with dealers(sock, n) as peers:
+        for i, s in enumerate(peers):
             s.send(m.encode(m.Ping(v=V, req=i + 1)))
-            peers.append(s)
         answered = 0
         deadline = time.monotonic() + WAIT  # one wait for them all
         for s in peers:
             if s.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 answered += isinstance(m.decode_reply(s.recv()), m.Pong)
         return answered
-    finally:
-        for s in peers:
-            s.close(linger=0)
-        ctx.term()
 
 
 def test_hundreds_of_clients_under_a_low_soft_limit(short_dir: Path) -> None:
