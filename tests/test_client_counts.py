@@ -15,7 +15,7 @@ import pytest
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, serve_process, stop_process
+from .conftest import WAIT, serve_process, stop_process, wait_for
 from .faultkit import FP, filled
 
 
@@ -65,6 +65,101 @@ def test_close_says_when_the_daemon_did_not_confirm_it_read_the_saves(
             proc.send_signal(signal.SIGCONT)
         assert "event=client_close_unconfirmed" in caplog.text
         assert kv.client_stats()["client_saves_sent"] == 1
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_connection_lost_before_the_daemon_read_the_saves_is_logged(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save ZeroMQ took while the daemon was stopped, then the daemon
+    killed: nothing of it was read, and the client says so when the
+    connection ends. A save a flush confirmed is not warned of again when
+    the next daemon goes."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "read", filled(1, 1), [1])
+            assert kv.flush(WAIT)
+            proc.send_signal(signal.SIGSTOP)
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                assert kv.save(FP, "unread", filled(1, 2), [2])
+                wait_for(lambda: kv.client_stats()["client_saves_sent"] == 2, "the save sent")
+                proc.kill()
+                proc.wait(WAIT)
+                wait_for(lambda: not kv.connected, "the connection to end")
+                wait_for(lambda: "event=saves_unconfirmed" in caplog.text, "the warning")
+            caplog.clear()
+            proc = serve_process(root, sock)
+            wait_for(lambda: kv.connected, "the reconnection")
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                assert not kv.flush(WAIT)  # the unread save is gone
+                assert kv.flush(WAIT)
+                assert stop_process(proc) == 0
+                wait_for(lambda: not kv.connected, "the connection to end")
+                kv.close()
+            assert "unconfirmed" not in caplog.text.replace("flush_unconfirmed", ""), caplog.text
+    finally:
+        stop_process(proc)
+
+
+def test_a_flush_after_the_same_daemon_dropped_the_connection_says_false(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon's ZeroMQ drops a connection on a frame over its size limit,
+    and with it what it had not read from that connection: here a save sent
+    after such a frame (put on the client's socket directly: save() no longer
+    sends one). The daemon is the same, and never saw the save; the flush
+    after the reconnection must not vouch for it."""
+    from kvkeeper.protocol import messages as m
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--max-pending-bytes", "32M")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.flush(WAIT)
+            conn = kv._channel.connections
+            proc.send_signal(signal.SIGSTOP)  # both are queued before it reads either
+            try:
+                kv._channel.notify(m.SaveBegin(
+                    v=m.PROTOCOL_VERSION, save=10**6, model=FP, cache_id="oversized",
+                    tensors=[], metadata={"x": "y" * (33 * 2**20)}))
+                assert kv.save(FP, "behind", filled(1, 3), [3])
+                wait_for(lambda: kv.client_stats()["client_saves_sent"] == 1, "the save sent")
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            wait_for(lambda: kv._channel.connections > conn and kv.connected, "a reconnection")
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                assert not kv.flush(WAIT)
+            assert "event=flush_unconfirmed" in caplog.text
+            assert kv.stats()["saves_received"] == 0  # the daemon never saw it
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_save_whose_header_the_daemon_cannot_take_is_refused_or_counted_lost(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A header over the daemon's 32 MiB made ZeroMQ drop the connection, and
+    the save with it, while the client counted it sent and the flush said
+    True. Metadata that large is refused by save(); token ids that large
+    (known only once encoded, on the I/O thread) make the save lost."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--max-pending-bytes", "32M")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            with pytest.raises(ValueError, match="metadata is .* bytes as JSON"):
+                kv.save(FP, "meta", filled(0.01, 1), [1], metadata={"x": "y" * (9 * 2**20)})
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                assert kv.save(FP, "tokens", filled(0.01, 1), list(range(10**6, 7 * 10**6)))
+                assert not kv.flush(WAIT)
+            assert "header is" in caplog.text and "at most 33554432" in caplog.text
+            c = kv.client_stats()
+            assert (c["client_saves_lost"], c["client_saves_sent"]) == (1, 0), c
+            assert kv.save(FP, "fine", filled(0.01, 1), [1], metadata={"x": "y" * 2**20})
+            assert kv.flush(WAIT)
+            assert kv.load(FP, "fine") is not None
     finally:
         assert stop_process(proc) == 0
 

@@ -139,6 +139,7 @@ class _Request:
     release: Key | None = None  # send this key's waiting save first (ALL_KEYS: every one)
     future: Future[m.Reply] = field(default_factory=Future)
     sent: bool = False  # the I/O thread's: handed to a connection (which may die with it)
+    seq: int = 0  # the I/O thread's: Channel._sent when it went
 
 
 #: A request on its way: what ``Channel.send_request`` returns.
@@ -189,9 +190,14 @@ class Channel:
         self._stopped = False  # under _lock: the I/O thread is gone, no request can be answered
         self._thread_closes_pipe = False  # under _lock: close() gave up waiting for the thread
         self._ended = threading.Event()  # the I/O thread has stopped and counted everything
-        # The I/O thread's: a save or notice went out that no reply has
-        # confirmed the daemon read (close() asks for one).
-        self._unconfirmed = False
+        # The I/O thread's: messages sent so far (saves count once), the
+        # number of the last save or notice sent, and the last one a reply
+        # confirmed: the daemon answers a request only after reading every
+        # message sent before it on the connection. Saves and notices get no
+        # reply of their own; close() asks for one when they are not covered.
+        self._sent = 0
+        self._sent_unanswered = 0
+        self._confirmed = 0
         self.forked = False  # this is a forked child's copy: it can never send
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -321,8 +327,12 @@ class Channel:
         while (self._outbox or self._inflight_bytes) and self.connected.is_set() and waited < timeout:
             deadline.wait(0.01)
             waited += 0.01
-        if self._unconfirmed and self.connected.is_set():
-            self._confirm(timeout - waited)
+        if self._unconfirmed:
+            if self.connected.is_set():
+                self._confirm(timeout - waited)
+            else:
+                log.warning("event=client_close_unconfirmed reason=no daemon is connected to "
+                            "confirm it read the last saves sent")
         with self._lock:  # send_save looks under it
             self._closing.set()
         self._wake()
@@ -337,6 +347,10 @@ class Channel:
                 log.warning("event=client_close_slow: the I/O thread did not end within 5 s")
                 return
             self._close_pipe()
+
+    @property
+    def _unconfirmed(self) -> bool:
+        return self._sent_unanswered > self._confirmed
 
     def _confirm(self, timeout: float) -> None:
         """Wait until the daemon has read everything sent. ZeroMQ calls a
@@ -521,6 +535,13 @@ class Channel:
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.connected.clear()
                 lost = True
+                if self._unconfirmed:
+                    # What the daemon had not read yet died with the
+                    # connection: ZeroMQ had already called it sent.
+                    log.warning("event=saves_unconfirmed reason=the connection to the daemon "
+                                "ended before it confirmed reading the last saves sent; a "
+                                "flush() tells whether they were written")
+                    self._confirmed = self._sent_unanswered
 
     def _fail_waiting(self, reason: str, *, sent_only: bool = False) -> None:
         """Fail the requests waiting for a reply (with ``sent_only``, those
@@ -551,6 +572,7 @@ class Channel:
             with self._lock:
                 item = self._waiting.get(req) if req is not None else None
             if item is not None and not item.future.done():
+                self._confirmed = max(self._confirmed, item.seq)
                 item.future.set_result(reply)
             elif isinstance(reply, m.Error):
                 log.warning("event=daemon_error code=%s message=%s", reply.code, reply.message)
@@ -576,7 +598,10 @@ class Channel:
                     item.future.set_exception(DaemonUnavailable(f"cannot reach the daemon: {exc}"))
                 else:
                     item.sent = True
-                    self._unconfirmed |= item.req == 0  # a notice: no reply comes
+                    self._sent += 1
+                    item.seq = self._sent
+                    if item.req == 0:  # a notice: no reply comes
+                        self._sent_unanswered = self._sent
                 continue
             older = self._held.pop(item.key, None)
             if older is not None:
@@ -680,7 +705,8 @@ class Channel:
             time.sleep(0)
         self.counters.saves_sent += 1
         self.counters.bytes_sent += save.nbytes
-        self._unconfirmed = True
+        self._sent += 1
+        self._sent_unanswered = self._sent
         # From here ZeroMQ alone holds the frames, and lets each go once it is
         # sent: a tensor's snapshot handle dies with its last frame, so layers
         # already sent no longer make MLX copy them on the next decode step.

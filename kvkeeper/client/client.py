@@ -49,6 +49,9 @@ CHUNK_BYTES = 8 * 1024 * 1024
 #: through its garbage-collector thread (about 20 us of Python, GIL held),
 #: more than copying 64 KiB; and a copy lets the cache's buffers go at once.
 JOIN_BYTES = 2 * 1024 * 1024
+#: A save's user metadata as JSON, at most: a quarter of the header the daemon
+#: takes (messages.MAX_HEADER_BYTES), the rest left for token ids and layers.
+MAX_METADATA_BYTES = 8 * 1024 * 1024
 #: Keys with unsettled saves a client remembers one by one; past that, a
 #: stand-in for every key makes all loads ask the daemon until a flush.
 _MAX_UNSETTLED = 100_000
@@ -247,9 +250,12 @@ class Client:
             raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
         if meta:
             try:  # the header is UTF-8: a lone surrogate would fail on the I/O thread
-                msgspec.json.encode(meta)
+                size = len(msgspec.json.encode(meta))
             except UnicodeEncodeError as exc:
                 raise ValueError(f"metadata must be valid Unicode text: {exc}") from None
+            if size > MAX_METADATA_BYTES:
+                raise ValueError(f"metadata is {size} bytes as JSON; the limit is "
+                                 f"{MAX_METADATA_BYTES}")
         # A save about to be dropped (daemon down, or no room for any save)
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
@@ -338,7 +344,13 @@ class Client:
             tensors=[m.TensorSpec(t.name, t.dtype, list(t.shape)) for t in snap.tensors],
             metadata=meta,
         )
-        messages: list[list[bytes | memoryview]] = [[m.encode(begin)]]
+        header = m.encode(begin)
+        if len(header) > m.MAX_HEADER_BYTES:
+            # The daemon could not take it (ZeroMQ would drop the connection,
+            # and the saves queued behind it): counted lost, with this reason.
+            raise ValueError(f"the save's header is {len(header)} bytes (token ids, metadata, "
+                             f"layers); the daemon takes at most {m.MAX_HEADER_BYTES}")
+        messages: list[list[bytes | memoryview]] = [[header]]
         frames: list[memoryview] = []
         size = 0
 
@@ -578,16 +590,19 @@ class Client:
             failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
                 else reply.failed
             self._failed_seen = reply.failed
-            # Saves handed off since the last flush may have gone to the daemon
-            # that went away: nothing can confirm them.
-            unconfirmed = (restarted and mark > self._flushed_mark
+            # Saves handed off since the last flush may have gone on a
+            # connection that ended since: to a daemon that went away, or one
+            # that dropped the connection with messages it had not read yet.
+            # Nothing can confirm them.
+            unconfirmed = (mark > self._flushed_mark
                            and self._unflushed_conn is not None and self._unflushed_conn < conn)
             self._flushed_mark = mark
             # Saves handed off since the mark: on this connection or a later one.
             self._unflushed_conn = conn_at_mark if self._saves > mark else None
         if unconfirmed:
-            log.warning("event=flush_unconfirmed reason=the daemon was restarted since the "
-                        "last flush; saves handed off before may be lost")
+            log.warning("event=flush_unconfirmed reason=the connection to the daemon was lost "
+                        "since the last flush (%s); saves handed off before may be lost",
+                        "it was restarted" if restarted else "the same daemon took it back")
         return failed == 0 and lost == 0 and not unconfirmed
 
     def delete(self, model: str, cache_id: str) -> bool:
