@@ -295,3 +295,40 @@ def test_a_save_replaced_while_it_replaces_a_parked_one_passes_its_client_on(
     finally:
         assert stop_process(proc) == 0
     assert "event=save_parked model=fp id=k received=1000" not in proc.log_path.read_text()
+
+
+def test_a_gc_while_a_save_is_parked_leaves_no_phantom_file_in_the_budget(
+    short_dir: Path,
+) -> None:
+    """A gc rescans the root while a save is parked: it finds the save's tmp
+    file and counts it. Once that file is renamed into place it must no
+    longer be counted (it was, until the next rescan: 5 MiB that did not
+    exist pushed the store over its budget and evicted an entry)."""
+    MiB = 2**20
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600,
+                      max_disk_bytes=10 * MiB, min_write_interval=0.0)
+    try:
+        with dealers(rd.socket, 3) as (a, slow, g):
+            a.send(begin(save=1, cache_id="old", tensors=[m.TensorSpec("t0", "U8", [3 * MiB])]))
+            a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"o" * (3 * MiB)])
+            assert ask(a, m.encode(m.Flush(v=V, req=1))) == m.Flushed(
+                v=V, req=1, written=1, superseded=0, failed=0)
+            slow.send(begin(save=1, cache_id="big", tensors=[m.TensorSpec("t0", "U8", [6 * MiB])]))
+            slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"a" * (5 * MiB)])
+            wait_for(lambda: tmp_files(rd.root) != [], "the paused save's tmp file")
+            assert isinstance(ask(g, m.encode(m.Gc(v=V, req=2))), m.Evicted)  # it parks the save
+            slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"b" * MiB])
+            assert ask(slow, m.encode(m.Flush(v=V, req=3))) == m.Flushed(
+                v=V, req=3, written=1, superseded=0, failed=0)
+            listed = ask(g, m.encode(m.ListEntries(v=V, req=4, everything=True)))
+            assert isinstance(listed, m.Entries)
+            assert sorted((e.kind, e.cache_id) for e in listed.entries) == [
+                ("entry", "big"), ("entry", "old")]
+            stats = ask(g, m.encode(m.GetStats(v=V, req=5)))
+            assert isinstance(stats, m.Stats)
+            on_disk = sum(p.stat().st_size for p in (entry(rd, "old"), entry(rd, "big")))
+            assert stats.counters["disk_used_bytes"] == on_disk
+            assert stats.counters["evictions"] == 0
+        assert content(entry(rd, "old")) == b"o" * (3 * MiB)
+    finally:
+        rd.stop()

@@ -114,9 +114,13 @@ class PendingFile:
     """A new version of one entry, written to a tmp file beside the target."""
 
     def __init__(self, final: Path, header: bytes, data_bytes: int = 0,
-                 key: tuple[str, str] = ("", "")) -> None:
+                 key: tuple[str, str] = ("", ""),
+                 on_gone: Callable[[Path], None] | None = None) -> None:
         self.final = final
         self.key = key  # (model, cache id): a hashed file name does not give them back
+        # Told the tmp path once it is renamed or removed: a rescan meanwhile
+        # (gc) indexed it, and the index must not go on counting it.
+        self._on_gone = on_gone
         self.renamed = False  # in place, and served, from then on
         self.tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -170,6 +174,8 @@ class PendingFile:
             self._fd = None
             os.rename(self.tmp, self.final)
             self.renamed = True
+            if self._on_gone is not None:
+                self._on_gone(self.tmp)
         except BaseException:
             self.abort()
             raise
@@ -193,6 +199,8 @@ class PendingFile:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+        if self._on_gone is not None:
+            self._on_gone(self.tmp)
 
 
 @dataclass(frozen=True)
@@ -322,7 +330,11 @@ class Store:
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
         self._model_dir(model)
         return PendingFile(self.path_for(model, cache_id), header, data_bytes,
-                           (model, cache_id))
+                           (model, cache_id), on_gone=self._forget)
+
+    def _forget(self, path: Path) -> None:
+        with self._lock:
+            self._index.pop(path, None)
 
     def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
