@@ -140,6 +140,29 @@ def test_a_valid_raw_save_is_a_safetensors_file(raw: zmq.Socket, daemon: Running
     assert os.stat(found.path).st_mode & 0o777 == 0o600
 
 
+def test_a_save_whose_file_header_readers_would_refuse_fails(raw: zmq.Socket,
+                                                             daemon: RunningDaemon) -> None:
+    """20 MB of control characters in the metadata fit the wire's 32 MiB but
+    take 120 MB escaped in the file's JSON header: the safetensors package
+    reads no header over 100 MB (kvkeeper's reader none over 256 MiB, and a
+    310 MB one was written and confirmed). The save fails, and the flush
+    says so; the file it would have replaced is kept."""
+    raw.send(begin(cache_id="c", metadata={"note": "first"}))
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 16])
+    assert ask(raw, m.encode(m.Flush(v=V, req=1))) == m.Flushed(
+        v=V, req=1, written=1, superseded=0, failed=0)
+    raw.send(begin(save=2, cache_id="c", metadata={"note": "\x01" * 20_000_000}))
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=2, frames=1)), b"\0" * 16])
+    flushed = ask(raw, m.encode(m.Flush(v=V, req=2)))
+    # Running totals of this peer: the first save written, this one failed.
+    assert isinstance(flushed, m.Flushed) and (flushed.written, flushed.failed) == (1, 1)
+    found = ask(raw, m.encode(m.Load(v=V, req=3, model="fp", cache_id="c")))
+    assert isinstance(found, m.Found) and found.path
+    with safe_open(found.path, "numpy") as f:
+        assert f.metadata()["note"] == "first"
+    assert [p.name for p in files_under(daemon.root) if p.name.endswith(".tmp")] == []
+
+
 def test_stalled_save_fails_and_frees_the_writer(short_dir: Path) -> None:
     from .conftest import start_daemon
 

@@ -49,7 +49,12 @@ from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import PendingFile, Store, StoredEntry
 from kvkeeper.protocol.messages import ErrorCode
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
-from kvkeeper.protocol.safetensors import TOKEN_COUNT_KEY, Layout, TensorHasher
+from kvkeeper.protocol.safetensors import (
+    MAX_WRITTEN_HEADER,
+    TOKEN_COUNT_KEY,
+    Layout,
+    TensorHasher,
+)
 
 log = logging.getLogger("kvkeeper.actor")
 
@@ -721,6 +726,10 @@ class _FileWriter:
             header = self.layout.header(self.job.metadata)
             # submit_save checked data and metadata against the disk budget;
             # the exact size needs the encoded header (escapes, tensor table).
+            if len(header) - 8 > MAX_WRITTEN_HEADER:
+                raise ValueError(f"the file's header would be {len(header) - 8} bytes (token "
+                                 f"ids, metadata and tensor names as JSON), over the "
+                                 f"{MAX_WRITTEN_HEADER} readers take")
             disk = self.store.budget.max_disk_bytes
             if disk is not None and len(header) + self.job.total > disk:
                 raise ValueError(f"the file would take {len(header) + self.job.total} bytes, "

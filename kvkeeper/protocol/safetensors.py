@@ -46,6 +46,11 @@ CHECKSUM_ALGO = "xxh3_64"
 _PLACEHOLDER = "0" * 16
 #: Largest header a reader accepts before it gives up on a file.
 MAX_FILE_HEADER = 256 * 1024 * 1024
+#: Largest header the daemon writes: what the safetensors package reads (its
+#: limit), so every file kvkeeper writes can be opened by it, by mx.load and
+#: by kvkeeper's reader. Escaping can make a header far larger on disk than
+#: on the wire (a control character takes 6 bytes of JSON).
+MAX_WRITTEN_HEADER = 100_000_000
 
 
 class LayoutError(ValueError):
