@@ -5,6 +5,7 @@ it instead of holding the single writer for its stall timeout."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,5 +331,58 @@ def test_a_gc_while_a_save_is_parked_leaves_no_phantom_file_in_the_budget(
             assert stats.counters["disk_used_bytes"] == on_disk
             assert stats.counters["evictions"] == 0
         assert content(entry(rd, "old")) == b"o" * (3 * MiB)
+    finally:
+        rd.stop()
+
+
+@pytest.mark.parametrize("frame", [b"", b"x"], ids=["empty frames", "one byte at a time"])
+def test_a_trickling_save_lets_others_by(patient: RunningDaemon, frame: bytes) -> None:
+    """A client that sends its save a few bytes (or none) at a time, every
+    0.2 s, holds the writer as surely as one that sends nothing: each frame
+    used to count as progress, and another client's flush went unanswered
+    for as long as the trickle lasted."""
+    with dealers(patient.socket, 2) as (slow, other):
+        start_stalled(patient.root, slow, "slow")
+        stop, sent = threading.Event(), [0]
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), frame])
+                sent[0] += 1
+
+        t = threading.Thread(target=trickle)
+        t.start()
+        try:
+            assert save_whole(other, "other", b"o") == m.Flushed(
+                v=V, req=1, written=1, superseded=0, failed=0)
+        finally:
+            stop.set()
+            t.join(WAIT)
+        assert content(entry(patient, "other")) == b"o" * 1000
+        trickled = frame * sent[0]
+        rest = b"b" * (2 * HALF - HALF - len(trickled))
+        slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), rest])
+        assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+            v=V, req=2, written=1, superseded=0, failed=0)
+        assert content(entry(patient, "slow")) == b"a" * HALF + trickled + rest
+
+
+def test_empty_frames_do_not_keep_a_stalled_save_alive(short_dir: Path) -> None:
+    """The stall timeout counts from the last byte: a stream of empty frames
+    does not put it off (it did, for ever)."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=1.0)
+    try:
+        with dealers(rd.socket, 1) as (slow,):
+            start_stalled(rd.root, slow, "slow")
+            deadline = time.monotonic() + WAIT
+            while True:
+                slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b""])
+                stats = ask(slow, m.encode(m.GetStats(v=V, req=1)))
+                assert isinstance(stats, m.Stats)
+                if stats.counters["saves_failed"] == 1:
+                    break
+                assert time.monotonic() < deadline, "the save never failed"
+                time.sleep(0.2)
+            assert tmp_files(rd.root) == []
     finally:
         rd.stop()

@@ -18,8 +18,9 @@ its key that is not a save (moving a damaged file aside, which checks it is
 still the file the client read) may run before it.
 
 A save whose bytes stop coming part way (its client is paused, or slower
-than the disk) does not hold up the others: once none of its bytes have come
-for PARK_AFTER while other jobs wait, it is parked, its tmp file kept open,
+than the disk) does not hold up the others: once less than PARK_BELOW_BYTES
+of it have come in PARK_AFTER while other jobs wait (a trickle of tiny
+frames holds the writer as surely as none), it is parked, its tmp file kept open,
 and goes back into the mailbox when its bytes come again (or after the stall
 timeout, to fail). Jobs of its key taken meanwhile keep their order: a newer
 save or a delete of the key replaces it (its tmp file is removed), moving a
@@ -61,6 +62,9 @@ log = logging.getLogger("kvkeeper.actor")
 #: How long a save being written may go without bytes before it makes way for
 #: other jobs waiting behind it (it is parked, not failed: see the docstring).
 PARK_AFTER = 0.5
+#: ... or with fewer bytes than this in that time: a live client sends
+#: hundreds of MiB in it, a stalled one nothing, or frames of a few bytes.
+PARK_BELOW_BYTES = 1024 * 1024
 
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
@@ -109,6 +113,9 @@ class SaveJob(Job):
     last_activity: float = field(default_factory=time.monotonic)
     file: _FileWriter | None = None  # once started: kept while it is parked
     starved_since: float | None = None  # since when the writer has had no bytes of it
+    # The writer's window for PARK_BELOW_BYTES: since when, and job.received then.
+    pace_since: float | None = None
+    pace_from: int = 0
 
     @property
     def total(self) -> int:
@@ -229,6 +236,8 @@ class WriterActor:
 
     def add_data(self, job: SaveJob, bufs: list[memoryview], nbytes: int) -> None:
         """Bytes for a queued save (dropped if it was superseded meanwhile)."""
+        if nbytes == 0:
+            return  # empty frames: no progress, not even for the stall timeout
         job.received += nbytes
         job.last_activity = time.monotonic()
         if job.done.is_set():
@@ -478,6 +487,7 @@ class WriterActor:
         if self._parked.get(job.key) is job:
             del self._parked[job.key]
         job.started = True
+        job.pace_since = None  # a fresh window each time it is taken
         if job.file is None:
             job.file = _FileWriter(self.store, job)
         file = job.file
@@ -541,11 +551,14 @@ class WriterActor:
 
     async def _await_bytes(self, job: SaveJob) -> bool:
         """Wait for more of a started save's bytes; False when it should be
-        parked (others are waiting and its bytes have not come for
-        PARK_AFTER). Raises StreamBroken after the stall timeout."""
+        parked (others are waiting and fewer than PARK_BELOW_BYTES of it have
+        come in the last PARK_AFTER). Raises StreamBroken after the stall
+        timeout."""
         now = time.monotonic()
         if job.starved_since is None:
             job.starved_since = now
+        if job.pace_since is None:
+            job.pace_since, job.pace_from = now, job.received
         deadline = job.starved_since + self.stall_timeout
         if now >= deadline:
             raise StreamBroken(f"no bytes for {self.stall_timeout:g} s "
@@ -553,11 +566,20 @@ class WriterActor:
         job.arrived = anyio.Event()
         with anyio.move_on_after(min(deadline, now + PARK_AFTER) - now):
             await job.arrived.wait()
-        if job.arrived.is_set() or not self._queued():
+        now = time.monotonic()
+        if not self._queued() or now - job.pace_since < PARK_AFTER:
+            return True
+        if job.received >= job.total or job.broken:
+            return True  # nothing more to wait for: finish it (or fail it) now
+        if job.received - job.pace_from >= PARK_BELOW_BYTES:
+            job.pace_since, job.pace_from = now, job.received
             return True
         log.info("event=save_parked model=%s id=%s received=%d total=%d",
                  *job.key, job.received, job.total)
         self.stats.inc("saves_parked")
+        # The park waits for bytes that come from now on: those already
+        # queued are written when it is taken again.
+        job.arrived = anyio.Event()
         return False
 
     # ------------------------------------------------------------ bookkeeping
