@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -259,6 +260,43 @@ def test_metadata_counts_against_the_memory_budget(short_dir: Path) -> None:
             assert isinstance(refused, m.SaveRefused) and refused.code == "busy", refused
     finally:
         assert rd.stop() == 0
+
+
+def test_failed_saves_give_their_memory_back(short_dir: Path) -> None:
+    """Saves that begin with 8 MB of metadata and never send their bytes fail
+    at the stall timeout. Each peer's last stream keeps its job (to drop the
+    bytes still coming), and it kept the metadata: 30 MiB more RSS per five
+    failed saves, for as long as the peers sent nothing else."""
+    import psutil
+
+    from .conftest import serve_process, stop_process
+
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock, "--max-pending-bytes", "64M",
+                         "--stall-timeout", "1", "--min-write-interval", "0")
+    daemon = psutil.Process(proc.pid)
+    try:
+        with dealers(sock, 41) as peers:
+            asker, senders = peers[0], peers[1:]
+            rss = []
+            for wave in range(8):
+                for k, s in enumerate(senders[wave * 5:(wave + 1) * 5]):
+                    s.send(begin(save=1, cache_id=f"w{wave}k{k}",
+                                 tensors=[m.TensorSpec("t0", "U8", [1])],
+                                 metadata={"note": chr(97 + wave) * 8_000_000}))
+                deadline = time.monotonic() + WAIT
+                while True:
+                    got = ask(asker, m.encode(m.GetStats(v=V, req=wave)))
+                    assert isinstance(got, m.Stats)
+                    if got.counters["saves_failed"] + got.counters["saves_refused"] \
+                            == 5 * (wave + 1):
+                        break
+                    assert time.monotonic() < deadline, got.counters
+                    time.sleep(0.1)
+                rss.append(daemon.memory_info().rss)
+            assert rss[-1] - rss[0] < 100 * 2**20, [r // 2**20 for r in rss]
+    finally:
+        assert stop_process(proc) == 0
 
 
 def test_every_counter_is_there_from_the_start(raw: zmq.Socket) -> None:

@@ -380,9 +380,10 @@ class WriterActor:
         # Replaced before the tmp file goes: meanwhile ``job`` itself may be
         # replaced in turn, and must pass the parked save's client on.
         del self._parked[parked.key]
+        tmp = parked.tmp_file()  # before it is resolved: that lets go of it
         self._supersede(parked, job)
         parked.arrived.set()  # its park task ends
-        if (tmp := parked.tmp_file()) is not None:
+        if tmp is not None:
             try:
                 await anyio.to_thread.run_sync(tmp.abort)
             except OSError as exc:  # the next start sweeps it
@@ -608,7 +609,12 @@ class WriterActor:
             job.hurry.set()  # ends its hold, if it is held
             self.pending_bytes -= job.reserved
             job.reserved = 0
+            # Its memory goes with its reservation: the server keeps the job
+            # of a peer's last stream (to drop the bytes still coming), for
+            # as long as that peer sends nothing else.
             job.chunks.clear()
+            job.metadata = {}
+            job.file = None
             if self._waiting.get(job.key) is job:
                 del self._waiting[job.key]
             self.stats.inc(f"saves_{outcome.value}")
