@@ -299,6 +299,41 @@ def test_failed_saves_give_their_memory_back(short_dir: Path) -> None:
         assert stop_process(proc) == 0
 
 
+def test_requests_waiting_for_their_answer_are_capped_per_client(short_dir: Path) -> None:
+    """A client with a save half sent asks for 300 flushes: each waited as a
+    task of the daemon, without bound (40,000 took 218 MiB, and a drain cut
+    short took minutes to cancel them). Past 256 it is answered "busy" at
+    once; the others are answered once the save is written, and the daemon
+    exits as it should."""
+    from kvkeeper.daemon.server import MAX_WAITING_PER_PEER
+
+    from .conftest import serve_process, stop_process
+
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock, "--stall-timeout", "600")
+    try:
+        with dealers(sock, 2) as (a, other):
+            a.send(begin(save=1, cache_id="half", tensors=[m.TensorSpec("t0", "U8", [4])]))
+            a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"ab"])
+            for req in range(1, 301):
+                a.send(m.encode(m.Flush(v=V, req=req)))
+            busy = [m.decode_reply(a.recv()) for _ in range(300 - MAX_WAITING_PER_PEER)]
+            assert all(isinstance(r, m.Error) and r.code == "busy" for r in busy), busy[:3]
+            assert {r.req for r in busy} == set(range(MAX_WAITING_PER_PEER + 1, 301))
+            # Another client is not held to this one's cap.
+            assert isinstance(ask(other, m.encode(m.Flush(v=V, req=1))), m.Flushed)
+            a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"cd"])
+            flushed = [m.decode_reply(a.recv()) for _ in range(MAX_WAITING_PER_PEER)]
+            assert all(isinstance(r, m.Flushed) and r.written == 1 for r in flushed)
+            stats = ask(other, m.encode(m.GetStats(v=V, req=2)))
+            assert isinstance(stats, m.Stats)
+            assert stats.counters["requests_refused"] == 300 - MAX_WAITING_PER_PEER
+            # Room again once they were answered.
+            assert isinstance(ask(a, m.encode(m.Flush(v=V, req=301))), m.Flushed)
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_every_counter_is_there_from_the_start(raw: zmq.Socket) -> None:
     # A script reading stats --json must not find a counter missing until it
     # first moves (the README names loads_direct and saves_held).

@@ -15,7 +15,9 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import zmq
@@ -42,6 +44,13 @@ from kvkeeper.protocol.safetensors import (
 
 log = logging.getLogger("kvkeeper.server")
 _MAX_STREAMS = 10_000
+#: Requests whose answer waits (a flush, a load behind a save, a delete, a
+#: list, a gc) a peer may have at once, and all peers together: each is a
+#: task holding a few KiB, and a drain cut short cancels them all. A
+#: kvkeeper client has one flush at a time and a load per thread.
+MAX_WAITING_PER_PEER = 256
+MAX_WAITING = 10_000
+_WAITED_FOR = (m.Load, m.Delete, m.Quarantine, m.ListEntries, m.Flush, m.Gc)
 #: A save whose client process has died fails once nothing is left to read
 #: and none of its bytes came for this long: its last messages may still be
 #: read after the death is seen (this covers that read, not the client).
@@ -92,6 +101,8 @@ class Server:
         self._closed_fds: dict[int, float] = {}  # descriptors whose connection closed: when
         self._reaping = False
         self._last_close = -float("inf")
+        self._waiting: dict[bytes, int] = {}  # per peer: requests whose answer waits
+        self._waiting_total = 0
 
     async def run(self) -> None:
         while True:
@@ -130,6 +141,8 @@ class Server:
             self._error(peer, msg, "frames", f"{type(msg).__name__} takes no data frames, "
                                              f"got {len(data)}")
             return
+        if isinstance(msg, _WAITED_FOR) and not self._room_to_wait(peer, msg):
+            return
         match msg:
             case m.SaveBegin():
                 self._save_begin(peer, msg, header)
@@ -140,7 +153,7 @@ class Server:
             case m.Load():
                 key = self._key(peer, msg)
                 if key is not None and self.actor.has_pending(key):
-                    self.tg.start_soon(self._load, peer, msg.req, key)
+                    self._start(peer, self._load, msg.req, key)
                 elif key is not None:  # nothing to write first: answer now, no task
                     self._answer_load(peer, msg.req, key)
             case m.Used():
@@ -158,7 +171,7 @@ class Server:
                     if refusal is not None:
                         self._error(peer, msg, *refusal)
                     else:
-                        self.tg.start_soon(self._deleted, peer, msg.req, job)
+                        self._start(peer, self._deleted, msg.req, job)
             case m.Quarantine():
                 key = self._key(peer, msg)
                 if key is not None:
@@ -168,14 +181,14 @@ class Server:
             case m.ListEntries():
                 if msg.model is not None and self._check(peer, msg, msg.model, "model") is None:
                     return
-                self.tg.start_soon(self._list, peer, msg.req, msg.model, msg.everything)
+                self._start(peer, self._list, msg.req, msg.model, msg.everything)
             case m.GetStats():
                 self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
                                           counters=self.counters()))
             case m.Flush():
-                self.tg.start_soon(self._flush, peer, msg.req)
+                self._start(peer, self._flush, msg.req)
             case m.Gc():
-                self.tg.start_soon(self._gc, peer, msg.req)
+                self._start(peer, self._gc, msg.req)
 
     def counters(self) -> dict[str, float]:
         self.stats.gauges.update(self.actor.gauges())
@@ -419,6 +432,39 @@ class Server:
 
     # ------------------------------------------------------------ helpers
 
+    def _room_to_wait(self, peer: bytes, msg: m.Request) -> bool:
+        """Whether one more request of ``peer`` may wait for its answer; if
+        not, it is answered "busy" at once."""
+        mine = self._waiting.get(peer, 0)
+        if mine < MAX_WAITING_PER_PEER and self._waiting_total < MAX_WAITING:
+            return True
+        self.stats.inc("requests_refused")
+        self._error(peer, msg, "busy",
+                    f"{mine} requests of this client wait for their answers already "
+                    f"(at most {MAX_WAITING_PER_PEER}; {MAX_WAITING} for all clients)"
+                    if mine >= MAX_WAITING_PER_PEER else
+                    f"{self._waiting_total} requests wait for their answers already "
+                    f"(at most {MAX_WAITING} for all clients)")
+        return False
+
+    def _start(self, peer: bytes, answer: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``answer(peer, *args)`` as a task, counted against the caps."""
+        self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        self._waiting_total += 1
+        self.tg.start_soon(self._counted, peer, answer, args)
+
+    async def _counted(self, peer: bytes, answer: Callable[..., Awaitable[None]],
+                       args: tuple[Any, ...]) -> None:
+        try:
+            await answer(peer, *args)
+        finally:
+            self._waiting_total -= 1
+            left = self._waiting[peer] - 1
+            if left:
+                self._waiting[peer] = left
+            else:
+                del self._waiting[peer]
+
     def _quarantine(self, peer: bytes | None, req: int, job: DeleteJob) -> None:
         refusal = self.actor.submit_delete(job)
         if refusal is not None:
@@ -427,7 +473,7 @@ class Server:
                 self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code=refusal[0],
                                           message=refusal[1]))
         elif peer is not None:
-            self.tg.start_soon(self._deleted, peer, req, job)
+            self._start(peer, self._deleted, req, job)
 
     def _key(self, peer: bytes,
              msg: m.SaveBegin | m.Load | m.Used | m.Delete | m.Quarantine) -> Key | None:

@@ -25,6 +25,7 @@ COUNTERS = (
     "bytes_evicted",
     "files_quarantined",
     "protocol_errors",
+    "requests_refused",  # answered "busy": too many of the client's requests waited already
     "internal_errors",
     "forbidden_peers",
 )
