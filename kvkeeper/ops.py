@@ -98,8 +98,8 @@ _GROUPS = [
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
     ("Disk", ["disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
               "bytes_evicted", "deletes"]),
-    ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "internal_errors",
-                "forbidden_peers"]),
+    ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "requests_refused",
+                "internal_errors", "forbidden_peers"]),
 ]
 
 
