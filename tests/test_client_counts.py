@@ -164,6 +164,35 @@ def test_a_save_whose_header_the_daemon_cannot_take_is_refused_or_counted_lost(
         assert stop_process(proc) == 0
 
 
+def test_polling_flush_with_no_timeout_never_makes_the_daemon_turn_the_client_away(
+    short_dir: Path,
+) -> None:
+    """A loop polling flush(timeout=0) while a slow write goes on leaves a
+    request behind at the daemon per call (the client stops waiting, the
+    daemon does not): 2000 of them must not make the daemon answer the
+    client's other requests "busy" (its cap on waiting requests)."""
+    from kvkeeper.client.channel import DaemonUnavailable
+    from kvkeeper.daemon.faults import ENV
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0", env={ENV: "write_delay=1.0"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "slow", filled(4, 1), [1])  # 4 s at 1 s per MiB
+            timed_out = 0
+            for _ in range(2000):
+                try:
+                    kv.flush(timeout=0)
+                except DaemonUnavailable:
+                    timed_out += 1
+            assert timed_out > 1024  # more than the daemon lets one client wait for
+            kv.entries()  # answered, not "busy"
+            assert kv.flush(WAIT)
+            assert kv.delete(FP, "slow")
+    finally:
+        assert stop_process(proc) == 0
+
+
 def save_until_closed(kv: Client, started: threading.Event, handed: list[int]) -> None:
     """Save in a loop until the client is closed, counting the saves handed off."""
     cache = filled(0.05, 1)  # made here: MLX evaluates an array on its own thread's stream

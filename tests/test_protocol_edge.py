@@ -300,36 +300,45 @@ def test_failed_saves_give_their_memory_back(short_dir: Path) -> None:
 
 
 def test_requests_waiting_for_their_answer_are_capped_per_client(short_dir: Path) -> None:
-    """A client with a save half sent asks for 300 flushes: each waited as a
-    task of the daemon, without bound (40,000 took 218 MiB, and a drain cut
-    short took minutes to cancel them). Past 256 it is answered "busy" at
-    once; the others are answered once the save is written, and the daemon
-    exits as it should."""
+    """A client with a save half sent asks for 1100 loads of that key, and 300
+    flushes: each waited as a task of the daemon, without bound (40,000
+    flushes took 218 MiB, and a drain cut short took minutes to cancel
+    them). Loads past the cap are answered "busy" at once; flushes waiting
+    for the same jobs share one wait (a client polling flush(0) is never
+    turned away); a load that needs no wait is answered at once."""
     from kvkeeper.daemon.server import MAX_WAITING_PER_PEER
 
     from .conftest import serve_process, stop_process
 
+    loads_waiting = MAX_WAITING_PER_PEER - 1  # the flushes' one wait counts too
+    over = 1100 - loads_waiting
     sock = short_dir / "run" / "kv.sock"
     proc = serve_process(short_dir / "root", sock, "--stall-timeout", "600")
     try:
         with dealers(sock, 2) as (a, other):
             a.send(begin(save=1, cache_id="half", tensors=[m.TensorSpec("t0", "U8", [4])]))
             a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"ab"])
-            for req in range(1, 301):
+            for req in range(2001, 2301):
                 a.send(m.encode(m.Flush(v=V, req=req)))
-            busy = [m.decode_reply(a.recv()) for _ in range(300 - MAX_WAITING_PER_PEER)]
+            for req in range(1, 1101):
+                a.send(m.encode(m.Load(v=V, req=req, model="fp", cache_id="half")))
+            busy = [m.decode_reply(a.recv()) for _ in range(over)]
             assert all(isinstance(r, m.Error) and r.code == "busy" for r in busy), busy[:3]
-            assert {r.req for r in busy} == set(range(MAX_WAITING_PER_PEER + 1, 301))
-            # Another client is not held to this one's cap.
+            assert {r.req for r in busy} == set(range(loads_waiting + 1, 1101))
+            # Not held to the cap: a load with nothing to wait for, another client.
+            assert ask(a, m.encode(m.Load(v=V, req=3000, model="fp", cache_id="other"))) == \
+                m.Found(v=V, req=3000, path=None)
             assert isinstance(ask(other, m.encode(m.Flush(v=V, req=1))), m.Flushed)
             a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"cd"])
-            flushed = [m.decode_reply(a.recv()) for _ in range(MAX_WAITING_PER_PEER)]
-            assert all(isinstance(r, m.Flushed) and r.written == 1 for r in flushed)
+            answers = [m.decode_reply(a.recv()) for _ in range(loads_waiting + 300)]
+            found = [r for r in answers if isinstance(r, m.Found)]
+            flushed = [r for r in answers if isinstance(r, m.Flushed)]
+            assert len(found) == loads_waiting and all(r.path for r in found)
+            assert sorted(r.req for r in flushed) == list(range(2001, 2301))
+            assert all(r.written == 1 for r in flushed)
             stats = ask(other, m.encode(m.GetStats(v=V, req=2)))
             assert isinstance(stats, m.Stats)
-            assert stats.counters["requests_refused"] == 300 - MAX_WAITING_PER_PEER
-            # Room again once they were answered.
-            assert isinstance(ask(a, m.encode(m.Flush(v=V, req=301))), m.Flushed)
+            assert stats.counters["requests_refused"] == over
     finally:
         assert stop_process(proc) == 0
 

@@ -46,11 +46,20 @@ log = logging.getLogger("kvkeeper.server")
 _MAX_STREAMS = 10_000
 #: Requests whose answer waits (a flush, a load behind a save, a delete, a
 #: list, a gc) a peer may have at once, and all peers together: each is a
-#: task holding a few KiB, and a drain cut short cancels them all. A
-#: kvkeeper client has one flush at a time and a load per thread.
-MAX_WAITING_PER_PEER = 256
-MAX_WAITING = 10_000
-_WAITED_FOR = (m.Load, m.Delete, m.Quarantine, m.ListEntries, m.Flush, m.Gc)
+#: task holding a few KiB, and a drain cut short cancels them all. Flushes
+#: that wait for the same jobs share one (a client polling flush(0) while a
+#: slow write goes on leaves one behind per call); a kvkeeper client has a
+#: load at a time per thread.
+MAX_WAITING_PER_PEER = 1024
+MAX_WAITING = 16_384
+
+
+@dataclass(slots=True)
+class _FlushWait:
+    """Flushes of one peer waiting for the same jobs: one task answers all."""
+
+    taken: int  # the actor's jobs_taken(peer) when the first came
+    reqs: list[int]
 #: A save whose client process has died fails once nothing is left to read
 #: and none of its bytes came for this long: its last messages may still be
 #: read after the death is seen (this covers that read, not the client).
@@ -103,6 +112,7 @@ class Server:
         self._last_close = -float("inf")
         self._waiting: dict[bytes, int] = {}  # per peer: requests whose answer waits
         self._waiting_total = 0
+        self._flushes: dict[bytes, _FlushWait] = {}  # per peer: its latest waiting flush
 
     async def run(self) -> None:
         while True:
@@ -141,8 +151,6 @@ class Server:
             self._error(peer, msg, "frames", f"{type(msg).__name__} takes no data frames, "
                                              f"got {len(data)}")
             return
-        if isinstance(msg, _WAITED_FOR) and not self._room_to_wait(peer, msg):
-            return
         match msg:
             case m.SaveBegin():
                 self._save_begin(peer, msg, header)
@@ -153,7 +161,8 @@ class Server:
             case m.Load():
                 key = self._key(peer, msg)
                 if key is not None and self.actor.has_pending(key):
-                    self._start(peer, self._load, msg.req, key)
+                    if self._room_to_wait(peer, msg):
+                        self._start(peer, self._load, msg.req, key)
                 elif key is not None:  # nothing to write first: answer now, no task
                     self._answer_load(peer, msg.req, key)
             case m.Used():
@@ -165,7 +174,7 @@ class Server:
                         self.store.record_use(*found)
             case m.Delete():
                 key = self._key(peer, msg)
-                if key is not None:
+                if key is not None and self._room_to_wait(peer, msg):
                     job = DeleteJob(key=key, peer=peer)
                     refusal = self.actor.submit_delete(job)
                     if refusal is not None:
@@ -174,21 +183,29 @@ class Server:
                         self._start(peer, self._deleted, msg.req, job)
             case m.Quarantine():
                 key = self._key(peer, msg)
-                if key is not None:
+                if key is not None and self._room_to_wait(peer, msg):
                     self._quarantine(peer, msg.req, DeleteJob(
                         key=key, peer=peer, reason=msg.reason, ino=msg.ino,
                         mtime_ns=msg.mtime_ns))
             case m.ListEntries():
                 if msg.model is not None and self._check(peer, msg, msg.model, "model") is None:
                     return
-                self._start(peer, self._list, msg.req, msg.model, msg.everything)
+                if self._room_to_wait(peer, msg):
+                    self._start(peer, self._list, msg.req, msg.model, msg.everything)
             case m.GetStats():
                 self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
                                           counters=self.counters()))
             case m.Flush():
-                self._start(peer, self._flush, msg.req)
+                taken = self.actor.jobs_taken(peer)
+                same = self._flushes.get(peer)
+                if same is not None and same.taken == taken:
+                    same.reqs.append(msg.req)  # answered with it, at no extra cost
+                elif self._room_to_wait(peer, msg):
+                    wait = self._flushes[peer] = _FlushWait(taken, [msg.req])
+                    self._start(peer, self._flush, wait)
             case m.Gc():
-                self._start(peer, self._gc, msg.req)
+                if self._room_to_wait(peer, msg):
+                    self._start(peer, self._gc, msg.req)
 
     def counters(self) -> dict[str, float]:
         self.stats.gauges.update(self.actor.gauges())
@@ -425,10 +442,15 @@ class Server:
                                     entries=[_entry(e) for e in evicted],
                                     disk_used_bytes=self.store.usage(), free_bytes=free))
 
-    async def _flush(self, peer: bytes, req: int) -> None:
-        tally = await self.actor.flush(peer)
-        self._reply(peer, m.Flushed(v=m.PROTOCOL_VERSION, req=req, written=tally.written,
-                                    superseded=tally.superseded, failed=tally.failed))
+    async def _flush(self, peer: bytes, wait: _FlushWait) -> None:
+        try:
+            tally = await self.actor.flush(peer)
+        finally:
+            if self._flushes.get(peer) is wait:
+                del self._flushes[peer]  # later flushes wait anew
+        for req in wait.reqs:
+            self._reply(peer, m.Flushed(v=m.PROTOCOL_VERSION, req=req, written=tally.written,
+                                        superseded=tally.superseded, failed=tally.failed))
 
     # ------------------------------------------------------------ helpers
 
