@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-import weakref
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -181,24 +181,26 @@ def test_a_client_dropped_without_close_sends_its_save_and_leaves_nothing_behind
     me = psutil.Process()
 
     def dropped(*keys: str) -> None:
-        gone = []
-        for key in keys:
-            kv = Client(sock, timeout=WAIT)
-            assert kv.save(FP, key, filled(1, 7), [1, 2])
-            gone.append(weakref.ref(kv))
-            del kv  # no close()
-        # The queued save holds its client until the I/O thread has built it.
-        gc.collect()
-        wait_for(lambda: all(ref() is None for ref in gone), "the clients to be collected")
+        """Drop a client per key, each holding a save; return once each has
+        been collected and has said so."""
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", ResourceWarning)
+            for key in keys:
+                kv = Client(sock, timeout=WAIT)
+                assert kv.save(FP, key, filled(1, 7), [1, 2])
+                del kv  # no close()
+            # The queued save holds its client until the I/O thread has built
+            # it; the finalizer may then run on that thread.
+            gc.collect()
+            wait_for(lambda: sum("dropped without close" in str(w.message) for w in said)
+                     == len(keys), "each client collected, with its ResourceWarning")
 
     try:
         with Client(sock, timeout=WAIT) as kv:
-            with pytest.warns(ResourceWarning, match="dropped without close"):
-                dropped("first")  # whatever is started once per process
+            dropped("first")  # whatever is started once per process
             wait_for(lambda: kv.stats()["saves_written"] == 1, "the first save written")
             threads, fds = me.num_threads(), me.num_fds()
-            with pytest.warns(ResourceWarning, match="dropped without close"):
-                dropped(*(f"d{i}" for i in range(8)))
+            dropped(*(f"d{i}" for i in range(8)))
             wait_for(lambda: me.num_threads() <= threads and me.num_fds() <= fds,
                      f"threads and descriptors back to {threads} and {fds} "
                      f"(now {me.num_threads()} and {me.num_fds()})")
@@ -206,6 +208,46 @@ def test_a_client_dropped_without_close_sends_its_save_and_leaves_nothing_behind
         for i in range(8):
             arrays = mx.load(str(entry_path(root, f"d{i}", model=FP)))
             assert arrays and all(bool(mx.all(a == 7)) for a in arrays.values())
+    finally:
+        assert stop_process(proc) == 0
+
+
+#: Drops three clients under -W error::ResourceWarning, then prints how many
+#: of their I/O threads are left once they are collected.
+DROP_UNDER_W_ERROR = """
+import gc, sys, threading, time, weakref
+from kvkeeper import Client
+gone = []
+for _ in range(3):
+    kv = Client(sys.argv[1], timeout=30)
+    assert kv.ping()
+    gone.append(weakref.ref(kv))
+    del kv
+gc.collect()
+assert all(ref() is None for ref in gone)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    left = [t for t in threading.enumerate() if t.name == "kvkeeper-client-io"]
+    if not left:
+        break
+    time.sleep(0.05)
+print(len(left))
+"""
+
+
+def test_a_dropped_client_is_closed_when_its_warning_is_an_error(short_dir: Path) -> None:
+    """Under -W error the ResourceWarning raises inside the finalizer: the
+    close must have started before it (it did not, and the client's threads
+    and descriptors stayed)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-W", "error::ResourceWarning", "-c", DROP_UNDER_W_ERROR, str(sock)],
+            timeout=2 * WAIT, capture_output=True, text=True)
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.strip() == "0", child.stderr
+        assert "ResourceWarning" in child.stderr  # said, as an exception the finalizer ignored
     finally:
         assert stop_process(proc) == 0
 

@@ -104,38 +104,73 @@ def test_a_connection_lost_before_the_daemon_read_the_saves_is_logged(
         stop_process(proc)
 
 
-def test_a_flush_after_the_same_daemon_dropped_the_connection_says_false(
+def test_a_flush_after_the_same_daemon_dropped_the_connection(
     short_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The daemon's ZeroMQ drops a connection on a frame over its size limit,
-    and with it what it had not read from that connection: here a save sent
-    after such a frame (put on the client's socket directly: save() no longer
-    sends one). The daemon is the same, and never saw the save; the flush
-    after the reconnection must not vouch for it."""
+    and with it what it had not read from that connection (the frame is put
+    on the client's socket directly: save() no longer sends one). A save
+    sent behind such a frame never reached the same daemon, and the flush
+    after the reconnection must not vouch for it; saves the daemon had
+    confirmed reading before the drop are its to answer for, and the flush
+    says True."""
     from kvkeeper.protocol import messages as m
+
+    def drop_connection(kv: Client, *, then_save: bool) -> None:
+        conn = kv._channel.connections
+        proc.send_signal(signal.SIGSTOP)  # both are queued before it reads either
+        try:
+            kv._channel.notify(m.SaveBegin(
+                v=m.PROTOCOL_VERSION, save=10**6, model=FP, cache_id="oversized",
+                tensors=[], metadata={"x": "y" * (33 * 2**20)}))
+            if then_save:
+                sent = kv.client_stats()["client_saves_sent"]
+                assert kv.save(FP, "behind", filled(1, 3), [3])
+                wait_for(lambda: kv.client_stats()["client_saves_sent"] == sent + 1,
+                         "the save sent")
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: kv._channel.connections > conn and kv.connected, "a reconnection")
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, "--max-pending-bytes", "32M")
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "read", filled(1, 1), [1])
+            assert kv.load(FP, "read") is not None  # answered: the daemon read the save
+            drop_connection(kv, then_save=False)
             assert kv.flush(WAIT)
-            conn = kv._channel.connections
-            proc.send_signal(signal.SIGSTOP)  # both are queued before it reads either
-            try:
-                kv._channel.notify(m.SaveBegin(
-                    v=m.PROTOCOL_VERSION, save=10**6, model=FP, cache_id="oversized",
-                    tensors=[], metadata={"x": "y" * (33 * 2**20)}))
-                assert kv.save(FP, "behind", filled(1, 3), [3])
-                wait_for(lambda: kv.client_stats()["client_saves_sent"] == 1, "the save sent")
-            finally:
-                proc.send_signal(signal.SIGCONT)
-            wait_for(lambda: kv._channel.connections > conn and kv.connected, "a reconnection")
+            drop_connection(kv, then_save=True)
             with caplog.at_level(logging.WARNING, logger="kvkeeper"):
                 assert not kv.flush(WAIT)
             assert "event=flush_unconfirmed" in caplog.text
-            assert kv.stats()["saves_received"] == 0  # the daemon never saw it
+            assert kv.stats()["saves_received"] == 1  # it never saw the second
     finally:
         assert stop_process(proc) == 0
+
+
+def test_a_client_that_only_loads_warns_of_no_unconfirmed_saves(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A direct load tells the daemon with a notice no reply confirms; its
+    loss costs no data, and the client says nothing of it."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(0.1, 1), [1])
+            assert kv.flush(WAIT)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            with Client(sock, timeout=WAIT) as reader:
+                assert reader.load(FP, "k") is not None
+                assert reader.stats()["loads_direct"] == 1
+                assert reader.load(FP, "k") is not None  # its notice: not answered
+                proc.kill()
+                proc.wait(WAIT)
+                wait_for(lambda: not reader.connected, "the connection to end")
+        assert "unconfirmed" not in caplog.text, caplog.text
+    finally:
+        stop_process(proc)
 
 
 def test_a_save_whose_header_the_daemon_cannot_take_is_refused_or_counted_lost(

@@ -597,7 +597,10 @@ def test_a_forked_child_exits_without_waiting_for_its_parents_channels(short_dir
 
 
 def test_closing_a_channel_from_two_threads_at_once(short_dir: Path, versions) -> None:
-    # What an exit does when a thread is closing its client meanwhile.
+    # What an exit does when a thread is closing its client meanwhile (or a
+    # dropped client's channel closes in the background): neither close()
+    # returns before the channel is closed, or the process could end under
+    # the one still sending.
     from kvkeeper import config
     from kvkeeper.client.channel import Channel
 
@@ -605,12 +608,14 @@ def test_closing_a_channel_from_two_threads_at_once(short_dir: Path, versions) -
         channel = Channel(config.endpoint(d.socket), max_inflight_bytes=1 << 30)
         assert channel.connected.wait(WAIT)
         errors: list[BaseException] = []
+        io_alive_after: list[bool] = []
         start = threading.Barrier(2)
 
         def close() -> None:
             start.wait(WAIT)
             try:
                 channel.close()
+                io_alive_after.append(channel._thread.is_alive())
             except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
                 errors.append(exc)
 
@@ -620,3 +625,4 @@ def test_closing_a_channel_from_two_threads_at_once(short_dir: Path, versions) -
         for t in threads:
             t.join(WAIT)
         assert not errors, errors
+        assert io_alive_after == [False, False]

@@ -78,11 +78,26 @@ _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 
 
 def _close_open_channels() -> None:
+    # At once, not one after another: each may wait its timeout for a
+    # daemon that does not answer.
+    started = []
     for channel in list(_open_channels):
+        t = threading.Thread(target=_close_at_exit, args=(channel,), daemon=True)
         try:
-            channel.close()
-        except Exception:  # noqa: BLE001 - the other channels still get their turn
-            log.exception("event=close_failed_at_exit")
+            t.start()
+        except RuntimeError:  # Python 3.12+ starts no thread from an exit hook
+            _close_at_exit(channel)
+        else:
+            started.append(t)
+    for t in started:
+        t.join(30.0)  # a close takes at most its 5 s and the I/O thread's 5 s
+
+
+def _close_at_exit(channel: Channel) -> None:
+    try:
+        channel.close()
+    except Exception:  # noqa: BLE001 - the other channels still get their turn
+        log.exception("event=close_failed_at_exit")
 
 
 def _orphan_in_child() -> None:
@@ -191,13 +206,17 @@ class Channel:
         self._thread_closes_pipe = False  # under _lock: close() gave up waiting for the thread
         self._ended = threading.Event()  # the I/O thread has stopped and counted everything
         # The I/O thread's: messages sent so far (saves count once), the
-        # number of the last save or notice sent, and the last one a reply
-        # confirmed: the daemon answers a request only after reading every
-        # message sent before it on the connection. Saves and notices get no
-        # reply of their own; close() asks for one when they are not covered.
+        # number of the last save sent, and the last one a reply confirmed:
+        # the daemon answers a request only after reading every message sent
+        # before it on the connection. Saves get no reply of their own;
+        # close() asks for one when they are not covered. (Notices of loads
+        # are not waited for: one lost costs an eviction order, no data.)
         self._sent = 0
         self._sent_unanswered = 0
         self._confirmed = 0
+        #: Connections that ended with saves the daemon had not confirmed
+        #: reading (flush() looks at it).
+        self.unread_losses = 0
         self.forked = False  # this is a forked child's copy: it can never send
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -315,21 +334,33 @@ class Channel:
 
     def close(self, timeout: float = 5.0) -> None:
         """Send the saves waiting out the send interval, give queued saves up
-        to ``timeout`` to reach the daemon, then stop."""
+        to ``timeout`` to reach the daemon and the daemon to confirm it read
+        them, then stop. A close() while another runs returns once that one
+        is done."""
         with self._lock:
-            if self._close_claimed:
-                return
-            self._close_claimed = True
-        _open_channels.discard(self)
+            claimed, self._close_claimed = self._close_claimed, True
+        if claimed:
+            # E.g. the exit hook, while a dropped client's channel closes in
+            # the background: the process must not end under that close.
+            if not self.forked:
+                self._ended.wait(timeout + 5.0)
+            return
+        try:
+            self._close(timeout)
+        finally:
+            _open_channels.discard(self)  # last: the exit hook waits for a close under way
+
+    def _close(self, timeout: float) -> None:
         self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
-        deadline = threading.Event()
-        waited = 0.0
-        while (self._outbox or self._inflight_bytes) and self.connected.is_set() and waited < timeout:
-            deadline.wait(0.01)
-            waited += 0.01
-        if self._unconfirmed:
+        end = time.monotonic() + timeout
+        pause = threading.Event()
+        while ((self._outbox or self._inflight_bytes) and self.connected.is_set()
+               and time.monotonic() < end):
+            pause.wait(0.01)
+        warned = self._unconfirmed
+        if warned:
             if self.connected.is_set():
-                self._confirm(timeout - waited)
+                warned = not self._confirm(end - time.monotonic())
             else:
                 log.warning("event=client_close_unconfirmed reason=no daemon is connected to "
                             "confirm it read the last saves sent")
@@ -347,25 +378,31 @@ class Channel:
                 log.warning("event=client_close_slow: the I/O thread did not end within 5 s")
                 return
             self._close_pipe()
+        if self._unconfirmed and not warned:
+            # A save another thread made while the daemon answered.
+            log.warning("event=client_close_unconfirmed reason=saves were sent after the "
+                        "daemon confirmed the others")
 
     @property
     def _unconfirmed(self) -> bool:
         return self._sent_unanswered > self._confirmed
 
-    def _confirm(self, timeout: float) -> None:
+    def _confirm(self, timeout: float) -> bool:
         """Wait until the daemon has read everything sent. ZeroMQ calls a
         frame sent once it has taken it, and what its buffers (this side's or
         the daemon's) still hold when the connection closes is never read:
         without this, saves counted sent vanished at exit (up to 43 of 3,000
         small saves). The daemon answers a ping only after reading every
-        message sent before it on the connection."""
+        message sent before it on the connection. False (logged) without it."""
         if timeout <= 0:
             log.warning("event=client_close_unconfirmed reason=no time left to ask the daemon")
-            return
+            return False
         try:
             self.request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
         except DaemonUnavailable as exc:
             log.warning("event=client_close_unconfirmed reason=%s", exc)
+            return False
+        return True
 
     def _close_pipe(self) -> None:
         # Under the lock that _push wakes under: a save() racing close() must
@@ -538,6 +575,7 @@ class Channel:
                 if self._unconfirmed:
                     # What the daemon had not read yet died with the
                     # connection: ZeroMQ had already called it sent.
+                    self.unread_losses += 1
                     log.warning("event=saves_unconfirmed reason=the connection to the daemon "
                                 "ended before it confirmed reading the last saves sent; a "
                                 "flush() tells whether they were written")
@@ -600,8 +638,6 @@ class Channel:
                     item.sent = True
                     self._sent += 1
                     item.seq = self._sent
-                    if item.req == 0:  # a notice: no reply comes
-                        self._sent_unanswered = self._sent
                 continue
             older = self._held.pop(item.key, None)
             if older is not None:

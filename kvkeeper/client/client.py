@@ -150,6 +150,7 @@ class Client:
         # flush that returned was handed off: a save handed off after the
         # connection to a restarted daemon cannot have gone to the old one.
         self._unflushed_conn: int | None = None
+        self._unread_losses_seen = 0  # the channel's unread_losses at the last flush
         # One flush at a time: each reply carries running totals, and a reply
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
@@ -543,7 +544,8 @@ class Client:
         any client, that was, or by a delete that was done), False when any of
         them, or what replaced it, was refused, lost or failed (the log says
         which), or when the daemon was restarted in between (saves the old one
-        had not written are gone, and the new one cannot tell). Raises
+        had not written are gone, and the new one cannot tell), or a
+        connection ended before the daemon had read the saves sent on it. Raises
         DaemonUnavailable when the daemon is down, goes away while the flush
         waits, or does not answer in ``timeout`` seconds; the saves it covered
         are then answered for by the next flush that returns. Flushes from
@@ -590,19 +592,23 @@ class Client:
             failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
                 else reply.failed
             self._failed_seen = reply.failed
-            # Saves handed off since the last flush may have gone on a
-            # connection that ended since: to a daemon that went away, or one
-            # that dropped the connection with messages it had not read yet.
-            # Nothing can confirm them.
-            unconfirmed = (mark > self._flushed_mark
-                           and self._unflushed_conn is not None and self._unflushed_conn < conn)
+            # Saves handed off since the last flush may have gone to a daemon
+            # that went away: nothing can confirm them. The same daemon, on a
+            # new connection, answers for every save it read on the old one;
+            # those the old one took with it unread are the channel's to say.
+            unread = self._channel.unread_losses - self._unread_losses_seen
+            self._unread_losses_seen += unread
+            unconfirmed = unread > 0 or (
+                restarted and mark > self._flushed_mark
+                and self._unflushed_conn is not None and self._unflushed_conn < conn)
             self._flushed_mark = mark
             # Saves handed off since the mark: on this connection or a later one.
             self._unflushed_conn = conn_at_mark if self._saves > mark else None
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=the connection to the daemon was lost "
                         "since the last flush (%s); saves handed off before may be lost",
-                        "it was restarted" if restarted else "the same daemon took it back")
+                        "it was restarted" if restarted else
+                        "the connection ended before the daemon read the last saves")
         return failed == 0 and lost == 0 and not unconfirmed
 
     def delete(self, model: str, cache_id: str) -> bool:
@@ -699,8 +705,6 @@ def _log_refused(reply: m.SaveRefused) -> None:
 def _close_dropped(channel: Channel) -> None:
     if channel.forked:
         return  # a forked child's copy: there is nothing of it to close
-    warnings.warn("a kvkeeper Client was dropped without close(); closing it in the background",
-                  ResourceWarning, stacklevel=1)
     try:
         # Not a daemon thread (said outright: this often runs on the client's
         # I/O thread, which is one, as it lets go of the last save holding
@@ -710,6 +714,9 @@ def _close_dropped(channel: Channel) -> None:
                          daemon=False).start()
     except RuntimeError:  # the interpreter is exiting: the exit hook closes the channel
         pass
+    # After the close has started: under -W error the warning raises.
+    warnings.warn("a kvkeeper Client was dropped without close(); closing it in the background",
+                  ResourceWarning, stacklevel=1)
 
 
 @dataclass
