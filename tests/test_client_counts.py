@@ -204,8 +204,9 @@ def test_polling_flush_with_no_timeout_never_makes_the_daemon_turn_the_client_aw
 ) -> None:
     """A loop polling flush(timeout=0) while a slow write goes on leaves a
     request behind at the daemon per call (the client stops waiting, the
-    daemon does not): 2000 of them must not make the daemon answer the
-    client's other requests "busy" (its cap on waiting requests)."""
+    daemon does not): 2000 of them, with a save before each (so no two wait
+    for the same saves), must not make the daemon answer the client's other
+    requests "busy" (its cap on waiting requests)."""
     from kvkeeper.client.channel import DaemonUnavailable
     from kvkeeper.daemon.faults import ENV
 
@@ -214,8 +215,9 @@ def test_polling_flush_with_no_timeout_never_makes_the_daemon_turn_the_client_aw
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save(FP, "slow", filled(4, 1), [1])  # 4 s at 1 s per MiB
-            timed_out = 0
-            for _ in range(2000):
+            timed_out, tiny = 0, filled(0.001, 1)
+            for i in range(2000):
+                assert kv.save(FP, f"tiny{i % 4}", tiny, [i])
                 try:
                     kv.flush(timeout=0)
                 except DaemonUnavailable:
@@ -231,13 +233,15 @@ def test_polling_flush_with_no_timeout_never_makes_the_daemon_turn_the_client_aw
 def save_until_closed(kv: Client, started: threading.Event, handed: list[int]) -> None:
     """Save in a loop until the client is closed, counting the saves handed off."""
     cache = filled(0.05, 1)  # made here: MLX evaluates an array on its own thread's stream
-    started.set()
     while True:
         try:
             handed[0] += kv.save(FP, "race", cache, [1])
         except RuntimeError as exc:
             assert "client is closed" in str(exc)
             return
+        finally:
+            if handed[0]:
+                started.set()  # the close races saves, not the first one
 
 
 def test_saves_racing_close_are_each_sent_lost_or_dropped(short_dir: Path) -> None:

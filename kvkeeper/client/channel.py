@@ -214,9 +214,12 @@ class Channel:
         self._sent = 0
         self._sent_unanswered = 0
         self._confirmed = 0
-        #: Connections that ended with saves the daemon had not confirmed
-        #: reading (flush() looks at it).
-        self.unread_losses = 0
+        # Connections that ended with saves the daemon had not confirmed
+        # reading: for each, the number of the first message not confirmed
+        # (under _lock; flush() takes those sent before its own request).
+        self._unread_losses: list[int] = []
+        self._close_timeout = 0.0  # the close() under way: how long it gives
+        self._closer: int | None = None  # and the thread it runs on
         self.forked = False  # this is a forked child's copy: it can never send
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -339,16 +342,26 @@ class Channel:
         is done."""
         with self._lock:
             claimed, self._close_claimed = self._close_claimed, True
+            if not claimed:
+                self._close_timeout, self._closer = timeout, threading.get_ident()
         if claimed:
             # E.g. the exit hook, while a dropped client's channel closes in
-            # the background: the process must not end under that close.
-            if not self.forked:
-                self._ended.wait(timeout + 5.0)
+            # the background: the process must not end under that close. (Not
+            # from inside it, e.g. a signal handler: it could never end.)
+            if not self.forked and self._closer != threading.get_ident():
+                self._ended.wait(max(timeout, self._close_timeout) + 5.0)
             return
         try:
             self._close(timeout)
-        finally:
-            _open_channels.discard(self)  # last: the exit hook waits for a close under way
+        except BaseException:
+            # Interrupted (Ctrl-C): unless the I/O thread was told to stop,
+            # a later close() (the exit hook's) starts over.
+            with self._lock:
+                if not self._closing.is_set():
+                    self._close_claimed = False
+                    self._closer = None
+            raise
+        _open_channels.discard(self)  # last: the exit hook waits for a close under way
 
     def _close(self, timeout: float) -> None:
         self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
@@ -382,6 +395,15 @@ class Channel:
             # A save another thread made while the daemon answered.
             log.warning("event=client_close_unconfirmed reason=saves were sent after the "
                         "daemon confirmed the others")
+
+    def take_unread_losses(self, before: PendingReply) -> int:
+        """How many connections ended with saves sent before ``before`` (a
+        request already sent) that the daemon had not confirmed reading;
+        each is told once. Later ones are left for a later request."""
+        with self._lock:
+            mine = [n for n in self._unread_losses if n < before.seq]
+            self._unread_losses = [n for n in self._unread_losses if n >= before.seq]
+        return len(mine)
 
     @property
     def _unconfirmed(self) -> bool:
@@ -575,7 +597,8 @@ class Channel:
                 if self._unconfirmed:
                     # What the daemon had not read yet died with the
                     # connection: ZeroMQ had already called it sent.
-                    self.unread_losses += 1
+                    with self._lock:
+                        self._unread_losses.append(self._confirmed + 1)
                     log.warning("event=saves_unconfirmed reason=the connection to the daemon "
                                 "ended before it confirmed reading the last saves sent; a "
                                 "flush() tells whether they were written")

@@ -150,7 +150,6 @@ class Client:
         # flush that returned was handed off: a save handed off after the
         # connection to a restarted daemon cannot have gone to the old one.
         self._unflushed_conn: int | None = None
-        self._unread_losses_seen = 0  # the channel's unread_losses at the last flush
         # One flush at a time: each reply carries running totals, and a reply
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
@@ -565,8 +564,11 @@ class Client:
         with self._lock:
             mark = self._saves
             conn_at_mark = self._channel.connections
-        reply = self._request(lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), timeout,
-                              release=ALL_KEYS)
+        if self._closed:
+            raise RuntimeError("client is closed")
+        pending = self._channel.send_request(
+            lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), release=ALL_KEYS)
+        reply = self._reply(self._channel.wait(pending, timeout))
         assert isinstance(reply, m.Flushed)
         restarted = False
         conn = self._channel.connections
@@ -596,8 +598,7 @@ class Client:
             # that went away: nothing can confirm them. The same daemon, on a
             # new connection, answers for every save it read on the old one;
             # those the old one took with it unread are the channel's to say.
-            unread = self._channel.unread_losses - self._unread_losses_seen
-            self._unread_losses_seen += unread
+            unread = self._channel.take_unread_losses(before=pending)
             unconfirmed = unread > 0 or (
                 restarted and mark > self._flushed_mark
                 and self._unflushed_conn is not None and self._unflushed_conn < conn)

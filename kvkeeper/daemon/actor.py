@@ -154,8 +154,6 @@ class Tally:
     written: int = 0
     superseded: int = 0
     failed: int = 0  # failed, or refused before it reached the writer
-    taken: int = 0  # jobs of it the writer took in: two flushes between which
-    # this did not move wait for the same jobs
 
 
 class WriterActor:
@@ -191,6 +189,10 @@ class WriterActor:
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
         self.current: Job | None = None
+        #: Jobs taken in so far, of every client (never reset): a flush
+        #: started when it was N covers every request that came when it was
+        #: at most N.
+        self.jobs_taken = 0
         self.finished = anyio.Event()
 
     # ------------------------------------------------------------ server side
@@ -601,12 +603,7 @@ class WriterActor:
     def _enqueued(self, job: Job) -> None:
         self._latest[job.key] = job
         self._by_peer.setdefault(job.peer, set()).add(job)
-        self._tally_of(job.peer).taken += 1
-
-    def jobs_taken(self, peer: bytes) -> int:
-        """How many jobs of ``peer`` were taken in so far (see Tally.taken)."""
-        tally = self._tally.get(peer)
-        return tally.taken if tally is not None else 0
+        self.jobs_taken += 1
 
     def _resolve(self, job: Job, outcome: Outcome, detail: str = "") -> None:
         if job.done.is_set():

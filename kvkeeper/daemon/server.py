@@ -15,11 +15,13 @@ import socket
 import stat
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
@@ -44,22 +46,26 @@ from kvkeeper.protocol.safetensors import (
 
 log = logging.getLogger("kvkeeper.server")
 _MAX_STREAMS = 10_000
-#: Requests whose answer waits (a flush, a load behind a save, a delete, a
-#: list, a gc) a peer may have at once, and all peers together: each is a
-#: task holding a few KiB, and a drain cut short cancels them all. Flushes
-#: that wait for the same jobs share one (a client polling flush(0) while a
-#: slow write goes on leaves one behind per call); a kvkeeper client has a
-#: load at a time per thread.
+#: Requests whose answer waits (a load behind a save, a delete, a list, a
+#: gc, and a peer's flushes, which share one) a peer may have at once, and
+#: all peers together: each is a task holding a few KiB, and a drain cut
+#: short cancels them all. A kvkeeper client has a load at a time per thread.
 MAX_WAITING_PER_PEER = 1024
 MAX_WAITING = 16_384
+#: Flushes a peer may have waiting (a client polling flush(0) while a slow
+#: write goes on leaves one behind per call, each a few dozen bytes here).
+MAX_FLUSHES_PER_PEER = 100_000
+#: A long list of answers goes out in runs of this many, between which the
+#: receive loop and the writer get their turn.
+_ANSWER_RUN = 100
 
 
 @dataclass(slots=True)
-class _FlushWait:
-    """Flushes of one peer waiting for the same jobs: one task answers all."""
+class _Flushes:
+    """A peer's waiting flushes, answered in order by one task: each with
+    the writer's jobs_taken when it came."""
 
-    taken: int  # the actor's jobs_taken(peer) when the first came
-    reqs: list[int]
+    reqs: deque[tuple[int, int]] = field(default_factory=deque)  # (jobs taken, req)
 #: A save whose client process has died fails once nothing is left to read
 #: and none of its bytes came for this long: its last messages may still be
 #: read after the death is seen (this covers that read, not the client).
@@ -112,7 +118,7 @@ class Server:
         self._last_close = -float("inf")
         self._waiting: dict[bytes, int] = {}  # per peer: requests whose answer waits
         self._waiting_total = 0
-        self._flushes: dict[bytes, _FlushWait] = {}  # per peer: its latest waiting flush
+        self._flushes: dict[bytes, _Flushes] = {}  # per peer with flushes waiting
 
     async def run(self) -> None:
         while True:
@@ -196,13 +202,18 @@ class Server:
                 self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
                                           counters=self.counters()))
             case m.Flush():
-                taken = self.actor.jobs_taken(peer)
-                same = self._flushes.get(peer)
-                if same is not None and same.taken == taken:
-                    same.reqs.append(msg.req)  # answered with it, at no extra cost
-                elif self._room_to_wait(peer, msg):
-                    wait = self._flushes[peer] = _FlushWait(taken, [msg.req])
-                    self._start(peer, self._flush, wait)
+                flushes = self._flushes.get(peer)
+                if flushes is None:
+                    if not self._room_to_wait(peer, msg):
+                        return
+                    flushes = self._flushes[peer] = _Flushes()
+                    self._start(peer, self._flush, flushes)
+                elif len(flushes.reqs) >= MAX_FLUSHES_PER_PEER:
+                    self.stats.inc("requests_refused")
+                    self._error(peer, msg, "busy", f"{len(flushes.reqs)} flushes of this "
+                                                   f"client wait already")
+                    return
+                flushes.reqs.append((self.actor.jobs_taken, msg.req))
             case m.Gc():
                 if self._room_to_wait(peer, msg):
                     self._start(peer, self._gc, msg.req)
@@ -442,15 +453,24 @@ class Server:
                                     entries=[_entry(e) for e in evicted],
                                     disk_used_bytes=self.store.usage(), free_bytes=free))
 
-    async def _flush(self, peer: bytes, wait: _FlushWait) -> None:
+    async def _flush(self, peer: bytes, flushes: _Flushes) -> None:
+        """Answer a peer's flushes: each wait covers every flush that came
+        before it began; those that came later get the next one."""
         try:
-            tally = await self.actor.flush(peer)
+            while flushes.reqs:
+                taken = self.actor.jobs_taken
+                tally = await self.actor.flush(peer)
+                answered = 0
+                while flushes.reqs and flushes.reqs[0][0] <= taken:
+                    req = flushes.reqs.popleft()[1]
+                    self._reply(peer, m.Flushed(
+                        v=m.PROTOCOL_VERSION, req=req, written=tally.written,
+                        superseded=tally.superseded, failed=tally.failed))
+                    answered += 1
+                    if answered % _ANSWER_RUN == 0:
+                        await anyio.lowlevel.checkpoint()
         finally:
-            if self._flushes.get(peer) is wait:
-                del self._flushes[peer]  # later flushes wait anew
-        for req in wait.reqs:
-            self._reply(peer, m.Flushed(v=m.PROTOCOL_VERSION, req=req, written=tally.written,
-                                        superseded=tally.superseded, failed=tally.failed))
+            del self._flushes[peer]
 
     # ------------------------------------------------------------ helpers
 
