@@ -314,6 +314,71 @@ def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: P
         assert stop_process(proc) == 0
 
 
+#: Saves 64 MiB while the daemon is stopped, then says "closing" and closes
+#: with a long timeout; a Ctrl-C cuts that close short, and the process then
+#: ends normally: its exit hook must still close the channel.
+INTERRUPTED_CLOSE = """
+import sys, mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+layers = []
+for _ in range(4):
+    c = KVCache()
+    x = mx.full((1, 8, 8192, 128), 5.0, dtype=mx.bfloat16)
+    c.update_and_fetch(x, x)
+    layers.append(c)
+kv = Client(sys.argv[1], timeout=30)
+assert kv.connected
+print("ready", flush=True)
+sys.stdin.readline()
+assert kv.save("fp", "cut", layers, [1])
+print("closing", flush=True)
+try:
+    kv.close(timeout=60)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_close_cut_short_by_ctrl_c_is_finished_at_exit(short_dir: Path) -> None:
+    """A Ctrl-C inside close() left the channel out of the exit hook's
+    reach: the save it was sending was cut off at exit."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CLOSE, str(sock)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGSTOP)  # the 64 MiB cannot all leave
+        try:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "closing"
+            time.sleep(0.5)
+            child.send_signal(signal.SIGINT)
+            assert child.stdout.readline().strip() == "interrupted"
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        child.stdin.write("exit\n")
+        child.stdin.flush()
+        assert child.wait(WAIT) == 0
+        with Client(sock, timeout=WAIT) as kv:
+            def ended() -> float:
+                s = kv.stats()
+                return s["saves_written"] + s["saves_failed"] + s["saves_cut_off"]
+
+            wait_for(lambda: ended() >= 1, "the save to be written or to fail")
+            assert kv.stats()["saves_written"] == 1
+        arrays = mx.load(str(entry_path(root, "cut", model="fp")))
+        assert all(bool(mx.all(a == 5)) for a in arrays.values())
+    finally:
+        child.kill()
+        child.wait(WAIT)
+        assert stop_process(proc) == 0
+
+
 def test_mlx_vlm_prompt_cache_state_round_trips(model, client: Client) -> None:
     from mlx_vlm.generate import PromptCacheState
     from mlx_vlm.models import cache as vlm_cache
