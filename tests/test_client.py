@@ -252,23 +252,56 @@ def test_a_dropped_client_is_closed_when_its_warning_is_an_error(short_dir: Path
         assert stop_process(proc) == 0
 
 
-#: Connects, says "ready", and on a line from stdin drops a client holding a
-#: 64 MiB save and exits at once: the exit must wait for the background close
-#: the drop started (here the daemon is stopped meanwhile), not cut it short.
-DROP_AND_EXIT = """
+#: The start of a child process: 64 MiB of cache layers filled with the
+#: value given as its second argument, a connected client ``kv``, "ready"
+#: said, and the line from stdin that says go.
+CHILD_WITH_64_MIB = """
 import sys, time, weakref, mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from kvkeeper import Client
 layers = []
 for _ in range(4):
     c = KVCache()
-    x = mx.full((1, 8, 8192, 128), 9.0, dtype=mx.bfloat16)
+    x = mx.full((1, 8, 8192, 128), float(sys.argv[2]), dtype=mx.bfloat16)
     c.update_and_fetch(x, x)
     layers.append(c)
 kv = Client(sys.argv[1], timeout=30)
 assert kv.connected
 print("ready", flush=True)
 sys.stdin.readline()
+"""
+
+
+def child_ready(script: str, sock: Path, value: int) -> subprocess.Popen[str]:
+    """A CHILD_WITH_64_MIB script, once it has said "ready"."""
+    child = subprocess.Popen([sys.executable, "-c", script, str(sock), str(value)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdin is not None
+    if child.stdout.readline().strip() != "ready":
+        child.kill()
+        child.wait(WAIT)
+        raise AssertionError("the child did not get ready")
+    return child
+
+
+def written_whole(sock: Path, root: Path, cache_id: str, value: int) -> None:
+    """Wait for the one save the daemon got to end; it must be written, every
+    element ``value`` (read back with mx.load)."""
+    with Client(sock, timeout=WAIT) as kv:
+        def ended() -> float:
+            s = kv.stats()
+            return s["saves_written"] + s["saves_failed"] + s["saves_cut_off"]
+
+        wait_for(lambda: ended() >= 1, "the save to be written or to fail")
+        assert kv.stats()["saves_written"] == 1
+    arrays = mx.load(str(entry_path(root, cache_id, model="fp")))
+    assert arrays and all(bool(mx.all(a == value)) for a in arrays.values())
+
+
+#: Drops a client holding a 64 MiB save and exits at once: the exit must wait
+#: for the background close the drop started (here the daemon is stopped
+#: meanwhile), not cut it short.
+DROP_AND_EXIT = CHILD_WITH_64_MIB + """
 assert kv.save("fp", "last", layers, [1])
 gone = weakref.ref(kv)
 del kv
@@ -284,11 +317,9 @@ assert gone() is None, "the client was never collected"
 def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: Path) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
-    child = subprocess.Popen([sys.executable, "-c", DROP_AND_EXIT, str(sock)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = child_ready(DROP_AND_EXIT, sock, 9)
     try:
         assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
         # A stopped daemon reads nothing: the 64 MiB cannot leave before the
         # child reaches its exit.
         proc.send_signal(signal.SIGSTOP)
@@ -299,15 +330,7 @@ def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: P
         finally:
             proc.send_signal(signal.SIGCONT)
         assert child.wait(WAIT) == 0
-        with Client(sock, timeout=WAIT) as kv:
-            def ended() -> float:
-                s = kv.stats()
-                return s["saves_written"] + s["saves_failed"] + s["saves_cut_off"]
-
-            wait_for(lambda: ended() >= 1, "the save to be written or to fail")
-            assert kv.stats()["saves_written"] == 1
-        arrays = mx.load(str(entry_path(root, "last", model="fp")))
-        assert all(bool(mx.all(a == 9)) for a in arrays.values())
+        written_whole(sock, root, "last", 9)
     finally:
         child.kill()
         child.wait(WAIT)
@@ -317,20 +340,7 @@ def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: P
 #: Saves 64 MiB while the daemon is stopped, then says "closing" and closes
 #: with a long timeout; a Ctrl-C cuts that close short, and the process then
 #: ends normally: its exit hook must still close the channel.
-INTERRUPTED_CLOSE = """
-import sys, mlx.core as mx
-from mlx_lm.models.cache import KVCache
-from kvkeeper import Client
-layers = []
-for _ in range(4):
-    c = KVCache()
-    x = mx.full((1, 8, 8192, 128), 5.0, dtype=mx.bfloat16)
-    c.update_and_fetch(x, x)
-    layers.append(c)
-kv = Client(sys.argv[1], timeout=30)
-assert kv.connected
-print("ready", flush=True)
-sys.stdin.readline()
+INTERRUPTED_CLOSE = CHILD_WITH_64_MIB + """
 assert kv.save("fp", "cut", layers, [1])
 print("closing", flush=True)
 try:
@@ -346,11 +356,9 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_at_exit(short_dir: Path) -> Non
     reach: the save it was sending was cut off at exit."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
-    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CLOSE, str(sock)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = child_ready(INTERRUPTED_CLOSE, sock, 5)
     try:
         assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGSTOP)  # the 64 MiB cannot all leave
         try:
             child.stdin.write("go\n")
@@ -364,15 +372,7 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_at_exit(short_dir: Path) -> Non
         child.stdin.write("exit\n")
         child.stdin.flush()
         assert child.wait(WAIT) == 0
-        with Client(sock, timeout=WAIT) as kv:
-            def ended() -> float:
-                s = kv.stats()
-                return s["saves_written"] + s["saves_failed"] + s["saves_cut_off"]
-
-            wait_for(lambda: ended() >= 1, "the save to be written or to fail")
-            assert kv.stats()["saves_written"] == 1
-        arrays = mx.load(str(entry_path(root, "cut", model="fp")))
-        assert all(bool(mx.all(a == 5)) for a in arrays.values())
+        written_whole(sock, root, "cut", 5)
     finally:
         child.kill()
         child.wait(WAIT)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,25 +26,32 @@ def accounted(kv: Client) -> int:
     return int(c["client_saves_sent"] + c["client_saves_lost"] + c["client_saves_coalesced"])
 
 
-def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(short_dir: Path) -> None:
+@contextmanager
+def daemon_stopped(short_dir: Path) -> Iterator[Client]:
+    """A client of a ``kvkeeper serve`` process that is stopped (SIGSTOP: it
+    reads nothing) inside the block, and resumed and shut down after it."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
     try:
         kv = Client(sock, timeout=WAIT, min_send_interval=0)
         assert kv.connected
-        # A stopped daemon reads nothing: 64 MiB cannot all leave before
-        # close() gives up on it.
         proc.send_signal(signal.SIGSTOP)
         try:
-            assert kv.save(FP, "big", filled(64, 1), [1])
-            kv.close(timeout=0.5)
+            yield kv
         finally:
             proc.send_signal(signal.SIGCONT)
-        c = kv.client_stats()
-        assert c["client_saves_lost"] == 1, c
-        assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
     finally:
         assert stop_process(proc) == 0
+
+
+def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(short_dir: Path) -> None:
+    # 64 MiB cannot all leave before close() gives up on it.
+    with daemon_stopped(short_dir) as kv:
+        assert kv.save(FP, "big", filled(64, 1), [1])
+        kv.close(timeout=0.5)
+    c = kv.client_stats()
+    assert c["client_saves_lost"] == 1, c
+    assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
 
 
 def test_close_says_when_the_daemon_did_not_confirm_it_read_the_saves(
@@ -51,22 +60,12 @@ def test_close_says_when_the_daemon_did_not_confirm_it_read_the_saves(
     """A small save leaves at once, but a stopped daemon never answers the
     ping close() sends after it: close() gives up after its timeout and says
     so in the log."""
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock)
-    try:
-        kv = Client(sock, timeout=WAIT, min_send_interval=0)
-        assert kv.connected
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            assert kv.save(FP, "small", filled(0.01, 1), [1])
-            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
-                kv.close(timeout=1.0)
-        finally:
-            proc.send_signal(signal.SIGCONT)
-        assert "event=client_close_unconfirmed" in caplog.text
-        assert kv.client_stats()["client_saves_sent"] == 1
-    finally:
-        assert stop_process(proc) == 0
+    with daemon_stopped(short_dir) as kv:
+        assert kv.save(FP, "small", filled(0.01, 1), [1])
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            kv.close(timeout=1.0)
+    assert "event=client_close_unconfirmed" in caplog.text
+    assert kv.client_stats()["client_saves_sent"] == 1
 
 
 def test_a_connection_lost_before_the_daemon_read_the_saves_is_logged(
