@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -272,16 +274,19 @@ sys.stdin.readline()
 """
 
 
-def child_ready(script: str, sock: Path, value: int) -> subprocess.Popen[str]:
-    """A CHILD_WITH_64_MIB script, once it has said "ready"."""
+@contextmanager
+def child_ready(script: str, sock: Path, value: int) -> Iterator[subprocess.Popen[str]]:
+    """A CHILD_WITH_64_MIB script, once it has said "ready"; killed at the
+    end if it is still running."""
     child = subprocess.Popen([sys.executable, "-c", script, str(sock), str(value)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stdin is not None
-    if child.stdout.readline().strip() != "ready":
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        yield child
+    finally:
         child.kill()
         child.wait(WAIT)
-        raise AssertionError("the child did not get ready")
-    return child
 
 
 def written_whole(sock: Path, root: Path, cache_id: str, value: int) -> None:
@@ -317,23 +322,21 @@ assert gone() is None, "the client was never collected"
 def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: Path) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
-    child = child_ready(DROP_AND_EXIT, sock, 9)
     try:
-        assert child.stdout is not None and child.stdin is not None
-        # A stopped daemon reads nothing: the 64 MiB cannot leave before the
-        # child reaches its exit.
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            child.stdin.write("go\n")
-            child.stdin.flush()
-            time.sleep(1.0)
-        finally:
-            proc.send_signal(signal.SIGCONT)
-        assert child.wait(WAIT) == 0
+        with child_ready(DROP_AND_EXIT, sock, 9) as child:
+            assert child.stdin is not None
+            # A stopped daemon reads nothing: the 64 MiB cannot leave before
+            # the child reaches its exit.
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                time.sleep(1.0)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert child.wait(WAIT) == 0
         written_whole(sock, root, "last", 9)
     finally:
-        child.kill()
-        child.wait(WAIT)
         assert stop_process(proc) == 0
 
 
@@ -356,26 +359,24 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_at_exit(short_dir: Path) -> Non
     reach: the save it was sending was cut off at exit."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
-    child = child_ready(INTERRUPTED_CLOSE, sock, 5)
     try:
-        assert child.stdout is not None and child.stdin is not None
-        proc.send_signal(signal.SIGSTOP)  # the 64 MiB cannot all leave
-        try:
-            child.stdin.write("go\n")
+        with child_ready(INTERRUPTED_CLOSE, sock, 5) as child:
+            assert child.stdout is not None and child.stdin is not None
+            proc.send_signal(signal.SIGSTOP)  # the 64 MiB cannot all leave
+            try:
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                assert child.stdout.readline().strip() == "closing"
+                time.sleep(0.5)
+                child.send_signal(signal.SIGINT)
+                assert child.stdout.readline().strip() == "interrupted"
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            child.stdin.write("exit\n")
             child.stdin.flush()
-            assert child.stdout.readline().strip() == "closing"
-            time.sleep(0.5)
-            child.send_signal(signal.SIGINT)
-            assert child.stdout.readline().strip() == "interrupted"
-        finally:
-            proc.send_signal(signal.SIGCONT)
-        child.stdin.write("exit\n")
-        child.stdin.flush()
-        assert child.wait(WAIT) == 0
+            assert child.wait(WAIT) == 0
         written_whole(sock, root, "cut", 5)
     finally:
-        child.kill()
-        child.wait(WAIT)
         assert stop_process(proc) == 0
 
 

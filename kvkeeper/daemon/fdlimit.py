@@ -12,11 +12,7 @@ limit up to the hard one.
 from __future__ import annotations
 
 import logging
-
-try:
-    import resource
-except ImportError:  # not POSIX: nothing to raise
-    resource = None  # type: ignore[assignment]
+import resource
 
 log = logging.getLogger("kvkeeper.daemon")
 
@@ -31,9 +27,7 @@ _FALLBACK = 10240
 def raise_fd_limit() -> int | None:
     """Raise this process's soft limit on open descriptors toward the hard
     limit (at most `WANTED`); return the soft limit in force afterwards, or
-    None when the platform has no such limit or it is unlimited."""
-    if resource is None:
-        return None
+    None when it is unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return None

@@ -17,7 +17,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -58,14 +58,9 @@ MAX_FLUSHES_PER_PEER = 100_000
 #: A long list of answers goes out in runs of this many, between which the
 #: receive loop and the writer get their turn.
 _ANSWER_RUN = 100
-
-
-@dataclass(slots=True)
-class _Flushes:
-    """A peer's waiting flushes, answered in order by one task: each with
-    the writer's jobs_taken when it came."""
-
-    reqs: deque[tuple[int, int]] = field(default_factory=deque)  # (jobs taken, req)
+#: A peer's waiting flushes, answered in order by one task: (the writer's
+#: jobs_taken when it came, its req).
+_Flushes = deque[tuple[int, int]]
 #: A save whose client process has died fails once nothing is left to read
 #: and none of its bytes came for this long: its last messages may still be
 #: read after the death is seen (this covers that read, not the client).
@@ -206,14 +201,14 @@ class Server:
                 if flushes is None:
                     if not self._room_to_wait(peer, msg):
                         return
-                    flushes = self._flushes[peer] = _Flushes()
+                    flushes = self._flushes[peer] = deque()
                     self._start(peer, self._flush, flushes)
-                elif len(flushes.reqs) >= MAX_FLUSHES_PER_PEER:
+                elif len(flushes) >= MAX_FLUSHES_PER_PEER:
                     self.stats.inc("requests_refused")
-                    self._error(peer, msg, "busy", f"{len(flushes.reqs)} flushes of this "
+                    self._error(peer, msg, "busy", f"{len(flushes)} flushes of this "
                                                    f"client wait already")
                     return
-                flushes.reqs.append((self.actor.jobs_taken, msg.req))
+                flushes.append((self.actor.jobs_taken, msg.req))
             case m.Gc():
                 if self._room_to_wait(peer, msg):
                     self._start(peer, self._gc, msg.req)
@@ -457,12 +452,12 @@ class Server:
         """Answer a peer's flushes: each wait covers every flush that came
         before it began; those that came later get the next one."""
         try:
-            while flushes.reqs:
+            while flushes:
                 taken = self.actor.jobs_taken
                 tally = await self.actor.flush(peer)
                 answered = 0
-                while flushes.reqs and flushes.reqs[0][0] <= taken:
-                    req = flushes.reqs.popleft()[1]
+                while flushes and flushes[0][0] <= taken:
+                    req = flushes.popleft()[1]
                     self._reply(peer, m.Flushed(
                         v=m.PROTOCOL_VERSION, req=req, written=tally.written,
                         superseded=tally.superseded, failed=tally.failed))
