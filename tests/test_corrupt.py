@@ -82,6 +82,18 @@ def string_shape(p: Path) -> None:
     _rewrite_header(p, lambda h: _first_tensor(h).update(shape=["x", 10**19]))
 
 
+def bool_dim(p: Path) -> None:
+    # True == 1: a check of values alone would take it for the first dimension.
+    _rewrite_header(p, lambda h: _first_tensor(h).update(shape=[True, *_first_tensor(h)["shape"][1:]]))
+
+
+def float_offsets(p: Path) -> None:
+    def change(header: dict) -> None:
+        t = _first_tensor(header)
+        t["data_offsets"] = [float(x) for x in t["data_offsets"]]
+    _rewrite_header(p, change)
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -103,6 +115,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "symlink": symlink,
     "string-offsets": string_offsets,
     "string-shape": string_shape,
+    "bool-dimension": bool_dim,
+    "float-offsets": float_offsets,
 }
 
 

@@ -369,6 +369,36 @@ def test_hostile_class_names_import_nothing(client: Client, daemon: RunningDaemo
         assert set(sys.modules) - before == set(), (module, set(sys.modules) - before)
 
 
+def test_a_layers_description_that_disagrees_with_the_tensors_is_refused(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """The layer description names each tensor with its dtype and shape; a file
+    whose description says otherwise than its tensor table is not rebuilt."""
+    import json
+
+    from kvkeeper.protocol.safetensors import LAYERS_KEY
+
+    assert client.save(FP, "odd", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "odd")
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    saved = header["__metadata__"][LAYERS_KEY]
+    for change, said in (({"shape": [1, 8, 1, 128]}, r"BF16 \[1, 8, 1, 128\]"),
+                         ({"dtype": "F16"}, r"F16 \[1, 8, \d+, 128\]")):
+        layers = json.loads(saved)
+        layers["layers"][1]["state"]["items"][0].update(change)
+        header["__metadata__"][LAYERS_KEY] = json.dumps(layers)
+        raw = json.dumps(header).encode()
+        odd = path.with_name("odd-copy.safetensors")
+        odd.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+        for verify in (False, True):
+            with pytest.raises(kvkeeper.client.reader.CacheFileError,
+                               match=r"layer 1\.state\.0: tensor 't2' is BF16 \[1, 8, \d+, 128\], "
+                                     rf"expected {said}$"):
+                kvkeeper.read_cache_file(odd, verify=verify)
+
+
 def test_source_has_no_pickle_marshal_or_pyobj() -> None:
     # Builtin eval/exec only: methods such as nn.Module.eval() are fine.
     pattern = re.compile(r"\b(pickle|marshal|cPickle|dill|shelve)\b|recv_pyobj|send_pyobj"

@@ -161,7 +161,7 @@ def _kvkeeper_file(
     except (KeyError, msgspec.DecodeError) as exc:
         raise CacheFileError(f"{path}: bad metadata: {type(exc).__name__}: {exc}") from None
     try:
-        layers = restore_cache(arrays, layers_json)
+        layers = restore_cache(arrays, layers_json, header.tensors)
     except CodecError as exc:
         # Checksums passed (or were skipped): the bytes are what was saved, but
         # this process cannot rebuild them (e.g. a class it cannot import).
