@@ -430,6 +430,22 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     assert client.load(FP, "bad") is None
 
 
+def test_a_long_conversation_loads_whole_lazily_and_verified(client: Client) -> None:
+    # 100,000 token ids make a file header of over 600 KB: more than a
+    # reader's first read of the file takes.
+    c = KVCache()
+    x = mx.ones((1, 1, 4, 8))
+    c.update_and_fetch(x, x)
+    ids = [(i * 7919) % 128_256 for i in range(100_000)]
+    assert client.save(FP, "long", [c], ids) and client.flush(timeout=WAIT)
+    for verify in (False, True):
+        got = client.load(FP, "long", verify=verify)
+        assert got is not None and got.token_ids == ids, verify
+        assert mx.array_equal(got.cache[0].state[0], x)
+    with open(got.path, "rb") as f:
+        assert int.from_bytes(f.read(8), "little") > 600_000
+
+
 def test_saves_go_through_without_the_gil_holding_wake_up(
     daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -131,8 +131,7 @@ def read_cache_file(
 
 def _header(path: Path) -> st.FileHeader:
     try:
-        with st.open_file(path) as (_, header):
-            return header
+        return st.read_file_header(path)
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot open: {exc.strerror}") from None
     except st.LayoutError as exc:
