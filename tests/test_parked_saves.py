@@ -386,3 +386,42 @@ def test_empty_frames_do_not_keep_a_stalled_save_alive(short_dir: Path) -> None:
             assert tmp_files(rd.root) == []
     finally:
         rd.stop()
+
+
+def test_a_save_parked_with_bytes_unwritten_fails_one_stall_timeout_after_them(
+    short_dir: Path,
+) -> None:
+    """A trickle that stops right after the writer parks its save: the bytes
+    that came last are written when the save is taken again, and they used to
+    restart the stall timeout then, so the save failed about two timeouts
+    after its last byte instead of one."""
+    stall = 4.0
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=stall)
+    try:
+        with dealers(rd.socket, 3) as (slow, other, watch):
+            start_stalled(rd.root, slow, "slow")
+            save_whole(other, "other", b"o", send_only=True)  # queued: the writer may park
+            deadline = time.monotonic() + WAIT
+            while True:
+                slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x"])
+                last_byte = time.monotonic()
+                time.sleep(0.15)  # the writer parks the save as this byte wakes it, or not
+                stats = ask(watch, m.encode(m.GetStats(v=V, req=1)))
+                assert isinstance(stats, m.Stats)
+                if stats.counters["saves_parked"] >= 1:
+                    break
+                assert time.monotonic() < deadline, "the save was never parked"
+                time.sleep(0.05)
+            while True:
+                stats = ask(watch, m.encode(m.GetStats(v=V, req=2)))
+                assert isinstance(stats, m.Stats)
+                if stats.counters["saves_failed"] == 1:
+                    break
+                assert time.monotonic() - last_byte < 1.5 * stall, (
+                    "the parked save outlived its stall timeout by half as much again")
+                time.sleep(0.05)
+            assert time.monotonic() - last_byte > stall * 0.9
+            assert tmp_files(rd.root) == [] and not entry(rd, "slow").exists()
+            assert content(entry(rd, "other")) == b"o" * 1000
+    finally:
+        assert rd.stop() == 0

@@ -116,6 +116,7 @@ class SaveJob(Job):
     # The writer's window for PARK_BELOW_BYTES: since when, and job.received then.
     pace_since: float | None = None
     pace_from: int = 0
+    parked_at: int = -1  # job.received when it was last parked
 
     @property
     def total(self) -> int:
@@ -501,7 +502,8 @@ class WriterActor:
                 if job.chunks:
                     batch = [buf for bufs in job.chunks for buf in bufs]
                     job.chunks.clear()
-                    job.starved_since = None
+                    if job.received != job.parked_at:  # new bytes, not those parked with it
+                        job.starved_since = None
                 elif job.broken:
                     raise StreamBroken(job.broken)
                 elif file.written >= job.total:
@@ -583,8 +585,13 @@ class WriterActor:
                  *job.key, job.received, job.total)
         self.stats.inc("saves_parked")
         # The park waits for bytes that come from now on: those already
-        # queued are written when it is taken again.
+        # queued are written when it is taken again, and the stall timeout
+        # counts from their arrival, not from that write (a save whose bytes
+        # stopped right here lived on for up to two timeouts).
         job.arrived = anyio.Event()
+        job.parked_at = job.received
+        if job.chunks:
+            job.starved_since = job.last_activity
         return False
 
     # ------------------------------------------------------------ bookkeeping
