@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, serve_process, stop_process, wait_for
-from .faultkit import FP, filled
+from .faultkit import FP, entry_path, filled, version_of
 
 
 def accounted(kv: Client) -> int:
@@ -362,3 +364,61 @@ def test_each_refusal_is_reported_by_the_flush_of_its_batch(short_dir: Path) -> 
                 assert kv.flush(timeout=WAIT) is True, (n, batch)
     finally:
         assert rd.stop() == 0
+
+
+def _flush_into(kv: Client, got: list[bool | BaseException]) -> None:
+    try:
+        got.append(kv.flush(timeout=WAIT))
+    except Exception as exc:  # noqa: BLE001 - shown by the test's assert
+        got.append(exc)
+
+
+def test_a_flush_answered_just_before_the_daemon_exits_is_true(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon told to stop writes the save a flush waits for, answers the
+    flush and closed its socket at once: a client that had not read the answer
+    by then never could (its ZeroMQ socket drops what it has not read when the
+    connection ends), so the flush failed, the daemon gone, though the save
+    was written (and a later flush would have said False)."""
+    from kvkeeper.daemon.faults import ENV
+
+    caplog.set_level(logging.WARNING, logger="kvkeeper")
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    results = []
+    for n in range(4):
+        # 20 ms per MiB: the flush is read long before the 32 MiB save is written.
+        proc = serve_process(root, sock, env={ENV: "write_delay=0.02"})
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        try:
+            assert kv.connected
+            assert kv.save(FP, f"last-{n}", filled(32, n + 1), [n + 1])
+            got: list[bool | BaseException] = []
+            t = threading.Thread(target=_flush_into, args=(kv, got))
+            t.start()
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)  # drains: the save is written, the flush answered
+            # This thread keeps the GIL meanwhile (a generation loop busy in
+            # Python), handing it over only every 0.1 s: the client's I/O thread
+            # reads the answer up to 0.1 s after it came.
+            hog_until = time.monotonic() + 1.5
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(0.1)
+            try:
+                while time.monotonic() < hog_until:
+                    pass
+            finally:
+                sys.setswitchinterval(interval)
+            assert proc.wait(WAIT) == 0
+            t.join(WAIT)
+            assert not t.is_alive()
+            results.append(got[0] if got else None)
+        finally:
+            kv.close(timeout=1)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert version_of(entry_path(root, f"last-{n}")) == n + 1
+    assert results == [True] * 4, results
+    assert not [r for r in caplog.records if "saves_unconfirmed" in r.getMessage()
+                or "flush_unconfirmed" in r.getMessage()]

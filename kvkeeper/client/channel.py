@@ -512,7 +512,9 @@ class Channel:
                         pass
                 lost = monitor in events and self._monitor_events(monitor)
                 if sock in events or lost:
-                    # Replies that arrived before the connection died still count.
+                    # Replies still unread count (ZeroMQ drops them once it
+                    # has ended the connection's pipe: the daemon keeps its
+                    # connections a moment past its last reply for that).
                     self._receive(sock)
                 if lost:
                     # The daemon that had them will never answer, and a caller

@@ -213,6 +213,7 @@ class Daemon:
                 self.ready.set()
                 await self._stop.wait()
                 drained = await self._drain(actor)
+                await self.server.let_replies_out()
                 tg.cancel_scope.cancel()
         finally:
             sock.disable_monitor()

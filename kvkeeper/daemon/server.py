@@ -68,6 +68,11 @@ GONE_GRACE = 1.0
 GONE_CHECK = 0.25
 #: The event that has the server look for saves whose client died.
 MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+#: How long the connections outlive the last reply when the daemon stops: a
+#: client reads a reply only while its connection lasts (its ZeroMQ socket,
+#: ZMQ_IMMEDIATE, drops what it has not read when the connection ends), and
+#: its I/O thread may be waiting for the GIL for a while.
+REPLY_GRACE = 0.25
 
 
 @dataclass(slots=True)
@@ -111,6 +116,7 @@ class Server:
         self._closed_fds: dict[int, float] = {}  # descriptors whose connection closed: when
         self._reaping = False
         self._last_close = -float("inf")
+        self._last_reply = -float("inf")
         self._waiting: dict[bytes, int] = {}  # per peer: requests whose answer waits
         self._waiting_total = 0
         self._flushes: dict[bytes, _Flushes] = {}  # per peer with flushes waiting
@@ -549,7 +555,14 @@ class Server:
             return int(parts[1]) == self._uid
         return True
 
+    async def let_replies_out(self) -> None:
+        """Before the daemon closes its socket: wait until the last reply is
+        REPLY_GRACE old, so that clients read it (a flush answered at the end
+        of the drain came to nothing, and the next flush said False)."""
+        await anyio.sleep(max(0.0, self._last_reply + REPLY_GRACE - time.monotonic()))
+
     def _reply(self, peer: bytes, msg: m.Reply) -> None:
+        self._last_reply = time.monotonic()
         # With NOBLOCK the asyncio socket completes the future at once.
         fut = self.sock.send_multipart([peer, m.encode(msg)], flags=zmq.NOBLOCK)
         exc = fut.exception() if fut.done() else None
