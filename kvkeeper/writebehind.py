@@ -19,9 +19,11 @@ is fed to a model, and a wrong one would silently produce wrong tokens.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvkeeper.writebehind")
 
-__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length"]
+__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_triggers"]
 
 
 @dataclass
@@ -66,17 +68,17 @@ class WriteBehind:
         save_first: bool = True,
         metadata: Mapping[str, str] | None = None,
     ) -> None:
-        if every_tokens is not None and every_tokens < 1:
-            raise ValueError("every_tokens must be at least 1 (or None)")
-        if every_seconds is not None and every_seconds < 0:
-            raise ValueError("every_seconds must be >= 0 (or None)")
+        from kvkeeper.client.client import check_metadata
+
+        check_triggers(every_tokens, every_seconds)
         self.client = client
         self.model = model
         self.cache_id = cache_id
         self.every_tokens = every_tokens
         self.every_seconds = every_seconds
         self.save_first = save_first
-        self.metadata = dict(metadata) if metadata else None
+        # Checked here, not at the first save in the middle of a generation.
+        self.metadata = check_metadata(metadata) or None
         self.counters = WriteBehindCounters()
         # Steps since the last save handed off: what close() still has to
         # save. A dropped save leaves them pending (the daemon may be back by
@@ -135,12 +137,13 @@ class WriteBehind:
         (``Client.flush()`` does). Later calls do nothing."""
         if self._closed:
             return False
+        if cache is not None and token_ids is None:
+            token_ids = getattr(cache, "token_ids", None)
+            if token_ids is None:  # before closing: a call with them may follow
+                raise ValueError("close(cache) needs token_ids")
         self._closed = True
         if cache is not None:
-            if token_ids is None:
-                token_ids = getattr(cache, "token_ids", None)
-            if token_ids is None:
-                raise ValueError("close(cache) needs token_ids")
+            assert token_ids is not None
             if (self._pending == 0 and self._last is not None and self._last[0] is cache
                     and self.counters.last_saved_tokens == len(token_ids)):
                 return False  # the last step saved exactly this
@@ -175,8 +178,18 @@ class WriteBehind:
                 f"the cache holds {have} tokens but {n} token ids were given; "
                 "refusing to save a cache that does not match its tokens"
             )
-        ok = self.client.save(self.model, self.cache_id, cache, token_ids,
-                              metadata=self.metadata)
+        try:
+            ok = self.client.save(self.model, self.cache_id, cache, token_ids,
+                                  metadata=self.metadata)
+        except RuntimeError:
+            if not self.client.closed:
+                raise
+            # The server closed its client while a request streams: the
+            # generation goes on, its saves are drops.
+            if self.counters.dropped == 0:
+                log.warning("event=write_behind_client_closed model=%s id=%s: saves are "
+                            "dropped", self.model, self.cache_id)
+            ok = False
         c = self.counters
         if ok:
             c.sent += 1
@@ -188,6 +201,18 @@ class WriteBehind:
         self._tried = 0
         self._last_time = time.monotonic()
         return ok
+
+
+def check_triggers(every_tokens: int | None, every_seconds: float | None) -> None:
+    """Raise ValueError for save triggers that could never fire as meant."""
+    if every_tokens is not None and (isinstance(every_tokens, bool)
+                                     or not isinstance(every_tokens, Integral) or every_tokens < 1):
+        raise ValueError(f"every_tokens must be an integer of at least 1 (or None), "
+                         f"not {every_tokens!r}")
+    if every_seconds is not None and (isinstance(every_seconds, bool)
+                                      or not isinstance(every_seconds, Real)
+                                      or math.isnan(every_seconds) or every_seconds < 0):
+        raise ValueError(f"every_seconds must be a number >= 0 (or None), not {every_seconds!r}")
 
 
 def cache_length(layers: Sequence[Any] | None) -> int | None:

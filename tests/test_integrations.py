@@ -361,3 +361,173 @@ def test_a_session_whose_daemon_does_not_answer_starts_cold(
             assert "event=restore_failed" in caplog.text and "not be written yet" in caplog.text
     finally:
         assert stop_process(proc) == 0
+
+
+# --------------------------------------------------------------------------- misuse and mishaps
+
+
+def tiny_paligemma() -> nn.Module:
+    """A tiny image-text model: image tokens in the prompt, pixel values beside it."""
+    from mlx_vlm.models import paligemma
+
+    mx.random.seed(7)
+    cfg = paligemma.ModelConfig.from_dict(dict(
+        model_type="paligemma", vocab_size=VOCAB, image_token_index=VOCAB - 2, hidden_size=64,
+        pad_token_id=0,
+        text_config=dict(model_type="gemma", hidden_size=64, num_hidden_layers=2,
+                         intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, vocab_size=VOCAB),
+        vision_config=dict(model_type="siglip_vision_model", num_hidden_layers=1, hidden_size=64,
+                           intermediate_size=128, num_attention_heads=2, patch_size=8,
+                           image_size=32, projection_dim=64)))
+    return _finish(paligemma.Model(cfg), mx.float32)
+
+
+def test_mlx_vlm_another_image_with_the_same_tokens_is_not_answered_from_the_cache(
+    client: Client,
+) -> None:
+    """Asked again about a picture of the same size, the prompt's token ids are
+    the same: the cache of the first picture was reused (trimmed to all but the
+    last token), and the answer was about the first picture. Also after a
+    restart: the media fingerprint is saved with the cache."""
+    model, proc = tiny_paligemma(), vlm_processor(VOCAB)
+    ids = [VOCAB - 2] * 16 + prompt(20, seed=50)
+    mask = mx.ones((1, len(ids)))
+    mx.random.seed(8)
+    images = [mx.random.normal((1, 3, 32, 32)), mx.random.normal((1, 3, 32, 32)) * 3]
+
+    def ask(run: Any, img: mx.array) -> list[int]:
+        return vlm_tokens(run(input_ids=ids, pixel_values=img, mask=mask, max_tokens=12,
+                              temperature=0.0))
+
+    fresh = [vlm_tokens(vlm_stream_generate(model, proc, "", input_ids=mx.array([ids]),
+                                            pixel_values=img, mask=mask, max_tokens=12,
+                                            temperature=0.0)) for img in images]
+    assert fresh[0] != fresh[1]  # the picture matters
+    memory = kv_vlm.Session(None, "tiny-pg", "same-ids", model, proc)
+    assert ask(memory.stream_generate, images[0]) == fresh[0]
+    assert ask(memory.stream_generate, images[1]) == fresh[1]
+    assert memory.last_plan is not None and memory.last_plan.action == "cold"
+    assert ask(memory.stream_generate, images[1]) == fresh[1]  # same picture: reused
+    assert memory.last_plan.action == "trim" and memory.last_plan.source == "memory"
+    saved = kv_vlm.Session(client, "tiny-pg", "same-ids", model, proc)
+    assert ask(saved.stream_generate, images[0]) == fresh[0]
+    assert client.flush(timeout=WAIT)
+    # Each restarted session saves its own answer: image 0's, then image 1's.
+    for img, want, action in ((images[0], fresh[0], "trim"), (images[1], fresh[1], "cold")):
+        restarted = kv_vlm.Session(client, "tiny-pg", "same-ids", model, proc)
+        assert ask(restarted.stream_generate, img) == want
+        assert restarted.last_plan is not None and restarted.last_plan.action == action
+        assert client.flush(timeout=WAIT)
+
+
+def test_a_cache_kvkeeper_cannot_save_does_not_stop_generation(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """mlx-vlm's TurboQuant cache lives outside mlx_vlm.models, where kvkeeper
+    does not import from: the first save behind the loop raised CodecError
+    after the prefill, and the request died. Now the request's saves stop,
+    with a warning, and it generates what a session without kvkeeper does."""
+    model, proc = tiny_vlm_llama(), vlm_processor(VOCAB)
+    kw = dict(max_tokens=GEN, temperature=0.0, kv_bits=3.5, quantized_kv_start=0)
+    want = vlm_tokens(kv_vlm.Session(None, "tiny-vlm-tq", "a", model, proc).stream_generate(
+        input_ids=prompt(48), **kw))
+    session = kv_vlm.Session(client, "tiny-vlm-tq", "a", model, proc, every_tokens=4)
+    assert vlm_tokens(session.stream_generate(input_ids=prompt(48), **kw)) == want
+    assert "event=write_behind_off" in caplog.text and "TurboQuantKVCache" in caplog.text
+    assert session.cache is not None  # kept in memory all the same
+    assert client.flush(timeout=WAIT) and client.load("tiny-vlm-tq", "a") is None
+
+
+def test_an_older_request_ending_late_leaves_the_newer_state(
+    lm_tok: TokenizerWrapper, client: Client
+) -> None:
+    """A generator left open (its caller went away), then a newer request on
+    the session, then the old generator closed: its state replaced the newer
+    one in memory and in kvkeeper."""
+    session = kv_lm.Session(client, "tiny-lm-stale", "chat", tiny_llama(seed=3), lm_tok,
+                            every_tokens=4)
+    p = prompt(30, seed=2)
+    first = session.generate(p, max_tokens=8)
+    old = session.stream_generate(p + first + prompt(5, seed=3), max_tokens=40)
+    for _ in range(3):
+        next(old)
+    newer = p + first + prompt(6, seed=4)
+    newer += session.generate(newer, max_tokens=8)
+    old.close()
+    assert session.token_ids == newer
+    assert client.flush(timeout=WAIT)
+    got = client.load("tiny-lm-stale", "chat")
+    assert got is not None and got.token_ids == newer
+
+
+def test_a_client_closed_while_a_request_streams_does_not_stop_it(
+    lm_tok: TokenizerWrapper, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from .conftest import start_daemon
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        kv = Client(rd.socket, timeout=WAIT)
+        session = kv_lm.Session(kv, "tiny-lm-closed", "chat", tiny_llama(seed=3), lm_tok,
+                                every_tokens=4)
+        n = 0
+        for _ in session.stream_generate(prompt(30, seed=2), max_tokens=40):
+            n += 1
+            if n == 10:
+                kv.close()  # a server shutting its client down mid-request
+        assert n == 40 and session.cache is not None
+        assert session.last_write_behind is not None
+        assert session.last_write_behind.counters.dropped > 0
+        assert "event=write_behind_client_closed" in caplog.text
+    finally:
+        rd.stop()
+
+
+def test_a_request_refused_before_its_first_token_keeps_the_cache(
+    lm_tok: TokenizerWrapper,
+) -> None:
+    """An argument mlx-lm refuses (``temp=`` of older versions, ``max_tokens=0``)
+    fails before the model reads anything: the session had already dropped
+    its cache, and the next request re-read the whole conversation."""
+    session = kv_lm.Session(None, "tiny-lm", "chat", tiny_llama(seed=3), lm_tok)
+    p = prompt(200, seed=1)
+    p += session.generate(p, max_tokens=8)
+    for bad in ({"temp": 0.7}, {"max_tokens": 0}):
+        with pytest.raises((TypeError, ValueError)):
+            session.generate(p + [5], **bad)
+        assert session.cache is not None
+    session.generate(p + [5], max_tokens=2)
+    plan = session.last_plan
+    assert plan is not None and plan.action != "cold" and plan.prefill == 1
+
+
+def test_session_and_write_behind_arguments_are_checked_up_front(
+    lm_tok: TokenizerWrapper, client: Client
+) -> None:
+    """They used to be checked at the first save, after the prefill, with the
+    request half done."""
+    model = tiny_llama(seed=3)
+    for bad in ({"every_tokens": 0}, {"every_tokens": 2.5}, {"every_seconds": float("nan")},
+                {"every_seconds": -1}, {"metadata": {"kvkeeper.user": "bob"}}):
+        with pytest.raises(ValueError):
+            kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok, **bad)
+        with pytest.raises(ValueError):
+            client.write_behind("tiny-lm", "chat", **bad)
+
+
+def test_write_behind_close_without_token_ids_can_be_called_again(client: Client) -> None:
+    """close(cache) without token ids raised, but had already closed the
+    helper: the call with them saved nothing."""
+    c = KVCache()
+    x = mx.ones((1, 1, 20, 8))
+    c.update_and_fetch(x, x)
+    ids = prompt(20, seed=1)
+    wb = client.write_behind("tiny-lm", "wb", every_tokens=100, save_first=False)
+    wb.step([c], ids)
+    with pytest.raises(ValueError, match="needs token_ids"):
+        wb.close([c])
+    assert wb.close([c], ids) is True
+    assert client.flush(timeout=WAIT)
+    got = client.load("tiny-lm", "wb")
+    assert got is not None and got.token_ids == ids

@@ -199,6 +199,11 @@ class Client:
         self._channel.close(timeout)
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (saves and loads then raise RuntimeError)."""
+        return self._closed
+
+    @property
     def connected(self) -> bool:
         """Whether the daemon is connected right now."""
         return self._channel.connected.is_set()
@@ -243,19 +248,7 @@ class Client:
             raise RuntimeError("client is closed")
         layers, token_ids = _unpack(cache, token_ids)
         naming.check_key(model, cache_id)
-        meta = dict(metadata or {})
-        bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
-               or not isinstance(meta[k], str)]
-        if bad:
-            raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
-        if meta:
-            try:  # the header is UTF-8: a lone surrogate would fail on the I/O thread
-                size = len(msgspec.json.encode(meta))
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"metadata must be valid Unicode text: {exc}") from None
-            if size > MAX_METADATA_BYTES:
-                raise ValueError(f"metadata is {size} bytes as JSON; the limit is "
-                                 f"{MAX_METADATA_BYTES}")
+        meta = check_metadata(metadata)
         # A save about to be dropped (daemon down, or no room for any save)
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
@@ -774,6 +767,26 @@ class DaemonError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of a save's user metadata; raises ValueError for what ``save()``
+    refuses: a key or value that is not a str, a ``kvkeeper.*`` key, text that
+    is not valid Unicode, or more than MAX_METADATA_BYTES as JSON."""
+    meta = dict(metadata or {})
+    bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
+           or not isinstance(meta[k], str)]
+    if bad:
+        raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
+    if meta:
+        try:  # the header is UTF-8: a lone surrogate would fail on the I/O thread
+            size = len(msgspec.json.encode(meta))
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"metadata must be valid Unicode text: {exc}") from None
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is {size} bytes as JSON; the limit is "
+                             f"{MAX_METADATA_BYTES}")
+    return meta
 
 
 def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:

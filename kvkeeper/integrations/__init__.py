@@ -31,14 +31,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvkeeper.writebehind import WriteBehind, cache_length
+from kvkeeper.writebehind import WriteBehind, cache_length, check_triggers
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
 
 log = logging.getLogger("kvkeeper.integrations")
 
-__all__ = ["Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse"]
+__all__ = ["MEDIA_KEY", "Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse"]
+
+#: Saved with a session's cache: a fingerprint of the images, audio and video
+#: its prompt was given with ("" or absent: none). The token ids alone cannot
+#: tell two pictures of one size apart.
+MEDIA_KEY = "kvkeeper_session.media"
 
 Action = Literal["extend", "trim", "cold"]
 
@@ -151,16 +156,24 @@ class SessionBase:
         every_seconds: float | None = 2.0,
         metadata: dict[str, str] | None = None,
     ) -> None:
+        from kvkeeper.client.client import check_metadata
+
+        # Checked now, not at the first save in the middle of a request.
+        check_triggers(every_tokens, every_seconds)
         self.client = client
         self.model_id = model_id
         self.session_id = session_id
         self.every_tokens = every_tokens
         self.every_seconds = every_seconds
-        self.metadata = metadata
+        self.metadata = check_metadata(metadata) or None
         #: The cache and the tokens it holds, between requests (None: none in memory).
         self.cache: list[Any] | None = None
         self.token_ids: list[int] | None = None
+        #: The media fingerprint of the cache (see MEDIA_KEY; "" for none).
+        self.media = ""
         self._source: str | None = None
+        # Requests begun on this session: only the latest one's state is kept.
+        self._requests = 0
         #: The decision of the last request.
         self.last_plan: Plan | None = None
         #: The write-behind helper of the last request (its counters).
@@ -170,6 +183,7 @@ class SessionBase:
         """Drop the in-memory cache, as a restart would; kvkeeper keeps its copy."""
         self.cache = None
         self.token_ids = None
+        self.media = ""
         self._source = None
 
     def restore(self) -> bool:
@@ -200,20 +214,38 @@ class SessionBase:
                         self.model_id, self.session_id, len(got.cache))
             return False
         self.cache, self.token_ids, self._source = got.cache, list(got.token_ids), "kvkeeper"
+        self.media = got.metadata.get(MEDIA_KEY, "")
         return True
 
     def _compatible(self, cache: list[Any]) -> bool:
         return True
 
-    def _prepare(self, prompt_ids: list[int]) -> Plan:
+    def _begin(self) -> int:
+        """A request starts: its number (see ``_latest``)."""
+        self._requests += 1
+        return self._requests
+
+    def _latest(self, request: int) -> bool:
+        """Whether no request began after ``request``: an older one ending late
+        (a generator left open, then closed) must not replace the newer state
+        in memory or in kvkeeper."""
+        return request == self._requests
+
+    def _prepare(self, prompt_ids: list[int], media: str = "") -> Plan:
         """Restore, decide, and leave ``self.cache`` holding exactly the reused
-        prefix (or None for a cold start)."""
+        prefix (or None for a cold start). ``media``: the fingerprint of the
+        request's images, audio and video; a cache made with others is not used."""
         if self.cache is None:
             self.restore()
         source = self._source if self.cache is not None else None
         if self.cache is not None and source is None:
             source = "memory"
-        plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source)
+        if self.cache is not None and self.media != media:
+            self.forget()
+            plan = Plan("cold", source, 0, 0, len(prompt_ids),
+                        "the cache was made with other images, audio or video")
+        else:
+            plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source)
         if plan.action == "cold":
             self.forget()
         else:
@@ -224,18 +256,58 @@ class SessionBase:
                   plan.prefill, plan.reason)
         return plan
 
-    def _write_behind(self) -> WriteBehind | None:
+    def _write_behind(self, media: str = "") -> WriteBehind | None:
         if self.client is None:
             self.last_write_behind = None
             return None
+        metadata = {**(self.metadata or {}), MEDIA_KEY: media} if media else self.metadata
         wb = WriteBehind(self.client, self.model_id, self.session_id,
                          every_tokens=self.every_tokens, every_seconds=self.every_seconds,
-                         metadata=self.metadata)
+                         metadata=metadata)
         self.last_write_behind = wb
         return wb
 
-    def _keep(self, cache: list[Any] | None, token_ids: list[int] | None) -> None:
-        """Remember what the cache holds after a request (None: nothing usable)."""
+    def _step(self, wb: WriteBehind | None, cache: list[Any], token_ids: list[int]
+              ) -> WriteBehind | None:
+        """``wb.step``; a save the helper refuses (a cache class kvkeeper cannot
+        save, a cache that disagrees with its tokens) ends the saves of this
+        request, never the generation. Returns the helper to go on with."""
+        if wb is None:
+            return None
+        try:
+            wb.step(cache, token_ids)
+        except ValueError as exc:
+            self._give_up_saving(wb, exc)
+            return None
+        return wb
+
+    def _close(self, wb: WriteBehind | None) -> None:
+        """The request's final save, of the state kept in memory (if any)."""
+        if wb is None:
+            return
+        if self.cache is None:
+            wb.discard()
+            return
+        try:
+            wb.close(self.cache, self.token_ids)
+        except ValueError as exc:
+            self._give_up_saving(wb, exc)
+
+    def _give_up_saving(self, wb: WriteBehind, exc: ValueError) -> None:
+        wb.discard()
+        log.warning("event=write_behind_off model=%s id=%s reason=%s: this request's cache "
+                    "is not saved", self.model_id, self.session_id, exc)
+
+    def _unused(self, cache: list[Any], plan: Plan, prompt_ids: list[int], media: str) -> None:
+        """A request failed before its first response: keep the prepared
+        prefix in memory when the cache shows it was not touched."""
+        if plan.action != "cold" and plan.reused and cache_length(cache) == plan.reused:
+            self._keep(cache, list(prompt_ids[: plan.reused]), media)
+
+    def _keep(self, cache: list[Any] | None, token_ids: list[int] | None,
+              media: str = "") -> None:
+        """Remember what the cache holds after a request (None: nothing usable),
+        made with the media of fingerprint ``media``."""
         if cache is None or token_ids is None:
             self.forget()
             return
@@ -246,3 +318,4 @@ class SessionBase:
             self.forget()
             return
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
+        self.media = media

@@ -96,6 +96,7 @@ class Session(SessionBase):
                 raise TypeError(f"Session.stream_generate does not take {name}=")
         max_kv_size = kwargs.pop("max_kv_size", None)
         ids = self.encode(prompt)
+        request = self._begin()
         plan = self._prepare(ids)
         if plan.action == "cold":
             cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
@@ -108,18 +109,18 @@ class Session(SessionBase):
         all_ids = list(ids)
         n_prompt = len(ids)
         wb = self._write_behind()
-        clean = False
+        clean = started = False
         try:
             responses = _mlx_stream_generate(
                 self.model, self.tokenizer, mx.array(ids[plan.reused:]), max_tokens,
                 prompt_cache=cache, **kwargs,
             )
             for r in responses:
+                started = True
                 # Every token mlx-lm yields has been fed to the cache already.
                 if r.generation_tokens > len(all_ids) - n_prompt:
                     all_ids.append(int(r.token))
-                if wb is not None:
-                    wb.step(cache, all_ids)
+                wb = self._step(wb, cache, all_ids)
                 try:
                     yield r
                 except GeneratorExit:
@@ -127,12 +128,17 @@ class Session(SessionBase):
                     raise
             clean = True
         finally:
-            if clean:
-                self._keep(cache, all_ids)
+            if not self._latest(request):
                 if wb is not None:
-                    wb.close(cache, all_ids)
-            elif wb is not None:
-                wb.discard()
+                    wb.discard()  # a newer request's state stays
+            elif clean:
+                self._keep(cache, all_ids)
+                self._close(wb)
+            else:
+                if wb is not None:
+                    wb.discard()
+                if not started:  # e.g. an argument mlx-lm refused
+                    self._unused(cache, plan, ids, "")
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:

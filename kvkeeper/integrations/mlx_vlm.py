@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import numpy as np
+import xxhash
 from mlx_vlm.generate import GenerationResult, PromptCacheState
 from mlx_vlm.generate import stream_generate as _vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
@@ -38,7 +40,7 @@ from kvkeeper.integrations import Plan, SessionBase, cache_length, log
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
 
-__all__ = ["Plan", "Session", "stream_generate"]
+__all__ = ["Plan", "Session", "media_fingerprint", "stream_generate"]
 
 
 class Session(SessionBase):
@@ -123,7 +125,9 @@ class Session(SessionBase):
                 raise TypeError(f"Session.stream_generate does not take {name}=")
         input_ids = self._inputs(prompt, image, audio, video, kwargs)
         ids = [int(t) for t in input_ids.reshape(-1).tolist()]
-        plan = self._prepare(ids)
+        media = media_fingerprint(kwargs, image=image, audio=audio, video=video)
+        request = self._begin()
+        plan = self._prepare(ids, media)
         state = PromptCacheState()
         if plan.action == "cold":
             expected = self._fresh_cache(kwargs.get("max_kv_size"))
@@ -136,22 +140,22 @@ class Session(SessionBase):
         self.forget()  # the cache changes while generating
         all_ids = list(ids)
         n_prompt = len(ids)
-        wb = self._write_behind()
+        wb = self._write_behind(media)
         self.tracked = None
-        clean = False
-        finished = False
+        clean = finished = started = False
         try:
             results = _vlm_stream_generate(
                 self.model, self.processor, prompt, image=image, audio=audio, video=video,
                 prompt_cache_state=state, **kwargs,
             )
             for r in results:
+                started = True
                 if self.tracked is None:
                     self.tracked = self._follows(r, plan, expected)
                 if r.token is not None and r.generation_tokens > len(all_ids) - n_prompt:
                     all_ids.append(int(r.token))
-                if wb is not None and self.tracked:
-                    wb.step(expected, all_ids)
+                if self.tracked:
+                    wb = self._step(wb, expected, all_ids)
                 try:
                     yield r
                 except GeneratorExit:
@@ -159,7 +163,10 @@ class Session(SessionBase):
                     raise
             clean = finished = True
         finally:
-            if clean:
+            if not self._latest(request):
+                if wb is not None:
+                    wb.discard()  # a newer request's state stays
+            elif clean:
                 if finished and state.token_ids is not sentinel and state.cache is not None:
                     # mlx-vlm recorded what its cache holds: trust its pairing.
                     final_cache, final_ids = state.cache, list(state.token_ids or [])
@@ -167,14 +174,13 @@ class Session(SessionBase):
                     final_cache, final_ids = expected, all_ids
                 else:
                     final_cache = final_ids = None
-                self._keep(final_cache, final_ids)
+                self._keep(final_cache, final_ids, media)
+                self._close(wb)
+            else:
                 if wb is not None:
-                    if self.cache is not None:
-                        wb.close(self.cache, self.token_ids)
-                    else:
-                        wb.discard()
-            elif wb is not None:
-                wb.discard()
+                    wb.discard()
+                if not started:  # e.g. an argument mlx-vlm refused
+                    self._unused(expected, plan, ids, media)
 
     def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
         """Whether mlx-vlm is generating into the cache we prepared."""
@@ -184,6 +190,46 @@ class Session(SessionBase):
             return False
         have = cache_length(expected)
         return have is None or have == r.total_tokens
+
+
+#: Keyword arguments that are the prompt itself, not media.
+_NOT_MEDIA = frozenset({"input_ids", "mask", "attention_mask"})
+
+
+def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any = None,
+                      video: Any = None) -> str:
+    """A fingerprint of a request's images, audio and video ("" when it has
+    none): every array argument but the prompt's ids and mask (pixel values,
+    image sizes, audio features, ...), else the sources named by ``image`` /
+    ``audio`` / ``video``. Two requests with the same ids and fingerprint
+    produce the same cache."""
+    h = xxhash.xxh3_128()
+    found = False
+    for name in sorted(kwargs):
+        if name in _NOT_MEDIA:
+            continue
+        for arr in _arrays(kwargs[name]):
+            found = True
+            h.update(f"{name}:{arr.dtype}:{tuple(arr.shape)}:".encode())
+            h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)
+                     else np.ascontiguousarray(arr).data)
+    if not found:
+        # Nothing prepared: mlx-vlm reads the sources itself. Paths hash the
+        # same each time; an object's repr may not (a cold start, never a
+        # wrong cache).
+        for name, ref in (("image", image), ("audio", audio), ("video", video)):
+            if ref is not None and not (isinstance(ref, (list, tuple)) and not ref):
+                found = True
+                h.update(f"{name}={ref!r};".encode())
+    return h.hexdigest() if found else ""
+
+
+def _arrays(value: Any) -> list[Any]:
+    if isinstance(value, (mx.array, np.ndarray)):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in _arrays(v)]
+    return []
 
 
 def stream_generate(
