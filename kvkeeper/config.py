@@ -85,6 +85,11 @@ def private_dir(path: Path, what: str) -> Path:
     of ours that nobody else can enter. Returns the absolute path."""
     path = Path(os.path.abspath(path))
     try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        # Replies name files by path, in UTF-8: a client could not open them.
+        raise ConfigError(f"{what} {str(path)!r} is not valid UTF-8; choose another") from None
+    try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -67,7 +67,14 @@ def parse_size(text: str | int | float) -> int:
         value = int(number)
     if value < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")
+    if value > MAX_SIZE:
+        # ZeroMQ's message size limit (an int64) takes the pending budget.
+        raise ValueError(f"a size must be at most {MAX_SIZE} bytes (8 EiB), not {text!r}")
     return value
+
+
+#: The largest byte size a setting takes.
+MAX_SIZE = 2**63 - 1
 
 
 def _positive_size(value: Any) -> int:

@@ -99,6 +99,36 @@ def test_serve_with_nan_drain_timeout_does_not_start(short_dir: Path) -> None:
     assert not sock.exists()
 
 
+def test_serve_refuses_sizes_past_what_a_daemon_can_hold(short_dir: Path) -> None:
+    # 1e30 passed as a pending budget reached ZeroMQ's int64 option: a traceback.
+    sock = short_dir / "run" / "k.sock"
+    for flag in ("--max-pending-bytes", "--max-disk-bytes"):
+        r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock), flag, "1e30")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"argument {flag}: a size must be at most" in r.stderr, r.stderr
+    assert not sock.exists()
+
+
+@pytest.mark.parametrize("what", ["a root that is not UTF-8", "a sessions symlink"])
+def test_serve_refuses_a_root_it_cannot_serve_from_with_a_message(
+    what: str, short_dir: Path
+) -> None:
+    """Both stopped serve with a traceback (exit 1): replies name files in
+    UTF-8, and entries live under <root>/sessions only."""
+    root = short_dir / "root"
+    if what == "a sessions symlink":
+        root.mkdir(mode=0o700)
+        (short_dir / "elsewhere").mkdir()
+        (root / "sessions").symlink_to(short_dir / "elsewhere")
+    else:
+        root = Path(os.fsdecode(os.fsencode(short_dir) + b"/r\xff"))
+    r = cli("serve", "--root", str(root), "--socket", str(short_dir / "run" / "k.sock"),
+            timeout=15)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvkeeper: ") and ("UTF-8" in last or "symlink" in last), last
+
+
 # ------------------------------------------------------------------ the socket path
 
 

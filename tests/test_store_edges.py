@@ -166,3 +166,32 @@ def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
     assert [e.cache_id for e in evicted] == ["b"]
     assert [e.cache_id for e in store.entries("fp")] == ["c", "a"]
     assert version_of(entry_path(root, "a", model="fp"), "fp") == 1
+
+
+def test_file_names_that_are_not_utf8_are_listed_not_fatal(short_dir: Path) -> None:
+    """A file whose name is not UTF-8 under the root (a copy with a Latin-1
+    name, another program's file): listing it made the reply fail to encode,
+    and the error stopped the daemon at once, without a drain."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("m1", "a", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+            entry = entry_path(root, "a", model="m1")
+            odd_entry = os.fsencode(entry.parent) + b"/\xff.safetensors"
+            with open(entry, "rb") as src, open(odd_entry, "wb") as dst:
+                dst.write(src.read())
+            (root / "other").mkdir()
+            with open(os.fsencode(root / "other") + b"/caf\xe9.txt", "wb") as f:
+                f.write(b"not ours")
+            kv.gc()  # looks at the disk again
+            listed = kv.entries("m1")
+            assert sorted(Path(e.path).name for e in listed) == ["\\xff.safetensors",
+                                                                  "a.safetensors"]
+            assert any(e.path.endswith("other/caf\\xe9.txt")
+                       for e in kv.entries(everything=True))
+            assert kv.save("m1", "b", filled(1, 4), [4]) and kv.flush(timeout=WAIT)
+        assert proc.poll() is None
+    finally:
+        assert stop_process(proc) == 0
+    assert version_of(entry_path(root, "b", model="m1"), "m1") == 4

@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
@@ -563,8 +564,18 @@ class Server:
 
     def _reply(self, peer: bytes, msg: m.Reply) -> None:
         self._last_reply = time.monotonic()
+        try:
+            data = m.encode(msg)
+        except (UnicodeEncodeError, msgspec.EncodeError) as exc:
+            # A bug, but not one to stop the daemon (and lose what it has not
+            # written) over: the client gets an error instead.
+            self.stats.inc("internal_errors")
+            log.error("event=reply_not_encoded type=%s error=%s", type(msg).__name__, exc)
+            data = m.encode(m.Error(v=m.PROTOCOL_VERSION, req=getattr(msg, "req", None),
+                                    code="internal", message=f"the reply could not be "
+                                    f"encoded: {exc}"[:1000]))
         # With NOBLOCK the asyncio socket completes the future at once.
-        fut = self.sock.send_multipart([peer, m.encode(msg)], flags=zmq.NOBLOCK)
+        fut = self.sock.send_multipart([peer, data], flags=zmq.NOBLOCK)
         exc = fut.exception() if fut.done() else None
         if exc is not None:
             # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
@@ -645,5 +656,17 @@ def _alive(pid: int) -> bool:
 
 
 def _entry(e: StoredEntry) -> m.Entry:
-    return m.Entry(model=e.model, cache_id=e.cache_id, tokens=e.tokens, nbytes=e.nbytes,
-                   last_used=e.last_used, path=str(e.path), kind=e.kind, saved_at=e.saved_at)
+    return m.Entry(model=_text(e.model), cache_id=_text(e.cache_id), tokens=e.tokens,
+                   nbytes=e.nbytes, last_used=e.last_used, path=_text(str(e.path)), kind=e.kind,
+                   saved_at=e.saved_at)
+
+
+def _text(s: str) -> str:
+    """``s`` as UTF-8 can carry it: a file name that is not UTF-8 (Python keeps
+    its bytes as lone surrogates) would fail the reply's encoding; its odd
+    bytes are shown as \\xNN instead."""
+    try:
+        raw = s.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = s.encode("utf-8", "backslashreplace")  # a lone surrogate from JSON
+    return raw.decode("utf-8", "backslashreplace")

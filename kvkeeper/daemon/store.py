@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvkeeper.config import ConfigError
 from kvkeeper.daemon import faults
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import (
@@ -268,9 +269,13 @@ class Store:
     # -- lifecycle
     def open(self) -> list[Path]:
         """Create the layout, remove tmp files a crash left behind, index the rest."""
-        os.makedirs(self.sessions, mode=0o700, exist_ok=True)
-        if os.path.islink(self.sessions):
-            raise OSError(errno.ELOOP, f"{self.sessions} is a symlink")
+        try:
+            os.makedirs(self.sessions, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create {self.sessions}: {exc.strerror}") from None
+        if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
+            raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
+                              f"keeps its entries there (move it aside)")
         removed = []
         for model_dir in self.sessions.iterdir():
             if model_dir.is_symlink() or not model_dir.is_dir():
