@@ -116,6 +116,36 @@ def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
             rd.stop()
 
 
+def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: Path) -> None:
+    """Any file in <root>/quarantine/ was taken for one the daemon moved aside,
+    and any safetensors file at an entry's place (model weights) for an old
+    cache: both were evicted first. Only names the daemon gives in quarantine/
+    and caches of a known format (here mlx-lm's) are its to delete."""
+    root = short_dir / "root"
+    (root / "quarantine").mkdir(parents=True, mode=0o700)
+    os.chmod(root, 0o700)
+    (root / "quarantine" / "notes.txt").write_bytes(b"n" * 300_000)
+    (root / "sessions" / "weights").mkdir(parents=True)
+    weights = root / "sessions" / "weights" / "model.safetensors"
+    mx.save_safetensors(str(weights), {"w": mx.ones((256, 256))}, {"format": "mlx"})
+    old_cache = root / "sessions" / FP / "old.safetensors"
+    old_cache.parent.mkdir()
+    shutil.copyfile(ROOT / "mlx-lm" / "kv.safetensors", old_cache)
+    rd = start_daemon(root, short_dir / "run" / "kv.sock", max_disk_bytes=int(0.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            kinds = {Path(e.path).name: e.kind for e in kv.entries(everything=True)}
+            assert kinds == {"notes.txt": "foreign", "model.safetensors": "foreign"}, kinds
+            assert kv.save(FP, "a", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            # Still over the budget: what it can delete is its own entry.
+            assert [(e.cache_id, e.kind) for e in kv.gc().entries] == [("a", "entry")]
+    finally:
+        assert rd.stop() == 0
+    assert (root / "quarantine" / "notes.txt").read_bytes() == b"n" * 300_000
+    assert mx.array_equal(mx.load(str(weights))["w"], mx.ones((256, 256)))
+    assert not old_cache.exists()  # evicted at start, as an entry would be
+
+
 def test_a_save_whose_metadata_takes_it_past_the_disk_budget_is_refused(
     short_dir: Path,
 ) -> None:

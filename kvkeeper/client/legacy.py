@@ -36,11 +36,9 @@ from kvkeeper.client.codec import (
     rebuild_layer,
     resolve_cache_class,
 )
+from kvkeeper.protocol.legacy_formats import GEZEL_SCHEMA3, MLX_LM_PROMPT_CACHE, detect_legacy
 
 __all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "LegacyCache", "decode_legacy", "detect_legacy"]
-
-GEZEL_SCHEMA3 = "gezel-schema3"
-MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
 
 # Where each writer's own loader looks class names up.
 _VLM_CACHE = "mlx_vlm.models.cache"
@@ -51,7 +49,6 @@ _LM_CACHE = "mlx_lm.models.cache"
 EXPORT_MODEL_KEY, EXPORT_CACHE_ID_KEY, EXPORT_TOKENS_KEY, EXPORT_METADATA_KEY = (
     "kvkeeper_model", "kvkeeper_cache_id", "token_ids", "kvkeeper_metadata")
 
-_MLX_LM_KEY = re.compile(r"0\..+|1\.\d+|2\.0|2\.\d+\.[01]")
 _MLX_LM_SCALAR = re.compile(r"2\.(\d+)\.([01])")
 
 
@@ -65,23 +62,6 @@ class LegacyCache:
     model_fingerprint: str | None
     #: mlx-lm: the user metadata given to save_prompt_cache; gezel: the raw metadata.
     metadata: dict[str, str] = field(default_factory=dict)
-
-
-def detect_legacy(metadata: Mapping[str, str]) -> str | None:
-    """The legacy format a safetensors metadata map belongs to, or None."""
-    if (
-        metadata.get("schema_version") == "3"
-        and "classes" in metadata
-        and "class_modules" in metadata
-    ):
-        return GEZEL_SCHEMA3
-    if (
-        metadata.get("2.0") == ""
-        and any(k.startswith("1.") for k in metadata)
-        and all(_MLX_LM_KEY.fullmatch(k) for k in metadata)
-    ):
-        return MLX_LM_PROMPT_CACHE
-    return None
 
 
 def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:

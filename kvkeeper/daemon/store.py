@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import logging
 import os
+import re
 import stat
 import sys
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 from kvkeeper.config import ConfigError
 from kvkeeper.daemon import faults
 from kvkeeper.protocol import naming
+from kvkeeper.protocol.legacy_formats import detect_legacy
 from kvkeeper.protocol.safetensors import (
     CACHE_ID_KEY,
     FORMAT,
@@ -39,6 +41,8 @@ log = logging.getLogger("kvkeeper.store")
 
 TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
+#: The names quarantine_path gives: "<dir>.<file>.<ns>" or "_z<sha256>.<ns>".
+_QUARANTINED = re.compile(r".+\.[0-9]{10,}")
 _IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
 _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
 _counter = itertools.count()
@@ -311,10 +315,13 @@ class Store:
         if not stat.S_ISREG(st.st_mode) or path.parent == self.root:
             return None  # the lock file, links
         last_used = max(st.st_atime, st.st_mtime)
+        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime)
         if path.parent == self.root / QUARANTINE_DIR:
+            # Only names quarantine_path gives: another file put there is not ours.
+            if not _QUARANTINED.fullmatch(path.name):
+                return foreign
             return StoredEntry("", "", 0, st.st_size, st.st_mtime, path, "quarantine",
                                st.st_mtime)
-        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime)
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
@@ -329,6 +336,8 @@ class Store:
             return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
                                _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
                                "entry", st.st_mtime)
+        if detect_legacy(meta) is None:
+            return foreign  # safetensors, but no cache of a known format: not ours to delete
         return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy", st.st_mtime)
 
     # -- put / find / delete

@@ -1,0 +1,33 @@
+"""Which legacy cache format a safetensors file's metadata belongs to: known
+without MLX, so the daemon can tell a user's old cache file (its to evict)
+from any other safetensors file (never its to delete)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+__all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "detect_legacy"]
+
+GEZEL_SCHEMA3 = "gezel-schema3"
+MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
+
+#: The metadata keys mlx-lm's save_prompt_cache writes.
+MLX_LM_KEY = re.compile(r"0\..+|1\.\d+|2\.0|2\.\d+\.[01]")
+
+
+def detect_legacy(metadata: Mapping[str, str]) -> str | None:
+    """The legacy format a safetensors metadata map belongs to, or None."""
+    if (
+        metadata.get("schema_version") == "3"
+        and "classes" in metadata
+        and "class_modules" in metadata
+    ):
+        return GEZEL_SCHEMA3
+    if (
+        metadata.get("2.0") == ""
+        and any(k.startswith("1.") for k in metadata)
+        and all(MLX_LM_KEY.fullmatch(k) for k in metadata)
+    ):
+        return MLX_LM_PROMPT_CACHE
+    return None
