@@ -263,22 +263,33 @@ def verify(args: argparse.Namespace) -> int:
     kv = client(args.socket, required=False)
     try:
         root = _root(args, kv)
-        files = list(_store_files(root))
+        # Files the daemon deletes or evicts meanwhile are gone, not bad.
+        sizes = {f: n for f in _store_files(root) if (n := _size(f)) is not None}
+        files: list[Path] = []
         bad: list[tuple[Path, str]] = []
         legacy: list[Path] = []
-        total = sum(f.lstat().st_size for f in files)
         with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                       console=err, disable=args.json or not err.is_terminal) as bar:
-            task = bar.add_task("verify", total=total)
-            for f in files:
+            task = bar.add_task("verify", total=sum(sizes.values()))
+            for f, size in sizes.items():
                 try:
                     # A check is not a use: the eviction order stays as it was.
                     with st.open_file(f, keep_atime=True) as (fh, header):
-                        if header.metadata.get(st.FORMAT_KEY) != st.FORMAT:
+                        files.append(f)
+                        meta = header.metadata
+                        if meta.get(st.FORMAT_KEY) != st.FORMAT:
                             legacy.append(f)
-                            bar.advance(task, f.lstat().st_size)
+                            bar.advance(task, size)
                             continue
                         st.verify_data(fh, header, lambda n: bar.advance(task, n))
+                        # What load() refuses: another key's file at this place.
+                        place = f.relative_to(root / naming.SESSIONS_DIR)
+                        model, cache_id = meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY)
+                        if model is None or cache_id is None or _place(model, cache_id) != place:
+                            bad.append((f, f"holds the entry {model!r}/{cache_id!r}, which "
+                                           f"belongs elsewhere"))
+                except FileNotFoundError:
+                    bar.advance(task, size)
                 except (OSError, st.LayoutError) as exc:
                     bad.append((f, str(exc)))
         repaired = _repair(root, bad, kv) if args.repair and bad else []
@@ -301,6 +312,38 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _size(path: Path) -> int | None:
+    try:
+        return path.lstat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _key_of(path: Path) -> tuple[str | None, str | None]:
+    """The key a file's place stands for: from its name, or (a hashed name)
+    from its header, when that names this very place."""
+    model, cache_id = naming.key_of(path)
+    if model is not None and cache_id is not None:
+        return model, cache_id
+    try:
+        with st.open_file(path, keep_atime=True) as (_, header):
+            model, cache_id = header.metadata.get(st.MODEL_KEY), header.metadata.get(st.CACHE_ID_KEY)
+    except (OSError, st.LayoutError):
+        return None, None
+    if model is None or cache_id is None or _place(model, cache_id) != Path(
+            path.parent.name, path.name):
+        return None, None
+    return model, cache_id
+
+
+def _place(model: str, cache_id: str) -> Path | None:
+    """Where an entry of this key lives, relative to the sessions directory."""
+    try:
+        return Path(naming.entry_relpath(model, cache_id))
+    except ValueError:
+        return None
+
+
 def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
     """Move bad files aside: through the daemon when it runs (it is the only
     writer), else directly, holding its lock so that none starts meanwhile."""
@@ -309,12 +352,15 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
     # another root would refuse (the files it knows are elsewhere).
     if kv.connected and kv.root.resolve() == root.resolve():
         for path, reason in bad:
-            model, cache_id = naming.key_of(path)
+            model, cache_id = _key_of(path)
             if model is None or cache_id is None:
                 err.print(Text.assemble("cannot repair ", shown(path),
-                                        ": its name does not decode to an id"))
+                                        ": neither its name nor its header tells its id"))
                 continue
-            ident = path.lstat()
+            try:
+                ident = path.lstat()
+            except FileNotFoundError:
+                continue  # gone meanwhile: nothing to move
             reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
                                 reason=reason: m.Quarantine(
                 v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,

@@ -246,6 +246,53 @@ def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
     assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
 
 
+def test_verify_finds_a_file_at_another_keys_place_and_repairs_hashed_names(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """A copy of entry a's file at b's place verified "all good", though load()
+    refuses it; and a damaged entry whose name is hashed (a long id) could not
+    be moved aside while the daemon ran ("does not decode to an id")."""
+    long_id = "L" * 100
+    for name in ("a", "b", long_id):
+        assert client.save(FP, name, filled(0.2, 3), [3])
+    assert client.flush(timeout=WAIT)
+    shutil.copyfile(entry_path(daemon.root, "a"), entry_path(daemon.root, "b"))
+    hashed = entry_path(daemon.root, long_id)
+    assert hashed.name.startswith("_z")
+    data = bytearray(hashed.read_bytes())
+    data[-1] ^= 1
+    hashed.write_bytes(bytes(data))
+    r = cli("verify", "--socket", str(daemon.socket), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    reasons = {b["path"]: b["reason"] for b in json.loads(r.stdout)["bad"]}
+    assert set(reasons) == {str(entry_path(daemon.root, "b")), str(hashed)}, reasons
+    assert "belongs elsewhere" in reasons[str(entry_path(daemon.root, "b"))]
+    r = cli("verify", "--socket", str(daemon.socket), "--repair", "--json")
+    assert sorted(json.loads(r.stdout)["moved_aside"]) == sorted(reasons), r.stdout + r.stderr
+    assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
+    assert version_of(entry_path(daemon.root, "a")) == 3
+
+
+def test_verify_while_the_daemon_deletes_reports_no_bad_file(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """Files deleted between verify's listing and its reading were reported BAD
+    ("No such file") or ended it with a traceback. Racy by nature: whatever
+    the timing, nothing may be reported bad."""
+    for i in range(200):
+        assert client.save("gone", str(i), filled(0.05, 1), [1])
+    assert client.flush(timeout=WAIT)
+    rm = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "rm", "--socket",
+                           str(daemon.socket), "--model", "gone"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = cli("verify", "--socket", str(daemon.socket), "--json")
+    finally:
+        assert rm.wait(WAIT) == 0
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert json.loads(r.stdout)["bad"] == []
+
+
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
     with Client(rd.socket, timeout=WAIT) as kv:
