@@ -426,6 +426,7 @@ def import_files(args: argparse.Namespace) -> int:
         err.print(f"no *{naming.SUFFIX} files in {d}", markup=False)
     done: list[tuple[Path, str, str]] = []
     failed: list[tuple[Path, str]] = []
+    taken: dict[tuple[str, str], Path] = {}
     with client(args.socket) as kv, Progress(
         TextColumn("import"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
         console=err, disable=args.json or not err.is_terminal,
@@ -449,15 +450,30 @@ def import_files(args: argparse.Namespace) -> int:
                                   f"{model!r} (leave --model out to keep its own)"))
                 continue
             cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
+            first = taken.get((model, cache_id))
+            if first is not None:
+                # Two files named alike in different directories: the second
+                # would replace the first without a word.
+                failed.append((f, f"{model}/{cache_id} was imported from {first} already "
+                                  f"(import this one alone, with --id)"))
+                continue
             meta = {k: v for k, v in got.metadata.items()
                     if isinstance(v, str) and not k.startswith("kvkeeper.")} \
                 if got.format != st.FORMAT else got.metadata
             if not kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta):
-                failed.append((f, "the daemon did not take the save (see its log)"))
+                failed.append((f, "the client did not hand it to the daemon (the daemon "
+                                  "went away, or the file is over the client's in-flight "
+                                  "budget: see the warning above)"))
                 continue
+            del got
+            # One file at a time: each gets its own answer, and the files
+            # never wait in memory together (the daemon refuses what is over
+            # its pending budget).
+            if not kv.flush(timeout=300):
+                failed.append((f, "the daemon could not write it (see its log)"))
+                continue
+            taken[(model, cache_id)] = f
             done.append((f, model, cache_id))
-        if done and not kv.flush(timeout=300):
-            raise CommandError("the daemon could not write every imported entry (see its log)")
     if args.json:
         _print_json({"imported": [{"path": str(p), "model": mo, "cache_id": c}
                                   for p, mo, c in done],

@@ -306,6 +306,49 @@ def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
     assert not path.exists() and len(list((short_dir / "root" / "quarantine").iterdir())) == 1
 
 
+def test_import_refuses_a_second_file_for_the_same_key(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """a/x.safetensors and b/x.safetensors (mlx-lm files carry no id) were both
+    'imported' as x, exit 0: the second replaced the first."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    for sub, v in (("a", 1), ("b", 2)):
+        (short_dir / "imp" / sub).mkdir(parents=True)
+        save_prompt_cache(str(short_dir / "imp" / sub / "x.safetensors"), filled(0.1, v))
+    r = cli("import", "--socket", str(daemon.socket), "--model", "mimp",
+            str(short_dir / "imp"), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert [i["path"] for i in report["imported"]] == [str(short_dir / "imp" / "a" / "x.safetensors")]
+    assert [f["path"] for f in report["failed"]] == [str(short_dir / "imp" / "b" / "x.safetensors")]
+    assert "imported from" in report["failed"][0]["reason"]
+    got = client.load("mimp", "x")
+    assert got is not None and mx.all(got.cache[0].state[0] == 1).item()
+
+
+def test_import_of_more_than_the_daemons_pending_budget(short_dir: Path) -> None:
+    """Six 8 MiB files into a daemon with a 12 MiB pending budget: every file
+    was handed off at once, the daemon refused most as busy, and import said
+    only 'could not write every imported entry' (no report, even with --json)."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    (short_dir / "big").mkdir()
+    for v in range(1, 7):
+        save_prompt_cache(str(short_dir / "big" / f"c{v}.safetensors"), filled(8, v))
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_pending_bytes=12 * MiB)
+    try:
+        r = cli("import", "--socket", str(rd.socket), "--model", "mb", str(short_dir / "big"),
+                "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert len(json.loads(r.stdout)["imported"]) == 6
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert sorted(e.cache_id for e in kv.entries("mb")) == [f"c{v}" for v in range(1, 7)]
+    finally:
+        assert rd.stop() == 0
+
+
 def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: RunningDaemon,
                                                     short_dir: Path) -> None:
     sock = str(daemon.socket)
