@@ -594,7 +594,13 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     """The serve arguments for the service, and every setting, resolved as
     ``serve`` resolves them; invalid settings end the command with status 2
     rather than write a service that fails at every start."""
-    from kvkeeper.settings import ENV_CONFIG, SETTINGS, SettingsError, resolve
+    from kvkeeper.settings import (
+        ENV_CONFIG,
+        SETTINGS,
+        SettingsError,
+        default_config_file,
+        resolve,
+    )
 
     try:
         values, sources = resolve({s.name: getattr(args, s.name) for s in SETTINGS},
@@ -608,9 +614,17 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     for s in SETTINGS:
         if sources[s.name].startswith("environment"):
             setattr(pinned, s.name, values[s.name])
-    env_config = Path(os.environ.get(ENV_CONFIG) or "/nonexistent").expanduser()
-    if args.config is None and env_config.is_file():
-        pinned.config = env_config
+    # So do the config file found through $KVKEEPER_CONFIG or $XDG_CONFIG_HOME,
+    # and the default root and socket when they came from $XDG_CACHE_HOME /
+    # $XDG_RUNTIME_DIR: without them the service would read another file,
+    # and serve another root on another socket than this shell's clients use.
+    config_file = default_config_file()
+    if (args.config is None and config_file.is_file()
+            and (os.environ.get(ENV_CONFIG) or os.environ.get("XDG_CONFIG_HOME"))):
+        pinned.config = config_file
+    for name, var in (("root", "XDG_CACHE_HOME"), ("socket", "XDG_RUNTIME_DIR")):
+        if sources[name] == "default" and os.environ.get(var):
+            setattr(pinned, name, values[name])
     return serve_args_for_service(pinned), values
 
 

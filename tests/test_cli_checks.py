@@ -292,6 +292,28 @@ def test_install_service_stop_timeout_follows_the_resolved_drain_timeout(
     assert r.returncode == 0 and "TimeoutStopSec=10" in r.stdout, r.stderr
 
 
+def test_install_service_pins_what_the_xdg_variables_chose(short_dir: Path) -> None:
+    """A config file found through $XDG_CONFIG_HOME, and the default root and
+    socket under $XDG_CACHE_HOME / $XDG_RUNTIME_DIR, were left off the
+    service's command line: launchd (or a user manager started without them)
+    ran a daemon on another root and socket than this shell's clients use,
+    with a stop timeout taken from a file it never read."""
+    xdg = {"XDG_CONFIG_HOME": str(short_dir / "cfg"), "XDG_CACHE_HOME": str(short_dir / "cache"),
+           "XDG_RUNTIME_DIR": str(short_dir / "run")}
+    (short_dir / "cfg" / "kvkeeper").mkdir(parents=True)
+    (short_dir / "cfg" / "kvkeeper" / "config.toml").write_text("drain_timeout = 100\n")
+    r = cli("install-service", "--print", "--platform", "macos", env=xdg)
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads(r.stdout.encode())
+    args = plist["ProgramArguments"]
+    assert args[args.index("--config") + 1] == str(short_dir / "cfg" / "kvkeeper" / "config.toml")
+    assert args[args.index("--root") + 1].startswith(str(short_dir / "cache"))
+    assert args[args.index("--socket") + 1].startswith(str(short_dir / "run"))
+    assert plist["ExitTimeOut"] == 110
+    printed = cli("serve", "--print-config", env=xdg).stdout
+    assert args[args.index("--root") + 1] in printed and args[args.index("--socket") + 1] in printed
+
+
 @pytest.mark.parametrize(("argv", "process_type"), [
     ([], "Background"),
     (["--cpu-policy", "normal"], "Standard"),
