@@ -104,6 +104,8 @@ _GROUPS = [
 
 
 def _fmt(name: str, v: float) -> str:
+    if name == "max_disk_bytes" and v == 0:
+        return "none"  # --max-disk-bytes 0: no limit
     if name.endswith("bytes") or name.startswith("bytes_"):
         return human(v)
     if name.endswith("_seconds_p50") or name.endswith("_seconds_p99"):
@@ -164,9 +166,12 @@ def ls(args: argparse.Namespace) -> int:
     table = Table(title=f"{n} entries{others}, {human(sum(e.nbytes for e in entries))}")
     for col, justify in (("model", "left"), ("id", "left"), ("tokens", "right"),
                          ("size", "right"), ("saved", "right"), ("last used", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        # Ids and models wrap rather than end in "…": they are shown to be
+        # copied into rm, also when the output is piped (80 columns then).
+        table.add_column(col, justify=justify,  # type: ignore[arg-type]
+                         overflow="fold" if justify == "left" else "ellipsis")
     if args.all:
-        table.add_column("kind")
+        table.add_column("kind", overflow="fold")
     for e in entries:
         row: list[str | Text] = [shown(e.model), shown(e.cache_id), str(e.tokens),
                                  human(e.nbytes), ago(e.saved_at, now), ago(e.last_used, now)]

@@ -211,6 +211,26 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
     assert f"min_free_bytes={64 * MiB}" in warned[0].getMessage()
 
 
+def test_ls_piped_shows_long_ids_whole_and_stats_says_no_disk_limit(short_dir: Path) -> None:
+    """Piped, the table is 80 columns wide: a long id ended in "…", though ls
+    shows ids to be copied into rm; and a daemon with no disk limit showed
+    max_disk_bytes "0 B"."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=None)
+    try:
+        long_id = "session-" + "0123456789" * 8
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, long_id, filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+        table = cli("ls", "--socket", str(rd.socket)).stdout
+        assert "…" not in table
+        column = [line.split("│")[2].strip() for line in table.splitlines() if "│" in line]
+        assert "".join(column) == long_id, table
+        shown_stats = cli("stats", "--socket", str(rd.socket)).stdout
+        line = next(x for x in shown_stats.splitlines() if "max_disk_bytes" in x)
+        assert line.split()[-1] == "none", line
+    finally:
+        assert rd.stop() == 0
+
+
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
     assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
     model_dir = entry_path(daemon.root, "ok").parent
