@@ -73,9 +73,27 @@ def client(socket: Path | None, *, required: bool = True):  # type: ignore[no-un
     kv = Client(socket, connect_timeout=2.0, timeout=60.0)
     if required and not kv.connected:
         kv.close()
-        raise CommandError(f"no kvkeeper daemon at {kv.socket_path} (start it: kvkeeper serve)",
+        path = kv.socket_path
+        if _listening(path):  # a daemon stopped (SIGSTOP) or hung, not a stale socket
+            raise CommandError(f"the kvkeeper daemon at {path} did not answer within 2 s (is "
+                               f"it stopped?)", status=3)
+        raise CommandError(f"no kvkeeper daemon at {path} (start it: kvkeeper serve)",
                            status=3)
     return kv
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process listens on the Unix socket at ``path`` (the kernel
+    accepts for it even while it is stopped)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(os.fspath(path))
+        except OSError:
+            return False
+    return True
 
 
 def _print_json(obj: Any) -> None:

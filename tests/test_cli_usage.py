@@ -565,3 +565,30 @@ def test_a_systemd_unit_runs_the_socket_path_it_was_given(short_dir: Path) -> No
     words = _systemd_words(line.removeprefix("ExecStart="))
     assert words[words.index("--socket") + 1] == odd, words
     assert words[1:4] == ["-m", "kvkeeper.cli", "serve"], words
+
+
+def test_a_stopped_daemon_is_told_apart_from_none(short_dir: Path) -> None:
+    """A daemon stopped with SIGSTOP was reported as 'no kvkeeper daemon at',
+    as if none ran; a socket file left by a killed one still is."""
+    import signal
+
+    from .conftest import serve_process
+
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock)
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        r = cli("stats", "--socket", str(sock), timeout=30)
+        assert r.returncode == 3 and "did not answer" in r.stderr and "stopped" in r.stderr, \
+            r.stderr
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(WAIT)
+        assert sock.exists()  # left behind by the killed daemon
+        r = cli("stats", "--socket", str(sock), timeout=30)
+        assert r.returncode == 3 and "no kvkeeper daemon at" in r.stderr, r.stderr
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
