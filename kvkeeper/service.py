@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LABEL = "io.github.kvkeeper.daemon"
@@ -26,6 +26,9 @@ class ServiceFile:
     content: bytes
     load: list[list[str]]  # commands that load/start it
     unload: list[list[str]]  # commands that stop/unload it
+    # Before loading, failures ignored: unload what an earlier install loaded
+    # (launchd refuses to bootstrap a label that is loaded).
+    stop_first: list[list[str]] = field(default_factory=list)
 
 
 def serve_command(serve_args: Sequence[str]) -> list[str]:
@@ -56,6 +59,7 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         plistlib.dumps(plist),
         load=[["mkdir", "-p", str(logs)], ["launchctl", "bootstrap", domain, str(path)]],
         unload=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
+        stop_first=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
     )
 
 
@@ -90,8 +94,11 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
     return ServiceFile(
         path,
         unit.encode(),
+        # restart, not enable --now: a daemon already running from an earlier
+        # install must pick up the new command line.
         load=[["systemctl", "--user", "daemon-reload"],
-              ["systemctl", "--user", "enable", "--now", UNIT]],
+              ["systemctl", "--user", "enable", UNIT],
+              ["systemctl", "--user", "restart", UNIT]],
         unload=[["systemctl", "--user", "disable", "--now", UNIT]],
     )
 
@@ -128,6 +135,11 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
     tmp.write_bytes(sf.content)
     os.replace(tmp, sf.path)
     if load:
+        for cmd in sf.stop_first:
+            try:
+                subprocess.run(cmd, capture_output=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # nothing loaded, or no service manager: load says which
         _run(sf.load)
 
 

@@ -248,6 +248,48 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
         assert r.returncode == 0 and not path.exists(), r.stderr
 
 
+_FAKE_MANAGERS = {
+    # launchd as it answers: bootstrap of a loaded label fails (5), bootout of
+    # one not loaded fails (3).
+    "launchctl": """#!/bin/sh
+echo "launchctl $*" >> "$CALLS"
+case "$1" in
+  bootstrap) [ -e "$STATE" ] && exit 5; touch "$STATE" ;;
+  bootout) [ -e "$STATE" ] || exit 3; rm "$STATE" ;;
+esac
+""",
+    "systemctl": """#!/bin/sh
+echo "systemctl $*" >> "$CALLS"
+""",
+}
+
+
+def test_install_service_again_replaces_the_running_service(short_dir: Path) -> None:
+    """A second install-service (new settings) failed on macOS (launchd
+    refuses to bootstrap a loaded label) and, on Linux, left the daemon
+    running with its old command line (enable --now starts, never restarts).
+    The service managers are stand-ins that answer as the real ones do."""
+    bin_dir = short_dir / "bin"
+    bin_dir.mkdir()
+    for name, script in _FAKE_MANAGERS.items():
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
+    calls = short_dir / "calls"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(short_dir / "home"),
+           "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg"), "CALLS": str(calls),
+           "STATE": str(short_dir / "loaded")}
+    for platform in ("macos", "linux"):
+        for timeout in ("30", "40"):
+            r = cli("install-service", "--platform", platform, "--drain-timeout", timeout,
+                    env=env)
+            assert r.returncode == 0, r.stderr
+    lines = calls.read_text().splitlines()
+    assert [x.split()[1] for x in lines if x.startswith("launchctl")] == [
+        "bootout", "bootstrap", "bootout", "bootstrap"]
+    assert [x.split()[2] for x in lines if x.startswith("systemctl")] == [
+        "daemon-reload", "enable", "restart"] * 2
+
+
 # ------------------------------------------------------------------ 7. export is 0600
 
 
