@@ -531,3 +531,20 @@ def test_write_behind_close_without_token_ids_can_be_called_again(client: Client
     assert client.flush(timeout=WAIT)
     got = client.load("tiny-lm", "wb")
     assert got is not None and got.token_ids == ids
+
+
+def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
+    lm_tok: TokenizerWrapper,
+) -> None:
+    """Float ids were cut to integers, and a batch of two prompts was read as
+    one long prompt."""
+    lm_session = kv_lm.Session(None, "tiny-lm", "chat", tiny_llama(seed=3), lm_tok)
+    vlm_session = kv_vlm.Session(None, "tiny-vlm", "chat", tiny_vlm_llama(), vlm_processor(VOCAB))
+    for bad in ([1, 2.5, 3], mx.array([1.0, 2.0]), mx.array([[1, 2], [3, 4]])):
+        with pytest.raises(ValueError, match="prompt"):
+            lm_session.generate(bad, max_tokens=2)
+    for bad in (mx.array([[1, 2], [3, 4]]), mx.array([0.5, 2.0]), [[1, 2], [3, 4]]):
+        with pytest.raises(ValueError, match="prompt"):
+            vlm_tokens(vlm_session.stream_generate(input_ids=bad, max_tokens=2))
+    assert lm_session.generate(mx.array([[5, 6, 7]]), max_tokens=2) != []
+    assert vlm_tokens(vlm_session.stream_generate(input_ids=[5, 6, 7], max_tokens=2)) != []

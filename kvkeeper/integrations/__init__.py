@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvkeeper.integrations")
 
-__all__ = ["MEDIA_KEY", "Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse"]
+__all__ = ["MEDIA_KEY", "Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse",
+           "token_ids_of"]
 
 #: Saved with a session's cache: a fingerprint of the images, audio and video
 #: its prompt was given with ("" or absent: none). The token ids alone cannot
@@ -64,6 +65,21 @@ class Plan:
     trimmed: int
     prefill: int
     reason: str
+
+
+def token_ids_of(ids: Any) -> list[int]:
+    """The token ids of one prompt given as an array (MLX's or numpy's): shape
+    (n,) or (1, n), integers. Raises ValueError for a batch or other values."""
+    shape = tuple(ids.shape)
+    if len(shape) == 2 and shape[0] == 1:
+        ids = ids.reshape(-1)
+    elif len(shape) != 1:
+        raise ValueError(f"the prompt's ids must be one prompt, shape (n,) or (1, n), "
+                         f"not {shape}")
+    values = ids.tolist()
+    if not all(type(v) is int for v in values):
+        raise ValueError(f"the prompt's ids must be integers, not {ids.dtype}")
+    return values
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

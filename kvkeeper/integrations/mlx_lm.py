@@ -17,6 +17,7 @@ Each request reuses, trims or re-prefills the cache as described in
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from kvkeeper.integrations import Plan, SessionBase
+from kvkeeper.integrations import Plan, SessionBase, token_ids_of
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
@@ -73,8 +74,12 @@ class Session(SessionBase):
             add_special = bos is None or not prompt.startswith(bos)
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
         if isinstance(prompt, mx.array):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        return [int(t) for t in prompt]
+            return token_ids_of(prompt)
+        try:
+            # index(): integers of any kind, never a float cut to one.
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("the prompt must be text or token ids (integers)") from None
 
     def stream_generate(
         self,

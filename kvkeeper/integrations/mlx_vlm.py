@@ -35,7 +35,7 @@ from mlx_vlm.generate import GenerationResult, PromptCacheState
 from mlx_vlm.generate import stream_generate as _vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
 
-from kvkeeper.integrations import Plan, SessionBase, cache_length, log
+from kvkeeper.integrations import Plan, SessionBase, cache_length, log, token_ids_of
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
@@ -83,9 +83,10 @@ class Session(SessionBase):
         return s
 
     def _inputs(self, prompt: str, image: Any, audio: Any, video: Any,
-                kwargs: dict[str, Any]) -> mx.array:
-        """The prompt's input ids, prepared once; the prepared tensors go back
-        into ``kwargs`` so that mlx-vlm does not prepare them again."""
+                kwargs: dict[str, Any]) -> tuple[mx.array, list[int]]:
+        """The prompt's input ids (as mlx-vlm takes them, and as a list),
+        prepared once; the prepared tensors go back into ``kwargs`` so that
+        mlx-vlm does not prepare them again."""
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             from mlx_vlm.generate import dispatch
@@ -100,10 +101,10 @@ class Session(SessionBase):
             kwargs["mask"] = mask
         if not isinstance(input_ids, mx.array):
             input_ids = mx.array(input_ids)
-        if input_ids.ndim == 1:
-            input_ids = input_ids[None]
+        ids = token_ids_of(input_ids)  # one prompt of integers, or ValueError
+        input_ids = input_ids.reshape(1, -1)
         kwargs["input_ids"] = input_ids
-        return input_ids
+        return input_ids, ids
 
     def stream_generate(
         self,
@@ -123,8 +124,7 @@ class Session(SessionBase):
         for name in ("prompt_cache_state", "prompt_cache", "draft_model"):
             if name in kwargs:
                 raise TypeError(f"Session.stream_generate does not take {name}=")
-        input_ids = self._inputs(prompt, image, audio, video, kwargs)
-        ids = [int(t) for t in input_ids.reshape(-1).tolist()]
+        _, ids = self._inputs(prompt, image, audio, video, kwargs)
         media = media_fingerprint(kwargs, image=image, audio=audio, video=video)
         request = self._begin()
         plan = self._prepare(ids, media)
