@@ -454,6 +454,9 @@ def test_an_older_request_ending_late_leaves_the_newer_state(
         next(old)
     newer = p + first + prompt(6, seed=4)
     newer += session.generate(newer, max_tokens=8)
+    assert client.flush(timeout=WAIT)
+    for _ in range(8):  # the old request goes on after the newer one ended
+        next(old)
     old.close()
     assert session.token_ids == newer
     assert client.flush(timeout=WAIT)
@@ -506,7 +509,11 @@ def test_session_and_write_behind_arguments_are_checked_up_front(
     lm_tok: TokenizerWrapper, client: Client
 ) -> None:
     """They used to be checked at the first save, after the prefill, with the
-    request half done."""
+    request half done; so was metadata that the media fingerprint a request
+    adds takes past the limit."""
+    from kvkeeper.client.client import MAX_METADATA_BYTES
+    from kvkeeper.integrations import MEDIA_KEY
+
     model = tiny_llama(seed=3)
     for bad in ({"every_tokens": 0}, {"every_tokens": 2.5}, {"every_seconds": float("nan")},
                 {"every_seconds": -1}, {"metadata": {"kvkeeper.user": "bob"}}):
@@ -514,6 +521,19 @@ def test_session_and_write_behind_arguments_are_checked_up_front(
             kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok, **bad)
         with pytest.raises(ValueError):
             client.write_behind("tiny-lm", "chat", **bad)
+    for meta in ({"a": "x" * (MAX_METADATA_BYTES - 9)}, {MEDIA_KEY: ""}):
+        with pytest.raises(ValueError, match="metadata"):
+            kv_vlm.Session(client, "tiny-pg", "meta", tiny_paligemma(), vlm_processor(VOCAB),
+                           metadata=meta)
+
+
+def test_a_session_whose_client_is_closed_still_generates(lm_tok: TokenizerWrapper,
+                                                          client: Client) -> None:
+    session = kv_lm.Session(client, "tiny-lm", "closed", tiny_llama(seed=3), lm_tok)
+    client.close()
+    assert len(session.generate(prompt(20), max_tokens=4)) == 4
+    plan = session.last_plan
+    assert plan is not None and plan.action == "cold"
 
 
 def test_write_behind_close_without_token_ids_can_be_called_again(client: Client) -> None:

@@ -174,8 +174,12 @@ class SessionBase:
     ) -> None:
         from kvkeeper.client.client import check_metadata
 
-        # Checked now, not at the first save in the middle of a request.
+        # Checked now, not at the first save in the middle of a request, with
+        # room for the media fingerprint a request adds.
         check_triggers(every_tokens, every_seconds)
+        if metadata and MEDIA_KEY in metadata:
+            raise ValueError(f"metadata key {MEDIA_KEY!r} is the session's own")
+        check_metadata({**(metadata or {}), MEDIA_KEY: "0" * 32})
         self.client = client
         self.model_id = model_id
         self.session_id = session_id
@@ -212,6 +216,10 @@ class SessionBase:
         from kvkeeper.client.channel import DaemonUnavailable
         from kvkeeper.client.client import DaemonError
 
+        if self.client.closed:  # the server shut its client down: nothing to restore
+            log.warning("event=restore_failed model=%s id=%s error=the client is closed",
+                        self.model_id, self.session_id)
+            return False
         try:
             got = self.client.load(self.model_id, self.session_id)
         except (DaemonError, DaemonUnavailable) as exc:  # must not stop generation
@@ -283,12 +291,16 @@ class SessionBase:
         self.last_write_behind = wb
         return wb
 
-    def _step(self, wb: WriteBehind | None, cache: list[Any], token_ids: list[int]
-              ) -> WriteBehind | None:
+    def _step(self, wb: WriteBehind | None, cache: list[Any], token_ids: list[int],
+              request: int) -> WriteBehind | None:
         """``wb.step``; a save the helper refuses (a cache class kvkeeper cannot
         save, a cache that disagrees with its tokens) ends the saves of this
-        request, never the generation. Returns the helper to go on with."""
+        request, never the generation, and so does a newer request on the
+        session (its state is the one to keep). Returns the helper to go on with."""
         if wb is None:
+            return None
+        if not self._latest(request):
+            wb.discard()
             return None
         try:
             wb.step(cache, token_ids)

@@ -125,7 +125,7 @@ class Session(SessionBase):
                 # Every token mlx-lm yields has been fed to the cache already.
                 if r.generation_tokens > len(all_ids) - n_prompt:
                     all_ids.append(int(r.token))
-                wb = self._step(wb, cache, all_ids)
+                wb = self._step(wb, cache, all_ids, request)
                 try:
                     yield r
                 except GeneratorExit:

@@ -155,7 +155,7 @@ class Session(SessionBase):
                 if r.token is not None and r.generation_tokens > len(all_ids) - n_prompt:
                     all_ids.append(int(r.token))
                 if self.tracked:
-                    wb = self._step(wb, expected, all_ids)
+                    wb = self._step(wb, expected, all_ids, request)
                 try:
                     yield r
                 except GeneratorExit:
