@@ -295,10 +295,10 @@ def verify(args: argparse.Namespace) -> int:
                       console=err, disable=args.json or not err.is_terminal) as bar:
             task = bar.add_task("verify", total=sum(sizes.values()))
             for f, size in sizes.items():
+                files.append(f)
                 try:
                     # A check is not a use: the eviction order stays as it was.
                     with st.open_file(f, keep_atime=True) as (fh, header):
-                        files.append(f)
                         meta = header.metadata
                         if meta.get(st.FORMAT_KEY) != st.FORMAT:
                             legacy.append(f)
@@ -312,6 +312,7 @@ def verify(args: argparse.Namespace) -> int:
                             bad.append((f, f"holds the entry {model!r}/{cache_id!r}, which "
                                            f"belongs elsewhere"))
                 except FileNotFoundError:
+                    files.pop()  # gone meanwhile: not checked
                     bar.advance(task, size)
                 except (OSError, st.LayoutError) as exc:
                     bad.append((f, str(exc)))
@@ -377,8 +378,12 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
         for path, reason in bad:
             model, cache_id = _key_of(path)
             if model is None or cache_id is None:
-                err.print(Text.assemble("cannot repair ", shown(path),
-                                        ": neither its name nor its header tells its id"))
+                # The daemon moves files by key: a hashed name whose header
+                # names another entry gives it none. Without a daemon,
+                # --repair moves files by path.
+                err.print(Text.assemble("cannot repair ", shown(path), " through the daemon: "
+                                        "neither its name nor its header tells its id (stop "
+                                        "the daemon and run verify --repair again)"))
                 continue
             try:
                 ident = path.lstat()
@@ -642,9 +647,10 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     # $XDG_RUNTIME_DIR: without them the service would read another file,
     # and serve another root on another socket than this shell's clients use.
     config_file = default_config_file()
-    if (args.config is None and config_file.is_file()
-            and (os.environ.get(ENV_CONFIG) or os.environ.get("XDG_CONFIG_HOME"))):
-        pinned.config = config_file
+    if args.config is None and (os.environ.get(ENV_CONFIG) or os.environ.get("XDG_CONFIG_HOME")):
+        # No file there means none for this shell; the service, without the
+        # variable, would read ~/.config's: an empty file says "none" to it.
+        pinned.config = config_file if config_file.is_file() else Path(os.devnull)
     for name, var in (("root", "XDG_CACHE_HOME"), ("socket", "XDG_RUNTIME_DIR")):
         if sources[name] == "default" and os.environ.get(var):
             setattr(pinned, name, values[name])

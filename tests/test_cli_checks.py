@@ -312,6 +312,15 @@ def test_install_service_pins_what_the_xdg_variables_chose(short_dir: Path) -> N
     assert plist["ExitTimeOut"] == 110
     printed = cli("serve", "--print-config", env=xdg).stdout
     assert args[args.index("--root") + 1] in printed and args[args.index("--socket") + 1] in printed
+    # $XDG_CONFIG_HOME with no config file in it: none for this shell, while
+    # the service, without the variable, would read the one in ~/.config.
+    home = {"HOME": str(short_dir / "home"), "XDG_CONFIG_HOME": str(short_dir / "empty")}
+    (short_dir / "home" / ".config" / "kvkeeper").mkdir(parents=True)
+    (short_dir / "home" / ".config" / "kvkeeper" / "config.toml").write_text("drain_timeout = 7\n")
+    r = cli("install-service", "--print", "--platform", "linux", env=home)
+    assert r.returncode == 0, r.stderr
+    cmd = _exec_start(r.stdout)
+    assert cmd[cmd.index("--config") + 1] == os.devnull and "TimeoutStopSec=30" in r.stdout
 
 
 @pytest.mark.parametrize(("argv", "process_type"), [

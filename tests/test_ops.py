@@ -125,6 +125,7 @@ def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: P
     (root / "quarantine").mkdir(parents=True, mode=0o700)
     os.chmod(root, 0o700)
     (root / "quarantine" / "notes.txt").write_bytes(b"n" * 300_000)
+    (root / "quarantine" / "backup.2024010112").write_bytes(b"b" * 1000)
     (root / "sessions" / "weights").mkdir(parents=True)
     weights = root / "sessions" / "weights" / "model.safetensors"
     mx.save_safetensors(str(weights), {"w": mx.ones((256, 256))}, {"format": "mlx"})
@@ -135,13 +136,15 @@ def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: P
     try:
         with Client(rd.socket, timeout=WAIT) as kv:
             kinds = {Path(e.path).name: e.kind for e in kv.entries(everything=True)}
-            assert kinds == {"notes.txt": "foreign", "model.safetensors": "foreign"}, kinds
+            assert kinds == {"notes.txt": "foreign", "backup.2024010112": "foreign",
+                             "model.safetensors": "foreign"}, kinds
             assert kv.save(FP, "a", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
             # Still over the budget: what it can delete is its own entry.
             assert [(e.cache_id, e.kind) for e in kv.gc().entries] == [("a", "entry")]
     finally:
         assert rd.stop() == 0
     assert (root / "quarantine" / "notes.txt").read_bytes() == b"n" * 300_000
+    assert (root / "quarantine" / "backup.2024010112").exists()
     assert mx.array_equal(mx.load(str(weights))["w"], mx.ones((256, 256)))
     assert not old_cache.exists()  # evicted at start, as an entry would be
 
@@ -291,6 +294,15 @@ def test_verify_finds_a_file_at_another_keys_place_and_repairs_hashed_names(
     assert sorted(json.loads(r.stdout)["moved_aside"]) == sorted(reasons), r.stdout + r.stderr
     assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
     assert version_of(entry_path(daemon.root, "a")) == 3
+
+
+def test_verify_counts_a_file_whose_header_is_damaged(short_dir: Path) -> None:
+    model_dir = short_dir / "root" / "sessions" / "m"
+    model_dir.mkdir(parents=True)
+    (model_dir / "x.safetensors").write_bytes(b"garbage")
+    r = cli("verify", "--root", str(short_dir / "root"), "--json")
+    report = json.loads(r.stdout)
+    assert r.returncode == 1 and report["checked"] == 1 and len(report["bad"]) == 1, r.stdout
 
 
 def test_verify_while_the_daemon_deletes_reports_no_bad_file(

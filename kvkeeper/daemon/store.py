@@ -41,8 +41,9 @@ log = logging.getLogger("kvkeeper.store")
 
 TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
-#: The names quarantine_path gives: "<dir>.<file>.<ns>" or "_z<sha256>.<ns>".
-_QUARANTINED = re.compile(r".+\.[0-9]{10,}")
+#: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>" or
+#: "_z<sha256>.<ns>", ns being time.time_ns() (19 digits until 2286).
+_QUARANTINED = re.compile(r"(.+\.safetensors|_z[0-9a-f]{64})\.[0-9]{19}")
 _IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
 _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
 _counter = itertools.count()
