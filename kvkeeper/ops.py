@@ -452,9 +452,12 @@ def import_files(args: argparse.Namespace) -> int:
                            status=2)
     for d in empty:
         err.print(f"no *{naming.SUFFIX} files in {d}", markup=False)
+    from kvkeeper.client.channel import DaemonUnavailable
+
     done: list[tuple[Path, str, str]] = []
     failed: list[tuple[Path, str]] = []
     taken: dict[tuple[str, str], Path] = {}
+    gone: str | None = None
     with client(args.socket) as kv, Progress(
         TextColumn("import"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
         console=err, disable=args.json or not err.is_terminal,
@@ -497,7 +500,14 @@ def import_files(args: argparse.Namespace) -> int:
             # One file at a time: each gets its own answer, and the files
             # never wait in memory together (the daemon refuses what is over
             # its pending budget).
-            if not kv.flush(timeout=300):
+            try:
+                written = kv.flush(timeout=300)
+            except DaemonUnavailable as exc:
+                # What is imported so far is still reported.
+                gone = str(exc)
+                failed.append((f, f"not known to be written: {exc}"))
+                break
+            if not written:
                 failed.append((f, "the daemon could not write it (see its log)"))
                 continue
             taken[(model, cache_id)] = f
@@ -511,6 +521,10 @@ def import_files(args: argparse.Namespace) -> int:
             out.print(Text.assemble("imported ", shown(p), " as ", shown(mo), " / ", shown(c)))
         for p, r in failed:
             out.print(Text.assemble(("not imported", "red"), " ", shown(p), ": ", shown(r)))
+    if gone is not None:
+        err.print("kvkeeper: the daemon went away; the files after it were not imported",
+                  markup=False)
+        return 3
     return 1 if failed else 0
 
 

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
-from .faultkit import FP, entry_path, filled, small_tmpfs, version_of
+from .faultkit import FP, entry_path, filled, small_tmpfs, tmp_files, version_of
 from .test_legacy import MANIFEST, ROOT
 from .tiny import prefill, prompt, tiny_llama
 
@@ -379,6 +379,43 @@ def test_import_of_more_than_the_daemons_pending_budget(short_dir: Path) -> None
             assert sorted(e.cache_id for e in kv.entries("mb")) == [f"c{v}" for v in range(1, 7)]
     finally:
         assert rd.stop() == 0
+
+
+def test_import_reports_what_it_imported_when_the_daemon_dies_part_way(short_dir: Path) -> None:
+    """The daemon killed while import waits for a file's flush: import ended
+    with 'the daemon went away' (exit 3) and no report of the files it had
+    already imported, even with --json."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvkeeper.daemon.faults import ENV
+
+    from .conftest import serve_process
+
+    (short_dir / "big").mkdir()
+    for v in range(1, 5):
+        save_prompt_cache(str(short_dir / "big" / f"c{v}.safetensors"), filled(8, v))
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.05"})  # 0.4 s a file
+    try:
+        imp = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "import", "--socket",
+                                str(sock), "--model", "mb", str(short_dir / "big"), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # c2's write begun: c1's flush was answered, and c2's never will be.
+        deadline = time.monotonic() + WAIT
+        while not any("c2" in p.name for p in tmp_files(root)):
+            assert time.monotonic() < deadline and imp.poll() is None, "c2 never begun"
+            time.sleep(0.01)
+        proc.kill()
+        stdout, stderr = imp.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert imp.returncode == 3, stderr
+    report = json.loads(stdout)
+    assert [Path(i["path"]).name for i in report["imported"]] == ["c1.safetensors"]
+    assert [Path(f["path"]).name for f in report["failed"]] == ["c2.safetensors"]
+    assert "went away" in stderr
 
 
 def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: RunningDaemon,
