@@ -503,6 +503,14 @@ def test_a_request_refused_before_its_first_token_keeps_the_cache(
     session.generate(p + [5], max_tokens=2)
     plan = session.last_plan
     assert plan is not None and plan.action != "cold" and plan.prefill == 1
+    # A hybrid cache's ArraysCache layers tell no length: a failure part way
+    # through a forward pass could have changed them, so nothing is kept.
+    hybrid = kv_lm.Session(None, "tiny-lfm2", "chat", tiny_lfm2(seed=3), lm_tok)
+    p = prompt(40, seed=1)
+    p += hybrid.generate(p, max_tokens=4)
+    with pytest.raises(TypeError):
+        hybrid.generate(p + [5], temp=0.7)
+    assert hybrid.cache is None
 
 
 def test_session_and_write_behind_arguments_are_checked_up_front(

@@ -155,6 +155,22 @@ def plan_reuse(
                 f"trimmed {drop} cached tokens back to the common prefix")
 
 
+def _untouched(layers: Sequence[Any], n: int) -> bool:
+    """Whether every layer still holds exactly ``n`` tokens, as its offset
+    tells. A layer without one (ArraysCache) cannot tell: a failure part way
+    through a forward pass may have changed it, so it counts as touched."""
+    for layer in layers:
+        children = getattr(layer, "caches", None)
+        if children is not None and not isinstance(layer, (list, tuple)):
+            if not _untouched(list(children), n):
+                return False
+            continue
+        off = getattr(layer, "offset", None)
+        if not isinstance(off, int) or isinstance(off, bool) or off != n:
+            return False
+    return True
+
+
 class SessionBase:
     """One conversation's cache: kept in memory between requests, restored
     from kvkeeper when memory has none, saved behind every generation.
@@ -328,8 +344,8 @@ class SessionBase:
 
     def _unused(self, cache: list[Any], plan: Plan, prompt_ids: list[int], media: str) -> None:
         """A request failed before its first response: keep the prepared
-        prefix in memory when the cache shows it was not touched."""
-        if plan.action != "cold" and plan.reused and cache_length(cache) == plan.reused:
+        prefix in memory when every layer shows it was not touched."""
+        if plan.action != "cold" and plan.reused and _untouched(cache, plan.reused):
             self._keep(cache, list(prompt_ids[: plan.reused]), media)
 
     def _keep(self, cache: list[Any] | None, token_ids: list[int] | None,
