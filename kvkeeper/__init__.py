@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-__all__ = ["CacheFileError", "Client", "DaemonUnavailable", "LoadedCache", "read_cache_file",
-           "model_fingerprint", "__version__"]
+__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "LoadedCache",
+           "read_cache_file", "model_fingerprint", "__version__"]
 
 if TYPE_CHECKING:
     from kvkeeper.client.channel import DaemonUnavailable
-    from kvkeeper.client.client import Client
+    from kvkeeper.client.client import Client, DaemonError
     from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
     from kvkeeper.fingerprint import model_fingerprint
 
@@ -25,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from kvkeeper.client.client import Client
 
         return Client
+    if name == "DaemonError":  # a typed error reply (e.g. "busy")
+        from kvkeeper.client.client import DaemonError
+
+        return DaemonError
     if name == "DaemonUnavailable":  # what flush() and the other requests raise
         from kvkeeper.client.channel import DaemonUnavailable
 

@@ -8,6 +8,8 @@ if [ "$(uname)" = Linux ] && [ "$(id -u)" = 0 ] && ! command -v fiu-run >/dev/nu
     (apt-get update -qq && apt-get install -y -qq fiu-utils) >/dev/null
 fi
 python3 -m venv .venv
+# A Python 3.10.0 venv brings a pip too old for an editable pyproject-only install.
+.venv/bin/pip install -q -U pip
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"

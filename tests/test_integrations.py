@@ -529,6 +529,11 @@ def test_session_and_write_behind_arguments_are_checked_up_front(
             kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok, **bad)
         with pytest.raises(ValueError):
             client.write_behind("tiny-lm", "chat", **bad)
+    for model_id, session_id in (("tiny-lm", ""), ("", "chat"), ("tiny-lm", "\ud800")):
+        with pytest.raises(ValueError):
+            kv_lm.Session(client, model_id, session_id, model, lm_tok)
+        with pytest.raises(ValueError):
+            client.write_behind(model_id, session_id)
     for meta in ({"a": "x" * (MAX_METADATA_BYTES - 9)}, {MEDIA_KEY: ""}):
         with pytest.raises(ValueError, match="metadata"):
             kv_vlm.Session(client, "tiny-pg", "meta", tiny_paligemma(), vlm_processor(VOCAB),

@@ -454,6 +454,13 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     b = model(mx.array([[5]]), cache=cache)[0, -1]
     mx.eval(a, b)
     np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+    # It records its key: opened as another's, it is refused (it was not).
+    import kvkeeper
+
+    assert kvkeeper.read_cache_file(out, model="tiny", cache_id="conv").cache_id == "conv"
+    for other in ({"cache_id": "other"}, {"model": "other"}):
+        with pytest.raises(kvkeeper.CacheFileError, match="not 'other'"):
+            kvkeeper.read_cache_file(out, **other)
     # And back: the exported file imports like any mlx-lm file.
     r = cli("import", "--socket", sock, "--model", "tiny", "--id", "back", str(out))
     assert r.returncode == 0, r.stdout

@@ -189,9 +189,11 @@ class Client:
     def close(self, timeout: float = 5.0) -> None:
         """Give saves already handed off up to ``timeout`` to reach the daemon
         (not to be written: use ``flush()`` for that), confirmed by a ping's
-        answer, then disconnect. A normal interpreter exit does this for
-        clients still open (their connections close; a ``save()`` after that
-        is dropped), and so does dropping a client, in the background."""
+        answer, then disconnect. After it, ``save()``, ``load()`` and the
+        other calls raise RuntimeError (``client_stats()`` still answers). A
+        normal interpreter exit does this for clients still open (their
+        connections close; a ``save()`` after that is dropped), and so does
+        dropping a client, in the background."""
         if self._closed:
             return
         self._closed = True

@@ -77,8 +77,10 @@ def read_cache_file(
 
     ``verify`` (default on) checks every tensor against the checksum the daemon
     recorded, which reads and evaluates every array; with it off, arrays stay
-    lazily memory-mapped. ``model`` / ``cache_id``, when given, must match the
-    file. Raises CacheFileError for anything that is not a usable cache.
+    lazily memory-mapped. Files of the older formats carry no checksums.
+    ``model`` / ``cache_id``, when given, must match what the file records
+    (an older format may record neither: then they are not checked). Raises
+    CacheFileError for anything that is not a usable cache.
     """
     path = Path(path)
     header = _header(path)
@@ -117,13 +119,16 @@ def read_cache_file(
         raise CacheFileError(
             f"{path}: saved for model {legacy.model_fingerprint!r}, not {model!r}"
         )
+    recorded_id = (legacy.metadata.get(EXPORT_CACHE_ID_KEY)
+                   if legacy.format == MLX_LM_PROMPT_CACHE else None)
+    if cache_id is not None and recorded_id not in (None, cache_id):
+        raise CacheFileError(f"{path}: holds cache {recorded_id!r}, not {cache_id!r}")
     return LoadedCache(
         cache=legacy.layers,
         token_ids=legacy.token_ids,
         metadata=entry_metadata(legacy.format, legacy.metadata),
         model=legacy.model_fingerprint,
-        cache_id=legacy.metadata.get(EXPORT_CACHE_ID_KEY) if legacy.format == MLX_LM_PROMPT_CACHE
-        else None,
+        cache_id=recorded_id,
         path=path,
         format=legacy.format,
     )

@@ -189,9 +189,11 @@ class SessionBase:
         metadata: dict[str, str] | None = None,
     ) -> None:
         from kvkeeper.client.client import check_metadata
+        from kvkeeper.protocol.naming import check_key
 
         # Checked now, not at the first save in the middle of a request, with
         # room for the media fingerprint a request adds.
+        check_key(model_id, session_id)
         check_triggers(every_tokens, every_seconds)
         if metadata and MEDIA_KEY in metadata:
             raise ValueError(f"metadata key {MEDIA_KEY!r} is the session's own")
