@@ -46,7 +46,8 @@ def _socket(text: str) -> Path:
 
 def _socket_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", type=_socket, default=None,
-                   help="daemon socket (default $KVKEEPER_SOCKET or the per-user default)")
+                   help="daemon socket (default: $KVKEEPER_SOCKET, else the config file's, "
+                        "else the per-user default)")
 
 
 def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) -> None:
@@ -140,9 +141,11 @@ def _parser() -> argparse.ArgumentParser:
                          description="Import files of the formats users already have: the "
                          "cache_persist.py reference (schema 3) and mlx_lm's "
                          "save_prompt_cache, or kvkeeper's own. Needs the mlx extra and a "
-                         "running daemon. Exit 1 if any file was not imported, or if there "
-                         "was nothing to import (only directories with no *.safetensors "
-                         "files); a missing PATH exits 2.")
+                         "running daemon. Files are written one at a time, each reported; "
+                         "a second file for a key already imported in the run is refused. "
+                         "Exit 1 if any file was not imported, or if there was nothing to "
+                         "import (only directories with no *.safetensors files); a missing "
+                         "PATH exits 2; no daemon, or one that goes away part way, exits 3.")
     _socket_arg(imp)
     imp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                      help="files, or directories searched for *.safetensors")

@@ -470,11 +470,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvkeeper.cli import _socket  # the same --socket as every other command
 
     p.add_argument("--tokens", type=int, default=300, metavar="N",
-                   help="tokens to stream before the crash (default 300)")
+                   help="tokens to stream before the crash (default 300, at least 2)")
     p.add_argument("--prompt-tokens", type=int, default=1500, metavar="N",
-                   help="length of the first prompt (default 1500)")
+                   help="length of the first prompt (default 1500, at least 64)")
     p.add_argument("--every-tokens", type=int, default=64, metavar="N",
-                   help="save behind every N tokens (default 64)")
+                   help="save behind every N tokens (default 64, at least 1)")
     p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     p.add_argument("--hidden", type=int, default=256,
                    help="model width, a multiple of 8 (default 256)")
