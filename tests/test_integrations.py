@@ -581,3 +581,40 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
             vlm_tokens(vlm_session.stream_generate(input_ids=bad, max_tokens=2))
     assert lm_session.generate(mx.array([[5, 6, 7]]), max_tokens=2) != []
     assert vlm_tokens(vlm_session.stream_generate(input_ids=[5, 6, 7], max_tokens=2)) != []
+
+
+def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(
+    client: Client,
+) -> None:
+    """mlx-vlm declines a prefix whose suffix holds image tokens and prefills
+    into a cache of its own, which it records only after yielding its last
+    result: a caller that stopped there (the usual `break` on finish_reason)
+    left the session with nothing in memory and nothing saved."""
+    model, proc = tiny_paligemma(), vlm_processor(VOCAB)
+    mx.random.seed(9)
+    image = mx.random.normal((1, 3, 32, 32))
+    text0, text1 = prompt(10, seed=60), prompt(12, seed=61)
+    session = kv_vlm.Session(client, "tiny-pg", "last", model, proc)
+
+    def ask(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        for r in session.stream_generate(input_ids=ids, pixel_values=image,
+                                         mask=mx.ones((1, len(ids))), max_tokens=6,
+                                         temperature=0.0):
+            if r.token is not None and r.generation_tokens > len(out):
+                out.append(int(r.token))
+            if r.finish_reason is not None:
+                break
+        return out
+
+    first = [*text0, *[VOCAB - 2] * 16, *text1]
+    ask(first)
+    # Same picture, the opening text changed after its 5th token: the session
+    # keeps 5 tokens, and the suffix holds the image tokens.
+    second = [*text0[:5], *prompt(5, seed=62), *[VOCAB - 2] * 16, *text1]
+    out = ask(second)
+    assert session.tracked is False  # mlx-vlm declined the prefix
+    assert session.token_ids == second + out and session.cache is not None
+    assert client.flush(timeout=WAIT)
+    got = client.load("tiny-pg", "last")
+    assert got is not None and got.token_ids == second + out

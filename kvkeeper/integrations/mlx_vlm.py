@@ -160,6 +160,12 @@ class Session(SessionBase):
                     yield r
                 except GeneratorExit:
                     clean = True
+                    if r.finish_reason is not None:
+                        # The caller stopped at the last result: mlx-vlm records
+                        # its cache only after yielding it. Let it, no tokens more.
+                        for _ in results:
+                            pass
+                        finished = True
                     raise
             clean = finished = True
         finally:
