@@ -492,9 +492,12 @@ def import_files(args: argparse.Namespace) -> int:
                     if isinstance(v, str) and not k.startswith("kvkeeper.")} \
                 if got.format != st.FORMAT else got.metadata
             if not kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta):
-                failed.append((f, "the client did not hand it to the daemon (the daemon "
-                                  "went away, or the file is over the client's in-flight "
-                                  "budget: see the warning above)"))
+                if not kv.connected:  # gone between two files
+                    gone = f"the daemon at {kv.socket_path} went away"
+                    failed.append((f, f"not imported: {gone}"))
+                    break
+                failed.append((f, "the client did not hand it to the daemon (over the "
+                                  "client's in-flight budget, or the daemon's size limit)"))
                 continue
             del got
             # One file at a time: each gets its own answer, and the files
@@ -636,13 +639,7 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     """The serve arguments for the service, and every setting, resolved as
     ``serve`` resolves them; invalid settings end the command with status 2
     rather than write a service that fails at every start."""
-    from kvkeeper.settings import (
-        ENV_CONFIG,
-        SETTINGS,
-        SettingsError,
-        default_config_file,
-        resolve,
-    )
+    from kvkeeper.settings import SETTINGS, SettingsError, default_config_file, resolve
 
     try:
         values, sources = resolve({s.name: getattr(args, s.name) for s in SETTINGS},
@@ -661,10 +658,14 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     # $XDG_RUNTIME_DIR: without them the service would read another file,
     # and serve another root on another socket than this shell's clients use.
     config_file = default_config_file()
-    if args.config is None and (os.environ.get(ENV_CONFIG) or os.environ.get("XDG_CONFIG_HOME")):
-        # No file there means none for this shell; the service, without the
-        # variable, would read ~/.config's: an empty file says "none" to it.
-        pinned.config = config_file if config_file.is_file() else Path(os.devnull)
+    home_file = default_config_file({})  # what the service finds without the variables
+    if args.config is None and config_file.resolve() != home_file.resolve():
+        if config_file.is_file():
+            pinned.config = config_file
+        elif home_file.is_file():
+            # None for this shell, where the service would read ~/.config's:
+            # an empty file says "none" to it.
+            pinned.config = Path(os.devnull)
     for name, var in (("root", "XDG_CACHE_HOME"), ("socket", "XDG_RUNTIME_DIR")):
         if sources[name] == "default" and os.environ.get(var):
             setattr(pinned, name, values[name])

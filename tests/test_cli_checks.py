@@ -321,6 +321,14 @@ def test_install_service_pins_what_the_xdg_variables_chose(short_dir: Path) -> N
     assert r.returncode == 0, r.stderr
     cmd = _exec_start(r.stdout)
     assert cmd[cmd.index("--config") + 1] == os.devnull and "TimeoutStopSec=30" in r.stdout
+    # $XDG_CONFIG_HOME=~/.config names the file the service finds anyway: no
+    # pin, so that one written later counts for both.
+    for exists in (True, False):
+        if not exists:
+            (short_dir / "home" / ".config" / "kvkeeper" / "config.toml").unlink()
+        r = cli("install-service", "--print", "--platform", "linux",
+                env={**home, "XDG_CONFIG_HOME": str(short_dir / "home" / ".config")})
+        assert r.returncode == 0 and "--config" not in _exec_start(r.stdout), r.stdout
 
 
 @pytest.mark.parametrize(("argv", "process_type"), [

@@ -538,6 +538,11 @@ def test_session_and_write_behind_arguments_are_checked_up_front(
         with pytest.raises(ValueError, match="metadata"):
             kv_vlm.Session(client, "tiny-pg", "meta", tiny_paligemma(), vlm_processor(VOCAB),
                            metadata=meta)
+    # An mlx-lm session adds no media key: it takes what save() takes; and a
+    # session kept in memory only needs no ids kvkeeper could file.
+    kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok,
+                  metadata={"a": "x" * (MAX_METADATA_BYTES - 9)})
+    kv_lm.Session(None, "", "", model, lm_tok)
 
 
 def test_a_session_whose_client_is_closed_still_generates(lm_tok: TokenizerWrapper,

@@ -418,6 +418,49 @@ def test_import_reports_what_it_imported_when_the_daemon_dies_part_way(short_dir
     assert "went away" in stderr
 
 
+def test_import_exits_3_when_the_daemon_dies_between_two_files(short_dir: Path) -> None:
+    """The daemon gone after one file's flush, before the next save: every
+    later file was 'not handed to the daemon', exit 1, and nothing said the
+    daemon had gone. The import is stopped while the daemon dies, so the
+    next file finds it gone."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from .conftest import serve_process
+
+    (short_dir / "small").mkdir()
+    for v in range(1, 5):
+        save_prompt_cache(str(short_dir / "small" / f"c{v}.safetensors"), filled(1, v))
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        imp = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "import", "--socket",
+                                str(sock), "--model", "mb", str(short_dir / "small"), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        written = root / "sessions" / "mb" / "c2.safetensors"
+        deadline = time.monotonic() + WAIT
+        while not written.exists():
+            assert time.monotonic() < deadline and imp.poll() is None, "c2 never written"
+            time.sleep(0.005)
+        imp.send_signal(signal.SIGSTOP)
+        proc.kill()
+        proc.wait(WAIT)
+        time.sleep(0.2)
+        imp.send_signal(signal.SIGCONT)
+        stdout, stderr = imp.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert imp.returncode == 3, (stdout, stderr)
+    report = json.loads(stdout)
+    imported = [Path(i["path"]).name for i in report["imported"]]
+    failed = [Path(f["path"]).name for f in report["failed"]]
+    assert imported[:1] == ["c1.safetensors"] and len(failed) == 1, report
+    reason = report["failed"][0]["reason"]
+    assert "went away" in stderr, stderr
+    assert "went away" in reason or "not known to be written" in reason, reason
+
+
 def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: RunningDaemon,
                                                     short_dir: Path) -> None:
     sock = str(daemon.socket)

@@ -178,6 +178,9 @@ class SessionBase:
     ``client=None`` keeps the cache in memory only (nothing is saved).
     """
 
+    #: Whether requests carry media, whose fingerprint goes into the metadata.
+    _carries_media = False
+
     def __init__(
         self,
         client: Client | None,
@@ -192,12 +195,14 @@ class SessionBase:
         from kvkeeper.protocol.naming import check_key
 
         # Checked now, not at the first save in the middle of a request, with
-        # room for the media fingerprint a request adds.
-        check_key(model_id, session_id)
+        # room for the media fingerprint a request may add.
+        if client is not None:
+            check_key(model_id, session_id)
         check_triggers(every_tokens, every_seconds)
         if metadata and MEDIA_KEY in metadata:
             raise ValueError(f"metadata key {MEDIA_KEY!r} is the session's own")
-        check_metadata({**(metadata or {}), MEDIA_KEY: "0" * 32})
+        room = {MEDIA_KEY: "0" * 32} if self._carries_media else {}
+        check_metadata({**(metadata or {}), **room})
         self.client = client
         self.model_id = model_id
         self.session_id = session_id

@@ -49,6 +49,8 @@ class Session(SessionBase):
     with mlx-vlm's ``processor``.
     """
 
+    _carries_media = True
+
     def __init__(
         self,
         client: Client | None,
