@@ -425,13 +425,16 @@ def test_import_exits_3_when_the_daemon_dies_between_two_files(short_dir: Path) 
     next file finds it gone."""
     from mlx_lm.models.cache import save_prompt_cache
 
+    from kvkeeper.daemon.faults import ENV
+
     from .conftest import serve_process
 
     (short_dir / "small").mkdir()
     for v in range(1, 5):
         save_prompt_cache(str(short_dir / "small" / f"c{v}.safetensors"), filled(1, v))
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock)
+    # 50 ms a file: the import cannot run past c3 before it is stopped.
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.05"})
     try:
         imp = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "import", "--socket",
                                 str(sock), "--model", "mb", str(short_dir / "small"), "--json"],
