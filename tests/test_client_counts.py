@@ -399,11 +399,13 @@ def test_a_flush_answered_just_before_the_daemon_exits_is_true(
             time.sleep(0.2)
             proc.send_signal(signal.SIGTERM)  # drains: the save is written, the flush answered
             # This thread keeps the GIL meanwhile (a generation loop busy in
-            # Python), handing it over only every 0.1 s: the client's I/O thread
-            # reads the answer up to 0.1 s after it came.
+            # Python), handing it over only every 0.05 s: the client's I/O
+            # thread reads the answer up to about 0.1 s after it came (it may
+            # wait its turn behind the flush thread too), well within the
+            # daemon's 0.25 s.
             hog_until = time.monotonic() + 1.5
             interval = sys.getswitchinterval()
-            sys.setswitchinterval(0.1)
+            sys.setswitchinterval(0.05)
             try:
                 while time.monotonic() < hog_until:
                     pass
