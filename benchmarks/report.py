@@ -768,7 +768,15 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 + "reading and "
                 "checking the header before `mx.load`, decoding the token ids and the layer "
                 "description, and rebuilding every layer object: Python work, where "
-                "`mx.load` is mostly C++." + b2b)
+                "`mx.load` is mostly C++." + b2b + " Measured apart on 2026-12-01 (512 MiB, "
+                "64 tensors, 4096 tokens, each call after a whole-file load as in the "
+                "rotation): the header about 380 µs, the token ids 250-285 µs (4096 Python "
+                "ints; `list(range(4096))` alone takes about 65 µs here warm), the layer "
+                "rebuild about 300 µs and the client's own steps about 140 µs, against "
+                "about 900 µs for `mx.load`, which parses the same 32 KiB header in C++. "
+                "That day a cheaper header check, class lookup and tensor check, and one "
+                "`pread` for the header, took 0.3-0.45 ms off the excess side by side "
+                "(+1.58/+1.60 ms before, +1.31/+1.12 ms after, in the load case alone).")
         elif case.startswith("4"):
             out.append(
                 f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
