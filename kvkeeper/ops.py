@@ -306,11 +306,10 @@ def verify(args: argparse.Namespace) -> int:
                             continue
                         st.verify_data(fh, header, lambda n: bar.advance(task, n))
                         # What load() refuses: another key's file at this place.
-                        place = f.relative_to(root / naming.SESSIONS_DIR)
-                        model, cache_id = meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY)
-                        if model is None or cache_id is None or _place(model, cache_id) != place:
-                            bad.append((f, f"holds the entry {model!r}/{cache_id!r}, which "
-                                           f"belongs elsewhere"))
+                        if _header_key_here(f, meta) is None:
+                            bad.append((f, f"holds the entry {meta.get(st.MODEL_KEY)!r}/"
+                                           f"{meta.get(st.CACHE_ID_KEY)!r}, which belongs "
+                                           f"elsewhere"))
                 except FileNotFoundError:
                     files.pop()  # gone meanwhile: not checked
                     bar.advance(task, size)
@@ -351,21 +350,22 @@ def _key_of(path: Path) -> tuple[str | None, str | None]:
         return model, cache_id
     try:
         with st.open_file(path, keep_atime=True) as (_, header):
-            model, cache_id = header.metadata.get(st.MODEL_KEY), header.metadata.get(st.CACHE_ID_KEY)
+            return _header_key_here(path, header.metadata) or (None, None)
     except (OSError, st.LayoutError):
         return None, None
-    if model is None or cache_id is None or _place(model, cache_id) != Path(
-            path.parent.name, path.name):
-        return None, None
-    return model, cache_id
 
 
-def _place(model: str, cache_id: str) -> Path | None:
-    """Where an entry of this key lives, relative to the sessions directory."""
+def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None:
+    """The key a file's header names, if an entry of that key lives at the
+    file's own place (``<sessions>/<model>/<id>.safetensors``); else None."""
+    model, cache_id = meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY)
+    if model is None or cache_id is None:
+        return None
     try:
-        return Path(naming.entry_relpath(model, cache_id))
+        place = Path(naming.entry_relpath(model, cache_id))
     except ValueError:
         return None
+    return (model, cache_id) if place == Path(path.parent.name, path.name) else None
 
 
 def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:

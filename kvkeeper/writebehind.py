@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvkeeper.writebehind")
 
-__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_triggers"]
+__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_triggers",
+           "layer_offsets"]
 
 
 @dataclass
@@ -221,14 +222,19 @@ def cache_length(layers: Sequence[Any] | None) -> int | None:
     """How many tokens a prompt cache holds, as its layers tell (the largest
     integer ``offset``, looking inside CacheList); None when no layer has one
     (e.g. only ArraysCache layers)."""
-    best: int | None = None
+    known = [n for n in layer_offsets(layers) if n is not None]
+    return max(known) if known else None
+
+
+def layer_offsets(layers: Sequence[Any] | None) -> list[int | None]:
+    """Each leaf layer's ``offset`` (looking inside CacheList), None for a
+    layer without an integer one (e.g. ArraysCache)."""
+    out: list[int | None] = []
     for layer in layers or ():
         children = getattr(layer, "caches", None)
         if children is not None and not isinstance(layer, (list, tuple)):
-            n = cache_length(list(children))
+            out.extend(layer_offsets(list(children)))
         else:
             off = getattr(layer, "offset", None)
-            n = off if isinstance(off, int) and not isinstance(off, bool) else None
-        if n is not None and (best is None or n > best):
-            best = n
-    return best
+            out.append(off if isinstance(off, int) and not isinstance(off, bool) else None)
+    return out

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvkeeper.writebehind import WriteBehind, cache_length, check_triggers
+from kvkeeper.writebehind import WriteBehind, cache_length, check_triggers, layer_offsets
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
@@ -159,16 +159,7 @@ def _untouched(layers: Sequence[Any], n: int) -> bool:
     """Whether every layer still holds exactly ``n`` tokens, as its offset
     tells. A layer without one (ArraysCache) cannot tell: a failure part way
     through a forward pass may have changed it, so it counts as touched."""
-    for layer in layers:
-        children = getattr(layer, "caches", None)
-        if children is not None and not isinstance(layer, (list, tuple)):
-            if not _untouched(list(children), n):
-                return False
-            continue
-        off = getattr(layer, "offset", None)
-        if not isinstance(off, int) or isinstance(off, bool) or off != n:
-            return False
-    return True
+    return all(off == n for off in layer_offsets(layers))
 
 
 class SessionBase:
@@ -201,14 +192,14 @@ class SessionBase:
         check_triggers(every_tokens, every_seconds)
         if metadata and MEDIA_KEY in metadata:
             raise ValueError(f"metadata key {MEDIA_KEY!r} is the session's own")
-        room = {MEDIA_KEY: "0" * 32} if self._carries_media else {}
-        check_metadata({**(metadata or {}), **room})
+        self.metadata = check_metadata(metadata) or None
+        if self._carries_media:
+            check_metadata({**(self.metadata or {}), MEDIA_KEY: "0" * 32})
         self.client = client
         self.model_id = model_id
         self.session_id = session_id
         self.every_tokens = every_tokens
         self.every_seconds = every_seconds
-        self.metadata = check_metadata(metadata) or None
         #: The cache and the tokens it holds, between requests (None: none in memory).
         self.cache: list[Any] | None = None
         self.token_ids: list[int] | None = None

@@ -85,9 +85,9 @@ class Session(SessionBase):
         return s
 
     def _inputs(self, prompt: str, image: Any, audio: Any, video: Any,
-                kwargs: dict[str, Any]) -> tuple[mx.array, list[int]]:
-        """The prompt's input ids (as mlx-vlm takes them, and as a list),
-        prepared once; the prepared tensors go back into ``kwargs`` so that
+                kwargs: dict[str, Any]) -> list[int]:
+        """The prompt's token ids, prepared once; the prepared tensors (the ids
+        as mlx-vlm takes them among them) go back into ``kwargs`` so that
         mlx-vlm does not prepare them again."""
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
@@ -104,9 +104,8 @@ class Session(SessionBase):
         if not isinstance(input_ids, mx.array):
             input_ids = mx.array(input_ids)
         ids = token_ids_of(input_ids)  # one prompt of integers, or ValueError
-        input_ids = input_ids.reshape(1, -1)
-        kwargs["input_ids"] = input_ids
-        return input_ids, ids
+        kwargs["input_ids"] = input_ids.reshape(1, -1)
+        return ids
 
     def stream_generate(
         self,
@@ -126,7 +125,7 @@ class Session(SessionBase):
         for name in ("prompt_cache_state", "prompt_cache", "draft_model"):
             if name in kwargs:
                 raise TypeError(f"Session.stream_generate does not take {name}=")
-        _, ids = self._inputs(prompt, image, audio, video, kwargs)
+        ids = self._inputs(prompt, image, audio, video, kwargs)
         media = media_fingerprint(kwargs, image=image, audio=audio, video=video)
         request = self._begin()
         plan = self._prepare(ids, media)
