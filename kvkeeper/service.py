@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import plistlib
+import re
 import shlex
 import subprocess
 import sys
@@ -29,6 +30,32 @@ class ServiceFile:
     # Before loading, failures ignored: unload what an earlier install loaded
     # (launchd refuses to bootstrap a label that is loaded).
     stop_first: list[list[str]] = field(default_factory=list)
+    # Exit statuses of an unload command that mean "was not loaded": done.
+    not_loaded: frozenset[int] = frozenset()
+    # Seconds this file lets the service manager wait for the daemon to stop.
+    stop_timeout: int = 30
+
+
+#: A service manager command that stops nothing gets this long; one that may
+#: stop the daemon also gets the service's stop timeout (it waits that long).
+COMMAND_SECONDS = 60
+
+
+def installed_stop_timeout(path: Path) -> int | None:
+    """The stop timeout (ExitTimeOut, TimeoutStopSec) of the service file at
+    ``path``, or None when there is none or it cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        if path.suffix == ".plist":
+            value = plistlib.loads(data).get("ExitTimeOut")
+            return value if type(value) is int and value >= 0 else None
+        found = re.search(rb"^TimeoutStopSec=([0-9]+)\s*$", data, re.MULTILINE)
+        return int(found.group(1)) if found else None
+    except Exception:  # noqa: BLE001 - any unreadable file: the default applies
+        return None
 
 
 def serve_command(serve_args: Sequence[str]) -> list[str]:
@@ -60,6 +87,10 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         load=[["mkdir", "-p", str(logs)], ["launchctl", "bootstrap", domain, str(path)]],
         unload=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
         stop_first=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
+        # launchctl's "No such process" and "Could not find service": an
+        # agent written with --no-load, or stopped by hand, is not running.
+        not_loaded=frozenset({3, 113}),
+        stop_timeout=plist["ExitTimeOut"],
     )
 
 
@@ -75,6 +106,7 @@ def _systemd_word(word: str) -> str:
 
 
 def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) -> ServiceFile:
+    stop_timeout = int(drain_timeout) + 10
     unit = "\n".join([
         "[Unit]",
         "Description=kvkeeper: keeps MLX prompt caches across restarts",
@@ -84,7 +116,7 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
         f"ExecStart={' '.join(_systemd_word(w) for w in serve_command(serve_args))}",
         "Restart=on-failure",
         "KillSignal=SIGTERM",
-        f"TimeoutStopSec={int(drain_timeout) + 10}",
+        f"TimeoutStopSec={stop_timeout}",
         "",
         "[Install]",
         "WantedBy=default.target",
@@ -100,6 +132,7 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
               ["systemctl", "--user", "enable", UNIT],
               ["systemctl", "--user", "restart", UNIT]],
         unload=[["systemctl", "--user", "disable", "--now", UNIT]],
+        stop_timeout=stop_timeout,
     )
 
 
@@ -115,37 +148,47 @@ def service_file(serve_args: Sequence[str], drain_timeout: float,
     return systemd(serve_args, drain_timeout, config_home)
 
 
-def _run(commands: list[list[str]]) -> None:
+def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset()) -> None:
     for cmd in commands:
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds)
         except FileNotFoundError:
             raise ServiceError(f"{cmd[0]} not found on PATH: is this machine's service "
                                f"manager available?") from None
         except subprocess.TimeoutExpired:
-            raise ServiceError(f"{shlex.join(cmd)} did not finish within 60 s") from None
-        if r.returncode != 0:
+            raise ServiceError(f"{shlex.join(cmd)} did not finish within {seconds:g} s") from None
+        if r.returncode != 0 and r.returncode not in ok:
             raise ServiceError(f"{shlex.join(cmd)} failed ({r.returncode}): "
                                f"{(r.stderr or r.stdout).strip()}")
 
 
 def install(sf: ServiceFile, *, load: bool = True) -> None:
+    """Write the service file (atomically) and, with ``load``, have the
+    service manager (re)start the daemon from it. Raises ServiceError."""
+    before = installed_stop_timeout(sf.path)
     sf.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = sf.path.with_name(sf.path.name + ".tmp")
     tmp.write_bytes(sf.content)
     os.replace(tmp, sf.path)
     if load:
+        # The service manager waits up to the stop timeout of the service it
+        # stops (the one installed before, if any), then answers.
+        seconds = COMMAND_SECONDS + max(sf.stop_timeout, before or 0)
         for cmd in sf.stop_first:
             try:
-                subprocess.run(cmd, capture_output=True, timeout=60)
+                subprocess.run(cmd, capture_output=True, timeout=seconds)
             except (OSError, subprocess.TimeoutExpired):
                 pass  # nothing loaded, or no service manager: load says which
-        _run(sf.load)
+        _run(sf.load, seconds)
 
 
 def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
+    """Stop the service (with ``unload``) and remove its file; False when
+    there was no file. Raises ServiceError when stopping fails."""
     if unload and sf.path.exists():
-        _run(sf.unload)
+        installed = installed_stop_timeout(sf.path)
+        seconds = COMMAND_SECONDS + (sf.stop_timeout if installed is None else installed)
+        _run(sf.unload, seconds, sf.not_loaded)
     try:
         sf.path.unlink()
     except FileNotFoundError:

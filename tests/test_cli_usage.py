@@ -290,6 +290,65 @@ def test_install_service_again_replaces_the_running_service(short_dir: Path) -> 
         "daemon-reload", "enable", "restart"] * 2
 
 
+def _fake_managers(short_dir: Path) -> dict[str, str]:
+    bin_dir = short_dir / "bin"
+    bin_dir.mkdir()
+    for name, script in _FAKE_MANAGERS.items():
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(short_dir / "home"),
+            "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg"),
+            "CALLS": str(short_dir / "calls"), "STATE": str(short_dir / "loaded")}
+
+
+def test_uninstall_service_of_an_agent_not_loaded_removes_it(short_dir: Path) -> None:
+    """A LaunchAgent written with --no-load (or stopped by hand) is not
+    loaded: launchctl bootout says so (3) and uninstall-service used to stop
+    there, leaving the file. Other failures still keep the file."""
+    env = _fake_managers(short_dir)
+    plist = short_dir / "home" / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
+    r = cli("install-service", "--platform", "macos", "--no-load", env=env)
+    assert r.returncode == 0 and plist.exists(), r.stderr
+    r = cli("uninstall-service", "--platform", "macos", env=env)
+    assert r.returncode == 0, r.stderr
+    assert not plist.exists()
+    # Loaded, and bootout fails for another reason: the file stays.
+    r = cli("install-service", "--platform", "macos", env=env)
+    assert r.returncode == 0 and plist.exists(), r.stderr
+    (short_dir / "bin" / "launchctl").write_text("#!/bin/sh\necho 'Boot-out failed: 5: "
+                                                  "Input/output error' >&2\nexit 5\n")
+    r = cli("uninstall-service", "--platform", "macos", env=env)
+    assert r.returncode == 1 and "Input/output error" in r.stderr, r.stderr
+    assert plist.exists()
+
+
+def test_stopping_the_service_waits_as_long_as_its_stop_timeout(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service manager waits up to the installed file's stop timeout
+    (drain timeout + 10 s) for the daemon to exit before it answers; a fixed
+    60 s wait gave up on a longer drain and left the file. Here the margin
+    over the stop timeout is cut to 0 and the daemon's stop takes 2 s."""
+    from kvkeeper import service
+
+    env = _fake_managers(short_dir)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setenv("CALLS", env["CALLS"])
+    monkeypatch.setattr(service, "COMMAND_SECONDS", 0)
+    (short_dir / "bin" / "systemctl").write_text("#!/bin/sh\nsleep 2\n")
+    sf = service.systemd([], 20.0, short_dir / "cfg")
+    sf.path.parent.mkdir(parents=True)
+    for stop_timeout, done in ((1, False), (5, True)):
+        # As installed earlier (by hand, or by an older version): its own value counts.
+        sf.path.write_text(f"[Service]\nTimeoutStopSec={stop_timeout}\n")
+        if done:
+            assert service.uninstall(sf)
+            assert not sf.path.exists()
+        else:
+            with pytest.raises(service.ServiceError, match="did not finish within 1 s"):
+                service.uninstall(sf)
+            assert sf.path.exists()
+
+
 # ------------------------------------------------------------------ 7. export is 0600
 
 
