@@ -233,7 +233,8 @@ def test_roundtrip_leaf_for_leaf(mod: ModuleType, case: str) -> None:
         assert canon([c.state for c in got]) == canon([c.state for c in cache])
     # The JSON records class and module of every layer, children included.
     doc = json.loads(snap.layers)
-    assert doc["format"] == LAYERS_FORMAT and doc["version"] == LAYERS_VERSION
+    # Version 1 unless a layer needs a newer reader (attrs: see below).
+    assert doc["format"] == LAYERS_FORMAT and doc["version"] == 1
     assert [e["class"] for e in doc["layers"]] == [type(c).__name__ for c in cache]
     assert {e["module"] for e in doc["layers"]} == {mod.__name__}
 
@@ -275,6 +276,63 @@ def test_roundtrip_other_classes(case: str) -> None:
     assert canon(got.state) == canon(c.state)
     if hasattr(c, "meta_state"):
         assert canon(got.meta_state) == canon(c.meta_state)
+
+
+def _rows(n: int, seed: int) -> mx.array:
+    mx.random.seed(seed)
+    return mx.random.normal((1, H, n, D)).astype(mx.bfloat16)
+
+
+def _vlm_chunked_trimmed() -> Any:
+    c = V.ChunkedKVCache(chunk_size=16)
+    c.update_and_fetch(_rows(40, 1), _rows(40, 2))
+    c.maybe_trim_front()  # as Llama 4's attention does after each update
+    for i in range(5):
+        c.update_and_fetch(_rows(1, 10 + i), _rows(1, 20 + i))
+        c.maybe_trim_front()
+    return c
+
+
+def _vlm_buffered_wrapped() -> Any:
+    c = V.BufferedRotatingKVCache(max_size=32, keep=4, buffer_size=8)
+    c.update_and_fetch(_rows(40, 1), _rows(40, 2))
+    for i in range(5):  # with keep > 0 it is a ring, wrapped by now
+        c.update_and_fetch(_rows(1, 10 + i), _rows(1, 20 + i))
+    return c
+
+
+@pytest.mark.parametrize("make", [_vlm_chunked_trimmed, _vlm_buffered_wrapped],
+                         ids=["vlm-chunked-front-trimmed", "vlm-buffered-rotating-wrapped"])
+def test_vlm_caches_whose_state_loses_position_restore_exactly(make: Callable[[], Any]) -> None:
+    """mlx-vlm's own state of these two loses where the live rows are: a
+    ChunkedKVCache past its chunk came back with the row count as offset
+    (wrong logits, then a failed broadcast), a wrapped keep > 0
+    BufferedRotatingKVCache with only the rows before its write index (the
+    next update failed). The restored layer must go on exactly as the original."""
+    c = make()
+    snap, (got,) = roundtrip([c])
+    assert (got.offset, got.start_position) == (c.offset, c.start_position)
+    for i in range(40):
+        want = c.update_and_fetch(_rows(1, 100 + i), _rows(1, 200 + i))
+        have = got.update_and_fetch(_rows(1, 100 + i), _rows(1, 200 + i))
+        if isinstance(c, V.ChunkedKVCache):
+            c.maybe_trim_front()
+            got.maybe_trim_front()
+        assert all(mx.array_equal(a, b).item() for a, b in zip(want, have, strict=True)), i
+    assert got.offset == c.offset
+
+
+def test_layer_attrs_need_the_newer_reader_and_are_checked() -> None:
+    snap = snapshot_cache([fill(L.KVCache()), _vlm_chunked_trimmed()])
+    doc = json.loads(snap.layers)
+    # Only a description that needs attrs is version 2: older readers refuse
+    # it instead of restoring a wrong offset, and still read every other file.
+    assert doc["version"] == 2 and doc["layers"][1]["attrs"] == {"offset": 45}
+    arrays = arrays_from_snapshot(snap)
+    for attrs in ({"offset": -1}, {"offset": True}, {"offset": "45"}, {"keys": 1}, [45]):
+        doc["layers"][1]["attrs"] = attrs
+        with pytest.raises(CodecError, match="layer 1"):
+            restore_cache(arrays, json.dumps(doc))
 
 
 def test_capacity_is_dropped_and_json_layout() -> None:

@@ -88,7 +88,12 @@ __all__ = [
 
 LAYERS_FORMAT = "kvkeeper.layers"
 #: Bump when the JSON layout changes; restore refuses versions it does not know.
-LAYERS_VERSION = 1
+#: 2 adds a layer's "attrs" (set after it is rebuilt); a description without
+#: any is still written as 1, which older readers take.
+LAYERS_VERSION = 2
+_ATTRS_VERSION = 2
+#: The attributes a layer's "attrs" may set: plain non-negative integers.
+_SETTABLE_ATTRS = frozenset({"offset"})
 #: Cache classes are only ever imported from modules under these prefixes.
 TRUSTED_MODULE_PREFIXES = ("mlx_lm.models.", "mlx_vlm.models.")
 
@@ -447,11 +452,55 @@ _TRIMMERS: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("mlx_lm.models.cache", "RotatingKVCache"): _trim_rotating,
 }
 
+#: What a layer's state reader gives: the state to save, and the attributes
+#: (name -> int) restore sets on the rebuilt layer, or None.
+_Read = tuple[Any, "dict[str, int] | None"]
+
+
+def _read_vlm_chunked(layer: Any) -> _Read:
+    # mlx-vlm ChunkedKVCache keeps tokens start_position..offset at rows
+    # 0..offset-start_position, but its state setter takes the offset from the
+    # rows it is given and meta_state holds only (chunk_size, start_position):
+    # once the front is trimmed, a restore put the offset back at the row count
+    # (wrong positions, then a failed broadcast). Save the live rows, and the
+    # offset as an attribute.
+    keys, values, offset, start = layer.keys, layer.values, layer.offset, layer.start_position
+    if (type(keys) is not mx.array or type(values) is not mx.array
+            or type(offset) is not int or type(start) is not int):
+        return layer.state, None
+    cut = _cut((keys, values), offset - start)
+    # Before any trim the row count is the offset: no attrs, a version 1 entry.
+    return (cut if cut is not None else (keys, values)), ({"offset": offset} if start else None)
+
+
+def _read_vlm_buffered_rotating(layer: Any) -> _Read:
+    # mlx-vlm BufferedRotatingKVCache with keep > 0 runs RotatingKVCache's ring,
+    # whose live rows lie past _idx once it wraps; its own state keeps rows
+    # up to _idx only. Save what RotatingKVCache saves (meta_state restores _idx).
+    if not layer.keep:
+        return layer.state, None
+    return super(type(layer), layer).state, None
+
+
+_READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
+    ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_vlm_chunked,
+    ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _read_vlm_buffered_rotating,
+}
+
+
+def _read_state(layer: Any) -> _Read:
+    return layer.state, None
+
+
+def _trimmed_reader(trim: Callable[[Any], Any]) -> Callable[[Any], _Read]:
+    return lambda layer: (trim(layer.state), None)
+
 
 @functools.lru_cache(maxsize=256)
-def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], Any] | None]:
-    """(module, name, trimmer) of a cache class that restore can find again by
-    name; raises CodecError otherwise. Cached: it runs once per layer per save."""
+def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
+    """(module, name, state reader) of a cache class that restore can find
+    again by name; raises CodecError otherwise. Cached: it runs once per layer
+    per save."""
     module, name = cls.__module__, cls.__qualname__
     try:
         _check_trusted_module(module)
@@ -459,7 +508,9 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], Any] | None]:
         raise CodecError(f"{name}: {exc}") from None
     if getattr(sys.modules.get(module), name, None) is not cls:
         raise CodecError(f"{module}.{name} cannot be found again by name")
-    return module, name, _TRIMMERS.get((module, name))
+    trim = _TRIMMERS.get((module, name))
+    read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)
+    return module, name, read
 
 
 class _NodeProblem(Exception):
@@ -506,6 +557,7 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.pending: list[_Pending] = []
+        self.version = 1  # raised by a layer that needs a newer reader
 
     def tensor(self, array: mx.array, length: int | None) -> dict[str, Any]:
         name = f"t{len(self.pending)}"
@@ -555,7 +607,7 @@ class _Encoder:
 
     def layer(self, layer: Any, where: str) -> dict[str, Any]:
         try:
-            module, name, trim = _layer_class(type(layer))
+            module, name, read = _layer_class(type(layer))
         except CodecError as exc:
             raise CodecError(f"{where}: {exc}") from None
         entry: dict[str, Any] = {"class": name, "module": module}
@@ -567,12 +619,10 @@ class _Encoder:
             return entry
 
         try:
-            state = layer.state
+            state, attrs = read(layer)
             meta = getattr(layer, "meta_state", _MISSING)
         except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
             raise CodecError(f"{where}: cannot read the state of {name}: {exc!r}") from exc
-        if trim is not None:
-            state = trim(state)
         part = "state"
         try:
             entry["state"] = self.node(state)
@@ -581,6 +631,9 @@ class _Encoder:
                 entry["meta_state"] = self.node(meta)
         except _NodeProblem as exc:
             raise exc.located(where, part) from None
+        if attrs is not None:
+            entry["attrs"] = attrs
+            self.version = max(self.version, _ATTRS_VERSION)
         return entry
 
 
@@ -713,7 +766,7 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     # buffer export), and every let-go is a chance for another thread to
     # keep save() waiting for it (up to the 5 ms switch interval).
     mx.eval(handles)
-    description = {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "layers": entries}
+    description = {"format": LAYERS_FORMAT, "version": enc.version, "layers": entries}
     return CacheCapture(description, tuple(enc.pending), nbytes)
 
 
@@ -833,8 +886,22 @@ class _Decoder:
             raise CodecError(f"{where}: layer entry has no state")
         state = self.part(entry, "state", where)
         if "meta_state" in entry:
-            return rebuild_layer(cls, state, self.part(entry, "meta_state", where))
-        return rebuild_layer(cls, state)
+            obj = rebuild_layer(cls, state, self.part(entry, "meta_state", where))
+        else:
+            obj = rebuild_layer(cls, state)
+        if "attrs" in entry:
+            _set_attrs(obj, entry["attrs"], where)
+        return obj
+
+
+def _set_attrs(obj: Any, attrs: Any, where: str) -> None:
+    """Set a rebuilt layer's recorded attributes (see ``_READERS``)."""
+    if type(attrs) is not dict:
+        raise CodecError(f"{where}: attrs is not an object")
+    for name, value in attrs.items():
+        if name not in _SETTABLE_ATTRS or type(value) is not int or value < 0:
+            raise CodecError(f"{where}: cannot set {name!r} to {value!r}")
+        setattr(obj, name, value)
 
 
 def restore_cache(arrays: Mapping[str, mx.array], layers: str,
@@ -856,7 +923,7 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
     if not isinstance(doc, dict) or doc.get("format") != LAYERS_FORMAT:
         raise CodecError("not a kvkeeper layers description")
     version = doc.get("version")
-    if version != LAYERS_VERSION:
+    if type(version) is not int or not 1 <= version <= LAYERS_VERSION:
         raise CodecError(f"unsupported layers format version {version!r} (know {LAYERS_VERSION})")
     entries = doc.get("layers")
     if not isinstance(entries, list):
