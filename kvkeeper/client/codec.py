@@ -16,13 +16,15 @@ buffers. Two facts make that safe:
 * Non-contiguous views (``keys[..., :offset, :]``) are not copied either: the
   strided layout is turned into one run per contiguous block.
 
-The layout of the JSON string (``layers``), format version 1::
+The layout of the JSON string (``layers``), format version 2 (written as
+version 1 when no layer has "attrs", so older readers take those)::
 
-    {"format": "kvkeeper.layers", "version": 1, "layers": [LAYER, ...]}
+    {"format": "kvkeeper.layers", "version": 1 | 2, "layers": [LAYER, ...]}
 
     LAYER = {"class": "KVCache", "module": "mlx_lm.models.cache",
              "state": NODE,                  # what from_state gets back
-             "meta_state": NODE}             # only for classes that have one
+             "meta_state": NODE,             # only for classes that have one
+             "attrs": {"offset": int}}       # set after from_state (version 2)
           | {"class": "CacheList", "module": "...",
              "children": [LAYER, ...], "children_type": "tuple" | "list"}
 
