@@ -128,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check every file's header and checksums",
                             description="Read every entry's file and check its header and the "
-                            "checksum of each tensor. Works without a daemon. Exit 1 if any "
+                            "checksum of each tensor. Works without a daemon. Caches of the "
+                            "two older formats carry no checksums; safetensors files that are "
+                            "no cache (model weights) are listed and left alone. Exit 1 if any "
                             "file is bad.")
     _socket_arg(verify)
     verify.add_argument("--root", type=Path, default=None,

@@ -24,6 +24,7 @@ from rich.text import Text
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
+from kvkeeper.protocol.legacy_formats import detect_legacy
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -269,6 +270,10 @@ def _root(args: argparse.Namespace, kv: Any) -> Path:
         if not root.is_dir():
             what = "does not exist" if not root.exists() else "is not a directory"
             raise CommandError(f"--root {root} {what}", status=2)
+        if not (root / naming.SESSIONS_DIR).is_dir():
+            # Checking nothing must not read as "all good" (a mistyped root).
+            raise CommandError(f"--root {root} is not a kvkeeper store: it has no "
+                               f"{naming.SESSIONS_DIR}/ directory", status=2)
         return root
     if kv is not None and kv.connected:
         return kv.root
@@ -291,6 +296,7 @@ def verify(args: argparse.Namespace) -> int:
         files: list[Path] = []
         bad: list[tuple[Path, str]] = []
         legacy: list[Path] = []
+        others: list[Path] = []  # safetensors files that are not caches: not the daemon's
         with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                       console=err, disable=args.json or not err.is_terminal) as bar:
             task = bar.add_task("verify", total=sum(sizes.values()))
@@ -301,7 +307,7 @@ def verify(args: argparse.Namespace) -> int:
                     with st.open_file(f, keep_atime=True) as (fh, header):
                         meta = header.metadata
                         if meta.get(st.FORMAT_KEY) != st.FORMAT:
-                            legacy.append(f)
+                            (legacy if detect_legacy(meta) else others).append(f)
                             bar.advance(task, size)
                             continue
                         st.verify_data(fh, header, lambda n: bar.advance(task, n))
@@ -318,20 +324,23 @@ def verify(args: argparse.Namespace) -> int:
         repaired = _repair(root, bad, kv) if args.repair and bad else []
     finally:
         kv.close()
+    checked = len(files) - len(legacy) - len(others)
     if args.json:
-        _print_json({"root": str(root), "checked": len(files) - len(legacy),
+        _print_json({"root": str(root), "checked": checked,
                      "legacy_unchecked": [str(p) for p in legacy],
+                     "not_caches": [str(p) for p in others],
                      "bad": [{"path": str(p), "reason": r} for p, r in bad],
                      "moved_aside": [str(p) for p in repaired]})
     else:
-        out.print(Text.assemble(f"{len(files) - len(legacy)} files verified under ", shown(root),
-                                f", {len(legacy)} legacy files without checksums"
-                                if legacy else ""))
+        out.print(Text.assemble(
+            f"{checked} files checked under ", shown(root),
+            f", {len(legacy)} legacy files without checksums" if legacy else "",
+            f", {len(others)} safetensors files that are not caches (left alone)"
+            if others else ""))
         for p, reason in bad:
             out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
                                     (" (moved aside)", "green") if p in repaired else ""))
-        if not bad:
-            out.print("[green]all good[/]")
+        out.print(f"[red]{len(bad)} bad[/]" if bad else "[green]all good[/]")
     return 1 if bad else 0
 
 
@@ -577,7 +586,8 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError(f"{dest.parent} is not an existing directory", status=2)
     naming.check_key(args.model, args.cache_id)
     with client(args.socket, required=False) as kv:
-        root = _root(args, kv) if args.root is not None else None
+        # No daemon to ask: the default root is read, and must be a store.
+        root = _root(args, kv) if args.root is not None or not kv.connected else None
         if root is None or (kv.connected and kv.root.resolve() == root.resolve()):
             got = kv.load(args.model, args.cache_id)
             where = ""

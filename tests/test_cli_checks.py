@@ -178,14 +178,27 @@ def test_serve_replaces_a_stale_socket(short_dir: Path) -> None:
 # ------------------------------------------------------------------ verify --root
 
 
-@pytest.mark.parametrize("kind", ["missing", "file"])
-def test_verify_refuses_a_root_that_is_not_a_directory(kind: str, short_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["missing", "file", "not-a-store"])
+def test_verify_refuses_a_root_that_is_not_a_store(kind: str, short_dir: Path) -> None:
+    # A directory with no sessions/ in it (a mistyped root) said "0 files
+    # verified ... all good", exit 0.
     root = short_dir / "root"
     if kind == "file":
         root.write_text("not a store")
+    elif kind == "not-a-store":
+        root.mkdir()
     r = cli("verify", "--root", str(root), "--socket", str(short_dir / "none.sock"))
     usage_error(r, str(root))
     assert "all good" not in r.stdout
+
+
+def test_export_without_a_daemon_or_a_store_says_so(short_dir: Path) -> None:
+    # It said "no entry m / x", as if the store had been read.
+    env = {"XDG_CACHE_HOME": str(short_dir / "cache"), "HOME": str(short_dir / "home")}
+    out = short_dir / "out.safetensors"
+    r = cli("export", "--socket", str(short_dir / "none.sock"), "m", "x", str(out), env=env)
+    assert r.returncode == 1 and "no store at" in r.stderr, r.stdout + r.stderr
+    assert "give --root" in r.stderr and not out.exists()
 
 
 # ------------------------------------------------------------------ bad ids, bad config
@@ -222,7 +235,7 @@ def test_verify_without_a_daemon_reads_the_configured_root_past_other_typos(
     cfg.write_text(f'root = "{root}"\nmax_disk_bites = 1\ndrain_timeout = -1\n')
     r = cli("verify", "--socket", str(short_dir / "none.sock"),
             env={"KVKEEPER_CONFIG": str(cfg)})
-    assert r.returncode == 0 and f"verified under {root}" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 0 and f"checked under {root}" in r.stdout, (r.stdout, r.stderr)
 
 
 # ------------------------------------------------------------------ export

@@ -1,5 +1,6 @@
-"""Damaged files on disk are clean misses, moved aside; loads racing replaces
-always see a whole version."""
+"""Damaged files on disk are clean misses, moved aside (another program's
+safetensors file is left alone); loads racing replaces always see a whole
+version."""
 
 from __future__ import annotations
 
@@ -109,7 +110,6 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "zero-filled": zero_fill,
     "flipped-bit": flip_bit,
     "header-2^40": huge_header,
-    "foreign-safetensors": foreign,
     "another-models-file": other_models_file,
     "directory": directory,
     "symlink": symlink,
@@ -151,6 +151,38 @@ def test_damaged_file_is_a_clean_miss_and_moved_aside(
     assert client.save(FP, "victim", filled(1, 9), [9])
     got = client.load(FP, "victim")
     assert got is not None and got.token_ids == [9]
+
+
+def test_another_programs_safetensors_file_is_never_moved_or_replaced(
+    client: Client, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Model weights at an entry's place: a load of that key moved them to
+    quarantine/, where the budget deletes first (gc right after: gone), and a
+    save renamed over them. Now a load is a clean miss, a save fails (flush
+    says False), and the file stays as it was, verify --repair included."""
+    from .test_cli_checks import cli
+
+    assert client.save(FP, "victim", filled(1, 7), [7])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "victim")
+    foreign(path)
+    weights = path.read_bytes()
+    caplog.set_level(logging.INFO, logger="kvkeeper")
+    for verify in (True, False):
+        assert client.load(FP, "victim", verify=verify) is None
+    # The load's report of a bad file is answered before load() returns.
+    assert any("event=not_quarantined" in r.getMessage() for r in caplog.records)
+    failed = client.stats()["saves_failed"]
+    assert client.save(FP, "victim", filled(1, 8), [8])
+    assert client.flush(timeout=WAIT) is False
+    assert client.stats()["saves_failed"] == failed + 1
+    r = cli("verify", "--socket", str(daemon.socket), "--repair", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["not_caches"] == [str(path)]
+    assert path.read_bytes() == weights
+    assert not (daemon.root / "quarantine").exists() or not any(
+        (daemon.root / "quarantine").iterdir())
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no tmp left
 
 
 @pytest.mark.parametrize("tensor", ["t0", "t1", "t6", "t7"])

@@ -337,9 +337,20 @@ class Store:
             return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
                                _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
                                "entry", st.st_mtime)
-        if detect_legacy(meta) is None:
+        if not _is_cache(meta):
             return foreign  # safetensors, but no cache of a known format: not ours to delete
         return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy", st.st_mtime)
+
+    def someone_elses(self, path: Path) -> bool:
+        """Whether ``path`` is a whole safetensors file of no cache format
+        (model weights, say): another program's, which the daemon never
+        moves, replaces or deletes. A file it cannot read as safetensors at
+        all is taken for a damaged cache."""
+        try:
+            with open_file(path, keep_atime=True) as (_, header):
+                return not _is_cache(header.metadata)
+        except (OSError, LayoutError):
+            return False
 
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
@@ -353,7 +364,15 @@ class Store:
 
     def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
-        the entries evicted for it (never the one just written)."""
+        the entries evicted for it (never the one just written). Raises
+        FileExistsError, and leaves both files as they were, when another
+        program's safetensors file is at the entry's place."""
+        # Read, not looked up in the index: a file may be put there any time.
+        if self.someone_elses(pending.final):
+            pending.abort()
+            raise FileExistsError(
+                errno.EEXIST, f"{pending.final} is another program's safetensors file (not a "
+                              f"cache); move it away to save this entry")
         try:
             pending.commit(header)
         finally:
@@ -435,13 +454,19 @@ class Store:
     def quarantine_path(self, path: Path, ino: int | None = None,
                         mtime_ns: int | None = None) -> Path | None:
         """Move ``path`` (under this root) to ``<root>/quarantine/``, unless it
-        is not the inode/mtime given; returns where it went."""
+        is not the inode/mtime given, or a file that is not the daemon's (see
+        ``_classify``: quarantined files are deleted first, and another
+        program's file must never be); returns where it went."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             return None
         if ino is not None and (st.st_ino, st.st_mtime_ns) != (ino, mtime_ns):
             return None  # a newer version took its place: keep it
+        if stat.S_ISREG(st.st_mode) and self.someone_elses(path):
+            log.warning("event=not_quarantined path=%s reason=another program's safetensors "
+                        "file (not a cache): left in place", path)
+            return None
         qdir = self.root / QUARANTINE_DIR
         os.makedirs(qdir, mode=0o700, exist_ok=True)
         name = f"{path.parent.name}.{path.name}.{time.time_ns()}"
@@ -535,6 +560,12 @@ class Store:
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
         return evicted
+
+
+def _is_cache(meta: dict[str, str]) -> bool:
+    """Whether a safetensors header's metadata is a cache's: kvkeeper's own,
+    or one of the two older formats."""
+    return meta.get(FORMAT_KEY) == FORMAT or detect_legacy(meta) is not None
 
 
 def _int(text: str | None) -> int:
