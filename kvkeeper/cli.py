@@ -254,6 +254,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvkeeper`` command; returns its exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (kvkeeper ls | head): nothing more to say, and
+        # no traceback. Python would fail again flushing stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)

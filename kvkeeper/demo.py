@@ -512,6 +512,11 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        if not args.private:  # a private daemon's socket is the demo's own choice
+            from kvkeeper import settings
+
+            config.check_socket_path(args.socket if args.socket is not None
+                                     else settings.client_path("socket"))
         with _daemon(args.socket, args.private) as (socket, note):
             rep = run(args, socket, note)
     except NoDaemon as exc:

@@ -71,7 +71,10 @@ def ago(t: float, now: float | None = None) -> str:
 def client(socket: Path | None, *, required: bool = True):  # type: ignore[no-untyped-def]
     from kvkeeper.client.client import Client
 
-    kv = Client(socket, connect_timeout=2.0, timeout=60.0)
+    try:
+        kv = Client(socket, connect_timeout=2.0, timeout=60.0)
+    except ValueError as exc:  # a socket path the platform cannot take, say
+        raise CommandError(str(exc), status=2) from None
     if required and not kv.connected:
         kv.close()
         path = kv.socket_path

@@ -201,6 +201,27 @@ def test_export_without_a_daemon_or_a_store_says_so(short_dir: Path) -> None:
     assert "give --root" in r.stderr and not out.exists()
 
 
+def test_a_reader_that_goes_away_is_no_traceback(daemon: RunningDaemon, short_dir: Path) -> None:
+    """kvkeeper ls | head: the commands ended with a BrokenPipeError traceback."""
+    long_socket = short_dir / ("s" * 120)
+    for args in (["serve", "--print-config"], ["stats", "--json", "--socket", str(daemon.socket)],
+                 ["ls", "--all", "--socket", str(daemon.socket)]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # gone before the first write: every write fails
+        try:
+            base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+            r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], stdout=write_end,
+                               stderr=subprocess.PIPE, text=True, timeout=WAIT, env=base)
+        finally:
+            os.close(write_end)
+        assert r.returncode == 1 and r.stderr == "", (args, r.stderr)
+    # A socket path the platform cannot take: one line, exit 2, for every client command.
+    from kvkeeper.config import MAX_SOCKET_PATH
+
+    for command in ("stats", "ls", "gc", "verify"):
+        usage_error(cli(command, "--socket", str(long_socket)), f"allows {MAX_SOCKET_PATH}")
+
+
 # ------------------------------------------------------------------ bad ids, bad config
 
 
