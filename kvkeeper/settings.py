@@ -77,10 +77,18 @@ def parse_size(text: str | int | float) -> int:
 MAX_SIZE = 2**63 - 1
 
 
-def _positive_size(value: Any) -> int:
+#: The least --max-pending-bytes: a quarter goes to ZeroMQ's queue, and with
+#: less the writer could take next to no save (every one dropped as too large).
+MIN_PENDING_BYTES = 1024 * 1024
+
+
+def _pending_size(value: Any) -> int:
     v = parse_size(value)
     if v == 0:
         raise ValueError("must be more than 0 bytes (0 would refuse every save)")
+    if v < MIN_PENDING_BYTES:
+        raise ValueError(f"must be at least 1M, not {v} bytes (less leaves the writer room "
+                         f"for next to no save: every save would be dropped as too large)")
     return v
 
 
@@ -150,7 +158,7 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("root", _path, config.default_root, "store directory", "path"),
     Setting("socket", _socket, config.default_socket, "ipc socket path", "socket"),
-    Setting("max_pending_bytes", _positive_size, lambda: 1 * GiB,
+    Setting("max_pending_bytes", _pending_size, lambda: 1 * GiB,
             "memory for saves received but not yet written; a save that does not fit "
             "is refused and counted", "size"),
     Setting("max_disk_bytes", parse_size, lambda: 20 * GiB,

@@ -410,6 +410,25 @@ def test_a_pending_budget_of_zero_is_refused(short_dir: Path) -> None:
         Daemon(DaemonConfig(root=short_dir / "root", socket=sock, max_pending_bytes=0))
 
 
+def test_budgets_no_store_can_meet_are_refused(short_dir: Path) -> None:
+    """--max-pending-bytes 100 started a daemon whose writer could take a
+    75-byte save at most (every save dropped as too large); --min-free-bytes
+    over the file system's size evicted every entry at start, then warned."""
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    rd = start_daemon(root, sock)
+    with Client(rd.socket, timeout=WAIT) as kv:
+        _save(kv, "m1", "a")
+    rd.stop()
+    entry = next((root / "sessions").rglob("*.safetensors"))
+    usage_error(cli("serve", "--root", str(root), "--socket", str(sock),
+                    "--max-pending-bytes", "100", timeout=15), "max_pending_bytes", "at least 1M")
+    r = cli("serve", "--root", str(root), "--socket", str(sock), "--min-free-bytes", "100000T",
+            timeout=15)
+    assert r.returncode == 2 and "min_free_bytes" in r.stderr, r.stderr
+    assert "whole file system" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert entry.exists() and not sock.exists()
+
+
 def test_a_size_in_fractions_of_a_byte_is_refused(short_dir: Path) -> None:
     """"1.5" as a disk budget was cut to 1 byte (every entry evicted at
     start) and "0.5" to 0 (no budget at all): a unit was surely missing. A

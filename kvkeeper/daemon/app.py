@@ -30,6 +30,7 @@ from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
+from kvkeeper.settings import MIN_PENDING_BYTES
 
 log = logging.getLogger("kvkeeper.daemon")
 
@@ -113,6 +114,9 @@ class Daemon:
         check_cpu_policy(cfg.cpu_policy)
         if cfg.max_pending_bytes <= 0:
             raise ValueError(f"max_pending_bytes must be more than 0, not {cfg.max_pending_bytes!r}")
+        if cfg.max_pending_bytes < MIN_PENDING_BYTES:
+            raise ValueError(f"max_pending_bytes must be at least {MIN_PENDING_BYTES}, not "
+                             f"{cfg.max_pending_bytes!r}")
         if not 0 < cfg.stall_timeout < float("inf"):
             raise ValueError(f"stall_timeout must be a finite number of seconds > 0, "
                              f"not {cfg.stall_timeout!r}")
@@ -147,6 +151,12 @@ class Daemon:
             _clear_stale_socket(sock_path)
             store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
             swept = store.open()
+            fs = os.statvfs(root)
+            if cfg.min_free_bytes > fs.f_blocks * fs.f_frsize:
+                # Evicting could never get there: every entry would go at start.
+                raise config.ConfigError(f"min_free_bytes ({cfg.min_free_bytes}) is more than the "
+                                  f"whole file system of {root} ({fs.f_blocks * fs.f_frsize} "
+                                  f"bytes): lower it (0 for none)")
             if swept:
                 log.info("event=swept_tmp count=%d", len(swept))
             evicted = store.enforce_budget()
