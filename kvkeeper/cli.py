@@ -38,6 +38,13 @@ def _size(text: str) -> int:
     return _flag_value(parse_size, text)
 
 
+def _path(text: str) -> Path:
+    if not text:
+        # Path("") is the current directory: surely not what was meant.
+        raise argparse.ArgumentTypeError("the path is empty")
+    return Path(text)
+
+
 def _socket(text: str) -> Path:
     from kvkeeper.config import socket_path
 
@@ -57,7 +64,7 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
                    help="TOML config file (default $KVKEEPER_CONFIG or "
                         "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")
-    flag_types: dict[str, Callable[[str], Any]] = {"path": Path, "socket": _socket,
+    flag_types: dict[str, Callable[[str], Any]] = {"path": _path, "socket": _socket,
                                                    "size": _size, "seconds": float, "text": str}
     for s in SETTINGS:
         p.add_argument(f"--{s.name.replace('_', '-')}", type=flag_types[s.kind], default=None,
@@ -133,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                             "no cache (model weights) are listed and left alone. Exit 1 if any "
                             "file is bad.")
     _socket_arg(verify)
-    verify.add_argument("--root", type=Path, default=None,
+    verify.add_argument("--root", type=_path, default=None,
                         help="store root (default: the running daemon's, else the configured)")
     verify.add_argument("--repair", action="store_true",
                         help="move bad files aside to <root>/quarantine")
@@ -170,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
                          "Needs the mlx extra. Works without a daemon, reading the store's "
                          "file.")
     _socket_arg(exp)
-    exp.add_argument("--root", type=Path, default=None,
+    exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's, else "
                           "the configured)")
     exp.add_argument("model")

@@ -95,6 +95,9 @@ def _pending_size(value: Any) -> int:
 def _path(value: Any) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise _not_a("a path must be a string", value)
+    if not os.fspath(value):
+        # Path("") is the current directory: surely not what was meant.
+        raise ValueError("the path is empty")
     return Path(value).expanduser()
 
 

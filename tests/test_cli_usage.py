@@ -429,6 +429,17 @@ def test_budgets_no_store_can_meet_are_refused(short_dir: Path) -> None:
     assert entry.exists() and not sock.exists()
 
 
+def test_an_empty_root_is_refused(short_dir: Path) -> None:
+    # It meant the current directory ("root ." in --print-config).
+    cfg = short_dir / "c.toml"
+    cfg.write_text('root = ""\n')
+    for args in (["serve", "--root", "", "--print-config"],
+                 ["serve", "--config", str(cfg), "--print-config"],
+                 ["verify", "--root", ""]):
+        r = cli(*args)
+        assert r.returncode == 2 and "empty" in r.stderr, (args, r.stderr)
+
+
 def test_a_size_in_fractions_of_a_byte_is_refused(short_dir: Path) -> None:
     """"1.5" as a disk budget was cut to 1 byte (every entry evicted at
     start) and "0.5" to 0 (no budget at all): a unit was surely missing. A
