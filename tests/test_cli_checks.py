@@ -3,6 +3,7 @@ exit status (2: usage), instead of a traceback or a silent wrong action."""
 
 from __future__ import annotations
 
+import json
 import os
 import plistlib
 import shlex
@@ -199,6 +200,16 @@ def test_export_without_a_daemon_or_a_store_says_so(short_dir: Path) -> None:
     r = cli("export", "--socket", str(short_dir / "none.sock"), "m", "x", str(out), env=env)
     assert r.returncode == 1 and "no store at" in r.stderr, r.stdout + r.stderr
     assert "give --root" in r.stderr and not out.exists()
+
+
+def test_stats_json_gives_counts_as_integers(client: Client, daemon: RunningDaemon) -> None:
+    # Every counter printed as a float ("saves_written": 1.0, "boot_id": ...0.0).
+    assert client.save("m", "a", small_cache(), [1, 2]) and client.flush(timeout=WAIT)
+    r = cli("stats", "--json", "--socket", str(daemon.socket))
+    got = json.loads(r.stdout)
+    assert got["saves_written"] == 1 and type(got["saves_written"]) is int, r.stdout
+    assert type(got["boot_id"]) is int and type(got["max_pending_bytes"]) is int
+    assert type(got["uptime_s"]) is float and type(got["write_seconds_p50"]) is float
 
 
 def test_a_reader_that_goes_away_is_no_traceback(daemon: RunningDaemon, short_dir: Path) -> None:

@@ -309,6 +309,26 @@ def test_concurrent_flushes_report_each_failure_once(short_dir: Path) -> None:
         assert rd.stop() == 0
 
 
+def test_refusals_are_logged_once_a_minute_per_code(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Each refused save logged a warning (a daemon shutting down or out of
+    memory refuses every one); the counts are in stats()."""
+    from .conftest import start_daemon
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
+    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
+    try:
+        with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+            for j in range(5):
+                assert kv.save(FP, "big", filled(1.5, j), [j])
+                assert kv.flush(timeout=WAIT) is False
+            assert kv.stats()["client_saves_refused"] == 5
+    finally:
+        assert rd.stop() == 0
+    lines = [r.getMessage() for r in caplog.records if "event=save_refused" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
 #: What each batch saves before its flush: small saves that fit, and saves
 #: over the disk budget that the daemon refuses ("big"), or over the client's
 #: in-flight budget that save() itself drops ("huge").

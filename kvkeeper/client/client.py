@@ -159,7 +159,7 @@ class Client:
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
-            on_refused=_log_refused,  # not a method: the channel must not keep this client alive
+            on_refused=_RefusalLog(),  # not a method: the channel must not keep this client alive
             cpu_policy=cpu_policy,
         )
         # A client dropped without close() would keep its I/O thread, ZeroMQ's
@@ -694,8 +694,33 @@ class Client:
         return reply
 
 
-def _log_refused(reply: m.SaveRefused) -> None:
-    log.warning("event=save_refused code=%s detail=%s", reply.code, reply.message)
+class _RefusalLog:
+    """Logs the daemon's refusals of saves: the first of each code at once,
+    then at most one per REFUSAL_LOG_SECONDS with the count since (a daemon
+    shutting down or out of memory refuses every save; the counts are in
+    ``stats()``). Holds nothing of the client: the channel must not keep it
+    alive."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, reply: m.SaveRefused) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(reply.code)
+            if last is not None and now - last < REFUSAL_LOG_SECONDS:
+                self._quiet[reply.code] = self._quiet.get(reply.code, 0) + 1
+                return
+            self._last[reply.code] = now
+            quiet = self._quiet.pop(reply.code, 0)
+        since = f" ({quiet} more with this code since the last report)" if quiet else ""
+        log.warning("event=save_refused code=%s detail=%s%s", reply.code, reply.message, since)
+
+
+#: At most one log line per refusal code in this many seconds.
+REFUSAL_LOG_SECONDS = 60.0
 
 
 def _close_dropped(channel: Channel) -> None:
