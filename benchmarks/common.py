@@ -513,7 +513,9 @@ class DaemonProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(self.root),
                  "--socket", str(self.socket), "--max-pending-bytes", str(self.max_pending_bytes),
-                 "--log-level", "warning"],
+                 # A temporary store: keeping free space on /tmp is not its job
+                 # (on a small tmpfs the default 5 GiB would be refused at start).
+                 "--log-level", "warning", "--min-free-bytes", "0"],
                 stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
             )
         deadline = time.monotonic() + WAIT

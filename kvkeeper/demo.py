@@ -139,8 +139,10 @@ def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
     log_path = tmp / "daemon.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
+            # A throwaway store: no free space to keep on /tmp (a small tmpfs
+            # there would be refused, or would evict the demo's own entries).
             [sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(tmp / "root"),
-             "--socket", str(path), "--log-level", "warning"],
+             "--socket", str(path), "--log-level", "warning", "--min-free-bytes", "0"],
             stdout=subprocess.DEVNULL, stderr=log_file,
         )
     try:

@@ -26,8 +26,10 @@ from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
 from kvkeeper.protocol.legacy_formats import detect_legacy
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# soft_wrap: messages (paths, ids) are never broken across lines when piped;
+# tables still fit the width.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class CommandError(Exception):

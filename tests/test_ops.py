@@ -197,10 +197,12 @@ def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
 
 def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """With --min-free-bytes beyond what evicting entries can free, every
-    write evicts the entries before it: the log says so, as a warning."""
+    """With --min-free-bytes beyond what evicting entries can free (another
+    file fills the disk), every write evicts the entries before it: the log
+    says so, as a warning. (More than the whole disk is refused at start.)"""
     with small_tmpfs(short_dir, "8m") as mnt:
-        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=64 * MiB)
+        (mnt / "other").write_bytes(b"x" * (5 * MiB))
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=3 * MiB)
         try:
             with Client(rd.socket, timeout=WAIT) as kv:
                 assert kv.save(FP, "a", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
@@ -211,7 +213,7 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
             rd.stop()
     warned = [r for r in caplog.records if "event=below_min_free" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.text
-    assert f"min_free_bytes={64 * MiB}" in warned[0].getMessage()
+    assert f"min_free_bytes={3 * MiB}" in warned[0].getMessage()
 
 
 def test_ls_piped_shows_long_ids_whole_and_stats_says_no_disk_limit(short_dir: Path) -> None:
