@@ -175,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(kvkeeper_cache_id), the token ids (token_ids) and the entry's own "
                          "metadata (kvkeeper_metadata, JSON); kvkeeper import restores each. "
                          "Needs the mlx extra. Works without a daemon, reading the store's "
-                         "file.")
+                         "file. An existing file at PATH is replaced (atomically).")
     _socket_arg(exp)
     exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's, else "

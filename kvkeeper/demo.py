@@ -449,8 +449,8 @@ def print_report(rep: Report) -> None:
     wbt.add_row("written to disk", f"{rep.saves_written}", f"{rep.saves_failed} failed")
     wbt.add_row("coalesced in the client", f"{rep.saves_coalesced}",
                 "a newer save came within the send interval")
-    wbt.add_row("coalesced in the daemon (superseded)", f"{rep.saves_superseded}",
-                "a newer save came while pending")
+    wbt.add_row("coalesced in the daemon", f"{rep.saves_superseded}",
+                "superseded: a newer save came while pending")
     wbt.add_row("bytes written", _mib(rep.bytes_written),
                 f"cache: {_mib(rep.cache_bytes)}")
     con.print(wbt)
