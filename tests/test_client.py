@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -687,6 +688,25 @@ def test_client_without_any_daemon(short_dir: Path) -> None:
         assert kv.save(FP, "x", [c], [1]) is False
         assert kv.load(FP, "x") is None
     assert time.perf_counter() - t0 < 5
+
+
+def test_loads_with_no_daemon_and_no_store_say_where_they_looked(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every load was a silent miss: the client read the default root, which
+    # was not there, and said nothing.
+    monkeypatch.delenv("KVKEEPER_ROOT", raising=False)
+    monkeypatch.setenv("KVKEEPER_CONFIG", str(short_dir / "none.toml"))
+    (short_dir / "none.toml").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(short_dir / "cache"))
+    monkeypatch.setenv("HOME", str(short_dir / "home"))  # macOS: ~/Library/Caches
+    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
+    with Client(short_dir / "none.sock", connect_timeout=0.2) as kv:
+        for _ in range(3):
+            assert kv.load(FP, "x") is None
+        where = kv.root
+    said = [r.getMessage() for r in caplog.records if "no store at" in r.getMessage()]
+    assert len(said) == 1 and str(where) in said[0], caplog.text
 
 
 def test_a_root_given_with_a_tilde_is_the_home_one(

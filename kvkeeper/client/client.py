@@ -484,6 +484,15 @@ class Client:
         if unwritten:
             log.warning("event=load_from_file model=%s id=%s reason=%s: the file may be "
                         "older than this client's saves: %s", model, cache_id, why, unwritten)
+        if attempt.ident is None and not self.root.is_dir():
+            # Every load would be a silent miss: say once where it looked.
+            with self._lock:
+                first = "no_store" not in self._warned
+                self._warned.add("no_store")
+            if first:
+                log.warning("event=load_from_file reason=%s: no store at %s to read instead "
+                            "(the root the daemon would use; Client(root=...) names another); "
+                            "loads miss until the daemon is back", why, self.root)
         return self._conclude(model, cache_id, attempt)
 
     def _can_read_directly(self, key: tuple[str, str]) -> bool:
