@@ -154,9 +154,9 @@ class Daemon:
             fs = os.statvfs(root)
             if cfg.min_free_bytes > fs.f_blocks * fs.f_frsize:
                 # Evicting could never get there: every entry would go at start.
-                raise config.ConfigError(f"min_free_bytes ({cfg.min_free_bytes}) is more than the "
-                                  f"whole file system of {root} ({fs.f_blocks * fs.f_frsize} "
-                                  f"bytes): lower it (0 for none)")
+                raise config.ConfigError(
+                    f"min_free_bytes ({cfg.min_free_bytes}) is more than the whole file system "
+                    f"of {root} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
             if swept:
                 log.info("event=swept_tmp count=%d", len(swept))
             evicted = store.enforce_budget()
