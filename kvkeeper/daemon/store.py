@@ -454,9 +454,9 @@ class Store:
     def quarantine_path(self, path: Path, ino: int | None = None,
                         mtime_ns: int | None = None) -> Path | None:
         """Move ``path`` (under this root) to ``<root>/quarantine/``, unless it
-        is not the inode/mtime given, or a file that is not the daemon's (see
-        ``_classify``: quarantined files are deleted first, and another
-        program's file must never be); returns where it went."""
+        is not the inode/mtime given, or another program's file (see
+        ``someone_elses``: quarantined files are the first the budget deletes,
+        and another program's must never be); returns where it went."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
