@@ -1,0 +1,153 @@
+"""Behaviour no other test pinned down, found by mutation testing (each test
+fails when the check it names is removed from the code): read-your-writes
+across a load racing a newer save, quarantined files evicted first, another
+id's file never served, a cache this process cannot import kept, a client
+root elsewhere never read, and every use kept in the eviction order across
+a restart."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvkeeper.client.client import Client
+from kvkeeper.daemon.faults import ENV
+
+from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .faultkit import FP, MiB, entry_path, filled
+
+
+def _version(got) -> int:  # noqa: ANN001
+    assert got is not None
+    return got.token_ids[0]
+
+
+def test_a_load_racing_a_newer_save_leaves_it_unsettled(short_dir: Path) -> None:
+    """A load must not mark the key settled past a newer save of it made
+    while it waited: the next load read the file, an older version."""
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.5"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=60) as kv:
+            assert kv.save(FP, "k", filled(1, 1), [1])
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(kv.load(FP, "k")))
+            t.start()
+            time.sleep(0.15)  # the load waits for v1's slow write
+            assert kv.save(FP, "k", filled(0.01, 2), [2])  # held in the client
+            t.join(WAIT)
+            assert not t.is_alive() and _version(out[0]) in (1, 2)
+            # Read-your-writes: v2 was saved through this client.
+            assert _version(kv.load(FP, "k")) == 2
+    finally:
+        stop_process(proc)
+
+
+def test_quarantined_files_go_first_under_the_budget(short_dir: Path) -> None:
+    """A file moved aside is evicted before any entry (and is indexed as such)."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_disk_bytes=int(3.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for name in ("a", "b"):
+                assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            p = entry_path(rd.root, "b")
+            data = bytearray(p.read_bytes())
+            data[-100] ^= 1
+            p.write_bytes(bytes(data))
+            assert kv.load(FP, "b") is None  # moved aside
+            assert len(list((rd.root / "quarantine").iterdir())) == 1
+            for name in ("c", "d"):
+                assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            assert {e.cache_id for e in kv.entries()} == {"a", "c", "d"}
+            assert list((rd.root / "quarantine").iterdir()) == []
+    finally:
+        rd.stop()
+
+
+def test_a_file_holding_another_id_is_a_miss(short_dir: Path) -> None:
+    """The file at b's place that holds cache a is never served for b."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for v, name in enumerate(("a", "b"), 1):
+                assert kv.save(FP, name, filled(0.1, v), [v]) and kv.flush(timeout=WAIT)
+            tmp = entry_path(rd.root, "b").with_name("x.tmpcopy")
+            shutil.copyfile(entry_path(rd.root, "a"), tmp)
+            os.rename(tmp, entry_path(rd.root, "b"))
+            assert kv.load(FP, "b", verify=False) is None
+    finally:
+        rd.stop()
+
+
+def test_an_unimportable_class_is_a_miss_not_moved_aside(short_dir: Path) -> None:
+    """A sound file of a class this process cannot import is kept for those
+    that can (its report is answered before load() returns)."""
+    import mlx_vlm.models.cache as vc
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            c = vc.KVCache()
+            x = mx.ones((1, 2, 4, 8))
+            c.update_and_fetch(x, x)
+            assert kv.save(FP, "v", [c], [1]) and kv.flush(timeout=WAIT)
+            code = ("import sys; sys.modules['mlx_vlm'] = None\n"
+                    "from kvkeeper import Client\n"
+                    f"kv = Client({str(rd.socket)!r}, timeout=30)\n"
+                    f"print(kv.load({FP!r}, 'v'))\n"
+                    "kv.close()\n")
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=WAIT, env={**os.environ})
+            assert r.returncode == 0 and r.stdout.strip() == "None", r.stderr
+            assert entry_path(rd.root, "v").exists()
+            assert kv.stats()["files_quarantined"] == 0
+    finally:
+        rd.stop()
+
+
+def test_a_client_root_elsewhere_never_serves_its_files(short_dir: Path) -> None:
+    """With Client(root=...) not the daemon's root, loads go by the daemon."""
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    other = short_dir / "other"
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            stale = entry_path(other, "k")
+            stale.parent.mkdir(parents=True)
+            shutil.copyfile(entry_path(rd.root, "k"), stale)
+            assert kv.save(FP, "k", filled(0.1, 2), [2]) and kv.flush(timeout=WAIT)
+        with Client(rd.socket, timeout=WAIT, root=other) as kv:
+            assert _version(kv.load(FP, "k")) == 2
+            assert _version(kv.load(FP, "k", verify=False)) == 2
+    finally:
+        rd.stop()
+
+
+def test_a_second_load_survives_a_restart_in_the_lru_order(short_dir: Path) -> None:
+    """Every use goes to the file's atime (relatime skips a second read's):
+    the eviction order after a restart follows the last use."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for name in ("a", "b", "c"):
+                assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            for name in ("a", "b", "a"):
+                time.sleep(0.05)
+                assert kv.load(FP, name) is not None
+                kv.ping()  # the Used notice is handled before the ping's answer
+    finally:
+        assert rd.stop() == 0
+    rd = start_daemon(root, sock, max_disk_bytes=int(1.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert {e.cache_id for e in kv.entries()} == {"a"}
+    finally:
+        rd.stop()
