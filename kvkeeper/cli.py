@@ -39,10 +39,9 @@ def _size(text: str) -> int:
 
 
 def _path(text: str) -> Path:
-    if not text:
-        # Path("") is the current directory: surely not what was meant.
-        raise argparse.ArgumentTypeError("the path is empty")
-    return Path(text)
+    from kvkeeper.settings import parse_path
+
+    return _flag_value(parse_path, text)
 
 
 def _socket(text: str) -> Path:

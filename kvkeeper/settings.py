@@ -92,7 +92,8 @@ def _pending_size(value: Any) -> int:
     return v
 
 
-def _path(value: Any) -> Path:
+def parse_path(value: Any) -> Path:
+    """A directory setting (``~`` expanded); raises ValueError when empty."""
     if not isinstance(value, (str, os.PathLike)):
         raise _not_a("a path must be a string", value)
     if not os.fspath(value):
@@ -159,7 +160,7 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("root", _path, config.default_root, "store directory", "path"),
+    Setting("root", parse_path, config.default_root, "store directory", "path"),
     Setting("socket", _socket, config.default_socket, "ipc socket path", "socket"),
     Setting("max_pending_bytes", _pending_size, lambda: 1 * GiB,
             "memory for saves received but not yet written; a save that does not fit "
