@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 
 import kvkeeper
+from kvkeeper.client import reader
 from kvkeeper.client.client import Client
 from kvkeeper.client.reader import CacheFileError
 
@@ -120,11 +121,22 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 }
 
 
+#: Headers that give the saved integers in other JSON types (1.0 for 1, true
+#: for a dimension of 1): MLX reads the same layout from them, so a lazy load,
+#: which leaves the layout to MLX's loader, serves them as saved (see
+#: test_a_lazy_load_leaves_the_layout_to_mlx).
+SAME_INTEGERS = ("float-offsets", "bool-dimension")
+
+
+def _lazy_sees(kind: str) -> bool:
+    # A flipped bit in the data is the one damage only checksums can see.
+    return kind != "flipped-bit" and not (reader.MLX_CHECKS_OFFSETS and kind in SAME_INTEGERS)
+
+
 # Lazy loads (verify=False) read the file while the daemon answers and report
-# what they find damaged once the answer names it; a flipped bit in the data
-# is the one damage only checksums can see.
+# what they find damaged once the answer names it.
 @pytest.mark.parametrize(("kind", "verify"), [(k, True) for k in sorted(DAMAGE)]
-                         + [(k, False) for k in sorted(DAMAGE) if k != "flipped-bit"])
+                         + [(k, False) for k in sorted(DAMAGE) if _lazy_sees(k)])
 def test_damaged_file_is_a_clean_miss_and_moved_aside(
     kind: str, verify: bool, client: Client, daemon: RunningDaemon,
     caplog: pytest.LogCaptureFixture
@@ -151,6 +163,63 @@ def test_damaged_file_is_a_clean_miss_and_moved_aside(
     assert client.save(FP, "victim", filled(1, 9), [9])
     got = client.load(FP, "victim")
     assert got is not None and got.token_ids == [9]
+
+
+@pytest.mark.parametrize("kind", SAME_INTEGERS)
+def test_a_lazy_load_leaves_the_layout_to_mlx(
+    kind: str, client: Client, daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lazy load no longer reads the header itself before mx.load (a quarter
+    of its time) when MLX checks every tensor's offsets: a header MLX reads as
+    the saved layout is served as saved; a verified load, which still checks
+    the header itself, refuses it. With an older MLX our check runs first."""
+    assert client.save(FP, "victim", filled(1, 7), [7])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "victim")
+    DAMAGE[kind](path)
+    if reader.MLX_CHECKS_OFFSETS:
+        got = client.load(FP, "victim", verify=False)
+        assert got is not None and got.token_ids == [7]
+        for layer in got.cache:
+            assert all(mx.all(a == 7).item() for a in layer.state[:2])
+        assert path.exists()
+    monkeypatch.setattr(reader, "MLX_CHECKS_OFFSETS", False)
+    for verify in (False, True):
+        with pytest.raises(CacheFileError, match="malformed entry") as info:
+            kvkeeper.read_cache_file(path, verify=verify)
+        assert info.value.damaged
+    assert client.load(FP, "victim", verify=False) is None
+    deadline = time.monotonic() + WAIT
+    while os.path.lexists(path):
+        assert time.monotonic() < deadline, "damaged file was not moved aside"
+        time.sleep(0.01)
+
+
+def test_mlx_checks_offsets_when_kvkeeper_says_it_does(tmp_path: Path) -> None:
+    """The premise of leaving a lazy load's layout to MLX: the installed MLX
+    refuses a tensor beyond the end of the file or of the wrong size for its
+    shape (0.29 to 0.31.1 load both and read past the end)."""
+    good = tmp_path / "good.safetensors"
+    mx.save_safetensors(str(good), {"a": mx.arange(4, dtype=mx.float32)})
+    data = good.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    bad = {
+        "beyond the end": (dict(header, a=dict(header["a"], shape=[8], data_offsets=[0, 32]))),
+        "wrong size": (dict(header, a=dict(header["a"], shape=[2]))),
+    }
+    refused = []
+    for what, h in bad.items():
+        raw = json.dumps(h).encode()
+        p = tmp_path / f"{what}.safetensors"
+        p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+        try:
+            mx.eval(mx.load(str(p))["a"])
+        except RuntimeError:
+            refused.append(what)
+        with pytest.raises(CacheFileError):
+            kvkeeper.read_cache_file(p, verify=False)  # refused either way
+    assert reader.MLX_CHECKS_OFFSETS == (refused == list(bad)), (mx.__version__, refused)
 
 
 def test_another_programs_safetensors_file_is_never_moved_or_replaced(
