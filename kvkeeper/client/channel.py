@@ -301,9 +301,13 @@ class Channel:
 
     def notify(self, msg: m.Request) -> None:
         """Send a message that gets no reply, if the daemon is connected; never
-        blocks, and keeps the GIL (the caller goes on at once)."""
+        blocks. It goes out, in order, with the next message this client sends
+        or on the I/O thread's next idle pass (at most 0.2 s later)."""
         if self.connected.is_set():
-            self._push(_Request(m.encode(msg), 0), hand_over=False)
+            # No wake-up: the write to the pipe, and the other core's thread
+            # it wakes, were about 80 us of a 512 MiB lazy load's 1.8 ms.
+            with self._lock:
+                self._outbox.append(_Request(m.encode(msg), 0))
 
     def wait(self, pending: PendingReply, timeout: float) -> m.Reply:
         """The reply to a ``send_request``; raises DaemonUnavailable."""
