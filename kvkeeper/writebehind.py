@@ -107,13 +107,21 @@ class WriteBehind:
         if self._closed:
             raise RuntimeError("write-behind is closed")
         c = self.counters
+        before = (self._pending, self._tried, self._last)
         c.steps += 1
         self._pending += 1
         self._tried += 1
         self._last = (cache, token_ids)
         if not self._due():
             return False
-        return self._save(cache, token_ids)
+        try:
+            return self._save(cache, token_ids)
+        except ValueError:
+            # Refused: not a step. The counters, the triggers and close() go
+            # on from the last step taken.
+            c.steps -= 1
+            self._pending, self._tried, self._last = before
+            raise
 
     def _due(self) -> bool:
         c = self.counters

@@ -147,6 +147,17 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
         wb.step(cache, p[:9])
     assert wb.counters.sent == 0
     assert client.load(FP, "mismatch") is None
+    # A refused step is not counted, and close() saves the last step taken.
+    assert wb.counters.steps == 0
+    assert wb.close() is False  # no step was taken: nothing to save
+    wb = client.write_behind(FP, "mismatch", every_tokens=2, save_first=False)
+    wb.step(cache, p)  # not due: not checked
+    with pytest.raises(ValueError, match="holds 10 tokens but 9"):
+        wb.step(cache, p[:9])  # due
+    assert wb.counters.steps == 1
+    assert wb.close() is True and client.flush(timeout=WAIT)
+    got = client.load(FP, "mismatch")
+    assert got is not None and got.token_ids == p
 
 
 def test_daemon_down_drops_and_never_raises(model, daemon: RunningDaemon) -> None:
