@@ -2,12 +2,15 @@
 fails when the check it names is removed from the code): read-your-writes
 across a load racing a newer save, quarantined files evicted first, another
 id's file never served, a cache this process cannot import kept, a client
-root elsewhere never read, and every use kept in the eviction order across
-a restart."""
+root elsewhere never read, every use kept in the eviction order across
+a restart, a checksum table that leaves out a tensor, and a layers
+description that gives a tensor another shape of the same size."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -18,8 +21,9 @@ import mlx.core as mx
 
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import ENV
+from kvkeeper.protocol import safetensors as st
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
 from .faultkit import FP, MiB, entry_path, filled
 
 
@@ -151,3 +155,54 @@ def test_a_second_load_survives_a_restart_in_the_lru_order(short_dir: Path) -> N
             assert {e.cache_id for e in kv.entries()} == {"a"}
     finally:
         rd.stop()
+
+
+def _edit_metadata(path: Path, key: str, change) -> None:  # noqa: ANN001
+    """Rewrite one metadata value of a file in place (tensor bytes unchanged)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"][key] = json.dumps(change(json.loads(header["__metadata__"][key])))
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def test_a_checksum_table_missing_a_tensor_is_a_clean_miss(client: Client,
+                                                           daemon: RunningDaemon) -> None:
+    """A table that leaves out one tensor: a verified load is a miss and the
+    file is moved aside (with the coverage check gone: a KeyError out of
+    load())."""
+    assert client.save(FP, "k", filled(1, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "k")
+
+    def drop_one(sums: dict) -> dict:
+        sums["tensors"].pop(sorted(sums["tensors"])[0])
+        return sums
+
+    _edit_metadata(path, st.CHECKSUMS_KEY, drop_one)
+    assert client.load(FP, "k") is None
+    deadline = time.monotonic() + WAIT
+    while os.path.lexists(path):
+        assert time.monotonic() < deadline, "file was not moved aside"
+        time.sleep(0.01)
+
+
+def test_a_layers_description_of_another_shape_is_a_miss(client: Client,
+                                                         daemon: RunningDaemon) -> None:
+    """The layers JSON names a tensor with a shape of the same size as the
+    file's (its last two dimensions swapped): restoring it would build a
+    cache of the wrong geometry. Lazy and verified loads are misses (with the
+    tensor table's shortcut taking any entry of that name: restored)."""
+    assert client.save(FP, "k", filled(1, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "k")
+
+    def swap(doc: dict) -> dict:
+        ref = doc["layers"][0]["state"]["items"][0]
+        assert ref["$"] == "tensor" and ref["shape"][-1] != ref["shape"][-2]
+        ref["shape"][-2:] = ref["shape"][-1:-3:-1]
+        return doc
+
+    _edit_metadata(path, st.LAYERS_KEY, swap)
+    for verify in (True, False):
+        assert client.load(FP, "k", verify=verify) is None
