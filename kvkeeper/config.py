@@ -80,15 +80,35 @@ def check_socket_path(socket_path: Path) -> None:
         )
 
 
-def private_dir(path: Path, what: str) -> Path:
-    """Create ``path`` (mode 0700) if missing, then insist it is a real directory
-    of ours that nobody else can enter. Returns the absolute path."""
+def check_private_dir(path: Path, what: str) -> None:
+    """What `private_dir` would refuse, found without creating anything: so a
+    daemon refused for one directory leaves no other one made behind."""
     path = Path(os.path.abspath(path))
+    _check_utf8(path, what)
+    if os.path.lexists(path):
+        _check_ours(path, what)
+        return
+    parent = path.parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create {what} {str(path)!r}: {str(parent)!r} "
+                          f"is not a directory this user can write in")
+
+
+def _check_utf8(path: Path, what: str) -> None:
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
         # Replies name files by path, in UTF-8: a client could not open them.
         raise ConfigError(f"{what} {str(path)!r} is not valid UTF-8; choose another") from None
+
+
+def private_dir(path: Path, what: str) -> Path:
+    """Create ``path`` (mode 0700) if missing, then insist it is a real directory
+    of ours that nobody else can enter. Returns the absolute path."""
+    path = Path(os.path.abspath(path))
+    _check_utf8(path, what)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.mkdir(path, 0o700)
@@ -96,6 +116,11 @@ def private_dir(path: Path, what: str) -> Path:
         pass
     except OSError as exc:
         raise ConfigError(f"cannot create {what} {str(path)!r}: {exc.strerror}") from None
+    _check_ours(path, what)
+    return path
+
+
+def _check_ours(path: Path, what: str) -> None:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it")
@@ -108,4 +133,3 @@ def private_dir(path: Path, what: str) -> Path:
             f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
             f"open to group or others (chmod 700 it)"
         )
-    return path

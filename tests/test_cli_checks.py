@@ -130,6 +130,30 @@ def test_serve_refuses_a_root_it_cannot_serve_from_with_a_message(
     assert last.startswith("kvkeeper: ") and ("UTF-8" in last or "symlink" in last), last
 
 
+@pytest.mark.parametrize("what", ["open to others", "a symlink", "under a file"])
+def test_serve_refused_for_its_socket_directory_leaves_no_root_behind(
+    what: str, short_dir: Path
+) -> None:
+    """The root was made first, then the socket directory refused: a new
+    empty store left behind by a daemon that never ran."""
+    run = short_dir / "run"
+    if what == "open to others":
+        run.mkdir(mode=0o700)
+        run.chmod(0o755)
+    elif what == "a symlink":
+        (short_dir / "elsewhere").mkdir(mode=0o700)
+        run.symlink_to(short_dir / "elsewhere")
+    else:
+        run.write_text("a file")
+        run = run / "sub"
+    root = short_dir / "new" / "root"
+    r = cli("serve", "--root", str(root), "--socket", str(run / "k.sock"), timeout=15)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvkeeper: ") and "socket directory" in last, last
+    assert not (short_dir / "new").exists()
+
+
 # ------------------------------------------------------------------ the socket path
 
 

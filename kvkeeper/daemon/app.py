@@ -142,6 +142,10 @@ class Daemon:
         policy = batch_this_thread() if cfg.cpu_policy == "batch" else None
         try:
             config.check_socket_path(cfg.socket)
+            # Both looked at before either is made: refused for one, the
+            # daemon leaves no new directory behind for the other.
+            config.check_private_dir(cfg.root, "root directory")
+            config.check_private_dir(cfg.socket.parent, "socket directory")
             root = config.private_dir(cfg.root, "root directory")
             sock_dir = config.private_dir(cfg.socket.parent, "socket directory")
             sock_path = sock_dir / cfg.socket.name
