@@ -147,7 +147,10 @@ def test_damaged_file_is_a_clean_miss_and_moved_aside(
     path = entry_path(daemon.root, "victim")
     DAMAGE[kind](path)
     caplog.set_level(logging.INFO, logger="kvkeeper")
+    found = client.stats().get("loads_found", 0)
     assert client.load(FP, "victim", verify=verify) is None
+    if kind in ("directory", "symlink"):  # the daemon's own look: not an entry it found
+        assert client.stats().get("loads_found", 0) == found
     # Moved aside (by the daemon, the only writer), so it is never served again.
     deadline = time.monotonic() + WAIT
     while os.path.lexists(path):
@@ -288,6 +291,7 @@ def test_a_newer_version_is_never_moved_aside(client: Client, daemon: RunningDae
         mtime_ns=st.st_mtime_ns, reason="test"))
     assert isinstance(reply, m.Deleted) and reply.existed is False
     assert version_of(entry_path(daemon.root, "fresh")) == 2
+    assert client.stats().get("files_quarantined", 0) == 0  # nothing was moved
 
 
 def test_loads_racing_1000_replaces(client: Client, daemon: RunningDaemon) -> None:

@@ -96,11 +96,13 @@ def test_budget_evicts_least_recently_used(short_dir: Path) -> None:
                 assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
                 time.sleep(0.01)
             assert kv.load(FP, "a") is not None  # a load is a use: "a" is now the newest
+            b_bytes = entry_path(root, "b").stat().st_size
             assert kv.save(FP, "d", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
             left = {e.cache_id for e in kv.entries()}
             assert left == {"a", "c", "d"}, left
             stats = kv.stats()
             assert stats["evictions"] == 1 and stats["disk_used_bytes"] <= 3.5 * MiB
+            assert stats["bytes_evicted"] == b_bytes  # the file of "b", whole
             # Nothing was pending, so the client read "a" itself and told the daemon.
             assert stats["loads_direct"] == 1 and stats.get("loads_found", 0) == 0
             everything = kv.entries(everything=True)
