@@ -298,7 +298,15 @@ def _tail_cause(stream: dict[str, Any]) -> str:
             f"and those preempted from 110 to 39. The rest is the thread waiting for one of "
             f"this shared machine's two cores (no steal was seen inside the calls measured "
             f"apart; see the steal per case below) or "
-            f"running slowly for a while, not a step of `save()`.")
+            f"running slowly for a while, not a step of `save()`. Measured apart later "
+            f"(400 streaming calls, 512 MiB): saves the client dropped, which only walk the "
+            f"layers, were slow as often as saves handed off (22 of 305 against 7 of 95 over "
+            f"1 ms), most with their CPU time near their wall time (a dropped call: 5.0 ms "
+            f"of CPU in 9.3 ms), so the thread ran slowly while the send, receive, hashing "
+            f"and writing of earlier saves moved 512 MiB at a time through the memory both "
+            f"cores share; the daemon and the client's I/O thread at nice 10 left the calls "
+            f"over 1 ms where they were (19/16/14 against 20/16/10 at nice 0, three "
+            f"alternated rounds of 200).")
 
 
 def _gc_text(g: dict[str, Any] | None) -> str:
@@ -765,18 +773,22 @@ def _why(doc: dict[str, Any]) -> list[str]:
                    f"excess is a daemon round trip (`ping` "
                    f"{_p(ld['ping_round_trip'])} median), plus ")
                 + ("The excess is " if lds.get("loads_direct") else "")
-                + "reading and "
-                "checking the header before `mx.load`, decoding the token ids and the layer "
-                "description, and rebuilding every layer object: Python work, where "
-                "`mx.load` is mostly C++." + b2b + " Measured apart on 2026-12-01 (512 MiB, "
+                + "decoding the token ids and the layer description, and rebuilding every "
+                "layer object: Python work, where `mx.load` is mostly C++ (with MLX 0.31.2 "
+                "or later a lazy load leaves checking the header to `mx.load` and does not "
+                "read it itself)." + b2b + " Measured apart on 2026-12-01 (512 MiB, "
                 "64 tensors, 4096 tokens, each call after a whole-file load as in the "
-                "rotation): the header about 380 µs, the token ids 250-285 µs (4096 Python "
-                "ints; `list(range(4096))` alone takes about 65 µs here warm), the layer "
-                "rebuild about 300 µs and the client's own steps about 140 µs, against "
-                "about 900 µs for `mx.load`, which parses the same 32 KiB header in C++. "
+                "rotation): the token ids 250-285 µs (4096 Python ints; "
+                "`list(range(4096))` alone takes about 65 µs here warm), the layer "
+                "rebuild 300-400 µs and the client's own steps about 140 µs, against "
+                "800-900 µs for `mx.load`, which parses the 32 KiB header in C++. "
                 "That day a cheaper header check, class lookup and tensor check, and one "
                 "`pread` for the header, took 0.3-0.45 ms off the excess side by side "
-                "(+1.58/+1.60 ms before, +1.31/+1.12 ms after, in the load case alone).")
+                "(+1.58/+1.60 ms before, +1.31/+1.12 ms after, in the load case alone); "
+                "later, leaving the header to MLX (our own read of it was 320-455 µs cold), "
+                "decoders made once, remembered entry paths and a use notice that no "
+                "longer wakes the I/O thread (80 µs) took it from +1.28/+1.61/+1.45 ms to "
+                "+0.88/+1.02/+0.82 ms, side by side in the load case alone.")
         elif case.startswith("4"):
             out.append(
                 f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
