@@ -331,6 +331,34 @@ def test_loads_racing_1000_replaces(client: Client, daemon: RunningDaemon) -> No
     assert version_of(path) == 1000
 
 
+def test_client_loads_racing_replaces_never_miss(client: Client, daemon: RunningDaemon) -> None:
+    """Another client's verified loads, racing 500 replaces of the key, each
+    return a whole version, never an older one than the last (a file
+    replaced between the header read and mx.load is read again)."""
+    assert client.save(FP, "race", filled(0.25, 0), [0]) and client.flush(timeout=WAIT)
+    stop = threading.Event()
+    seen: list[int | None] = []
+
+    def loader() -> None:
+        with Client(daemon.socket, timeout=WAIT) as other:
+            while not stop.is_set():
+                got = other.load(FP, "race")
+                seen.append(None if got is None else got.token_ids[0])
+
+    t = threading.Thread(target=loader, daemon=True)
+    t.start()
+    try:
+        for v in range(1, 501):
+            assert client.save(FP, "race", filled(0.25, v), [v])
+            assert client.flush(timeout=WAIT)
+    finally:
+        stop.set()
+        t.join(WAIT)
+    assert not t.is_alive()
+    assert len(seen) > 50 and None not in seen, seen.count(None)
+    assert seen == sorted(seen) and len(set(seen)) > 10
+
+
 def test_read_cache_file_errors_say_what(tmp_path: Path) -> None:
     p = tmp_path / "e.safetensors"
     p.write_bytes(b"short")
