@@ -294,6 +294,22 @@ def test_a_newer_version_is_never_moved_aside(client: Client, daemon: RunningDae
     assert client.stats().get("files_quarantined", 0) == 0  # nothing was moved
 
 
+def _replace_while(reader: Callable[[], None], stop: threading.Event, client: Client,
+                   key: str, n: int) -> None:
+    """Versions 1..n of ``key``, each flushed, while ``reader`` runs in a thread
+    until ``stop``; fails if the reader does not end."""
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        for v in range(1, n + 1):
+            assert client.save(FP, key, filled(0.25, v), [v])
+            assert client.flush(timeout=WAIT)
+    finally:
+        stop.set()
+        t.join(WAIT)
+    assert not t.is_alive()
+
+
 def test_loads_racing_1000_replaces(client: Client, daemon: RunningDaemon) -> None:
     assert client.save(FP, "race", filled(0.25, 0), [0]) and client.flush(timeout=WAIT)
     path = entry_path(daemon.root, "race")
@@ -315,15 +331,7 @@ def test_loads_racing_1000_replaces(client: Client, daemon: RunningDaemon) -> No
                 errors.append(exc)
                 return
 
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    try:
-        for v in range(1, 1001):
-            assert client.save(FP, "race", filled(0.25, v), [v])
-            assert client.flush(timeout=WAIT)
-    finally:
-        stop.set()
-        t.join(WAIT)
+    _replace_while(reader, stop, client, "race", 1000)
     assert not errors, errors[:1]
     assert client.stats()["saves_written"] >= 1001
     assert len(seen) > 50 and all(0 <= v <= 1000 for v in seen)
@@ -345,16 +353,7 @@ def test_client_loads_racing_replaces_never_miss(client: Client, daemon: Running
                 got = other.load(FP, "race")
                 seen.append(None if got is None else got.token_ids[0])
 
-    t = threading.Thread(target=loader, daemon=True)
-    t.start()
-    try:
-        for v in range(1, 501):
-            assert client.save(FP, "race", filled(0.25, v), [v])
-            assert client.flush(timeout=WAIT)
-    finally:
-        stop.set()
-        t.join(WAIT)
-    assert not t.is_alive()
+    _replace_while(loader, stop, client, "race", 500)
     assert len(seen) > 50 and None not in seen, seen.count(None)
     assert seen == sorted(seen) and len(set(seen)) > 10
 
