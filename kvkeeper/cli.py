@@ -216,7 +216,9 @@ def _logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
         stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        # One field: "2026-12-01 21:40:00,123" would be two.
+        format="ts=%(asctime)s.%(msecs)03d level=%(levelname)s logger=%(name)s %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
     )
 
 

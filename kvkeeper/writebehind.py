@@ -18,7 +18,6 @@ is fed to a model, and a wrong one would silently produce wrong tokens.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -26,10 +25,12 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
+from kvkeeper.logs import get_logger
+
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
 
-log = logging.getLogger("kvkeeper.writebehind")
+log = get_logger("kvkeeper.writebehind")
 
 __all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_triggers",
            "layer_offsets"]

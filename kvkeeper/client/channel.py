@@ -26,7 +26,6 @@ import atexit
 import concurrent.futures
 import ctypes
 import itertools
-import logging
 import os
 import threading
 import time
@@ -41,10 +40,11 @@ import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before
 from zmq.utils.monitor import parse_monitor_message
 
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 
-log = logging.getLogger("kvkeeper.client")
+log = get_logger("kvkeeper.client")
 
 Frames = Sequence[bytes | memoryview]
 Key = tuple[str, str]  # (model, cache id)

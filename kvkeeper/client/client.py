@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import stat
@@ -29,6 +28,7 @@ import msgspec
 
 from kvkeeper import __version__, config, settings
 from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonTimedOut, DaemonUnavailable
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from kvkeeper.client.reader import CacheFileError, LoadedCache
     from kvkeeper.writebehind import WriteBehind
 
-log = logging.getLogger("kvkeeper.client")
+log = get_logger("kvkeeper.client")
 
 GiB = 1024**3
 #: Frames and messages of a save stream stay around this size: many messages

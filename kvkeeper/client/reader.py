@@ -7,7 +7,6 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import threading
@@ -19,9 +18,10 @@ import mlx.core as mx
 import msgspec
 
 from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, restore_cache
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol import safetensors as st
 
-log = logging.getLogger("kvkeeper.client")
+log = get_logger("kvkeeper.client")
 
 
 class CacheFileError(Exception):

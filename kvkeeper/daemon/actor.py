@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -48,6 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import PendingFile, Store, StoredEntry
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import ErrorCode
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
 from kvkeeper.protocol.safetensors import (
@@ -57,7 +57,7 @@ from kvkeeper.protocol.safetensors import (
     TensorHasher,
 )
 
-log = logging.getLogger("kvkeeper.actor")
+log = get_logger("kvkeeper.actor")
 
 #: How long a save being written may go without bytes before it makes way for
 #: other jobs waiting behind it (it is parked, not failed: see the docstring).

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
-import logging
 import os
 import secrets
 import signal
@@ -29,10 +28,11 @@ from kvkeeper.daemon.fdlimit import raise_fd_limit
 from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
 from kvkeeper.settings import MIN_PENDING_BYTES
 
-log = logging.getLogger("kvkeeper.daemon")
+log = get_logger("kvkeeper.daemon")
 
 GiB = 1024**3
 LOCK_NAME = ".kvkeeper.lock"

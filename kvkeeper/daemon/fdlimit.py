@@ -11,10 +11,11 @@ limit up to the hard one.
 
 from __future__ import annotations
 
-import logging
 import resource
 
-log = logging.getLogger("kvkeeper.daemon")
+from kvkeeper.logs import get_logger
+
+log = get_logger("kvkeeper.daemon")
 
 #: Enough for any real number of clients; not more, as some code sizes
 #: tables by the limit.

@@ -9,7 +9,6 @@ small task of their own, so one slow answer never holds up the receive loop.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import socket
 import stat
@@ -32,6 +31,7 @@ from kvkeeper import __version__
 from kvkeeper.daemon.actor import DeleteJob, Key, SaveJob, WriterActor
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Store, StoredEntry
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.safetensors import (
@@ -45,7 +45,7 @@ from kvkeeper.protocol.safetensors import (
     LayoutError,
 )
 
-log = logging.getLogger("kvkeeper.server")
+log = get_logger("kvkeeper.server")
 _MAX_STREAMS = 10_000
 #: Requests whose answer waits (a load behind a save, a delete, a list, a
 #: gc, and a peer's flushes, which share one) a peer may have at once, and

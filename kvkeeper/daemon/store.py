@@ -12,7 +12,6 @@ import ctypes
 import errno
 import hashlib
 import itertools
-import logging
 import os
 import re
 import stat
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from kvkeeper.config import ConfigError
 from kvkeeper.daemon import faults
+from kvkeeper.logs import get_logger
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.legacy_formats import detect_legacy
 from kvkeeper.protocol.safetensors import (
@@ -37,7 +37,7 @@ from kvkeeper.protocol.safetensors import (
     open_file,
 )
 
-log = logging.getLogger("kvkeeper.store")
+log = get_logger("kvkeeper.store")
 
 TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"

@@ -26,17 +26,17 @@ This module imports neither MLX library.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvkeeper.logs import get_logger
 from kvkeeper.writebehind import WriteBehind, cache_length, check_triggers, layer_offsets
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
 
-log = logging.getLogger("kvkeeper.integrations")
+log = get_logger("kvkeeper.integrations")
 
 __all__ = ["MEDIA_KEY", "Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse",
            "token_ids_of"]

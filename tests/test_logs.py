@@ -1,0 +1,59 @@
+"""Every log line is one line of key=value fields, whatever ids, paths and
+reasons it carries."""
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from kvkeeper.client.client import Client
+
+from .conftest import WAIT, serve_process, stop_process
+from .faultkit import FP, entry_path, filled
+
+#: An id a client may use: a newline that would start a forged line, spaces,
+#: quotes, "=" and a backslash.
+NASTY = 'v\nts=0 level=ERROR event=forged "x"=y \\ z'
+
+
+def _fields(line: str) -> dict[str, str]:
+    """A logfmt line split by a reader that knows nothing of kvkeeper: shell
+    quoting rules match logfmt's for what kvkeeper writes (backslash escapes
+    inside double quotes; \\n stays two characters)."""
+    return dict(tok.split("=", 1) for tok in shlex.split(line, posix=True) if "=" in tok)
+
+
+def test_ids_and_reasons_stay_inside_their_field(short_dir: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--log-level", "info")
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, NASTY, filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
+            path = entry_path(root, NASTY)
+            path.write_bytes(path.read_bytes()[:100])  # damaged: the client logs, the daemon moves it
+            caplog.set_level(logging.INFO, logger="kvkeeper")
+            assert kv.load(FP, NASTY) is None
+            kv.ping()
+    finally:
+        assert stop_process(proc) == 0
+    client_lines = [r.getMessage() for r in caplog.records if "event=load_miss" in r.getMessage()]
+    assert len(client_lines) == 1 and "\n" not in client_lines[0]
+    fields = _fields(client_lines[0])
+    assert fields["event"] == "load_miss" and fields["id"] == NASTY.replace("\n", "\\n")
+    assert set(fields) == {"event", "model", "id", "reason"}  # nothing spilled out of a value
+    assert fields["model"] == FP and "header length" in fields["reason"]
+    daemon_log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=forged" not in "\n".join(
+        ln for ln in daemon_log.splitlines() if not ln.startswith("ts=")), daemon_log
+    moved = [ln for ln in daemon_log.splitlines() if "event=quarantined" in ln]
+    assert len(moved) == 1, daemon_log
+    fields = _fields(moved[0])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}", fields["ts"]), fields["ts"]
+    assert set(fields) == {"ts", "level", "logger", "event", "model", "id", "reason", "moved_to"}
+    assert fields["level"] == "WARNING" and fields["event"] == "quarantined"
+    assert fields["id"] == NASTY.replace("\n", "\\n")
+    assert Path(fields["moved_to"]).parent == root / "quarantine"
