@@ -9,6 +9,7 @@ a line into its fields and a cache id holding a newline cannot forge a line.
 from __future__ import annotations
 
 import logging
+import numbers
 import re
 
 __all__ = ["get_logger", "logfmt_value"]
@@ -41,7 +42,8 @@ class _Values(logging.Filter):
         args = record.args
         if isinstance(args, tuple) and args:
             record.args = tuple(
-                a if a is None or isinstance(a, (int, float)) else logfmt_value(str(a))
+                # Numbers of any kind (numpy's too) stay numbers for %d and %.1f.
+                a if a is None or isinstance(a, numbers.Number) else logfmt_value(str(a))
                 for a in args
             )
         return True
