@@ -3,8 +3,9 @@ fails when the check it names is removed from the code): read-your-writes
 across a load racing a newer save, quarantined files evicted first, another
 id's file never served, a cache this process cannot import kept, a client
 root elsewhere never read, every use kept in the eviction order across
-a restart, a checksum table that leaves out a tensor, and a layers
-description that gives a tensor another shape of the same size."""
+a restart, a checksum table that leaves out a tensor, a layers
+description that gives a tensor another shape of the same size, and a
+save whose rename fails."""
 from __future__ import annotations
 
 import json
@@ -206,3 +207,21 @@ def test_a_layers_description_of_another_shape_is_a_miss(client: Client,
     _edit_metadata(path, st.LAYERS_KEY, swap)
     for verify in (True, False):
         assert client.load(FP, "k", verify=verify) is None
+
+
+def test_a_save_whose_rename_fails_leaves_no_entry_behind(client: Client,
+                                                         daemon: RunningDaemon) -> None:
+    """A directory at the entry's place makes the rename fail (EISDIR): the
+    save fails and the index gains nothing (with the rename's outcome
+    unchecked: a phantom entry listed and counted against the budget)."""
+    assert client.save(FP, "other", filled(1, 1), [1]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "k")
+    path.mkdir()
+    before = client.stats()
+    assert client.save(FP, "k", filled(1, 2), [2])
+    assert client.flush(timeout=WAIT) is False
+    after = client.stats()
+    assert after["saves_failed"] == before.get("saves_failed", 0) + 1
+    assert after["disk_used_bytes"] == before["disk_used_bytes"]
+    assert "k" not in {e.cache_id for e in client.entries()}
+    assert path.is_dir() and not [p for p in path.parent.iterdir() if p.name.startswith(".")]
