@@ -4,8 +4,9 @@ across a load racing a newer save, quarantined files evicted first, another
 id's file never served, a cache this process cannot import kept, a client
 root elsewhere never read, every use kept in the eviction order across
 a restart, a checksum table that leaves out a tensor, a layers
-description that gives a tensor another shape of the same size, and a
-save whose rename fails."""
+description that gives a tensor another shape of the same size, a
+save whose rename fails, and an mlx-lm ChunkedKVCache trimmed at the front
+saved without its spare rows."""
 from __future__ import annotations
 
 import json
@@ -225,3 +226,36 @@ def test_a_save_whose_rename_fails_leaves_no_entry_behind(client: Client,
     assert after["disk_used_bytes"] == before["disk_used_bytes"]
     assert "k" not in {e.cache_id for e in client.entries()}
     assert path.is_dir() and not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_a_chunked_cache_trimmed_at_the_front_saves_its_live_rows_only(
+        client: Client, daemon: RunningDaemon) -> None:
+    """mlx-lm's ChunkedKVCache keeps tokens start_position..offset at rows
+    0..offset-start_position of a buffer grown 256 rows at a time: the file
+    holds exactly those rows (with offset taken for the live length: 101 rows
+    of 320, the last 36 of them spare), and the restored cache goes on as the
+    original."""
+    from mlx_lm.models.cache import ChunkedKVCache
+    from safetensors import safe_open
+
+    layers = []
+    for i in range(2):
+        c = ChunkedKVCache(chunk_size=64)
+        x = mx.random.normal((1, 2, 100, 16), key=mx.random.key(i)).astype(mx.bfloat16)
+        c.update_and_fetch(x, x)
+        c.maybe_trim_front()  # what the model does before each step
+        y = mx.random.normal((1, 2, 1, 16), key=mx.random.key(10 + i)).astype(mx.bfloat16)
+        c.update_and_fetch(y, y)
+        assert (c.offset, c.start_position, c.keys.shape[2]) == (101, 36, 320)
+        layers.append(c)
+    assert client.save(FP, "chunked", layers, list(range(101))) and client.flush(timeout=WAIT)
+    with safe_open(str(entry_path(daemon.root, "chunked")), "numpy") as f:
+        rows = {f.get_slice(name).get_shape()[2] for name in f.keys()}
+    assert rows == {65}
+    got = client.load(FP, "chunked")
+    assert got is not None
+    for old, new in zip(layers, got.cache, strict=True):
+        assert (new.offset, new.start_position) == (101, 36)
+        z = mx.ones((1, 2, 1, 16), dtype=mx.bfloat16)
+        for a, b in zip(old.update_and_fetch(z, z), new.update_and_fetch(z, z), strict=True):
+            assert mx.array_equal(a, b).item()
