@@ -421,6 +421,42 @@ def test_mlx_vlm_another_image_with_the_same_tokens_is_not_answered_from_the_cac
         assert client.flush(timeout=WAIT)
 
 
+def test_media_sources_are_fingerprinted_by_what_they_hold(tmp_path: Path) -> None:
+    """Without prepared arrays the fingerprint came from the sources' repr: a
+    file rewritten under the same name kept its fingerprint (the new picture
+    answered from the old one's cache), and so did a PIL image or BytesIO
+    freed and another made at the same address. Now contents are hashed."""
+    import io
+
+    from PIL import Image
+
+    def fp(**sources: Any) -> str:
+        return kv_vlm.media_fingerprint({}, **sources)
+
+    red, blue = Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 0, 255))
+    assert fp(image=red) != fp(image=blue)
+    assert fp(image=red) == fp(image=red.copy())  # the same picture: its cache is reused
+    upload = tmp_path / "upload.png"
+    red.save(upload)
+    first = fp(image=str(upload))
+    assert fp(image=str(upload)) == first
+    blue.save(upload)  # another picture under the same name
+    assert fp(image=str(upload)) != first
+    assert fp(image=[str(upload), red]) != fp(image=[str(upload), blue])
+    assert fp(audio=io.BytesIO(b"one")) == fp(audio=io.BytesIO(b"one"))
+    assert fp(audio=io.BytesIO(b"one")) != fp(audio=io.BytesIO(b"two"))
+    assert fp(image="https://example.com/a.png") == fp(image="https://example.com/a.png")
+    assert fp(image="https://example.com/a.png") != fp(image="https://example.com/b.png")
+
+    class Unknown:
+        def __repr__(self) -> str:
+            return "always the same"
+
+    assert fp(image=Unknown()) != fp(image=Unknown())  # never taken for another
+    assert fp(image=str(tmp_path / "missing.png")) != fp(image=str(tmp_path / "missing.png"))
+    assert fp() == ""
+
+
 def test_a_cache_kvkeeper_cannot_save_does_not_stop_generation(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -25,6 +25,8 @@ the state mlx-vlm hands back at the end.
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -217,18 +219,61 @@ def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any =
             continue
         for arr in _arrays(kwargs[name]):
             found = True
-            h.update(f"{name}:{arr.dtype}:{tuple(arr.shape)}:".encode())
-            h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)
-                     else np.ascontiguousarray(arr).data)
+            h.update(f"{name}:".encode())
+            _hash_array(h, arr)
     if not found:
-        # Nothing prepared: mlx-vlm reads the sources itself. Paths hash the
-        # same each time; an object's repr may not (a cold start, never a
-        # wrong cache).
+        # Nothing prepared: mlx-vlm reads the sources itself. What they hold
+        # is hashed, not what they are called: a file rewritten under the same
+        # name, and a PIL image or BytesIO freed and another made at the same
+        # address (the same repr), were taken for the first one.
         for name, ref in (("image", image), ("audio", audio), ("video", video)):
             if ref is not None and not (isinstance(ref, (list, tuple)) and not ref):
                 found = True
-                h.update(f"{name}={ref!r};".encode())
+                _hash_source(h, name, ref)
     return h.hexdigest() if found else ""
+
+
+#: How much of a media file is read at once while hashing it.
+_READ_BYTES = 1 << 20
+
+
+def _hash_source(h: Any, name: str, ref: Any) -> None:
+    """Feed what a media source holds into ``h``: a file's bytes, a URL or data
+    URI as written, a PIL image's mode, size and pixels, a buffer's bytes.
+    Anything else gets a random value: never reused, never a wrong cache."""
+    if isinstance(ref, (list, tuple)):
+        for i, r in enumerate(ref):
+            _hash_source(h, f"{name}[{i}]", r)
+        return
+    h.update(f"{name}:{type(ref).__name__}:".encode())
+    if isinstance(ref, (mx.array, np.ndarray)):
+        _hash_array(h, ref)
+    elif isinstance(ref, (bytes, bytearray, memoryview)):
+        h.update(ref)
+    elif isinstance(ref, io.BytesIO):
+        h.update(ref.getbuffer())
+    elif all(hasattr(ref, a) for a in ("tobytes", "mode", "size")):  # a PIL image
+        h.update(f"{ref.mode}:{tuple(ref.size)}:".encode())
+        h.update(ref.tobytes())
+    elif isinstance(ref, (str, os.PathLike)):
+        text = os.fspath(ref)
+        text = text if isinstance(text, str) else os.fsdecode(text)
+        h.update(text.encode("utf-8", "surrogateescape") + b"\0")
+        if not text.startswith(("data:", "http://", "https://")):
+            try:
+                with open(text, "rb") as f:
+                    while chunk := f.read(_READ_BYTES):
+                        h.update(chunk)
+            except OSError:
+                h.update(os.urandom(16))  # mlx-vlm cannot read it either
+    else:
+        h.update(os.urandom(16))
+
+
+def _hash_array(h: Any, arr: Any) -> None:
+    h.update(f"{arr.dtype}:{tuple(arr.shape)}:".encode())
+    h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)
+             else np.ascontiguousarray(arr).data)
 
 
 def _arrays(value: Any) -> list[Any]:
