@@ -151,6 +151,35 @@ def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: P
     assert not old_cache.exists()  # evicted at start, as an entry would be
 
 
+def test_a_direct_load_counts_at_once_for_other_clients(short_dir: Path) -> None:
+    """A load that reads the file itself tells the daemon at once: left for
+    the I/O thread's next idle pass (up to 0.2 s), another client's save
+    evicted the entry just loaded, and a process ending in os._exit (as
+    multiprocessing's children do) took the use with it."""
+    root = short_dir / "root"
+    rd = start_daemon(root, short_dir / "run" / "kv.sock", max_disk_bytes=int(3.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as writer, Client(rd.socket, timeout=WAIT) as reader:
+            for name in ("a", "b", "c"):
+                assert writer.save(FP, name, filled(1, 1), [1]) and writer.flush(timeout=WAIT)
+                time.sleep(0.01)
+            assert reader.load(FP, "a", verify=False) is not None  # read directly
+            time.sleep(0.05)
+            assert writer.save(FP, "d", filled(1, 1), [1]) and writer.flush(timeout=WAIT)
+            assert {e.cache_id for e in writer.entries()} == {"a", "c", "d"}
+            before = writer.stats()["loads_direct"]
+            code = (f"import os, time\nfrom kvkeeper import Client\n"
+                    f"kv = Client({str(rd.socket)!r}, timeout=30)\n"
+                    f"assert kv.load({FP!r}, 'c', verify=False) is not None\n"
+                    f"time.sleep(0.05)\nos._exit(0)\n")
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=WAIT)
+            assert r.returncode == 0, r.stderr
+            assert writer.stats()["loads_direct"] == before + 1
+    finally:
+        rd.stop()
+
+
 def test_a_save_whose_metadata_takes_it_past_the_disk_budget_is_refused(
     short_dir: Path,
 ) -> None:
