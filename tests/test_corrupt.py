@@ -96,6 +96,22 @@ def float_offsets(p: Path) -> None:
     _rewrite_header(p, change)
 
 
+def negative_dims(p: Path) -> None:
+    # The same product, so the same byte count: MLX 0.32 builds such an array.
+    def change(header: dict) -> None:
+        t = _first_tensor(header)
+        t["shape"] = [-t["shape"][0], -t["shape"][1], *t["shape"][2:]]
+    _rewrite_header(p, change)
+
+
+def nested_header(p: Path) -> None:
+    # msgspec gives up with RecursionError, not a DecodeError: it escaped load().
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    raw = b'{"z":' + b"[" * 5000 + b"]" * 5000 + b"," + data[8 : 8 + n].lstrip()[1:]
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -118,6 +134,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "string-shape": string_shape,
     "bool-dimension": bool_dim,
     "float-offsets": float_offsets,
+    "negative-dimensions": negative_dims,
+    "nested-header": nested_header,
 }
 
 
@@ -367,7 +385,7 @@ def test_read_cache_file_errors_say_what(tmp_path: Path) -> None:
         kvkeeper.read_cache_file(tmp_path / "missing.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["string-offsets", "string-shape", "truncated"])
+@pytest.mark.parametrize("kind", ["string-offsets", "string-shape", "truncated", "nested-header"])
 def test_a_damaged_file_under_the_root_does_not_stop_the_daemon(kind: str, short_dir: Path) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     d = start_daemon(root, sock)

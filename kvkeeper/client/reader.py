@@ -210,6 +210,11 @@ def _kvkeeper_file(
     try:
         layers = restore_cache(arrays, layers_json, header.tensors if header else None)
     except CodecError as exc:
+        if header is None:
+            # A lazy load left the layout to MLX, which takes some our check
+            # refuses (e.g. two negative dimensions of the right product):
+            # such a file is damaged, not just unusable here.
+            _header(path)
         # Checksums passed (or were skipped): the bytes are what was saved, but
         # this process cannot rebuild them (e.g. a class it cannot import).
         raise CacheFileError(f"{path}: {exc}", damaged=False) from None

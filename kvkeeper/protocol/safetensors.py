@@ -190,6 +190,8 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise LayoutError(f"header is not JSON: {exc}") from None
+    except RecursionError:  # e.g. [[[...]]] thousands deep
+        raise LayoutError("header is nested too deeply") from None
     if not isinstance(body, dict):
         raise LayoutError("header is not a JSON object")
     meta = body.pop("__metadata__", None) or {}
