@@ -215,3 +215,22 @@ def test_gezel_file_of_mlx_lm_caches() -> None:
     assert not any("meta_state" in vars(c) for c in got.layers)
     with pytest.raises(CodecError, match="no meta_state"):
         decode_legacy(arrays, {**metadata, "meta_state": '[["1"], {}]'})
+
+
+def test_nested_exported_metadata_is_dropped_not_raised(tmp_path: Path) -> None:
+    """An mlx-lm file whose kvkeeper_metadata is nested thousands deep: its
+    metadata was parsed outside the legacy decoder's guard and RecursionError
+    escaped read_cache_file; now the value is dropped and the cache opens."""
+    from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+    import kvkeeper
+
+    c = KVCache()
+    x = mx.ones((1, 2, 4, 8))
+    c.update_and_fetch(x, x)
+    path = tmp_path / "deep.safetensors"
+    save_prompt_cache(str(path), [c], {"kvkeeper_model": "m", "kvkeeper_cache_id": "k",
+                                       "kvkeeper_metadata": "[" * 100_000 + "]" * 100_000})
+    got = kvkeeper.read_cache_file(path)
+    assert got.model == "m" and got.cache[0].offset == 4
+    assert "kvkeeper_metadata" not in got.metadata

@@ -96,7 +96,7 @@ def entry_metadata(format: str, metadata: Mapping[str, str]) -> dict[str, str]:
     out = {k: v for k, v in metadata.items() if k not in own}
     try:
         exported = json.loads(metadata.get(EXPORT_METADATA_KEY, "{}"))
-    except ValueError:
+    except (ValueError, RecursionError):
         exported = {}
     if isinstance(exported, dict):
         out.update({k: v for k, v in exported.items() if isinstance(v, str)})
