@@ -786,9 +786,11 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 "`pread` for the header, took 0.3-0.45 ms off the excess side by side "
                 "(+1.58/+1.60 ms before, +1.31/+1.12 ms after, in the load case alone); "
                 "later, leaving the header to MLX (our own read of it was 320-455 µs cold), "
-                "decoders made once, remembered entry paths and a use notice that no "
-                "longer wakes the I/O thread (80 µs) took it from +1.28/+1.61/+1.45 ms to "
-                "+0.88/+1.02/+0.82 ms, side by side in the load case alone.")
+                "and decoders made once took it from +1.33/+1.48/+2.45 ms to "
+                "+1.07/+1.04/+1.08 ms side by side in the load case alone; remembered entry "
+                "paths and a use notice that did not wake the I/O thread then measured "
+                "+0.88/+1.02/+0.82 ms, but the notice, about 80 µs of that, let another "
+                "process's save evict the entry just loaded, and wakes the thread again.")
         elif case.startswith("4"):
             out.append(
                 f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
