@@ -379,8 +379,8 @@ class Channel:
             if self.connected.is_set():
                 warned = not self._confirm(end - time.monotonic())
             else:
-                log.warning("event=client_close_unconfirmed reason=no daemon is connected to "
-                            "confirm it read the last saves sent")
+                log.warning("event=client_close_unconfirmed reason=no_daemon: no daemon is "
+                            "connected to confirm it read the last saves sent")
         with self._lock:  # send_save looks under it
             self._closing.set()
         self._wake()
@@ -397,8 +397,8 @@ class Channel:
             self._close_pipe()
         if self._unconfirmed and not warned:
             # A save another thread made while the daemon answered.
-            log.warning("event=client_close_unconfirmed reason=saves were sent after the "
-                        "daemon confirmed the others")
+            log.warning("event=client_close_unconfirmed reason=saved_meanwhile: saves were "
+                        "sent after the daemon confirmed the others")
 
     def take_unread_losses(self, before: PendingReply) -> int:
         """How many connections ended with saves sent before ``before`` (a
@@ -421,7 +421,8 @@ class Channel:
         small saves). The daemon answers a ping only after reading every
         message sent before it on the connection. False (logged) without it."""
         if timeout <= 0:
-            log.warning("event=client_close_unconfirmed reason=no time left to ask the daemon")
+            log.warning("event=client_close_unconfirmed reason=no_time_left: no time left "
+                        "to ask the daemon")
             return False
         try:
             self.request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
@@ -605,9 +606,10 @@ class Channel:
                     # connection: ZeroMQ had already called it sent.
                     with self._lock:
                         self._unread_losses.append(self._confirmed + 1)
-                    log.warning("event=saves_unconfirmed reason=the connection to the daemon "
-                                "ended before it confirmed reading the last saves sent; a "
-                                "flush() tells whether they were written")
+                    log.warning("event=saves_unconfirmed reason=connection_lost: the "
+                                "connection to the daemon ended before it confirmed reading "
+                                "the last saves sent; a flush() tells whether they were "
+                                "written")
                     self._confirmed = self._sent_unanswered
 
     def _fail_waiting(self, reason: str, *, sent_only: bool = False) -> None:

@@ -610,8 +610,9 @@ class Client:
             # Saves handed off since the mark: on this connection or a later one.
             self._unflushed_conn = conn_at_mark if self._saves > mark else None
         if unconfirmed:
-            log.warning("event=flush_unconfirmed reason=the connection to the daemon was lost "
-                        "since the last flush (%s); saves handed off before may be lost",
+            log.warning("event=flush_unconfirmed reason=%s: the connection to the daemon was "
+                        "lost since the last flush (%s); saves handed off before may be lost",
+                        "daemon_restarted" if restarted else "connection_lost",
                         "it was restarted" if restarted else
                         "the connection ended before the daemon read the last saves")
         return failed == 0 and lost == 0 and not unconfirmed

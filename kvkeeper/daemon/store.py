@@ -464,8 +464,8 @@ class Store:
         if ino is not None and (st.st_ino, st.st_mtime_ns) != (ino, mtime_ns):
             return None  # a newer version took its place: keep it
         if stat.S_ISREG(st.st_mode) and self.someone_elses(path):
-            log.warning("event=not_quarantined path=%s reason=another program's safetensors "
-                        "file (not a cache): left in place", path)
+            log.warning("event=not_quarantined path=%s reason=not_a_cache: another "
+                        "program's safetensors file, left in place", path)
             return None
         qdir = self.root / QUARANTINE_DIR
         os.makedirs(qdir, mode=0o700, exist_ok=True)
