@@ -454,6 +454,7 @@ def test_media_sources_are_fingerprinted_by_what_they_hold(tmp_path: Path) -> No
 
     assert fp(image=Unknown()) != fp(image=Unknown())  # never taken for another
     assert fp(image=str(tmp_path / "missing.png")) != fp(image=str(tmp_path / "missing.png"))
+    assert fp(image="bad\0name.png") != fp(image="bad\0name.png")  # no ValueError
     assert fp() == ""
 
 

@@ -264,7 +264,7 @@ def _hash_source(h: Any, name: str, ref: Any) -> None:
                 with open(text, "rb") as f:
                     while chunk := f.read(_READ_BYTES):
                         h.update(chunk)
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL in the name
                 h.update(os.urandom(16))  # mlx-vlm cannot read it either
     else:
         h.update(os.urandom(16))
