@@ -142,6 +142,45 @@ def test_mlx_lm_restarts_between_turns_give_the_same_tokens(
         assert sources == [None, "memory", "memory"]
 
 
+def test_mlx_lm_arguments_that_follow_the_prompt_see_the_cached_part_too(
+    lm_tok: TokenizerWrapper,
+) -> None:
+    """The session feeds mlx-lm only what its cache lacks: a repetition
+    penalty saw only that (the answer depended on a cache hit: turns differed
+    from a cold run), and input_embeddings of the whole prompt were refused
+    on every turn that reused the cache."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model = tiny_llama(seed=3)
+
+    def cold(ids: list[int], **kw: Any) -> list[int]:
+        return [r.token for r in lm_stream_generate(model, lm_tok, mx.array(ids), max_tokens=8,
+                                                    **kw)]
+
+    penalty = make_logits_processors(repetition_penalty=1.3, repetition_context_size=20)
+    for seed in range(12):
+        first, more = prompt(30, seed=100 + seed), prompt(2, seed=200 + seed)
+        session = kv_lm.Session(None, "tiny-lm", "penalty", model, lm_tok)
+        said = session.generate(first, max_tokens=8, logits_processors=penalty)
+        assert said == cold(first, logits_processors=penalty)
+        whole = first + said + more
+        assert session.generate(whole, max_tokens=8, logits_processors=penalty) == cold(
+            whole, logits_processors=penalty), seed
+        assert session.last_plan is not None and session.last_plan.action == "extend"
+
+    def embed(ids: list[int]) -> mx.array:
+        return model.model.embed_tokens(mx.array(ids))
+
+    session = kv_lm.Session(None, "tiny-lm", "embeddings", model, lm_tok)
+    first, more = prompt(30, seed=140), prompt(5, seed=141)
+    said = session.generate(first, max_tokens=6, input_embeddings=embed(first))
+    whole = first + said + more
+    got = session.generate(whole, max_tokens=6, input_embeddings=embed(whole))
+    assert session.last_plan is not None and session.last_plan.reused > 0
+    assert got == [r.token for r in lm_stream_generate(
+        model, lm_tok, mx.array(whole), max_tokens=6, input_embeddings=embed(whole))]
+
+
 def test_mlx_lm_whole_prompt_cached_still_feeds_a_token(
     lm: tuple[str, nn.Module], lm_tok: TokenizerWrapper, client: Client
 ) -> None:

@@ -113,6 +113,8 @@ class Session(SessionBase):
         self.forget()
         all_ids = list(ids)
         n_prompt = len(ids)
+        if plan.reused:
+            _feed_only_the_rest(kwargs, ids[:plan.reused])
         wb = self._write_behind()
         clean = started = False
         try:
@@ -153,6 +155,27 @@ class Session(SessionBase):
             if r.generation_tokens > len(out):
                 out.append(int(r.token))
         return out
+
+
+def _feed_only_the_rest(kwargs: dict[str, Any], cached: list[int]) -> None:
+    """mlx-lm is given only the tokens the cache does not hold: the arguments
+    that follow the prompt must too. Its logits processors see the tokens
+    they were given and those generated since, so each is handed the cached
+    ones first (a repetition penalty otherwise forgot the history, and the
+    answer depended on a cache hit); ``input_embeddings`` lose the cached rows
+    (mlx-lm refused them: one row per token fed)."""
+    processors = kwargs.get("logits_processors")
+    if processors:
+        head = mx.array(cached)
+
+        def seeing_all(proc: Any) -> Any:
+            return lambda tokens, logits: proc(
+                mx.concatenate([head.astype(tokens.dtype), tokens]), logits)
+
+        kwargs["logits_processors"] = [seeing_all(proc) for proc in processors]
+    embeddings = kwargs.get("input_embeddings")
+    if embeddings is not None:
+        kwargs["input_embeddings"] = embeddings[len(cached):]
 
 
 def stream_generate(
