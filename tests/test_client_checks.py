@@ -102,6 +102,32 @@ def test_a_save_larger_than_max_inflight_bytes_is_logged_as_such(
     assert f"a save of {nbytes} bytes is larger than max_inflight_bytes ({nbytes - 1})" in warning
 
 
+def test_a_save_after_the_exit_hook_says_the_client_was_closed(daemon: RunningDaemon) -> None:
+    """A save made after the exit hook closed every client (as a session's
+    generator finished at interpreter exit makes) was logged as "no kvkeeper
+    daemon at ...", with the daemon up."""
+    import sys
+
+    code = (
+        "import atexit, logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stderr)\n"
+        "def late():\n"  # registered first: runs after kvkeeper's exit hook
+        "    print('saved', kv.save('m', 'late', [layer], [1, 2, 3, 4]), flush=True)\n"
+        "atexit.register(late)\n"
+        "import mlx.core as mx\n"
+        "from mlx_lm.models.cache import KVCache\n"
+        "from kvkeeper import Client\n"
+        "layer = KVCache()\n"
+        "x = mx.ones((1, 2, 4, 8))\n"
+        "layer.update_and_fetch(x, x)\n"
+        f"kv = Client({str(daemon.socket)!r}, timeout=30)\n"
+        "assert kv.connected\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0 and "saved False" in r.stdout, r.stdout + r.stderr
+    assert "reason=closed" in r.stderr and "daemon_down" not in r.stderr, r.stderr
+
+
 def test_float64_cache_is_refused_naming_the_layer(client: Client, daemon: RunningDaemon) -> None:
     """MLX keeps float64 arrays but ``mx.load`` cannot read F64 files: such a
     save would be written, then never load. It is refused before anything

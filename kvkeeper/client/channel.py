@@ -299,6 +299,11 @@ class Channel:
         self._push(item, hand_over=True)
         return item
 
+    @property
+    def closing(self) -> bool:
+        """Whether a close() began: the caller's, or the exit hook's."""
+        return self._close_claimed
+
     def notify(self, msg: m.Request) -> None:
         """Send a message that gets no reply, if the daemon is connected; never
         blocks, and keeps the GIL (the caller goes on at once)."""
