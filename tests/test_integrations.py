@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache, trim_prompt_cache
@@ -199,6 +200,8 @@ def test_mlx_lm_whole_prompt_cached_still_feeds_a_token(
         assert (plan.action, plan.reused, plan.prefill) == ("trim", 39, 1)
     else:
         assert (plan.action, plan.prefill) == ("cold", 40)
+        # Nothing diverged (it said "cache diverges at token 40").
+        assert "holds the whole prompt" in plan.reason, plan.reason
 
 
 def test_mlx_lm_stop_token_and_early_stop_keep_cache_and_ids_together(
@@ -654,9 +657,12 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
     one long prompt."""
     lm_session = kv_lm.Session(None, "tiny-lm", "chat", tiny_llama(seed=3), lm_tok)
     vlm_session = kv_vlm.Session(None, "tiny-vlm", "chat", tiny_vlm_llama(), vlm_processor(VOCAB))
-    for bad in ([1, 2.5, 3], mx.array([1.0, 2.0]), mx.array([[1, 2], [3, 4]])):
+    for bad in ([1, 2.5, 3], mx.array([1.0, 2.0]), mx.array([[1, 2], [3, 4]]),
+                [True, False, True], np.array([[1, 2], [3, 4]]), np.array([1.0, 2.0])):
         with pytest.raises(ValueError, match="prompt"):
             lm_session.generate(bad, max_tokens=2)
+    # numpy's (1, n) is one prompt, as MLX's is (it was refused).
+    assert lm_session.generate(np.array([[5, 6, 7]]), max_tokens=2) != []
     for bad in (mx.array([[1, 2], [3, 4]]), mx.array([0.5, 2.0]), [[1, 2], [3, 4]]):
         with pytest.raises(ValueError, match="prompt"):
             vlm_tokens(vlm_session.stream_generate(input_ids=bad, max_tokens=2))

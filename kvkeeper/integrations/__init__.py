@@ -145,6 +145,9 @@ def plan_reuse(
         return Plan("extend", source, target, 0, n - target,
                     f"cache holds {target} tokens of the prompt")
     if not _trimmable(cache):
+        if p >= n:  # nothing diverged: the model needs a token of the prompt to read
+            return cold("the cache holds the whole prompt, its last token must be read "
+                        "again, and its layers cannot be trimmed")
         return cold(f"cache diverges at token {p} and its layers cannot be trimmed")
     for layer in cache:
         layer.trim(drop)
@@ -231,7 +234,7 @@ class SessionBase:
         from kvkeeper.client.client import DaemonError
 
         if self.client.closed:  # the server shut its client down: nothing to restore
-            log.warning("event=restore_failed model=%s id=%s error=the client is closed",
+            log.warning("event=restore_failed model=%s id=%s error=client_closed",
                         self.model_id, self.session_id)
             return False
         try:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
@@ -73,13 +74,19 @@ class Session(SessionBase):
             bos = self.tokenizer.bos_token
             add_special = bos is None or not prompt.startswith(bos)
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
-        if isinstance(prompt, mx.array):
+        if isinstance(prompt, (mx.array, np.ndarray)):
             return token_ids_of(prompt)
+        ids = []
         try:
-            # index(): integers of any kind, never a float cut to one.
-            return [operator.index(t) for t in prompt]
+            for t in prompt:
+                # index(): integers of any kind, never a float cut to one;
+                # bools are refused, as Client.save refuses them.
+                if type(t) is bool:
+                    raise TypeError
+                ids.append(operator.index(t))
         except TypeError:
             raise ValueError("the prompt must be text or token ids (integers)") from None
+        return ids
 
     def stream_generate(
         self,
