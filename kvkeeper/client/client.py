@@ -806,7 +806,7 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
             return _Attempt(path)  # no file (or deleted meanwhile): a plain miss
         except CacheFileError as exc:
             attempt.error = exc
-            if exc.damaged or "replaced" not in str(exc):
+            if not exc.replaced:
                 return attempt
     return attempt
 

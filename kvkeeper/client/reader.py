@@ -31,12 +31,14 @@ class CacheFileError(Exception):
     another model's or another id's file) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
     class this process cannot import, a dtype this MLX cannot load, or the
-    file was replaced mid-read).
+    file was replaced mid-read). ``replaced`` is True for the last: reading
+    the path again gives a whole newer version.
     """
 
-    def __init__(self, message: str, *, damaged: bool = True) -> None:
+    def __init__(self, message: str, *, damaged: bool = True, replaced: bool = False) -> None:
         super().__init__(message)
         self.damaged = damaged
+        self.replaced = replaced
 
 
 @dataclass
@@ -109,7 +111,8 @@ def read_cache_file(
         raise CacheFileError(f"{path}: MLX cannot read it: {exc}{why}",
                              damaged=not unreadable) from None
     if header is not None and meta != header.metadata:
-        raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False)
+        raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
+                             replaced=True)
     if meta.get(st.FORMAT_KEY) == st.FORMAT:
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
     from kvkeeper.client.legacy import (
