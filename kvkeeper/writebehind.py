@@ -73,7 +73,7 @@ class WriteBehind:
         from kvkeeper.client.client import check_metadata
         from kvkeeper.protocol.naming import check_key
 
-        check_key(model, cache_id)
+        model, cache_id = check_key(model, cache_id)
         check_triggers(every_tokens, every_seconds)
         self.client = client
         self.model = model

@@ -526,3 +526,49 @@ def test_a_socket_path_too_long_fails_at_once(short_dir: Path,
         channel.close()
     assert "client_close_slow" not in caplog.text
     assert channel._wake_r == channel._wake_w == -1
+
+
+class _Unhashable(str):
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Disguised(str):
+    """Claims to be other text wherever a method is asked instead of the data."""
+
+    def __str__(self) -> str:
+        return "disguised"
+
+    def encode(self, *args: object, **kwargs: object) -> bytes:  # type: ignore[override]
+        return b"disguised"
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = str.__hash__
+
+
+@pytest.mark.parametrize("kind", [_Unhashable, _Disguised], ids=["unhashable", "disguised"])
+def test_ids_given_as_str_subclasses_name_the_entry_of_their_text(
+    kind: type, client: Client, daemon: RunningDaemon
+) -> None:
+    layer = kv_layer(tokens=6)
+    model, cid = kind("sub-model"), kind("sub/id")
+    assert client.save(model, cid, [layer], list(range(6)))
+    wb = client.write_behind(model, cid, every_tokens=1, every_seconds=None)
+    wb.step([layer], list(range(6)))
+    wb.close()
+    assert client.flush(timeout=WAIT)
+    path = naming.entry_path(daemon.root, "sub-model", "sub/id")
+    with safe_open(str(path), framework="numpy") as f:  # an independent reader
+        assert f.metadata()[st.TOKEN_COUNT_KEY] == "6"
+    got = client.load(model, cid)
+    assert got is not None and got.token_ids == list(range(6))
+    assert (got.model, got.cache_id) == ("sub-model", "sub/id")
+    assert [(e.model, e.cache_id) for e in client.entries(kind("sub-model"))] == [
+        ("sub-model", "sub/id")]
+    assert client.delete(model, cid)
+    assert not path.exists()
+    # The client's I/O thread is alive: a plain save still goes through.
+    assert client.save("plain", "after", [layer], list(range(6)))
+    assert client.flush(timeout=WAIT)
+    assert naming.entry_path(daemon.root, "plain", "after").exists()

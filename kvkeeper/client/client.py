@@ -249,7 +249,7 @@ class Client:
         if self._closed:
             raise RuntimeError("client is closed")
         layers, token_ids = _unpack(cache, token_ids)
-        naming.check_key(model, cache_id)
+        model, cache_id = naming.check_key(model, cache_id)
         meta = check_metadata(metadata)
         # A save about to be dropped (daemon down, or no room for any save)
         # skips the capture but not the layers' check (a walk, no evaluation):
@@ -424,7 +424,7 @@ class Client:
         """
         if self._closed:
             raise RuntimeError("client is closed")
-        naming.check_key(model, cache_id)
+        model, cache_id = naming.check_key(model, cache_id)
         key = (model, cache_id)
         direct_ok = self._can_read_directly(key)  # first: it may learn a new root
         guess = _entry_path(self.root, model, cache_id)
@@ -624,7 +624,7 @@ class Client:
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Delete an entry (after any pending save of it); True if it existed."""
-        naming.check_key(model, cache_id)
+        model, cache_id = naming.check_key(model, cache_id)
         with self._lock:
             mark = self._unsettled.get((model, cache_id))
         reply = self._request(
@@ -641,6 +641,7 @@ class Client:
         the root that are not entries (``kind``: legacy, quarantine, foreign)."""
         if model is not None:
             naming.check_id(model, "model")
+            model = naming.plain(model)
         reply = self._request(lambda req: m.ListEntries(
             v=m.PROTOCOL_VERSION, req=req, model=model, everything=everything))
         assert isinstance(reply, m.Entries)

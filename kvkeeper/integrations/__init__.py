@@ -191,7 +191,7 @@ class SessionBase:
         # Checked now, not at the first save in the middle of a request, with
         # room for the media fingerprint a request may add.
         if client is not None:
-            check_key(model_id, session_id)
+            model_id, session_id = check_key(model_id, session_id)
         check_triggers(every_tokens, every_seconds)
         if metadata and MEDIA_KEY in metadata:
             raise ValueError(f"metadata key {MEDIA_KEY!r} is the session's own")

@@ -38,7 +38,8 @@ def check_id(value: str, what: str = "id") -> bytes:
     if not value:
         raise BadId(f"{what} is empty")
     try:
-        raw = value.encode("utf-8")
+        # str's own encode: a subclass's override must not change the name.
+        raw = str.encode(value, "utf-8")
     except UnicodeEncodeError:
         raise BadId(f"{what} is not valid Unicode text") from None
     if len(raw) > MAX_ID_BYTES:
@@ -46,10 +47,18 @@ def check_id(value: str, what: str = "id") -> bytes:
     return raw
 
 
-def check_key(model: str, cache_id: str) -> None:
-    """Validate an entry's model fingerprint and cache id; raises BadId."""
+def plain(value: str) -> str:
+    """``value`` as an exact ``str``: a subclass may be unhashable or override
+    ``__str__``/``__eq__``, and ids key dicts, name files and travel on the wire."""
+    return value if type(value) is str else str.__str__(value)
+
+
+def check_key(model: str, cache_id: str) -> tuple[str, str]:
+    """Validate an entry's model fingerprint and cache id; raises BadId.
+    Returns both as exact ``str`` (see :func:`plain`)."""
     check_id(model, "model")
     check_id(cache_id, "cache id")
+    return plain(model), plain(cache_id)
 
 
 def encode_component(value: str, what: str = "id") -> str:
