@@ -26,7 +26,7 @@ This module imports neither MLX library.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -325,6 +325,22 @@ class SessionBase:
             self._give_up_saving(wb, exc)
             return None
         return wb
+
+    def _end(self, request: int, wb: WriteBehind | None, clean: bool,
+             keep: Callable[[], None], unused: Callable[[], None] | None) -> None:
+        """How a request leaves the session: ``keep()`` records its final state
+        and the final save follows when it ended cleanly (finished, or stopped
+        between tokens); otherwise its saves are dropped and ``unused()``, given
+        when it failed before its first response, may keep the prepared prefix.
+        A request that is no longer the latest leaves the newer one's state."""
+        if self._latest(request) and clean:
+            keep()
+            self._close(wb)
+            return
+        if wb is not None:
+            wb.discard()
+        if self._latest(request) and unused is not None:
+            unused()
 
     def _close(self, wb: WriteBehind | None) -> None:
         """The request's final save, of the state kept in memory (if any)."""

@@ -142,17 +142,8 @@ class Session(SessionBase):
                     raise
             clean = True
         finally:
-            if not self._latest(request):
-                if wb is not None:
-                    wb.discard()  # a newer request's state stays
-            elif clean:
-                self._keep(cache, all_ids)
-                self._close(wb)
-            else:
-                if wb is not None:
-                    wb.discard()
-                if not started:  # e.g. an argument mlx-lm refused
-                    self._unused(cache, plan, ids, "")
+            self._end(request, wb, clean, lambda: self._keep(cache, all_ids),
+                      None if started else lambda: self._unused(cache, plan, ids, ""))
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:

@@ -172,24 +172,17 @@ class Session(SessionBase):
                     raise
             clean = finished = True
         finally:
-            if not self._latest(request):
-                if wb is not None:
-                    wb.discard()  # a newer request's state stays
-            elif clean:
+            def keep() -> None:
                 if finished and state.token_ids is not sentinel and state.cache is not None:
                     # mlx-vlm recorded what its cache holds: trust its pairing.
-                    final_cache, final_ids = state.cache, list(state.token_ids or [])
+                    self._keep(state.cache, list(state.token_ids or []), media)
                 elif self.tracked:
-                    final_cache, final_ids = expected, all_ids
+                    self._keep(expected, all_ids, media)
                 else:
-                    final_cache = final_ids = None
-                self._keep(final_cache, final_ids, media)
-                self._close(wb)
-            else:
-                if wb is not None:
-                    wb.discard()
-                if not started:  # e.g. an argument mlx-vlm refused
-                    self._unused(expected, plan, ids, media)
+                    self._keep(None, None, media)
+
+            self._end(request, wb, clean, keep,
+                      None if started else lambda: self._unused(expected, plan, ids, media))
 
     def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
         """Whether mlx-vlm is generating into the cache we prepared."""
