@@ -14,11 +14,13 @@ import re
 
 __all__ = ["get_logger", "logfmt_value"]
 
-#: Characters that force quoting: whitespace, quotes, "=", backslash, and every
-#: control character (C0, DEL, C1) and Unicode line or paragraph separator.
-_NEEDS_QUOTES = re.compile(r'[\s"=\\\x00-\x1f\x7f-\x9f\u2028\u2029]')
+#: Characters escaped inside quotes: quotes, backslash, and every control
+#: character (C0, DEL, C1) and Unicode line or paragraph separator.
+_ESCAPED_SET = r'"\\\x00-\x1f\x7f-\x9f\u2028\u2029'
+_ESCAPED = re.compile(f"[{_ESCAPED_SET}]")
+#: Characters that force quoting: those, whitespace and "=".
+_NEEDS_QUOTES = re.compile(rf"[\s={_ESCAPED_SET}]")
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-_ESCAPED = re.compile(r'["\\\x00-\x1f\x7f-\x9f\u2028\u2029]')
 
 
 def logfmt_value(text: str) -> str:
