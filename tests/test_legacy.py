@@ -26,6 +26,7 @@ from kvkeeper.client.legacy import (
     detect_legacy,
 )
 
+from .legacy_describe import describe
 from .tiny import arrays_from_snapshot
 
 ROOT = Path(__file__).parent / "data" / "legacy-formats"
@@ -50,10 +51,41 @@ def digest(layers: list[Any]) -> list[list[Any]]:
 
 def test_manifest_covers_every_fixture() -> None:
     files = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.safetensors")}
-    assert files == set(MANIFEST) and len(files) == 12
+    assert files == set(MANIFEST) and len(files) == 18
 
 
-@pytest.mark.parametrize("rel", sorted(MANIFEST))
+#: Files in the layout of mlx-lm 0.31 and earlier (written by its own
+#: save_prompt_cache; tests/data/legacy-formats/make_mlx_lm_031.py).
+OLD_MLX_LM = sorted(k for k, v in MANIFEST.items() if v.get("layout") == "mlx-lm 0.31")
+
+
+@pytest.mark.parametrize("rel", OLD_MLX_LM)
+def test_mlx_lm_031_file_restores_as_its_own_loader_did(rel: str) -> None:
+    want = MANIFEST[rel]
+    arrays, metadata = load(rel)
+    assert detect_legacy(metadata) == MLX_LM_PROMPT_CACHE
+    got = decode_legacy(arrays, metadata)
+    assert got.format == MLX_LM_PROMPT_CACHE and got.metadata == want["metadata"]
+    assert got.token_ids is None and got.model_fingerprint is None
+    assert [type(c).__module__ for c in got.layers] == ["mlx_lm.models.cache"] * len(got.layers)
+    assert [describe(c) for c in got.layers] == want["layers"]
+
+
+@pytest.mark.parametrize("rel", ["mlx-lm-0.31/kv.safetensors", "mlx-lm-0.31/rotating.safetensors",
+                                 "mlx-lm-0.31/quantized.safetensors"])
+def test_a_restored_mlx_lm_031_cache_keeps_working(rel: str) -> None:
+    layer = decode_legacy(*load(rel)).layers[0]
+    before = layer.offset
+    k = mx.ones((1, 2, 1, 64), dtype=mx.bfloat16)
+    keys, _ = layer.update_and_fetch(k, k)
+    assert layer.offset == before + 1
+    if rel.endswith("kv.safetensors"):
+        stored = load(rel)[0]["0.0"]
+        assert mx.array_equal(keys[..., :before, :], stored).item()
+        assert mx.array_equal(keys[..., before:, :], k).item()
+
+
+@pytest.mark.parametrize("rel", sorted(set(MANIFEST) - set(OLD_MLX_LM)))
 def test_fixture_restores_to_manifest(rel: str) -> None:
     want = MANIFEST[rel]
     arrays, metadata = load(rel)
@@ -109,6 +141,11 @@ def test_detect_rejects_other_metadata() -> None:
     assert detect_legacy({"kvkeeper.layers": "{}"}) is None
     assert detect_legacy({"schema_version": "2", "classes": "[]", "class_modules": "[]"}) is None
     assert detect_legacy({"2.0": "", "1.0": "KVCache", "other": "x"}) is None
+    # The mlx-lm 0.31 layout: classes under 2.<i>, numbered from 0, named as classes.
+    assert detect_legacy({"2.0": "KVCache", "0.0": ""}) == MLX_LM_PROMPT_CACHE
+    assert detect_legacy({"2.0": "KVCache", "0.0": "", "format": "pt"}) is None
+    assert detect_legacy({"2.1": "KVCache", "0.0": ""}) is None
+    assert detect_legacy({"2.0": "not a class", "0.0": ""}) is None
     with pytest.raises(CodecError, match="not a known legacy"):
         decode_legacy({}, {"format": "pt"})
 
@@ -123,6 +160,11 @@ def _mlx_lm(**changes: str) -> tuple[dict[str, mx.array], dict[str, str]]:
     return arrays, {**metadata, **changes}
 
 
+def _old(drop: tuple[str, ...] = (), **changes: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    arrays, metadata = load("mlx-lm-0.31/rotating.safetensors")
+    return arrays, {k: v for k, v in {**metadata, **changes}.items() if k not in drop}
+
+
 HOSTILE = [
     _gezel(classes='["system", "KVCache"]', class_modules='["os", "mlx_vlm.models.cache"]'),
     _gezel(classes='["eval", "KVCache"]', class_modules='["builtins", "builtins"]'),
@@ -135,6 +177,8 @@ HOSTILE = [
     _mlx_lm(**{"1.0": "os"}),
     _mlx_lm(**{"1.0": "__builtins__"}),
     _mlx_lm(**{"1.0": "tree_map"}),
+    _old(**{"2.0": "os"}),
+    _old(**{"2.1": "tree_map"}),
     _mlx_lm(**{"0.1.1": "system"}),  # user metadata does not name classes: still decodes
 ]
 
@@ -178,6 +222,11 @@ def test_hostile_cachelist_child_names_are_refused() -> None:
         _gezel(meta_state='[["1"], ""]'),  # RotatingKVCache needs four meta values
         _mlx_lm(**{"2.1.1": "pickle"}),
         _mlx_lm(**{"2.9.0": "0.0.0.2"}),
+        _old(**{"0.0.3": "nine"}),  # RotatingKVCache counters are numbers
+        _old(drop=("0.0.3",)),  # ... four of them
+        _old(drop=("0.1",)),  # every layer has a meta state ("" for none)
+        _old(**{"0.2": ""}),  # ... and no more layers than classes
+        _old(drop=("2.1",)),  # a class per layer of arrays
     ],
 )
 def test_broken_legacy_metadata_raises_codec_error(

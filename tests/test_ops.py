@@ -23,6 +23,7 @@ from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
 from .faultkit import FP, entry_path, filled, small_tmpfs, tmp_files, version_of
+from .legacy_describe import describe
 from .test_legacy import MANIFEST, ROOT
 from .tiny import prefill, prompt, tiny_llama
 
@@ -272,13 +273,14 @@ def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon
     model_dir = entry_path(daemon.root, "ok").parent
     (model_dir / ".leftover.tmp").write_bytes(b"partial")
     shutil.copyfile(ROOT / "mlx-lm" / "kv.safetensors", model_dir / "old.safetensors")
+    shutil.copyfile(ROOT / "mlx-lm-0.31" / "kv.safetensors", model_dir / "older.safetensors")
     client.gc()
     rows = json.loads(cli("ls", "--socket", str(daemon.socket), "--all", "--json").stdout)
     kinds = {Path(r["path"]).name: r["kind"] for r in rows}
     assert kinds == {"ok.safetensors": "entry", ".leftover.tmp": "foreign",
-                     "old.safetensors": "legacy"}
+                     "old.safetensors": "legacy", "older.safetensors": "legacy"}
     table = cli("ls", "--socket", str(daemon.socket), "--all").stdout
-    assert "foreign" in table and "1 entries, 2 other files" in table  # not "3 entries"
+    assert "foreign" in table and "1 entries, 3 other files" in table  # not "4 entries"
     assert "1 entries," in cli("ls", "--socket", str(daemon.socket)).stdout
     assert [e.cache_id for e in client.entries()] == ["ok"]
 
@@ -508,6 +510,14 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     assert len(json.loads(r.stdout)["imported"]) == 6
     r = cli("import", "--socket", sock, str(ROOT / "gezel-schema3"))
     assert r.returncode == 0, r.stdout + r.stderr
+    # Files in the layout mlx-lm 0.31 and earlier wrote (mlx-lm 0.32 cannot read them).
+    r = cli("import", "--socket", sock, "--model", "lm031", str(ROOT / "mlx-lm-0.31"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(json.loads(r.stdout)["imported"]) == 6
+    old = client.load("lm031", "rotating")
+    assert old is not None
+    assert ([describe(c) for c in old.cache]
+            == MANIFEST["mlx-lm-0.31/rotating.safetensors"]["layers"])
     names = {(e.model, e.cache_id) for e in client.entries()}
     assert ("fp-demo", "kv") in names and ("lm", "rotating") in names
     got = client.load("fp-demo", "kv")

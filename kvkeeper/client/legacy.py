@@ -12,6 +12,11 @@
   class_names, scalars])``: ``0.<key>`` user metadata, ``1.<i>`` class names,
   ``2.0`` an empty sentinel and ``2.<i>.0``/``2.<i>.1`` a scalar's path and kind
   ("scalar", "string", "none"). mlx-lm classes, rebuilt with ``from_state(state)``.
+  mlx-lm 0.31 and earlier wrote another layout: ``tree_flatten([meta_states,
+  user_metadata, class_names])``, i.e. ``0.<i>...`` each layer's meta_state
+  (strings), ``1.<key>`` user metadata, ``2.<i>`` class names, and no scalars
+  among the arrays. Read as that version's loader read it; with mlx-lm 0.32
+  (whose classes have no meta_state) the counters move into the state.
 
 Neither writer's loader is used: both look class names up in a module's
 globals(). Classes are resolved with the codec's rules instead (only inside
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,9 +148,15 @@ def _class_named(name: Any, modules: list[str]) -> type:
 # gezel cache_persist schema 3
 
 
-def _gezel_layer(cls: type, state: Any, meta: Any, where: str) -> Any:
+def _rebuild(cls: type, state: Any, meta: Any, where: str) -> Any:
+    return rebuild_layer(cls, state, meta)
+
+
+def _meta_layer(cls: type, state: Any, meta: Any, where: str,
+                leaf: Callable[[type, Any, Any, str], Any] = _rebuild) -> Any:
+    """A layer saved as (state, meta_state), rebuilt by ``leaf`` (all but
+    CacheList, whose state is [child states] and meta_state ([names], [metas]))."""
     if is_composite_class(cls):
-        # mlx-vlm CacheList: state [child states], meta_state ([names], [metas]).
         if not (
             isinstance(state, list)
             and isinstance(meta, list)
@@ -156,11 +167,11 @@ def _gezel_layer(cls: type, state: Any, meta: Any, where: str) -> Any:
         ):
             raise CodecError(f"{where}: malformed {cls.__name__} state")
         children = [
-            _gezel_layer(_class_named(name, [cls.__module__]), s, m, f"{where}.{i}")
+            _meta_layer(_class_named(name, [cls.__module__]), s, m, f"{where}.{i}", leaf)
             for i, (s, name, m) in enumerate(zip(state, meta[0], meta[1], strict=True))
         ]
         return rebuild_composite(cls, children, list)
-    return rebuild_layer(cls, state, meta)
+    return leaf(cls, state, meta, where)
 
 
 def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
@@ -189,7 +200,7 @@ def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
             dict.fromkeys(m for m in (module, _VLM_CACHE, _LM_CACHE) if isinstance(m, str))
         )
         cls = _class_named(name, candidates)
-        layers.append(_gezel_layer(cls, state, meta, f"layer {i}"))
+        layers.append(_meta_layer(cls, state, meta, f"layer {i}"))
     fingerprint = metadata.get("model_fingerprint")
     return LegacyCache(GEZEL_SCHEMA3, layers, token_ids, fingerprint, dict(metadata))
 
@@ -238,6 +249,17 @@ def _mlx_lm_layer(cls: type, state: Any, where: str) -> Any:
 
 
 def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
+    if metadata.get("2.0"):  # a class name: mlx-lm 0.31 or earlier wrote it
+        classes = _indexed(metadata, "2.")
+        user = {k[2:]: v for k, v in metadata.items() if k.startswith("1.")}
+        metas = _old_meta_states(metadata, len(classes))
+        states = _unflatten_layers(dict(arrays), len(classes))
+        layers = [
+            _meta_layer(_class_named(name, [_LM_CACHE]), state, meta, f"layer {i}",
+                        _old_mlx_lm_layer)
+            for i, (name, state, meta) in enumerate(zip(classes, states, metas, strict=True))
+        ]
+        return _mlx_lm_cache(layers, user)
     classes = _indexed(metadata, "1.")
     user = {k[2:]: v for k, v in metadata.items() if k.startswith("0.")}
     # Scalar leaves: "2.<i>.0" is the path, "2.<i>.1" the kind, for i = 1..n.
@@ -261,6 +283,10 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
         _mlx_lm_layer(_class_named(name, [_LM_CACHE]), state, f"layer {i}")
         for i, (name, state) in enumerate(zip(classes, states, strict=True))
     ]
+    return _mlx_lm_cache(layers, user)
+
+
+def _mlx_lm_cache(layers: list[Any], user: dict[str, str]) -> LegacyCache:
     # `kvkeeper export` writes its key and token ids beside the cache; any
     # other writer's "token_ids" is used only if it is a list of integers.
     tokens: list[int] | None = None
@@ -271,3 +297,70 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
     if isinstance(parsed, list) and all(type(t) is int for t in parsed):
         tokens = parsed
     return LegacyCache(MLX_LM_PROMPT_CACHE, layers, tokens, user.get(EXPORT_MODEL_KEY), user)
+
+
+# mlx-lm 0.31 and earlier: metadata tree_flatten([meta_states, user_metadata,
+# class_names]); a layer is rebuilt with from_state(state, meta_state). mlx-lm
+# 0.32 dropped meta_state: its classes take the scalars inside the state, so
+# an old file is rebuilt there as mlx-lm 0.31's own loader rebuilt it.
+
+
+def _old_meta_states(metadata: Mapping[str, str], n_layers: int) -> list[Any]:
+    """Each layer's meta_state ("" or a tree of strings) from the ``0.`` keys."""
+    flat = [(k[2:], v) for k, v in metadata.items() if k.startswith("0.")]
+    # Every mlx-lm class's meta_state leaves a key ("" for none), so each layer has one.
+    if {int(k.partition(".")[0]) for k, _ in flat} != set(range(n_layers)):
+        raise CodecError("mlx-lm metadata: meta states do not match the classes")
+    try:
+        tree = tree_unflatten(flat)
+    except Exception as exc:  # malformed paths of any sort
+        raise CodecError(f"mlx-lm metadata: cannot rebuild the meta states: {exc!r}") from exc
+    if not isinstance(tree, list) or len(tree) != n_layers:
+        raise CodecError("mlx-lm metadata: meta states do not match the classes")
+    return tree
+
+
+def _int_fields(meta: Any, n: int, where: str) -> list[int]:
+    if not (isinstance(meta, list) and len(meta) == n):
+        raise CodecError(f"{where}: meta_state {meta!r} is not {n} numbers")
+    try:
+        return [int(x) for x in meta]
+    except (TypeError, ValueError):
+        raise CodecError(f"{where}: meta_state {meta!r} is not {n} numbers") from None
+
+
+def _new_state(name: str, state: Any, meta: Any, where: str) -> Any:
+    """The mlx-lm 0.32 state of an mlx-lm 0.31 layer (state, meta_state)."""
+    if not (isinstance(state, list) and all(s is not None for s in state)):
+        raise CodecError(f"{where}: malformed {name} state")
+    if name in ("KVCache", "ConcatenateKVCache", "RotatingKVCache", "QuantizedKVCache",
+                "ChunkedKVCache") and len(state) != 2:
+        raise CodecError(f"{where}: {name} state is not (keys, values)")
+    if name == "KVCache":
+        keys, values = state
+        return keys, values, keys.shape[-2]
+    if name == "ConcatenateKVCache":
+        return tuple(state)
+    if name == "RotatingKVCache":
+        keep, max_size, offset, idx = _int_fields(meta, 4, where)
+        return state[0], state[1], offset, keep, max_size, idx
+    if name == "QuantizedKVCache":
+        offset, group_size, bits = _int_fields(meta, 3, where)
+        return tuple(state[0]), tuple(state[1]), offset, group_size, bits
+    if name == "ChunkedKVCache":
+        chunk_size, start = _int_fields(meta, 2, where)
+        return state[0], state[1], state[0].shape[-2], chunk_size, start
+    if name == "ArraysCache":
+        return list(state), None, None
+    raise CodecError(f"{where}: a {name} saved by mlx-lm 0.31 or earlier cannot be "
+                     "rebuilt by this mlx-lm")
+
+
+def _old_mlx_lm_layer(cls: type, state: Any, meta: Any, where: str) -> Any:
+    if hasattr(cls, "meta_state"):  # mlx-lm 0.31 or earlier: what wrote the file
+        return rebuild_layer(cls, state, meta)
+    try:
+        new = _new_state(cls.__name__, state, meta, where)
+    except (AttributeError, IndexError, TypeError) as exc:
+        raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
+    return rebuild_layer(cls, new)

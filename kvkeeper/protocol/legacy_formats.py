@@ -12,8 +12,12 @@ __all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "detect_legacy"]
 GEZEL_SCHEMA3 = "gezel-schema3"
 MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
 
-#: The metadata keys mlx-lm's save_prompt_cache writes.
+#: The metadata keys mlx-lm's save_prompt_cache writes (mlx-lm 0.32 and later):
+#: user metadata, class names, scalar leaves after an empty sentinel.
 MLX_LM_KEY = re.compile(r"0\..+|1\.\d+|2\.0|2\.\d+\.[01]")
+#: The same in mlx-lm 0.31 and earlier: each layer's meta_state, user
+#: metadata, class names.
+MLX_LM_OLD_KEY = re.compile(r"0\.\d+(\.\d+)*|1\..+|2\.\d+")
 
 
 def detect_legacy(metadata: Mapping[str, str]) -> str | None:
@@ -30,4 +34,18 @@ def detect_legacy(metadata: Mapping[str, str]) -> str | None:
         and all(MLX_LM_KEY.fullmatch(k) for k in metadata)
     ):
         return MLX_LM_PROMPT_CACHE
+    if (
+        metadata.get("2.0")  # a class name, where mlx-lm 0.32 writes ""
+        and all(MLX_LM_OLD_KEY.fullmatch(k) for k in metadata)
+        and _class_names(metadata, "2.")
+    ):
+        return MLX_LM_PROMPT_CACHE
     return None
+
+
+def _class_names(metadata: Mapping[str, str], prefix: str) -> bool:
+    """Whether the keys ``prefix<i>`` are numbered 0..n-1 and name Python classes."""
+    names = {k[len(prefix):]: v for k, v in metadata.items()
+             if k.startswith(prefix) and k[len(prefix):].isdigit()}
+    return (sorted(map(int, names)) == list(range(len(names)))
+            and all(v.isidentifier() for v in names.values()))
