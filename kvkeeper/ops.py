@@ -70,11 +70,22 @@ def ago(t: float, now: float | None = None) -> str:
     return f"{s:.0f}s ago"
 
 
-def client(socket: Path | None, *, required: bool = True):  # type: ignore[no-untyped-def]
+def client(socket: Path | None, *, required: bool = True,  # type: ignore[no-untyped-def]
+           root: Path | None = None):
+    """A client of the daemon. ``root``: the command was given --root and can
+    work on it alone, so without ``socket`` a socket setting it cannot use is
+    warned of and None returned (no daemon), not a usage error."""
     from kvkeeper.client.client import Client
+    from kvkeeper.settings import SettingsError
 
     try:
         kv = Client(socket, connect_timeout=2.0, timeout=60.0)
+    except SettingsError as exc:
+        if socket is not None or root is None:
+            raise CommandError(str(exc), status=2) from None
+        err.print(Text.assemble("kvkeeper: no daemon asked (", str(exc), "); working on ",
+                                shown(root), " alone"))
+        return None
     except ValueError as exc:  # a socket path the platform cannot take, say
         raise CommandError(str(exc), status=2) from None
     if required and not kv.connected:
@@ -296,7 +307,7 @@ def _root(args: argparse.Namespace, kv: Any) -> Path:
 
 
 def verify(args: argparse.Namespace) -> int:
-    kv = client(args.socket, required=False)
+    kv = client(args.socket, required=False, root=args.root)
     try:
         root = _root(args, kv)
         # Files the daemon deletes or evicts meanwhile are gone, not bad.
@@ -331,7 +342,8 @@ def verify(args: argparse.Namespace) -> int:
                     bad.append((f, str(exc)))
         repaired = _repair(root, bad, kv) if args.repair and bad else []
     finally:
-        kv.close()
+        if kv is not None:
+            kv.close()
     checked = len(files) - len(legacy) - len(others)
     if args.json:
         _print_json({"root": str(root), "checked": checked,
@@ -391,7 +403,7 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
     moved = []
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
-    if kv.connected and kv.root.resolve() == root.resolve():
+    if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
         for path, reason in bad:
             model, cache_id = _key_of(path)
             if model is None or cache_id is None:
@@ -593,10 +605,12 @@ def export(args: argparse.Namespace) -> int:
     if not dest.parent.is_dir():
         raise CommandError(f"{dest.parent} is not an existing directory", status=2)
     naming.check_key(args.model, args.cache_id)
-    with client(args.socket, required=False) as kv:
+    kv = client(args.socket, required=False, root=args.root)
+    try:
         # No daemon to ask: the default root is read, and must be a store.
         root = _root(args, kv) if args.root is not None or not kv.connected else None
-        if root is None or (kv.connected and kv.root.resolve() == root.resolve()):
+        if root is None or (kv is not None and kv.connected
+                            and kv.root.resolve() == root.resolve()):
             got = kv.load(args.model, args.cache_id)
             where = ""
         else:
@@ -604,6 +618,9 @@ def export(args: argparse.Namespace) -> int:
             # file there; the daemon writes by rename, so it is whole.
             got = _read_entry(root, args.model, args.cache_id)
             where = f" under {root}"
+    finally:
+        if kv is not None:
+            kv.close()
     if got is None:
         raise CommandError(f"no entry {args.model} / {args.cache_id}{where}")
     foreign = _mlx_lm_classes_only(got.cache)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+import kvkeeper
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
@@ -215,6 +216,29 @@ def test_verify_refuses_a_root_that_is_not_a_store(kind: str, short_dir: Path) -
     r = cli("verify", "--root", str(root), "--socket", str(short_dir / "none.sock"))
     usage_error(r, str(root))
     assert "all good" not in r.stdout
+
+
+def test_verify_and_export_on_a_root_need_no_usable_socket_setting(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    # A socket setting they could not use stopped them (exit 2), though a
+    # --root is all they need.
+    assert client.save("m", "a", small_cache(), [1, 2]) and client.flush(timeout=WAIT)
+    root, out = str(daemon.root), str(daemon.root.parent / "out.safetensors")
+    for env in ({"KVKEEPER_SOCKET": "tcp://127.0.0.1:1"},
+                {"KVKEEPER_CONFIG": str(daemon.root.parent / "missing.toml")}):
+        r = cli("verify", "--root", root, "--json", env=env)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert json.loads(r.stdout)["checked"] == 1
+        assert "no daemon asked" in r.stderr and root in r.stderr, r.stderr
+        r = cli("export", "--root", root, "m", "a", out, env=env)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert kvkeeper.read_cache_file(Path(out)).token_ids == [1, 2]
+        # Without --root they need the daemon's socket: still a usage error.
+        usage_error(cli("verify", env=env))
+        # And a --socket given is never ignored.
+        r = cli("verify", "--root", root, "--socket", "tcp://127.0.0.1:1")
+        assert r.returncode == 2 and "local socket only" in r.stderr, r.stderr
 
 
 def test_export_without_a_daemon_or_a_store_says_so(short_dir: Path) -> None:
