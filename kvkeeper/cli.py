@@ -93,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         "the drain short); a second SIGTERM or SIGINT meanwhile is logged and ignored (SIGKILL "
         "is not). One daemon per root: a second one exits 2, naming the first. The "
         "disk budget (--max-disk-bytes, --min-free-bytes) is applied at start and after every "
-        "write, evicting least recently used entries.")
+        "write, evicting least recently used entries. A setting not given as a flag comes "
+        "from its KVKEEPER_* variable, else the config file, else the default shown below; "
+        "--print-config shows the values in effect and where each came from.")
     _serve_settings(serve)
 
     stats = sub.add_parser("stats", help="the daemon's live counters",
@@ -108,8 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     _socket_arg(ls)
     ls.add_argument("--model", default=None, help="only entries of this model fingerprint")
     ls.add_argument("--all", action="store_true",
-                    help="also files that are not entries: legacy-format files, quarantined "
-                         "(moved aside as unusable) and foreign ones, which are never deleted")
+                    help="also files that are not entries: legacy-format files and "
+                         "quarantined ones (moved aside as unusable), which the disk budget "
+                         "evicts (quarantined first), and foreign ones, which are never "
+                         "deleted")
     ls.add_argument("--sort", choices=sorted(["last-used", "saved", "size", "tokens", "id",
                                               "model"]), default="last-used",
                     help="default last-used (most recent first)")
@@ -188,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("uninstall-service", "stop and remove the user service")):
         sp = sub.add_parser(name, help=text, description=text.capitalize() + ": a LaunchAgent "
                             "in ~/Library/LaunchAgents on macOS, a systemd user unit in "
-                            "~/.config/systemd/user elsewhere.")
+                            "$XDG_CONFIG_HOME/systemd/user (by default ~/.config/systemd/user) "
+                            "elsewhere.")
         sp.add_argument("--platform", choices=["macos", "linux"], default=None,
                         help="the service manager to write for (default: this machine's)")
         sp.add_argument("--no-load", action="store_true",

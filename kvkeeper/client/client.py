@@ -212,7 +212,9 @@ class Client:
 
     @property
     def root(self) -> Path:
-        """The store root that ``load()`` reads directly when the daemon is down."""
+        """The store root whose files ``load()`` reads directly: while the daemon
+        is up, when no save of the key through this client is pending (counted as
+        ``loads_direct``); when it is down, for every load."""
         root = self._root_override or self._daemon_root or self._configured_root
         if root is None:
             try:

@@ -122,7 +122,8 @@ class Session(SessionBase):
 
         ``prompt`` is the whole formatted conversation so far; ``input_ids=``
         (ids of that prompt) may be given instead. ``prompt_cache_state`` and
-        ``prompt_cache`` are not accepted: the session owns them.
+        ``prompt_cache`` are not accepted (the session owns them), nor is
+        ``draft_model`` (TypeError).
         """
         for name in ("prompt_cache_state", "prompt_cache", "draft_model"):
             if name in kwargs:
