@@ -9,6 +9,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
+
+#: mlx-lm 0.31 and earlier (Python 3.10 gets no later one): layers keep their
+#: counters in meta_state, and state leaves out spare capacity.
+MLX_LM_OLD_API = hasattr(KVCache, "meta_state")
 
 #: The counters mlx-lm cache classes keep, under both APIs.
 COUNTERS = ("offset", "keep", "max_size", "_idx", "group_size", "bits", "chunk_size",

@@ -149,6 +149,9 @@ def _class_named(name: Any, modules: list[str]) -> type:
 
 
 def _rebuild(cls: type, state: Any, meta: Any, where: str) -> Any:
+    if meta == {} and cls.__module__ == _LM_CACHE:
+        # cache_persist's record of an mlx-lm 0.32 layer, which has no meta_state.
+        return _rebuild_new(cls, state, where)
     return rebuild_layer(cls, state, meta)
 
 
@@ -245,7 +248,49 @@ def _mlx_lm_layer(cls: type, state: Any, where: str) -> Any:
             for i, (s, name) in enumerate(state)
         ]
         return rebuild_composite(cls, children, list)
-    return rebuild_layer(cls, state)
+    return _rebuild_new(cls, state, where)
+
+
+def _rebuild_new(cls: type, state: Any, where: str) -> Any:
+    """An mlx-lm layer saved as mlx-lm 0.32 gives it (its counters in the state)."""
+    if not hasattr(cls, "meta_state"):
+        return rebuild_layer(cls, state)
+    # mlx-lm 0.31 or earlier reads a 0.32 file.
+    try:
+        old, meta, attrs = _old_state(cls.__name__, state, where)
+    except (AttributeError, IndexError, TypeError, ValueError) as exc:
+        raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
+    obj = rebuild_layer(cls, old, meta)
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def _old_state(name: str, state: Any, where: str) -> tuple[Any, Any, dict[str, Any]]:
+    """An mlx-lm 0.32 state as mlx-lm 0.31 takes it: (state, meta_state, and
+    the attributes its setters do not set)."""
+    if not isinstance(state, list):
+        raise CodecError(f"{where}: malformed {name} state")
+    if name == "KVCache":
+        keys, values, offset = state
+        # 0.32 keeps the spare capacity; 0.31's setter takes the offset from the rows.
+        return (keys, values), "", {"offset": int(offset)}
+    if name == "ConcatenateKVCache":
+        return state, "", {}
+    if name == "RotatingKVCache":
+        keys, values, offset, keep, max_size, idx = state
+        return (keys, values), [str(int(x)) for x in (keep, max_size, offset, idx)], {}
+    if name == "QuantizedKVCache":
+        keys, values, offset, group_size, bits = state
+        return (tuple(keys), tuple(values)), [str(int(x)) for x in (offset, group_size, bits)], {}
+    if name == "ChunkedKVCache":
+        keys, values, offset, chunk_size, start = state
+        return (keys, values), [str(int(chunk_size)), str(int(start))], {"offset": int(offset)}
+    if name == "ArraysCache":
+        cache, left_padding, lengths = state
+        return list(cache), "", {"left_padding": left_padding, "lengths": lengths}
+    raise CodecError(f"{where}: a {name} saved by mlx-lm 0.32 or later cannot be rebuilt by "
+                     "this mlx-lm")
 
 
 def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
