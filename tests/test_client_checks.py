@@ -42,7 +42,9 @@ def kv_layer(dtype: mx.Dtype = mx.bfloat16, tokens: int = 4) -> KVCache:
     # from_state, not update_and_fetch: no computation in float64, which
     # MLX's GPU backend does not have.
     x = mx.ones((1, 2, tokens, 8)).astype(dtype)
-    return KVCache.from_state((x, x, tokens))
+    c = KVCache()  # its attributes: from_state's arguments differ across mlx-lm versions
+    c.keys, c.values, c.offset = x, x, tokens
+    return c
 
 
 BAD_LAYERS = [

@@ -30,6 +30,7 @@ from kvkeeper.client.codec import (
 )
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
 
+from .legacy_describe import MLX_LM_OLD_API
 from .tiny import arrays_from_snapshot, greedy_decode, prefill, prompt, tiny_lfm2, tiny_llama
 
 H, D = 2, 64
@@ -214,6 +215,11 @@ def _flatten_layers(cache: list[Any]) -> list[Any]:
 def test_roundtrip_leaf_for_leaf(mod: ModuleType, case: str) -> None:
     mx.random.seed(1)
     cache = CASES[case](mod)
+    if mod is L and case == "kv-empty" and MLX_LM_OLD_API:
+        # mlx-lm 0.31's KVCache cannot give the state of an empty layer (nor save it).
+        with pytest.raises(CodecError, match="cannot read the state of KVCache"):
+            snapshot_cache(cache)
+        return
     snap, got = roundtrip(cache)
     assert len(got) == len(cache)
     for o, g in zip(_flatten_layers(cache), _flatten_layers(got), strict=True):
@@ -338,21 +344,18 @@ def test_layer_attrs_need_the_newer_reader_and_are_checked() -> None:
 def test_capacity_is_dropped_and_json_layout() -> None:
     mx.random.seed(2)
     lm, vlm = fill(L.KVCache()), fill(V.KVCache())
-    assert lm.keys.shape[2] == 256  # mlx-lm keeps the whole allocation in its state
+    assert lm.keys.shape[2] == 256  # mlx-lm 0.32 keeps the whole allocation in its state
     snap = snapshot_cache([lm, vlm])
     doc = json.loads(snap.layers)
     e_lm, e_vlm = doc["layers"]
+    tensors = [{"$": "tensor", "name": "t0", "dtype": "BF16", "shape": [1, H, 37, D]},
+               {"$": "tensor", "name": "t1", "dtype": "BF16", "shape": [1, H, 37, D]}]
     assert e_lm == {
         "class": "KVCache",
         "module": "mlx_lm.models.cache",
-        "state": {
-            "$": "tuple",
-            "items": [
-                {"$": "tensor", "name": "t0", "dtype": "BF16", "shape": [1, H, 37, D]},
-                {"$": "tensor", "name": "t1", "dtype": "BF16", "shape": [1, H, 37, D]},
-                37,
-            ],
-        },
+        # mlx-lm 0.31 and earlier: the offset is the row count, meta_state "".
+        **({"state": {"$": "tuple", "items": tensors}, "meta_state": ""} if MLX_LM_OLD_API
+           else {"state": {"$": "tuple", "items": [*tensors, 37]}}),
     }
     # mlx-vlm protocol: meta_state recorded, state without scalars.
     assert e_vlm["module"] == "mlx_vlm.models.cache" and e_vlm["meta_state"] == ""
@@ -373,7 +376,8 @@ def test_containers_scalars_and_dicts_survive() -> None:
     c.lengths = mx.array([3])
     _, (got,) = roundtrip([c])
     assert canon(got.state) == canon(c.state)
-    assert type(got.state[0][1][5]) is tuple and type(got.state[0][1][6]) is list
+    items = got.cache  # the first part of mlx-lm 0.32's state, all of 0.31's
+    assert type(items[1][5]) is tuple and type(items[1][6]) is list
 
 
 def test_restored_mlx_lm_cache_keeps_working_across_a_step() -> None:
@@ -407,7 +411,8 @@ def _check_model(
         nxt = greedy_decode(model, cache, nxt, steps_before)[-1]
     snap = snapshot_cache(cache)
     held = sum(a.nbytes for a in _state_arrays(cache))
-    assert (snap.nbytes < held) == expect_drop, (snap.nbytes, held)
+    # mlx-lm 0.31 and earlier slice their states to the offset themselves.
+    assert (snap.nbytes < held) == (expect_drop and not MLX_LM_OLD_API), (snap.nbytes, held)
     restored = restore_cache(arrays_from_snapshot(snap), snap.layers)
     assert [type(c) for c in restored] == [type(c) for c in cache]
     a = prefill(model, [nxt], cache)

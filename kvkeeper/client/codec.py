@@ -292,11 +292,33 @@ def _is_empty(x: Any) -> bool:
 def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING) -> Any:
     """Rebuild one cache layer with the protocol its class speaks.
 
-    ``from_state(state, meta_state)`` (mlx-vlm) or ``from_state(state)``
-    (mlx-lm), chosen by the arity of the class's from_state; without a
-    from_state, ``__new__`` plus the ``state``/``meta_state`` setters.
-    Raises CodecError when the class refuses the state.
+    ``from_state(state, meta_state)`` (mlx-vlm, mlx-lm 0.31 and earlier) or
+    ``from_state(state)`` (mlx-lm 0.32), chosen by the arity of the class's
+    from_state; without a from_state, ``__new__`` plus the
+    ``state``/``meta_state`` setters. Raises CodecError when the class
+    refuses the state.
     """
+    obj = _rebuild_layer(cls, state, meta_state)
+    mend = _META_MENDS.get((cls.__module__, cls.__name__))
+    if mend is not None and meta_state is not _MISSING:
+        mend(obj, meta_state)
+    return obj
+
+
+def _mend_rotated(obj: Any, meta: Any) -> None:
+    # mlx-lm 0.31's setter takes bool("False"): every restored cache believed
+    # it had wrapped.
+    if isinstance(meta, (list, tuple)) and len(meta) == 4 and meta[3] in ("True", "False"):
+        obj.rotated = meta[3] == "True"
+
+
+#: Fixes for meta_state setters that restore a field wrongly.
+_META_MENDS: dict[tuple[str, str], Callable[[Any, Any], None]] = {
+    ("mlx_lm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
+}
+
+
+def _rebuild_layer(cls: type, state: Any, meta_state: Any) -> Any:
     has_meta = meta_state is not _MISSING
     try:
         arity = _from_state_arity(cls)
@@ -459,8 +481,8 @@ _TRIMMERS: dict[tuple[str, str], Callable[[Any], Any]] = {
 _Read = tuple[Any, "dict[str, int] | None"]
 
 
-def _read_vlm_chunked(layer: Any) -> _Read:
-    # mlx-vlm ChunkedKVCache keeps tokens start_position..offset at rows
+def _read_chunked_with_meta(layer: Any) -> _Read:
+    # mlx-vlm ChunkedKVCache (and mlx-lm's before 0.32) keeps tokens start_position..offset at rows
     # 0..offset-start_position, but its state setter takes the offset from the
     # rows it is given and meta_state holds only (chunk_size, start_position):
     # once the front is trimmed, a restore put the offset back at the row count
@@ -485,7 +507,7 @@ def _read_vlm_buffered_rotating(layer: Any) -> _Read:
 
 
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
-    ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_vlm_chunked,
+    ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_chunked_with_meta,
     ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _read_vlm_buffered_rotating,
 }
 
@@ -510,6 +532,11 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
         raise CodecError(f"{name}: {exc}") from None
     if getattr(sys.modules.get(module), name, None) is not cls:
         raise CodecError(f"{module}.{name} cannot be found again by name")
+    if hasattr(cls, "meta_state") and module == "mlx_lm.models.cache":
+        # mlx-lm 0.31 and earlier: states without counters, sliced to the
+        # offset already; its ChunkedKVCache loses its offset as mlx-vlm's does.
+        read = _read_chunked_with_meta if name == "ChunkedKVCache" else _read_state
+        return module, name, read
     trim = _TRIMMERS.get((module, name))
     read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)
     return module, name, read

@@ -17,11 +17,13 @@ Each request reuses, trims or re-prefills the cache as described in
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
@@ -155,6 +157,21 @@ class Session(SessionBase):
         return out
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+#: mlx-lm 0.32 shows logits processors every prompt token; 0.31 and earlier
+#: only those of the last prefill step (one, for a prompt of any length), so
+#: there a cold run sees no history either, and prepending the cached tokens
+#: would make a cache hit answer otherwise.
+_PROCESSORS_SEE_THE_PROMPT = _version(mlx_lm.__version__) >= (0, 32)
+
+
 def _feed_only_the_rest(kwargs: dict[str, Any], cached: list[int]) -> None:
     """mlx-lm is given only the tokens the cache does not hold: the arguments
     that follow the prompt must too. Its logits processors see the tokens
@@ -163,7 +180,7 @@ def _feed_only_the_rest(kwargs: dict[str, Any], cached: list[int]) -> None:
     answer depended on a cache hit); ``input_embeddings`` lose the cached rows
     (mlx-lm refused them: one row per token fed)."""
     processors = kwargs.get("logits_processors")
-    if processors:
+    if processors and _PROCESSORS_SEE_THE_PROMPT:
         head = mx.array(cached)
 
         def seeing_all(proc: Any) -> Any:
