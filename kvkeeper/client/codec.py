@@ -914,10 +914,16 @@ class _Decoder:
         if "state" not in entry:
             raise CodecError(f"{where}: layer entry has no state")
         state = self.part(entry, "state", where)
-        if "meta_state" in entry:
-            obj = rebuild_layer(cls, state, self.part(entry, "meta_state", where))
+        meta = self.part(entry, "meta_state", where) if "meta_state" in entry else _MISSING
+        if cls.__module__ == "mlx_lm.models.cache" and (
+                hasattr(cls, "meta_state") != (meta is not _MISSING)):
+            # Saved under the other mlx-lm cache API (0.31 or earlier against 0.32).
+            from kvkeeper.client import lm_api
+
+            obj = (lm_api.rebuild_from_new(cls, state, where) if meta is _MISSING
+                   else lm_api.rebuild_from_old(cls, state, meta, where))
         else:
-            obj = rebuild_layer(cls, state)
+            obj = rebuild_layer(cls, state, meta)
         if "attrs" in entry:
             _set_attrs(obj, entry["attrs"], where)
         return obj

@@ -41,6 +41,7 @@ from kvkeeper.client.codec import (
     rebuild_layer,
     resolve_cache_class,
 )
+from kvkeeper.client.lm_api import rebuild_from_new, rebuild_from_old
 from kvkeeper.protocol.legacy_formats import GEZEL_SCHEMA3, MLX_LM_PROMPT_CACHE, detect_legacy
 
 __all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "LegacyCache", "decode_legacy", "detect_legacy"]
@@ -151,7 +152,7 @@ def _class_named(name: Any, modules: list[str]) -> type:
 def _rebuild(cls: type, state: Any, meta: Any, where: str) -> Any:
     if meta == {} and cls.__module__ == _LM_CACHE:
         # cache_persist's record of an mlx-lm 0.32 layer, which has no meta_state.
-        return _rebuild_new(cls, state, where)
+        return rebuild_from_new(cls, state, where)
     return rebuild_layer(cls, state, meta)
 
 
@@ -248,49 +249,7 @@ def _mlx_lm_layer(cls: type, state: Any, where: str) -> Any:
             for i, (s, name) in enumerate(state)
         ]
         return rebuild_composite(cls, children, list)
-    return _rebuild_new(cls, state, where)
-
-
-def _rebuild_new(cls: type, state: Any, where: str) -> Any:
-    """An mlx-lm layer saved as mlx-lm 0.32 gives it (its counters in the state)."""
-    if not hasattr(cls, "meta_state"):
-        return rebuild_layer(cls, state)
-    # mlx-lm 0.31 or earlier reads a 0.32 file.
-    try:
-        old, meta, attrs = _old_state(cls.__name__, state, where)
-    except (AttributeError, IndexError, TypeError, ValueError) as exc:
-        raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
-    obj = rebuild_layer(cls, old, meta)
-    for name, value in attrs.items():
-        setattr(obj, name, value)
-    return obj
-
-
-def _old_state(name: str, state: Any, where: str) -> tuple[Any, Any, dict[str, Any]]:
-    """An mlx-lm 0.32 state as mlx-lm 0.31 takes it: (state, meta_state, and
-    the attributes its setters do not set)."""
-    if not isinstance(state, list):
-        raise CodecError(f"{where}: malformed {name} state")
-    if name == "KVCache":
-        keys, values, offset = state
-        # 0.32 keeps the spare capacity; 0.31's setter takes the offset from the rows.
-        return (keys, values), "", {"offset": int(offset)}
-    if name == "ConcatenateKVCache":
-        return state, "", {}
-    if name == "RotatingKVCache":
-        keys, values, offset, keep, max_size, idx = state
-        return (keys, values), [str(int(x)) for x in (keep, max_size, offset, idx)], {}
-    if name == "QuantizedKVCache":
-        keys, values, offset, group_size, bits = state
-        return (tuple(keys), tuple(values)), [str(int(x)) for x in (offset, group_size, bits)], {}
-    if name == "ChunkedKVCache":
-        keys, values, offset, chunk_size, start = state
-        return (keys, values), [str(int(chunk_size)), str(int(start))], {"offset": int(offset)}
-    if name == "ArraysCache":
-        cache, left_padding, lengths = state
-        return list(cache), "", {"left_padding": left_padding, "lengths": lengths}
-    raise CodecError(f"{where}: a {name} saved by mlx-lm 0.32 or later cannot be rebuilt by "
-                     "this mlx-lm")
+    return rebuild_from_new(cls, state, where)
 
 
 def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
@@ -301,7 +260,7 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
         states = _unflatten_layers(dict(arrays), len(classes))
         layers = [
             _meta_layer(_class_named(name, [_LM_CACHE]), state, meta, f"layer {i}",
-                        _old_mlx_lm_layer)
+                        rebuild_from_old)
             for i, (name, state, meta) in enumerate(zip(classes, states, metas, strict=True))
         ]
         return _mlx_lm_cache(layers, user)
@@ -363,49 +322,3 @@ def _old_meta_states(metadata: Mapping[str, str], n_layers: int) -> list[Any]:
     if not isinstance(tree, list) or len(tree) != n_layers:
         raise CodecError("mlx-lm metadata: meta states do not match the classes")
     return tree
-
-
-def _int_fields(meta: Any, n: int, where: str) -> list[int]:
-    if not (isinstance(meta, list) and len(meta) == n):
-        raise CodecError(f"{where}: meta_state {meta!r} is not {n} numbers")
-    try:
-        return [int(x) for x in meta]
-    except (TypeError, ValueError):
-        raise CodecError(f"{where}: meta_state {meta!r} is not {n} numbers") from None
-
-
-def _new_state(name: str, state: Any, meta: Any, where: str) -> Any:
-    """The mlx-lm 0.32 state of an mlx-lm 0.31 layer (state, meta_state)."""
-    if not (isinstance(state, list) and all(s is not None for s in state)):
-        raise CodecError(f"{where}: malformed {name} state")
-    if name in ("KVCache", "ConcatenateKVCache", "RotatingKVCache", "QuantizedKVCache",
-                "ChunkedKVCache") and len(state) != 2:
-        raise CodecError(f"{where}: {name} state is not (keys, values)")
-    if name == "KVCache":
-        keys, values = state
-        return keys, values, keys.shape[-2]
-    if name == "ConcatenateKVCache":
-        return tuple(state)
-    if name == "RotatingKVCache":
-        keep, max_size, offset, idx = _int_fields(meta, 4, where)
-        return state[0], state[1], offset, keep, max_size, idx
-    if name == "QuantizedKVCache":
-        offset, group_size, bits = _int_fields(meta, 3, where)
-        return tuple(state[0]), tuple(state[1]), offset, group_size, bits
-    if name == "ChunkedKVCache":
-        chunk_size, start = _int_fields(meta, 2, where)
-        return state[0], state[1], state[0].shape[-2], chunk_size, start
-    if name == "ArraysCache":
-        return list(state), None, None
-    raise CodecError(f"{where}: a {name} saved by mlx-lm 0.31 or earlier cannot be "
-                     "rebuilt by this mlx-lm")
-
-
-def _old_mlx_lm_layer(cls: type, state: Any, meta: Any, where: str) -> Any:
-    if hasattr(cls, "meta_state"):  # mlx-lm 0.31 or earlier: what wrote the file
-        return rebuild_layer(cls, state, meta)
-    try:
-        new = _new_state(cls.__name__, state, meta, where)
-    except (AttributeError, IndexError, TypeError) as exc:
-        raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
-    return rebuild_layer(cls, new)

@@ -1,0 +1,109 @@
+"""Between mlx-lm's two cache APIs.
+
+mlx-lm 0.31 and earlier (the newest Python 3.10 can install) give a layer as
+``state`` (its arrays, sliced to the offset) plus ``meta_state`` (its counters
+as strings) and rebuild it with ``from_state(state, meta_state)``. mlx-lm 0.32
+dropped ``meta_state``: the counters travel inside ``state``, arrays keep their
+spare capacity, and ``from_state(state)`` rebuilds. A layer saved under one
+(a kvkeeper entry or an mlx-lm prompt-cache file) is rebuilt under the other
+here, for the classes whose layout both versions are known to have; anything
+else is a CodecError (unusable here, not damaged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvkeeper.client.codec import CodecError, rebuild_layer
+
+__all__ = ["rebuild_from_new", "rebuild_from_old"]
+
+_KV_LIKE = ("KVCache", "ConcatenateKVCache", "RotatingKVCache", "QuantizedKVCache",
+            "ChunkedKVCache")
+
+
+def rebuild_from_new(cls: type, state: Any, where: str) -> Any:
+    """An mlx-lm layer of class ``cls`` saved as mlx-lm 0.32 gives it."""
+    if not hasattr(cls, "meta_state"):
+        return rebuild_layer(cls, state)
+    try:
+        old, meta, attrs = _old_state(cls.__name__, state, where)
+    except (AttributeError, IndexError, TypeError, ValueError) as exc:
+        raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
+    obj = rebuild_layer(cls, old, meta)
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def rebuild_from_old(cls: type, state: Any, meta: Any, where: str) -> Any:
+    """An mlx-lm layer of class ``cls`` saved as mlx-lm 0.31 gives it."""
+    if hasattr(cls, "meta_state"):
+        return rebuild_layer(cls, state, meta)
+    try:
+        new = _new_state(cls.__name__, state, meta, where)
+    except (AttributeError, IndexError, TypeError) as exc:
+        raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
+    return rebuild_layer(cls, new)
+
+
+def _old_state(name: str, state: Any, where: str) -> tuple[Any, Any, dict[str, Any]]:
+    """An mlx-lm 0.32 state as mlx-lm 0.31 takes it: (state, meta_state, and
+    the attributes its setters do not set)."""
+    if not isinstance(state, (list, tuple)):
+        raise CodecError(f"{where}: malformed {name} state")
+    if name == "KVCache":
+        keys, values, offset = state
+        # 0.32 keeps the spare capacity; 0.31's setter takes the offset from the rows.
+        return (keys, values), "", {"offset": int(offset)}
+    if name == "ConcatenateKVCache":
+        return tuple(state), "", {}
+    if name == "RotatingKVCache":
+        keys, values, offset, keep, max_size, idx = state
+        return (keys, values), [str(int(x)) for x in (keep, max_size, offset, idx)], {}
+    if name == "QuantizedKVCache":
+        keys, values, offset, group_size, bits = state
+        return (tuple(keys), tuple(values)), [str(int(x)) for x in (offset, group_size, bits)], {}
+    if name == "ChunkedKVCache":
+        keys, values, offset, chunk_size, start = state
+        return (keys, values), [str(int(chunk_size)), str(int(start))], {"offset": int(offset)}
+    if name == "ArraysCache":
+        cache, left_padding, lengths = state
+        return list(cache), "", {"left_padding": left_padding, "lengths": lengths}
+    raise CodecError(f"{where}: a {name} saved by mlx-lm 0.32 or later cannot be rebuilt by "
+                     "this mlx-lm")
+
+
+def _int_fields(meta: Any, n: int, where: str) -> list[int]:
+    if not (isinstance(meta, (list, tuple)) and len(meta) == n):
+        raise CodecError(f"{where}: meta_state {meta!r} is not {n} numbers")
+    try:
+        return [int(x) for x in meta]
+    except (TypeError, ValueError):
+        raise CodecError(f"{where}: meta_state {meta!r} is not {n} numbers") from None
+
+
+def _new_state(name: str, state: Any, meta: Any, where: str) -> Any:
+    """The mlx-lm 0.32 state of an mlx-lm 0.31 layer (state, meta_state)."""
+    if not (isinstance(state, (list, tuple)) and all(s is not None for s in state)):
+        raise CodecError(f"{where}: malformed {name} state")
+    if name in _KV_LIKE and len(state) != 2:
+        raise CodecError(f"{where}: {name} state is not (keys, values)")
+    if name == "KVCache":
+        keys, values = state
+        return keys, values, keys.shape[-2]
+    if name == "ConcatenateKVCache":
+        return tuple(state)
+    if name == "RotatingKVCache":
+        keep, max_size, offset, idx = _int_fields(meta, 4, where)
+        return state[0], state[1], offset, keep, max_size, idx
+    if name == "QuantizedKVCache":
+        offset, group_size, bits = _int_fields(meta, 3, where)
+        return tuple(state[0]), tuple(state[1]), offset, group_size, bits
+    if name == "ChunkedKVCache":
+        chunk_size, start = _int_fields(meta, 2, where)
+        return state[0], state[1], state[0].shape[-2], chunk_size, start
+    if name == "ArraysCache":
+        return list(state), None, None
+    raise CodecError(f"{where}: a {name} saved by mlx-lm 0.31 or earlier cannot be "
+                     "rebuilt by this mlx-lm")

@@ -1,0 +1,69 @@
+"""Entries saved under either mlx-lm cache API load under the one installed.
+
+mlx-lm 0.31 (the newest Python 3.10 installs) gives a layer's counters in
+meta_state, mlx-lm 0.32 inside its state. A user who upgrades keeps the caches
+saved before: tests/data/kvkeeper-files holds entries saved through a real
+daemon under each (make.py), with what the saving mlx-lm restored them to.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import kvkeeper
+from kvkeeper.client.client import Client
+from kvkeeper.protocol import naming
+
+from .conftest import RunningDaemon
+from .legacy_describe import MLX_LM_OLD_API, describe
+
+ROOT = Path(__file__).parent / "data" / "kvkeeper-files"
+MANIFEST = json.loads((ROOT / "MANIFEST.json").read_text())
+MODEL = "fixture-model"
+OTHER_API = "mlx-lm-0.32" if MLX_LM_OLD_API else "mlx-lm-0.31"
+
+
+def test_both_apis_have_every_case() -> None:
+    files = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.safetensors")}
+    assert files == set(MANIFEST) and len(files) == 12
+    assert {k.split("/")[0] for k in files} == {"mlx-lm-0.31", "mlx-lm-0.32"}
+
+
+@pytest.mark.parametrize("rel", sorted(MANIFEST))
+def test_an_entry_restores_as_the_mlx_lm_that_saved_it_restored_it(rel: str) -> None:
+    name = Path(rel).stem
+    got = kvkeeper.read_cache_file(ROOT / rel, model=MODEL, cache_id=name)
+    assert got.token_ids == list(range(37))
+    assert [describe(c) for c in got.cache] == MANIFEST[rel]["layers"]
+
+
+@pytest.mark.parametrize("name", ["kv", "rotating", "quantized"])
+def test_an_entry_of_the_other_api_keeps_working(name: str) -> None:
+    layer = kvkeeper.read_cache_file(ROOT / OTHER_API / f"{name}.safetensors").cache[0]
+    before, keys = layer.offset, layer.keys
+    k = mx.ones((1, 2, 1, 64), dtype=mx.bfloat16)
+    got, _ = layer.update_and_fetch(k, k)
+    assert layer.offset == before + 1
+    if name == "kv":
+        assert mx.array_equal(got[..., :before, :], keys[..., :before, :]).item()
+        assert mx.array_equal(got[..., before:, :], k).item()
+
+
+def test_the_daemon_serves_an_entry_saved_under_the_other_api(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    for name in ("kv", "hybrid", "cachelist"):
+        dest = naming.entry_path(daemon.root, MODEL, name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / OTHER_API / f"{name}.safetensors", dest)
+    client.gc()  # the daemon learns of files put under its root by rescanning it
+    for name in ("kv", "hybrid", "cachelist"):
+        got = client.load(MODEL, name)
+        assert got is not None, name
+        want = MANIFEST[f"{OTHER_API}/{name}.safetensors"]["layers"]
+        assert [describe(c) for c in got.cache] == want
