@@ -6,7 +6,12 @@ root elsewhere never read, every use kept in the eviction order across
 a restart, a checksum table that leaves out a tensor, a layers
 description that gives a tensor another shape of the same size, a
 save whose rename fails, and an mlx-lm ChunkedKVCache trimmed at the front
-saved without its spare rows."""
+saved without its spare rows. A second review (server, write-behind,
+integrations, settings, naming, ops): requests given back to the daemon's
+waiting limit, a flush counting saves sent during an earlier one, the
+write-behind's intervals, final saves and retries, caches whose front was
+dropped or of another layer count not reused, negative sizes, ids that
+would be hidden file names, and verify not counting as a use."""
 from __future__ import annotations
 
 import json
@@ -20,6 +25,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import ENV
@@ -265,3 +271,239 @@ def test_a_chunked_cache_trimmed_at_the_front_saves_its_live_rows_only(
         z = mx.ones((1, 2, 1, 16), dtype=mx.bfloat16)
         for a, b in zip(old.update_and_fetch(z, z), new.update_and_fetch(z, z), strict=True):
             assert mx.array_equal(a, b).item()
+
+
+# ---------------------------------------------------------------- second review: server,
+# write-behind, integrations, settings, naming, ops (each fails with its mutant)
+
+
+def _tiny_cache(n: int = 8):  # noqa: ANN202 - (cache, ids)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .tiny import prefill, prompt, tiny_llama
+
+    model = tiny_llama(seed=2)
+    cache = make_prompt_cache(model)
+    ids = prompt(n, seed=1)
+    prefill(model, ids, cache)
+    return model, cache, ids
+
+
+def test_requests_that_waited_are_given_back_to_the_daemons_limit(
+        daemon: RunningDaemon) -> None:
+    """The daemon counts requests waiting for an answer against MAX_WAITING; one
+    not given back when answered made a long-running daemon answer "busy" to
+    everything once that many had ever waited."""
+    from kvkeeper.daemon.server import MAX_WAITING
+    from kvkeeper.protocol import messages as m
+
+    from .conftest import dealers
+
+    with dealers(daemon.socket, 1) as (s,):
+        req = 0
+        for _ in range(MAX_WAITING // 1000 + 2):
+            for _ in range(1000):
+                req += 1
+                s.send(m.encode(m.ListEntries(v=m.PROTOCOL_VERSION, req=req)))
+            for _ in range(1000):
+                r = m.decode_reply(s.recv())
+                assert isinstance(r, m.Entries), r
+
+
+def test_a_flush_counts_saves_sent_while_an_earlier_flush_waited(short_dir: Path) -> None:
+    """Flush 2 follows save 2: its answer must count save 2 written, not carry
+    flush 1's tally (taken before save 2 arrived)."""
+    from kvkeeper.protocol import messages as m
+
+    from .conftest import dealers
+
+    v = m.PROTOCOL_VERSION
+
+    def save(s: object, n: int, cid: str, nbytes: int) -> None:
+        s.send(m.encode(m.SaveBegin(v=v, save=n, model=FP, cache_id=cid,  # type: ignore[attr-defined]
+                                    tensors=[m.TensorSpec("t", "U8", [nbytes])])))
+        s.send_multipart([m.encode(m.SaveData(v=v, save=n, frames=1)),  # type: ignore[attr-defined]
+                          bytes(nbytes)])
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.5"})  # 0.5 s per MiB
+    try:
+        with dealers(sock, 1) as (s,):
+            save(s, 1, "big", 4 * MiB)  # about 2 s to write
+            s.send(m.encode(m.Flush(v=v, req=1)))
+            time.sleep(0.3)
+            save(s, 2, "small", 1024)
+            s.send(m.encode(m.Flush(v=v, req=2)))
+            got = {}
+            while len(got) < 2:
+                r = m.decode_reply(s.recv())
+                got[r.req] = r
+            assert got[1].written >= 1 and got[2].written == 2, got
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_every_seconds_counts_from_the_last_save(client: Client) -> None:
+    _, cache, ids = _tiny_cache()
+    wb = client.write_behind(FP, "secs", every_tokens=None, every_seconds=0.3)
+    assert wb.step(cache, ids)
+    time.sleep(0.35)
+    # One save when the interval is over, then none until it is over again
+    # (each step saved once it had been 0.3 s since the first).
+    assert [wb.step(cache, ids) for _ in range(5)] == [True, False, False, False, False]
+    wb.discard()
+
+
+def test_close_saves_a_cache_grown_since_the_last_saved_step(client: Client) -> None:
+    from .tiny import prefill
+
+    model, cache, ids = _tiny_cache()
+    wb = client.write_behind(FP, "grown", every_tokens=1, every_seconds=None)
+    assert wb.step(cache, ids)
+    prefill(model, [3], cache)
+    assert wb.close(cache, ids + [3])
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, "grown")
+    assert got is not None and got.token_ids == ids + [3]
+
+
+def test_a_streaming_generator_closed_by_its_consumer_saves_its_last_state(
+        client: Client) -> None:
+    from .tiny import prefill
+
+    model, cache, ids = _tiny_cache()
+
+    def stream():  # noqa: ANN202 - a server's token stream
+        with client.write_behind(FP, "gen", every_tokens=100, every_seconds=None) as wb:
+            for t in range(5):
+                prefill(model, [t + 1], cache)
+                ids.append(t + 1)
+                wb.step(cache, ids)
+                yield t
+
+    g = stream()
+    next(g), next(g), next(g)
+    g.close()  # GeneratorExit inside the with: a clean end, not an error
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, "gen")
+    assert got is not None and got.token_ids == ids and len(ids) == 11
+
+
+def test_write_behind_without_a_daemon_tries_once_per_interval_and_close_retries(
+        short_dir: Path) -> None:
+    from .tiny import prefill
+
+    model, cache, ids = _tiny_cache()
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    with Client(sock, timeout=WAIT, connect_timeout=0.2) as kv:
+        wb = kv.write_behind(FP, "outage", every_tokens=4, every_seconds=None)
+        for i in range(10):
+            prefill(model, [i + 1], cache)
+            ids.append(i + 1)
+            wb.step(cache, ids)
+        # Down from the start: a try at the first step and every 4 after, not each step.
+        assert wb.counters.dropped == 3, wb.counters
+        wb.discard()
+        wb = kv.write_behind(FP, "retry", every_tokens=None, every_seconds=None)
+        assert not wb.save(cache, ids)  # dropped: no daemon
+        rd = start_daemon(root, sock)
+        try:
+            deadline = time.monotonic() + WAIT
+            while not kv.connected and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert wb.close()  # the dropped save is tried again
+            assert kv.flush(timeout=WAIT)
+            got = kv.load(FP, "retry")
+            assert got is not None and got.token_ids == ids
+        finally:
+            assert rd.stop() == 0
+
+
+def test_a_cache_whose_front_was_dropped_is_not_trimmed_for_reuse() -> None:
+    """mlx-vlm's BufferedRotatingKVCache says it is trimmable however much of
+    its front it dropped: trimmed, it would hold the prefix without the
+    window the model needs, and answer wrongly."""
+    from mlx_vlm.models.cache import BufferedRotatingKVCache
+
+    from kvkeeper.integrations import plan_reuse
+
+    c = BufferedRotatingKVCache(max_size=8, buffer_size=2)
+    for i in range(40):
+        x = mx.full((1, 2, 1, 8), float(i))
+        c.update_and_fetch(x, x)
+    assert c.is_trimmable() and c.start_position > 0
+    ids = list(range(40))
+    plan = plan_reuse([c], ids, ids[:30] + [99])
+    assert plan.action == "cold", plan
+
+
+def test_a_saved_conversation_of_another_layer_count_is_not_reused(client: Client) -> None:
+    """mlx-lm's llama zips its layers with the cache: a restored cache with
+    more layers than the model would be used, silently, and answer wrongly."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from kvkeeper.demo import word_tokenizer
+    from kvkeeper.integrations import mlx_lm as kv_lm
+
+    from .tiny import VOCAB, prompt, tiny_llama
+
+    tok = TokenizerWrapper(word_tokenizer(VOCAB))
+    p = prompt(30, seed=4)
+    four = kv_lm.Session(client, "tiny", "layers", tiny_llama(seed=3), tok)
+    four.generate(p, max_tokens=4)
+    assert client.flush(timeout=WAIT)
+    two_layers = tiny_llama(seed=3, layers=2)
+    assert len(make_prompt_cache(two_layers)) != len(make_prompt_cache(four.model))
+    other = kv_lm.Session(client, "tiny", "layers", two_layers, tok)
+    other.generate(p + [5], max_tokens=2)
+    assert other.last_plan is not None and other.last_plan.action == "cold"
+
+
+def test_a_negative_size_in_the_config_is_refused(short_dir: Path) -> None:
+    """max_disk_bytes = -1 passed through as a budget below zero: the daemon
+    evicted every entry at start."""
+    from kvkeeper.settings import SettingsError, resolve
+
+    with pytest.raises(SettingsError, match="negative"):
+        resolve({"max_disk_bytes": "-1"}, environ={})
+    cfg = short_dir / "kv.toml"
+    cfg.write_text('max_disk_bytes = "-1"\n')
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "serve", "--config", str(cfg),
+                        "--print-config"], capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 2 and "negative" in r.stderr, r.stderr
+
+
+def test_ids_that_would_be_hidden_file_names_stay_entries_across_a_restart(
+        short_dir: Path) -> None:
+    """".", ".." and ".x" as ids: were their dots kept in the file name, the
+    files would be hidden, and after a restart foreign (never listed, evicted
+    or verified); ".." as a model would write into the root itself."""
+    _, cache, ids = _tiny_cache(4)
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    for round_ in range(2):
+        rd = start_daemon(root, sock)
+        try:
+            with Client(sock, timeout=WAIT) as kv:
+                if round_ == 0:
+                    for cid in (".", "..", ".x"):
+                        assert kv.save("..", cid, cache, ids)
+                    assert kv.flush(timeout=WAIT)
+                got = {(e.model, e.cache_id) for e in kv.entries()}
+                assert got == {("..", "."), ("..", ".."), ("..", ".x")}, got
+        finally:
+            assert rd.stop() == 0
+    assert not [p for p in (root / "sessions").rglob("*") if p.name.startswith(".")]
+
+
+def test_verify_does_not_count_as_a_use(client: Client, daemon: RunningDaemon) -> None:
+    """The eviction order lives in the atime: a verify that touched it made
+    every entry look just used after a restart."""
+    _, cache, ids = _tiny_cache(4)
+    assert client.save(FP, "v", cache, ids) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "v")
+    os.utime(path, ns=(1_000_000_000, path.stat().st_mtime_ns))  # long ago
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "verify", "--socket",
+                        str(daemon.socket)], capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert path.stat().st_atime_ns == 1_000_000_000

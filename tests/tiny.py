@@ -40,13 +40,13 @@ def _finish(model: _M, dtype: mx.Dtype) -> _M:
     return model
 
 
-def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> llama.Model:
+def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.bfloat16, layers: int = 4) -> llama.Model:
     """A 4-layer llama (hidden 256, 4 heads, 2 kv heads, head dim 64) with random weights."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=256,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         intermediate_size=512,
         num_attention_heads=4,
         num_key_value_heads=2,
