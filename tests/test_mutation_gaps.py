@@ -11,7 +11,8 @@ integrations, settings, naming, ops): requests given back to the daemon's
 waiting limit, a flush counting saves sent during an earlier one, the
 write-behind's intervals, final saves and retries, caches whose front was
 dropped or of another layer count not reused, negative sizes, ids that
-would be hidden file names, and verify not counting as a use."""
+would be hidden file names, verify not counting as a use, an import the
+daemon could not write failing, and evictions at start counted."""
 from __future__ import annotations
 
 import json
@@ -507,3 +508,45 @@ def test_verify_does_not_count_as_a_use(client: Client, daemon: RunningDaemon) -
                         str(daemon.socket)], capture_output=True, text=True, timeout=WAIT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert path.stat().st_atime_ns == 1_000_000_000
+
+
+def test_an_import_the_daemon_could_not_write_fails(client: Client, daemon: RunningDaemon) -> None:
+    """A file the daemon could not write (a plain file where the model's
+    directory goes) was reported imported, exit 0."""
+    from kvkeeper.protocol import naming
+
+    from .test_legacy import ROOT as LEGACY
+
+    blocker = naming.entry_path(daemon.root, "lm", "kv").parent
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("in the way")
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "import", "--socket",
+                        str(daemon.socket), "--model", "lm",
+                        str(LEGACY / "mlx-lm" / "kv.safetensors")],
+                       capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 1 and "could not write it" in r.stdout, (r.stdout, r.stderr)
+    assert client.entries() == []
+
+
+def test_evictions_at_start_are_counted(short_dir: Path) -> None:
+    """A daemon restarted with a smaller disk budget evicts at start: its
+    counters must say so."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for v in range(3):
+                assert kv.save(FP, f"e{v}", filled(1, v), [v])
+                assert kv.flush(timeout=WAIT)
+            sizes = {e.cache_id: e.nbytes for e in kv.entries()}
+    finally:
+        assert rd.stop() == 0
+    rd = start_daemon(root, sock, max_disk_bytes=sizes["e2"] + 1024)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert [e.cache_id for e in kv.entries()] == ["e2"]
+            stats = kv.stats()
+            assert stats["evictions"] == 2
+            assert stats["bytes_evicted"] == sizes["e0"] + sizes["e1"]
+    finally:
+        assert rd.stop() == 0
