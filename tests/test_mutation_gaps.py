@@ -12,7 +12,8 @@ waiting limit, a flush counting saves sent during an earlier one, the
 write-behind's intervals, final saves and retries, caches whose front was
 dropped or of another layer count not reused, negative sizes, ids that
 would be hidden file names, verify not counting as a use, an import the
-daemon could not write failing, and evictions at start counted."""
+daemon could not write failing, evictions at start counted, and a text
+prompt that starts with BOS tokenized as mlx-lm does."""
 from __future__ import annotations
 
 import json
@@ -550,3 +551,33 @@ def test_evictions_at_start_are_counted(short_dir: Path) -> None:
             assert stats["bytes_evicted"] == sizes["e0"] + sizes["e1"]
     finally:
         assert rd.stop() == 0
+
+
+def test_a_text_prompt_that_starts_with_bos_gets_no_second_one() -> None:
+    """mlx-lm adds the BOS token to a text prompt only when the text does not
+    start with it (a rendered chat template does): the session must tokenize
+    the same, or its cache and answer differ from mlx-lm's."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import processors
+
+    from kvkeeper.demo import word_tokenizer
+    from kvkeeper.integrations import mlx_lm as kv_lm
+
+    from .tiny import VOCAB, tiny_llama
+
+    fast = word_tokenizer(VOCAB)
+    bos = fast.convert_ids_to_tokens(1)
+    fast._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, 1)])
+    fast.bos_token = bos
+    tok = TokenizerWrapper(fast)
+    words = " ".join(fast.convert_ids_to_tokens(list(range(5, 25))))
+    assert tok.encode(words)[:2] == [1, 5]  # BOS added to text without one
+    text = f"{bos} {words}"
+    model = tiny_llama(seed=3)
+    session = kv_lm.Session(None, "tiny", "bos", model, tok)
+    assert session.encode(text) == tok.encode(text, add_special_tokens=False)
+    assert session.encode(text).count(1) == 1
+    want = [r.token for r in stream_generate(model, tok, text, max_tokens=6)]
+    assert session.generate(text, max_tokens=6) == want
