@@ -6,7 +6,6 @@ writers; MANIFEST.json says what each must restore to.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from kvkeeper.client.legacy import (
 )
 
 from .legacy_describe import MLX_LM_OLD_API, describe
+from .legacy_describe import digest as array_digest
 from .tiny import arrays_from_snapshot
 
 ROOT = Path(__file__).parent / "data" / "legacy-formats"
@@ -42,8 +42,7 @@ def digest(layers: list[Any]) -> list[list[Any]]:
     leaves: list[list[Any]] = []
     for path, v in tree_flatten([c.state for c in layers]):
         if isinstance(v, mx.array):
-            data = np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v).tobytes()
-            leaves.append([path, str(v.dtype), list(v.shape), hashlib.sha256(data).hexdigest()])
+            leaves.append([path, *array_digest(v)])
         else:
             leaves.append([path, "scalar", None, v])
     return leaves

@@ -299,9 +299,10 @@ def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING) -> Any:
     refuses the state.
     """
     obj = _rebuild_layer(cls, state, meta_state)
-    mend = _META_MENDS.get((cls.__module__, cls.__name__))
-    if mend is not None and meta_state is not _MISSING:
-        mend(obj, meta_state)
+    if meta_state is not _MISSING:  # first: mlx-lm 0.32 layers, the common case, have none
+        mend = _META_MENDS.get((cls.__module__, cls.__name__))
+        if mend is not None:
+            mend(obj, meta_state)
     return obj
 
 

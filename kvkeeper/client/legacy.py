@@ -42,7 +42,12 @@ from kvkeeper.client.codec import (
     resolve_cache_class,
 )
 from kvkeeper.client.lm_api import rebuild_from_new, rebuild_from_old
-from kvkeeper.protocol.legacy_formats import GEZEL_SCHEMA3, MLX_LM_PROMPT_CACHE, detect_legacy
+from kvkeeper.protocol.legacy_formats import (
+    GEZEL_SCHEMA3,
+    MLX_LM_PROMPT_CACHE,
+    detect_legacy,
+    indexed,
+)
 
 __all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "LegacyCache", "decode_legacy", "detect_legacy"]
 
@@ -215,13 +220,10 @@ def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
 
 def _indexed(metadata: Mapping[str, str], prefix: str) -> list[str]:
     """Values of keys `prefix<i>` (i = 0, 1, ...), which must be contiguous."""
-    found: dict[int, str] = {}
-    for key, value in metadata.items():
-        if key.startswith(prefix) and key[len(prefix) :].isdigit():
-            found[int(key[len(prefix) :])] = value
-    if sorted(found) != list(range(len(found))):
+    values = indexed(metadata, prefix)
+    if values is None:
         raise CodecError(f"mlx-lm metadata: entries {prefix}* are not numbered 0..n-1")
-    return [found[i] for i in range(len(found))]
+    return values
 
 
 def _scalar_leaf(array: mx.array, kind: str, path: str) -> Any:

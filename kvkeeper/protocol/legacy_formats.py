@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "detect_legacy"]
+__all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "detect_legacy", "indexed"]
 
 GEZEL_SCHEMA3 = "gezel-schema3"
 MLX_LM_PROMPT_CACHE = "mlx-lm-prompt-cache"
@@ -37,15 +37,18 @@ def detect_legacy(metadata: Mapping[str, str]) -> str | None:
     if (
         metadata.get("2.0")  # a class name, where mlx-lm 0.32 writes ""
         and all(MLX_LM_OLD_KEY.fullmatch(k) for k in metadata)
-        and _class_names(metadata, "2.")
+        and (names := indexed(metadata, "2.")) is not None
+        and all(name.isidentifier() for name in names)
     ):
         return MLX_LM_PROMPT_CACHE
     return None
 
 
-def _class_names(metadata: Mapping[str, str], prefix: str) -> bool:
-    """Whether the keys ``prefix<i>`` are numbered 0..n-1 and name Python classes."""
-    names = {k[len(prefix):]: v for k, v in metadata.items()
+def indexed(metadata: Mapping[str, str], prefix: str) -> list[str] | None:
+    """The values of the keys ``prefix<i>`` in order of i, or None unless they
+    are numbered 0..n-1, each number written once."""
+    found = {k[len(prefix):]: v for k, v in metadata.items()
              if k.startswith(prefix) and k[len(prefix):].isdigit()}
-    return (sorted(map(int, names)) == list(range(len(names)))
-            and all(v.isidentifier() for v in names.values()))
+    if sorted(map(int, found)) != list(range(len(found))):
+        return None
+    return [found[str(i)] for i in range(len(found))]
