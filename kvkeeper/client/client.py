@@ -795,14 +795,14 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
     """Read the cache file at ``path``, again while it was replaced mid-read
     (at most ``_READ_ATTEMPTS`` reads)."""
-    from kvkeeper.client.reader import CacheFileError, read_cache_file
+    from kvkeeper.client.reader import CacheFileError, read_file
 
     attempt = _Attempt(path)
     for _ in range(_READ_ATTEMPTS):
         try:
             attempt.ident = os.lstat(path)
-            attempt.loaded = read_cache_file(path, verify=verify, model=model,
-                                             cache_id=cache_id)
+            attempt.loaded = read_file(path, verify, model, cache_id,
+                                       stat.S_ISREG(attempt.ident.st_mode))
             attempt.error = None
             return attempt
         except FileNotFoundError:

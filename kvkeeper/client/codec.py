@@ -55,6 +55,7 @@ import inspect
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -868,7 +869,7 @@ class _Decoder:
         if node is None or t is int or t is str or t is float or t is bool:
             return node
         if t is list:
-            return _each(self.node, node)
+            return self.items(node)
         if t is not dict:
             raise _NodeProblem(f"unexpected JSON value {node!r}")
         kind = node.get("$")
@@ -876,7 +877,7 @@ class _Decoder:
             return self.tensor(node)
         items = node.get("items")
         if kind == "tuple" and type(items) is list:
-            return tuple(_each(self.node, items))
+            return tuple(self.items(items))
         if kind == "dict" and type(items) is list:
             out: dict[Any, Any] = {}
             for item in items:
@@ -894,6 +895,24 @@ class _Decoder:
         if kind == "float" and node.get("value") in ("nan", "inf", "-inf"):
             return float(node["value"])
         raise _NodeProblem(f"unknown node {node!r}")
+
+    def items(self, nodes: list[Any]) -> list[Any]:
+        """``node`` of each of ``nodes``; a layer's state is mostly tensors and
+        ints, taken here without a call each."""
+        out: list[Any] = []
+        try:
+            for v in nodes:
+                t = type(v)
+                if t is int:
+                    out.append(v)
+                elif t is dict and v.get("$") == "tensor":
+                    out.append(self.tensor(v))
+                else:
+                    out.append(self.node(v))
+        except _NodeProblem as exc:
+            exc.path.append(str(len(out)))
+            raise
+        return out
 
     def part(self, entry: dict[str, Any], part: str, where: str) -> Any:
         try:
@@ -952,6 +971,32 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
     Raises CodecError for anything malformed, unknown or mismatched; never
     imports outside mlx_lm.models. / mlx_vlm.models.
     """
+    entries = _LAYER_LISTS.get(layers) if type(layers) is str else None
+    if entries is None:
+        entries = _layer_list(layers)
+        if type(layers) is str:
+            with _LAYER_LISTS_LOCK:
+                if len(_LAYER_LISTS) >= _MAX_LAYER_LISTS:
+                    del _LAYER_LISTS[next(iter(_LAYER_LISTS))]  # the oldest
+                _LAYER_LISTS[layers] = entries
+    dec = _Decoder(arrays, table)
+    try:
+        return [dec.layer(e, f"layer {i}") for i, e in enumerate(entries)]
+    except RecursionError:
+        raise CodecError("layers description is nested too deeply") from None
+
+
+#: The layer lists of the descriptions loaded last, by the description: a
+#: server loads the same entries again and again (a shared system prompt, a
+#: session reopened), and decoding the JSON was 50 us of a 32-layer lazy
+#: load. Only ever read once decoded (the decoder builds new containers).
+_LAYER_LISTS: dict[str, list[Any]] = {}
+_MAX_LAYER_LISTS = 32
+_LAYER_LISTS_LOCK = threading.Lock()
+
+
+def _layer_list(layers: str | bytes) -> list[Any]:
+    """The decoded layer entries of a layers description, its header checked."""
     try:
         doc = msgspec.json.decode(layers)
     except (TypeError, ValueError, RecursionError, msgspec.DecodeError) as exc:
@@ -964,8 +1009,4 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
     entries = doc.get("layers")
     if not isinstance(entries, list):
         raise CodecError("layers description has no layer list")
-    dec = _Decoder(arrays, table)
-    try:
-        return [dec.layer(e, f"layer {i}") for i, e in enumerate(entries)]
-    except RecursionError:
-        raise CodecError("layers description is nested too deeply") from None
+    return entries

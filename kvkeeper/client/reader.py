@@ -89,13 +89,24 @@ def read_cache_file(
     (an older format may record neither: then they are not checked). Raises
     CacheFileError for anything that is not a usable cache.
     """
-    path = Path(path)
+    return read_file(Path(path), verify, model, cache_id)
+
+
+def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
+              regular: bool = False) -> LoadedCache:
+    """``read_cache_file``; ``regular`` says the caller has just seen a
+    regular file at ``path`` (an lstat is a few us of a lazy load)."""
     # A verified load reads every byte: checking the header ourselves first
     # costs nothing beside that. A lazy load is what the generation loop waits
     # for, and reading the header a second time was a quarter of it (512 MiB:
     # 0.3-0.45 ms of 1.7 ms): there MLX's own checks (every tensor's offsets
     # against its size and the file's) stand for ours when it makes them.
-    header = _header(path) if verify or not MLX_CHECKS_OFFSETS else _regular_file(path)
+    if verify or not MLX_CHECKS_OFFSETS:
+        header = _header(path)
+    else:
+        header = None
+        if not regular:
+            _regular_file(path)
     try:
         # Every supported format is safetensors; MLX would otherwise go by the
         # name, and refuse a file moved aside (".safetensors.<ns>") or renamed.
