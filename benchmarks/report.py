@@ -737,9 +737,13 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"nothing measurable (3.08 ms against 3.07 ms, measured apart on 2026-11-30). "
                 f"The tiny model's decode step is only a few milliseconds, so this fixed "
                 f"cost per save weighs more than it would beside a real model. The ratio "
-                f"moves from run to run: 0.968-1.014x in earlier sessions' full runs; on "
-                f"2026-12-02, `--cases generation,load` with two trees alternated (the code "
-                f"of the run before, then this one), 0.948/0.966x against 1.040/0.995x.")
+                f"moves from run to run: 0.968-1.014x in the full runs of 2026-11-30 and "
+                f"2026-12-01, 0.935x at 5374da4 and 0.951x at e3cdf83 (2026-12-02); that day "
+                f"`--cases generation,load` with trees bcf37a9 and 5374da4 alternated gave "
+                f"0.948/0.966x against 1.040/0.995x. Per save, in 8 alternated pairs of "
+                f"runs measured apart that day, the client process used about 1.2 ms of "
+                f"CPU beyond the decode (its I/O thread and ZeroMQ's) and the daemon "
+                f"2.5-3 ms.")
         elif case.startswith("3"):
             d = cases["disk"]
             out.append(
@@ -794,12 +798,17 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 "paths and a use notice that did not wake the I/O thread then measured "
                 "+0.88/+1.02/+0.82 ms, but the notice, about 80 µs of that, let another "
                 "process's save evict the entry just loaded, and wakes the thread again. "
-                "On 2026-12-02, two trees alternated in the load case (the code of the run "
-                "before, then this one, which adds a class check per layer): excess "
+                "On 2026-12-02, trees bcf37a9 and 5374da4 alternated in the load case (the "
+                "second adds a class check per layer): excess "
                 "+922/+866 µs against +1.35/+1.10 ms, with kvkeeper's own lazy load the "
                 "same (1.96/1.92 against 2.12/1.89 ms) and `mx.load`'s faster (1.04/1.05 "
                 "against 0.77/0.79 ms); in-process, warm, 600 loads each: +358/+685/+631 "
-                "against +597/+432/+645 µs.")
+                "against +597/+432/+645 µs. Later that day (e3cdf83) a description loaded "
+                "before is no longer decoded again, and a layer's tensors and ints are "
+                "taken without a call each: the layer rebuild of this file 378 -> 289 µs "
+                "after a collector pass (359 µs for a description not seen before), in "
+                "one process alternating the two; in the load case, trees alternated: "
+                "+1.02 ms/+879 µs against +776/+678 µs.")
         elif case.startswith("4"):
             out.append(
                 f"- **Verified load ({'cold' if 'not in page cache' in t['target'] else 'warm'}).** "
