@@ -34,7 +34,7 @@ from kvkeeper.writebehind import cache_length
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
 from .legacy_describe import MLX_LM_OLD_API
-from .tiny import VOCAB, _finish, prompt, tiny_lfm2, tiny_llama
+from .tiny import VOCAB, _finish, prompt, tiny_lfm2, tiny_llama, tiny_qwen2
 
 GEN = 16  # tokens per turn
 
@@ -181,6 +181,12 @@ def test_mlx_lm_arguments_that_follow_the_prompt_see_the_cached_part_too(
     assert session.last_plan is not None and session.last_plan.reused > 0
     assert got == [r.token for r in lm_stream_generate(
         model, lm_tok, mx.array(whole), max_tokens=6, input_embeddings=embed(whole))]
+    # Embeddings alone (mlx-lm takes an empty prompt with them): nothing for a
+    # session to match or save its cache under, said plainly (it was "the
+    # prompt is empty"), and the session's cache is left as it was.
+    with pytest.raises(ValueError, match="needs the prompt's token ids"):
+        session.generate([], max_tokens=4, input_embeddings=embed(first))
+    assert session.token_ids == whole + got
 
 
 def test_mlx_lm_whole_prompt_cached_still_feeds_a_token(
@@ -707,3 +713,42 @@ def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(
     assert client.flush(timeout=WAIT)
     got = client.load("tiny-pg", "last")
     assert got is not None and got.token_ids == second + out
+
+
+@pytest.mark.parametrize("kind", ["kv_bits", "max_kv_size"])
+def test_mlx_lm_quantized_and_windowed_caches_continue_as_mlx_lm_reuse_does(
+        kind: str, lm_tok: TokenizerWrapper, daemon: RunningDaemon) -> None:
+    """A quantized cache (kv_bits) and a window that has filled (max_kv_size;
+    mlx-lm's RotatingKVCache keeps 4 tokens) are extended as mlx-lm's own
+    prompt-cache reuse extends them: restarts between turns give the tokens
+    of an uninterrupted run, though not those of a cold run of the whole
+    conversation (which quantizes after its prefill, and windows the prompt
+    without the kept tokens), as the README says."""
+    if kind == "kv_bits":
+        model, kw = tiny_llama(seed=3), {"kv_bits": 8, "quantized_kv_start": 0}
+    else:
+        model, kw = tiny_qwen2(seed=3), {"max_kv_size": 16}
+    turns = [prompt(30, seed=1), prompt(4, seed=10), prompt(5, seed=11)]
+    # mlx-lm alone: one cache, each turn feeds what it lacks.
+    cache = make_prompt_cache(model, max_kv_size=kw.get("max_kv_size"))
+    held: list[int] = []
+    expected, cold = [], []
+    for new in turns:
+        full = held + new
+        gen = [r.token for r in lm_stream_generate(model, lm_tok, mx.array(full[len(held):]),
+                                                   max_tokens=8, prompt_cache=cache, **kw)]
+        cold.append([r.token for r in lm_stream_generate(model, lm_tok, mx.array(full),
+                                                         max_tokens=8, **kw)])
+        expected.append(gen)
+        held = full + gen
+    assert expected != cold  # what the README warns of: the case shows it
+    held = []
+    for turn, new in enumerate(turns):
+        with Client(daemon.socket, timeout=WAIT) as kv:  # a new process each turn
+            session = kv_lm.Session(kv, "tiny-" + kind, "chat", model, lm_tok)
+            gen = session.generate(held + new, max_tokens=8, **kw)
+            assert session.last_plan is not None
+            assert session.last_plan.action == ("cold" if turn == 0 else "extend")
+            assert kv.flush(timeout=WAIT) is True
+        assert gen == expected[turn], f"turn {turn}"
+        held = held + new + gen

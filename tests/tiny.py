@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
-from mlx_lm.models import lfm2, llama
+from mlx_lm.models import lfm2, llama, qwen2
 
 VOCAB = 1000
 
@@ -79,6 +79,16 @@ def tiny_lfm2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> lfm2.Model:
         layer_types=["conv", "full_attention", "conv", "full_attention"],
     )
     return _finish(lfm2.Model(args), dtype)
+
+
+def tiny_qwen2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> qwen2.Model:
+    """A 4-layer qwen2 with random weights. It has no cache layout of its own,
+    so ``max_kv_size`` gives mlx-lm's RotatingKVCache (which keeps 4 tokens)."""
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=256, num_hidden_layers=4,
+                           intermediate_size=512, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=VOCAB, num_key_value_heads=2)
+    return _finish(qwen2.Model(args), dtype)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -21,6 +21,11 @@ decision, made on every request:
 4. Generate, handing snapshots to the daemon behind the loop
    (:class:`kvkeeper.writebehind.WriteBehind`), and save the final state.
 
+Extending feeds the tokens the cache lacks on top of it, as the libraries' own
+prompt-cache reuse does: a continued conversation answers as one continued in
+memory. For quantized caches and filled ``max_kv_size`` windows that is not a
+cold run's answer (see the README).
+
 This module imports neither MLX library.
 """
 

@@ -110,6 +110,13 @@ class Session(SessionBase):
                 raise TypeError(f"Session.stream_generate does not take {name}=")
         max_kv_size = kwargs.pop("max_kv_size", None)
         ids = self.encode(prompt)
+        if not ids and kwargs.get("input_embeddings") is not None:
+            # mlx-lm takes embeddings alone; a session has nothing to match
+            # against its cache, nor ids to save the cache under.
+            raise ValueError("a Session needs the prompt's token ids: input_embeddings with "
+                             "an empty prompt cannot be matched against a cached "
+                             "conversation (give the ids the embeddings stand for, or call "
+                             "mlx_lm.stream_generate without a Session)")
         request = self._begin()
         plan = self._prepare(ids)
         if plan.action == "cold":
