@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -445,6 +446,61 @@ def test_a_long_conversation_loads_whole_lazily_and_verified(client: Client) -> 
         assert mx.array_equal(got.cache[0].state[0], x)
     with open(got.path, "rb") as f:
         assert int.from_bytes(f.read(8), "little") > 600_000
+
+
+def _edit_table(path: Path, name: str, change) -> None:  # noqa: ANN001
+    """Rewrite one tensor's entry of a file's header in place (bytes unchanged)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header[name] = change(header[name])
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def test_loads_of_one_description_stay_apart(client: Client, daemon: RunningDaemon) -> None:
+    """Two entries of the same shapes share one layers description, which a
+    load decodes once for the next ones: every load still gets its own
+    arrays and containers, and its own file's tensors are still checked
+    against the description."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    def cache(v: float) -> list:
+        a = ArraysCache(2)
+        a[0] = mx.full((1, 3, 4), v)
+        a[1] = mx.full((1, 2), v + 1)
+        kv = KVCache()
+        x = mx.full((1, 2, 5, 8), v, dtype=mx.bfloat16)
+        kv.update_and_fetch(x, x)
+        return [a, kv]
+
+    def values(layers: list) -> list[float]:
+        return [layers[0][0][0, 0, 0].item(), layers[0][1][0, 0].item(),
+                layers[1].state[0][0, 0, 0, 0].item(), layers[1].offset]
+
+    for name, v in (("a", 1.0), ("b", 7.0)):
+        assert client.save(FP, name, cache(v), [1, 2, 3, 4, 5])
+    assert client.flush(timeout=WAIT)
+    for verify in (False, True):
+        first = client.load(FP, "a", verify=verify)
+        assert first is not None and values(first.cache) == [1.0, 2.0, 1.0, 5]
+        # What a generation loop does to its cache, in place.
+        first.cache[0][0] = mx.zeros((1, 3, 4))
+        first.cache[0].cache.append(mx.zeros((1,)))
+        y = mx.zeros((1, 2, 1, 8), dtype=mx.bfloat16)
+        first.cache[1].update_and_fetch(y, y)
+        again = client.load(FP, "a", verify=verify)
+        other = client.load(FP, "b", verify=verify)
+        assert again is not None and other is not None
+        assert values(again.cache) == [1.0, 2.0, 1.0, 5] and len(again.cache[0].cache) == 2
+        assert values(other.cache) == [7.0, 8.0, 7.0, 5]
+    # b's tensor table now gives t0 another shape of the same size; its
+    # layers description is still a's, word for word.
+    path = entry_path(daemon.root, "b", FP)
+    _edit_table(path, "t0", lambda e: {**e, "shape": [1, 4, 3]})
+    assert client.load(FP, "a", verify=False) is not None
+    assert client.load(FP, "b", verify=False) is None
 
 
 def test_saves_go_through_without_the_gil_holding_wake_up(
