@@ -3,11 +3,13 @@ and a check that a stored entry is whole and is one of the versions sent."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,6 +47,19 @@ def version_of(path: Path, model: str = FP) -> int:
         k, val = layer.state[:2]
         assert mx.all(k == v % 256).item() and mx.all(val == v % 256).item(), path
     return v
+
+
+
+def rewrite_header(path: Path, change: Callable[[dict], object]) -> None:
+    """Rewrite a safetensors file's header in place: ``change`` edits the
+    decoded header; the tensor bytes stay as they are."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
 def entry_path(root: Path, cache_id: str, model: str = FP) -> Path:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import kvkeeper
 from kvkeeper.client.client import Client, DaemonUnavailable
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
-from .faultkit import entry_path, filled
+from .faultkit import entry_path, filled, rewrite_header
 from .tiny import greedy_decode, prefill, prompt, tiny_llama
 
 FP = "tiny-llama-test"
@@ -448,17 +447,6 @@ def test_a_long_conversation_loads_whole_lazily_and_verified(client: Client) -> 
         assert int.from_bytes(f.read(8), "little") > 600_000
 
 
-def _edit_table(path: Path, name: str, change) -> None:  # noqa: ANN001
-    """Rewrite one tensor's entry of a file's header in place (bytes unchanged)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header[name] = change(header[name])
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
-
-
 def test_loads_of_one_description_stay_apart(client: Client, daemon: RunningDaemon) -> None:
     """Two entries of the same shapes share one layers description, which a
     load decodes once for the next ones: every load still gets its own
@@ -498,7 +486,7 @@ def test_loads_of_one_description_stay_apart(client: Client, daemon: RunningDaem
     # b's tensor table now gives t0 another shape of the same size; its
     # layers description is still a's, word for word.
     path = entry_path(daemon.root, "b", FP)
-    _edit_table(path, "t0", lambda e: {**e, "shape": [1, 4, 3]})
+    rewrite_header(path, lambda h: h["t0"].update(shape=[1, 4, 3]))
     assert client.load(FP, "a", verify=False) is not None
     assert client.load(FP, "b", verify=False) is None
 

@@ -23,7 +23,7 @@ from kvkeeper.client.client import Client
 from kvkeeper.client.reader import CacheFileError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
-from .faultkit import FP, entry_path, filled, version_of
+from .faultkit import FP, entry_path, filled, rewrite_header, version_of
 
 
 def truncate(p: Path) -> None:
@@ -59,15 +59,6 @@ def other_models_file(p: Path) -> None:
     shutil.copyfile(other, p)
 
 
-def _rewrite_header(p: Path, change: Callable[[dict], None]) -> None:
-    data = p.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    change(header)
-    raw = json.dumps(header).encode()
-    p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
-
-
 def _first_tensor(header: dict) -> dict:
     return next(v for k, v in header.items() if k != "__metadata__")
 
@@ -76,24 +67,24 @@ def string_offsets(p: Path) -> None:
     def change(header: dict) -> None:
         t = _first_tensor(header)
         t["data_offsets"] = [str(x) for x in t["data_offsets"]]
-    _rewrite_header(p, change)
+    rewrite_header(p, change)
 
 
 def string_shape(p: Path) -> None:
     # "x" * 10**19 is what an unchecked product of this shape would compute.
-    _rewrite_header(p, lambda h: _first_tensor(h).update(shape=["x", 10**19]))
+    rewrite_header(p, lambda h: _first_tensor(h).update(shape=["x", 10**19]))
 
 
 def bool_dim(p: Path) -> None:
     # True == 1: a check of values alone would take it for the first dimension.
-    _rewrite_header(p, lambda h: _first_tensor(h).update(shape=[True, *_first_tensor(h)["shape"][1:]]))
+    rewrite_header(p, lambda h: _first_tensor(h).update(shape=[True, *_first_tensor(h)["shape"][1:]]))
 
 
 def float_offsets(p: Path) -> None:
     def change(header: dict) -> None:
         t = _first_tensor(header)
         t["data_offsets"] = [float(x) for x in t["data_offsets"]]
-    _rewrite_header(p, change)
+    rewrite_header(p, change)
 
 
 def negative_dims(p: Path) -> None:
@@ -101,7 +92,7 @@ def negative_dims(p: Path) -> None:
     def change(header: dict) -> None:
         t = _first_tensor(header)
         t["shape"] = [-t["shape"][0], -t["shape"][1], *t["shape"][2:]]
-    _rewrite_header(p, change)
+    rewrite_header(p, change)
 
 
 def nested_header(p: Path) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from kvkeeper.daemon.faults import ENV
 from kvkeeper.protocol import safetensors as st
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
-from .faultkit import FP, MiB, entry_path, filled
+from .faultkit import FP, MiB, entry_path, filled, rewrite_header
 
 
 def _version(got) -> int:  # noqa: ANN001
@@ -169,13 +168,12 @@ def test_a_second_load_survives_a_restart_in_the_lru_order(short_dir: Path) -> N
 
 def _edit_metadata(path: Path, key: str, change) -> None:  # noqa: ANN001
     """Rewrite one metadata value of a file in place (tensor bytes unchanged)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header["__metadata__"][key] = json.dumps(change(json.loads(header["__metadata__"][key])))
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+    def edit(header: dict) -> None:
+        meta = header["__metadata__"]
+        meta[key] = json.dumps(change(json.loads(meta[key])))
+
+    rewrite_header(path, edit)
 
 
 def test_a_checksum_table_missing_a_tensor_is_a_clean_miss(client: Client,
@@ -581,4 +579,3 @@ def test_a_text_prompt_that_starts_with_bos_gets_no_second_one() -> None:
     assert session.encode(text).count(1) == 1
     want = [r.token for r in stream_generate(model, tok, text, max_tokens=6)]
     assert session.generate(text, max_tokens=6) == want
-
