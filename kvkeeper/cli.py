@@ -288,7 +288,16 @@ def _main(argv: list[str] | None) -> int:
         return demo.main(args)
     if not os.environ.get("KVKEEPER_DEBUG"):
         logging.disable(logging.WARNING)
-    from kvkeeper import config, ops
+    from kvkeeper import config, ops, settings
+
+    # (install-service refuses such a file itself.)
+    typos = settings.unknown_settings() if args.command != "install-service" else None
+    if typos is not None:
+        # The log is off for these commands; a typo of socket or root would
+        # send them to the default with nothing said why.
+        print(f"kvkeeper: warning: config file {typos[0]}: unknown settings {typos[1]} "
+              f"(kvkeeper serve refuses this file); known: {sorted(settings.BY_NAME)}",
+              file=sys.stderr)
     from kvkeeper.client.channel import DaemonUnavailable
     from kvkeeper.client.client import DaemonError
     from kvkeeper.protocol.naming import BadId

@@ -16,11 +16,14 @@ from typing import Any
 
 from kvkeeper import config
 from kvkeeper.cpupolicy import check_cpu_policy
+from kvkeeper.logs import get_logger
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+log = get_logger(__name__)
 
 GiB = 1024**3
 ENV_CONFIG = "KVKEEPER_CONFIG"
@@ -272,5 +275,34 @@ def client_path(name: str) -> Path:
         candidates = [(env, f"environment {s.env}")]
     else:
         path, values = _config_values(None, os.environ)
+        _warn_unknown(path, values)
         candidates = [(values.get(name), f"config file {path}")]
     return Path(_first_set(s, candidates)[0])
+
+
+def unknown_settings() -> tuple[Path, list[str]] | None:
+    """The config file clients would read and the settings in it that do not
+    exist, if any (None also when the file cannot be read: the setting a
+    command needs reports that)."""
+    try:
+        path, values = _config_values(None, os.environ)
+    except SettingsError:
+        return None
+    unknown = sorted(set(values) - set(BY_NAME))
+    return (path, unknown) if unknown else None
+
+
+_WARNED_UNKNOWN: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _warn_unknown(path: Path, values: Mapping[str, Any]) -> None:
+    """Log, once per file and set of names, settings the file has that do not
+    exist. ``serve`` refuses such a file; a client goes on (its save() must
+    not fail for it), but a typo of ``socket`` or ``root`` would otherwise
+    send it to the default, where no daemon is, with nothing said why."""
+    unknown = tuple(sorted(set(values) - set(BY_NAME)))
+    if unknown and (str(path), unknown) not in _WARNED_UNKNOWN:
+        _WARNED_UNKNOWN.add((str(path), unknown))
+        log.warning(
+            "event=config_unknown_settings file=%s unknown=%s known=%s (kvkeeper serve "
+            "refuses this file)", path, ",".join(unknown), ",".join(sorted(BY_NAME)))

@@ -316,6 +316,29 @@ def test_verify_without_a_daemon_reads_the_configured_root_past_other_typos(
     r = cli("verify", "--socket", str(short_dir / "none.sock"),
             env={"KVKEEPER_CONFIG": str(cfg)})
     assert r.returncode == 0 and f"checked under {root}" in r.stdout, (r.stdout, r.stderr)
+    # Said, though: serve would refuse this file.
+    assert r.stderr.startswith(f"kvkeeper: warning: config file {cfg}: unknown settings "
+                                "['max_disk_bites']"), r.stderr
+
+
+def test_a_client_says_which_config_settings_do_not_exist(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo of `socket` sends a client to the default socket, where no daemon
+    is: the client still starts (its saves are dropped and counted), but the
+    log names the setting that does not exist, once."""
+    for k in [k for k in os.environ if k.startswith("KVKEEPER_")]:
+        monkeypatch.delenv(k)
+    cfg = short_dir / "typo.toml"
+    cfg.write_text(f'sockett = "{short_dir / "k.sock"}"\nroot = "{short_dir / "root"}"\n')
+    monkeypatch.setenv("KVKEEPER_CONFIG", str(cfg))
+    with caplog.at_level("WARNING", logger="kvkeeper"):
+        for _ in range(2):
+            with Client(timeout=WAIT, connect_timeout=0) as kv:
+                assert kv.root == short_dir / "root"
+    said = [r.getMessage() for r in caplog.records if "config_unknown_settings" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "unknown=sockett" in said[0] and str(cfg) in said[0] and "socket" in said[0]
 
 
 # ------------------------------------------------------------------ export
