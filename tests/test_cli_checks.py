@@ -10,8 +10,10 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -547,3 +549,37 @@ def test_verify_repair_of_another_root_than_the_running_daemons(
     assert r.returncode == 1 and "moved aside" in r.stdout, r.stdout + r.stderr
     assert not path.exists() and len(list((other / "quarantine").iterdir())) == 1
 
+
+
+# ------------------------------------------------------------------ FIFOs
+
+
+def test_a_fifo_named_like_a_cache_file_is_refused_not_waited_on(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """Opening a FIFO waits for a writer: import, verify and a load (export's
+    read) waited forever before the regular-file check could refuse it."""
+    sock = str(daemon.socket)
+    src = short_dir / "in"
+    src.mkdir()
+    os.mkfifo(src / "f.safetensors")
+    r = cli("import", "--socket", sock, "--model", "m", str(src), "--json", timeout=60)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "not a regular file" in json.loads(r.stdout)["failed"][0]["reason"]
+    assert client.save("m", "c", small_cache(), [1, 2, 3, 4, 5])
+    assert client.flush(timeout=WAIT)
+    fifo = entry_path(daemon.root, "fifo", model="m")
+    os.mkfifo(fifo, 0o600)
+    r = cli("verify", "--socket", sock, "--json", timeout=60)
+    assert r.returncode == 1 and str(fifo) in r.stdout, (r.stdout, r.stderr)
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(client.load("m", "fifo")), daemon=True)
+    reader.start()
+    reader.join(WAIT)
+    assert got == [None], "the load of a FIFO did not return"
+    r = cli("export", "--socket", sock, "m", "fifo", str(short_dir / "out.safetensors"),
+            timeout=60)
+    assert r.returncode == 1 and not (short_dir / "out.safetensors").exists(), r.stderr
+    # The entry beside it is still served.
+    loaded = client.load("m", "c")
+    assert loaded is not None and loaded.token_ids == [1, 2, 3, 4, 5]

@@ -412,7 +412,9 @@ class Store:
         """Write a use found by ``find`` into the file's atime (mtime kept),
         unless the path names another file by now (a newer save renamed in)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: a FIFO put in its place must not hang the writer.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return  # gone or not ours: the in-memory order still holds
         try:

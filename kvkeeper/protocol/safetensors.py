@@ -155,10 +155,17 @@ def read_header(f: BinaryIO, file_size: int | None = None) -> FileHeader:
 _FIRST_READ = 64 * 1024
 
 
+#: How cache files are opened for reading. O_NONBLOCK: opening a FIFO named
+#: like a cache file would otherwise wait for a writer, forever, before the
+#: regular-file check after it could refuse it (reads of a regular file
+#: ignore the flag).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
 def read_file_header(path: str | os.PathLike[str]) -> FileHeader:
     """``open_file``'s checks and header for a reader that wants nothing else:
     one ``pread`` for most files, no file object (a lazy load's every call)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, _READ_FLAGS)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -283,7 +290,7 @@ def open_file(path: str | os.PathLike[str], *,
     store keeps each entry's last use there (for eviction), so the daemon's
     own reads (scans, checks) must not count as uses; on a ``relatime``
     mount, the Linux default, a first read after a write would."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = _READ_FLAGS
     noatime = _O_NOATIME if keep_atime else 0
     try:
         fd = os.open(path, flags | noatime)
