@@ -154,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
                          "cache_persist.py reference (schema 3) and mlx_lm's "
                          "save_prompt_cache, or kvkeeper's own. Needs the mlx extra and a "
                          "running daemon. Files are written one at a time, each reported; "
-                         "a second file for a key already imported in the run is refused. "
+                         "a file whose key is already in the store is not imported (unless "
+                         "--replace), nor a second file for a key imported in the run. "
                          "Exit 1 if any file was not imported, or if there was nothing to "
                          "import (only directories with no *.safetensors files); a missing "
                          "PATH exits 2; no daemon, or one that goes away part way, exits 3.")
@@ -168,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--id", default=None,
                      help="cache id (with one PATH that is or holds one file; default: the "
                           "file's own or its name)")
+    imp.add_argument("--replace", action="store_true",
+                     help="replace entries already in the store (without it, a file whose "
+                          "model and id are stored is not imported, and exits 1)")
     imp.add_argument("--json", action="store_true", help="machine-readable output")
 
     exp = sub.add_parser("export", help="write an entry as an mlx_lm prompt-cache file",

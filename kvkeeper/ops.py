@@ -483,9 +483,10 @@ def import_files(args: argparse.Namespace) -> int:
         err.print(f"no *{naming.SUFFIX} files in {d}", markup=False)
     from kvkeeper.client.channel import DaemonUnavailable
 
-    done: list[tuple[Path, str, str]] = []
+    done: list[tuple[Path, str, str, bool]] = []
     failed: list[tuple[Path, str]] = []
     taken: dict[tuple[str, str], Path] = {}
+    stored: dict[str, set[str]] = {}  # model -> ids in the store when first asked
     gone: str | None = None
     with client(args.socket) as kv, Progress(
         TextColumn("import"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
@@ -517,6 +518,20 @@ def import_files(args: argparse.Namespace) -> int:
                 failed.append((f, f"{model}/{cache_id} was imported from {first} already "
                                   f"(import this one alone, with --id)"))
                 continue
+            if model not in stored:
+                try:
+                    stored[model] = {e.cache_id for e in kv.entries(model)}
+                except DaemonUnavailable as exc:
+                    gone = str(exc)
+                    failed.append((f, f"not imported: {exc}"))
+                    break
+            replaced = cache_id in stored[model]
+            if replaced and not args.replace:
+                # An old backup imported over the live conversation would
+                # replace it without a word.
+                failed.append((f, f"{model}/{cache_id} is already in the store (give "
+                                  f"--replace to replace it)"))
+                continue
             meta = {k: v for k, v in got.metadata.items()
                     if isinstance(v, str) and not k.startswith("kvkeeper.")} \
                 if got.format != st.FORMAT else got.metadata
@@ -543,14 +558,15 @@ def import_files(args: argparse.Namespace) -> int:
                 failed.append((f, "the daemon could not write it (see its log)"))
                 continue
             taken[(model, cache_id)] = f
-            done.append((f, model, cache_id))
+            done.append((f, model, cache_id, replaced))
     if args.json:
-        _print_json({"imported": [{"path": str(p), "model": mo, "cache_id": c}
-                                  for p, mo, c in done],
+        _print_json({"imported": [{"path": str(p), "model": mo, "cache_id": c, "replaced": r}
+                                  for p, mo, c, r in done],
                      "failed": [{"path": str(p), "reason": r} for p, r in failed]})
     else:
-        for p, mo, c in done:
-            out.print(Text.assemble("imported ", shown(p), " as ", shown(mo), " / ", shown(c)))
+        for p, mo, c, r in done:
+            out.print(Text.assemble("imported ", shown(p), " as ", shown(mo), " / ", shown(c),
+                                    " (replaced the stored entry)" if r else ""))
         for p, r in failed:
             out.print(Text.assemble(("not imported", "red"), " ", shown(p), ": ", shown(r)))
     if gone is not None:

@@ -511,11 +511,25 @@ def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(
         r = cli("import", "--socket", sock, "--model", "model-b", str(out))
         assert r.returncode == 1 and "records model 'model-a'" in " ".join(r.stdout.split())
         assert {(e.model, e.cache_id) for e in kv.entries()} == {("model-a", "conv")}
-        assert cli("import", "--socket", sock, str(out)).returncode == 0  # its own model
+        # Its own model, but the key is stored (and newer than the file by
+        # now): not replaced without --replace.
+        _save(kv, "model-a", "conv", 2.0)
+        r = cli("import", "--socket", sock, str(out), "--json")
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "model-a/conv is already in the store (give --replace" in r.stdout
+        stored = kv.load("model-a", "conv")
+        assert stored is not None and stored.cache[0].keys[0, 0, 0, 0].item() == 2.0
+        r = cli("import", "--socket", sock, str(out), "--replace", "--json")
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert json.loads(r.stdout)["imported"][0]["replaced"] is True
+        stored = kv.load("model-a", "conv")
+        assert stored is not None and stored.cache[0].keys[0, 0, 0, 0].item() == 1.0
+        r = cli("import", "--socket", sock, str(out), "--replace", "--id", "new")
+        assert r.returncode == 0 and "replaced" not in r.stdout, (r.stdout, r.stderr)
     r = cli("rm", "--socket", sock, "--model", "model-aa")
     assert r.returncode == 1 and "no entries of model model-aa" in r.stdout
     r = cli("rm", "--socket", sock, "--model", "model-a")
-    assert r.returncode == 0 and "deleted 1 entries" in r.stdout
+    assert r.returncode == 0 and "deleted 2 entries" in r.stdout
 
 
 #: The CLI as an install without the mlx extra runs it: MLX, mlx-lm and
