@@ -50,6 +50,12 @@ def parse_size(text: str | int | float) -> int:
         raise _not_a('a size must be a number of bytes or a string such as "512M"', text)
     if isinstance(text, int):
         value = text
+    elif isinstance(text, float):
+        if not math.isfinite(text):
+            raise ValueError(f"a size must be a finite number of bytes, not {text!r}")
+        # TOML's 50.0 or 1e3: bytes written as a float are surely a unit missing.
+        raise ValueError(f"a size without a unit is a whole number of bytes, not the float "
+                         f"{text!r} (write an integer, or a string such as \"50G\")")
     else:
         units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
         t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
@@ -63,9 +69,12 @@ def parse_size(text: str | int | float) -> int:
         if not math.isfinite(number):
             raise ValueError(f"a size must be a finite number of bytes, not {text!r}")
         # Cut to whole bytes, "1.5" would be a disk budget of 1 byte (every
-        # entry evicted) and "0.5" none at all: surely a missing unit.
-        if number != int(number) and (unit == "" or int(number) == 0):
-            hint = f' (a unit missing? e.g. "{num.strip()}G")' if unit == "" else ""
+        # entry evicted) and "0.5" none at all: surely a missing unit. So is
+        # "2.0" or "1e3" (integers are not written so).
+        if (unit == "" and any(c in num for c in ".e")) or (
+                number != int(number) and int(number) == 0):
+            hint = (f' (a unit missing? e.g. "{num.strip()}G")'
+                    if unit == "" and "e" not in num else "")
             raise ValueError(f"a size is a whole number of bytes, not {text!r}{hint}")
         value = int(number)
     if value < 0:
@@ -92,6 +101,20 @@ def _pending_size(value: Any) -> int:
     if v < MIN_PENDING_BYTES:
         raise ValueError(f"must be at least 1M, not {v} bytes (less leaves the writer room "
                          f"for next to no save: every save would be dropped as too large)")
+    return v
+
+
+#: The least --max-disk-bytes other than 0 (none). Below it no cache fits,
+#: and every entry would be evicted at start: a unit left out ("50").
+MIN_DISK_BYTES = 1024 * 1024
+
+
+def _disk_size(value: Any) -> int:
+    v = parse_size(value)
+    if 0 < v < MIN_DISK_BYTES:
+        raise ValueError(f"must be 0 (no budget) or at least 1M, not {v} bytes (a budget that "
+                         f"small holds no cache: every entry would be evicted; sizes take "
+                         f"K/M/G/T suffixes)")
     return v
 
 
@@ -168,7 +191,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_pending_bytes", _pending_size, lambda: 1 * GiB,
             "memory for saves received but not yet written; a save that does not fit "
             "is refused and counted", "size"),
-    Setting("max_disk_bytes", parse_size, lambda: 20 * GiB,
+    Setting("max_disk_bytes", _disk_size, lambda: 20 * GiB,
             "disk budget over everything under the root (0: none); least recently "
             "used entries are evicted past it", "size"),
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,

@@ -107,7 +107,8 @@ def test_serve_refuses_sizes_past_what_a_daemon_can_hold(short_dir: Path) -> Non
     # 1e30 passed as a pending budget reached ZeroMQ's int64 option: a traceback.
     sock = short_dir / "run" / "k.sock"
     for flag in ("--max-pending-bytes", "--max-disk-bytes"):
-        r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock), flag, "1e30")
+        r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock), flag,
+                "100000000T")
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"argument {flag}: a size must be at most" in r.stderr, r.stderr
     assert not sock.exists()

@@ -458,6 +458,34 @@ def test_a_size_in_fractions_of_a_byte_is_refused(short_dir: Path) -> None:
     assert str(3 * 2**29) in r.stdout and " 512 " in r.stdout.replace("\n", " "), r.stdout
 
 
+@pytest.mark.parametrize(("how", "value"), [
+    ("flag", "2.0"), ("flag", "1e3"), ("env", "50.0"), ("toml", "50.0"), ("toml", "1e3"),
+    ("flag", "50"), ("env", "1000"), ("toml", "50"), ("flag", "0.5K"), ("toml", '"999K"'),
+])
+def test_a_disk_budget_that_holds_no_cache_is_refused(how: str, value: str,
+                                                      short_dir: Path) -> None:
+    """A disk budget of 2 bytes (from "2.0", or 50 for 50G) evicted every
+    entry at start. Bytes written as a float, and budgets under 1M other
+    than 0 (none), are refused; the store is left as it was."""
+    root = short_dir / "root"
+    sock = short_dir / "run" / "k.sock"
+    cfg = short_dir / "c.toml"
+    cfg.write_text(f"max_disk_bytes = {value}\n" if how == "toml" else "")
+    argv = ["--max-disk-bytes", value] if how == "flag" else []
+    env = {"KVKEEPER_MAX_DISK_BYTES": value} if how == "env" else {}
+    root.mkdir(mode=0o700)
+    kept = root / "kept"
+    kept.write_text("x")
+    r = cli("serve", "--root", str(root), "--socket", str(sock), "--config", str(cfg),
+            "--min-free-bytes", "0", *argv, env=env, timeout=30)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "max_disk_bytes" in r.stderr or "--max-disk-bytes" in r.stderr, r.stderr
+    assert "whole number of bytes" in r.stderr or "at least 1M" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and kept.exists() and not sock.exists()
+    ok = cli("serve", "--config", str(cfg), "--print-config", "--max-disk-bytes", "1M")
+    assert ok.returncode == 0 and "1048576" in ok.stdout, ok.stderr
+
+
 def test_a_socket_given_as_the_endpoint_kvkeeper_prints(
     daemon: RunningDaemon, short_dir: Path
 ) -> None:
