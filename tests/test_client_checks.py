@@ -574,3 +574,84 @@ def test_ids_given_as_str_subclasses_name_the_entry_of_their_text(
     assert client.save("plain", "after", [layer], list(range(6)))
     assert client.flush(timeout=WAIT)
     assert naming.entry_path(daemon.root, "plain", "after").exists()
+
+
+def test_saves_and_closes_while_close_runs_on_another_thread(short_dir: Path) -> None:
+    """A server shutting down: its main thread closes the client while request
+    threads still save. Those saves are handed off or dropped (reason
+    "closed"), never raised (they raised RuntimeError as soon as close()
+    began); a second close() returns once the first is done, not at once.
+    After close() has returned, a save raises as documented."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        assert kv.connected
+        proc.send_signal(signal.SIGSTOP)  # close() now waits its timeout for a ping
+        try:
+            assert kv.save("fp", "before", [kv_layer()], [1])
+            first = threading.Thread(target=kv.close, args=(2.0,))
+            t0 = time.monotonic()
+            first.start()
+            time.sleep(0.3)
+            assert first.is_alive()
+            answers = [kv.save("fp", f"during{i}", [kv_layer()], [2]) for i in range(3)]
+            assert all(isinstance(a, bool) for a in answers)
+            kv.close(timeout=WAIT)
+            assert time.monotonic() - t0 >= 1.5, "the second close() returned before the first"
+            first.join(WAIT)
+            assert not first.is_alive()
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        with pytest.raises(RuntimeError, match="client is closed"):
+            kv.save("fp", "after", [kv_layer()], [3])
+        c = kv.client_stats()
+        handed = 1 + sum(answers)
+        assert c["client_saves_sent"] + c["client_saves_lost"] + c["client_saves_coalesced"] \
+            == handed, (c, answers)
+        assert c["client_saves_dropped"] == 3 - sum(answers)
+    finally:
+        assert stop_process(proc) == 0
+
+
+_FORK_WHILE_FLUSHING = """
+import os, sys, threading, time
+
+from kvkeeper import Client, DaemonUnavailable
+
+kv = Client(sys.argv[1], timeout=30)
+waiting = threading.Thread(target=lambda: kv.flush(8), daemon=True)
+waiting.start()
+time.sleep(0.5)  # the parent's flush holds its turn (the daemon is stopped)
+pid = os.fork()
+if pid == 0:
+    t0 = time.monotonic()
+    try:
+        kv.flush(20)
+        os._exit(3)
+    except DaemonUnavailable as exc:
+        os._exit(0 if time.monotonic() - t0 < 2 and "forked" in str(exc) else 4)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_flush_in_a_forked_child_fails_at_once_while_the_parent_flushes(
+    short_dir: Path,
+) -> None:
+    """The child inherited the parent's flush turn held (by a thread that
+    does not exist in the child): its flush waited its whole timeout."""
+    import sys as _sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            r = subprocess.run([_sys.executable, "-c", _FORK_WHILE_FLUSHING, str(sock)],
+                               capture_output=True, text=True, timeout=120)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    finally:
+        assert stop_process(proc) == 0

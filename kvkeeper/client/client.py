@@ -58,6 +58,21 @@ _MAX_UNSETTLED = 100_000
 
 __all__ = ["Client", "DaemonError", "DaemonUnavailable"]
 
+_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _fresh_locks_in_child() -> None:
+    # Another thread of the parent may have held a client's lock, or been in
+    # its flush, at the fork: the child's copy would never be released, and a
+    # drop (it takes the lock) or a flush would wait for ever instead of
+    # failing at once as the child's channel does.
+    for kv in list(_clients):
+        kv._lock = threading.Lock()
+        kv._flushing = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
 
 def _codec():  # type: ignore[no-untyped-def]
     # MLX is imported on a first save or load, not with this module: the
@@ -136,6 +151,7 @@ class Client:
         self._failed_seen = 0
         self._warned: set[str] = set()
         self._closed = False
+        self._close_done = threading.Event()
         # Keys this client saved whose saves no flush, load or delete has
         # waited for since: a load of one of them must ask the daemon first.
         self._unsettled: dict[tuple[str, str], int] = {}
@@ -169,6 +185,7 @@ class Client:
         # sending what it holds. At exit the exit hook closes it instead.
         self._finalizer = weakref.finalize(self, _close_dropped, self._channel)
         self._finalizer.atexit = False
+        _clients.add(self)
         # With IMMEDIATE set, a save before the connection is up would be dropped:
         # connect now, so the first save after construction goes through.
         if self._channel.connected.wait(connect_timeout):
@@ -195,10 +212,16 @@ class Client:
         connections close; a ``save()`` after that is dropped), and so does
         dropping a client, in the background."""
         if self._closed:
+            # Another thread's close() is under way: return once it is done,
+            # as that thread's own call will (in its timeout).
+            self._close_done.wait(timeout)
             return
         self._closed = True
-        self._finalizer.detach()
-        self._channel.close(timeout)
+        try:
+            self._finalizer.detach()
+            self._channel.close(timeout)
+        finally:
+            self._close_done.set()
 
     @property
     def closed(self) -> bool:
@@ -248,8 +271,10 @@ class Client:
         a layer it cannot describe, or a float64 tensor (``mx.load`` cannot
         read those back).
         """
-        if self._closed:
+        if self._close_done.is_set():
             raise RuntimeError("client is closed")
+        # A save while close() runs on another thread (a server's request
+        # threads at shutdown) is dropped below, reason "closed", not raised.
         layers, token_ids = _unpack(cache, token_ids)
         model, cache_id = naming.check_key(model, cache_id)
         meta = check_metadata(metadata)
@@ -563,6 +588,11 @@ class Client:
         """
         t0 = time.monotonic()
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
+        if self._channel.forked:
+            # The parent's flush may have held the turn at the fork: the
+            # child's requests fail at once, and so does this one.
+            raise DaemonUnavailable("this Client was made before the process forked; make a "
+                                    "new one in the child")
         if not self._flushing.acquire(timeout=timeout):
             raise DaemonUnavailable(f"another flush of this client did not end within "
                                     f"{timeout} s")
