@@ -278,9 +278,18 @@ def _first_set(s: Setting, candidates: list[tuple[Any, str]]) -> tuple[Any, str]
     for raw, source in candidates:
         if raw is not None:
             try:
-                return s.parse(raw), source
+                value = s.parse(raw)
             except (ValueError, TypeError) as exc:
                 raise SettingsError(f"{s.name} from {source}: {exc}") from None
+            if isinstance(value, Path) and not value.is_absolute() \
+                    and source.startswith("config file"):
+                # One file serves serve (under launchd its directory is /, under
+                # systemd $HOME) and every client, each from its own directory.
+                raise SettingsError(f"{s.name} from {source}: {raw!r} is a relative path, "
+                                    f"which each process would take from the directory it "
+                                    f"started in; give an absolute path (or one starting "
+                                    f"with ~)")
+            return value, source
     return s.default(), "default"
 
 

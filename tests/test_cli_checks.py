@@ -584,3 +584,27 @@ def test_a_fifo_named_like_a_cache_file_is_refused_not_waited_on(
     # The entry beside it is still served.
     loaded = client.load("m", "c")
     assert loaded is not None and loaded.token_ids == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("line", ['root = "relstore"', 'socket = "run/k.sock"',
+                                  'socket = "ipc://k.sock"'])
+def test_a_relative_path_in_the_config_file_is_refused(line: str, short_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One config file serves serve (started in / by launchd, in $HOME by
+    systemd) and every client (each in its own directory): a relative root
+    or socket named a different place for each."""
+    cfg = short_dir / "rel.toml"
+    cfg.write_text(line + "\n")
+    name = line.split()[0]
+    usage_error(cli("serve", "--config", str(cfg), "--print-config"), name, "relative path")
+    usage_error(cli("ls", env={"KVKEEPER_CONFIG": str(cfg)}), name, "relative path")
+    for k in [k for k in os.environ if k.startswith("KVKEEPER_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVKEEPER_CONFIG", str(cfg))
+    with pytest.raises(ValueError, match="relative path"):
+        Client(timeout=WAIT, connect_timeout=0)
+    home = short_dir / "home"
+    cfg.write_text(line.replace('"', '"~/', 1).replace("ipc://", "") + "\n")
+    monkeypatch.setenv("HOME", str(home))
+    r = cli("serve", "--config", str(cfg), "--print-config", env={"HOME": str(home)})
+    assert r.returncode == 0 and str(home) in r.stdout, r.stderr
