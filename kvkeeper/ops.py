@@ -340,7 +340,14 @@ def verify(args: argparse.Namespace) -> int:
                     bar.advance(task, size)
                 except (OSError, st.LayoutError) as exc:
                     bad.append((f, str(exc)))
-        repaired = _repair(root, bad, kv) if args.repair and bad else []
+        repaired: list[Path] = []
+        repair_error: Exception | None = None
+        try:
+            repaired = _repair(root, bad, kv) if args.repair and bad else []
+        except Exception as exc:  # noqa: BLE001 - raised again once the check is reported
+            # E.g. another daemon holds the root: what the check found is
+            # still worth reporting (and --json output still expected).
+            repair_error = exc
     finally:
         if kv is not None:
             kv.close()
@@ -350,7 +357,8 @@ def verify(args: argparse.Namespace) -> int:
                      "legacy_unchecked": [str(p) for p in legacy],
                      "not_caches": [str(p) for p in others],
                      "bad": [{"path": str(p), "reason": r} for p, r in bad],
-                     "moved_aside": [str(p) for p in repaired]})
+                     "moved_aside": [str(p) for p in repaired],
+                     **({"repair_error": str(repair_error)} if repair_error else {})})
     else:
         out.print(Text.assemble(
             f"{checked} files checked under ", shown(root),
@@ -361,6 +369,8 @@ def verify(args: argparse.Namespace) -> int:
             out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
                                     (" (moved aside)", "green") if p in repaired else ""))
         out.print(f"[red]{len(bad)} bad[/]" if bad else "[green]all good[/]")
+    if repair_error is not None:
+        raise repair_error  # its message and exit status, after the report
     return 1 if bad else 0
 
 

@@ -360,6 +360,26 @@ def test_verify_while_the_daemon_deletes_reports_no_bad_file(
     assert json.loads(r.stdout)["bad"] == []
 
 
+def test_verify_repair_that_cannot_run_still_reports_the_check(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """verify --root R --repair, with another socket than the daemon's that
+    serves R: the repair cannot take the root, and its error used to be the
+    only output (no BAD lines, no JSON at all)."""
+    assert client.save(FP, "bad", filled(0.5, 3), [3]) and client.flush(timeout=WAIT)
+    bad = entry_path(daemon.root, "bad")
+    os.truncate(bad, bad.stat().st_size - 10)
+    elsewhere = str(short_dir / "none.sock")
+    r = cli("verify", "--socket", elsewhere, "--root", str(daemon.root), "--repair", "--json")
+    assert r.returncode == 2 and "another kvkeeper daemon" in r.stderr, (r.stdout, r.stderr)
+    report = json.loads(r.stdout)
+    assert [b["path"] for b in report["bad"]] == [str(bad)] and report["moved_aside"] == []
+    assert "another kvkeeper daemon" in report["repair_error"]
+    r = cli("verify", "--socket", elsewhere, "--root", str(daemon.root), "--repair")
+    assert r.returncode == 2 and f"BAD {bad}" in " ".join(r.stdout.split()), r.stdout
+    assert bad.exists()  # left to the daemon that holds the root
+
+
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
     with Client(rd.socket, timeout=WAIT) as kv:
