@@ -182,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
                          "(kvkeeper_cache_id), the token ids (token_ids) and the entry's own "
                          "metadata (kvkeeper_metadata, JSON); kvkeeper import restores each. "
                          "Needs the mlx extra. Works without a daemon, reading the store's "
-                         "file. An existing file at PATH is replaced (atomically).")
+                         "file. An existing file at PATH is replaced (atomically; the output says so); a "
+                         "PATH inside the store is refused (exit 2): its files are the daemon's.")
     _socket_arg(exp)
     exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's, else "

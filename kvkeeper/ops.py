@@ -637,9 +637,12 @@ def export(args: argparse.Namespace) -> int:
         root = _root(args, kv) if args.root is not None or not kv.connected else None
         if root is None or (kv is not None and kv.connected
                             and kv.root.resolve() == root.resolve()):
+            root = kv.root
+            _not_inside(dest, root)
             got = kv.load(args.model, args.cache_id)
             where = ""
         else:
+            _not_inside(dest, root)
             # Another root than the running daemon's (or none runs): read the
             # file there; the daemon writes by rename, so it is whole.
             got = _read_entry(root, args.model, args.cache_id)
@@ -659,6 +662,7 @@ def export(args: argparse.Namespace) -> int:
     if got.metadata:
         meta[EXPORT_METADATA_KEY] = json.dumps(got.metadata)
     tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
+    replaced = os.path.lexists(dest)
     try:
         # The file holds a conversation: 0600 like the store's own files, from
         # its creation on (mlx opens it for writing without changing its mode).
@@ -674,9 +678,22 @@ def export(args: argparse.Namespace) -> int:
     # Not mlx_lm.generate --prompt-cache-file: it also wants the model and
     # tokenizer config in the metadata, which kvkeeper does not have.
     out.print(Text.assemble("wrote ", shown(dest),
-                            f" ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens); "
+                            f" ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens"
+                            f"{', replacing the file that was there' if replaced else ''}); "
                             f"open it with mlx_lm.models.cache.load_prompt_cache"))
     return 0
+
+
+def _not_inside(dest: Path, root: Path) -> None:
+    """Refuse an export into the store: its files are the daemon's (one put at
+    another entry's place replaced that entry behind the daemon's back)."""
+    try:
+        inside = dest.parent.resolve().is_relative_to(root.resolve())
+    except OSError:
+        return  # the write reports what is wrong with the place
+    if inside:
+        raise CommandError(f"{dest} is inside the store ({root}), whose files are the "
+                           f"daemon's; export to another directory", status=2)
 
 
 # ------------------------------------------------------------------ services

@@ -368,7 +368,31 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     r = cli("export", "--socket", sock, "m1", "a", str(ok))
     assert r.returncode == 0 and ok.exists(), r.stderr
     assert "load_prompt_cache" in r.stdout and "mlx_lm.generate" not in r.stdout
+    assert "replacing" not in r.stdout
     assert not _leftovers(short_dir)
+    # Again: the file there is replaced, and the output says so.
+    r = cli("export", "--socket", sock, "m1", "a", str(ok))
+    assert r.returncode == 0 and "replacing the file that was there" in r.stdout, r.stdout
+
+
+def test_export_into_the_store_is_refused(client: Client, daemon: RunningDaemon,
+                                          short_dir: Path) -> None:
+    """An export to another entry's place replaced that entry behind the
+    daemon's back (ls still listed the old one; the next load quarantined it)."""
+    sock = str(daemon.socket)
+    assert client.save("m1", "a", small_cache(), [1, 2, 3, 4, 5])
+    assert client.save("m2", "b", small_cache(), [6, 7])
+    assert client.flush(timeout=WAIT)
+    other = entry_path(daemon.root, "b", model="m2")
+    before = other.read_bytes()
+    for argv in (["--socket", sock], ["--socket", str(short_dir / "none.sock"),
+                                      "--root", str(daemon.root)]):
+        usage_error(cli("export", *argv, "m1", "a", str(other)), "inside the store")
+        usage_error(cli("export", *argv, "m1", "a", str(daemon.root / "x.safetensors")),
+                    "inside the store")
+    assert other.read_bytes() == before and not (daemon.root / "x.safetensors").exists()
+    loaded = client.load("m2", "b")
+    assert loaded is not None and loaded.token_ids == [6, 7]
 
 
 def test_export_help_claims_only_what_works() -> None:
