@@ -368,3 +368,24 @@ def test_stats_report_the_configured_pending_budget(short_dir: Path) -> None:
             assert 0 < s["writer_max_pending_bytes"] < s["max_pending_bytes"]
     finally:
         assert rd.stop() == 0
+
+
+def test_replies_to_a_client_that_reads_late_are_not_dropped(daemon: RunningDaemon) -> None:
+    """A client's I/O thread starved of the GIL reads replies late: past the
+    daemon's and the client's queue limits (1000 each) replies were dropped,
+    and refusals went uncounted (7850 refused, 2810 counted by the client)."""
+    n = 5000
+    with dealers(daemon.socket, 1, timeout=10) as (s,):
+        too_large = [m.TensorSpec("t0", "F32", [2**30, 2**10])]
+        for i in range(n):
+            s.send(begin(save=i + 1, tensors=too_large))
+        s.send(m.encode(m.Ping(v=V, req=7)))
+        time.sleep(1.0)  # every reply made before one is read
+        refused = 0
+        while True:
+            reply = m.decode_reply(s.recv())
+            if isinstance(reply, m.Pong):
+                break
+            assert isinstance(reply, m.SaveRefused) and reply.code == "too_large", reply
+            refused += 1
+    assert refused == n

@@ -37,6 +37,9 @@ log = get_logger("kvkeeper.daemon")
 GiB = 1024**3
 LOCK_NAME = ".kvkeeper.lock"
 RCVHWM = 8
+#: Replies queued per client before more are dropped; the client's receive
+#: side takes as many.
+REPLY_HWM = 100_000
 #: The largest message a client sends (kvkeeper.client.client.CHUNK_BYTES).
 CHUNK_BYTES = 8 * 1024 * 1024
 
@@ -203,7 +206,11 @@ class Daemon:
         # A few messages of up to 8 MiB (their share of the budget is above):
         # enough for the receive loop to keep libzmq reading the socket.
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
-        sock.setsockopt(zmq.SNDHWM, 1000)
+        # Replies past it are dropped (a ROUTER cannot wait): a client whose
+        # I/O thread reads late (GIL-starved by request threads saving in a
+        # loop) lost refusals, its counts fell short. A client may have as
+        # many messages on the way here (its SNDHWM); replies are small.
+        sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_pending_bytes, MAX_HEADER_BYTES))
         monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         if hasattr(zmq, "IPC_FILTER_UID"):
