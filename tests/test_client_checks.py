@@ -655,3 +655,49 @@ def test_a_flush_in_a_forked_child_fails_at_once_while_the_parent_flushes(
         assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     finally:
         assert stop_process(proc) == 0
+
+
+_CLOSE_FROM_A_HANDLER = """
+import os, signal, sys, threading, time
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from kvkeeper import Client
+
+c = KVCache()
+c.keys = c.values = mx.ones((1, 2, 4, 8))
+c.offset = 4
+kv = Client(sys.argv[1], timeout=10, min_send_interval=0)
+signal.signal(signal.SIGUSR1, lambda *a: kv.close(2.0))
+assert kv.save("fp", "first", [c], [1, 2, 3, 4]) and kv.flush(10)
+threads = threading.active_count()
+# The handler runs at the next bytecode, while this thread holds the lock
+# save() holds when it queues a save (where the signal landed in the hang).
+with kv._channel._lock:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.05)
+assert kv.closed
+try:
+    kv.save("fp", "after", [c], [1])
+    sys.exit("a save after close() did not raise")
+except RuntimeError:
+    pass
+deadline = time.monotonic() + 10
+while threading.active_count() >= threads and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert threading.active_count() < threads, "the I/O thread did not end"
+print("ok")
+"""
+
+
+def test_close_from_a_signal_handler_that_interrupted_the_client(daemon: RunningDaemon) -> None:
+    """A SIGTERM handler that closes the client, landing while a save held
+    the channel's lock, waited for that very lock: the process hung for ever
+    (1 round in 20 of a save loop). The close now starts, the I/O thread
+    ends it, and the process goes on."""
+    import sys as _sys
+
+    r = subprocess.run([_sys.executable, "-c", _CLOSE_FROM_A_HANDLER, str(daemon.socket)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])

@@ -189,7 +189,7 @@ class Channel:
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
         self._on_refused = on_refused
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._outbox: deque[_Save | _Request] = deque()
         self._waiting: dict[int, _Request] = {}
         self._inflight_bytes = 0
@@ -332,7 +332,7 @@ class Channel:
         self.forked = True
         # The parent's I/O thread may have held the lock at the fork: the
         # child's copy would then never be released.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._stopped = self._close_claimed = True
         self.connected.clear()
         self._closing.set()
@@ -348,7 +348,20 @@ class Channel:
         """Send the saves waiting out the send interval, give queued saves up
         to ``timeout`` to reach the daemon and the daemon to confirm it read
         them, then stop. A close() while another runs returns once that one
-        is done."""
+        is done. From a signal handler that interrupted this channel's own
+        code (on the thread holding its lock), it only starts the close: the
+        I/O thread ends it, without sending what is queued, once that code
+        lets go."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            # Waiting here would wait for this very thread (a save interrupted
+            # by a SIGTERM handler that closes the client): it hung for ever.
+            claimed, self._close_claimed = self._close_claimed, True
+            if not claimed:
+                self._closer = threading.get_ident()
+                self._thread_closes_pipe = True
+                self._closing.set()
+                self._wake()
+            return
         with self._lock:
             claimed, self._close_claimed = self._close_claimed, True
             if not claimed:
