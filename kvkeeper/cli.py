@@ -327,6 +327,13 @@ def _main(argv: list[str] | None) -> int:
         # An id or setting given on the command line or in the config: usage.
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # main() ends quietly
+    except OSError as exc:
+        # E.g. a directory of the store this user cannot read: what failed,
+        # not a traceback.
+        print(f"kvkeeper: {exc}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as exc:
         # import and export read and write caches through MLX, which an
         # install of the daemon alone does not have.

@@ -68,7 +68,10 @@ def socket_path(value: str | os.PathLike[str]) -> Path:
                          f"(or {IPC_SCHEME}<path>)")
     if not text:
         raise ValueError("the socket path is empty")
-    return Path(text).expanduser()
+    try:
+        return Path(text).expanduser()
+    except RuntimeError as exc:  # ~nosuchuser
+        raise ValueError(str(exc)) from None
 
 
 def check_socket_path(socket_path: Path) -> None:

@@ -343,7 +343,8 @@ def verify(args: argparse.Namespace) -> int:
         repaired: list[Path] = []
         repair_error: Exception | None = None
         try:
-            repaired = _repair(root, bad, kv) if args.repair and bad else []
+            if args.repair and bad:
+                _repair(root, bad, kv, repaired)
         except Exception as exc:  # noqa: BLE001 - raised again once the check is reported
             # E.g. another daemon holds the root: what the check found is
             # still worth reporting (and --json output still expected).
@@ -407,10 +408,11 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
     return (model, cache_id) if place == Path(path.parent.name, path.name) else None
 
 
-def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
+def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any, moved: list[Path]) -> None:
     """Move bad files aside: through the daemon when it runs (it is the only
-    writer), else directly, holding its lock so that none starts meanwhile."""
-    moved = []
+    writer), else directly, holding its lock so that none starts meanwhile.
+    Each file moved is added to ``moved`` at once: if a later one fails, the
+    report still names those that went."""
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
     if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
@@ -434,7 +436,7 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
                 ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
             if isinstance(reply, m.Deleted) and reply.existed:
                 moved.append(path)
-        return moved
+        return
     from kvkeeper.daemon.app import LOCK_NAME, _Lock
     from kvkeeper.daemon.store import Store
 
@@ -446,7 +448,6 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any) -> list[Path]:
                 moved.append(path)
     finally:
         lock.release()
-    return moved
 
 
 # ------------------------------------------------------------------ import / export
@@ -643,6 +644,8 @@ def export(args: argparse.Namespace) -> int:
             where = ""
         else:
             _not_inside(dest, root)
+            if kv is not None and kv.connected:
+                _not_inside(dest, kv.root)  # the running daemon's store, too
             # Another root than the running daemon's (or none runs): read the
             # file there; the daemon writes by rename, so it is whole.
             got = _read_entry(root, args.model, args.cache_id)

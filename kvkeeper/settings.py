@@ -125,7 +125,10 @@ def parse_path(value: Any) -> Path:
     if not os.fspath(value):
         # Path("") is the current directory: surely not what was meant.
         raise ValueError("the path is empty")
-    return Path(value).expanduser()
+    try:
+        return Path(value).expanduser()
+    except RuntimeError as exc:  # ~nosuchuser
+        raise ValueError(str(exc)) from None
 
 
 def _socket(value: Any) -> Path:
@@ -192,8 +195,8 @@ SETTINGS: tuple[Setting, ...] = (
             "memory for saves received but not yet written; a save that does not fit "
             "is refused and counted", "size"),
     Setting("max_disk_bytes", _disk_size, lambda: 20 * GiB,
-            "disk budget over everything under the root (0: none); least recently "
-            "used entries are evicted past it", "size"),
+            "disk budget over everything under the root (0: none, else at least 1M); "
+            "least recently used entries are evicted past it", "size"),
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
             "free space kept on the root's file system; entries are evicted to keep it", "size"),
     Setting("min_write_interval", _seconds, lambda: 0.25,
@@ -242,8 +245,8 @@ def _config_values(config_file: Path | None,
             raise SettingsError(f"config file {path} does not exist")
         return path, {}
     try:
-        return path, tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return path, tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"config file {path}: {exc}") from None
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import plistlib
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -307,6 +308,24 @@ def test_bad_config_file_is_a_one_line_error_outside_serve(toml: str,
     usage_error(r, str(cfg))
 
 
+def test_a_config_file_that_is_not_utf8_or_names_an_unknown_home(short_dir: Path) -> None:
+    """Bytes that are not UTF-8 raised UnicodeDecodeError (a traceback, even
+    for a command that needed nothing from the file); "~nosuchuser" raised
+    RuntimeError from expanduser. Both are one-line errors where the file is
+    needed, and the commands that need nothing from it go on."""
+    cfg = short_dir / "bad.toml"
+    cfg.write_bytes(b'root = "/x\xff"\n')
+    usage_error(cli("serve", "--config", str(cfg), "--print-config"), str(cfg), "utf-8")
+    root = short_dir / "root"
+    (root / "sessions").mkdir(parents=True, mode=0o700)
+    r = cli("verify", "--root", str(root), "--socket", str(short_dir / "none.sock"),
+            env={"KVKEEPER_CONFIG": str(cfg)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    cfg.write_text('socket = "~nosuchuser-kvk/k.sock"\n')
+    usage_error(cli("serve", "--config", str(cfg), "--print-config"), "socket",
+                "home directory")
+
+
 def test_verify_without_a_daemon_reads_the_configured_root_past_other_typos(
     short_dir: Path,
 ) -> None:
@@ -390,6 +409,12 @@ def test_export_into_the_store_is_refused(client: Client, daemon: RunningDaemon,
         usage_error(cli("export", *argv, "m1", "a", str(other)), "inside the store")
         usage_error(cli("export", *argv, "m1", "a", str(daemon.root / "x.safetensors")),
                     "inside the store")
+    # Reading another store (--root) while the daemon runs: its store is
+    # still not a place to write to.
+    copy = short_dir / "copy"
+    shutil.copytree(daemon.root, copy, ignore=shutil.ignore_patterns(".kvkeeper.lock"))
+    usage_error(cli("export", "--socket", sock, "--root", str(copy), "m1", "a", str(other)),
+                "inside the store")
     assert other.read_bytes() == before and not (daemon.root / "x.safetensors").exists()
     loaded = client.load("m2", "b")
     assert loaded is not None and loaded.token_ids == [6, 7]

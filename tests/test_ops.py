@@ -380,6 +380,44 @@ def test_verify_repair_that_cannot_run_still_reports_the_check(
     assert bad.exists()  # left to the daemon that holds the root
 
 
+def test_verify_repair_that_fails_part_way_reports_what_it_moved(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The second of two moves fails (a rename error, made here by failing
+    the process's second os.rename): the report listed neither as moved
+    although the first went, and the error ended in a traceback."""
+    from kvkeeper import cli as kvcli
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    with Client(rd.socket, timeout=WAIT) as kv:
+        for name in ("x", "y"):
+            assert kv.save(FP, name, filled(0.5, 1), [1])
+        assert kv.flush(timeout=WAIT)
+    rd.stop()
+    for name in ("x", "y"):
+        path = entry_path(short_dir / "root", name)
+        os.truncate(path, path.stat().st_size - 10)
+    real, calls = os.rename, [0]
+
+    def rename(src: object, dst: object, **kw: object) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise PermissionError(13, "Permission denied", str(src))
+        real(src, dst, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename)
+    status = kvcli.main(["verify", "--root", str(short_dir / "root"), "--socket",
+                         str(short_dir / "run" / "kv.sock"), "--repair", "--json"])
+    out, errtext = capfd.readouterr()
+    assert status == 1 and "Traceback" not in errtext, errtext
+    assert errtext.startswith("kvkeeper: [Errno 13] Permission denied"), errtext
+    report = json.loads(out)
+    assert len(report["bad"]) == 2 and len(report["moved_aside"]) == 1, report
+    moved = Path(report["moved_aside"][0])
+    assert not moved.exists() and "Permission denied" in report["repair_error"]
+    assert len(list((short_dir / "root" / "quarantine").iterdir())) == 1
+
+
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
     with Client(rd.socket, timeout=WAIT) as kv:

@@ -504,9 +504,6 @@ class Channel:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             # The in-flight budget (bytes and messages) bounds what is queued.
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
-            # Replies waiting for this thread to read them: past the limit the
-            # daemon drops them (refusals went uncounted under load).
-            sock.setsockopt(zmq.RCVHWM, _SNDHWM)
             # Track every frame for real: below the threshold pyzmq would copy it and
             # report it sent at once, releasing its reservation early.
             sock.copy_threshold = 0

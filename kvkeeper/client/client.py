@@ -225,7 +225,8 @@ class Client:
 
     @property
     def closed(self) -> bool:
-        """Whether ``close()`` was called (saves and loads then raise RuntimeError)."""
+        """Whether ``close()`` was called (once it has returned, saves and loads
+        raise RuntimeError; a save while it runs is dropped, reason "closed")."""
         return self._closed
 
     @property

@@ -37,8 +37,8 @@ log = get_logger("kvkeeper.daemon")
 GiB = 1024**3
 LOCK_NAME = ".kvkeeper.lock"
 RCVHWM = 8
-#: Replies queued per client before more are dropped; the client's receive
-#: side takes as many.
+#: Replies queued per client before more are dropped (beside the 1000 the
+#: client's socket takes).
 REPLY_HWM = 100_000
 #: The largest message a client sends (kvkeeper.client.client.CHUNK_BYTES).
 CHUNK_BYTES = 8 * 1024 * 1024
