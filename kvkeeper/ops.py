@@ -13,6 +13,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -633,6 +634,7 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError(f"{dest.parent} is not an existing directory", status=2)
     naming.check_key(args.model, args.cache_id)
     kv = client(args.socket, required=False, root=args.root)
+    misses: list[str] = []
     try:
         # No daemon to ask: the default root is read, and must be a store.
         root = _root(args, kv) if args.root is not None or not kv.connected else None
@@ -640,7 +642,8 @@ def export(args: argparse.Namespace) -> int:
                             and kv.root.resolve() == root.resolve()):
             root = kv.root
             _not_inside(dest, root)
-            got = kv.load(args.model, args.cache_id)
+            with _load_misses() as misses:
+                got = kv.load(args.model, args.cache_id)
             where = ""
         else:
             _not_inside(dest, root)
@@ -653,6 +656,10 @@ def export(args: argparse.Namespace) -> int:
     finally:
         if kv is not None:
             kv.close()
+    if got is None and misses:
+        # The file was there but could not be used (a damaged one has just
+        # been moved to quarantine/): "no entry" misled.
+        raise CommandError(f"{args.model} / {args.cache_id} cannot be read: {misses[-1]}")
     if got is None:
         raise CommandError(f"no entry {args.model} / {args.cache_id}{where}")
     foreign = _mlx_lm_classes_only(got.cache)
@@ -685,6 +692,33 @@ def export(args: argparse.Namespace) -> int:
                             f"{', replacing the file that was there' if replaced else ''}); "
                             f"open it with mlx_lm.models.cache.load_prompt_cache"))
     return 0
+
+
+@contextmanager
+def _load_misses() -> Iterator[list[str]]:
+    """The reasons of the client's load misses meanwhile (the commands turn
+    the log off; these are what they have to say)."""
+    import logging
+
+    reasons: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if "event=load_miss" in text:
+                reasons.append(text.partition(" reason=")[2] or text)
+
+    logger = logging.getLogger("kvkeeper.client")
+    handler, level = Catch(logging.WARNING), logging.root.manager.disable
+    propagate, logger.propagate = logger.propagate, False  # said once, by the error
+    logger.addHandler(handler)
+    logging.disable(logging.NOTSET)
+    try:
+        yield reasons
+    finally:
+        logging.disable(level)
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _not_inside(dest: Path, root: Path) -> None:

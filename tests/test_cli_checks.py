@@ -420,6 +420,28 @@ def test_export_into_the_store_is_refused(client: Client, daemon: RunningDaemon,
     assert loaded is not None and loaded.token_ids == [6, 7]
 
 
+def test_export_of_a_damaged_entry_says_why(client: Client, daemon: RunningDaemon,
+                                            short_dir: Path) -> None:
+    """With the daemon up, the load moved the damaged file aside and export
+    said only "no entry m1 / a" (the entry had just been listed)."""
+    sock = str(daemon.socket)
+    assert client.save("m1", "a", small_cache(), [1, 2, 3, 4, 5])
+    assert client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "a", model="m1")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    out = short_dir / "out.safetensors"
+    r = cli("export", "--socket", sock, "m1", "a", str(out))
+    assert r.returncode == 1 and not out.exists(), (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvkeeper: m1 / a cannot be read: "), lines
+    assert "checksum mismatch" in lines[0]
+    assert not path.exists() and list((daemon.root / "quarantine").iterdir())
+    r = cli("export", "--socket", sock, "m1", "a", str(out))  # now it is gone
+    assert r.returncode == 1 and "no entry m1 / a" in r.stderr, r.stderr
+
+
 def test_export_help_claims_only_what_works() -> None:
     text = cli("export", "--help").stdout
     assert "load_prompt_cache" in text and "prompt-cache-file" not in text
