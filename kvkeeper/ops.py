@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -206,7 +207,7 @@ def ls(args: argparse.Namespace) -> int:
     for col, justify in (("model", "left"), ("id", "left"), ("tokens", "right"),
                          ("size", "right"), ("saved", "right"), ("last used", "right")):
         # Ids and models wrap rather than end in "…": they are shown to be
-        # copied into rm, also when the output is piped (80 columns then).
+        # copied into rm (on a terminal narrower than them).
         table.add_column(col, justify=justify,  # type: ignore[arg-type]
                          overflow="fold" if justify == "left" else "ellipsis")
     if args.all:
@@ -218,7 +219,13 @@ def ls(args: argparse.Namespace) -> int:
             row.append(e.kind if e.kind == "entry"
                        else Text.assemble((e.kind, "yellow"), " ", shown(e.path)))
         table.add_row(*row)
-    out.print(table)
+    if out.is_terminal:
+        out.print(table)
+    else:
+        # Piped, rich would fold to 80 columns: an id cut across two rows
+        # cannot be copied whole (or grepped). As wide as the rows need.
+        need = Measurement.get(out, out.options.update_width(1 << 20), table).maximum
+        Console(highlight=False, soft_wrap=True, width=max(out.width, need)).print(table)
     return 0
 
 

@@ -288,6 +288,19 @@ def test_a_reader_that_goes_away_is_no_traceback(daemon: RunningDaemon, short_di
 # ------------------------------------------------------------------ bad ids, bad config
 
 
+def test_piped_ls_shows_long_ids_whole(client: Client, daemon: RunningDaemon) -> None:
+    """Piped, the table was folded to 80 columns: a long model or id was cut
+    across two rows, and could be neither copied into rm nor grepped."""
+    model = "mlx-community/Qwen3-8B-4bit@" + "3f2a" * 10
+    cache_id = "conversation-" + "x" * 70
+    assert client.save(model, cache_id, small_cache(), [1, 2, 3, 4, 5])
+    assert client.flush(timeout=WAIT)
+    r = cli("ls", "--socket", str(daemon.socket))
+    assert r.returncode == 0, r.stderr
+    row = [line for line in r.stdout.splitlines() if cache_id in line]
+    assert len(row) == 1 and model in row[0], r.stdout
+
+
 def test_bad_ids_are_one_line_errors(daemon: RunningDaemon, short_dir: Path) -> None:
     sock = str(daemon.socket)
     usage_error(cli("ls", "--socket", sock, "--model", ""), "model is empty")
