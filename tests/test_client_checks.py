@@ -701,3 +701,53 @@ def test_close_from_a_signal_handler_that_interrupted_the_client(daemon: Running
     r = subprocess.run([_sys.executable, "-c", _CLOSE_FROM_A_HANDLER, str(daemon.socket)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+_FORK_WHILE_CLOSING = """
+import os, signal, sys, threading, time
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from kvkeeper import Client
+
+c = KVCache()
+c.keys = c.values = mx.ones((1, 2, 4, 8))
+c.offset = 4
+kv = Client(sys.argv[1], timeout=30, min_send_interval=0)
+assert kv.connected
+daemon = int(sys.argv[2])
+os.kill(daemon, signal.SIGSTOP)  # close() now waits for it to confirm the save
+try:
+    assert kv.save("fp", "x", [c], [1, 2, 3, 4])
+    closing = threading.Thread(target=kv.close, args=(8,), daemon=True)
+    closing.start()
+    time.sleep(0.5)
+    pid = os.fork()
+    if pid == 0:
+        t0 = time.monotonic()
+        kv.close(5)
+        os._exit(0 if time.monotonic() - t0 < 2 else 5)
+    _, status = os.waitpid(pid, 0)
+finally:
+    os.kill(daemon, signal.SIGCONT)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_close_in_a_child_forked_while_the_parent_closes_returns_at_once(
+    short_dir: Path,
+) -> None:
+    """The child inherited a close() under way in a parent thread, which no
+    thread of the child will finish: its own close() waited its whole timeout."""
+    import sys as _sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        r = subprocess.run([_sys.executable, "-c", _FORK_WHILE_CLOSING, str(sock),
+                            str(proc.pid)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_process(proc) == 0

@@ -69,6 +69,10 @@ def _fresh_locks_in_child() -> None:
     for kv in list(_clients):
         kv._lock = threading.Lock()
         kv._flushing = threading.Lock()
+        if kv._closed:
+            # A close() the parent was making: no thread here will finish it,
+            # and the child's channel is dead already.
+            kv._close_done.set()
 
 
 os.register_at_fork(after_in_child=_fresh_locks_in_child)
