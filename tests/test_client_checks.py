@@ -615,23 +615,30 @@ def test_saves_and_closes_while_close_runs_on_another_thread(short_dir: Path) ->
 
 
 _FORK_WHILE_FLUSHING = """
-import os, sys, threading, time
+import os, signal, sys, threading, time
 
 from kvkeeper import Client, DaemonUnavailable
 
 kv = Client(sys.argv[1], timeout=30)
-waiting = threading.Thread(target=lambda: kv.flush(8), daemon=True)
-waiting.start()
-time.sleep(0.5)  # the parent's flush holds its turn (the daemon is stopped)
-pid = os.fork()
-if pid == 0:
-    t0 = time.monotonic()
-    try:
-        kv.flush(20)
-        os._exit(3)
-    except DaemonUnavailable as exc:
-        os._exit(0 if time.monotonic() - t0 < 2 and "forked" in str(exc) else 4)
-_, status = os.waitpid(pid, 0)
+assert kv.connected
+daemon = int(sys.argv[2])
+os.kill(daemon, signal.SIGSTOP)  # the flush below waits for its answer
+try:
+    waiting = threading.Thread(target=lambda: kv.flush(8), daemon=True)
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()  # the parent's flush holds its turn
+    pid = os.fork()
+    if pid == 0:
+        t0 = time.monotonic()
+        try:
+            kv.flush(20)
+            os._exit(3)
+        except DaemonUnavailable as exc:
+            os._exit(0 if time.monotonic() - t0 < 2 and "forked" in str(exc) else 4)
+    _, status = os.waitpid(pid, 0)
+finally:
+    os.kill(daemon, signal.SIGCONT)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
@@ -646,14 +653,11 @@ def test_a_flush_in_a_forked_child_fails_at_once_while_the_parent_flushes(
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
     try:
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            r = subprocess.run([_sys.executable, "-c", _FORK_WHILE_FLUSHING, str(sock)],
-                               capture_output=True, text=True, timeout=120)
-        finally:
-            proc.send_signal(signal.SIGCONT)
+        r = subprocess.run([_sys.executable, "-c", _FORK_WHILE_FLUSHING, str(sock),
+                            str(proc.pid)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     finally:
+        proc.send_signal(signal.SIGCONT)
         assert stop_process(proc) == 0
 
 
