@@ -258,7 +258,7 @@ def resolve(
     """Effective values and, for each, where it came from."""
     environ = os.environ if environ is None else environ
     path, file_values = _config_values(config_file, environ)
-    unknown = sorted(set(file_values) - set(BY_NAME))
+    unknown = _unknown(file_values)
     if unknown:
         raise SettingsError(f"config file {path}: unknown settings {unknown}; "
                             f"known: {sorted(BY_NAME)}")
@@ -323,8 +323,13 @@ def unknown_settings() -> tuple[Path, list[str]] | None:
         path, values = _config_values(None, os.environ)
     except SettingsError:
         return None
-    unknown = sorted(set(values) - set(BY_NAME))
+    unknown = _unknown(values)
     return (path, unknown) if unknown else None
+
+
+def _unknown(values: Mapping[str, Any]) -> list[str]:
+    """The names in a config file's values that are no setting, sorted."""
+    return sorted(set(values) - set(BY_NAME))
 
 
 _WARNED_UNKNOWN: set[tuple[str, tuple[str, ...]]] = set()
@@ -335,7 +340,7 @@ def _warn_unknown(path: Path, values: Mapping[str, Any]) -> None:
     exist. ``serve`` refuses such a file; a client goes on (its save() must
     not fail for it), but a typo of ``socket`` or ``root`` would otherwise
     send it to the default, where no daemon is, with nothing said why."""
-    unknown = tuple(sorted(set(values) - set(BY_NAME)))
+    unknown = tuple(_unknown(values))
     if unknown and (str(path), unknown) not in _WARNED_UNKNOWN:
         _WARNED_UNKNOWN.add((str(path), unknown))
         log.warning(

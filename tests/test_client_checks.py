@@ -614,6 +614,22 @@ def test_saves_and_closes_while_close_runs_on_another_thread(short_dir: Path) ->
         assert stop_process(proc) == 0
 
 
+def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:
+    """Run ``script`` (argv: the socket, the daemon's pid, which it may
+    SIGSTOP) against a daemon in its own process; it must exit 0."""
+    import sys as _sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        r = subprocess.run([_sys.executable, "-c", script, str(sock), str(proc.pid)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_process(proc) == 0
+
+
 _FORK_WHILE_FLUSHING = """
 import os, signal, sys, threading, time
 
@@ -648,17 +664,7 @@ def test_a_flush_in_a_forked_child_fails_at_once_while_the_parent_flushes(
 ) -> None:
     """The child inherited the parent's flush turn held (by a thread that
     does not exist in the child): its flush waited its whole timeout."""
-    import sys as _sys
-
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock)
-    try:
-        r = subprocess.run([_sys.executable, "-c", _FORK_WHILE_FLUSHING, str(sock),
-                            str(proc.pid)], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        assert stop_process(proc) == 0
+    _run_with_a_daemon_it_may_stop(_FORK_WHILE_FLUSHING, short_dir)
 
 
 _CLOSE_FROM_A_HANDLER = """
@@ -744,14 +750,4 @@ def test_a_close_in_a_child_forked_while_the_parent_closes_returns_at_once(
 ) -> None:
     """The child inherited a close() under way in a parent thread, which no
     thread of the child will finish: its own close() waited its whole timeout."""
-    import sys as _sys
-
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock)
-    try:
-        r = subprocess.run([_sys.executable, "-c", _FORK_WHILE_CLOSING, str(sock),
-                            str(proc.pid)], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        assert stop_process(proc) == 0
+    _run_with_a_daemon_it_may_stop(_FORK_WHILE_CLOSING, short_dir)
