@@ -333,7 +333,7 @@ def verify(args: argparse.Namespace) -> int:
                     # A check is not a use: the eviction order stays as it was.
                     with st.open_file(f, keep_atime=True) as (fh, header):
                         meta = header.metadata
-                        if meta.get(st.FORMAT_KEY) != st.FORMAT:
+                        if not st.written_by_kvkeeper(meta):
                             (legacy if detect_legacy(meta) else others).append(f)
                             bar.advance(task, size)
                             continue

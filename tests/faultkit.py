@@ -50,6 +50,19 @@ def version_of(path: Path, model: str = FP) -> int:
 
 
 
+def resealed(header: dict) -> dict:
+    """``header`` (decoded JSON) with its header checksum made right again:
+    a file a writer got wrong on purpose, not one damaged on the disk."""
+    from kvkeeper.protocol import safetensors as st
+
+    meta = header["__metadata__"]
+    sums = json.loads(meta[st.CHECKSUMS_KEY])
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    sums["header"] = st.header_digest(meta, tensors)
+    meta[st.CHECKSUMS_KEY] = json.dumps(sums)
+    return header
+
+
 def rewrite_header(path: Path, change: Callable[[dict], object]) -> None:
     """Rewrite a safetensors file's header in place: ``change`` edits the
     decoded header; the tensor bytes stay as they are."""

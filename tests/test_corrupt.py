@@ -103,6 +103,27 @@ def nested_header(p: Path) -> None:
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
+def _flip_in_header(p: Path, old: bytes, new: bytes) -> None:
+    """Change bytes of the header in place, as a bad sector would: same length."""
+    data = bytearray(p.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    i = data.index(old, 8, 8 + n)
+    data[i : i + len(old)] = new
+    p.write_bytes(bytes(data))
+
+
+def token_id_digit(p: Path) -> None:
+    # The tensors' checksums pass: only the header's own checksum sees that
+    # the cache now claims another conversation's tokens.
+    _flip_in_header(p, b'"kvkeeper.token_ids":"[7]"', b'"kvkeeper.token_ids":"[9]"')
+
+
+def format_name(p: Path) -> None:
+    # Without the header's checksum: another program's file, which the daemon
+    # never replaces (every later save of the key failed).
+    _flip_in_header(p, b'"kvkeeper/1"', b'"kvkeeper/7"')
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -127,6 +148,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "float-offsets": float_offsets,
     "negative-dimensions": negative_dims,
     "nested-header": nested_header,
+    "token-id-digit": token_id_digit,
+    "format-name": format_name,
 }
 
 
@@ -137,9 +160,13 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 SAME_INTEGERS = ("float-offsets", "bool-dimension")
 
 
+#: Damage only checksums can see (of the data, of the header), which a lazy
+#: load skips.
+CHECKSUMS_ONLY = ("flipped-bit", "token-id-digit", "format-name")
+
+
 def _lazy_sees(kind: str) -> bool:
-    # A flipped bit in the data is the one damage only checksums can see.
-    return kind != "flipped-bit" and not (reader.MLX_CHECKS_OFFSETS and kind in SAME_INTEGERS)
+    return kind not in CHECKSUMS_ONLY and not (reader.MLX_CHECKS_OFFSETS and kind in SAME_INTEGERS)
 
 
 # Lazy loads (verify=False) read the file while the daemon answers and report

@@ -24,11 +24,12 @@ from safetensors import safe_open
 
 import kvkeeper
 from kvkeeper.client.client import Client
+from kvkeeper.client.reader import CacheFileError
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
 
 from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
-from .faultkit import FP, entry_path, filled, need_linux_root
+from .faultkit import FP, entry_path, filled, need_linux_root, resealed
 
 V = m.PROTOCOL_VERSION
 TAGS = ["ping", "save", "data", "load", "delete", "list", "stats", "flush", "quarantine", "pong"]
@@ -359,12 +360,12 @@ def test_hostile_class_names_import_nothing(client: Client, daemon: RunningDaemo
         layers = json.loads(header["__metadata__"][LAYERS_KEY])
         layers["layers"][0]["module"], layers["layers"][0]["class"] = module, cls
         header["__metadata__"][LAYERS_KEY] = json.dumps(layers)
-        raw = json.dumps(header).encode()
+        raw = json.dumps(resealed(header)).encode()
         raw += b" " * (-(8 + len(raw)) % 8)
         evil = path.with_name("evil-copy.safetensors")
         evil.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data[8 + n :]))
         before = set(sys.modules)
-        with pytest.raises(kvkeeper.client.reader.CacheFileError, match="module|class"):
+        with pytest.raises(CacheFileError, match="module|class"):
             kvkeeper.read_cache_file(evil)
         assert set(sys.modules) - before == set(), (module, set(sys.modules) - before)
 
@@ -389,11 +390,11 @@ def test_a_layers_description_that_disagrees_with_the_tensors_is_refused(
         layers = json.loads(saved)
         layers["layers"][1]["state"]["items"][0].update(change)
         header["__metadata__"][LAYERS_KEY] = json.dumps(layers)
-        raw = json.dumps(header).encode()
+        raw = json.dumps(resealed(header)).encode()
         odd = path.with_name("odd-copy.safetensors")
         odd.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
         for verify in (False, True):
-            with pytest.raises(kvkeeper.client.reader.CacheFileError,
+            with pytest.raises(CacheFileError,
                                match=r"layer 1\.state\.0: tensor 't2' is BF16 \[1, 8, \d+, 128\], "
                                      rf"expected {said}$"):
                 kvkeeper.read_cache_file(odd, verify=verify)

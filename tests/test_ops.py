@@ -304,6 +304,37 @@ def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
     assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
 
 
+def test_verify_finds_damage_in_the_header_and_repairs_it(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """A digit of the token ids and the format's name changed in place, every
+    tensor's bytes intact: verify said "all good" for the first and skipped
+    the second as another program's file (which the daemon never replaces)."""
+    for name in ("good", "tokens", "format"):
+        assert client.save(FP, name, filled(0.2, 3), [3])
+    assert client.flush(timeout=WAIT)
+    edits = {"tokens": (b'"kvkeeper.token_ids":"[3]"', b'"kvkeeper.token_ids":"[5]"'),
+             "format": (b'"kvkeeper/1"', b'"kvkeeper/0"')}
+    for name, (old, new) in edits.items():
+        path = entry_path(daemon.root, name)
+        data = path.read_bytes()
+        assert data.count(old) == 1, data[:300]
+        path.write_bytes(data.replace(old, new))
+    r = cli("verify", "--socket", str(daemon.socket), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    reasons = {b["path"]: b["reason"] for b in report["bad"]}
+    assert report["checked"] == 3 and set(reasons) == {
+        str(entry_path(daemon.root, n)) for n in edits}, r.stdout
+    assert all("header checksum mismatch" in why for why in reasons.values()), reasons
+    r = cli("verify", "--socket", str(daemon.socket), "--repair", "--json")
+    assert sorted(json.loads(r.stdout)["moved_aside"]) == sorted(reasons), r.stdout + r.stderr
+    assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
+    assert version_of(entry_path(daemon.root, "good")) == 3
+    assert client.save(FP, "format", filled(0.2, 4), [4]) and client.flush(timeout=WAIT)
+    assert version_of(entry_path(daemon.root, "format")) == 4
+
+
 def test_verify_finds_a_file_at_another_keys_place_and_repairs_hashed_names(
     client: Client, daemon: RunningDaemon
 ) -> None:

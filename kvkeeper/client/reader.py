@@ -124,7 +124,15 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     if header is not None and meta != header.metadata:
         raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
                              replaced=True)
-    if meta.get(st.FORMAT_KEY) == st.FORMAT:
+    if verify and header is not None:
+        try:
+            # The header's own checksum, before its model, format or token ids
+            # are believed (a flipped byte in the format name made a file
+            # another program's, which the daemon would then never replace).
+            header.checksums  # noqa: B018 - checked (and kept) on first use
+        except st.LayoutError as exc:
+            raise CacheFileError(f"{path}: {exc}") from None
+    if st.written_by_kvkeeper(meta):
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
     from kvkeeper.client.legacy import (
         EXPORT_CACHE_ID_KEY,

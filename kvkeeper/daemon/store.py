@@ -29,12 +29,11 @@ from kvkeeper.protocol import naming
 from kvkeeper.protocol.legacy_formats import detect_legacy
 from kvkeeper.protocol.safetensors import (
     CACHE_ID_KEY,
-    FORMAT,
-    FORMAT_KEY,
     MODEL_KEY,
     TOKEN_COUNT_KEY,
     LayoutError,
     open_file,
+    written_by_kvkeeper,
 )
 
 log = get_logger("kvkeeper.store")
@@ -333,7 +332,7 @@ class Store:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign
         model, cache_id = (k or "" for k in naming.key_of(path))
-        if meta.get(FORMAT_KEY) == FORMAT:
+        if written_by_kvkeeper(meta):
             return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
                                _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
                                "entry", st.st_mtime)
@@ -567,7 +566,7 @@ class Store:
 def _is_cache(meta: dict[str, str]) -> bool:
     """Whether a safetensors header's metadata is a cache's: kvkeeper's own,
     or one of the two older formats."""
-    return meta.get(FORMAT_KEY) == FORMAT or detect_legacy(meta) is not None
+    return written_by_kvkeeper(meta) or detect_legacy(meta) is not None
 
 
 def _int(text: str | None) -> int:

@@ -13,6 +13,7 @@ written over it before the file is made durable.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import stat
@@ -96,20 +97,22 @@ class Layout:
         sums = list(checksums) if checksums is not None else [_PLACEHOLDER] * len(self.specs)
         if any(len(s) != len(_PLACEHOLDER) for s in sums):
             raise LayoutError("checksums must be 16 hex digits")
-        meta = dict(metadata)
-        meta[CHECKSUMS_KEY] = msgspec.json.encode(
-            {"algo": CHECKSUM_ALGO, "tensors": dict(zip([s.name for s in self.specs], sums, strict=True))}
-        ).decode()
-        body: dict[str, Any] = {"__metadata__": meta}
+        meta = {k: v for k, v in metadata.items() if k != CHECKSUMS_KEY}
+        tensors: dict[str, Any] = {}
         offset = 0
         for spec, size in zip(self.specs, self.sizes, strict=True):
-            body[spec.name] = {
+            tensors[spec.name] = {
                 "dtype": spec.dtype,
                 "shape": list(spec.shape),
                 "data_offsets": [offset, offset + size],
             }
             offset += size
-        raw = msgspec.json.encode(body)
+        meta[CHECKSUMS_KEY] = msgspec.json.encode({
+            "algo": CHECKSUM_ALGO,
+            "header": header_digest(meta, tensors),
+            "tensors": dict(zip([s.name for s in self.specs], sums, strict=True)),
+        }).decode()
+        raw = msgspec.json.encode({"__metadata__": meta, **tensors})
         raw += b" " * (-(8 + len(raw)) % 8)
         return struct.pack("<Q", len(raw)) + raw
 
@@ -122,8 +125,13 @@ class FileHeader:
     metadata: dict[str, str]
     data_start: int
 
-    @property
+    @functools.cached_property
     def checksums(self) -> dict[str, str] | None:
+        """Every tensor's recorded checksum, or None for a file that has none
+        (another program's). Raises LayoutError when the header itself fails
+        its own checksum: the data's checksums cannot vouch for the token ids,
+        the layer description or the tensor table (a flipped digit there is a
+        different conversation, or another dtype, over the very same bytes)."""
         raw = self.metadata.get(CHECKSUMS_KEY)
         if raw is None:
             return None
@@ -133,9 +141,16 @@ class FileHeader:
             raise LayoutError("checksums metadata is not JSON") from None
         if not isinstance(obj, dict) or obj.get("algo") != CHECKSUM_ALGO:
             raise LayoutError("unknown checksum algorithm")
+        # A damaged field name must not pass for a file written before the
+        # header had a checksum (kvkeeper 0.2.1 and older: no "header").
+        if not set(obj) <= _CHECKSUM_FIELDS:
+            raise LayoutError("checksums metadata has unknown fields")
         sums = obj.get("tensors")
         if not isinstance(sums, dict):
             raise LayoutError("checksums metadata has no tensors")
+        digest = obj.get("header")
+        if digest is not None and digest != header_digest(self.metadata, self.tensors):
+            raise LayoutError("header checksum mismatch (metadata or tensor table damaged)")
         return sums
 
 
@@ -229,6 +244,27 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
     if end != data_len:
         raise LayoutError(f"file holds {data_len} data bytes, header describes {end}")
     return FileHeader(body, meta, 8 + n)
+
+
+_CHECKSUM_FIELDS = frozenset({"algo", "header", "tensors"})
+
+
+def written_by_kvkeeper(metadata: Mapping[str, str]) -> bool:
+    """Whether a header's metadata is one the daemon wrote: its format name,
+    or, that name damaged, its checksums entry (which nothing else writes):
+    such a file is a damaged cache, not another program's file to keep."""
+    return metadata.get(FORMAT_KEY) == FORMAT or CHECKSUMS_KEY in metadata
+
+
+def header_digest(metadata: Mapping[str, str], tensors: Mapping[str, Any]) -> str:
+    """Checksum of a header's metadata (but the checksums entry) and tensor
+    table, over a canonical form: sorted, so the writer's dicts and a
+    reader's parse of the file agree whatever their order."""
+    canon = msgspec.json.encode([
+        sorted((k, v) for k, v in metadata.items() if k != CHECKSUMS_KEY),
+        sorted((name, t["dtype"], t["shape"], t["data_offsets"]) for name, t in tensors.items()),
+    ])
+    return xxhash.xxh3_64_hexdigest(canon)
 
 
 def checksum(buf: bytes | memoryview) -> str:
