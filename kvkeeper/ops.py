@@ -321,7 +321,11 @@ def verify(args: argparse.Namespace) -> int:
         # Files the daemon deletes or evicts meanwhile are gone, not bad.
         sizes = {f: n for f in _store_files(root) if (n := _size(f)) is not None}
         files: list[Path] = []
-        bad: list[tuple[Path, str]] = []
+        # With the file's identity when it was judged: the repair must move
+        # that file, never a newer version saved since (a check of a big store
+        # takes minutes, and a load that found it damaged may have had it
+        # moved aside and a new version saved meanwhile).
+        bad: list[tuple[Path, str, os.stat_result | None]] = []
         legacy: list[Path] = []
         others: list[Path] = []  # safetensors files that are not caches: not the daemon's
         with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -329,7 +333,11 @@ def verify(args: argparse.Namespace) -> int:
             task = bar.add_task("verify", total=sum(sizes.values()))
             for f, size in sizes.items():
                 files.append(f)
+                judged = None
                 try:
+                    # Before the open: if a newer file takes the place in
+                    # between, the repair finds another inode and leaves it.
+                    judged = f.lstat()
                     # A check is not a use: the eviction order stays as it was.
                     with st.open_file(f, keep_atime=True) as (fh, header):
                         meta = header.metadata
@@ -342,12 +350,12 @@ def verify(args: argparse.Namespace) -> int:
                         if _header_key_here(f, meta) is None:
                             bad.append((f, f"holds the entry {meta.get(st.MODEL_KEY)!r}/"
                                            f"{meta.get(st.CACHE_ID_KEY)!r}, which belongs "
-                                           f"elsewhere"))
+                                           f"elsewhere", judged))
                 except FileNotFoundError:
                     files.pop()  # gone meanwhile: not checked
                     bar.advance(task, size)
                 except (OSError, st.LayoutError) as exc:
-                    bad.append((f, str(exc)))
+                    bad.append((f, str(exc), judged))
         repaired: list[Path] = []
         repair_error: Exception | None = None
         try:
@@ -365,7 +373,7 @@ def verify(args: argparse.Namespace) -> int:
         _print_json({"root": str(root), "checked": checked,
                      "legacy_unchecked": [str(p) for p in legacy],
                      "not_caches": [str(p) for p in others],
-                     "bad": [{"path": str(p), "reason": r} for p, r in bad],
+                     "bad": [{"path": str(p), "reason": r} for p, r, _ in bad],
                      "moved_aside": [str(p) for p in repaired],
                      **({"repair_error": str(repair_error)} if repair_error else {})})
     else:
@@ -374,7 +382,7 @@ def verify(args: argparse.Namespace) -> int:
             f", {len(legacy)} legacy files without checksums" if legacy else "",
             f", {len(others)} safetensors files that are not caches (left alone)"
             if others else ""))
-        for p, reason in bad:
+        for p, reason, _ in bad:
             out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
                                     (" (moved aside)", "green") if p in repaired else ""))
         out.print(f"[red]{len(bad)} bad[/]" if bad else "[green]all good[/]")
@@ -416,15 +424,19 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
     return (model, cache_id) if place == Path(path.parent.name, path.name) else None
 
 
-def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any, moved: list[Path]) -> None:
+def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
+            moved: list[Path]) -> None:
     """Move bad files aside: through the daemon when it runs (it is the only
-    writer), else directly, holding its lock so that none starts meanwhile.
-    Each file moved is added to ``moved`` at once: if a later one fails, the
+    writer), else directly, holding its lock so that none starts meanwhile;
+    each only if it is still the file judged (same inode and mtime). Each
+    file moved is added to ``moved`` at once: if a later one fails, the
     report still names those that went."""
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
     if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
-        for path, reason in bad:
+        for path, reason, ident in bad:
+            if ident is None:
+                continue  # not even its lstat worked: nothing to tell a newer file from
             model, cache_id = _key_of(path)
             if model is None or cache_id is None:
                 # The daemon moves files by key: a hashed name whose header
@@ -434,10 +446,6 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any, moved: list[Path])
                                         "neither its name nor its header tells its id (stop "
                                         "the daemon and run verify --repair again)"))
                 continue
-            try:
-                ident = path.lstat()
-            except FileNotFoundError:
-                continue  # gone meanwhile: nothing to move
             reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
                                 reason=reason: m.Quarantine(
                 v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
@@ -451,8 +459,9 @@ def _repair(root: Path, bad: list[tuple[Path, str]], kv: Any, moved: list[Path])
     lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
     try:
         store = Store(root)
-        for path, _ in bad:
-            if store.quarantine_path(path) is not None:
+        for path, _, ident in bad:
+            if ident is not None and store.quarantine_path(
+                    path, ident.st_ino, ident.st_mtime_ns) is not None:
                 moved.append(path)
     finally:
         lock.release()

@@ -335,6 +335,55 @@ def test_verify_finds_damage_in_the_header_and_repairs_it(
     assert version_of(entry_path(daemon.root, "format")) == 4
 
 
+def test_verify_repair_leaves_a_version_saved_after_the_check(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """The check of a big store takes a while; a good version of a bad entry
+    saved meanwhile (its load found it damaged, the app saved it anew) was
+    the file the repair moved aside: it asked the daemon to move whatever
+    sat at the path by then."""
+    assert client.save(FP, "a", filled(0.2, 1), [1])
+    for i in range(8):  # checked after "a", while the test saves "a" anew
+        assert client.save(FP, f"z{i}", filled(64, 2), [2])
+    assert client.flush(timeout=WAIT)
+    bad = entry_path(daemon.root, "a")
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "verify", "--socket",
+                             str(daemon.socket), "--repair", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    zdir = str(bad.parent / "z")
+    stopped = False
+    try:
+        deadline = time.monotonic() + WAIT
+        while not stopped and proc.poll() is None:
+            assert time.monotonic() < deadline, "verify never opened the later files"
+            try:
+                fds = os.listdir(f"/proc/{proc.pid}/fd")
+            except FileNotFoundError:
+                break
+            for fd in fds:
+                try:
+                    target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(zdir):  # "a" is judged: stop before the repair
+                    proc.send_signal(signal.SIGSTOP)
+                    stopped = True
+                    break
+        assert stopped, "verify ended before the test could stop it (no later file seen open)"
+        assert client.save(FP, "a", filled(0.2, 3), [3]) and client.flush(timeout=WAIT)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        out, errs = proc.communicate(timeout=WAIT)
+    report = json.loads(out)
+    assert proc.returncode == 1 and [b["path"] for b in report["bad"]] == [str(bad)], out + errs
+    assert report["moved_aside"] == [], out
+    assert version_of(bad) == 3
+    assert client.load(FP, "a") is not None
+
+
 def test_verify_finds_a_file_at_another_keys_place_and_repairs_hashed_names(
     client: Client, daemon: RunningDaemon
 ) -> None:
