@@ -36,6 +36,18 @@ def wait_for(cond: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
+def dealer(ctx: Any, socket: Path, timeout: float = WAIT) -> Any:
+    """A raw ZeroMQ DEALER socket of ``ctx`` connected to the daemon at
+    ``socket`` (a ``recv`` waits at most ``timeout`` seconds)."""
+    import zmq
+
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+    s.connect(f"ipc://{socket}")
+    return s
+
+
 @contextmanager
 def dealers(socket: Path, n: int, timeout: float = WAIT) -> Iterator[list[Any]]:
     """``n`` raw ZeroMQ DEALER sockets connected to the daemon at ``socket``
@@ -46,11 +58,7 @@ def dealers(socket: Path, n: int, timeout: float = WAIT) -> Iterator[list[Any]]:
     socks = []
     try:
         for _ in range(n):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
-            s.connect(f"ipc://{socket}")
-            socks.append(s)
+            socks.append(dealer(ctx, socket, timeout))
         yield socks
     finally:
         for s in socks:

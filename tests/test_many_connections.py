@@ -9,9 +9,11 @@ import resource
 import time
 from pathlib import Path
 
+from kvkeeper.client.client import Client
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, dealers, serve_process, stop_process
+from .conftest import WAIT, RunningDaemon, dealer, dealers, serve_process, stop_process, wait_for
+from .faultkit import FP, filled
 
 V = m.PROTOCOL_VERSION
 
@@ -68,3 +70,41 @@ def test_a_limit_that_cannot_be_raised_is_kept(short_dir: Path) -> None:
     finally:
         assert stop_process(proc) == 0
     assert fd_limit(proc) == 64
+
+
+def _short_lived_savers(socket: Path, n: int) -> None:
+    """``n`` clients, one after another, each saving one byte under one key
+    and leaving: each one a new set of flush totals for the daemon."""
+    import zmq
+
+    begin = m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model="fp", cache_id="x",
+                                 tensors=[m.TensorSpec("t0", "U8", [1])]))
+    data = m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1))
+    ping = m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=1))
+    ctx = zmq.Context()
+    try:
+        for _ in range(n):
+            s = dealer(ctx, socket)
+            s.send(begin)
+            s.send_multipart([data, b"x"])
+            s.send(ping)
+            assert isinstance(m.decode_reply(s.recv()), m.Pong)  # the save was read
+            s.close()
+    finally:
+        ctx.term()
+
+
+def test_a_clients_failure_outlives_ten_thousand_other_clients(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """The daemon keeps the flush totals of 10,000 clients; the next one made
+    it forget the one it had kept longest, failures and all: a client whose
+    save had failed flushed True once that many short-lived clients had
+    saved meanwhile."""
+    (daemon.root / "sessions").mkdir(parents=True, exist_ok=True)
+    (daemon.root / "sessions" / "broken-model").write_bytes(b"a file where a directory goes")
+    assert client.save("broken-model", "c", filled(0.1, 1), [1])
+    wait_for(lambda: client.stats().get("saves_failed", 0) == 1, "the save to fail")
+    _short_lived_savers(daemon.socket, 10_001)
+    assert client.flush(timeout=WAIT) is False
+    assert client.save(FP, "ok", filled(0.1, 2), [2]) and client.flush(timeout=WAIT) is True

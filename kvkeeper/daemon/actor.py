@@ -300,7 +300,11 @@ class WriterActor:
             # A job replaced by another client's while this flush waits must
             # be answered for by the replacement (see the module docstring).
             await _outcome_of(job)
-        return replace(self._tally.get(peer) or Tally())
+        tally = self._tally.pop(peer, None)
+        if tally is None:
+            return Tally()
+        self._tally[peer] = tally  # a use: most recent again
+        return replace(tally)
 
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
@@ -669,12 +673,28 @@ class WriterActor:
         self._tally_of(peer).failed += 1
 
     def _tally_of(self, peer: bytes) -> Tally:
-        tally = self._tally.get(peer)
+        # The dict's order is recency: taken out and put back at every use.
+        tally = self._tally.pop(peer, None)
         if tally is None:
             if len(self._tally) >= _MAX_TALLIES:  # bound the clients remembered
-                del self._tally[next(iter(self._tally))]
-            tally = self._tally[peer] = Tally()
+                self._forget_a_tally()
+            tally = Tally()
+        self._tally[peer] = tally
         return tally
+
+    def _forget_a_tally(self) -> None:
+        """Make room for one more client's tally. A client compares its
+        tally's ``failed`` with the last one it saw: one forgotten with no
+        failure in it comes back as the same 0, so the least recently used of
+        those goes, unless its client has jobs still running. (A forgotten
+        failure would make that client's next flush return True for a save
+        never written.) Only when every tally has a failure does the least
+        recently used go all the same: memory stays bounded."""
+        for peer, tally in self._tally.items():
+            if tally.failed == 0 and peer not in self._by_peer:
+                del self._tally[peer]
+                return
+        del self._tally[next(iter(self._tally))]
 
     def gauges(self) -> dict[str, float]:
         budget = self.store.budget
