@@ -114,6 +114,31 @@ def test_frame_count_and_size_must_match_the_header(raw: zmq.Socket,
     assert files_under(daemon.root / "sessions") == []
 
 
+def test_a_save_sent_one_byte_per_frame_is_written_whole(raw: zmq.Socket,
+                                                         daemon: RunningDaemon) -> None:
+    """The protocol allows frames of one byte. The writer dropped each written
+    buffer from the front of a list (quadratic in their number: 1 MB took
+    minutes while every other client waited), and each frame held some 500
+    bytes beside its one; small data is now copied together as it comes."""
+    n = 512 * 1024
+    blob = bytes(range(251)) * (n // 251) + bytes(range(n % 251))
+    raw.send(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id="tiny-frames",
+                                  tensors=[m.TensorSpec("a", "U8", [n // 2]),
+                                           m.TensorSpec("b", "U8", [n // 2])])))
+    head = m.encode(m.SaveData(v=V, save=1, frames=m.MAX_FRAMES_PER_MESSAGE))
+    step = m.MAX_FRAMES_PER_MESSAGE
+    for off in range(0, n, step):
+        raw.send_multipart([head, *(blob[i : i + 1] for i in range(off, off + step))],
+                           copy=False)
+    flushed = ask(raw, m.encode(m.Flush(v=V, req=1)))
+    assert flushed == m.Flushed(v=V, req=1, written=1, superseded=0, failed=0), flushed
+    found = ask(raw, m.encode(m.Load(v=V, req=2, model="fp", cache_id="tiny-frames")))
+    assert isinstance(found, m.Found) and found.path
+    with safe_open(found.path, framework="numpy") as f:
+        got = f.get_tensor("a").tobytes() + f.get_tensor("b").tobytes()
+    assert got == blob
+
+
 def test_a_valid_raw_save_is_a_safetensors_file(raw: zmq.Socket, daemon: RunningDaemon) -> None:
     """The daemon writes the layout itself; the safetensors package is the oracle."""
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)

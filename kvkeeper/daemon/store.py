@@ -102,15 +102,16 @@ def write_all(fd: int, bufs: Sequence[memoryview | bytes]) -> int:
     RLIMIT_FSIZE gives a short count first and an error on the next call)."""
     pending = [memoryview(b).cast("B") for b in bufs if len(b)]
     total = 0
-    while pending:
-        n = os.writev(fd, pending[:_IOV_MAX])
+    i = 0  # the first buffer not wholly written (no pop(0): quadratic in the count)
+    while i < len(pending):
+        n = os.writev(fd, pending[i : i + _IOV_MAX])
         total += n
-        while n and pending:
-            if n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
+        while n and i < len(pending):
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
             else:
-                pending[0] = pending[0][n:]
+                pending[i] = pending[i][n:]
                 n = 0
     return total
 
