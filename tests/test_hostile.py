@@ -28,7 +28,15 @@ from kvkeeper.client.reader import CacheFileError
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
 
-from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    dealer,
+    ping,
+    serve_process,
+    start_daemon,
+    stop_process,
+)
 from .faultkit import FP, entry_path, filled, need_linux_root, resealed
 
 V = m.PROTOCOL_VERSION
@@ -522,3 +530,38 @@ def test_second_daemon_cannot_steal_the_socket(short_dir: Path) -> None:
             assert kv.ping().pid == proc.pid
     finally:
         assert stop_process(proc) == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_failed_saves_tensor_table_is_let_go(short_dir: Path) -> None:
+    """A save's decoded tensor table can be many times its bytes on the wire,
+    and the pending budget counts none of it. A failed save let go of its
+    data and metadata but kept the table for as long as its client sent
+    nothing else (8 clients, 65,536 long names each: 280 MB held)."""
+    sock = short_dir / "run" / "s"
+    proc = serve_process(short_dir / "root", sock, "--stall-timeout", "1",
+                         "--min-write-interval", "0", "--max-disk-bytes", "0",
+                         "--min-free-bytes", "0")
+    ctx = zmq.Context()
+    try:
+        before = rss_kib(proc.pid) / 1024
+        specs = [m.TensorSpec(f"n{i:0254d}", "U8", [1]) for i in range(65536)]
+        peers = [dealer(ctx, sock) for _ in range(8)]
+        for i, s in enumerate(peers):  # begun, then silent: each fails at its stall timeout
+            s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model="fp",
+                                        cache_id=f"c{i}", tensors=specs)))
+        del specs
+        stats = dealer(ctx, sock)
+        deadline = time.monotonic() + 4 * WAIT
+        while True:
+            stats.send(m.encode(m.GetStats(v=m.PROTOCOL_VERSION, req=1)))
+            counters = m.decode_reply(stats.recv()).counters  # type: ignore[union-attr]
+            if counters.get("saves_failed", 0) == 8:
+                break
+            assert time.monotonic() < deadline, counters
+            time.sleep(0.2)
+        held = rss_kib(proc.pid) / 1024 - before
+        assert held < 100, f"{held:.0f} MiB more than before the saves, all of them failed"
+    finally:
+        ctx.destroy(linger=0)
+        stop_process(proc)

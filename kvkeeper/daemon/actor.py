@@ -104,8 +104,9 @@ class SaveJob(Job):
     """One save: its layout, and the bytes received but not yet written."""
 
     save_id: int = 0
-    layout: Layout | None = None
+    layout: Layout | None = None  # let go once the save is resolved
     metadata: dict[str, str] = field(default_factory=dict)
+    total: int = 0  # data bytes (the layout's, kept past it)
     chunks: deque[list[memoryview | bytearray]] = field(default_factory=deque)
     received: int = 0
     reserved: int = 0  # bytes of the pending budget this save still holds
@@ -122,10 +123,9 @@ class SaveJob(Job):
     pace_from: int = 0
     parked_at: int = -1  # job.received when it was last parked
 
-    @property
-    def total(self) -> int:
-        assert self.layout is not None
-        return self.layout.total
+    def __post_init__(self) -> None:
+        if self.layout is not None:
+            self.total = self.layout.total
 
     def tmp_file(self) -> PendingFile | None:
         """The tmp file a started (possibly parked) save has open, if any."""
@@ -651,6 +651,9 @@ class WriterActor:
             # as long as that peer sends nothing else.
             job.chunks.clear()
             job.metadata = {}
+            # The decoded tensor table may be far larger than its bytes on
+            # the wire (65,536 long names: 35 MB), and budgeted for none of it.
+            job.layout = None
             job.file = None
             if self._waiting.get(job.key) is job:
                 del self._waiting[job.key]
