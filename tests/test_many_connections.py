@@ -72,23 +72,21 @@ def test_a_limit_that_cannot_be_raised_is_kept(short_dir: Path) -> None:
     assert fd_limit(proc) == 64
 
 
-def _short_lived_savers(socket: Path, n: int) -> None:
-    """``n`` clients, one after another, each saving one byte under one key
-    and leaving: each one a new set of flush totals for the daemon."""
+def _short_lived_peers(socket: Path, n: int, *messages: list[bytes]) -> None:
+    """``n`` clients, one after another, each sending ``messages``, then a
+    ping, and leaving once the ping is answered (all of it read)."""
     import zmq
 
-    begin = m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model="fp", cache_id="x",
-                                 tensors=[m.TensorSpec("t0", "U8", [1])]))
-    data = m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1))
     ping = m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=1))
     ctx = zmq.Context()
     try:
         for _ in range(n):
             s = dealer(ctx, socket)
-            s.send(begin)
-            s.send_multipart([data, b"x"])
+            for msg in messages:
+                s.send_multipart(msg)
             s.send(ping)
-            assert isinstance(m.decode_reply(s.recv()), m.Pong)  # the save was read
+            while not isinstance(m.decode_reply(s.recv()), m.Pong):
+                pass
             s.close()
     finally:
         ctx.term()
@@ -105,6 +103,38 @@ def test_a_clients_failure_outlives_ten_thousand_other_clients(
     (daemon.root / "sessions" / "broken-model").write_bytes(b"a file where a directory goes")
     assert client.save("broken-model", "c", filled(0.1, 1), [1])
     wait_for(lambda: client.stats().get("saves_failed", 0) == 1, "the save to fail")
-    _short_lived_savers(daemon.socket, 10_001)
+    # Each saves one byte and leaves: a new set of flush totals each.
+    _short_lived_peers(daemon.socket, 10_001,
+                       [m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model="fp",
+                                             cache_id="x",
+                                             tensors=[m.TensorSpec("t0", "U8", [1])]))],
+                       [m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1)), b"x"])
     assert client.flush(timeout=WAIT) is False
     assert client.save(FP, "ok", filled(0.1, 2), [2]) and client.flush(timeout=WAIT) is True
+
+
+def test_a_save_still_arriving_keeps_its_place_among_ten_thousand_others(
+    daemon: RunningDaemon
+) -> None:
+    """The daemon keeps the stream of 10,000 peers (to drop the rest of a
+    refused save quietly); the next one made it forget the oldest, even a
+    save still arriving: the rest of its bytes were refused (unknown_save),
+    and it failed at its stall timeout, holding its memory meanwhile."""
+    V = m.PROTOCOL_VERSION
+    with dealers(daemon.socket, 1) as (a,):
+        a.send(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id="slow",
+                                    tensors=[m.TensorSpec("t0", "U8", [8])])))
+        a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"AAAA"])
+        # Each sends data of a save it never began (refused, and remembered).
+        _short_lived_peers(daemon.socket, 10_001,
+                           [m.encode(m.SaveData(v=V, save=1, frames=1)), b"x"])
+        a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"BBBB"])
+        a.send(m.encode(m.Flush(v=V, req=2)))
+        flushed = m.decode_reply(a.recv())
+        assert flushed == m.Flushed(v=V, req=2, written=1, superseded=0, failed=0), flushed
+    from safetensors import safe_open
+
+    from kvkeeper.protocol import naming
+
+    with safe_open(str(naming.entry_path(daemon.root, "fp", "slow")), "np") as f:
+        assert f.get_tensor("t0").tobytes() == b"AAAABBBB"

@@ -317,12 +317,24 @@ class Server:
                pid: int | None = None, conn: tuple[int, int] | None = None) -> None:
         self._end_stream(peer)  # re-inserted below: the dict's order is recency
         if len(self._streams) >= _MAX_STREAMS:
-            # Peers that went away leave their last slot; forget the oldest.
-            # A refused stream forgotten here costs one more "unknown_save".
-            del self._streams[next(iter(self._streams))]
+            self._forget_a_stream()
         self._streams[peer] = Stream(save, job, pid, conn)
         if pid is not None and self._closed_lately():
             self._reap_soon()  # its start may have been read after its sender died
+
+    def _forget_a_stream(self) -> None:
+        """Make room for one more peer's slot. Peers that went away leave
+        their last slot: the oldest slot of a save no longer arriving goes (a
+        refused stream forgotten costs one more "unknown_save"). A save still
+        arriving keeps its slot: forgotten, the rest of its bytes would be
+        refused while it held its memory and tmp file until its stall
+        timeout. Only when every slot is such a save does the oldest go, and
+        that save fails now."""
+        for peer, stream in self._streams.items():
+            if stream.job is None or stream.job.done.is_set():
+                del self._streams[peer]
+                return
+        self._end_stream(next(iter(self._streams)))
 
     # ------------------------------------------------------------ senders that are gone
 
