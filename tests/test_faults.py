@@ -230,6 +230,39 @@ def test_full_disk(short_dir: Path) -> None:
             assert rd.stop() == 0
 
 
+def test_a_full_disk_makes_room_for_the_next_save(short_dir: Path) -> None:
+    """Only a commit evicted: on a disk whose free space was above
+    --min-free-bytes but below the next save, every save failed with ENOSPC
+    (a new key, a new version of a stored one), and nothing was ever evicted
+    to make room; nor when another program filled the disk."""
+    mib = 2**20
+    with small_tmpfs(short_dir, "48m") as mnt:
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=4 * mib,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abcd"):
+                    assert kv.save(FP, k, filled(10, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+                assert kv.stats()["evictions"] == 0  # 48 MiB, 8 MiB free: within the budget
+                assert kv.save(FP, "e", filled(10, 5), [5]) and kv.flush(timeout=WAIT)
+                assert version_of(entry_path(root, "e")) == 5
+                assert not entry_path(root, "a").exists()  # the least recently used went
+                # Another program fills the disk below the daemon's minimum.
+                filler = mnt / "other-program.bin"
+                free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+                with open(filler, "wb") as f:
+                    f.write(b"\0" * (free - 2 * mib))
+                assert kv.save(FP, "c", filled(10, 6), [6]) and kv.flush(timeout=WAIT)
+                assert version_of(entry_path(root, "c")) == 6
+                s = kv.stats()
+                assert s["saves_failed"] == 0 and s["evictions"] >= 2, s
+                assert filler.exists()  # not the daemon's to delete
+                assert [e.cache_id for e in kv.entries()][-1] == "c"
+        finally:
+            assert rd.stop() == 0
+
+
 def test_file_size_limit_short_writes(short_dir: Path) -> None:
     root, sock = paths(short_dir)
     proc = serve_process(root, sock, preexec_fn=limit_file_size(3 * 2**20))

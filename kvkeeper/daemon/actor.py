@@ -483,8 +483,7 @@ class WriterActor:
 
         try:
             job.evicted = await anyio.to_thread.run_sync(rescan_and_enforce)
-            self.stats.inc("evictions", len(job.evicted))
-            self.stats.inc("bytes_evicted", sum(e.nbytes for e in job.evicted))
+            self._count_evictions(job.evicted)
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
         job.done.set()
@@ -554,6 +553,7 @@ class WriterActor:
             log.error(
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
+            self._count_evictions(file.evicted)  # made room for it before it failed
             self._resolve(job, Outcome.FAILED, _describe(exc))
             return True
         except BaseException:
@@ -569,8 +569,7 @@ class WriterActor:
         self.stats.inc("bytes_written", job.total)
         self.stats.sample("write_seconds", time.monotonic() - file.began)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
-        self.stats.inc("evictions", len(evicted))
-        self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
+        self._count_evictions(evicted)
         log.debug(
             "event=saved model=%s id=%s bytes=%d seconds=%.3f",
             model,
@@ -580,6 +579,10 @@ class WriterActor:
         )
         self._resolve(job, Outcome.WRITTEN)
         return True
+
+    def _count_evictions(self, evicted: list[StoredEntry]) -> None:
+        self.stats.inc("evictions", len(evicted))
+        self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
 
     async def _await_bytes(self, job: SaveJob) -> bool:
         """Wait for more of a started save's bytes; False when it should be
@@ -818,6 +821,7 @@ class _FileWriter:
             if disk is not None and len(header) + self.job.total > disk:
                 raise ValueError(f"the file would take {len(header) + self.job.total} bytes, "
                                  f"over max disk bytes ({disk})")
+            self.evicted = self.store.make_room(model, cache_id, len(header) + self.job.total)
             self.pending = self.store.begin(model, cache_id, header, self.job.total)
         if hash_too:
             self._hash(batch)
@@ -830,7 +834,7 @@ class _FileWriter:
         assert self.pending is not None
         done, self.pending = self.pending, None  # commit cleans up after itself on failure
         final = self.layout.header(self.job.metadata, self.hasher.hexdigests())
-        self.evicted = self.store.commit(done, final, self.job.metadata.get(TOKEN_COUNT_KEY))
+        self.evicted += self.store.commit(done, final, self.job.metadata.get(TOKEN_COUNT_KEY))
         self.committed = done
 
 

@@ -503,18 +503,34 @@ class Store:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
-    def enforce_budget(self, keep: Path | None = None) -> list[StoredEntry]:
+    def make_room(self, model: str, cache_id: str, nbytes: int) -> list[StoredEntry]:
+        """Before a file of ``nbytes`` is written for the entry: evict what
+        the budget would evict once it is, so that it fits. (Only a commit
+        evicted: on a disk too full for the next save every save failed with
+        ENOSPC, and nothing was ever evicted.) The entry's current file is
+        kept; it stays on disk while the new one is written, and counts
+        against ``max_disk_bytes`` only until the new one replaces it."""
+        path = self.path_for(model, cache_id)
+        with self._lock:
+            old = self._index.get(path)
+        grows = max(0, nbytes - (old.nbytes if old is not None else 0))
+        return self.enforce_budget(keep=path, adding=grows, writing=nbytes)
+
+    def enforce_budget(self, keep: Path | None = None, *, adding: int = 0,
+                       writing: int = 0) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
-        root is within ``max_disk_bytes`` and ``min_free_bytes`` are free.
-        Foreign files count but are never deleted; ``keep`` is never evicted."""
+        root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
+        counting ``adding`` bytes more in use and ``writing`` bytes less free
+        (a file about to be written). Foreign files count but are never
+        deleted; ``keep`` is never evicted."""
         b = self.budget
         evicted: list[StoredEntry] = []
-        used = self.usage()
+        used = self.usage() + adding
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
                 return "max_disk_bytes"
-            if b.min_free_bytes > 0 and self.free_bytes() < b.min_free_bytes:
+            if b.min_free_bytes > 0 and self.free_bytes() - writing < b.min_free_bytes:
                 return "min_free_bytes"
             return None
 
@@ -555,7 +571,8 @@ class Store:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
         # Free space is read again only when entries went (a statvfs call).
-        if evicted and b.min_free_bytes > 0 and (free := self.free_bytes()) < b.min_free_bytes:
+        if evicted and b.min_free_bytes > 0 and (
+                free := self.free_bytes() - writing) < b.min_free_bytes:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
