@@ -177,3 +177,28 @@ def test_daemon_down_drops_and_never_raises(model, daemon: RunningDaemon) -> Non
         assert wb.close(cache, p) is False
     finally:
         kv.close()
+
+
+def test_every_call_on_a_closed_client_raises_write_behind_too(client: Client) -> None:
+    """README: after close(), every call but close() and client_stats()
+    raises RuntimeError. write_behind() returned a helper whose every save
+    was then dropped."""
+    cache = make_prompt_cache(tiny_llama())
+    client.close()
+    calls = {
+        "write_behind": lambda: client.write_behind("fp", "x"),
+        "save": lambda: client.save("fp", "x", cache, []),
+        "load": lambda: client.load("fp", "x"),
+        "delete": lambda: client.delete("fp", "x"),
+        "flush": client.flush,
+        "ping": client.ping,
+        "stats": client.stats,
+        "entries": client.entries,
+        "gc": client.gc,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="client is closed"):
+            call()
+            pytest.fail(f"{name}() did not raise")
+    client.close()
+    assert "client_saves_dropped" in client.client_stats()

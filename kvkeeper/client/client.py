@@ -342,8 +342,13 @@ class Client:
         metadata: Mapping[str, str] | None = None,
     ) -> WriteBehind:
         """A helper a streaming loop calls once per token (``step(cache,
-        token_ids)``, then ``close()``); see :mod:`kvkeeper.writebehind`."""
+        token_ids)``, then ``close()``); see :mod:`kvkeeper.writebehind`.
+        Raises RuntimeError once the client is closed (its every save would
+        be dropped)."""
         from kvkeeper.writebehind import WriteBehind
+
+        if self._close_done.is_set():
+            raise RuntimeError("client is closed")
 
         return WriteBehind(self, model, cache_id, every_tokens=every_tokens,
                            every_seconds=every_seconds, save_first=save_first,
@@ -452,7 +457,7 @@ class Client:
         within ``timeout`` while a save of the key made through this client
         may still be unwritten (the file may be older than it).
         ``verify`` checks every tensor's checksum (reads the whole file); off,
-        the arrays stay lazily memory-mapped.
+        the arrays stay lazy (each is read from the file when first evaluated).
         """
         if self._closed:
             raise RuntimeError("client is closed")
