@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "saves_dropped": saves_dropped,
         "saves_lost": stats.get("client_saves_lost", 0),
         "saves_refused": stats.get("client_saves_refused", 0),
+        "saves_coalesced": stats.get("client_saves_coalesced", 0),
         "load_misses": misses,
         "save_latency_s": save_lat,
         "load_latency_s": load_lat,

@@ -88,6 +88,7 @@ def run(ctx: Any) -> dict[str, Any]:
         "saves_handed_off": handed,
         "saves_dropped_by_clients": sum(r["saves_dropped"] for r in results),
         "saves_refused": sum(r["saves_refused"] for r in results),
+        "saves_coalesced_by_clients": sum(r["saves_coalesced"] for r in results),
         "daemon_counters": delta,
         "written_gib_per_s": delta["bytes_written"] / wall / 2**30,
         "handed_off_gib_per_s": handed * bytes_per_save / wall / 2**30,

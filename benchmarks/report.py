@@ -528,7 +528,7 @@ def _load(doc: dict[str, Any]) -> list[str]:
     out.append(
         "`client.load()` until the cache is usable against `mx.load` of the same file "
         "(`return_metadata=True`, since the caller needs the token ids). Lazy: "
-        "`verify=False`, arrays stay memory-mapped. Verified: the default, every array evaluated "
+        "`verify=False`, arrays stay lazy (each is read from the file when first evaluated). Verified: the default, every array evaluated "
         "and its xxh3 checksum checked, against `mx.load` + `mx.eval` of every array. "
         "The file is in the page cache (it was just written) unless marked cold (`posix_fadvise(DONTNEED)` first); MLX's allocator "
         "cache stays warm, as in a running server. mlx-vlm's disk restore "
@@ -638,12 +638,17 @@ def _clients(doc: dict[str, Any]) -> list[str]:
         f"`load()` of an entry saved before the start, in a loop; then `flush()`. Time from the "
         f"common start until every client's flush returned: {fmt_s(c['wall_s_to_all_durable'])}.")
     out.append("")
+    coalesced = c.get("saves_coalesced_by_clients")
     out += _table(["", ""], [
         ["saves handed off / dropped by clients / refused", f"{c['saves_handed_off']} / "
          f"{c['saves_dropped_by_clients']} / {c['saves_refused']}"],
-        ["daemon: written / superseded", f"{d['saves_written']} / {d['saves_superseded']}"],
+        ["coalesced by the clients (replaced by a newer save within `min_send_interval`, "
+         "never sent)", "not recorded in this run" if coalesced is None else str(coalesced)],
+        ["daemon: received / written / superseded", f"{d['saves_received']} / "
+         f"{d['saves_written']} / {d['saves_superseded']}"],
         ["aggregate written (durable)", f"{c['written_gib_per_s']:.2f} GiB/s"],
-        ["aggregate handed off", f"{c['handed_off_gib_per_s']:.2f} GiB/s"],
+        ["aggregate handed off (including those coalesced)",
+         f"{c['handed_off_gib_per_s']:.2f} GiB/s"],
         ["verified loads (misses)", f"{c['loads']} ({c['load_misses']})"],
         ["load latency p50 / p99", f"{_p(c['load_latency'])} / {_p(c['load_latency'], 'p99')}"],
         ["save() latency p50 / p99", f"{_p(c['save_latency'])} / {_p(c['save_latency'], 'p99')}"],
@@ -845,9 +850,11 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"the current reader in the same script). The one layout measured well below "
                 f"1.2× is two threads reading into memory already mapped and hashing each "
                 f"1 MiB block they copied (0.84-0.91×); MLX hands out no such memory, and "
-                f"`mx.from_dlpack(copy=False)` of memory kvkeeper maps itself pays page "
-                f"faults on every load (the first 512 MiB `mx.load` here: 131,000 faults, "
-                f"138 ms) unless kvkeeper kept a pool of its own beside MLX's allocator. "
+                f"a pool of memory kept warm by kvkeeper cannot be handed to MLX either: "
+                f"MLX 0.32 refuses `mx.from_dlpack(copy=False)` of CPU memory (\"Cannot "
+                f"import a CPU array without a copy\", tried on 2026-12-02), and memory "
+                f"mapped afresh for each load pays page faults (the first 512 MiB `mx.load` "
+                f"here: 131,000 faults, 138 ms). "
                 f"xxh3 needs about 10 ms of CPU for 512 MiB from memory where 1.2× of an "
                 f"18-31 ms load leaves 4-6 ms"
                 + (" (cold reads from this shared virtual disk also vary a lot from run to run)"
@@ -886,7 +893,9 @@ def markdown(doc: dict[str, Any], png: str) -> str:
         f"(`ArraysCache` + `KVCache`) cache. Every ratio compares figures measured side by side "
         f"in the same run, alternating the contenders; figures are medians of at least "
         f"{min(prof['sync_reps'], prof['disk_reps'], prof['load_reps'], prof['resume_reps'])} "
-        f"runs. **p99 is nearest-rank: with 100 samples or fewer it is the maximum.**")
+        f"runs, but where a section gives its own count (section 3's breakdown) and in "
+        f"sections 6 and 7 (one run each). **p99 is nearest-rank: with fewer than 100 "
+        f"samples it is the maximum, with 100 to 199 the second largest.**")
     out.append("")
     out.append("## Machine")
     out.append("")

@@ -80,8 +80,9 @@ def read_cache_file(
 
     ``verify`` (default on) checks every tensor against the checksum the daemon
     recorded, which reads and evaluates every array, after checking that the
-    header's tensors tile the file exactly; with it off, arrays stay lazily
-    memory-mapped and MLX's loader checks the layout (each tensor inside the
+    header's tensors tile the file exactly, and the header's own checksum;
+    with it off, arrays stay lazy (each is read from the file when first
+    evaluated) and MLX's loader checks the layout (each tensor inside the
     file and of its shape's size; with MLX older than 0.31.2, which does not,
     kvkeeper's own check runs first). Files of the older formats carry no
     checksums.
