@@ -751,3 +751,49 @@ def test_a_close_in_a_child_forked_while_the_parent_closes_returns_at_once(
     """The child inherited a close() under way in a parent thread, which no
     thread of the child will finish: its own close() waited its whole timeout."""
     _run_with_a_daemon_it_may_stop(_FORK_WHILE_CLOSING, short_dir)
+
+
+def test_the_constructor_waits_connect_timeout_for_a_busy_daemon(short_dir: Path) -> None:
+    """README: the constructor waits up to connect_timeout for the daemon.
+    Once connected it asked which daemon answers (a ping, then the stats)
+    with the whole ``timeout`` each: a daemon whose receive loop was busy
+    (here decoding headers of 3 million metadata entries, as a raw client may
+    send) held an app's start up to twice ``timeout``."""
+    import zmq
+
+    from kvkeeper.protocol import messages as m
+
+    sock = short_dir / "run" / "s"
+    proc = serve_process(short_dir / "root", sock)
+    ctx = zmq.Context()
+    try:
+        heavy = m.encode(m.SaveBegin(
+            v=m.PROTOCOL_VERSION, save=1, model="fp", cache_id="c",
+            tensors=[m.TensorSpec("t", "U8", [1])],
+            metadata={f"k{i}": "" for i in range(3_000_000)}))
+        busy = ctx.socket(zmq.DEALER)
+        busy.setsockopt(zmq.LINGER, 0)
+        busy.setsockopt(zmq.RCVTIMEO, int(4 * WAIT * 1000))
+        busy.connect(f"ipc://{sock}")
+        t0 = time.monotonic()
+        for _ in range(4):  # about 2 s of the receive loop each, here
+            busy.send(heavy)
+        busy.send(m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=1)))
+        time.sleep(0.5)  # the loop is on the first of them
+        c0 = time.monotonic()
+        kv = Client(sock, timeout=WAIT, connect_timeout=1.0)
+        took = time.monotonic() - c0
+        try:
+            while not isinstance(m.decode_reply(busy.recv()), m.Pong):
+                pass
+            busy_for = time.monotonic() - t0
+            assert busy_for > took + 2, f"the daemon was not busy enough ({busy_for:.1f} s)"
+            assert took < 2.5, f"the constructor took {took:.1f} s with connect_timeout 1"
+            assert kv.connected
+            # Which daemon it is, not learnt then, is asked by the first flush.
+            assert kv.save("fp", "x", [kv_layer()], [1]) and kv.flush(timeout=WAIT)
+        finally:
+            kv.close()
+    finally:
+        ctx.destroy(linger=0)
+        stop_process(proc)

@@ -192,10 +192,16 @@ class Client:
         _clients.add(self)
         # With IMMEDIATE set, a save before the connection is up would be dropped:
         # connect now, so the first save after construction goes through.
+        # Which daemon answers is asked within the same connect_timeout: a
+        # daemon busy decoding a huge message held the constructor up to
+        # twice ``timeout``. Not learnt here, the first flush asks.
+        t0 = time.monotonic()
         if self._channel.connected.wait(connect_timeout):
             try:
                 conn = self._channel.connections
-                self._flush_daemon, self._flush_conn = self._daemon_run(), conn
+                self._flush_daemon = self._daemon_run(
+                    connect_timeout - (time.monotonic() - t0))
+                self._flush_conn = conn
             except DaemonUnavailable:
                 pass
 
@@ -612,6 +618,7 @@ class Client:
             self._flushing.release()
 
     def _flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
         with self._lock:
             mark = self._saves
             conn_at_mark = self._channel.connections
@@ -627,7 +634,10 @@ class Client:
             # Reconnected since the last flush: to the same daemon, or to a new
             # one, which knows nothing of what the old one had not written and
             # counts its totals from zero. Its pid and boot id tell which.
-            run = self._daemon_run(timeout)
+            # Within what is left of the flush's timeout (it took up to
+            # three times that: the flush, then a ping and a stats request
+            # with the whole timeout each).
+            run = self._daemon_run(deadline - time.monotonic())
             # Never having learnt which daemon took the saves before (the
             # client was made before one answered) counts as a restart: only
             # saves handed off on this connection are then vouched for.
@@ -718,12 +728,15 @@ class Client:
             "client_held_saves": self._channel.held_saves,
         }
 
-    def _daemon_run(self, timeout: float | None = None) -> tuple[int, float]:
-        """Which run of which daemon answers: its pid and boot id. A pid alone
-        does not tell a restart (a container's pid 1 is always 1); a daemon
-        older than the boot id reports 0 for it."""
-        pid = self.ping(timeout).pid
-        reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req), timeout)
+    def _daemon_run(self, timeout: float) -> tuple[int, float]:
+        """Which run of which daemon answers: its pid and boot id, both asked
+        within ``timeout`` in all. A pid alone does not tell a restart (a
+        container's pid 1 is always 1); a daemon older than the boot id
+        reports 0 for it."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        pid = self.ping(max(0.0, timeout)).pid
+        reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req),
+                              max(0.0, deadline - time.monotonic()))
         assert isinstance(reply, m.Stats)
         return pid, reply.counters.get("boot_id", 0.0)
 
