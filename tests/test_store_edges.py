@@ -195,3 +195,34 @@ def test_file_names_that_are_not_utf8_are_listed_not_fatal(short_dir: Path) -> N
     finally:
         assert stop_process(proc) == 0
     assert version_of(entry_path(root, "b", model="m1"), "m1") == 4
+
+
+@pytest.mark.parametrize("what", ["root", "socket"])
+def test_a_daemon_whose_root_or_socket_is_removed_exits_for_a_new_one(
+    short_dir: Path, what: str
+) -> None:
+    """The root removed (to clear the store): every save failed from then on,
+    and its lock went with it, so a second daemon could take the same root.
+    The socket removed (a /tmp cleaner): no client could reach the daemon,
+    which still held the root. Either way it now drains and exits 1, and a
+    new daemon takes the place."""
+    import shutil
+
+    root, sock = short_dir / "root", short_dir / "run" / "s"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("fp", "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+        if what == "root":
+            shutil.rmtree(root)
+        else:
+            sock.unlink()
+        assert proc.wait(WAIT) == 1
+        log = proc.log_path.read_text()  # type: ignore[attr-defined]
+        assert "event=place_gone" in log and ("lock file" if what == "root" else "socket") in log
+        proc = serve_process(root, sock)
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("fp", "k", filled(0.1, 2), [2]) and kv.flush(timeout=WAIT)
+        assert version_of(entry_path(root, "k", model="fp"), "fp") == 2
+    finally:
+        stop_process(proc)

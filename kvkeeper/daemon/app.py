@@ -84,6 +84,10 @@ def _clear_stale_socket(path: Path) -> None:
                           f"move it away or choose another --socket")
 
 
+#: How often the daemon checks that its root and socket are still in place.
+WATCH_INTERVAL = 2.0
+
+
 class _Lock:
     """An flock on a file that also names its holder, for the error message."""
 
@@ -107,11 +111,25 @@ class _Lock:
     def release(self) -> None:
         os.close(self.fd)  # closing drops the flock; a stale file is harmless
 
+    def still_in_place(self) -> bool:
+        """Whether the lock file is still at its path (not removed with its
+        directory, nor replaced): else another daemon could lock the path."""
+        try:
+            at_path = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        return _same_file(at_path, os.fstat(self.fd))
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
 
 class Daemon:
     """One daemon. ``run()`` blocks until stopped (SIGTERM/SIGINT or ``stop()``)
     and returns the process exit code: 0 once every received save is written,
-    1 when the drain timeout left some unwritten (each is logged by key)."""
+    1 when the drain timeout left some unwritten (each is logged by key), or
+    when the daemon stopped itself because its root or socket was removed."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
         check_cpu_policy(cfg.cpu_policy)
@@ -129,6 +147,7 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: anyio.Event | None = None
         self._stop_requested = False
+        self._gone: str | None = None  # why the daemon stopped itself: its root or socket went
         self.server: Server | None = None
 
     def stop(self) -> None:
@@ -169,14 +188,16 @@ class Daemon:
             evicted = store.enforce_budget()
             self.stats.inc("evictions", len(evicted))
             self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
-            return anyio.run(self._main, store, sock_path, handle_signals, backend="asyncio")
+            return anyio.run(self._main, store, sock_path, handle_signals, locks[0],
+                             backend="asyncio")
         finally:
             for lock in reversed(locks):
                 lock.release()
             os.umask(old_umask)
             restore_this_thread(policy)
 
-    async def _main(self, store: Store, sock_path: Path, handle_signals: bool) -> int:
+    async def _main(self, store: Store, sock_path: Path, handle_signals: bool,
+                    root_lock: _Lock) -> int:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()
         self._stop = anyio.Event()
@@ -218,9 +239,11 @@ class Daemon:
                 sock.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
             except zmq.ZMQError:
                 pass  # libzmq built without it; the 0700 directory still guards
+        bound: os.stat_result | None = None
         try:
             sock.bind(config.endpoint(sock_path))
             os.chmod(sock_path, 0o600)
+            bound = os.lstat(sock_path)
             log.info("event=listening socket=%s root=%s pid=%d max_pending_bytes=%d "
                      "fd_limit=%s", sock_path, store.root, os.getpid(), cfg.max_pending_bytes,
                      fd_limit if fd_limit is not None else "none")
@@ -231,6 +254,8 @@ class Daemon:
                 tg.start_soon(self.server.watch_connections)
                 if handle_signals:
                     tg.start_soon(self._signals)
+                assert bound is not None
+                tg.start_soon(self._watch_places, root_lock, sock_path, bound)
                 self.ready.set()
                 await self._stop.wait()
                 drained = await self._drain(actor)
@@ -242,10 +267,40 @@ class Daemon:
             sock.close(linger=0)
             ctx.term()
             try:
-                sock_path.unlink()
+                # Only our own: a socket put in its place is another daemon's.
+                if bound is None or _same_file(os.lstat(sock_path), bound):
+                    sock_path.unlink()
             except FileNotFoundError:
                 pass
-        return 0 if drained else 1
+        return 0 if drained and self._gone is None else 1
+
+    async def _watch_places(self, root_lock: _Lock, sock_path: Path,
+                            bound: os.stat_result) -> None:
+        """Stop (exit 1, for the supervisor to start a new daemon) when the
+        root's lock file or the socket is no longer where it was. A root
+        removed (to clear the store) failed every save from then on, and its
+        lock went with it, so a second daemon could take the same root; a
+        socket removed (a /tmp cleaner) left a daemon no client could reach,
+        holding the root, and every save dropped."""
+        assert self._stop is not None
+        while not self._stop.is_set():
+            await anyio.sleep(WATCH_INTERVAL)
+            gone = None
+            if not root_lock.still_in_place():
+                gone = (f"the root's lock file {root_lock.path} was removed or replaced (the "
+                        f"root removed?): another daemon could take the root")
+            else:
+                try:
+                    now = os.lstat(sock_path)
+                except FileNotFoundError:
+                    now = None
+                if now is None or not _same_file(now, bound):
+                    gone = f"the socket {sock_path} was removed or replaced: no client can reach us"
+            if gone is not None:
+                log.error("event=place_gone reason=%s; draining and exiting 1 (a supervisor "
+                          "starts a new daemon)", gone)
+                self._gone = gone
+                self._stop.set()
 
     async def _signals(self) -> None:
         assert self._stop is not None
