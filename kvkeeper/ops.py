@@ -797,9 +797,14 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
             # None for this shell, where the service would read ~/.config's:
             # an empty file says "none" to it.
             pinned.config = Path(os.devnull)
-    for name, var in (("root", "XDG_CACHE_HOME"), ("socket", "XDG_RUNTIME_DIR")):
-        if sources[name] == "default" and os.environ.get(var):
-            setattr(pinned, name, values[name])
+    if sources["root"] == "default" and os.environ.get("XDG_CACHE_HOME"):
+        pinned.root = values["root"]
+    # The default socket always: it comes from the environment whether a
+    # variable is set here or not (systemd gives a user service
+    # $XDG_RUNTIME_DIR even when this shell has none, and this shell's
+    # clients then use /tmp/kvkeeper-UID; on macOS it follows $TMPDIR).
+    if sources["socket"] == "default":
+        pinned.socket = values["socket"]
     return serve_args_for_service(pinned), values
 
 

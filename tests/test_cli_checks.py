@@ -534,6 +534,26 @@ def test_install_service_pins_what_the_xdg_variables_chose(short_dir: Path) -> N
         assert r.returncode == 0 and "--config" not in _exec_start(r.stdout), r.stdout
 
 
+def test_install_service_pins_the_default_socket_without_xdg_runtime_dir(
+    short_dir: Path
+) -> None:
+    """A shell without $XDG_RUNTIME_DIR (ssh, su, cron) resolves the socket
+    to /tmp/kvkeeper-UID, while systemd gives a user service
+    $XDG_RUNTIME_DIR: the unit said a bare `serve`, and the daemon listened
+    where this shell's clients never look."""
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["HOME"] = str(short_dir / "home")
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "install-service", "--print",
+                        "--platform", "linux"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    cmd = _exec_start(r.stdout)
+    assert cmd[cmd.index("--socket") + 1] == f"/tmp/kvkeeper-{os.getuid()}/kvkeeper.sock", cmd
+    printed = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "serve", "--print-config"],
+                             capture_output=True, text=True, timeout=120, env=env).stdout
+    assert cmd[cmd.index("--socket") + 1] in printed
+
+
 @pytest.mark.parametrize(("argv", "process_type"), [
     ([], "Background"),
     (["--cpu-policy", "normal"], "Standard"),
