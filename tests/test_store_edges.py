@@ -197,7 +197,7 @@ def test_file_names_that_are_not_utf8_are_listed_not_fatal(short_dir: Path) -> N
     assert version_of(entry_path(root, "b", model="m1"), "m1") == 4
 
 
-@pytest.mark.parametrize("what", ["root", "socket"])
+@pytest.mark.parametrize("what", ["root", "root-made-a-file", "socket"])
 def test_a_daemon_whose_root_or_socket_is_removed_exits_for_a_new_one(
     short_dir: Path, what: str
 ) -> None:
@@ -213,13 +213,18 @@ def test_a_daemon_whose_root_or_socket_is_removed_exits_for_a_new_one(
     try:
         with Client(sock, timeout=WAIT) as kv:
             assert kv.save("fp", "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
-        if what == "root":
+        if what.startswith("root"):
             shutil.rmtree(root)
+            if what == "root-made-a-file":  # the lock file's path now fails with ENOTDIR
+                root.write_text("not a directory")
         else:
             sock.unlink()
         assert proc.wait(WAIT) == 1
         log = proc.log_path.read_text()  # type: ignore[attr-defined]
-        assert "event=place_gone" in log and ("lock file" if what == "root" else "socket") in log
+        assert "event=place_gone" in log, log
+        assert ("lock file" if what.startswith("root") else "socket") in log
+        if what == "root-made-a-file":
+            root.unlink()
         proc = serve_process(root, sock)
         with Client(sock, timeout=WAIT) as kv:
             assert kv.save("fp", "k", filled(0.1, 2), [2]) and kv.flush(timeout=WAIT)

@@ -113,16 +113,19 @@ class _Lock:
 
     def still_in_place(self) -> bool:
         """Whether the lock file is still at its path (not removed with its
-        directory, nor replaced): else another daemon could lock the path."""
-        try:
-            at_path = os.lstat(self.path)
-        except FileNotFoundError:
-            return False
-        return _same_file(at_path, os.fstat(self.fd))
+        directory, nor replaced): else another daemon could lock the path.
+        Raises OSError when it cannot tell."""
+        return _is_at(self.path, os.fstat(self.fd))
 
 
-def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+def _is_at(path: Path, held: os.stat_result) -> bool:
+    """Whether ``held`` (device, inode) is the file at ``path``; raises
+    OSError when that cannot be told (a network file system's error)."""
+    try:
+        at_path = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
 
 
 class Daemon:
@@ -268,10 +271,10 @@ class Daemon:
             ctx.term()
             try:
                 # Only our own: a socket put in its place is another daemon's.
-                if bound is None or _same_file(os.lstat(sock_path), bound):
+                if bound is None or _is_at(sock_path, bound):
                     sock_path.unlink()
-            except FileNotFoundError:
-                pass
+            except OSError:
+                pass  # gone, or not ours to tell: left as it is
         return 0 if drained and self._gone is None else 1
 
     async def _watch_places(self, root_lock: _Lock, sock_path: Path,
@@ -283,19 +286,20 @@ class Daemon:
         socket removed (a /tmp cleaner) left a daemon no client could reach,
         holding the root, and every save dropped."""
         assert self._stop is not None
+        warned = False
         while not self._stop.is_set():
             await anyio.sleep(WATCH_INTERVAL)
             gone = None
-            if not root_lock.still_in_place():
-                gone = (f"the root's lock file {root_lock.path} was removed or replaced (the "
-                        f"root removed?): another daemon could take the root")
-            else:
-                try:
-                    now = os.lstat(sock_path)
-                except FileNotFoundError:
-                    now = None
-                if now is None or not _same_file(now, bound):
+            try:
+                if not root_lock.still_in_place():
+                    gone = (f"the root's lock file {root_lock.path} was removed or replaced "
+                            f"(the root removed?): another daemon could take the root")
+                elif not _is_at(sock_path, bound):
                     gone = f"the socket {sock_path} was removed or replaced: no client can reach us"
+            except OSError as exc:  # cannot tell (EIO, ESTALE): not a reason to stop
+                if not warned:
+                    log.warning("event=place_check_failed error=%s (logged once)", exc)
+                    warned = True
             if gone is not None:
                 log.error("event=place_gone reason=%s; draining and exiting 1 (a supervisor "
                           "starts a new daemon)", gone)
