@@ -249,13 +249,15 @@ def rm(args: argparse.Namespace) -> int:
             out.print("deleted" if existed else "no such entry")
             return 0 if existed else 1
         entries = kv.entries(args.all_of_model)
-        for e in entries:
-            kv.delete(e.model, e.cache_id)
+        deleted = sum(kv.delete(e.model, e.cache_id) for e in entries)
     if not entries:  # as for one entry: a typo in the model must not read as done
         out.print(Text.assemble("no entries of model ", shown(args.all_of_model)))
         return 1
-    out.print(Text.assemble(f"deleted {len(entries)} entries of model ",
-                            shown(args.all_of_model)))
+    # The count of deletes done: an entry evicted or deleted meanwhile was
+    # listed, but not deleted by this command.
+    gone = f" ({len(entries) - deleted} listed were gone already)" if deleted < len(entries) else ""
+    out.print(Text.assemble(f"deleted {deleted} entries of model ", shown(args.all_of_model),
+                            gone))
     return 0
 
 
