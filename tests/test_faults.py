@@ -20,7 +20,7 @@ import pytest
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import CRASH_POINTS, ENV
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process, wait_for
+from .conftest import WAIT, dealer, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import (
     FP,
     entry_path,
@@ -260,6 +260,79 @@ def test_a_full_disk_makes_room_for_the_next_save(short_dir: Path) -> None:
                 assert filler.exists()  # not the daemon's to delete
                 assert [e.cache_id for e in kv.entries()][-1] == "c"
         finally:
+            assert rd.stop() == 0
+
+
+def _begin_and_stall(ctx, socket: Path, cache_id: str, nbytes: int):  # noqa: ANN001, ANN202
+    """A raw client that begins a save of ``nbytes``, sends 1 KiB of it and
+    stops: the daemon opens its file (making room for it) and waits."""
+    from kvkeeper.protocol import messages as m
+
+    s = dealer(ctx, socket)
+    s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model=FP, cache_id=cache_id,
+                                tensors=[m.TensorSpec("t", "U8", [nbytes])])))
+    s.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1)),
+                      b"\0" * 1024])
+    return s
+
+
+def test_a_save_that_never_arrives_evicts_nothing_for_the_disk_budget(short_dir: Path) -> None:
+    """Making room before a write evicted for --max-disk-bytes too: a save
+    abandoned after its first kilobyte had already evicted entries for its
+    declared 5 MiB (all four of them). The disk budget is an account, settled
+    once a file is in; only free space is made before."""
+    import zmq
+
+    mib = 2**20
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=6 * mib,
+                      min_write_interval=0)
+    ctx = zmq.Context()
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for i in range(4):
+                assert kv.save(FP, f"e{i}", filled(1, i), [i]) and kv.flush(timeout=WAIT)
+            s = _begin_and_stall(ctx, rd.socket, "big", 5 * mib)
+            time.sleep(0.5)  # its file is open
+            s.send(m_begin_tiny())  # a new save of the same client: the big one is abandoned
+            wait_for(lambda: kv.stats()["saves_failed"] >= 1, "the big save to fail")
+            assert {"e0", "e1", "e2", "e3"} <= {e.cache_id for e in kv.entries()}
+            assert kv.stats()["evictions"] == 0
+    finally:
+        ctx.destroy(linger=0)
+        assert rd.stop() == 0
+
+
+def m_begin_tiny() -> bytes:
+    from kvkeeper.protocol import messages as m
+
+    return m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=2, model=FP, cache_id="tiny",
+                                tensors=[m.TensorSpec("t", "U8", [0])]))
+
+
+def test_room_made_for_a_save_replaced_while_parked_is_counted(short_dir: Path) -> None:
+    """Entries evicted to make room for a save that was then parked and
+    replaced by a newer save of its key were gone, and never counted in
+    `evictions`."""
+    import zmq
+
+    mib = 2**20
+    with small_tmpfs(short_dir, "48m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=4 * mib,
+                          min_write_interval=0)
+        ctx = zmq.Context()
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abcd"):
+                    assert kv.save(FP, k, filled(10, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+                stalled = _begin_and_stall(ctx, rd.socket, "e", 10 * mib)  # room: "a" goes
+                wait_for(lambda: not entry_path(mnt / "root", "a").exists(), "room for e")
+                assert kv.save(FP, "e", filled(0.1, 9), [9]) and kv.flush(timeout=WAIT)
+                assert version_of(entry_path(mnt / "root", "e")) == 9
+                gone = {"a", "b", "c", "d"} - {e.cache_id for e in kv.entries()}
+                assert gone and kv.stats()["evictions"] == len(gone), (gone, kv.stats())
+                stalled.close()
+        finally:
+            ctx.destroy(linger=0)
             assert rd.stop() == 0
 
 

@@ -38,6 +38,7 @@ import contextlib
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -516,7 +517,7 @@ class WriterActor:
         job.started = True
         job.pace_since = None  # a fresh window each time it is taken
         if job.file is None:
-            job.file = _FileWriter(self.store, job)
+            job.file = _FileWriter(self.store, job, self._count_evictions)
         file = job.file
         try:
             while True:
@@ -553,7 +554,6 @@ class WriterActor:
             log.error(
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
-            self._count_evictions(file.evicted)  # made room for it before it failed
             self._resolve(job, Outcome.FAILED, _describe(exc))
             return True
         except BaseException:
@@ -563,13 +563,12 @@ class WriterActor:
             if file.pending is not None:
                 file.pending.abort()
             raise
-        done, evicted = file.committed, file.evicted
+        done = file.committed
         assert done is not None
         self._writes.went(job.key, time.monotonic())
         self.stats.inc("bytes_written", job.total)
         self.stats.sample("write_seconds", time.monotonic() - file.began)
         self.stats.sample("fsync_seconds", done.fsync_seconds)
-        self._count_evictions(evicted)
         log.debug(
             "event=saved model=%s id=%s bytes=%d seconds=%.3f",
             model,
@@ -771,17 +770,30 @@ class _FileWriter:
     large buffers), and the commit takes a trip of its own.
     """
 
-    def __init__(self, store: Store, job: SaveJob) -> None:
+    def __init__(self, store: Store, job: SaveJob,
+                 on_evicted: Callable[[list[StoredEntry]], None]) -> None:
         assert job.layout is not None
         self.store, self.job, self.layout = store, job, job.layout
         self.hasher = TensorHasher(job.layout.sizes)
         self.pending: PendingFile | None = None
         self.committed: PendingFile | None = None
+        # Counted as they go, on the event loop: the save may yet fail, be
+        # parked and replaced, or be cut off by the drain; they are gone all
+        # the same.
         self.evicted: list[StoredEntry] = []
+        self._on_evicted = on_evicted
         self.written = 0
         self.began = time.monotonic()
 
     async def write(self, batch: list[memoryview], nbytes: int, *, last: bool) -> None:
+        try:
+            await self._write(batch, nbytes, last)
+        finally:
+            if self.evicted:
+                evicted, self.evicted = self.evicted, []
+                self._on_evicted(evicted)
+
+    async def _write(self, batch: list[memoryview], nbytes: int, last: bool) -> None:
         if nbytes < PARALLEL_HASH_BYTES:
             await anyio.to_thread.run_sync(self._step, batch, True, last)
             self.written += nbytes
@@ -821,7 +833,7 @@ class _FileWriter:
             if disk is not None and len(header) + self.job.total > disk:
                 raise ValueError(f"the file would take {len(header) + self.job.total} bytes, "
                                  f"over max disk bytes ({disk})")
-            self.evicted = self.store.make_room(model, cache_id, len(header) + self.job.total)
+            self.evicted += self.store.make_room(model, cache_id, len(header) + self.job.total)
             self.pending = self.store.begin(model, cache_id, header, self.job.total)
         if hash_too:
             self._hash(batch)

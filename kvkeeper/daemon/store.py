@@ -504,28 +504,24 @@ class Store:
         return st.f_bavail * st.f_frsize
 
     def make_room(self, model: str, cache_id: str, nbytes: int) -> list[StoredEntry]:
-        """Before a file of ``nbytes`` is written for the entry: evict what
-        the budget would evict once it is, so that it fits. (Only a commit
-        evicted: on a disk too full for the next save every save failed with
-        ENOSPC, and nothing was ever evicted.) The entry's current file is
-        kept; it stays on disk while the new one is written, and counts
-        against ``max_disk_bytes`` only until the new one replaces it."""
-        path = self.path_for(model, cache_id)
-        with self._lock:
-            old = self._index.get(path)
-        grows = max(0, nbytes - (old.nbytes if old is not None else 0))
-        return self.enforce_budget(keep=path, adding=grows, writing=nbytes)
+        """Before a file of ``nbytes`` is written for the entry: evict so that
+        ``min_free_bytes`` stay free with it written. (Only a commit evicted:
+        on a disk too full for the next save every save failed with ENOSPC,
+        and nothing was ever evicted.) Free space only: ``max_disk_bytes`` is
+        an account, settled once the file is in (a save that never arrives
+        whole must not have evicted entries for its declared size). The
+        entry's current file is kept; it stays on disk meanwhile."""
+        return self.enforce_budget(keep=self.path_for(model, cache_id), writing=nbytes)
 
-    def enforce_budget(self, keep: Path | None = None, *, adding: int = 0,
+    def enforce_budget(self, keep: Path | None = None, *,
                        writing: int = 0) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
-        counting ``adding`` bytes more in use and ``writing`` bytes less free
-        (a file about to be written). Foreign files count but are never
-        deleted; ``keep`` is never evicted."""
+        counting ``writing`` bytes less free (a file about to be written).
+        Foreign files count but are never deleted; ``keep`` is never evicted."""
         b = self.budget
         evicted: list[StoredEntry] = []
-        used = self.usage() + adding
+        used = self.usage()
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
