@@ -231,3 +231,22 @@ def test_a_daemon_whose_root_or_socket_is_removed_exits_for_a_new_one(
         assert version_of(entry_path(root, "k", model="fp"), "fp") == 2
     finally:
         stop_process(proc)
+
+
+def test_a_store_cleared_with_its_root_kept_takes_saves_again(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """`rm -rf <root>/*` clears the store but keeps the root and its lock
+    file (a dot file): the daemon stayed up, and every save failed with
+    ENOENT from then on (its sessions directory was gone), while the listing
+    kept the removed entries."""
+    import shutil
+
+    assert client.save("fp", "a", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    for p in daemon.root.iterdir():
+        if not p.name.startswith("."):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    assert client.save("fp", "b", filled(0.1, 2), [2]) and client.flush(timeout=WAIT)
+    assert version_of(entry_path(daemon.root, "b", model="fp"), "fp") == 2
+    assert [e.cache_id for e in client.entries()] == ["b"]
+    assert client.load("fp", "a") is None

@@ -260,7 +260,11 @@ class Store:
     def _model_dir(self, model: str) -> Path:
         d = self.sessions / naming.encode_component(model, "model")
         try:
-            os.mkdir(d, 0o700)
+            try:
+                os.mkdir(d, 0o700)
+            except FileNotFoundError:
+                self._sessions_again()
+                os.mkdir(d, 0o700)
             # The new directory's entry must be as durable as the file put in
             # it: a file system that does not journal them in order could
             # otherwise lose the directory, and the fsynced file with it.
@@ -270,6 +274,17 @@ class Store:
             if not stat.S_ISDIR(st.st_mode):
                 raise OSError(errno.ENOTDIR, f"{d} is not a directory (refusing a symlink)") from None
         return d
+
+    def _sessions_again(self) -> None:
+        """The sessions directory is gone (``rm -rf <root>/*`` clears the
+        store but leaves the root and its lock): make it again, and forget
+        the entries that went with it. Every save failed until a restart.
+        (A root removed whole stops the daemon: see app's place check.)"""
+        os.mkdir(self.sessions, 0o700)  # not through a symlink: mkdir makes it
+        fsync_dir(self.root)
+        log.warning("event=sessions_recreated path=%s: the store was cleared while the daemon "
+                    "ran", self.sessions)
+        self.rescan()
 
     # -- lifecycle
     def open(self) -> list[Path]:
