@@ -636,8 +636,10 @@ class Client:
             # counts its totals from zero. Its pid and boot id tell which.
             # Within what is left of the flush's timeout (it took up to
             # three times that: the flush, then a ping and a stats request
-            # with the whole timeout each).
-            run = self._daemon_run(deadline - time.monotonic())
+            # with the whole timeout each), but at least a second of it (or
+            # all of a shorter timeout): a flush answered just in time must
+            # not then fail for want of a round trip.
+            run = self._daemon_run(max(deadline - time.monotonic(), min(timeout, 1.0)))
             # Never having learnt which daemon took the saves before (the
             # client was made before one answered) counts as a restart: only
             # saves handed off on this connection are then vouched for.
