@@ -278,8 +278,9 @@ class Store:
     def _sessions_again(self) -> None:
         """The sessions directory is gone (``rm -rf <root>/*`` clears the
         store but leaves the root and its lock): make it again, and forget
-        the entries that went with it. Every save failed until a restart.
-        (A root removed whole stops the daemon: see app's place check.)"""
+        the entries that went with it (left as it was, every save failed
+        until a restart). A root removed whole stops the daemon instead:
+        see the place check in ``app``."""
         os.mkdir(self.sessions, 0o700)  # not through a symlink: mkdir makes it
         fsync_dir(self.root)
         log.warning("event=sessions_recreated path=%s: the store was cleared while the daemon "
