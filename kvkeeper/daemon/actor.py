@@ -194,6 +194,10 @@ class WriterActor:
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
+        # A gc queued and not begun yet: later requests share it (each one
+        # rescanned the whole root on the writer's turn: a flood of them
+        # held every save up for minutes).
+        self._next_gc: GcJob | None = None
         self.current: Job | None = None
         #: Jobs taken in so far, of every client (never reset): a flush
         #: started when it was N covers every request that came when it was
@@ -328,11 +332,14 @@ class WriterActor:
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
         Runs on the writer's turn, between two writes."""
-        job = GcJob(key=("", ""), peer=b"")
-        try:
-            self._send.send_nowait(job)
-        except (anyio.WouldBlock, anyio.ClosedResourceError):
-            return []
+        job = self._next_gc
+        if job is None:
+            job = GcJob(key=("", ""), peer=b"")
+            try:
+                self._send.send_nowait(job)
+            except (anyio.WouldBlock, anyio.ClosedResourceError):
+                return []
+            self._next_gc = job
         await job.done.wait()
         return job.evicted
 
@@ -478,6 +485,9 @@ class WriterActor:
             job.hurry.set()
 
     async def _gc(self, job: GcJob) -> None:
+        if self._next_gc is job:
+            self._next_gc = None  # begun: a request from now on needs a rescan of its own
+
         def rescan_and_enforce() -> list[StoredEntry]:
             self.store.rescan()
             return self.store.enforce_budget()
