@@ -735,8 +735,9 @@ class Client:
         within ``timeout`` in all. A pid alone does not tell a restart (a
         container's pid 1 is always 1); a daemon older than the boot id
         reports 0 for it."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        pid = self.ping(max(0.0, timeout)).pid
+        timeout = max(0.0, timeout)
+        deadline = time.monotonic() + timeout
+        pid = self.ping(timeout).pid
         reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req),
                               max(0.0, deadline - time.monotonic()))
         assert isinstance(reply, m.Stats)

@@ -323,11 +323,7 @@ class WriterActor:
             # A job replaced by another client's while this flush waits must
             # be answered for by the replacement (see the module docstring).
             await _outcome_of(job)
-        tally = self._tally.pop(peer, None)
-        if tally is None:
-            return Tally()
-        self._tally[peer] = tally  # a use: most recent again
-        return replace(tally)
+        return replace(self._used_tally(peer) or Tally())
 
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
@@ -709,13 +705,19 @@ class WriterActor:
         self._tally_of(peer).failed += 1
 
     def _tally_of(self, peer: bytes) -> Tally:
-        # The dict's order is recency: taken out and put back at every use.
-        tally = self._tally.pop(peer, None)
+        tally = self._used_tally(peer)
         if tally is None:
             if len(self._tally) >= _MAX_TALLIES:  # bound the clients remembered
                 self._forget_a_tally()
-            tally = Tally()
-        self._tally[peer] = tally
+            tally = self._tally[peer] = Tally()
+        return tally
+
+    def _used_tally(self, peer: bytes) -> Tally | None:
+        """``peer``'s tally, if it has one, made the most recently used: the
+        dict's order is recency (taken out and put back at every use)."""
+        tally = self._tally.pop(peer, None)
+        if tally is not None:
+            self._tally[peer] = tally
         return tally
 
     def _forget_a_tally(self) -> None:
