@@ -233,21 +233,119 @@ def preemptions() -> int | None:
     return None if who is None else resource.getrusage(who).ru_nivcsw
 
 
+def _switches() -> tuple[int, int] | None:
+    """(voluntary, involuntary) context switches of the calling thread so far."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return None
+    use = resource.getrusage(who)
+    return use.ru_nvcsw, use.ru_nivcsw
+
+
+def _run_delay() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a core
+    (the run_delay of Linux's schedstat), or None where it cannot be read."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass
+class CallClock:
+    """Wall time of calls, and where each call's time went: the calling
+    thread's CPU time, its wait for a core (run queue), and what neither
+    explains. A guest's CPU time leaves out what the hypervisor took (steal),
+    so in a call that never blocked (no voluntary switch) the remainder is
+    time the virtual CPU was taken away while the thread ran. Where the
+    counters cannot be read (not Linux), ``waited`` and ``stolen`` hold None."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    preempted: list[int | None] = field(default_factory=list)
+    waited: list[float | None] = field(default_factory=list)
+    #: None where the call blocked (the remainder may then be a wait for the
+    #: GIL or a lock as well) or the counters are missing.
+    stolen: list[float | None] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, timed; its result."""
+        r0 = _run_delay()
+        s0 = _switches()
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        t1 = time.perf_counter()
+        c1 = time.thread_time()
+        s1 = _switches()
+        r1 = _run_delay()
+        wall, cpu = t1 - t0, c1 - c0
+        self.wall.append(wall)
+        self.cpu.append(cpu)
+        self.windows.append((t0, t1))
+        self.preempted.append(None if s0 is None or s1 is None else s1[1] - s0[1])
+        # The counters are read outside the timed window, so a wait there
+        # counts against the remainder: the steal found is a lower bound.
+        waited = None if r0 is None or r1 is None else r1 - r0
+        self.waited.append(waited)
+        blocked = s0 is None or s1 is None or s1[0] != s0[0]
+        self.stolen.append(None if waited is None or blocked
+                           else max(0.0, wall - cpu - waited))
+        return out
+
+    def without_steal(self) -> list[float]:
+        """Each call's wall time less the time the hypervisor took in it."""
+        return [w - (s or 0.0) for w, s in zip(self.wall, self.stolen, strict=True)]
+
+    def steal_summary(self) -> dict[str, Any]:
+        """How often the hypervisor took the core inside a call, and the
+        calls' times with that taken out."""
+        known = [s for s in self.stolen if s is not None]
+        waits = [w for w in self.waited if w is not None]
+        return {
+            "calls": len(self.wall),
+            "calls_measured": len(known),
+            "calls_with_steal": sum(1 for s in known if s > STEAL_NOISE_S),
+            "max_stolen_s": max(known, default=None),
+            "calls_waiting_for_a_core": sum(1 for w in waits if w > STEAL_NOISE_S),
+            "max_wait_for_a_core_s": max(waits, default=None),
+            "wall_without_steal": summarize(self.without_steal()) if known else None,
+        }
+
+
+#: Steal or a run-queue wait below this, inside one call, is reading noise.
+STEAL_NOISE_S = 100e-6
+
+
 def slow_calls(wall: Sequence[float], cpu: Sequence[float],
-               preempted: Sequence[int | None]) -> dict[str, Any]:
+               preempted: Sequence[int | None],
+               clock: CallClock | None = None) -> dict[str, Any]:
     """Calls whose wall time exceeds twice the median CPU time of a call: how
     many, how many of them the OS preempted, and the most CPU any of them used
-    (a slow call with little CPU waited, for a core or for the GIL)."""
+    (a slow call with little CPU waited, for a core or for the GIL, or lost
+    its core to the hypervisor: ``clock`` tells which, where it was kept)."""
     limit = 2 * statistics.median(cpu) if cpu else 0.0
-    slow = [(w, c, p) for w, c, p in zip(wall, cpu, preempted, strict=True) if w > limit]
-    known = [p for _, _, p in slow if p is not None]
-    return {
+    slow = [i for i, w in enumerate(wall) if w > limit]
+    known = [preempted[i] for i in slow if preempted[i] is not None]
+    out = {
         "limit_s": limit,
         "count": len(slow),
         "preempted": sum(1 for p in known if p > 0) if len(known) == len(slow) else None,
-        "max_cpu_s": max((c for _, c, _ in slow), default=None),
-        "max_wall_s": max((w for w, _, _ in slow), default=None),
+        "max_cpu_s": max((cpu[i] for i in slow), default=None),
+        "max_wall_s": max((wall[i] for i in slow), default=None),
     }
+    if clock is not None:
+        stolen = [clock.stolen[i] for i in slow if clock.stolen[i] is not None]
+        waited = [clock.waited[i] for i in slow if clock.waited[i] is not None]
+        out["stolen"] = sum(1 for s in stolen if s > STEAL_NOISE_S)
+        out["max_stolen_s"] = max(stolen, default=None)
+        out["waited_for_a_core"] = sum(1 for w in waited if w > STEAL_NOISE_S)
+        out["max_waited_s"] = max(waited, default=None)
+        out["blocked"] = sum(1 for i in slow
+                             if clock.waited[i] is not None and clock.stolen[i] is None)
+    return out
 
 
 def gc_summary(watch: GcWatch, windows: Sequence[tuple[float, float]]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from benchmarks import apc
 from benchmarks.common import (
     MODEL,
     WAIT,
+    CallClock,
     GcWatch,
     cache_nbytes,
     free_memory,
@@ -24,7 +25,6 @@ from benchmarks.common import (
     hybrid_to_vlm,
     kv_cache,
     layers_of,
-    preemptions,
     prompt_cache_state,
     slow_calls,
     state_arrays,
@@ -53,19 +53,12 @@ def mlx_lm_save(cache: Any, tokens: list[int], target: Path) -> None:
     save_prompt_cache(str(target), layers_of(cache), {"token_ids": json.dumps(tokens)})
 
 
-def _kvk_idle(kv: Any, key: str, cache: Any, tokens: list[int], out: dict[str, list]) -> None:
-    p0 = preemptions()
-    c0 = time.thread_time()
-    t0 = time.perf_counter()
-    ok = kv.save(MODEL, key, cache, tokens)
-    t1 = time.perf_counter()
-    out["save_cpu"].append(time.thread_time() - c0)
-    out["preempted"].append(None if p0 is None else preemptions() - p0)  # type: ignore[operator]
-    out["windows"].append((t0, t1))
+def _kvk_idle(kv: Any, key: str, cache: Any, tokens: list[int], clock: CallClock,
+              out: dict[str, list]) -> None:
+    ok = clock.call(kv.save, MODEL, key, cache, tokens)
+    t0 = clock.windows[-1][0]
     flushed = kv.flush(WAIT)
-    t2 = time.perf_counter()
-    out["save"].append(t1 - t0)
-    out["durable"].append(t2 - t0)
+    out["durable"].append(time.perf_counter() - t0)
     out["ok"].append(bool(ok) and bool(flushed))
 
 
@@ -120,27 +113,20 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
             gcw: GcWatch) -> dict[str, Any]:
     """save() every ``pace`` seconds without waiting for the disk (write-behind)."""
     before = kv.stats()
-    lat, cpu, oks, windows, pre = [], [], [], [], []
+    clock = CallClock()
+    oks = []
     for _ in range(n):
-        p0 = preemptions()
-        c0 = time.thread_time()
-        t0 = time.perf_counter()
-        ok = kv.save(MODEL, key, cache, tokens)
-        t1 = time.perf_counter()
-        lat.append(t1 - t0)
-        windows.append((t0, t1))
-        cpu.append(time.thread_time() - c0)
-        pre.append(None if p0 is None else preemptions() - p0)  # type: ignore[operator]
-        oks.append(bool(ok))
+        oks.append(bool(clock.call(kv.save, MODEL, key, cache, tokens)))
         time.sleep(pace)
     flushed = kv.flush(WAIT)
     after = kv.stats()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "saves_received", "saves_written", "saves_superseded", "saves_refused", "saves_failed",
         "client_saves_dropped", "client_saves_lost")}
-    return {"save": summarize(lat), "save_cpu": summarize(cpu),
-            "slow_calls": slow_calls(lat, cpu, pre),
-            "gc": gc_summary(gcw, windows), "handed_off": sum(oks), "dropped": len(oks) - sum(oks),
+    return {"save": summarize(clock.wall), "save_cpu": summarize(clock.cpu),
+            "slow_calls": slow_calls(clock.wall, clock.cpu, clock.preempted, clock),
+            "steal": clock.steal_summary(),
+            "gc": gc_summary(gcw, clock.windows), "handed_off": sum(oks), "dropped": len(oks) - sum(oks),
             "flush_ok": bool(flushed), "pace_s": pace, "counters": delta}
 
 
@@ -150,8 +136,8 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
     key = f"hot-{label}"
     d = ctx.scratch / f"sync-{label}"
     d.mkdir(exist_ok=True)
-    raw: dict[str, list] = {"save": [], "save_cpu": [], "preempted": [], "windows": [],
-                            "durable": [], "ok": [],
+    idle = CallClock()
+    raw: dict[str, list] = {"durable": [], "ok": [],
                             "reference_new": [],
                             "reference_replace": [], "mlx_lm": [], "apc": []}
     # Warm-up (first-call costs of every path), not recorded.
@@ -167,23 +153,24 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
             # Side by side: each round does kvkeeper, the synchronous saves and APC.
             for _ in range(per_round):
                 if done_idle < prof.hot_idle_n:
-                    _kvk_idle(kv, key, cache, tokens, raw)
+                    _kvk_idle(kv, key, cache, tokens, idle, raw)
                     done_idle += 1
             _sync_round(cache, tokens, d, raw)
             if apc_layers is not None:
                 offset = 1000 * (r + 1)
                 _apc_round(apc_layers, [t + offset for t in tokens], apc_restore, raw)
         elif done_idle < prof.hot_idle_n:
-            _kvk_idle(kv, key, cache, tokens, raw)
+            _kvk_idle(kv, key, cache, tokens, idle, raw)
             done_idle += 1
     res: dict[str, Any] = {
         "label": label,
         "tokens": len(tokens),
         "bytes": cache_nbytes(cache),
-        "kvkeeper_save_idle": summarize(raw["save"]),
-        "kvkeeper_save_idle_cpu": summarize(raw["save_cpu"]),
-        "kvkeeper_save_idle_gc": gc_summary(gcw, raw["windows"]),
-        "kvkeeper_save_idle_slow": slow_calls(raw["save"], raw["save_cpu"], raw["preempted"]),
+        "kvkeeper_save_idle": summarize(idle.wall),
+        "kvkeeper_save_idle_cpu": summarize(idle.cpu),
+        "kvkeeper_save_idle_gc": gc_summary(gcw, idle.windows),
+        "kvkeeper_save_idle_slow": slow_calls(idle.wall, idle.cpu, idle.preempted, idle),
+        "kvkeeper_save_idle_steal": idle.steal_summary(),
         "kvkeeper_save_to_durable": summarize(raw["durable"]),
         "kvkeeper_all_ok": all(raw["ok"]),
         "sync_reference_new_file": summarize(raw["reference_new"]),
@@ -267,12 +254,19 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     p99_idle = big["kvkeeper_save_idle"]["p99"]
     p99_stream = big["kvkeeper_stream"]["save"]["p99"]
     p99 = max(x for x in (p99_idle, p99_stream) if x is not None)
+    # Beside the verdict, not in it: the same calls with the time the
+    # hypervisor took from them taken out (this machine is a shared VM).
+    clean = [((s or {}).get("wall_without_steal") or {}).get("p99")
+             for s in (big.get("kvkeeper_save_idle_steal"), big["kvkeeper_stream"].get("steal"))]
     out = [{
         "case": "1 hot path",
         "target": "p99 of save() <= 1/100 of the synchronous median (fastest synchronous baseline)",
         "size_bytes": big["bytes"],
         "measured": {"save_p99_s": p99, "save_p99_idle_s": p99_idle,
                      "save_p99_streaming_s": p99_stream,
+                     "save_p99_without_steal_s": (max(clean) if None not in clean else None),
+                     "save_p99_without_steal_idle_s": clean[0],
+                     "save_p99_without_steal_streaming_s": clean[1],
                      "sync_medians_s": sync, "limit_s": fastest / 100 if fastest else None},
         "met": bool(fastest and p99 <= fastest / 100),
     }]

@@ -43,6 +43,12 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
         assert size["kvkeeper_save_idle"]["n"] > 0
         assert size["kvkeeper_all_ok"]
         assert size["mlx_vlm_apc"]["handoff_s"]["n"] > 0, size["mlx_vlm_apc"]
+        for steal in (size["kvkeeper_save_idle_steal"], size["kvkeeper_stream"]["steal"]):
+            assert steal["calls"] > 0
+            if steal["calls_measured"]:
+                # Taking a call's stolen time out never makes it slower.
+                assert steal["wall_without_steal"]["p99"] <= max(
+                    size["kvkeeper_save_idle"]["max"], size["kvkeeper_stream"]["save"]["max"])
     assert {s["label"][:3] for s in hot["special"]} == {"pcs", "hyb"}
     gen = doc["cases"]["generation"]
     assert gen["tiny_model"]["ratio"] > 0
