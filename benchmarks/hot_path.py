@@ -130,7 +130,7 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
             "flush_ok": bool(flushed), "pace_s": pace, "counters": delta}
 
 
-def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
+def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], idle_n: int, *,
                    apc_layers: list[Any] | None, apc_restore: bool, stream: bool) -> dict[str, Any]:
     prof, kv = ctx.profile, ctx.kv
     key = f"hot-{label}"
@@ -145,21 +145,21 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
     kv.flush(WAIT)
     reference_save(cache, tokens, d / "warmup.safetensors")
     gcw = ctx.gc_watch
-    rounds = max(prof.hot_idle_n, prof.sync_reps)
-    per_round = -(-prof.hot_idle_n // prof.sync_reps)
+    rounds = max(idle_n, prof.sync_reps)
+    per_round = -(-idle_n // prof.sync_reps)
     done_idle = 0
     for r in range(rounds):
         if r < prof.sync_reps:
             # Side by side: each round does kvkeeper, the synchronous saves and APC.
             for _ in range(per_round):
-                if done_idle < prof.hot_idle_n:
+                if done_idle < idle_n:
                     _kvk_idle(kv, key, cache, tokens, idle, raw)
                     done_idle += 1
             _sync_round(cache, tokens, d, raw)
             if apc_layers is not None:
                 offset = 1000 * (r + 1)
                 _apc_round(apc_layers, [t + offset for t in tokens], apc_restore, raw)
-        elif done_idle < prof.hot_idle_n:
+        elif done_idle < idle_n:
             _kvk_idle(kv, key, cache, tokens, idle, raw)
             done_idle += 1
     res: dict[str, Any] = {
@@ -217,12 +217,15 @@ def run(ctx: Any) -> dict[str, Any]:
 def _run(ctx: Any) -> dict[str, Any]:
     prof = ctx.profile
     shape = prof.shape
+    other = prof.hot_idle_n_other or prof.hot_idle_n
     sizes = []
     for t in prof.tokens:
         cache = kv_cache(shape, t, seed=t)
         toks = token_ids(t, seed=t)
         ctx.log(f"  hot path: {t} tokens")
-        sizes.append(_measure_cache(ctx, f"kv{t}", cache, toks, apc_layers=vlm_mirror(cache),
+        idle_n = prof.hot_idle_n if t == max(prof.tokens) else other
+        sizes.append(_measure_cache(ctx, f"kv{t}", cache, toks, idle_n,
+                                    apc_layers=vlm_mirror(cache),
                                     apc_restore=False, stream=True))
         del cache
         free_memory()
@@ -231,14 +234,15 @@ def _run(ctx: Any) -> dict[str, Any]:
     ctx.log(f"  hot path: mlx-vlm PromptCacheState, {t} tokens")
     pcs = prompt_cache_state(shape, t, seed=7)
     special.append({"kind": "mlx-vlm PromptCacheState (mlx-vlm KVCache layers)",
-                    **_measure_cache(ctx, f"pcs{t}", pcs, list(pcs.token_ids), apc_layers=None,
+                    **_measure_cache(ctx, f"pcs{t}", pcs, list(pcs.token_ids), other,
+                                     apc_layers=None,
                                      apc_restore=False, stream=False)})
     del pcs
     free_memory()
     ctx.log(f"  hot path: hybrid ArraysCache + KVCache, {t} tokens")
     hyb = hybrid_cache(shape, t, seed=8)
     special.append({"kind": "hybrid: mlx-lm ArraysCache (3 of 4 layers) + KVCache (1 of 4)",
-                    **_measure_cache(ctx, f"hybrid{t}", hyb, token_ids(t, seed=8),
+                    **_measure_cache(ctx, f"hybrid{t}", hyb, token_ids(t, seed=8), other,
                                      apc_layers=hybrid_to_vlm(hyb), apc_restore=False,
                                      stream=False)})
     del hyb
