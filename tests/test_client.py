@@ -874,3 +874,49 @@ def test_after_a_save_is_sent_the_cache_updates_in_place(client: Client) -> None
     before = _address(c.keys)
     c.update_and_fetch(one, one)
     assert _address(c.keys) == before, "the sent save still shares the cache's buffer"
+
+
+def test_a_load_waits_for_a_stalled_daemon_one_timeout_in_all(short_dir: Path) -> None:
+    """A load that has to ask who the daemon is (it reconnected), then for the
+    file, then to move the damaged file aside, gave each of those requests the
+    whole timeout: three timeouts against a stalled daemon. It gets one."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        kv = Client(sock, timeout=1.0, connect_timeout=WAIT)
+        try:
+            assert kv.save(FP, "a", filled(1, 3), [1, 2, 3])
+            assert kv.flush(WAIT)
+            assert stop_process(proc) == 0
+            path = entry_path(root, "a", model=FP)
+            with open(path, "r+b") as f:  # one bit of the last tensor
+                f.seek(-1, os.SEEK_END)
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([byte ^ 1]))
+            proc = serve_process(root, sock)
+
+            def answered() -> bool:  # the first daemon is gone: the new one answers
+                try:
+                    kv.stats()
+                except DaemonUnavailable:
+                    return False
+                return True
+
+            wait_for(answered, "the client to reach the new daemon")
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                assert kv.load(FP, "a") is None
+                took = time.monotonic() - t0
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert took < 2.0, f"load() took {took:.2f} s with a 1 s timeout"
+            # The requests went out all the same: once it runs again, the
+            # daemon moves the file aside.
+            wait_for(lambda: not path.exists(), "the damaged file to be moved aside")
+            assert len(list((root / "quarantine").iterdir())) == 1
+        finally:
+            kv.close()
+    finally:
+        assert stop_process(proc) == 0

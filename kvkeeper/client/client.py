@@ -105,7 +105,7 @@ class Client:
     a ``load()`` or ``delete()`` of the cache, ``close()`` (also at a normal
     interpreter exit) and a save taking the in-flight budget past half send it
     at once (0 sends every save as it comes). ``timeout`` caps every wait for
-    the daemon. ``cpu_policy`` "batch" (on Linux) runs the client's
+    the daemon (a ``load()``'s waits together). ``cpu_policy`` "batch" (on Linux) runs the client's
     background threads under SCHED_BATCH, so they never take a core from the
     generation loop when they wake up; "normal" leaves them under the
     caller's policy (see :mod:`kvkeeper.cpupolicy`). The caller's own thread
@@ -469,7 +469,11 @@ class Client:
             raise RuntimeError("client is closed")
         model, cache_id = naming.check_key(model, cache_id)
         key = (model, cache_id)
-        direct_ok = self._can_read_directly(key)  # first: it may learn a new root
+        # One timeout for every wait of the load (who the daemon is, the
+        # file, moving a damaged file aside): a stalled daemon used to cost
+        # a timeout per request.
+        deadline = time.monotonic() + self.timeout
+        direct_ok = self._can_read_directly(key, deadline)  # first: it may learn a new root
         guess = _entry_path(self.root, model, cache_id)
         if direct_ok:
             # Nothing of ours to wait for: read the daemon's file without asking
@@ -480,7 +484,7 @@ class Client:
             if direct.ident is not None and stat.S_ISREG(direct.ident.st_mode):
                 self._channel.notify(m.Used(v=m.PROTOCOL_VERSION, model=model,
                                             cache_id=cache_id, ino=direct.ident.st_ino))
-                return self._conclude(model, cache_id, direct)
+                return self._conclude(model, cache_id, direct, deadline)
         with self._lock:
             mark = self._unsettled.get(key)
             if mark is not None:
@@ -499,7 +503,7 @@ class Client:
             )
         except DaemonUnavailable as exc:
             return self._read_instead(model, cache_id, exc, unwritten,
-                                      _read(guess, verify, model, cache_id))
+                                      _read(guess, verify, model, cache_id), deadline)
         # A lazy read costs about as much as the daemon's answer (which comes
         # after any save of this key it holds is written): do it meanwhile, at
         # the path the daemon keeps the key at, and keep it if the answer names
@@ -507,7 +511,7 @@ class Client:
         # answer, and would be wasted whenever a newer version is on its way.
         early = None if verify else _read(guess, verify, model, cache_id)
         try:
-            reply = self._reply(self._channel.wait(pending, self.timeout))
+            reply = self._reply(self._channel.wait(pending, _left(deadline)))
         except DaemonUnavailable as exc:
             if unwritten and isinstance(exc, DaemonTimedOut) and self._channel.connected.is_set():
                 # The daemon is up but still writing (a big save on a slow
@@ -516,17 +520,18 @@ class Client:
                 # that went away lost that save: the file is all there is.)
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
             return self._read_instead(model, cache_id, exc, unwritten,
-                                      early or _read(guess, verify, model, cache_id))
+                                      early or _read(guess, verify, model, cache_id), deadline)
         self._settled(key, mark)
         if not isinstance(reply, m.Found) or not reply.path:
             return None
         path = Path(reply.path)
         if early is None or path != guess or not early.still_current():
             early = _read(path, verify, model, cache_id)
-        return self._conclude(model, cache_id, early)
+        return self._conclude(model, cache_id, early, deadline)
 
     def _read_instead(self, model: str, cache_id: str, why: DaemonUnavailable,
-                      unwritten: str | None, attempt: _Attempt) -> LoadedCache | None:
+                      unwritten: str | None, attempt: _Attempt,
+                      deadline: float) -> LoadedCache | None:
         """load()'s answer from the file itself, the daemon being gone;
         ``unwritten`` says why a save of ours may be missing from it."""
         if unwritten:
@@ -541,9 +546,9 @@ class Client:
                 log.warning("event=load_from_file reason=%s: no store at %s to read instead "
                             "(the root the daemon would use; Client(root=...) names another); "
                             "loads miss until the daemon is back", why, self.root)
-        return self._conclude(model, cache_id, attempt)
+        return self._conclude(model, cache_id, attempt, deadline)
 
-    def _can_read_directly(self, key: tuple[str, str]) -> bool:
+    def _can_read_directly(self, key: tuple[str, str], deadline: float) -> bool:
         """Whether a load of ``key`` may skip the daemon: it is connected, this
         client has no save of the key it has not waited for, and the root was
         named by the daemon on this very connection (not an older daemon's)."""
@@ -552,7 +557,7 @@ class Client:
             return False
         if self._root_seen_at != self._channel.connections:
             try:
-                self.ping(min(self.timeout, 2.0))
+                self.ping(min(_left(deadline), 2.0))
             except DaemonUnavailable:
                 return False
         # The Used notice is new in this version: an older daemon would refuse it.
@@ -564,24 +569,27 @@ class Client:
             if mark is not None and self._unsettled.get(key) == mark:
                 del self._unsettled[key]
 
-    def _conclude(self, model: str, cache_id: str, attempt: _Attempt) -> LoadedCache | None:
+    def _conclude(self, model: str, cache_id: str, attempt: _Attempt,
+                  deadline: float) -> LoadedCache | None:
         """What load() returns for a read: the cache, or None with the reason
-        logged (and a damaged file reported to the daemon)."""
+        logged (and a damaged file reported to the daemon, whose answer is
+        waited for until ``deadline``: the request goes out either way)."""
         if attempt.error is None:
             return attempt.loaded
         exc = attempt.error
         log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
         if exc.damaged and attempt.ident is not None:
-            self._report_damaged(model, cache_id, attempt.ident, str(exc))
+            self._report_damaged(model, cache_id, attempt.ident, str(exc), deadline)
         return None
 
     def _report_damaged(self, model: str, cache_id: str, ident: os.stat_result,
-                        reason: str) -> None:
+                        reason: str, deadline: float) -> None:
         """Ask the daemon to move a bad file aside (it is the only writer)."""
         try:
             self._request(lambda req: m.Quarantine(
                 v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
-                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
+                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]),
+                _left(deadline))
         except (DaemonUnavailable, DaemonError) as exc:
             log.info("event=quarantine_not_done model=%s id=%s error=%s", model, cache_id, exc)
 
@@ -739,7 +747,7 @@ class Client:
         deadline = time.monotonic() + timeout
         pid = self.ping(timeout).pid
         reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req),
-                              max(0.0, deadline - time.monotonic()))
+                              _left(deadline))
         assert isinstance(reply, m.Stats)
         return pid, reply.counters.get("boot_id", 0.0)
 
@@ -903,6 +911,11 @@ def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
             raise ValueError(f"metadata is {size} bytes as JSON; the limit is "
                              f"{MAX_METADATA_BYTES}")
     return meta
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` time), at least 0."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
