@@ -285,6 +285,39 @@ def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon
     assert [e.cache_id for e in client.entries()] == ["ok"]
 
 
+def test_ls_all_of_a_model_shows_its_quarantined_files(short_dir: Path) -> None:
+    """Files moved aside had no model in the listing, so `ls --all --model X`
+    never showed X's damaged files (a legacy file at X's place it did)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for model, cache_id in ((FP, "bad"), (FP, "ok"), ("other-model", "bad")):
+                assert kv.save(model, cache_id, filled(0.1, 1), [1])
+            assert kv.flush(timeout=WAIT)
+            bad = entry_path(root, "bad")
+            data = bytearray(bad.read_bytes())
+            data[-1] ^= 1
+            bad.write_bytes(bytes(data))
+            assert kv.load(FP, "bad") is None  # moved aside
+        assert not bad.exists()
+
+        def listed(model: str) -> set[tuple[str, str, str]]:
+            rows = json.loads(cli("ls", "--socket", str(sock), "--all", "--model", model,
+                                  "--json").stdout)
+            return {(r["model"], r["cache_id"], r["kind"]) for r in rows}
+
+        mine = {(FP, "bad", "quarantine"), (FP, "ok", "entry")}
+        assert listed(FP) == mine
+        assert listed("other-model") == {("other-model", "bad", "entry")}
+        assert rd.stop() == 0
+        rd = start_daemon(root, sock)  # found again by the scan at start
+        assert listed(FP) == mine
+    finally:
+        if rd.thread.is_alive():
+            assert rd.stop() == 0
+
+
 def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
     for name in ("good", "bad"):
         assert client.save(FP, name, filled(0.5, 3), [3])

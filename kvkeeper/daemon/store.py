@@ -43,6 +43,23 @@ QUARANTINE_DIR = "quarantine"
 #: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>" or
 #: "_z<sha256>.<ns>", ns being time.time_ns() (19 digits until 2286).
 _QUARANTINED = re.compile(r"(.+\.safetensors|_z[0-9a-f]{64})\.[0-9]{19}")
+
+
+def _quarantined_key(name: str) -> tuple[str, str]:
+    """(model, cache id) a quarantined file's name records, or two "" where
+    it records no entry's key (a hashed name, a file that was not an
+    entry's). The components escape every ".", so the first one ends the
+    model's."""
+    model_dir, _, rest = name.partition(".")
+    file_name = rest.rpartition(".")[0]  # less the time stamp
+    if not model_dir or not file_name.endswith(naming.SUFFIX):
+        return "", ""
+    model, cache_id = naming.key_of(Path(model_dir) / file_name)
+    if not model or not cache_id:
+        return "", ""
+    return model, cache_id
+
+
 _IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
 _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
 _counter = itertools.count()
@@ -337,8 +354,8 @@ class Store:
             # Only names quarantine_path gives: another file put there is not ours.
             if not _QUARANTINED.fullmatch(path.name):
                 return foreign
-            return StoredEntry("", "", 0, st.st_size, st.st_mtime, path, "quarantine",
-                               st.st_mtime)
+            return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
+                               "quarantine", st.st_mtime)
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
@@ -497,8 +514,8 @@ class Store:
         with self._lock:
             self._index.pop(path, None)
             if stat.S_ISREG(st.st_mode):
-                self._index[dest] = StoredEntry("", "", 0, st.st_size, time.time(), dest,
-                                                "quarantine", st.st_mtime)
+                self._index[dest] = StoredEntry(*_quarantined_key(name), 0, st.st_size,
+                                                time.time(), dest, "quarantine", st.st_mtime)
         return dest
 
     # -- listing and the budget
