@@ -449,3 +449,51 @@ def test_a_file_moved_aside_can_still_be_opened_for_salvage(
     assert info.value.damaged
     got = kvkeeper.read_cache_file(moved[0], verify=False)
     assert got.token_ids == [7] and len(got.cache) == 4
+
+
+#: A client whose process is out of file descriptors loads an entry: the
+#: file cannot be opened, which says nothing about the file.
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+from kvkeeper import Client
+from kvkeeper.client import reader  # noqa: F401 - imported before the limit
+kv = Client(sys.argv[1], timeout=30)
+assert kv.connected
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+fds = [int(x) for x in os.listdir("/proc/self/fd")]
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds) + 1, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+missed = kv.load(sys.argv[2], "a") is None
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+again = kv.load(sys.argv[2], "a")
+print("RESULT", missed, again is not None)
+kv.close()
+"""
+
+
+def test_a_file_a_client_cannot_open_now_is_not_moved_aside(
+        client: Client, daemon: RunningDaemon) -> None:
+    """Any error opening the file counted as damage: a client out of file
+    descriptors (or memory, or permission) had the daemon move good files
+    to quarantine/, where the disk budget deletes first."""
+    import subprocess
+    import sys
+
+    assert client.save(FP, "a", filled(0.2, 4), [4]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "a")
+    r = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(daemon.socket), FP],
+                       capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESULT True True" in r.stdout, (r.stdout, r.stderr[-3000:])
+    assert "Too many open files" in r.stderr  # the miss says why
+    assert path.exists()
+    quarantine = daemon.root / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())
+    assert version_of(path) == 4

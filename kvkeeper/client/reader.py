@@ -7,6 +7,7 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -183,13 +184,25 @@ def _mlx_checks_offsets() -> bool:
 MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 
 
+#: Errors opening or reading a file that say nothing about the file: this
+#: process is out of descriptors or memory, may not read it, or was
+#: interrupted. Others (a symlink at its place, a read error) are the file's.
+_NOT_THE_FILES = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
+                            errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOENT})
+
+
+def _cannot_open(path: Path, exc: OSError) -> CacheFileError:
+    return CacheFileError(f"{path}: cannot open: {exc.strerror}",
+                          damaged=exc.errno not in _NOT_THE_FILES)
+
+
 def _regular_file(path: Path) -> None:
     """Refuse what is not a regular file before MLX opens it (MLX follows
     symlinks, and opening a FIFO would block)."""
     try:
         mode = os.lstat(path).st_mode
     except OSError as exc:
-        raise CacheFileError(f"{path}: cannot open: {exc.strerror}") from None
+        raise _cannot_open(path, exc) from None
     if not stat.S_ISREG(mode):
         raise CacheFileError(f"{path}: not a regular file")
 
@@ -198,7 +211,7 @@ def _header(path: Path) -> st.FileHeader:
     try:
         return st.read_file_header(path)
     except OSError as exc:
-        raise CacheFileError(f"{path}: cannot open: {exc.strerror}") from None
+        raise _cannot_open(path, exc) from None
     except st.LayoutError as exc:
         raise CacheFileError(f"{path}: {exc}") from None
 
