@@ -31,8 +31,8 @@ class CacheFileError(Exception):
     ``damaged`` is True when the file itself is bad (unreadable, failed checksum,
     another model's or another id's file) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
-    class this process cannot import, a dtype this MLX cannot load, or the
-    file was replaced mid-read). ``replaced`` is True for the last: reading
+    class this process cannot import, a dtype this MLX cannot load, a file
+    this process cannot open now, or the file was replaced mid-read). ``replaced`` is True for the last: reading
     the path again gives a whole newer version.
     """
 
