@@ -470,6 +470,65 @@ def test_mlx_vlm_another_image_with_the_same_tokens_is_not_answered_from_the_cac
         assert client.flush(timeout=WAIT)
 
 
+class PerTokenProcessor:
+    """Returns what PaliGemma's processor does: the pixels, and beside them a
+    tensor with one entry per prompt token (``token_type_ids``; Gemma 4's
+    ``mm_token_type_ids`` is the same kind). "<image>" stands for 16 image
+    tokens."""
+
+    def __init__(self, vocab: int) -> None:
+        tok = vlm_processor(vocab)
+        self.tokenizer = tok
+        self.image_processor = object()
+        self.detokenizer = tok.detokenizer
+        self.image_token = vocab - 2
+
+    def __call__(self, text: Any, images: Any = None, padding: bool = True,
+                 return_tensors: str = "mlx", **kw: Any) -> dict[str, mx.array]:
+        text = text[0] if isinstance(text, list) else text
+        ids: list[int] = []
+        for w in text.split():
+            ids += ([self.image_token] * 16 if w == "<image>"
+                    else self.tokenizer.encode(w, add_special_tokens=False))
+        px = np.stack([np.asarray(im, dtype=np.float32).transpose(2, 0, 1) / 255
+                       for im in images])
+        return {"input_ids": mx.array([ids]), "attention_mask": mx.ones((1, len(ids))),
+                "pixel_values": mx.array(px),
+                "token_type_ids": mx.array([[int(t == self.image_token) for t in ids]])}
+
+
+def test_mlx_vlm_per_token_tensors_are_not_taken_for_media() -> None:
+    """A processor's per-token tensor (PaliGemma's token_type_ids) was hashed
+    with the pixels, so every turn about the same image, its prompt longer,
+    started cold, where mlx-vlm alone reuses the prefix."""
+    from PIL import Image
+
+    model, proc = tiny_paligemma(), PerTokenProcessor(VOCAB)
+    img = Image.fromarray((np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8))
+    words = proc.tokenizer.decode(list(range(5, 25))).split()
+    turn1 = "<image> " + " ".join(words[:10])
+
+    def turn2(answer: list[int]) -> str:
+        return turn1 + " " + proc.tokenizer.decode(answer) + " " + " ".join(words[10:])
+
+    state = PromptCacheState()
+    alone1 = vlm_tokens(vlm_stream_generate(model, proc, turn1, image=[img], max_tokens=4,
+                                            temperature=0.0, prompt_cache_state=state))
+    results = list(vlm_stream_generate(model, proc, turn2(alone1), image=[img], max_tokens=4,
+                                       temperature=0.0, prompt_cache_state=state))
+    assert results[0].cached_tokens > 0  # mlx-vlm alone reuses
+    session = kv_vlm.Session(None, "tiny-pg", "per-token", model, proc)
+    first = vlm_tokens(session.stream_generate(turn1, image=[img], max_tokens=4,
+                                               temperature=0.0))
+    assert first == alone1
+    second = vlm_tokens(session.stream_generate(turn2(first), image=[img], max_tokens=4,
+                                                temperature=0.0))
+    assert session.last_plan is not None and session.last_plan.action != "cold", \
+        session.last_plan
+    assert session.last_plan.reused == results[0].cached_tokens
+    assert second == vlm_tokens(results)
+
+
 def test_media_sources_are_fingerprinted_by_what_they_hold(tmp_path: Path) -> None:
     """Without prepared arrays the fingerprint came from the sources' repr: a
     file rewritten under the same name kept its fingerprint (the new picture

@@ -195,15 +195,20 @@ class Session(SessionBase):
         return have is None or have == r.total_tokens
 
 
-#: Keyword arguments that are the prompt itself, not media.
-_NOT_MEDIA = frozenset({"input_ids", "mask", "attention_mask"})
+#: Keyword arguments that are the prompt itself, not media: its ids and
+#: mask, and the tensors some processors return with one entry per prompt
+#: token, made from the ids (PaliGemma's and Gemma 3's ``token_type_ids``,
+#: Gemma 4's ``mm_token_type_ids``): hashed, they changed with every longer
+#: prompt, and every turn about the same image started cold.
+_NOT_MEDIA = frozenset({"input_ids", "mask", "attention_mask", "token_type_ids",
+                        "mm_token_type_ids", "labels", "position_ids"})
 
 
 def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any = None,
                       video: Any = None) -> str:
     """A fingerprint of a request's images, audio and video ("" when it has
-    none): every array argument but the prompt's ids and mask (pixel values,
-    image sizes, audio features, ...), else the sources named by ``image`` /
+    none): every array argument but the prompt's ids, mask and per-token
+    tensors (pixel values, image sizes, audio features, ...), else the sources named by ``image`` /
     ``audio`` / ``video``. Two requests with the same ids and fingerprint
     produce the same cache."""
     h = xxhash.xxh3_128()
