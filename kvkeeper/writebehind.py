@@ -139,30 +139,42 @@ class WriteBehind:
         """Save now, whatever the triggers say (still fire-and-forget)."""
         if self._closed:
             raise RuntimeError("write-behind is closed")
-        self._last = (cache, token_ids)
-        return self._save(cache, token_ids)
+        before, self._last = self._last, (cache, token_ids)
+        try:
+            return self._save(cache, token_ids)
+        except ValueError:
+            self._last = before  # refused: close() goes on from the last step taken
+            raise
 
     def close(self, cache: Any = None, token_ids: Sequence[int] | None = None) -> bool:
         """The final save: of ``(cache, token_ids)`` when given, else of what the
         last ``step()`` saw, as it is now (skipped when the last step saved it).
         Returns True when a save was handed off. Does not wait for the daemon
-        (``Client.flush()`` does). Later calls do nothing."""
+        (``Client.flush()`` does). Later calls do nothing. A ValueError (a
+        cache and token ids that disagree) leaves the helper open: a call
+        with the right pair may follow."""
         if self._closed:
             return False
         if cache is not None and token_ids is None:
             token_ids = getattr(cache, "token_ids", None)
-            if token_ids is None:  # before closing: a call with them may follow
+            if token_ids is None:
                 raise ValueError("close(cache) needs token_ids")
-        self._closed = True
         if cache is not None:
             assert token_ids is not None
             if (self._pending == 0 and self._last is not None and self._last[0] is cache
                     and self.counters.last_saved_tokens == len(token_ids)):
-                return False  # the last step saved exactly this
-            return self._save(cache, token_ids)
-        if self._last is None or self._pending == 0:
-            return False
-        return self._save(*self._last)
+                handed = False  # the last step saved exactly this
+            else:
+                handed = self._save(cache, token_ids)
+        elif self._last is None or self._pending == 0:
+            handed = False
+        else:
+            handed = self._save(*self._last)
+        self._closed = True
+        # Holding the cache past the end would keep it from being freed (a
+        # Session's forget() keeps its last helper, for the counters).
+        self._last = None
+        return handed
 
     def discard(self) -> None:
         """Close without a final save (e.g. the loop failed half way and the

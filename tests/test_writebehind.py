@@ -202,3 +202,41 @@ def test_every_call_on_a_closed_client_raises_write_behind_too(client: Client) -
             pytest.fail(f"{name}() did not raise")
     client.close()
     assert "client_saves_dropped" in client.client_stats()
+
+
+def test_a_refused_save_or_close_leaves_the_final_save_to_make(model, client: Client) -> None:
+    """close(cache, ids) with a pair that disagrees closed the helper before
+    refusing, so the retry with the right pair saved nothing; and a refused
+    save() left its pair as the last step, so close() refused it in turn."""
+    p = prompt(10, seed=9)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, "close-retry", every_tokens=100, save_first=False)
+    wb.step(cache, p)  # not due
+    with pytest.raises(ValueError, match="holds 10 tokens but 9"):
+        wb.close(cache, p[:9])
+    assert wb.close(cache, p) is True
+    wb = client.write_behind(FP, "save-refused", every_tokens=100, save_first=False)
+    wb.step(cache, p)  # not due
+    with pytest.raises(ValueError, match="holds 10 tokens but 5"):
+        wb.save(cache, p[:5])
+    assert wb.close() is True  # the last step taken
+    assert client.flush(timeout=WAIT)
+    for cache_id in ("close-retry", "save-refused"):
+        got = client.load(FP, cache_id)
+        assert got is not None and got.token_ids == p, cache_id
+
+
+def test_a_closed_helper_holds_no_cache(model, tok, client: Client) -> None:
+    """A session's last helper kept the cache it saved last, so forget()
+    freed nothing until the session's next request."""
+    import gc
+    import weakref
+
+    s = Session(client, FP, "forget", model, tok)
+    s.generate(prompt(40, seed=3), max_tokens=4)
+    refs = [weakref.ref(layer) for layer in s.cache]
+    s.forget()
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert s.last_write_behind is not None and s.last_write_behind.counters.sent >= 1
