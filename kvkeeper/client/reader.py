@@ -32,8 +32,9 @@ class CacheFileError(Exception):
     another model's or another id's file) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
     class this process cannot import, a dtype this MLX cannot load, a file
-    this process cannot open now, or the file was replaced mid-read). ``replaced`` is True for the last: reading
-    the path again gives a whole newer version.
+    this process cannot open now, or the file was replaced mid-read).
+    ``replaced`` is True for the last: reading the path again gives a whole
+    newer version.
     """
 
     def __init__(self, message: str, *, damaged: bool = True, replaced: bool = False) -> None:

@@ -208,9 +208,9 @@ def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any =
                       video: Any = None) -> str:
     """A fingerprint of a request's images, audio and video ("" when it has
     none): every array argument but the prompt's ids, mask and per-token
-    tensors (pixel values, image sizes, audio features, ...), else the sources named by ``image`` /
-    ``audio`` / ``video``. Two requests with the same ids and fingerprint
-    produce the same cache."""
+    tensors (pixel values, image sizes, audio features, ...), else the
+    sources named by ``image`` / ``audio`` / ``video``. Two requests with the
+    same ids and fingerprint produce the same cache."""
     h = xxhash.xxh3_128()
     found = False
     for name in sorted(kwargs):
