@@ -93,6 +93,7 @@ class WriteBehind:
         self._last_time = time.monotonic()
         self._last: tuple[Any, Sequence[int]] | None = None
         self._closed = False
+        self._told_closed = False
 
     # ------------------------------------------------------------ the loop
 
@@ -209,8 +210,10 @@ class WriteBehind:
             if not self.client.closed:
                 raise
             # The server closed its client while a request streams: the
-            # generation goes on, its saves are drops.
-            if self.counters.dropped == 0:
+            # generation goes on, its saves are drops (said once per helper,
+            # whatever was dropped before).
+            if not self._told_closed:
+                self._told_closed = True
                 log.warning("event=write_behind_client_closed model=%s id=%s: saves are "
                             "dropped", self.model, self.cache_id)
             ok = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import mlx.core as mx
@@ -160,7 +161,8 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
     assert got is not None and got.token_ids == p
 
 
-def test_daemon_down_drops_and_never_raises(model, daemon: RunningDaemon) -> None:
+def test_daemon_down_drops_and_never_raises(model, daemon: RunningDaemon,
+                                            caplog: pytest.LogCaptureFixture) -> None:
     p = prompt(10, seed=9)
     cache = make_prompt_cache(model)
     prefill(model, p, cache)
@@ -175,6 +177,16 @@ def test_daemon_down_drops_and_never_raises(model, daemon: RunningDaemon) -> Non
         assert [wb.step(cache, p) for _ in range(3)] == [False, False, False]
         assert wb.counters.dropped == 3 and wb.counters.sent == 0
         assert wb.close(cache, p) is False
+        # A helper whose saves were already dropped still says so when the
+        # client is closed under it (the warning was only logged before any drop).
+        wb = kv.write_behind(FP, "down", every_tokens=1, every_seconds=None)
+        assert wb.step(cache, p) is False
+        kv.close()
+        with caplog.at_level(logging.WARNING, logger="kvkeeper.writebehind"):
+            assert wb.step(cache, p) is False
+            assert wb.step(cache, p) is False
+        told = [r for r in caplog.records if "event=write_behind_client_closed" in r.getMessage()]
+        assert len(told) == 1
     finally:
         kv.close()
 
