@@ -273,6 +273,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``kvkeeper`` command; returns its exit status."""
+    # The commands turn the log off; run in-process (a script, a test),
+    # that must not outlast them.
+    disabled = logging.root.manager.disable
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -281,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    finally:
+        logging.disable(disabled)
 
 
 def _main(argv: list[str] | None) -> int:

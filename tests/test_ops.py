@@ -4,6 +4,7 @@ rm, gc and the disk budget, verify, import/export, the service files."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import plistlib
 import shlex
@@ -494,7 +495,8 @@ def test_verify_repair_that_cannot_run_still_reports_the_check(
 
 
 def test_verify_repair_that_fails_part_way_reports_what_it_moved(
-    short_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The second of two moves fails (a rename error, made here by failing
     the process's second os.rename): the report listed neither as moved
@@ -529,6 +531,11 @@ def test_verify_repair_that_fails_part_way_reports_what_it_moved(
     moved = Path(report["moved_aside"][0])
     assert not moved.exists() and "Permission denied" in report["repair_error"]
     assert len(list((short_dir / "root" / "quarantine").iterdir())) == 1
+    # main() run in-process leaves the caller's logging on: it turned every
+    # warning off for the rest of the process (and of this test run).
+    # (No caplog.at_level: it lifts logging.disable for its block.)
+    logging.getLogger("kvkeeper.client").warning("event=still_logged")
+    assert "event=still_logged" in caplog.text
 
 
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
