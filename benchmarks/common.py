@@ -230,13 +230,6 @@ def steal_seconds() -> float | None:
         return None
 
 
-def preemptions() -> int | None:
-    """Involuntary context switches of the calling thread so far (the OS took
-    its core away), or None where there is no per-thread count (not Linux)."""
-    who = getattr(resource, "RUSAGE_THREAD", None)
-    return None if who is None else resource.getrusage(who).ru_nivcsw
-
-
 def _switches() -> tuple[int, int] | None:
     """(voluntary, involuntary) context switches of the calling thread so far."""
     who = getattr(resource, "RUSAGE_THREAD", None)
@@ -260,10 +253,13 @@ def _run_delay() -> float | None:
 class CallClock:
     """Wall time of calls, and where each call's time went: the calling
     thread's CPU time, its wait for a core (run queue), and what neither
-    explains. A guest's CPU time leaves out what the hypervisor took (steal),
-    so in a call that never blocked (no voluntary switch) the remainder is
-    time the virtual CPU was taken away while the thread ran. Where the
-    counters cannot be read (not Linux), ``waited`` and ``stolen`` hold None."""
+    explains. A guest kernel that accounts steal (paravirt time accounting,
+    as here: /proc/stat's steal advances) leaves out of a thread's CPU time
+    what the hypervisor took, so in a call that never blocked (no voluntary
+    switch) the remainder is time the virtual CPU was taken away while the
+    thread ran (and, on a kernel that accounts interrupt time apart, time in
+    interrupts). Where the counters cannot be read (not Linux), ``waited``
+    and ``stolen`` hold None."""
 
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)

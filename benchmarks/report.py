@@ -266,7 +266,8 @@ def _steal_verdict(m: dict[str, Any]) -> str:
     within = ("within the limit: on this run the miss is time the hypervisor took"
               if clean <= m["limit_s"] else "still above the limit")
     return (f" With the hypervisor's share of each call taken out (wall time less the thread's "
-            f"CPU time and its wait for a core, in calls that did not block), p99 is "
+            f"CPU time and its wait for a core, in calls that did not block: this kernel "
+            f"leaves stolen time out of a thread's CPU time), p99 is "
             f"{fmt_s(m['save_p99_without_steal_idle_s'])} idle and "
             f"{fmt_s(m['save_p99_without_steal_streaming_s'])} streaming: {within}.")
 

@@ -160,28 +160,37 @@ class WriteBehind:
             token_ids = getattr(cache, "token_ids", None)
             if token_ids is None:
                 raise ValueError("close(cache) needs token_ids")
+        try:
+            handed = self._final_save(cache, token_ids)
+        except ValueError:
+            raise  # refused: still open
+        except BaseException:
+            self._end()
+            raise
+        self._end()
+        return handed
+
+    def _final_save(self, cache: Any, token_ids: Sequence[int] | None) -> bool:
         if cache is not None:
             assert token_ids is not None
             if (self._pending == 0 and self._last is not None and self._last[0] is cache
                     and self.counters.last_saved_tokens == len(token_ids)):
-                handed = False  # the last step saved exactly this
-            else:
-                handed = self._save(cache, token_ids)
-        elif self._last is None or self._pending == 0:
-            handed = False
-        else:
-            handed = self._save(*self._last)
+                return False  # the last step saved exactly this
+            return self._save(cache, token_ids)
+        if self._last is None or self._pending == 0:
+            return False
+        return self._save(*self._last)
+
+    def _end(self) -> None:
         self._closed = True
         # Holding the cache past the end would keep it from being freed (a
         # Session's forget() keeps its last helper, for the counters).
         self._last = None
-        return handed
 
     def discard(self) -> None:
         """Close without a final save (e.g. the loop failed half way and the
         cache may be inconsistent); the last save stays the newest."""
-        self._closed = True
-        self._last = None
+        self._end()
 
     def __enter__(self) -> WriteBehind:
         return self

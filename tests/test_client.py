@@ -876,7 +876,8 @@ def test_after_a_save_is_sent_the_cache_updates_in_place(client: Client) -> None
     assert _address(c.keys) == before, "the sent save still shares the cache's buffer"
 
 
-def test_a_load_waits_for_a_stalled_daemon_one_timeout_in_all(short_dir: Path) -> None:
+def test_a_load_waits_for_a_stalled_daemon_one_timeout_in_all(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A load that has to ask who the daemon is (it reconnected), then for the
     file, then to move the damaged file aside, gave each of those requests the
     whole timeout: three timeouts against a stalled daemon. It gets one."""
@@ -907,11 +908,14 @@ def test_a_load_waits_for_a_stalled_daemon_one_timeout_in_all(short_dir: Path) -
             proc.send_signal(signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
-                assert kv.load(FP, "a") is None
+                with caplog.at_level(logging.INFO, logger="kvkeeper.client"):
+                    assert kv.load(FP, "a") is None
                 took = time.monotonic() - t0
             finally:
                 proc.send_signal(signal.SIGCONT)
             assert took < 2.0, f"load() took {took:.2f} s with a 1 s timeout"
+            assert "event=quarantine_requested" in caplog.text  # not "not done"
+            assert "event=quarantine_not_done" not in caplog.text
             # The requests went out all the same: once it runs again, the
             # daemon moves the file aside.
             wait_for(lambda: not path.exists(), "the damaged file to be moved aside")

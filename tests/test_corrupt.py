@@ -497,3 +497,15 @@ def test_a_file_a_client_cannot_open_now_is_not_moved_aside(
     quarantine = daemon.root / "quarantine"
     assert not quarantine.exists() or not any(quarantine.iterdir())
     assert version_of(path) == 4
+
+
+def test_a_file_where_the_model_directory_should_be_is_a_miss(
+        client: Client, daemon: RunningDaemon) -> None:
+    """Looking at the entry's place failed with an error other than "no such
+    file" (here ENOTDIR; for another user, EACCES), and load() raised it."""
+    place = entry_path(daemon.root, "x", model="stray-model")
+    place.parent.parent.mkdir(parents=True, exist_ok=True)
+    place.parent.write_bytes(b"not a directory")
+    assert client.load("stray-model", "x") is None
+    assert client.load("stray-model", "x", verify=False) is None
+    assert place.parent.read_bytes() == b"not a directory"

@@ -586,11 +586,16 @@ class Client:
     def _report_damaged(self, model: str, cache_id: str, ident: os.stat_result,
                         reason: str, deadline: float) -> None:
         """Ask the daemon to move a bad file aside (it is the only writer)."""
+        wait = _left(deadline)
         try:
             self._request(lambda req: m.Quarantine(
                 v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
-                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]),
-                _left(deadline))
+                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]), wait)
+        except DaemonTimedOut:
+            # Sent all the same: the daemon moves the file when it gets to it.
+            log.info("event=quarantine_requested model=%s id=%s: not waited for (%s)",
+                     model, cache_id, "the load's timeout was spent" if wait == 0
+                     else f"no answer within {wait:.3g} s")
         except (DaemonUnavailable, DaemonError) as exc:
             log.info("event=quarantine_not_done model=%s id=%s error=%s", model, cache_id, exc)
 
@@ -860,7 +865,7 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
     """Read the cache file at ``path``, again while it was replaced mid-read
     (at most ``_READ_ATTEMPTS`` reads)."""
-    from kvkeeper.client.reader import CacheFileError, read_file
+    from kvkeeper.client.reader import CacheFileError, cannot_open, read_file
 
     attempt = _Attempt(path)
     for _ in range(_READ_ATTEMPTS):
@@ -872,6 +877,8 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
             return attempt
         except FileNotFoundError:
             return _Attempt(path)  # no file (or deleted meanwhile): a plain miss
+        except OSError as exc:  # the lstat: no permission to the directory, ...
+            return _Attempt(path, error=cannot_open(path, exc))  # no file known to report
         except CacheFileError as exc:
             attempt.error = exc
             if not exc.replaced:

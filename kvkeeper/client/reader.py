@@ -192,7 +192,9 @@ _NOT_THE_FILES = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFIL
                             errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOENT})
 
 
-def _cannot_open(path: Path, exc: OSError) -> CacheFileError:
+def cannot_open(path: Path, exc: OSError) -> CacheFileError:
+    """The CacheFileError for a file that could not be opened (or looked at):
+    damaged unless the error is this process's (`_NOT_THE_FILES`)."""
     return CacheFileError(f"{path}: cannot open: {exc.strerror}",
                           damaged=exc.errno not in _NOT_THE_FILES)
 
@@ -203,7 +205,7 @@ def _regular_file(path: Path) -> None:
     try:
         mode = os.lstat(path).st_mode
     except OSError as exc:
-        raise _cannot_open(path, exc) from None
+        raise cannot_open(path, exc) from None
     if not stat.S_ISREG(mode):
         raise CacheFileError(f"{path}: not a regular file")
 
@@ -212,7 +214,7 @@ def _header(path: Path) -> st.FileHeader:
     try:
         return st.read_file_header(path)
     except OSError as exc:
-        raise _cannot_open(path, exc) from None
+        raise cannot_open(path, exc) from None
     except st.LayoutError as exc:
         raise CacheFileError(f"{path}: {exc}") from None
 
