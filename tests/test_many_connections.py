@@ -12,7 +12,16 @@ from pathlib import Path
 from kvkeeper.client.client import Client
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, RunningDaemon, dealer, dealers, serve_process, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    dealer,
+    dealers,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
 from .faultkit import FP, filled
 
 V = m.PROTOCOL_VERSION
@@ -114,12 +123,22 @@ def test_a_clients_failure_outlives_ten_thousand_other_clients(
 
 
 def test_a_save_still_arriving_keeps_its_place_among_ten_thousand_others(
-    daemon: RunningDaemon
+    short_dir: Path
 ) -> None:
     """The daemon keeps the stream of 10,000 peers (to drop the rest of a
     refused save quietly); the next one made it forget the oldest, even a
     save still arriving: the rest of its bytes were refused (unknown_save),
     and it failed at its stall timeout, holding its memory meanwhile."""
+    # 10,001 peers one after another take about 10 s here: a stall timeout
+    # that long would fail the slow save on its own.
+    daemon = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600)
+    try:
+        _save_arriving_among_ten_thousand(daemon)
+    finally:
+        assert daemon.stop() == 0
+
+
+def _save_arriving_among_ten_thousand(daemon: RunningDaemon) -> None:
     V = m.PROTOCOL_VERSION
     with dealers(daemon.socket, 1) as (a,):
         a.send(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id="slow",

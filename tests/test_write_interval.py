@@ -151,6 +151,9 @@ def test_saves_are_not_held_when_memory_is_short(short_dir: Path) -> None:
                 assert kv.save(FP, "big", [layer], [i])
                 # Written without a flush or a load, long before the interval ends.
                 wait_for(lambda i=i: tokens_on_disk(d.root, "big") == [i], f"save {i}")
+                # Its bytes leave the budget just after the rename: a save sent
+                # in between found 4 of 6 MiB still pending and was refused.
+                wait_for(lambda: kv.stats()["pending_bytes"] == 0, "the budget to be free")
             assert kv.stats().get("saves_held", 0) == 0
     finally:
         d.stop()
