@@ -63,7 +63,7 @@ class Profile:
     name: str
     shape: Shape
     tokens: tuple[int, ...]  # cache sizes of the hot-path and load cases
-    hot_idle_n: int  # save() calls with the daemon idle (flush between), largest cache
+    hot_idle_n: int  # save() calls with the daemon idle (flush between)
     hot_stream_n: int  # save() calls every stream_pace_s, no flush between
     stream_pace_s: float
     sync_reps: int  # runs of each synchronous baseline and of mlx-vlm's APC
@@ -85,8 +85,6 @@ class Profile:
     clients_tokens: int
     clients_duration_s: float
     gen_save_every: int = 16
-    #: Idle save() calls for the other caches (0: as many as hot_idle_n).
-    hot_idle_n_other: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
