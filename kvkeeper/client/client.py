@@ -106,10 +106,9 @@ class Client:
     interpreter exit) and a save taking the in-flight budget past half send it
     at once (0 sends every save as it comes). ``timeout`` caps every wait for
     the daemon (a ``load()``'s waits together). ``cpu_policy`` "batch" (on
-    Linux) runs the client's
-    background threads under SCHED_BATCH, so they never take a core from the
-    generation loop when they wake up; "normal" leaves them under the
-    caller's policy (see :mod:`kvkeeper.cpupolicy`). The caller's own thread
+    Linux) runs the client's background threads under SCHED_BATCH, so they
+    never take a core from the generation loop when they wake up; "normal"
+    leaves them under the caller's policy (see :mod:`kvkeeper.cpupolicy`). The caller's own thread
     is never changed.
     """
 
