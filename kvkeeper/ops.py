@@ -330,6 +330,9 @@ def verify(args: argparse.Namespace) -> int:
         bad: list[tuple[Path, str, os.stat_result | None]] = []
         legacy: list[Path] = []
         others: list[Path] = []  # safetensors files that are not caches: not the daemon's
+        # Files this process could not read for reasons of its own (out of
+        # descriptors, no permission): not checked, and never moved aside.
+        unchecked: list[tuple[Path, str]] = []
         with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                       console=err, disable=args.json or not err.is_terminal) as bar:
             task = bar.add_task("verify", total=sum(sizes.values()))
@@ -356,7 +359,13 @@ def verify(args: argparse.Namespace) -> int:
                 except FileNotFoundError:
                     files.pop()  # gone meanwhile: not checked
                     bar.advance(task, size)
-                except (OSError, st.LayoutError) as exc:
+                except OSError as exc:
+                    if st.says_nothing_of_the_file(exc):
+                        unchecked.append((f, exc.strerror or str(exc)))
+                        bar.advance(task, size)
+                    else:
+                        bad.append((f, str(exc), judged))
+                except st.LayoutError as exc:
                     bad.append((f, str(exc), judged))
         repaired: list[Path] = []
         repair_error: Exception | None = None
@@ -370,12 +379,13 @@ def verify(args: argparse.Namespace) -> int:
     finally:
         if kv is not None:
             kv.close()
-    checked = len(files) - len(legacy) - len(others)
+    checked = len(files) - len(legacy) - len(others) - len(unchecked)
     if args.json:
         _print_json({"root": str(root), "checked": checked,
                      "legacy_unchecked": [str(p) for p in legacy],
                      "not_caches": [str(p) for p in others],
                      "bad": [{"path": str(p), "reason": r} for p, r, _ in bad],
+                     "could_not_read": [{"path": str(p), "reason": r} for p, r in unchecked],
                      "moved_aside": [str(p) for p in repaired],
                      **({"repair_error": str(repair_error)} if repair_error else {})})
     else:
@@ -387,10 +397,18 @@ def verify(args: argparse.Namespace) -> int:
         for p, reason, _ in bad:
             out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
                                     (" (moved aside)", "green") if p in repaired else ""))
-        out.print(f"[red]{len(bad)} bad[/]" if bad else "[green]all good[/]")
+        for p, reason in unchecked:
+            out.print(Text.assemble(("NOT CHECKED", "yellow"), " ", shown(p), ": ",
+                                    shown(reason), " (this process could not read it; "
+                                    "left in place)"))
+        out.print(Text.assemble(
+            (f"{len(bad)} bad", "red") if bad else
+            ("" if unchecked else ("all good", "green")),
+            ", " if bad and unchecked else "",
+            (f"{len(unchecked)} not checked", "yellow") if unchecked else ""))
     if repair_error is not None:
         raise repair_error  # its message and exit status, after the report
-    return 1 if bad else 0
+    return 1 if bad or unchecked else 0
 
 
 def _size(path: Path) -> int | None:

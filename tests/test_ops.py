@@ -844,3 +844,48 @@ def test_a_flood_of_gc_requests_does_not_hold_up_saves(client: Client,
         assert took < 3.0, f"a save and flush took {took:.1f} s behind 500 gc requests"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_verify_does_not_call_a_file_it_cannot_open_bad(short_dir: Path) -> None:
+    """verify counted any error opening a file as damage, and --repair moved
+    the file aside (to quarantine/, which the disk budget empties first) when
+    the trouble was the checking process's own: here, no permission (EACCES:
+    root without the capabilities that override file modes, and a file of
+    mode 0); likewise a process out of file descriptors."""
+    from .faultkit import need_linux_root
+
+    need_linux_root()
+    root = short_dir / "root"
+    rd = start_daemon(root, short_dir / "run" / "kv.sock")
+    with Client(rd.socket, timeout=WAIT) as kv:
+        for name in ("mine", "theirs"):
+            assert kv.save(FP, name, filled(0.5, 2), [2])
+        assert kv.flush(timeout=WAIT)
+    rd.stop()
+    theirs = entry_path(root, "theirs")
+    theirs.chmod(0)
+    drop = "-dac_override,-dac_read_search"
+    r = subprocess.run(
+        ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable, "-m",
+         "kvkeeper.cli", "verify", "--root", str(root), "--socket",
+         str(short_dir / "none.sock"), "--repair", "--json"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr[-3000:])
+    report = json.loads(r.stdout or "null")
+    assert report is not None, r.stderr[-3000:]
+    assert report["bad"] == [] and report["moved_aside"] == [], report
+    assert report["could_not_read"] == [{"path": str(theirs), "reason": "Permission denied"}]
+    assert report["checked"] == 1
+    theirs.chmod(0o600)
+    assert version_of(theirs) == 2
+    quarantine = root / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())
+    # Without --json, people are told too.
+    theirs.chmod(0)
+    r = subprocess.run(
+        ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable, "-m",
+         "kvkeeper.cli", "verify", "--root", str(root), "--socket",
+         str(short_dir / "none.sock")], capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 1 and f"NOT CHECKED {theirs}: Permission denied" in text, r.stdout
+    assert "1 not checked" in text and "BAD" not in text

@@ -7,7 +7,6 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
@@ -185,18 +184,11 @@ def _mlx_checks_offsets() -> bool:
 MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 
 
-#: Errors opening or reading a file that say nothing about the file: this
-#: process is out of descriptors or memory, may not read it, or was
-#: interrupted. Others (a symlink at its place, a read error) are the file's.
-_NOT_THE_FILES = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
-                            errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOENT})
-
-
 def cannot_open(path: Path, exc: OSError) -> CacheFileError:
     """The CacheFileError for a file that could not be opened (or looked at):
-    damaged unless the error is this process's (`_NOT_THE_FILES`)."""
+    damaged unless the error is this process's."""
     return CacheFileError(f"{path}: cannot open: {exc.strerror}",
-                          damaged=exc.errno not in _NOT_THE_FILES)
+                          damaged=not st.says_nothing_of_the_file(exc))
 
 
 def _regular_file(path: Path) -> None:

@@ -13,6 +13,7 @@ written over it before the file is made durable.
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import os
@@ -314,6 +315,20 @@ class TensorHasher:
 
 
 _O_NOATIME: int = getattr(os, "O_NOATIME", 0)  # Linux only; elsewhere the atime is put back
+
+
+#: Errors opening or reading a file that say nothing about the file: this
+#: process is out of descriptors or memory, may not read it, or was
+#: interrupted; or the file went meanwhile. Others (a symlink at its place, a
+#: read error) are the file's.
+_NOT_THE_FILES = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
+                            errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOENT})
+
+
+def says_nothing_of_the_file(exc: OSError) -> bool:
+    """Whether ``exc``, met opening or reading a file, is the reader's
+    trouble rather than the file's (so the file must not be called damaged)."""
+    return exc.errno in _NOT_THE_FILES
 
 
 @contextmanager
