@@ -499,6 +499,48 @@ def test_a_file_a_client_cannot_open_now_is_not_moved_aside(
     assert version_of(path) == 4
 
 
+#: A client whose process may not map more memory loads a 64 MiB entry:
+#: MLX fails to read the tensors, which says nothing about the file.
+OUT_OF_MEMORY = """
+import resource, sys
+from kvkeeper import Client
+from kvkeeper.client import reader  # noqa: F401 - imported before the limit
+kv = Client(sys.argv[1], timeout=30)
+assert kv.connected
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+with open("/proc/self/status") as f:
+    vm = int(f.read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 16 * 2**20, hard))
+try:
+    missed = kv.load(sys.argv[2], "big") is None
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+again = kv.load(sys.argv[2], "big")
+print("RESULT", missed, again is not None and again.token_ids == [6])
+kv.close()
+"""
+
+
+def test_a_load_out_of_memory_is_a_miss_not_an_exception_or_damage(
+        client: Client, daemon: RunningDaemon) -> None:
+    """A verified load whose tensors MLX failed to read (here for want of
+    memory) raised MLX's RuntimeError out of load()."""
+    import subprocess
+    import sys
+
+    assert client.save(FP, "big", filled(64, 6), [6]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "big")
+    r = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY, str(daemon.socket), FP],
+                       capture_output=True, text=True, timeout=WAIT * 4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESULT True True" in r.stdout, (r.stdout, r.stderr[-3000:])
+    assert "could not read its tensors" in r.stderr  # the miss says why
+    assert path.exists()
+    quarantine = daemon.root / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())
+    assert version_of(path) == 6
+
+
 def test_a_file_where_the_model_directory_should_be_is_a_miss(
         client: Client, daemon: RunningDaemon) -> None:
     """Looking at the entry's place failed with an error other than "no such

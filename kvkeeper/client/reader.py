@@ -266,7 +266,15 @@ def _verify(path: Path, header: st.FileHeader, arrays: dict[str, mx.array]) -> N
         raise CacheFileError(f"{path}: {exc}") from None
     if sums is None or set(sums) != set(arrays):
         raise CacheFileError(f"{path}: checksums missing or not covering every tensor")
-    mx.eval(list(arrays.values()))
+    try:
+        mx.eval(list(arrays.values()))
+    except Exception as exc:  # noqa: BLE001 - MLX raises RuntimeError for any failed read
+        # The header, just read, says the file holds every byte: what failed
+        # is as likely this process (out of memory: "Unable to read from
+        # file", measured under an address-space limit) as the file, so it
+        # is not moved aside; a file cut short since fails the next header check.
+        raise CacheFileError(f"{path}: MLX could not read its tensors: {exc}",
+                             damaged=False) from None
     got = _checksums_of(arrays)
     for name in arrays:
         if got[name] != sums[name]:
