@@ -483,20 +483,28 @@ def test_a_file_a_client_cannot_open_now_is_not_moved_aside(
     """Any error opening the file counted as damage: a client out of file
     descriptors (or memory, or permission) had the daemon move good files
     to quarantine/, where the disk budget deletes first."""
+    assert client.save(FP, "a", filled(0.2, 4), [4]) and client.flush(timeout=WAIT)
+    missed_and_left_in_place(daemon, OUT_OF_DESCRIPTORS, "a", 4, "Too many open files")
+
+
+def missed_and_left_in_place(daemon: RunningDaemon, script: str, cache_id: str,
+                             version: int, reason: str) -> None:
+    """Run a client ``script`` that loads ``cache_id`` in trouble of its own,
+    then not: the first load missed, saying ``reason``, the second returned
+    the entry, and the file stayed where it was."""
     import subprocess
     import sys
 
-    assert client.save(FP, "a", filled(0.2, 4), [4]) and client.flush(timeout=WAIT)
-    path = entry_path(daemon.root, "a")
-    r = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(daemon.socket), FP],
-                       capture_output=True, text=True, timeout=WAIT)
+    path = entry_path(daemon.root, cache_id)
+    r = subprocess.run([sys.executable, "-c", script, str(daemon.socket), FP],
+                       capture_output=True, text=True, timeout=WAIT * 4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RESULT True True" in r.stdout, (r.stdout, r.stderr[-3000:])
-    assert "Too many open files" in r.stderr  # the miss says why
+    assert reason in r.stderr  # the miss says why
     assert path.exists()
     quarantine = daemon.root / "quarantine"
     assert not quarantine.exists() or not any(quarantine.iterdir())
-    assert version_of(path) == 4
+    assert version_of(path) == version
 
 
 #: A client whose process may not map more memory loads a 64 MiB entry:
@@ -525,20 +533,8 @@ def test_a_load_out_of_memory_is_a_miss_not_an_exception_or_damage(
         client: Client, daemon: RunningDaemon) -> None:
     """A verified load whose tensors MLX failed to read (here for want of
     memory) raised MLX's RuntimeError out of load()."""
-    import subprocess
-    import sys
-
     assert client.save(FP, "big", filled(64, 6), [6]) and client.flush(timeout=WAIT)
-    path = entry_path(daemon.root, "big")
-    r = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY, str(daemon.socket), FP],
-                       capture_output=True, text=True, timeout=WAIT * 4)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "RESULT True True" in r.stdout, (r.stdout, r.stderr[-3000:])
-    assert "could not read its tensors" in r.stderr  # the miss says why
-    assert path.exists()
-    quarantine = daemon.root / "quarantine"
-    assert not quarantine.exists() or not any(quarantine.iterdir())
-    assert version_of(path) == 6
+    missed_and_left_in_place(daemon, OUT_OF_MEMORY, "big", 6, "could not read its tensors")
 
 
 def test_a_file_where_the_model_directory_should_be_is_a_miss(
