@@ -18,7 +18,9 @@ request queued behind a full budget waited for all of it (a ping behind 512 MiB
 of saves: 1.6 s median). The rest waits in the I/O thread's backlog, which a
 request passes unless it must see a save there: a load or delete of a key goes
 just after that key's last save, a flush after everything. A newer save of a
-key replaces one still waiting in the backlog, whatever its size.
+key takes the place of one not yet started in the backlog, whatever its size,
+unless a request made since must see that one (a save made after a delete is
+not deleted).
 
 A save of a cache sent less than ``min_send_interval`` ago waits in the I/O
 thread until that interval is over, unbuilt, and a newer save of the cache
@@ -164,7 +166,9 @@ class _Save:
 class _Request:
     header: bytes | None  # None: nothing to send, only the release
     req: int
-    release: Key | None = None  # send this key's waiting save first (ALL_KEYS: every one)
+    # The key whose saves it must see (ALL_KEYS: every save), sent first; None:
+    # it may pass saves still waiting.
+    release: Key | None = None
     future: Future[m.Reply] = field(default_factory=Future)
     sent: bool = False  # the I/O thread's: handed to a connection (which may die with it)
     seq: int = 0  # the I/O thread's: Channel._sent when it went
@@ -313,10 +317,11 @@ class Channel:
     def send_request(self, make: Callable[[int], m.Request], *,
                      release: Key | None = None) -> PendingReply:
         """Send a request without waiting; ``wait`` collects the reply, so the
-        caller can work while the daemon answers. A save of ``release``
-        waiting out the send interval goes just before it (``ALL_KEYS``: every
-        waiting save). Raises DaemonUnavailable when the daemon is not
-        connected."""
+        caller can work while the daemon answers. Every save of ``release``
+        made before it (``ALL_KEYS``: every save) reaches the daemon first,
+        one waiting out the send interval included; with ``release`` None it
+        may pass saves still waiting for room. Raises DaemonUnavailable when
+        the daemon is not connected."""
         if not self.connected.is_set():
             raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
         req = self.next_req_id()
