@@ -529,6 +529,26 @@ def test_mlx_vlm_per_token_tensors_are_not_taken_for_media() -> None:
     assert second == vlm_tokens(results)
 
 
+def test_per_token_masks_of_other_processors_are_not_taken_for_media() -> None:
+    """DeepSeek-VL2's processor (and DeepSeek-OCR's) returns images_seq_mask,
+    mllama's cross_attention_mask, one row per prompt token: hashed, a
+    longer prompt about the same picture gave another fingerprint, and the
+    turn started cold. Shapes as those processors make them."""
+    rng = np.random.default_rng(1)
+    pixels = mx.array(rng.random((1, 3, 32, 32), dtype=np.float32))
+    other = mx.array(rng.random((1, 3, 32, 32), dtype=np.float32))
+
+    def turn(px: mx.array, n: int) -> str:
+        seq = mx.array(np.arange(n)[None] < 16)  # the first 16 tokens are the image's
+        cross = mx.ones((1, n, 1, 4), dtype=mx.int32)  # tokens x images x tiles
+        return kv_vlm.media_fingerprint({"input_ids": mx.zeros((1, n), dtype=mx.int32),
+                                         "pixel_values": px, "images_seq_mask": seq,
+                                         "cross_attention_mask": cross})
+
+    assert turn(pixels, 20) == turn(pixels, 31)
+    assert turn(pixels, 20) != turn(other, 20)
+
+
 def test_media_sources_are_fingerprinted_by_what_they_hold(tmp_path: Path) -> None:
     """Without prepared arrays the fingerprint came from the sources' repr: a
     file rewritten under the same name kept its fingerprint (the new picture

@@ -198,10 +198,13 @@ class Session(SessionBase):
 #: Keyword arguments that are the prompt itself, not media: its ids and
 #: mask, and the tensors some processors return with one entry per prompt
 #: token, made from the ids (PaliGemma's and Gemma 3's ``token_type_ids``,
-#: Gemma 4's ``mm_token_type_ids``): hashed, they changed with every longer
-#: prompt, and every turn about the same image started cold.
+#: Gemma 4's ``mm_token_type_ids``, DeepSeek-VL2's and DeepSeek-OCR's
+#: ``images_seq_mask``, Llama 3.2 Vision's ``cross_attention_mask``, whose
+#: image and tile axes follow the pixels, hashed anyway): hashed, they changed
+#: with every longer prompt, and every turn about the same image started cold.
 _NOT_MEDIA = frozenset({"input_ids", "mask", "attention_mask", "token_type_ids",
-                        "mm_token_type_ids", "labels", "position_ids"})
+                        "mm_token_type_ids", "labels", "position_ids", "images_seq_mask",
+                        "cross_attention_mask"})
 
 
 def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any = None,
