@@ -84,6 +84,8 @@ class Profile:
     clients_n: int
     clients_tokens: int
     clients_duration_s: float
+    requests_tokens: int = 4096  # the cache saved as fast as save() returns (case 8)
+    requests_duration_s: float = 10.0
     gen_save_every: int = 16
 
     def as_dict(self) -> dict[str, Any]:
@@ -116,6 +118,7 @@ QUICK = Profile(
     resume_lengths=(256, 512), resume_reps=5,
     mem_total=1 * GiB, mem_save_tokens=512, mem_max_pending=256 * MiB, mem_clients=2,
     clients_n=4, clients_tokens=256, clients_duration_s=3.0,
+    requests_tokens=1024, requests_duration_s=3.0,
 )
 #: Smoke-test sizes: every code path, nothing worth reading.
 TINY = Profile(
@@ -126,6 +129,7 @@ TINY = Profile(
     resume_lengths=(64,), resume_reps=2,
     mem_total=16 * MiB, mem_save_tokens=256, mem_max_pending=2 * MiB, mem_clients=2,
     clients_n=2, clients_tokens=256, clients_duration_s=0.5,
+    requests_tokens=512, requests_duration_s=0.5,
 )
 
 

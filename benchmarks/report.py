@@ -83,6 +83,9 @@ def _measured_text(t: dict[str, Any]) -> str:
     if case.startswith("7"):
         return (f"{m['written_gib_per_s']:.2f} GiB/s written, p99 load "
                 f"{fmt_s(m['load_p99_s'])} over {m['loads']} loads")
+    if case.startswith("8"):
+        return ", ".join(f"{_REQUEST_NAMES[k]} {fmt_s(v['flood_median_s'])} "
+                         f"(idle {fmt_s(v['idle_median_s'])})" for k, v in m.items())
     return str(m)
 
 
@@ -646,7 +649,7 @@ def _memory(doc: dict[str, Any]) -> list[str]:
         ["save() calls", str(m["attempts"])],
         ["dropped by the clients (in-flight budget full)", str(m["client_counters"]["dropped"])],
         ["lost by the clients (pipe broke)", str(m["client_counters"]["lost"])],
-        ["coalesced by the clients (replaced while waiting out the send interval)",
+        ["coalesced by the clients (replaced by a newer save of the key before it was sent)",
          str(m["client_counters"].get("coalesced", 0))],
         ["received by the daemon", str(c["saves_received"])],
         ["written", str(c["saves_written"])],
@@ -681,8 +684,8 @@ def _clients(doc: dict[str, Any]) -> list[str]:
     out += _table(["", ""], [
         ["saves handed off / dropped by clients / refused", f"{c['saves_handed_off']} / "
          f"{c['saves_dropped_by_clients']} / {c['saves_refused']}"],
-        ["coalesced by the clients (replaced by a newer save within `min_send_interval`, "
-         "never sent)", "not recorded in this run" if coalesced is None else str(coalesced)],
+        ["coalesced by the clients (replaced by a newer save of the key before it was "
+         "sent)", "not recorded in this run" if coalesced is None else str(coalesced)],
         ["daemon: received / written / superseded", f"{d['saves_received']} / "
          f"{d['saves_written']} / {d['saves_superseded']}"],
         ["aggregate written (durable)", f"{c['written_gib_per_s']:.2f} GiB/s"],
@@ -693,6 +696,46 @@ def _clients(doc: dict[str, Any]) -> list[str]:
         ["save() latency p50 / p99", f"{_p(c['save_latency'])} / {_p(c['save_latency'], 'p99')}"],
     ])
     return out
+
+
+#: The requests of case 8, as the report names them.
+_REQUEST_NAMES = {
+    "ping": "`ping()`",
+    "load_miss": "`load()` of a key never saved",
+    "load_other": "lazy `load()` of another key",
+    "load_flooded": "lazy `load()` of the key being saved",
+    "flush": "`flush()`",
+}
+
+
+def _requests(doc: dict[str, Any]) -> list[str]:
+    r = doc["cases"]["requests"]
+    c = r["client_counters"]
+    out = ["## 8. Requests behind saves", ""]
+    flood = (f"One thread saves a {fmt_bytes(r['bytes_per_save'])} cache as fast as `save()` "
+             f"returns (a call every 1 ms, far more than the disk takes: the client's "
+             f"in-flight budget fills, and newer saves replace those waiting)")
+    asks = (f"another makes requests through the same client, one every "
+            f"{r['pause_s'] * 1000:g} ms, for {r['duration_s']:g} s, after the same requests "
+            f"with nothing queued")
+    out.append(f"{flood}; {asks}. A request waits only for the saves it must see (the client "
+               f"hands ZeroMQ about 32 MiB at a time and keeps the rest): a load of the key "
+               f"being saved, and a flush, wait for its writes; the others pass them.")
+    out.append("")
+    rows = []
+    for k, name in _REQUEST_NAMES.items():
+        f, i = r["flood"][k], r["idle"][k]
+        rows.append([name, f"{_p(i)} ({i['n']})", f"{_p(f)} / {_p(f, 'max')} ({f['n']})"])
+    out += _table(["request", "idle: median (n)", "during the flood: median / max (n)"], rows)
+    out.append("")
+    out.append(
+        f"`save()` returned True {r['saves_true']} times and False {r['saves_false']} times "
+        f"(budget full); of the saves handed off, the client sent {c.get('saves_sent', 0)} and "
+        f"replaced {c.get('saves_coalesced', 0)} with a newer one before sending them; "
+        f"lost {c.get('saves_lost', 0)}. The flush after the flood: "
+        f"{'True' if r['flush_after_ok'] else 'False'}.")
+    return out
+
 
 
 def _why(doc: dict[str, Any]) -> list[str]:
@@ -934,7 +977,7 @@ def markdown(doc: dict[str, Any], png: str) -> str:
         f"in the same run, alternating the contenders; figures are medians of at least "
         f"{min(prof['sync_reps'], prof['disk_reps'], prof['load_reps'], prof['resume_reps'])} "
         f"runs, but where a section gives its own count (section 3's breakdown) and in "
-        f"sections 6 and 7 (one run each). **p99 is nearest-rank: with fewer than 100 "
+        f"sections 6, 7 and 8 (one run each). **p99 is nearest-rank: with fewer than 100 "
         f"samples it is the maximum, with 100 to 199 the second largest.**")
     out.append("")
     out.append("## Machine")
@@ -963,7 +1006,7 @@ def markdown(doc: dict[str, Any], png: str) -> str:
     sections = (("hot_path", lambda: _hot(doc, png)), ("generation", lambda: _gen(doc)),
                 ("disk", lambda: _disk(doc)), ("load", lambda: _load(doc)),
                 ("resume", lambda: _resume(doc)), ("memory", lambda: _memory(doc)),
-                ("clients", lambda: _clients(doc)))
+                ("clients", lambda: _clients(doc)), ("requests", lambda: _requests(doc)))
     for name, make in sections:
         res = doc["cases"].get(name)
         if res is None or "error" in res:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import clients, disk, generation, hot_path, load, memory, report, resume
+from benchmarks import clients, disk, generation, hot_path, load, memory, report, requests, resume
 from benchmarks.common import (
     FULL,
     QUICK,
@@ -43,6 +43,7 @@ CASES = {
     "resume": resume,
     "memory": memory,
     "clients": clients,
+    "requests": requests,
 }
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("matplotlib")
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 60.0
-CASES = {"hot_path", "generation", "disk", "load", "resume", "memory", "clients"}
+CASES = {"hot_path", "generation", "disk", "load", "resume", "memory", "clients", "requests"}
 
 
 def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
@@ -62,14 +62,19 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
     assert mem["rss_peak_bytes"] > 0
     clients = doc["cases"]["clients"]
     assert clients["loads"] > 0 and clients["load_misses"] == 0
+    requests = doc["cases"]["requests"]
+    for kind in ("ping", "load_miss", "load_other", "load_flooded", "flush"):
+        assert requests["flood"][kind]["n"] > 0 and requests["idle"][kind]["n"] > 0, kind
+    assert requests["saves_true"] > 0 and requests["flush_after_ok"]
 
     cases_with_targets = {t["case"] for t in doc["targets"]}
-    assert len(cases_with_targets) == 7
+    assert len(cases_with_targets) == 8
     for t in doc["targets"]:
         assert set(t) >= {"case", "target", "measured", "met"}
 
     md = (out / "BENCHMARKS.md").read_text()
-    for heading in ("## Machine", "## Targets", "## 1. Hot path", "## 7. Many clients"):
+    for heading in ("## Machine", "## Targets", "## 1. Hot path", "## 7. Many clients",
+                    "## 8. Requests behind saves"):
         assert heading in md
     assert (out / "save_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
