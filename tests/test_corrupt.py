@@ -23,7 +23,7 @@ from kvkeeper.client.client import Client
 from kvkeeper.client.reader import CacheFileError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
-from .faultkit import FP, entry_path, filled, rewrite_header, version_of
+from .faultkit import FP, entry_path, filled, need_linux_root, rewrite_header, version_of
 
 
 def truncate(p: Path) -> None:
@@ -488,16 +488,16 @@ def test_a_file_a_client_cannot_open_now_is_not_moved_aside(
 
 
 def missed_and_left_in_place(daemon: RunningDaemon, script: str, cache_id: str,
-                             version: int, reason: str) -> None:
-    """Run a client ``script`` that loads ``cache_id`` in trouble of its own,
-    then not: the first load missed, saying ``reason``, the second returned
-    the entry, and the file stayed where it was."""
+                             version: int, reason: str, prefix: tuple[str, ...] = ()) -> None:
+    """Run a client ``script`` (under ``prefix``) that loads ``cache_id`` in
+    trouble of its own, then not: the first load missed, saying ``reason``,
+    the second returned the entry, and the file stayed where it was."""
     import subprocess
     import sys
 
     path = entry_path(daemon.root, cache_id)
-    r = subprocess.run([sys.executable, "-c", script, str(daemon.socket), FP],
-                       capture_output=True, text=True, timeout=WAIT * 4)
+    r = subprocess.run([*prefix, sys.executable, "-c", script, str(daemon.socket), FP,
+                        str(path)], capture_output=True, text=True, timeout=WAIT * 4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RESULT True True" in r.stdout, (r.stdout, r.stderr[-3000:])
     assert reason in r.stderr  # the miss says why
@@ -535,6 +535,35 @@ def test_a_load_out_of_memory_is_a_miss_not_an_exception_or_damage(
     memory) raised MLX's RuntimeError out of load()."""
     assert client.save(FP, "big", filled(64, 6), [6]) and client.flush(timeout=WAIT)
     missed_and_left_in_place(daemon, OUT_OF_MEMORY, "big", 6, "could not read its tensors")
+
+
+#: A client that may not read the entry's file (its mode 0, the process
+#: without the capabilities that override file modes) loads it, verified and
+#: lazily; then the mode is put back.
+NO_PERMISSION = """
+import os, sys
+from kvkeeper import Client
+kv = Client(sys.argv[1], timeout=30)
+assert kv.connected
+os.chmod(sys.argv[3], 0)
+missed = kv.load(sys.argv[2], "locked") is None
+missed = kv.load(sys.argv[2], "locked", verify=False) is None and missed
+os.chmod(sys.argv[3], 0o600)
+again = kv.load(sys.argv[2], "locked")
+print("RESULT", missed, again is not None and again.token_ids == [3])
+kv.close()
+"""
+
+
+def test_a_file_the_client_may_not_read_is_a_miss_not_damage(
+        client: Client, daemon: RunningDaemon) -> None:
+    """EACCES, which only a user other than the file's owner meets (or
+    root without CAP_DAC_OVERRIDE, as here), was tested nowhere."""
+    need_linux_root()
+    assert client.save(FP, "locked", filled(0.2, 3), [3]) and client.flush(timeout=WAIT)
+    drop = "-dac_override,-dac_read_search"
+    missed_and_left_in_place(daemon, NO_PERMISSION, "locked", 3, "Permission denied",
+                             prefix=("setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"))
 
 
 def test_a_file_where_the_model_directory_should_be_is_a_miss(
