@@ -580,7 +580,7 @@ class Channel:
                     # sent yet go out on the next connection.
                     self._fail_waiting(f"the daemon at {self.endpoint} went away",
                                        sent_only=True)
-                    self._abandon_piping()
+                    self._abandon_piping("reason=connection_lost")
                 self._reap()
                 self._admit_outbox(sock)
                 self._release_due()
@@ -865,10 +865,7 @@ class Channel:
             except (zmq.ZMQError, RuntimeError) as exc:  # RuntimeError: pyzmq shutting down
                 # Nothing more of this save goes out; the daemon drops the part it
                 # got when this client's next save starts (or after its stall timeout).
-                self.counters.saves_lost += 1
-                log.warning("event=save_lost error=%s sent_messages=%d", exc, i)
-                self._piping = None
-                self._release_save(save)
+                self._abandon_piping(f"error={exc}")
                 return True
             # From here ZeroMQ alone holds the frames, and lets each go once it
             # is sent: a tensor's snapshot handle dies with its last frame, so
@@ -894,13 +891,14 @@ class Channel:
             # waiting for it, and it should not wait for the whole save's sends.
             time.sleep(0)
 
-    def _abandon_piping(self) -> None:
-        """The connection ended while a save was being handed over: the rest
-        of it would reach a daemon that never saw it begin."""
+    def _abandon_piping(self, why: str) -> None:
+        """Count the save being handed over lost and let it go: a send failed,
+        or the connection ended and the rest would reach a daemon that never
+        saw it begin."""
         save, self._piping = self._piping, None
         if save is not None:
             self.counters.saves_lost += 1
-            log.warning("event=save_lost reason=connection_lost sent_messages=%d", save.piped)
+            log.warning("event=save_lost %s sent_messages=%d", why, save.piped)
             self._release_save(save)
 
     def _reap(self) -> None:
