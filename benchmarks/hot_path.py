@@ -130,13 +130,12 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
             "flush_ok": bool(flushed), "pace_s": pace, "counters": delta}
 
 
-def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *,
+def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *, idle_n: int,
                    apc_layers: list[Any] | None, apc_restore: bool, stream: bool) -> dict[str, Any]:
     prof, kv = ctx.profile, ctx.kv
     key = f"hot-{label}"
     d = ctx.scratch / f"sync-{label}"
     d.mkdir(exist_ok=True)
-    idle_n = prof.hot_idle_n
     idle = CallClock()
     raw: dict[str, list] = {"durable": [], "ok": [],
                             "reference_new": [],
@@ -223,8 +222,10 @@ def _run(ctx: Any) -> dict[str, Any]:
         cache = kv_cache(shape, t, seed=t)
         toks = token_ids(t, seed=t)
         ctx.log(f"  hot path: {t} tokens")
-        sizes.append(_measure_cache(ctx, f"kv{t}", cache, toks, apc_layers=vlm_mirror(cache),
-                                    apc_restore=False, stream=True))
+        idle_n = prof.hot_idle_n if t == max(prof.tokens) else prof.hot_idle_n_other
+        sizes.append(_measure_cache(ctx, f"kv{t}", cache, toks, idle_n=idle_n,
+                                    apc_layers=vlm_mirror(cache), apc_restore=False,
+                                    stream=True))
         del cache
         free_memory()
     special = []
@@ -232,7 +233,8 @@ def _run(ctx: Any) -> dict[str, Any]:
     ctx.log(f"  hot path: mlx-vlm PromptCacheState, {t} tokens")
     pcs = prompt_cache_state(shape, t, seed=7)
     special.append({"kind": "mlx-vlm PromptCacheState (mlx-vlm KVCache layers)",
-                    **_measure_cache(ctx, f"pcs{t}", pcs, list(pcs.token_ids), apc_layers=None,
+                    **_measure_cache(ctx, f"pcs{t}", pcs, list(pcs.token_ids),
+                                     idle_n=prof.hot_idle_n_other, apc_layers=None,
                                      apc_restore=False, stream=False)})
     del pcs
     free_memory()
@@ -240,7 +242,7 @@ def _run(ctx: Any) -> dict[str, Any]:
     hyb = hybrid_cache(shape, t, seed=8)
     special.append({"kind": "hybrid: mlx-lm ArraysCache (3 of 4 layers) + KVCache (1 of 4)",
                     **_measure_cache(ctx, f"hybrid{t}", hyb, token_ids(t, seed=8),
-                                     apc_layers=hybrid_to_vlm(hyb), apc_restore=False,
+                                     idle_n=prof.hot_idle_n_other, apc_layers=hybrid_to_vlm(hyb), apc_restore=False,
                                      stream=False)})
     del hyb
     free_memory()

@@ -381,12 +381,19 @@ def _gc_total(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     }
 
 
+def _idle_calls(prof: dict[str, Any]) -> str:
+    n, other = prof["hot_idle_n"], prof.get("hot_idle_n_other", prof["hot_idle_n"])
+    if other == n:
+        return f"{n} calls"
+    return f"{n} calls of the largest cache, {other} of the others"
+
+
 def _hot(doc: dict[str, Any], png: str) -> list[str]:
     hot = doc["cases"]["hot_path"]
     prof = doc["profile"]
     out = ["## 1. Hot path: what `save()` costs the generation loop", ""]
     out.append(
-        f"`client.save()` wall time with the daemon idle ({prof['hot_idle_n']} calls, a `flush()` "
+        f"`client.save()` wall time with the daemon idle ({_idle_calls(prof)}, a `flush()` "
         f"after each) and while streaming ({prof['hot_stream_n']} calls, one every "
         f"{prof['stream_pace_s'] * 1000:.0f} ms, never waiting for the disk), against saving "
         f"the same cache synchronously in-process ({prof['sync_reps']} runs each, in the same "
