@@ -148,7 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--root", type=_path, default=None,
                         help="store root (default: the running daemon's, else the configured)")
     verify.add_argument("--repair", action="store_true",
-                        help="move bad files aside to <root>/quarantine")
+                        help="move bad files aside to <root>/quarantine (through the daemon "
+                             "when it runs; a file it may not read, so cannot tell from "
+                             "another program's, it leaves in place and the report says so)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
 
     imp = sub.add_parser("import", help="bring existing cache files into the store",

@@ -368,10 +368,11 @@ def verify(args: argparse.Namespace) -> int:
                 except st.LayoutError as exc:
                     bad.append((f, str(exc), judged))
         repaired: list[Path] = []
+        refused: list[tuple[Path, str]] = []
         repair_error: Exception | None = None
         try:
             if args.repair and bad:
-                _repair(root, bad, kv, repaired)
+                _repair(root, bad, kv, repaired, refused)
         except Exception as exc:  # noqa: BLE001 - raised again once the check is reported
             # E.g. another daemon holds the root: what the check found is
             # still worth reporting (and --json output still expected).
@@ -387,6 +388,7 @@ def verify(args: argparse.Namespace) -> int:
                      "bad": [{"path": str(p), "reason": r} for p, r, _ in bad],
                      "could_not_read": [{"path": str(p), "reason": r} for p, r in unchecked],
                      "moved_aside": [str(p) for p in repaired],
+                     "not_moved": [{"path": str(p), "reason": r} for p, r in refused],
                      **({"repair_error": str(repair_error)} if repair_error else {})})
     else:
         out.print(Text.assemble(
@@ -394,9 +396,12 @@ def verify(args: argparse.Namespace) -> int:
             f", {len(legacy)} legacy files without checksums" if legacy else "",
             f", {len(others)} safetensors files that are not caches (left alone)"
             if others else ""))
+        not_moved = dict(refused)
         for p, reason, _ in bad:
             out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
-                                    (" (moved aside)", "green") if p in repaired else ""))
+                                    (" (moved aside)", "green") if p in repaired else "",
+                                    *((" (not moved: ", shown(not_moved[p]), ")")
+                                      if p in not_moved else ())))
         for p, reason in unchecked:
             out.print(Text.assemble(("NOT CHECKED", "yellow"), " ", shown(p), ": ",
                                     shown(reason), " (this process could not read it; "
@@ -445,15 +450,18 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
 
 
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
-            moved: list[Path]) -> None:
+            moved: list[Path], refused: list[tuple[Path, str]]) -> None:
     """Move bad files aside: through the daemon when it runs (it is the only
     writer), else directly, holding its lock so that none starts meanwhile;
     each only if it is still the file judged (same inode and mtime). Each
     file moved is added to ``moved`` at once: if a later one fails, the
-    report still names those that went."""
+    report still names those that went. A file the daemon refuses to move
+    goes to ``refused`` with its reason."""
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
     if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
+        from kvkeeper.client.client import DaemonError
+
         for path, reason, ident in bad:
             if ident is None:
                 continue  # not even its lstat worked: nothing to tell a newer file from
@@ -466,10 +474,16 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
                                         "neither its name nor its header tells its id (stop "
                                         "the daemon and run verify --repair again)"))
                 continue
-            reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
-                                reason=reason: m.Quarantine(
-                v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
-                ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
+            try:
+                reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
+                                    reason=reason: m.Quarantine(
+                    v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
+                    ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
+            except DaemonError as exc:
+                # E.g. the daemon may not read the file, so cannot tell it from
+                # another program's: it left this one, the others may still go.
+                refused.append((path, exc.message))
+                continue
             if isinstance(reply, m.Deleted) and reply.existed:
                 moved.append(path)
         return

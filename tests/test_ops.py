@@ -889,3 +889,71 @@ def test_verify_does_not_call_a_file_it_cannot_open_bad(short_dir: Path) -> None
     text = " ".join(r.stdout.split())
     assert r.returncode == 1 and f"NOT CHECKED {theirs}: Permission denied" in text, r.stdout
     assert "1 not checked" in text and "BAD" not in text
+
+
+def test_the_daemon_leaves_a_file_it_cannot_identify_where_it_is(short_dir: Path) -> None:
+    """The daemon took any error reading the file at an entry's place for
+    "not another program's", so when it lacked permission (here root without
+    the capabilities that override file modes; likewise out of descriptors)
+    a save replaced another program's safetensors file at that place, and a
+    repair moved a file to quarantine/, which the disk budget empties first.
+    Now the save fails and the file stays: it cannot tell whose it is."""
+    from safetensors.numpy import load_file, save_file
+
+    from .conftest import serve_process, stop_process
+    from .faultkit import need_linux_root
+
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    drop = "-dac_override,-dac_read_search"
+    daemon = serve_process(root, sock, prefix=("setpriv", f"--bounding-set={drop}",
+                                               f"--inh-caps={drop}"))
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "damaged", filled(0.5, 2), [2]) and kv.flush(timeout=WAIT)
+            theirs = entry_path(root, "theirs")
+            weights = {"w": np.arange(64, dtype=np.float32)}
+            save_file(weights, str(theirs), metadata={"format": "pt"})
+            theirs.chmod(0)
+            assert kv.save(FP, "theirs", filled(0.5, 3), [3])
+            assert kv.flush(timeout=WAIT) is False
+            assert kv.stats()["saves_failed"] == 1
+            # This test runs as full root: it may read what the daemon may not.
+            assert (theirs.stat().st_mode & 0o777) == 0
+            assert np.array_equal(load_file(str(theirs))["w"], weights["w"])
+
+            # A damaged cache the daemon may not read: verify (full root) finds
+            # it bad and asks the daemon to move it aside; the daemon refuses.
+            damaged = entry_path(root, "damaged")
+            raw = bytearray(damaged.read_bytes())
+            raw[-1] ^= 0xFF
+            damaged.write_bytes(bytes(raw))
+            damaged.chmod(0)
+            r = subprocess.run(
+                [sys.executable, "-m", "kvkeeper.cli", "verify", "--root", str(root),
+                 "--socket", str(sock), "--repair", "--json"],
+                capture_output=True, text=True, timeout=120)
+            report = json.loads(r.stdout or "null")
+            assert report is not None, r.stderr[-3000:]
+            assert [b["path"] for b in report["bad"]] == [str(damaged)], report
+            assert report["moved_aside"] == [] and "repair_error" not in report, report
+            [why] = report["not_moved"]
+            assert why["path"] == str(damaged), report
+            assert "cannot tell whether" in why["reason"] and "Permission denied" in why["reason"]
+            assert r.returncode == 1, r.stderr
+            r = subprocess.run(
+                [sys.executable, "-m", "kvkeeper.cli", "verify", "--root", str(root),
+                 "--socket", str(sock), "--repair"], capture_output=True, text=True, timeout=120)
+            text = " ".join(r.stdout.split())
+            assert f"BAD {damaged}: checksum mismatch" in text, text
+            assert "(not moved: moving aside failed: [Errno 13] cannot tell whether" in text, text
+            assert "1 bad" in text, text
+            assert r.returncode == 1, r.stderr
+            assert damaged.read_bytes() == bytes(raw)
+            quarantine = root / "quarantine"
+            assert not quarantine.exists() or not any(quarantine.iterdir())
+    finally:
+        assert stop_process(daemon) == 0
+    said = " ".join(daemon.log_path.read_text(errors="replace").split())  # type: ignore[attr-defined]
+    assert f"cannot tell whether {theirs} is a cache or another program's file" in said, said
+    assert f"cannot tell whether {damaged} is a cache" in said, said

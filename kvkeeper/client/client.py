@@ -898,6 +898,7 @@ class DaemonError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
 
 
 def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:

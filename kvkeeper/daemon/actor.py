@@ -509,7 +509,9 @@ class WriterActor:
                 self.stats.inc("files_quarantined", int(job.existed))
             self._resolve(job, Outcome.DELETED)
         except OSError as exc:
-            log.error("event=delete_failed model=%s id=%s error=%s", model, cache_id, exc)
+            log.error("event=%s model=%s id=%s error=%s",
+                      "delete_failed" if job.reason is None else "quarantine_failed",
+                      model, cache_id, exc)
             self._resolve(job, Outcome.FAILED, str(exc))
 
     async def _write(self, job: SaveJob) -> bool:

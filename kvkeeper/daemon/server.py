@@ -451,7 +451,8 @@ class Server:
         await job.done.wait()
         if job.detail:
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code="internal",
-                                      message=f"delete failed: {job.detail}"))
+                                      message=f"{'delete' if job.reason is None else 'moving aside'} "
+                                              f"failed: {job.detail}"))
         else:
             self._reply(peer, m.Deleted(v=m.PROTOCOL_VERSION, req=req, existed=job.existed))
 

@@ -33,6 +33,7 @@ from kvkeeper.protocol.safetensors import (
     TOKEN_COUNT_KEY,
     LayoutError,
     open_file,
+    says_nothing_of_the_file,
     written_by_kvkeeper,
 )
 
@@ -378,11 +379,21 @@ class Store:
         """Whether ``path`` is a whole safetensors file of no cache format
         (model weights, say): another program's, which the daemon never
         moves, replaces or deletes. A file it cannot read as safetensors at
-        all is taken for a damaged cache."""
+        all is taken for a damaged cache. Raises OSError when the daemon
+        cannot tell (no permission to read it, out of descriptors or
+        memory): the caller must then leave the file as it is."""
         try:
             with open_file(path, keep_atime=True) as (_, header):
                 return not _is_cache(header.metadata)
-        except (OSError, LayoutError):
+        except OSError as exc:
+            if exc.errno != errno.ENOENT and says_nothing_of_the_file(exc):
+                # Guessing either way could replace, or send to quarantine
+                # (which the disk budget empties first), another program's file.
+                raise OSError(exc.errno, f"cannot tell whether {path} is a cache or another "
+                                         f"program's file ({exc.strerror}); left as it "
+                                         f"is") from exc
+            return False
+        except LayoutError:
             return False
 
     # -- put / find / delete
@@ -401,7 +412,12 @@ class Store:
         FileExistsError, and leaves both files as they were, when another
         program's safetensors file is at the entry's place."""
         # Read, not looked up in the index: a file may be put there any time.
-        if self.someone_elses(pending.final):
+        try:
+            theirs = self.someone_elses(pending.final)
+        except OSError:
+            pending.abort()
+            raise
+        if theirs:
             pending.abort()
             raise FileExistsError(
                 errno.EEXIST, f"{pending.final} is another program's safetensors file (not a "
