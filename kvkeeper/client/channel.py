@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
 from zmq.utils.monitor import parse_monitor_message
@@ -160,6 +161,16 @@ class _Save:
         caller's alone again."""
         self.messages.clear()
         self.build = None
+
+
+def _copy(frame: bytes | memoryview) -> bytes | bytearray:
+    """A frame's bytes in memory of their own. numpy copies without the GIL,
+    which the generation loop's thread may want meanwhile."""
+    if isinstance(frame, bytes):
+        return frame
+    out = bytearray(len(frame))
+    np.frombuffer(out, np.uint8)[:] = np.frombuffer(frame, np.uint8)
+    return out
 
 
 @dataclass(eq=False)
@@ -737,11 +748,13 @@ class Channel:
             slot.save = save
             return
         due = self._hold_until(save)
-        if due is not None:
+        if due is None:
+            self._queue(save)
+        elif self._detach(save):
             save.due = due
             self._held[save.key] = save
         else:
-            self._queue(save)
+            self._release_save(save)
 
     def _queue(self, save: _Save) -> None:
         slot = _Slot(save)
@@ -839,7 +852,7 @@ class Channel:
             save = entry.save
             if self._open.get(save.key) is entry:
                 del self._open[save.key]
-            if not self._build(save):
+            if save.build is not None and not self._build(save):
                 self._release_save(save)
                 continue
             self._piping = save
@@ -928,6 +941,17 @@ class Channel:
         with self._lock:
             self._inflight_messages += len(save.messages) - save.count
         save.count = len(save.messages)
+        return True
+
+    def _detach(self, save: _Save) -> bool:
+        """Build a save that is to wait, and copy its bytes out of MLX's
+        buffers, so the capture's handles on the cache go now: while they
+        live, each update of the cache copies the buffer instead of writing
+        in place, on the generation loop's thread. A held save is at most
+        HOLD_MAX_BYTES. False (counted lost) when building failed."""
+        if not self._build(save):
+            return False
+        save.messages = [[_copy(frame) for frame in msg] for msg in save.messages]
         return True
 
     def _release_save(self, save: _Save) -> None:
