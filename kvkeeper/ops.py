@@ -494,9 +494,13 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     try:
         store = Store(root)
         for path, _, ident in bad:
-            if ident is not None and store.quarantine_path(
-                    path, ident.st_ino, ident.st_mtime_ns) is not None:
-                moved.append(path)
+            if ident is None:
+                continue
+            try:
+                if store.quarantine_path(path, ident.st_ino, ident.st_mtime_ns) is not None:
+                    moved.append(path)
+            except OSError as exc:
+                refused.append((path, exc.strerror or str(exc)))
     finally:
         lock.release()
 

@@ -500,7 +500,8 @@ def test_verify_repair_that_fails_part_way_reports_what_it_moved(
 ) -> None:
     """The second of two moves fails (a rename error, made here by failing
     the process's second os.rename): the report listed neither as moved
-    although the first went, and the error ended in a traceback."""
+    although the first went, and the error ended in a traceback. It is now
+    listed under not_moved, as a move the daemon refuses is."""
     from kvkeeper import cli as kvcli
 
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
@@ -525,11 +526,13 @@ def test_verify_repair_that_fails_part_way_reports_what_it_moved(
                          str(short_dir / "run" / "kv.sock"), "--repair", "--json"])
     out, errtext = capfd.readouterr()
     assert status == 1 and "Traceback" not in errtext, errtext
-    assert errtext.startswith("kvkeeper: [Errno 13] Permission denied"), errtext
     report = json.loads(out)
     assert len(report["bad"]) == 2 and len(report["moved_aside"]) == 1, report
     moved = Path(report["moved_aside"][0])
-    assert not moved.exists() and "Permission denied" in report["repair_error"]
+    [left] = report["not_moved"]
+    assert left["reason"] == "Permission denied" and "repair_error" not in report, report
+    assert not moved.exists() and Path(left["path"]).exists()
+    assert {moved, Path(left["path"])} == {Path(b["path"]) for b in report["bad"]}
     assert len(list((short_dir / "root" / "quarantine").iterdir())) == 1
     # main() run in-process leaves the caller's logging on: it turned every
     # warning off for the rest of the process (and of this test run).

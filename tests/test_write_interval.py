@@ -430,8 +430,8 @@ def test_a_waiting_save_leaves_the_cache_its_buffers(short_dir: Path) -> None:
     so the next update of every layer copied its whole buffer on the
     generation loop's thread (MLX writes in place only into a buffer nothing
     else holds), and decoding a tiny model saving every 16 tokens ran 2-4%
-    slower. The waiting save now holds a copy of its bytes instead."""
-    cache = filled(8, 1)
+    slower. A small waiting save now holds a copy of its bytes instead."""
+    cache = filled(4, 1)  # copied when held: at most DETACH_MAX_BYTES (8 MiB)
     nbytes = sum(c.keys.nbytes + c.values.nbytes for c in cache)
 
     def decode_step() -> int:

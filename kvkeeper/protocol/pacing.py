@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 #: Larger saves are never held, by either side. The client: a held save keeps
-#: the cache's buffers shared, so MLX copies them at the next decode step, and
-#: sending one takes long enough that newer saves coalesce in the daemon anyway.
+#: its copy (or, over 8 MiB, the cache's buffers shared, so MLX copies them at
+#: the next decode step), and sending one takes long enough that newer saves
+#: coalesce in the daemon anyway.
 #: The daemon: writing one takes long enough that newer saves coalesce behind
 #: it, and holding it would stop its write from overlapping its arrival (256 MiB
 #: saved and flushed back to back, default budget: 0.33 s held, 0.15 s not).
