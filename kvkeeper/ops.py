@@ -455,8 +455,9 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     writer), else directly, holding its lock so that none starts meanwhile;
     each only if it is still the file judged (same inode and mtime). Each
     file moved is added to ``moved`` at once: if a later one fails, the
-    report still names those that went. A file the daemon refuses to move
-    goes to ``refused`` with its reason."""
+    report still names those that went. A file that could not be moved
+    (the daemon refused, or moving it directly failed) goes to ``refused``
+    with the reason, and the others are still tried."""
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
     if kv is not None and kv.connected and kv.root.resolve() == root.resolve():

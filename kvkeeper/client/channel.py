@@ -24,8 +24,9 @@ not deleted).
 
 A save of a cache sent less than ``min_send_interval`` ago waits in the I/O
 thread until that interval is over (a small one as a copy of its bytes, see
-``DETACH_MAX_BYTES``), and a newer save of the cache replaces it: a loop saving every few tokens then sends (and the daemon
-receives) one save per interval, not one per call. A request that must see
+``DETACH_MAX_BYTES``), and a newer save of the cache replaces it: a loop
+saving every few tokens then sends (and the daemon receives) one save per
+interval, not one per call. A request that must see
 the cache's saves (flush, a load or delete of it) and closing send the waiting
 save first, so nothing that asks for a save waits for the interval.
 """
