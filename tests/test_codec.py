@@ -574,11 +574,21 @@ def test_runs_keep_buffers_alive(llama: Any) -> None:
 # zero copy
 
 
+def ballast() -> Any:
+    """A 10 MiB layer: a cache past CAPTURE_COPY_MAX_BYTES, whose capture
+    shares its buffers (a smaller one is copied whole in save())."""
+    c = L.KVCache()
+    c.keys = c.values = mx.zeros((1, 8, 2560, 128), dtype=mx.bfloat16)
+    c.offset = 2560
+    mx.eval(c.keys)
+    return c
+
+
 def test_runs_point_into_mlx_buffers() -> None:
     mx.random.seed(4)
     lm, vlm = fill(L.KVCache(), 37), fill(V.KVCache(), 37)
-    snap = snapshot_cache([lm, vlm])
-    for t, a in zip(snap.tensors, [lm.keys, lm.values, vlm.keys, vlm.values], strict=True):
+    snap = snapshot_cache([lm, vlm, ballast()])
+    for t, a in zip(snap.tensors[:4], [lm.keys, lm.values, vlm.keys, vlm.values], strict=True):
         # (1, H, 256, D) buffer, 37 rows kept: one run per head, at the head's start.
         assert len(t.runs) == H
         base = buffer_addr(a)
@@ -595,11 +605,24 @@ def test_a_strided_bf16_buffer_goes_as_runs_of_its_own_memory() -> None:
     c = L.ConcatenateKVCache()
     c.keys, c.values = full[..., :300, :], full[..., :300, :]
     mx.eval(c.keys, c.values)
-    snap = snapshot_cache([c])
+    snap = snapshot_cache([c, ballast()])
     base = buffer_addr(full)
-    for t in snap.tensors:
+    for t in snap.tensors[:2]:
         assert [addr(r) for r in t.runs] == [base + h * 512 * D * 2 for h in range(H)]
-    assert joined(snap) == [raw(c.keys), raw(c.values)]
+    assert joined(snap)[:2] == [raw(c.keys), raw(c.values)]
+
+
+def test_a_small_cache_is_captured_as_a_copy() -> None:
+    """Up to CAPTURE_COPY_MAX_BYTES the capture copies (so the cache's next
+    update need not): no run points into the cache's buffers, and the bytes
+    are the same."""
+    mx.random.seed(5)
+    lm = fill(L.KVCache(), 37)
+    snap = snapshot_cache([lm])
+    for t, a in zip(snap.tensors, [lm.keys, lm.values], strict=True):
+        lo, hi = buffer_addr(a), buffer_addr(a) + a.nbytes
+        assert not any(lo <= addr(r) < hi for r in t.runs)
+    assert joined(snap) == [raw(lm.keys[..., :37, :]), raw(lm.values[..., :37, :])]
 
 
 def test_snapshot_of_a_big_cache_copies_nothing() -> None:

@@ -8,6 +8,7 @@ third part holds saves in the client instead."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -425,42 +426,77 @@ def test_a_waiting_save_is_the_cache_as_it_was_at_save(short_dir: Path) -> None:
                 np.testing.assert_array_equal(a, b)
 
 
+def _decode_step(cache: list) -> int:
+    """What a decode step does to every layer's buffers; the MLX memory it took."""
+    mx.eval([c.keys for c in cache] + [c.values for c in cache])
+    before = mx.get_active_memory()
+    for c in cache:
+        c.keys[..., -1:, :] = 1
+        c.values[..., -1:, :] = 1
+    mx.eval([c.keys for c in cache] + [c.values for c in cache])
+    return mx.get_active_memory() - before
+
+
+def _fresh(mib: float) -> tuple[list, int]:
+    cache = filled(mib, 1)
+    _decode_step(cache)  # the first update of a fresh cache copies half of it (MLX's doing)
+    assert _decode_step(cache) == 0
+    return cache, sum(c.keys.nbytes + c.values.nbytes for c in cache)
+
+
+def _rewrite_held_rows(cache: list) -> None:
+    for c in cache:  # rows the save holds, rewritten in place
+        c.keys[..., :1, :] = 7
+        c.values[..., :1, :] = 7
+    mx.eval([c.keys for c in cache] + [c.values for c in cache])
+
+
 def test_a_waiting_save_leaves_the_cache_its_buffers(short_dir: Path) -> None:
     """A save waiting in the client held MLX handles on the cache's buffers,
     so the next update of every layer copied its whole buffer on the
     generation loop's thread (MLX writes in place only into a buffer nothing
     else holds), and decoding a tiny model saving every 16 tokens ran 2-4%
-    slower. A small waiting save now holds a copy of its bytes instead."""
-    cache = filled(4, 1)  # copied when held: at most DETACH_MAX_BYTES (8 MiB)
-    nbytes = sum(c.keys.nbytes + c.values.nbytes for c in cache)
-
-    def decode_step() -> int:
-        """What a decode step does to every layer's buffers; the bytes it took."""
-        mx.eval([c.keys for c in cache] + [c.values for c in cache])
-        before = mx.get_active_memory()
-        for c in cache:
-            c.keys[..., -1:, :] = 1
-            c.values[..., -1:, :] = 1
-        mx.eval([c.keys for c in cache] + [c.values for c in cache])
-        return mx.get_active_memory() - before
-
-    decode_step()  # the first update of a fresh cache copies half of it (MLX's doing)
-    assert decode_step() == 0
+    slower. A waiting save of up to 8 MiB now holds a copy of its bytes
+    instead (here 6 MiB: the I/O thread's copy; see the next test for 4 MiB
+    and less)."""
+    cache, nbytes = _fresh(6)
     with writing_every_save(short_dir) as d:
         with Client(d.socket, timeout=WAIT, min_send_interval=LONG) as kv:
             assert kv.save(FP, "own", filled(0.1, 0, layers=1), [0])  # goes at once
             wait_for(lambda: tokens_on_disk(d.root, "own") == [0], "the first save")
             assert kv.save(FP, "own", cache, [1])
             wait_for(lambda: kv.client_stats()["client_held_saves"] == 1, "the save to wait")
-            grew = decode_step()
+            grew = _decode_step(cache)
             assert grew < nbytes // 8, f"the step took {grew} more bytes ({nbytes} cached)"
-            for c in cache:  # rows the waiting save holds, rewritten in place
-                c.keys[..., :1, :] = 7
-                c.values[..., :1, :] = 7
-            mx.eval([c.keys for c in cache] + [c.values for c in cache])
+            _rewrite_held_rows(cache)
             assert kv.flush(WAIT) is True
     # Written as it was at save(): every element 1, none 7.
     assert version_of(naming.entry_path(d.root, FP, "own"), model=FP) == 1
+
+
+def test_a_small_save_is_a_copy_from_the_start(short_dir: Path) -> None:
+    """A capture of up to 4 MiB is a copy taken inside save(), so the
+    cache's next update writes in place even while the save is on its way
+    (here it stays there: the daemon is stopped). Before, the capture shared
+    the buffers until the save was sent or copied on the I/O thread, which
+    raced the next decode step."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        cache, nbytes = _fresh(4)  # one 4 MiB message: sent without a copy
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                assert kv.save(FP, "small", cache, [1])
+                grew = _decode_step(cache)
+                _rewrite_held_rows(cache)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert grew < nbytes // 8, f"the step took {grew} more bytes ({nbytes} cached)"
+            assert kv.flush(WAIT) is True
+        assert version_of(naming.entry_path(root, FP, "small"), model=FP) == 1
+    finally:
+        assert stop_process(proc) == 0
 
 
 def _rows(cache: list, start: int, end: int) -> list[np.ndarray]:

@@ -54,7 +54,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
-from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
+from kvkeeper.protocol.pacing import CAPTURE_COPY_MAX_BYTES, HOLD_MAX_BYTES, Pacer
 
 log = get_logger("kvkeeper.client")
 
@@ -164,7 +164,8 @@ class _Save:
         self.build = None
 
 
-#: Held saves up to this size are copied at once (``Channel._detach``). A
+#: Held saves up to this size are copied at once (``Channel._detach``), but
+#: those the capture copied already (``CAPTURE_COPY_MAX_BYTES``). A
 #: larger copy outlasts a decode step, so the step copies the buffers too: a
 #: review measured 32 MiB saved every 4 ms step at the same step times with
 #: twice the client's CPU, 8 MiB at 4.3 ms steps against 5.1 ms.
@@ -759,8 +760,8 @@ class Channel:
         due = self._hold_until(save)
         if due is None:
             self._queue(save)
-        elif (save.nbytes > DETACH_MAX_BYTES or self._newer_queued(save.key)
-              or self._detach(save)):
+        elif (not CAPTURE_COPY_MAX_BYTES < save.nbytes <= DETACH_MAX_BYTES
+              or self._newer_queued(save.key) or self._detach(save)):
             save.due = due
             self._held[save.key] = save
         else:

@@ -1,8 +1,10 @@
 """MLX prompt-cache layers <-> tensors plus a JSON description of the layers.
 
 `capture_cache` runs inside the generation loop, so it must cost close to
-nothing: it copies no tensor data, and it leaves the JSON and the byte runs to
-`encode_capture`, which the client runs on its I/O thread. Each tensor is
+nothing: it copies no tensor data (but of a cache of at most
+``CAPTURE_COPY_MAX_BYTES``, which it copies at once, see there), and it
+leaves the JSON and the byte runs to `encode_capture`, which the client runs
+on its I/O thread. Each tensor is
 exported as a few contiguous byte runs that point straight into MLX's own
 buffers. Two facts make that safe:
 
@@ -66,6 +68,7 @@ import numpy as np
 
 from kvkeeper.client.rawbuffer import as_unsigned
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
+from kvkeeper.protocol.pacing import CAPTURE_COPY_MAX_BYTES
 
 __all__ = [
     "LAYERS_FORMAT",
@@ -767,9 +770,10 @@ def check_cache(layers: Sequence[Any]) -> None:
 
 
 def capture_cache(layers: Sequence[Any]) -> CacheCapture:
-    """Freeze a prompt cache (list of mlx-lm / mlx-vlm cache layers) without copying its data.
+    """Freeze a prompt cache (list of mlx-lm / mlx-vlm cache layers), copying
+    its data only when it is small (``CAPTURE_COPY_MAX_BYTES``).
 
-    Takes a new MLX handle on every tensor's buffer and evaluates them: from
+    Otherwise takes a new MLX handle on every tensor's buffer and evaluates them: from
     then on MLX copies instead of writing those buffers in place (one copy per
     buffer, in the next update, and only if it would have written in place),
     so the capture shows the cache exactly as it is now. Spare capacity of
@@ -780,14 +784,17 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     """
     enc = _Encoder()
     entries = [enc.layer(layer, f"layer {i}") for i, layer in enumerate(layers)]
+    sizes = [math.prod(p.shape) * DTYPE_SIZES[p.dtype] for p in enc.pending]
+    nbytes = sum(sizes)
+    # A small cache is copied now: a shared buffer would make the cache's next
+    # update copy it instead, on this same thread, and the steps after it
+    # were slower too while the capture lived (see CAPTURE_COPY_MAX_BYTES).
+    copy = nbytes <= CAPTURE_COPY_MAX_BYTES
     handles = []
-    nbytes = 0
-    for p in enc.pending:
-        size = math.prod(p.shape) * DTYPE_SIZES[p.dtype]
+    for p, size in zip(enc.pending, sizes, strict=True):
         if size:
-            p.handle = p.source.__copy__()
+            p.handle = mx.array(p.source) if copy else p.source.__copy__()
             handles.append(p.handle)
-            nbytes += size
         # The cache's own array object may be rebound by the next update; the
         # handle (and the description recorded above) is all that is kept.
         p.source = None  # type: ignore[assignment]
