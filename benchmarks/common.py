@@ -104,7 +104,8 @@ FULL = Profile(
     # 100 calls; streaming (no wait for the disk) keeps 200. The smaller caches,
     # whose figures are reported but judged by no target, get 50 idle calls
     # (about 65 s of the 902 s run at f8e5a1e).
-    hot_idle_n=100, hot_idle_n_other=50, hot_stream_n=200, stream_pace_s=0.05, sync_reps=5, special_tokens=1024,
+    hot_idle_n=100, hot_idle_n_other=50, hot_stream_n=200, stream_pace_s=0.05, sync_reps=5,
+    special_tokens=1024,
     # 25 pairs: one pair's ratio spreads 0.75-1.17 on this shared machine, so
     # with 15 the median's error (about 2.5%) was as large as the cost measured.
     gen_prompt=256, gen_decode=256, gen_runs=25, cow_samples=8,
@@ -115,7 +116,8 @@ FULL = Profile(
 )
 QUICK = Profile(
     name="quick", shape=LLAMA3_8B, tokens=(256, 4096),
-    hot_idle_n=8, hot_idle_n_other=8, hot_stream_n=12, stream_pace_s=0.05, sync_reps=5, special_tokens=512,
+    hot_idle_n=8, hot_idle_n_other=8, hot_stream_n=12, stream_pace_s=0.05, sync_reps=5,
+    special_tokens=512,
     gen_prompt=128, gen_decode=128, gen_runs=7, cow_samples=5,
     disk_tokens=4096, disk_reps=5, load_reps=5,
     resume_lengths=(256, 512), resume_reps=5,
@@ -126,7 +128,8 @@ QUICK = Profile(
 #: Smoke-test sizes: every code path, nothing worth reading.
 TINY = Profile(
     name="tiny", shape=TINY_SHAPE, tokens=(256, 512),
-    hot_idle_n=3, hot_idle_n_other=2, hot_stream_n=3, stream_pace_s=0.01, sync_reps=2, special_tokens=256,
+    hot_idle_n=3, hot_idle_n_other=2, hot_stream_n=3, stream_pace_s=0.01, sync_reps=2,
+    special_tokens=256,
     gen_prompt=32, gen_decode=32, gen_runs=2, cow_samples=2,
     disk_tokens=512, disk_reps=2, load_reps=2,
     resume_lengths=(64,), resume_reps=2,

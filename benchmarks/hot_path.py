@@ -242,7 +242,8 @@ def _run(ctx: Any) -> dict[str, Any]:
     hyb = hybrid_cache(shape, t, seed=8)
     special.append({"kind": "hybrid: mlx-lm ArraysCache (3 of 4 layers) + KVCache (1 of 4)",
                     **_measure_cache(ctx, f"hybrid{t}", hyb, token_ids(t, seed=8),
-                                     idle_n=prof.hot_idle_n_other, apc_layers=hybrid_to_vlm(hyb), apc_restore=False,
+                                     idle_n=prof.hot_idle_n_other,
+                                     apc_layers=hybrid_to_vlm(hyb), apc_restore=False,
                                      stream=False)})
     del hyb
     free_memory()

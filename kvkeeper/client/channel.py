@@ -760,12 +760,12 @@ class Channel:
         due = self._hold_until(save)
         if due is None:
             self._queue(save)
-        elif (not CAPTURE_COPY_MAX_BYTES < save.nbytes <= DETACH_MAX_BYTES
-              or self._newer_queued(save.key) or self._detach(save)):
-            save.due = due
-            self._held[save.key] = save
-        else:
-            self._release_save(save)
+            return
+        if self._copy_to_hold(save) and not self._detach(save):
+            self._release_save(save)  # counted lost
+            return
+        save.due = due
+        self._held[save.key] = save
 
     def _queue(self, save: _Save) -> None:
         slot = _Slot(save)
@@ -954,11 +954,16 @@ class Channel:
         save.count = len(save.messages)
         return True
 
-    def _newer_queued(self, key: Key) -> bool:
-        """Whether a newer save of ``key`` waits in the outbox: it replaces
-        the one being admitted at once, so a copy of that one is wasted."""
+    def _copy_to_hold(self, save: _Save) -> bool:
+        """Whether a save about to be held is copied first (``_detach``): not
+        one the capture copied already, nor one whose copy would outlast a
+        decode step (``DETACH_MAX_BYTES``), nor one a newer save of its key
+        already waiting in the outbox replaces at once."""
+        if not CAPTURE_COPY_MAX_BYTES < save.nbytes <= DETACH_MAX_BYTES:
+            return False
         with self._lock:
-            return any(isinstance(item, _Save) and item.key == key for item in self._outbox)
+            return not any(isinstance(item, _Save) and item.key == save.key
+                           for item in self._outbox)
 
     def _detach(self, save: _Save) -> bool:
         """Build a save that is to wait, and copy its bytes out of MLX's

@@ -1,12 +1,12 @@
 """MLX prompt-cache layers <-> tensors plus a JSON description of the layers.
 
 `capture_cache` runs inside the generation loop, so it must cost close to
-nothing: it copies no tensor data (but of a cache of at most
-``CAPTURE_COPY_MAX_BYTES``, which it copies at once, see there), and it
-leaves the JSON and the byte runs to `encode_capture`, which the client runs
-on its I/O thread. Each tensor is
-exported as a few contiguous byte runs that point straight into MLX's own
-buffers. Two facts make that safe:
+nothing: it leaves the JSON and the byte runs to `encode_capture`, which the
+client runs on its I/O thread, and it copies no tensor data, but of a cache of
+at most ``CAPTURE_COPY_MAX_BYTES`` (see there), which it copies whole with
+``mx.array``. Each tensor is exported as a few contiguous byte runs that point
+straight into MLX's own buffers (the cache's, or that copy's). Two facts make
+sharing the cache's buffers safe:
 
 * MLX updates a cache buffer in place (``keys[..., a:b, :] = x``) only when no
   other array shares that buffer. A memoryview does not count as sharing; a
