@@ -29,6 +29,11 @@ saving every few tokens then sends (and the daemon receives) one save per
 interval, not one per call. A request that must see
 the cache's saves (flush, a load or delete of it) and closing send the waiting
 save first, so nothing that asks for a save waits for the interval.
+
+When the connection ends, the save ZeroMQ was sending part of is lost (the
+rest would reach a daemon that never saw it begin), requests waiting for a
+reply fail at once, and the saves not begun, waiting or held, stay for the
+next connection: a daemon restarted by its service manager writes them.
 """
 
 from __future__ import annotations
@@ -598,7 +603,8 @@ class Channel:
                     # The daemon that had them will never answer, and a caller
                     # waiting out its timeout would stall the generation loop
                     # (a load falls back to reading the file). Requests not
-                    # sent yet go out on the next connection.
+                    # sent yet fail too (``_pump``); saves not begun wait for
+                    # the next connection.
                     self._fail_waiting(f"the daemon at {self.endpoint} went away",
                                        sent_only=True)
                     self._abandon_piping("reason=connection_lost")
@@ -854,6 +860,9 @@ class Channel:
                 continue
             if not self._backlog:
                 return
+            if not self.connected.is_set():
+                self._hold_backlog()
+                return
             if isinstance(self._backlog[0], _Slot) and self._piped_bytes >= PIPE_BYTES:
                 return  # unstarted, a newer save of its key may still replace it
             entry = self._backlog.popleft()
@@ -887,6 +896,12 @@ class Channel:
                 tracker = sock.send_multipart(msg, zmq.NOBLOCK, copy=False,
                                               track=last or full)
             except (zmq.ZMQError, RuntimeError) as exc:  # RuntimeError: pyzmq shutting down
+                if i == 0 and isinstance(exc, zmq.Again):
+                    # No connection any more, which the monitor has not told
+                    # yet: nothing of it went, so it waits with the backlog.
+                    self._piping = None
+                    self._backlog.appendleft(_Slot(save))
+                    return False
                 # Nothing more of this save goes out; the daemon drops the part it
                 # got when this client's next save starts (or after its stall timeout).
                 self._abandon_piping(f"error={exc}")
@@ -924,6 +939,19 @@ class Channel:
             self.counters.saves_lost += 1
             log.warning("event=save_lost %s sent_messages=%d", why, save.piped)
             self._release_save(save)
+
+    def _hold_backlog(self) -> None:
+        """Without a daemon: the saves in the backlog wait for the next one
+        (as held saves do), the requests there fail now, since a caller
+        waiting out its timeout would stall the generation loop."""
+        saves: deque[_Slot | _Request] = deque()
+        for entry in self._backlog:
+            if isinstance(entry, _Slot):
+                saves.append(entry)
+            elif entry.header is not None and not entry.future.done():
+                entry.future.set_exception(
+                    DaemonUnavailable(f"the daemon at {self.endpoint} went away"))
+        self._backlog = saves
 
     def _reap(self) -> None:
         """Give back the room of what ZeroMQ has sent on, and each save's
