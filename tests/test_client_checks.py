@@ -414,6 +414,52 @@ def test_saves_queued_when_the_daemon_dies_wait_for_the_next_one(short_dir: Path
         stop_process(proc, signal.SIGKILL)
 
 
+def test_close_gives_a_restarted_daemon_the_saves_still_waiting(short_dir: Path) -> None:
+    """close() gives the saves still waiting its timeout to reach a daemon,
+    one restarted meanwhile included; with none back by then it returns after
+    the timeout and counts them lost."""
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    procs = [serve_process(root, sock, "--min-write-interval", "0")]
+
+    def holds(key: str, version: int) -> bool:
+        try:
+            return version_of(entry_path(root, key, model="fp"), "fp") == version
+        except CacheFileError:  # replaced while read
+            return False
+
+    def kill_daemon_holding_a_save(key: str) -> Client:
+        kv = Client(sock, timeout=WAIT, min_send_interval=600)
+        assert kv.save("fp", key, filled(1, 1), [1])  # a key's first save goes at once
+        wait_for(lambda: holds(key, 1), "the first save")
+        assert kv.save("fp", key, filled(1, 2), [2])  # held for the interval
+        stop_process(procs[-1], signal.SIGKILL)
+        wait_for(lambda: not kv.connected, "the client to see the daemon go")
+        return kv
+
+    try:
+        kv = kill_daemon_holding_a_save("a")
+        restart = threading.Timer(1.0, lambda: procs.append(
+            serve_process(root, sock, "--min-write-interval", "0")))
+        restart.start()
+        kv.close(timeout=WAIT)
+        restart.join(WAIT)
+        assert kv.client_stats()["client_saves_lost"] == 0
+        wait_for(lambda: holds("a", 2), "the waiting save, from the restarted daemon")
+
+        kv = kill_daemon_holding_a_save("b")  # and no daemon comes back
+        t0 = time.monotonic()
+        kv.close(timeout=1.0)
+        assert 0.9 < time.monotonic() - t0 < 10.0
+        s = kv.client_stats()
+        assert (s["client_saves_lost"], s["client_inflight_bytes"]) == (1, 0)
+        assert holds("b", 1)
+    finally:
+        for proc in procs:
+            stop_process(proc, signal.SIGKILL)
+
+
 def test_a_failure_on_a_restarted_daemon_fails_the_flush(short_dir: Path) -> None:
     """The new daemon counts failures from zero: one failure there must not
     hide behind the old daemon's total."""

@@ -450,8 +450,11 @@ class Channel:
         self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
         end = time.monotonic() + timeout
         pause = threading.Event()
-        while ((self._outbox or self._inflight_bytes) and self.connected.is_set()
-               and time.monotonic() < end):
+        # Saves waiting (reserved bytes) are waited for with no daemon too:
+        # the client reconnects by itself, and a daemon restarted by its
+        # service manager within the timeout still gets them.
+        while (((self._outbox and self.connected.is_set()) or self._inflight_bytes)
+               and not self._ended.is_set() and time.monotonic() < end):
             pause.wait(0.01)
         warned = self._unconfirmed
         if warned:

@@ -215,7 +215,8 @@ class Client:
 
     def close(self, timeout: float = 5.0) -> None:
         """Give saves already handed off up to ``timeout`` to reach the daemon
-        (not to be written: use ``flush()`` for that), confirmed by a ping's
+        (one restarted meanwhile included; not to be written: use ``flush()``
+        for that), confirmed by a ping's
         answer, then disconnect. After it, ``save()``, ``load()`` and the
         other calls raise RuntimeError (``client_stats()`` still answers). A
         normal interpreter exit does this for clients still open (their
