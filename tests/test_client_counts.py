@@ -444,3 +444,37 @@ def test_a_flush_answered_just_before_the_daemon_exits_is_true(
     assert results == [True] * 4, results
     assert not [r for r in caplog.records if "saves_unconfirmed" in r.getMessage()
                 or "flush_unconfirmed" in r.getMessage()]
+
+
+def test_a_save_zeromq_had_no_room_for_waits_and_is_still_replaced(short_dir: Path) -> None:
+    """With ZeroMQ's send queue full of notices (the daemon stopped), a save
+    none of which went waits at the head of the backlog, where a newer save
+    of its key still replaces it, and goes once the daemon reads again.
+    (Before: the two were both sent; before that, the first was lost.)"""
+    from kvkeeper.client.channel import _SNDHWM
+    from kvkeeper.protocol import messages as m
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            proc.send_signal(signal.SIGSTOP)
+            used = m.Used(v=m.PROTOCOL_VERSION, model=FP, cache_id="x", ino=1)
+            for _ in range(_SNDHWM + 20_000):
+                kv._channel.notify(used)
+            wait_for(lambda: not kv._channel._outbox, "the notices handed to ZeroMQ")
+            assert kv.save(FP, "a", filled(1, 2), [2])
+            time.sleep(0.5)  # the I/O thread tries it, and puts it back
+            assert kv.save(FP, "a", filled(1, 3), [3])
+            wait_for(lambda: kv.client_stats()["client_saves_coalesced"] == 1,
+                     "the newer save to replace the older")
+            assert kv.client_stats()["client_saves_sent"] == 0
+            proc.send_signal(signal.SIGCONT)
+            assert kv.flush(timeout=WAIT) is True
+            assert version_of(entry_path(root, "a")) == 3
+            c = kv.client_stats()
+            assert (c["client_saves_sent"], c["client_saves_lost"],
+                    c["client_inflight_bytes"]) == (1, 0, 0), c
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop_process(proc, signal.SIGKILL)

@@ -31,9 +31,11 @@ the cache's saves (flush, a load or delete of it) and closing send the waiting
 save first, so nothing that asks for a save waits for the interval.
 
 When the connection ends, the save ZeroMQ was sending part of is lost (the
-rest would reach a daemon that never saw it begin), requests waiting for a
-reply fail at once, and the saves not begun, waiting or held, stay for the
-next connection: a daemon restarted by its service manager writes them.
+rest would reach a daemon that never saw it begin), and so is what ZeroMQ
+had taken whole that the daemon had not read (counted sent: a flush says
+so); requests waiting for a reply fail at once, and the saves not begun,
+waiting or held, stay for the next connection: a daemon restarted by its
+service manager writes them.
 """
 
 from __future__ import annotations
@@ -879,7 +881,6 @@ class Channel:
                 self._release_save(save)
                 continue
             self._piping = save
-            self._sends.went(save.key, time.monotonic())  # the interval runs from a save that went
 
     def _pipe_more(self, sock: zmq.Socket, save: _Save) -> bool:
         """Hand over ``save``'s next messages while there is room; False when
@@ -900,10 +901,10 @@ class Channel:
                                               track=last or full)
             except (zmq.ZMQError, RuntimeError) as exc:  # RuntimeError: pyzmq shutting down
                 if i == 0 and isinstance(exc, zmq.Again):
-                    # No connection any more, which the monitor has not told
-                    # yet: nothing of it went, so it waits with the backlog.
-                    self._piping = None
-                    self._backlog.appendleft(_Slot(save))
+                    # No connection any more (the monitor has not told yet),
+                    # or ZeroMQ's queue is full of requests and notices: none
+                    # of it went, so it waits at the head of the backlog.
+                    self._put_back(save)
                     return False
                 # Nothing more of this save goes out; the daemon drops the part it
                 # got when this client's next save starts (or after its stall timeout).
@@ -916,6 +917,8 @@ class Channel:
             del msg
             save.messages[i] = []
             save.piped = i + 1
+            if i == 0:
+                self._sends.went(save.key, time.monotonic())  # the interval runs from a save that went
             batch += nbytes
             if last or full:
                 self._piped.append((tracker, batch, save if last else None))
@@ -932,6 +935,19 @@ class Channel:
             # Hand the GIL back between messages: the caller of save() may be
             # waiting for it, and it should not wait for the whole save's sends.
             time.sleep(0)
+
+    def _put_back(self, save: _Save) -> None:
+        """Return a save none of which went to the head of the backlog, where
+        a newer save of its key may replace it again unless a request that
+        must see it is queued (every slot of a key not in ``_open`` has one
+        behind it)."""
+        self._piping = None
+        slot = _Slot(save)
+        self._backlog.appendleft(slot)
+        if save.key not in self._open and not any(
+                isinstance(entry, _Request) and entry.release in (save.key, ALL_KEYS)
+                for entry in self._backlog):
+            self._open[save.key] = slot
 
     def _abandon_piping(self, why: str) -> None:
         """Count the save being handed over lost and let it go: a send failed,

@@ -517,8 +517,9 @@ class Client:
             if unwritten and isinstance(exc, DaemonTimedOut) and self._channel.connected.is_set():
                 # The daemon is up but still writing (a big save on a slow
                 # disk): the file may be older than this client's last save
-                # of the key, and read-your-writes was promised. (A daemon
-                # that went away lost that save: the file is all there is.)
+                # of the key, and read-your-writes was promised. (With the
+                # daemon gone the file is all there is until a new one writes
+                # that save, if it still waits here.)
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
             return self._read_instead(model, cache_id, exc, unwritten,
                                       early or _read(guess, verify, model, cache_id), deadline)
