@@ -240,6 +240,10 @@ class Channel:
         self.counters = ChannelCounters()
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
+        # The number (see _sent) of the last save sent on an earlier
+        # connection than the current one: a flush answered by a restarted
+        # daemon vouches for the saves sent after it, on its own connection.
+        self.last_save_before_connection = 0
         self._on_refused = on_refused
         self._lock = threading.RLock()
         self._outbox: deque[_Save | _Request] = deque()
@@ -686,6 +690,7 @@ class Channel:
             except zmq.Again:
                 return lost
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.last_save_before_connection = self._sent_unanswered
                 self.connections += 1
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):

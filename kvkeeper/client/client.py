@@ -162,14 +162,12 @@ class Client:
         self._saves = 0
         self._root_seen_at = -1  # channel.connections when the daemon named its root
         # The daemon run that answered the last flush that returned (its pid
-        # and boot id, and channel.connections then), and self._saves then.
+        # and boot id, and channel.connections then).
         self._flush_daemon: tuple[int, float] | None = None  # (pid, boot id)
         self._flush_conn = -1
-        self._flushed_mark = 0
-        # The channel's connection count when the oldest save not covered by a
-        # flush that returned was handed off: a save handed off after the
-        # connection to a restarted daemon cannot have gone to the old one.
-        self._unflushed_conn: int | None = None
+        # The number the channel gave the request of the last flush that
+        # returned: the saves sent after it are the next flush's to answer for.
+        self._flushed_seq = 0
         # One flush at a time: each reply carries running totals, and a reply
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
@@ -319,9 +317,6 @@ class Client:
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         if not self._channel.reserve(cap.nbytes, estimate):
             return self._drop_inflight(cap.nbytes)
-        # Read before the hand-off: once queued, the save may go out, its
-        # daemon die and a new one be connected before this thread goes on.
-        conn = self._channel.connections
         if not self._channel.send_save(
             (model, cache_id),
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
@@ -330,8 +325,6 @@ class Client:
             return self._drop("closed", "the client's connection was closed meanwhile")
         with self._lock:
             self._saves += 1
-            if self._unflushed_conn is None:
-                self._unflushed_conn = conn
             if len(self._unsettled) >= _MAX_UNSETTLED:
                 # Past this many keys, every load asks the daemon until a flush.
                 self._unsettled = {ALL_KEYS: self._saves}
@@ -609,9 +602,10 @@ class Client:
         returned was written (or replaced by a newer save of the same key, from
         any client, that was, or by a delete that was done), False when any of
         them, or what replaced it, was refused, lost or failed (the log says
-        which), or when the daemon was restarted in between (saves the old one
-        had not written are gone, and the new one cannot tell), or a
-        connection ended before the daemon had read the saves sent on it. Raises
+        which), or when the daemon was restarted after some of them were sent
+        to it (saves the old one had not written are gone, and the new one
+        cannot tell; those still waiting in the client go to the new one), or
+        a connection ended before the daemon had read the saves sent on it. Raises
         DaemonUnavailable when the daemon is down, goes away while the flush
         waits, or does not answer in ``timeout`` seconds; the saves it covered
         are then answered for by the next flush that returns. Flushes from
@@ -636,7 +630,6 @@ class Client:
         deadline = time.monotonic() + timeout
         with self._lock:
             mark = self._saves
-            conn_at_mark = self._channel.connections
         if self._closed:
             raise RuntimeError("client is closed")
         pending = self._channel.send_request(
@@ -657,7 +650,7 @@ class Client:
             run = self._daemon_run(max(deadline - time.monotonic(), min(timeout, 1.0)))
             # Never having learnt which daemon took the saves before (the
             # client was made before one answered) counts as a restart: only
-            # saves handed off on this connection are then vouched for.
+            # saves sent on this connection are then vouched for.
             restarted = self._flush_daemon is None or run != self._flush_daemon
             self._flush_daemon, self._flush_conn = run, conn
         with self._lock:
@@ -672,17 +665,16 @@ class Client:
             failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
                 else reply.failed
             self._failed_seen = reply.failed
-            # Saves handed off since the last flush may have gone to a daemon
-            # that went away: nothing can confirm them. The same daemon, on a
-            # new connection, answers for every save it read on the old one;
-            # those the old one took with it unread are the channel's to say.
+            # Saves sent since the last flush on an earlier connection may have
+            # gone to a daemon that went away: nothing can confirm them (those
+            # still waiting in the client then went to this one, which
+            # answers for them). The same daemon, on a new connection,
+            # answers for every save it read on the old one; those the old
+            # one took with it unread are the channel's to say.
             unread = self._channel.take_unread_losses(before=pending)
             unconfirmed = unread > 0 or (
-                restarted and mark > self._flushed_mark
-                and self._unflushed_conn is not None and self._unflushed_conn < conn)
-            self._flushed_mark = mark
-            # Saves handed off since the mark: on this connection or a later one.
-            self._unflushed_conn = conn_at_mark if self._saves > mark else None
+                restarted and self._channel.last_save_before_connection > self._flushed_seq)
+            self._flushed_seq = pending.seq
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=%s: the connection to the daemon was "
                         "lost since the last flush (%s); saves handed off before may be lost",
