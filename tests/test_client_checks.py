@@ -440,6 +440,48 @@ def test_saves_queued_when_the_daemon_dies_wait_for_the_next_one(short_dir: Path
         stop_process(proc, signal.SIGKILL)
 
 
+def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) -> None:
+    """A daemon told to stop refuses the saves that come while it drains.
+    Told so by the first refusal, the client keeps the saves after it for
+    the next daemon instead of sending them to be refused too; a request
+    queued behind them fails at once."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    # 50 ms per MiB: the drain writes the 32 MiB save for about 1.6 s.
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.05"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "big", filled(32, 1), [1])
+            wait_for(lambda: kv.stats()["saves_received"] == 1, "the daemon to take it")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "event=draining" in Path(proc.log_path).read_text(),
+                     "the daemon to drain")
+            assert kv.save("fp", "a", filled(1, 1), [1])  # refused: tells the client
+            wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1, "the refusal")
+            assert kv.save("fp", "a", filled(1, 2), [2])
+            assert kv.save("fp", "b", filled(1, 3), [3])
+            with pytest.raises(DaemonUnavailable, match="shutting down"):
+                kv.flush(timeout=WAIT)  # behind the two saves
+            s = kv.client_stats()
+            assert (s["client_saves_sent"], s["client_saves_refused"]) == (2, 1), s
+            assert proc.wait(WAIT) == 0  # the drain wrote the 32 MiB save
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock, "--min-write-interval", "0")
+            wait_for(lambda: entry_path(root, "b", model="fp").exists(), "the saves kept")
+            assert kv.flush(timeout=WAIT) is False  # a v1 was refused
+            assert version_of(entry_path(root, "big", model="fp"), "fp") == 1
+            assert version_of(entry_path(root, "a", model="fp"), "fp") == 2
+            assert version_of(entry_path(root, "b", model="fp"), "fp") == 3
+            s = kv.client_stats()
+            assert (s["client_saves_sent"], s["client_saves_lost"]) == (4, 0), s
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_close_gives_a_restarted_daemon_the_saves_still_waiting(short_dir: Path) -> None:
     """close() gives the saves still waiting its timeout to reach a daemon,
     one restarted meanwhile included; with none back by then it returns after

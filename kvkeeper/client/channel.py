@@ -35,7 +35,8 @@ rest would reach a daemon that never saw it begin), and so is what ZeroMQ
 had taken whole that the daemon had not read (counted sent: a flush says
 so); requests waiting for a reply fail at once, and the saves not begun,
 waiting or held, stay for the next connection: a daemon restarted by its
-service manager writes them.
+service manager writes them. So do the saves made once a daemon told to
+stop refused one (it refuses every save that comes while it drains).
 """
 
 from __future__ import annotations
@@ -244,6 +245,10 @@ class Channel:
         # connection than the current one: a flush answered by a restarted
         # daemon vouches for the saves sent after it, on its own connection.
         self.last_save_before_connection = 0
+        # The I/O thread's: the daemon refused a save as shutting down (it
+        # drains, then exits). Saves sent to it from then on would be refused
+        # too: they wait for the next daemon, as without a connection.
+        self._daemon_leaving = False
         self._on_refused = on_refused
         self._lock = threading.RLock()
         self._outbox: deque[_Save | _Request] = deque()
@@ -691,6 +696,7 @@ class Channel:
                 return lost
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.last_save_before_connection = self._sent_unanswered
+                self._daemon_leaving = False
                 self.connections += 1
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
@@ -729,6 +735,8 @@ class Channel:
                 continue
             if isinstance(reply, m.SaveRefused):
                 self.counters.saves_refused += 1
+                if reply.code == "shutting_down":
+                    self._daemon_leaving = True
                 if self._on_refused is not None:
                     self._on_refused(reply)
                 continue
@@ -870,7 +878,7 @@ class Channel:
                 continue
             if not self._backlog:
                 return
-            if not self.connected.is_set():
+            if not self.connected.is_set() or self._daemon_leaving:
                 self._hold_backlog()
                 return
             if isinstance(self._backlog[0], _Slot) and self._piped_bytes >= PIPE_BYTES:
@@ -965,16 +973,18 @@ class Channel:
             self._release_save(save)
 
     def _hold_backlog(self) -> None:
-        """Without a daemon: the saves in the backlog wait for the next one
-        (as held saves do), the requests there fail now, since a caller
-        waiting out its timeout would stall the generation loop."""
+        """Without a daemon (or with one shutting down): the saves in the
+        backlog wait for the next one (as held saves do), the requests there
+        fail now, since a caller waiting out its timeout would stall the
+        generation loop."""
+        why = "is shutting down" if self.connected.is_set() else "went away"
         saves: deque[_Slot | _Request] = deque()
         for entry in self._backlog:
             if isinstance(entry, _Slot):
                 saves.append(entry)
             elif entry.header is not None and not entry.future.done():
                 entry.future.set_exception(
-                    DaemonUnavailable(f"the daemon at {self.endpoint} went away"))
+                    DaemonUnavailable(f"the daemon at {self.endpoint} {why}"))
         self._backlog = saves
 
     def _reap(self) -> None:
