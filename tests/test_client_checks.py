@@ -392,6 +392,53 @@ def test_a_flush_after_a_restart_vouches_for_the_saves_the_new_daemon_got(
         stop_process(proc, signal.SIGKILL)
 
 
+def test_a_flush_answered_before_a_restart_leaves_the_lost_save_to_the_next(
+        short_dir: Path) -> None:
+    """A flush answered by the old daemon, whose thread looks at the
+    connection only after the client reconnected to a new one, answers for
+    the saves sent before it; a save sent after its request, read by the old
+    daemon but never written, is the next flush's to report. (Before: the
+    first flush said False and the next True, the lost save never told.)"""
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "60")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "a", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+            # The flushing thread is descheduled right after the reply comes
+            # (held here until the daemon has been replaced).
+            answered, resume = threading.Event(), threading.Event()
+            wait = kv._channel.wait
+
+            def wait_then_pause(pending, timeout):  # type: ignore[no-untyped-def]
+                reply = wait(pending, timeout)
+                if threading.current_thread().name == "first-flush":
+                    answered.set()
+                    resume.wait(WAIT)
+                return reply
+
+            kv._channel.wait = wait_then_pause  # type: ignore[method-assign]
+            got: list[bool] = []
+            first = threading.Thread(target=lambda: got.append(kv.flush(timeout=WAIT)),
+                                     name="first-flush")
+            first.start()
+            assert answered.wait(WAIT)
+            assert kv.save("fp", "a", filled(1, 2), [2])  # after the first flush's request
+            wait_for(lambda: kv.stats().get("held_saves") == 1, "the daemon to hold it")
+            stop_process(proc, signal.SIGKILL)
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock, "--min-write-interval", "60")
+            wait_for(lambda: kv.connected, "the client reconnects")
+            resume.set()
+            first.join(WAIT)
+            assert got == [True]
+            assert kv.flush(timeout=WAIT) is False  # version 2 died with the old daemon
+            assert version_of(entry_path(root, "a", model="fp"), "fp") == 1
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_saves_queued_when_the_daemon_dies_wait_for_the_next_one(short_dir: Path) -> None:
     """Saves queued behind one being sent when the daemon dies are written by
     the daemon that replaces it, as held saves are: only the save cut off part

@@ -201,6 +201,7 @@ class _Request:
     future: Future[m.Reply] = field(default_factory=Future)
     sent: bool = False  # the I/O thread's: handed to a connection (which may die with it)
     seq: int = 0  # the I/O thread's: Channel._sent when it went
+    conn: int = 0  # the I/O thread's: Channel.connections when it went
 
 
 #: A request on its way: what ``Channel.send_request`` returns.
@@ -840,6 +841,7 @@ class Channel:
             item.sent = True
             self._sent += 1
             item.seq = self._sent
+            item.conn = self.connections
 
     def _hold_until(self, save: _Save) -> float | None:
         """When ``save`` may be sent, if it is to wait: its key was sent less

@@ -637,7 +637,10 @@ class Client:
         reply = self._reply(self._channel.wait(pending, timeout))
         assert isinstance(reply, m.Flushed)
         restarted = False
-        conn = self._channel.connections
+        # The connection the flush went on: the channel may be on a later one
+        # by now, whose daemon must not answer for this one's.
+        conn = pending.conn
+        run = self._flush_daemon
         if conn != self._flush_conn:
             # Reconnected since the last flush: to the same daemon, or to a new
             # one, which knows nothing of what the old one had not written and
@@ -652,7 +655,10 @@ class Client:
             # client was made before one answered) counts as a restart: only
             # saves sent on this connection are then vouched for.
             restarted = self._flush_daemon is None or run != self._flush_daemon
-            self._flush_daemon, self._flush_conn = run, conn
+            if self._channel.connections != conn:
+                # Asked on a later connection: which daemon answered the flush
+                # is not known, so the next flush counts as after a restart.
+                restarted, run = True, None
         with self._lock:
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
             # Running totals: what went wrong since the last flush that returned
@@ -674,6 +680,9 @@ class Client:
             unread = self._channel.take_unread_losses(before=pending)
             unconfirmed = unread > 0 or (
                 restarted and self._channel.last_save_before_connection > self._flushed_seq)
+            # Stored together, last: a flush cut short before (Ctrl-C) must
+            # leave the next one to find the restart.
+            self._flush_daemon, self._flush_conn = run, conn
             self._flushed_seq = pending.seq
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=%s: the connection to the daemon was "
