@@ -529,6 +529,50 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
         stop_process(proc, signal.SIGKILL)
 
 
+def test_a_client_keeping_saves_from_a_draining_daemon_still_loads_and_coalesces(
+        short_dir: Path) -> None:
+    """While the daemon drains, a load of a key whose newest save waits in
+    the client gets what the daemon received (written first), not the older
+    file; and saves of one key made between requests that fail (a loop
+    polling flush(0)) still replace each other: one goes to the next daemon."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.05"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+            assert kv.save("fp", "big", filled(32, 1), [1])  # written for about 1.6 s
+            assert kv.save("fp", "k", filled(1, 2), [2])  # queued behind it at the daemon
+            wait_for(lambda: kv.stats()["saves_received"] == 3, "the daemon to take both")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "event=draining" in Path(proc.log_path).read_text(),
+                     "the daemon to drain")
+            assert kv.save("fp", "x", filled(1, 1), [1])  # refused: tells the client
+            wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1, "the refusal")
+            for v in range(10, 20):
+                assert kv.save("fp", "k", filled(1, v), [v])
+                with pytest.raises(DaemonUnavailable):
+                    kv.flush(timeout=0)
+            loaded = kv.load("fp", "k")
+            assert loaded is not None and loaded.token_ids == [2]
+            assert proc.wait(WAIT) == 0
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock, "--min-write-interval", "0")
+            wait_for(lambda: kv.connected, "the client reconnects")
+            assert kv.flush(timeout=WAIT) is False  # x was refused
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 19
+            assert kv.stats()["saves_received"] == 1
+            s = kv.client_stats()
+            assert (s["client_saves_coalesced"], s["client_saves_lost"],
+                    s["client_inflight_bytes"]) == (9, 0, 0), s
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_close_gives_a_restarted_daemon_the_saves_still_waiting(short_dir: Path) -> None:
     """close() gives the saves still waiting its timeout to reach a daemon,
     one restarted meanwhile included; with none back by then it returns after

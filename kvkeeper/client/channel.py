@@ -152,6 +152,11 @@ class DaemonTimedOut(DaemonUnavailable):
     """The daemon did not answer in time; it may still be up (and busy)."""
 
 
+class DaemonShuttingDown(DaemonUnavailable):
+    """The daemon is draining before it exits: a request that must follow a
+    save this client keeps for the next daemon fails with this at once."""
+
+
 Messages = list[list[bytes | memoryview]]
 
 
@@ -979,15 +984,24 @@ class Channel:
         backlog wait for the next one (as held saves do), the requests there
         fail now, since a caller waiting out its timeout would stall the
         generation loop."""
-        why = "is shutting down" if self.connected.is_set() else "went away"
-        saves: deque[_Slot | _Request] = deque()
+        leaving = self.connected.is_set()
+        newest: dict[Key, _Slot] = {}
         for entry in self._backlog:
             if isinstance(entry, _Slot):
-                saves.append(entry)
+                older = newest.get(entry.save.key)
+                if older is not None:
+                    # The request between them is gone: nothing must see it.
+                    self.counters.saves_coalesced += 1
+                    self._release_save(older.save)
+                newest[entry.save.key] = entry
             elif entry.header is not None and not entry.future.done():
                 entry.future.set_exception(
-                    DaemonUnavailable(f"the daemon at {self.endpoint} {why}"))
-        self._backlog = saves
+                    DaemonShuttingDown(f"the daemon at {self.endpoint} is shutting down")
+                    if leaving else DaemonUnavailable(f"the daemon at {self.endpoint} went away"))
+        self._backlog = deque(newest.values())
+        # With no request left behind them, a newer save of a key replaces
+        # its slot again (the requests had taken the keys out).
+        self._open = dict(newest)
 
     def _reap(self) -> None:
         """Give back the room of what ZeroMQ has sent on, and each save's

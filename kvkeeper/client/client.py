@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvkeeper import __version__, config, settings
-from kvkeeper.client.channel import ALL_KEYS, Channel, DaemonTimedOut, DaemonUnavailable
+from kvkeeper.client.channel import (
+    ALL_KEYS,
+    Channel,
+    DaemonShuttingDown,
+    DaemonTimedOut,
+    DaemonUnavailable,
+)
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
@@ -453,7 +459,9 @@ class Client:
         clients are certain to be seen once their ``flush()`` has returned.
         When the daemon is down, or goes away while the load waits, reads the
         file directly (logged when this client's last save of the key may not
-        be in it). Raises DaemonUnavailable when the daemon does not answer
+        be in it); while it drains before exiting, with a save of the key
+        kept here for the next daemon, returns what the draining one has
+        (logged). Raises DaemonUnavailable when the daemon does not answer
         within ``timeout`` while a save of the key made through this client
         may still be unwritten (the file may be older than it).
         ``verify`` checks every tensor's checksum (reads the whole file); off,
@@ -506,6 +514,20 @@ class Client:
         early = None if verify else _read(guess, verify, model, cache_id)
         try:
             reply = self._reply(self._channel.wait(pending, _left(deadline)))
+        except DaemonShuttingDown as exc:
+            # Our save of the key waits for the next daemon. The draining one
+            # still answers with what it has (a save of the key it received
+            # is written first), which the file may not hold yet.
+            log.warning("event=load_before_save model=%s id=%s reason=%s: %s", model,
+                        cache_id, exc, unwritten or "a save of it waits in this client")
+            try:
+                reply = self._request(lambda req: m.Load(
+                    v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
+                    _left(deadline))
+            except DaemonUnavailable as gone:
+                return self._read_instead(model, cache_id, gone, unwritten,
+                                          early or _read(guess, verify, model, cache_id),
+                                          deadline)
         except DaemonUnavailable as exc:
             if unwritten and isinstance(exc, DaemonTimedOut) and self._channel.connected.is_set():
                 # The daemon is up but still writing (a big save on a slow
@@ -516,7 +538,8 @@ class Client:
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
             return self._read_instead(model, cache_id, exc, unwritten,
                                       early or _read(guess, verify, model, cache_id), deadline)
-        self._settled(key, mark)
+        else:
+            self._settled(key, mark)
         if not isinstance(reply, m.Found) or not reply.path:
             return None
         path = Path(reply.path)
