@@ -487,6 +487,21 @@ def test_saves_queued_when_the_daemon_dies_wait_for_the_next_one(short_dir: Path
         stop_process(proc, signal.SIGKILL)
 
 
+def _drain_past_a_refusal(kv: Client, proc: subprocess.Popen[bytes], *,
+                          received: int) -> None:
+    """SIGTERM the daemon once it has received ``received`` saves, and return
+    once a save made while it drains (of "x") was refused: that tells the
+    client the daemon is leaving."""
+    from .faultkit import filled
+
+    wait_for(lambda: kv.stats()["saves_received"] == received, "the daemon to take them")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "event=draining" in Path(proc.log_path).read_text(),  # type: ignore[attr-defined]
+             "the daemon to drain")
+    assert kv.save("fp", "x", filled(1, 1), [1])
+    wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1, "the refusal")
+
+
 def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) -> None:
     """A daemon told to stop refuses the saves that come while it drains.
     Told so by the first refusal, the client keeps the saves after it for
@@ -503,12 +518,7 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save("fp", "big", filled(32, 1), [1])
-            wait_for(lambda: kv.stats()["saves_received"] == 1, "the daemon to take it")
-            proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: "event=draining" in Path(proc.log_path).read_text(),
-                     "the daemon to drain")
-            assert kv.save("fp", "a", filled(1, 1), [1])  # refused: tells the client
-            wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1, "the refusal")
+            _drain_past_a_refusal(kv, proc, received=1)
             assert kv.save("fp", "a", filled(1, 2), [2])
             assert kv.save("fp", "b", filled(1, 3), [3])
             with pytest.raises(DaemonUnavailable, match="shutting down"):
@@ -519,7 +529,7 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock, "--min-write-interval", "0")
             wait_for(lambda: entry_path(root, "b", model="fp").exists(), "the saves kept")
-            assert kv.flush(timeout=WAIT) is False  # a v1 was refused
+            assert kv.flush(timeout=WAIT) is False  # x was refused
             assert version_of(entry_path(root, "big", model="fp"), "fp") == 1
             assert version_of(entry_path(root, "a", model="fp"), "fp") == 2
             assert version_of(entry_path(root, "b", model="fp"), "fp") == 3
@@ -547,12 +557,7 @@ def test_a_client_keeping_saves_from_a_draining_daemon_still_loads_and_coalesces
             assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
             assert kv.save("fp", "big", filled(32, 1), [1])  # written for about 1.6 s
             assert kv.save("fp", "k", filled(1, 2), [2])  # queued behind it at the daemon
-            wait_for(lambda: kv.stats()["saves_received"] == 3, "the daemon to take both")
-            proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: "event=draining" in Path(proc.log_path).read_text(),
-                     "the daemon to drain")
-            assert kv.save("fp", "x", filled(1, 1), [1])  # refused: tells the client
-            wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1, "the refusal")
+            _drain_past_a_refusal(kv, proc, received=3)
             for v in range(10, 20):
                 assert kv.save("fp", "k", filled(1, v), [v])
                 with pytest.raises(DaemonUnavailable):
