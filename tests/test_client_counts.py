@@ -446,6 +446,41 @@ def test_a_flush_answered_just_before_the_daemon_exits_is_true(
                 or "flush_unconfirmed" in r.getMessage()]
 
 
+def test_a_flush_cut_short_while_it_warns_leaves_the_verdict_to_the_next(
+        short_dir: Path) -> None:
+    """A flush interrupted (Ctrl-C) while it warns that saves sent to a
+    daemon that was since restarted may be lost returns nothing; the next
+    flush must say False for them, not take them as answered for."""
+
+    class CtrlC(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "event=flush_unconfirmed" in record.getMessage():
+                raise KeyboardInterrupt
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "a", filled(1, 1), [1]) and kv.flush(WAIT) is True
+            assert kv.save(FP, "a", filled(1, 2), [2])
+            wait_for(lambda: kv.stats()["saves_received"] == 2, "the daemon to take it")
+            stop_process(proc, signal.SIGKILL)
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock)
+            wait_for(lambda: kv.connected, "the client to reconnect")
+            logger, handler = logging.getLogger("kvkeeper.client"), CtrlC()
+            logger.addHandler(handler)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    kv.flush(WAIT)
+            finally:
+                logger.removeHandler(handler)
+            assert kv.flush(WAIT) is False
+            assert kv.flush(WAIT) is True
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_a_save_zeromq_had_no_room_for_waits_and_is_still_replaced(short_dir: Path) -> None:
     """With ZeroMQ's send queue full of notices (the daemon stopped), a save
     none of which went waits at the head of the backlog, where a newer save

@@ -499,14 +499,18 @@ class Channel:
             log.warning("event=client_close_unconfirmed reason=saved_meanwhile: saves were "
                         "sent after the daemon confirmed the others")
 
-    def take_unread_losses(self, before: PendingReply) -> int:
+    def unread_losses(self, before: PendingReply) -> int:
         """How many connections ended with saves sent before ``before`` (a
-        request already sent) that the daemon had not confirmed reading;
-        each is told once. Later ones are left for a later request."""
+        request already sent) that the daemon had not confirmed reading, and
+        that ``forget_unread_losses`` has not yet been told of."""
         with self._lock:
-            mine = [n for n in self._unread_losses if n < before.seq]
+            return sum(1 for n in self._unread_losses if n < before.seq)
+
+    def forget_unread_losses(self, before: PendingReply) -> None:
+        """Drop the losses ``unread_losses(before)`` counted, once reported;
+        later ones are left for a later request."""
+        with self._lock:
             self._unread_losses = [n for n in self._unread_losses if n >= before.seq]
-        return len(mine)
 
     @property
     def _unconfirmed(self) -> bool:

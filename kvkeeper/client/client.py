@@ -683,36 +683,39 @@ class Client:
                 # is not known, so the next flush counts as after a restart.
                 restarted, run = True, None
         with self._lock:
-            self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
             # Running totals: what went wrong since the last flush that returned
             # (the daemon counts refusals with failures: their replies can be lost).
-            lost = self._channel.counters.saves_lost - self._lost_seen
-            self._lost_seen += lost
-            if restarted:
-                self._failed_seen = 0
+            lost_total = self._channel.counters.saves_lost
+            lost = lost_total - self._lost_seen
+            failed_seen = 0 if restarted else self._failed_seen
             # A smaller total also means a new daemon (one this check missed).
-            failed = reply.failed - self._failed_seen if reply.failed >= self._failed_seen \
+            failed = reply.failed - failed_seen if reply.failed >= failed_seen \
                 else reply.failed
-            self._failed_seen = reply.failed
             # Saves sent since the last flush on an earlier connection may have
             # gone to a daemon that went away: nothing can confirm them (those
             # still waiting in the client then went to this one, which
             # answers for them). The same daemon, on a new connection,
             # answers for every save it read on the old one; those the old
             # one took with it unread are the channel's to say.
-            unread = self._channel.take_unread_losses(before=pending)
+            unread = self._channel.unread_losses(before=pending)
             unconfirmed = unread > 0 or (
                 restarted and self._channel.last_save_before_connection > self._flushed_seq)
-            # Stored together, last: a flush cut short before (Ctrl-C) must
-            # leave the next one to find the restart.
-            self._flush_daemon, self._flush_conn = run, conn
-            self._flushed_seq = pending.seq
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=%s: the connection to the daemon was "
                         "lost since the last flush (%s); saves handed off before may be lost",
                         "daemon_restarted" if restarted else "connection_lost",
                         "it was restarted" if restarted else
                         "the connection ended before the daemon read the last saves")
+        with self._lock:
+            # Stored together, just before the answer: a flush cut short
+            # before it (Ctrl-C, even in the log line above) leaves the next
+            # one to report the same losses and restart.
+            self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
+            self._lost_seen = lost_total
+            self._failed_seen = reply.failed
+            self._channel.forget_unread_losses(before=pending)
+            self._flush_daemon, self._flush_conn = run, conn
+            self._flushed_seq = pending.seq
         return failed == 0 and lost == 0 and not unconfirmed
 
     def delete(self, model: str, cache_id: str) -> bool:
