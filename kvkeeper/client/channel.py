@@ -499,18 +499,15 @@ class Channel:
             log.warning("event=client_close_unconfirmed reason=saved_meanwhile: saves were "
                         "sent after the daemon confirmed the others")
 
-    def unread_losses(self, before: PendingReply) -> int:
+    def unread_losses(self, since: int, before: PendingReply) -> int:
         """How many connections ended with saves sent before ``before`` (a
-        request already sent) that the daemon had not confirmed reading, and
-        that ``forget_unread_losses`` has not yet been told of."""
+        request already sent) that the daemon had not confirmed reading,
+        counting those after the save numbered ``since``: the caller reported
+        the older ones (when a flush that returned was sent after them), and
+        they are dropped here."""
         with self._lock:
+            self._unread_losses = [n for n in self._unread_losses if n >= since]
             return sum(1 for n in self._unread_losses if n < before.seq)
-
-    def forget_unread_losses(self, before: PendingReply) -> None:
-        """Drop the losses ``unread_losses(before)`` counted, once reported;
-        later ones are left for a later request."""
-        with self._lock:
-            self._unread_losses = [n for n in self._unread_losses if n >= before.seq]
 
     @property
     def _unconfirmed(self) -> bool:

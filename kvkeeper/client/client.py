@@ -697,7 +697,7 @@ class Client:
             # answers for them). The same daemon, on a new connection,
             # answers for every save it read on the old one; those the old
             # one took with it unread are the channel's to say.
-            unread = self._channel.unread_losses(before=pending)
+            unread = self._channel.unread_losses(since=self._flushed_seq, before=pending)
             unconfirmed = unread > 0 or (
                 restarted and self._channel.last_save_before_connection > self._flushed_seq)
         if unconfirmed:
@@ -707,15 +707,17 @@ class Client:
                         "it was restarted" if restarted else
                         "the connection ended before the daemon read the last saves")
         with self._lock:
-            # Stored together, just before the answer: a flush cut short
-            # before it (Ctrl-C, even in the log line above) leaves the next
-            # one to report the same losses and restart.
-            self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
+            # Stored together, just before the answer, by plain assignments
+            # (Python raises a pending KeyboardInterrupt at calls, never
+            # between these): a flush cut short before (Ctrl-C, even in the
+            # log line above) leaves the next one to report the same losses,
+            # failures and restart. Pruning the keys only costs loads a
+            # round trip if it is cut short, so it goes last.
             self._lost_seen = lost_total
             self._failed_seen = reply.failed
-            self._channel.forget_unread_losses(before=pending)
             self._flush_daemon, self._flush_conn = run, conn
             self._flushed_seq = pending.seq
+            self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
         return failed == 0 and lost == 0 and not unconfirmed
 
     def delete(self, model: str, cache_id: str) -> bool:
