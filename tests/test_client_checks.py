@@ -578,6 +578,41 @@ def test_a_client_keeping_saves_from_a_draining_daemon_still_loads_and_coalesces
         stop_process(proc, signal.SIGKILL)
 
 
+def test_a_load_the_draining_daemon_does_not_answer_in_time_raises(short_dir: Path) -> None:
+    """A load of a key whose newest save waits in the client for the next
+    daemon asks the draining one again; when that one is still writing past
+    the load's timeout (here a save of the key it received, behind a 32 MiB
+    one), the load raises rather than read the file, which holds an older
+    version than the daemon's (before: it returned the file's)."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    # 0.25 s per MiB: the drain writes the 32 MiB save for about 8 s.
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--drain-timeout", "60",
+                         env={ENV: "write_delay=0.25"})
+    try:
+        with Client(sock, timeout=2, min_send_interval=0) as kv:
+            assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+            assert kv.save("fp", "big", filled(32, 1), [1])
+            assert kv.save("fp", "k", filled(1, 2), [2])  # behind it at the daemon
+            _drain_past_a_refusal(kv, proc, received=3)
+            assert kv.save("fp", "k", filled(1, 3), [3])  # kept for the next daemon
+            with pytest.raises(DaemonUnavailable, match=r"did not answer.*fp/k"):
+                kv.load("fp", "k")
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 1
+            assert proc.wait(WAIT) == 0
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 2
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock, "--min-write-interval", "0")
+            wait_for(lambda: kv.connected, "the client reconnects")
+            assert kv.flush(timeout=WAIT) is False  # x was refused
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 3
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_close_gives_a_restarted_daemon_the_saves_still_waiting(short_dir: Path) -> None:
     """close() gives the saves still waiting its timeout to reach a daemon,
     one restarted meanwhile included; with none back by then it returns after

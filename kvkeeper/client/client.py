@@ -518,13 +518,18 @@ class Client:
             # Our save of the key waits for the next daemon. The draining one
             # still answers with what it has (a save of the key it received
             # is written first), which the file may not hold yet.
+            unwritten = unwritten or "a save of it waits in this client"
             log.warning("event=load_before_save model=%s id=%s reason=%s: %s", model,
-                        cache_id, exc, unwritten or "a save of it waits in this client")
+                        cache_id, exc, unwritten)
             try:
                 reply = self._request(lambda req: m.Load(
                     v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
                     _left(deadline))
             except DaemonUnavailable as gone:
+                if isinstance(gone, DaemonTimedOut) and self._channel.connected.is_set():
+                    # Still writing what it received: as below, the file may
+                    # be older than a save of the key it holds.
+                    raise DaemonUnavailable(f"{gone}; {unwritten}") from None
                 return self._read_instead(model, cache_id, gone, unwritten,
                                           early or _read(guess, verify, model, cache_id),
                                           deadline)
