@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.1"
 
-__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonUnavailable", "LoadedCache",
-           "read_cache_file", "model_fingerprint", "__version__"]
+__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonShuttingDown", "DaemonUnavailable",
+           "LoadedCache", "read_cache_file", "model_fingerprint", "__version__"]
 
 if TYPE_CHECKING:
-    from kvkeeper.client.channel import DaemonUnavailable
+    from kvkeeper.client.channel import DaemonShuttingDown, DaemonUnavailable
     from kvkeeper.client.client import Client, DaemonError
     from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
     from kvkeeper.fingerprint import model_fingerprint
@@ -33,6 +33,10 @@ def __getattr__(name: str) -> Any:
         from kvkeeper.client.channel import DaemonUnavailable
 
         return DaemonUnavailable
+    if name == "DaemonShuttingDown":  # a DaemonUnavailable: the daemon is draining
+        from kvkeeper.client.channel import DaemonShuttingDown
+
+        return DaemonShuttingDown
     if name in ("CacheFileError", "LoadedCache", "read_cache_file"):
         from kvkeeper.client import reader
 

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import kvkeeper
 from kvkeeper.client.client import Client, DaemonUnavailable
 from kvkeeper.client.reader import CacheFileError, read_cache_file
 from kvkeeper.protocol import naming
@@ -521,7 +522,7 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
             _drain_past_a_refusal(kv, proc, received=1)
             assert kv.save("fp", "a", filled(1, 2), [2])
             assert kv.save("fp", "b", filled(1, 3), [3])
-            with pytest.raises(DaemonUnavailable, match="shutting down"):
+            with pytest.raises(kvkeeper.DaemonShuttingDown, match="shutting down"):
                 kv.flush(timeout=WAIT)  # behind the two saves
             s = kv.client_stats()
             assert (s["client_saves_sent"], s["client_saves_refused"]) == (2, 1), s

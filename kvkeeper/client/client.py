@@ -62,7 +62,7 @@ MAX_METADATA_BYTES = 8 * 1024 * 1024
 #: stand-in for every key makes all loads ask the daemon until a flush.
 _MAX_UNSETTLED = 100_000
 
-__all__ = ["Client", "DaemonError", "DaemonUnavailable"]
+__all__ = ["Client", "DaemonError", "DaemonShuttingDown", "DaemonUnavailable"]
 
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
@@ -635,7 +635,9 @@ class Client:
         cannot tell; those still waiting in the client go to the new one), or
         a connection ended before the daemon had read the saves sent on it. Raises
         DaemonUnavailable when the daemon is down, goes away while the flush
-        waits, or does not answer in ``timeout`` seconds; the saves it covered
+        waits, or does not answer in ``timeout`` seconds, and its subclass
+        DaemonShuttingDown at once when the daemon drains before exiting
+        while saves wait here for the next one; the saves it covered
         are then answered for by the next flush that returns. Flushes from
         several threads take turns; the wait for a turn counts in ``timeout``.
         """
