@@ -446,6 +446,36 @@ def test_a_flush_answered_just_before_the_daemon_exits_is_true(
                 or "flush_unconfirmed" in r.getMessage()]
 
 
+def test_a_flush_of_many_saves_is_answered_before_the_daemon_exits(short_dir: Path) -> None:
+    """A flush waiting for 30 saves when the daemon is told to stop is
+    answered True once the drain wrote them all, before the daemon closes
+    its socket (before: the flush's task, a few turns of the event loop from
+    answering, was cancelled with the rest, and the flush raised "the daemon
+    went away" though every save was written and the daemon exited 0)."""
+    from kvkeeper.daemon.faults import ENV
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.02"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for i in range(30):
+                assert kv.save(FP, f"k{i}", filled(1, i + 1), [i + 1])
+            wait_for(lambda: kv.stats()["saves_received"] == 30, "the daemon to take them")
+            got: list[bool | BaseException] = []
+            t = threading.Thread(target=_flush_into, args=(kv, got))
+            t.start()
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT) == 0
+            t.join(WAIT)
+            assert not t.is_alive()
+            assert got == [True], got
+        for i in range(30):
+            assert version_of(entry_path(root, f"k{i}")) == i + 1
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_a_flush_cut_short_while_it_warns_leaves_the_verdict_to_the_next(
         short_dir: Path) -> None:
     """A flush interrupted (Ctrl-C) while it warns that saves sent to a

@@ -262,7 +262,7 @@ class Daemon:
                 self.ready.set()
                 await self._stop.wait()
                 drained = await self._drain(actor)
-                await self.server.let_replies_out()
+                await self.server.let_replies_out(settled=drained)
                 tg.cancel_scope.cancel()
         finally:
             sock.disable_monitor()

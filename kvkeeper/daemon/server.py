@@ -569,10 +569,19 @@ class Server:
             return int(parts[1]) == self._uid
         return True
 
-    async def let_replies_out(self) -> None:
-        """Before the daemon closes its socket: wait until the last reply is
+    async def let_replies_out(self, *, settled: bool) -> None:
+        """Before the daemon closes its socket: with every job ``settled``
+        (the drain ended in time), let the requests waiting for them be
+        answered (up to REPLY_GRACE * 4), then wait until the last reply is
         REPLY_GRACE old, so that clients read it (a flush answered at the end
         of the drain came to nothing, and the next flush said False)."""
+        if settled:
+            # Their tasks are a few turns of the event loop from answering;
+            # cancelled now, a flush of 15 or more saves, all written, was
+            # never answered (the client: "the daemon went away").
+            with anyio.move_on_after(REPLY_GRACE * 4):
+                while self._waiting_total:
+                    await anyio.sleep(0.005)
         await anyio.sleep(max(0.0, self._last_reply + REPLY_GRACE - time.monotonic()))
 
     def _reply(self, peer: bytes, msg: m.Reply) -> None:
