@@ -130,8 +130,9 @@ def _is_at(path: Path, held: os.stat_result) -> bool:
 
 class Daemon:
     """One daemon. ``run()`` blocks until stopped (SIGTERM/SIGINT or ``stop()``)
-    and returns the process exit code: 0 once every received save is written,
-    1 when the drain timeout left some unwritten (each is logged by key), or
+    and returns the process exit code: 0 once every received save is settled
+    (written, or failed and reported to its client as for any failure), 1
+    when the drain timeout left some unwritten (each is logged by key), or
     when the daemon stopped itself because its root or socket was removed."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
