@@ -203,21 +203,40 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
             assert version_of(entry_path(root, f"slow{i}")) == i + 1
 
 
-def test_the_drain_timeout_bounds_a_big_save_being_written(short_dir: Path) -> None:
+@pytest.mark.parametrize("sender", ["client", "one_message"])
+def test_the_drain_timeout_bounds_a_big_save_being_written(short_dir: Path,
+                                                          sender: str) -> None:
     """A save received whole is written a slice at a time, so a drain's
     timeout ends the daemon within a slice: SIGTERM with a 1 s timeout while
-    a 256 MiB save is written at 0.1 s per MiB (before: the bytes received
-    went to the disk thread in one call, which nothing cancels: about 25 s,
-    past the 10 s a service manager allows beyond the drain timeout)."""
+    a 256 MiB save is written at 0.1 s per MiB, sent by the client (8 MiB
+    messages) or by a raw client as one message of one frame (before: the
+    bytes received, then the message, went to the disk thread in one call,
+    which nothing cancels: about 25 s, past the 10 s a service manager
+    allows beyond the drain timeout)."""
+    import zmq
+
+    from kvkeeper.protocol import messages as m
+
     root, sock = paths(short_dir)
     proc = serve_process(root, sock, "--drain-timeout", "1", env={ENV: "write_delay=0.1"})
+    ctx = zmq.Context()
     with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
-        assert kv.save(FP, "big", filled(256, 1), [1])
-        wait_for(lambda: kv.client_stats()["client_inflight_bytes"] == 0, "the save sent")
-        time.sleep(0.5)  # read by the daemon, the writer inside its first slice
+        if sender == "client":
+            assert kv.save(FP, "big", filled(256, 1), [1])
+        else:
+            total = 256 * 2**20
+            raw = dealer(ctx, sock)
+            raw.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model=FP,
+                                          cache_id="big",
+                                          tensors=[m.TensorSpec("t", "U8", [total])])))
+            raw.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1)),
+                                b"\1" * total])
+        wait_for(lambda: kv.stats()["bytes_received"] >= 256 * 2**20, "the save received")
+        time.sleep(0.5)  # the writer inside its first slice
         t0 = time.monotonic()
         assert stop_process(proc) == 1
         took = time.monotonic() - t0
+    ctx.destroy(linger=0)
     assert took < 10, took  # 1 s, then the slice being written (up to 3.2 s)
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
     assert f"event=not_saved_at_exit model={FP} id=big" in log

@@ -534,10 +534,22 @@ class WriterActor:
                     # (the hashing does, at tensor ends) would copy it.
                     batch, taken = [], 0
                     while job.chunks and taken < WRITE_SLICE_BYTES:
-                        bufs = job.chunks.popleft()
-                        batch += [memoryview(buf) if type(buf) is bytearray else buf
-                                  for buf in bufs]
-                        taken += sum(len(buf) for buf in bufs)
+                        views = [memoryview(buf) if type(buf) is bytearray else buf
+                                 for buf in job.chunks.popleft()]
+                        for i, view in enumerate(views):
+                            room = WRITE_SLICE_BYTES - taken
+                            if len(view) > room:
+                                # One message may hold far more (a raw client's
+                                # frames go up to the memory budget): the rest
+                                # goes back first, as views, which receive()
+                                # never appends small frames to.
+                                if room:
+                                    batch.append(view[:room])
+                                job.chunks.appendleft([view[room:], *views[i + 1:]])
+                                taken = WRITE_SLICE_BYTES
+                                break
+                            batch.append(view)
+                            taken += len(view)
                     if job.received != job.parked_at:  # new bytes, not those parked with it
                         job.starved_since = None
                 elif job.broken:
@@ -771,10 +783,10 @@ class StreamBroken(Exception):
     """A save whose bytes stopped coming or did not add up."""
 
 
-#: At most about this many bytes (whole chunks) go to the disk thread in one
-#: call, which a drain's timeout cannot cut short: taking every byte received
-#: made a 160 MiB save on a 20 MiB/s disk outlive a 1 s --drain-timeout by
-#: 6.6 s (the service managers kill the daemon 10 s after theirs).
+#: At most this many bytes go to the disk thread in one call, which a drain's
+#: timeout cannot cut short: taking every byte received made a 160 MiB save
+#: on a 20 MiB/s disk outlive a 1 s --drain-timeout by 6.6 s (the service
+#: managers kill the daemon 10 s after theirs).
 WRITE_SLICE_BYTES = 32 * 1024 * 1024
 
 #: Below this many bytes a batch is hashed in the thread that writes it: a
