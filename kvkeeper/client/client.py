@@ -512,38 +512,32 @@ class Client:
         # that very file, unchanged. A verified read is far longer than the
         # answer, and would be wasted whenever a newer version is on its way.
         early = None if verify else _read(guess, verify, model, cache_id)
+        kept = False
         try:
-            reply = self._reply(self._channel.wait(pending, _left(deadline)))
-        except DaemonShuttingDown as exc:
-            # Our save of the key waits for the next daemon. The draining one
-            # still answers with what it has (a save of the key it received
-            # is written first), which the file may not hold yet.
-            unwritten = unwritten or "a save of it waits in this client"
-            log.warning("event=load_before_save model=%s id=%s reason=%s: %s", model,
-                        cache_id, exc, unwritten)
             try:
+                reply = self._reply(self._channel.wait(pending, _left(deadline)))
+            except DaemonShuttingDown as exc:
+                # Our save of the key waits for the next daemon. The draining
+                # one still answers with what it has (a save of the key it
+                # received is written first), which the file may not hold yet.
+                kept = True
+                unwritten = unwritten or "a save of it waits in this client"
+                log.warning("event=load_before_save model=%s id=%s reason=%s: %s", model,
+                            cache_id, exc, unwritten)
                 reply = self._request(lambda req: m.Load(
                     v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
                     _left(deadline))
-            except DaemonUnavailable as gone:
-                if isinstance(gone, DaemonTimedOut) and self._channel.connected.is_set():
-                    # Still writing what it received: as below, the file may
-                    # be older than a save of the key it holds.
-                    raise DaemonUnavailable(f"{gone}; {unwritten}") from None
-                return self._read_instead(model, cache_id, gone, unwritten,
-                                          early or _read(guess, verify, model, cache_id),
-                                          deadline)
         except DaemonUnavailable as exc:
             if unwritten and isinstance(exc, DaemonTimedOut) and self._channel.connected.is_set():
                 # The daemon is up but still writing (a big save on a slow
-                # disk): the file may be older than this client's last save
-                # of the key, and read-your-writes was promised. (With the
-                # daemon gone the file is all there is until a new one writes
-                # that save, if it still waits here.)
+                # disk, or the drain's): the file may be older than this
+                # client's last save of the key, and read-your-writes was
+                # promised. (With the daemon gone the file is all there is
+                # until a new one writes that save, if it still waits here.)
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
             return self._read_instead(model, cache_id, exc, unwritten,
                                       early or _read(guess, verify, model, cache_id), deadline)
-        else:
+        if not kept:
             self._settled(key, mark)
         if not isinstance(reply, m.Found) or not reply.path:
             return None
