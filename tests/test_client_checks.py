@@ -105,6 +105,28 @@ def test_a_save_larger_than_max_inflight_bytes_is_logged_as_such(
     assert f"a save of {nbytes} bytes is larger than max_inflight_bytes ({nbytes - 1})" in warning
 
 
+def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
+        daemon: RunningDaemon) -> None:
+    """A flag the daemon cannot decode is refused here (before: the daemon's
+    answer named no request, and the call waited out its timeout), and a bad
+    close() or ping() timeout raises before anything changes (before: a
+    TypeError from half way through close() left the client marked closed,
+    its I/O thread running)."""
+    with Client(daemon.socket, timeout=2) as kv:
+        for everything in ("yes", 1, None):
+            with pytest.raises(TypeError, match="everything must be True or False"):
+                kv.entries(everything=everything)  # type: ignore[arg-type]
+        for bad in ("5", None, -1, float("nan")):
+            with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+                kv.close(bad)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+                kv.ping(bad if bad is not None else "x")  # type: ignore[arg-type]
+        assert not kv.closed and kv.ping().pid == os.getpid()  # the daemon runs in-process
+        assert kv.entries(everything=True) == []
+        kv.close(WAIT)
+        assert kv.closed and not kv._channel._thread.is_alive()
+
+
 def test_a_save_after_the_exit_hook_says_the_client_was_closed(daemon: RunningDaemon) -> None:
     """A save made after the exit hook closed every client (as a session's
     generator finished at interpreter exit makes) was logged as "no kvkeeper

@@ -226,6 +226,9 @@ class Client:
         normal interpreter exit does this for clients still open (their
         connections close; a ``save()`` after that is dropped), and so does
         dropping a client, in the background."""
+        # Checked first: a bad one found half way through left the client
+        # marked closed with its I/O thread running.
+        timeout = _check_seconds("timeout", timeout, zero_ok=True)
         if self._closed:
             # Another thread's close() is under way: return once it is done,
             # as that thread's own call will (in its timeout).
@@ -741,6 +744,10 @@ class Client:
         if model is not None:
             naming.check_id(model, "model")
             model = naming.plain(model)
+        if not isinstance(everything, bool):
+            # The daemon cannot decode it, and its answer names no request:
+            # the call would wait out its timeout.
+            raise TypeError(f"everything must be True or False, not {everything!r}")
         reply = self._request(lambda req: m.ListEntries(
             v=m.PROTOCOL_VERSION, req=req, model=model, everything=everything))
         assert isinstance(reply, m.Entries)
@@ -790,6 +797,8 @@ class Client:
 
     def ping(self, timeout: float | None = None) -> m.Pong:
         """Ask the daemon who it is; raises DaemonUnavailable."""
+        if timeout is not None:
+            timeout = _check_seconds("timeout", timeout, zero_ok=True)
         seen_at = self._channel.connections
         reply = self._request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Pong)
