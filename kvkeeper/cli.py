@@ -238,7 +238,7 @@ def _logging(level: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvkeeper import config
-    from kvkeeper.daemon.app import AlreadyRunning, Daemon, DaemonConfig, SocketPathTaken
+    from kvkeeper.daemon.app import AlreadyRunning, Daemon, check_places, config_from_settings
     from kvkeeper.settings import SETTINGS, resolve
 
     try:
@@ -247,28 +247,23 @@ def _serve(args: argparse.Namespace) -> int:
     except config.ConfigError as exc:
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 2
+    cfg = config_from_settings(values)
     if args.print_config:
         width = max(len(s.name) for s in SETTINGS)
         for s in SETTINGS:
             print(f"{s.name:<{width}}  {values[s.name]!s:<40}  ({sources[s.name]})")
+        try:
+            check_places(cfg)  # what serve would refuse, said here too
+        except config.ConfigError as exc:
+            print(f"kvkeeper: {exc}", file=sys.stderr)
+            return 2
         return 0
     _logging(values["log_level"])
-    cfg = DaemonConfig(
-        root=values["root"],
-        socket=values["socket"],
-        max_pending_bytes=values["max_pending_bytes"],
-        max_disk_bytes=values["max_disk_bytes"] or None,
-        min_free_bytes=values["min_free_bytes"],
-        drain_timeout=values["drain_timeout"],
-        min_write_interval=values["min_write_interval"],
-        stall_timeout=values["stall_timeout"],
-        cpu_policy=values["cpu_policy"],
-    )
     print(f"kvkeeper {__version__}: socket {cfg.socket}, root {cfg.root}", file=sys.stderr,
           flush=True)
     try:
         return Daemon(cfg).run()
-    except (AlreadyRunning, SocketPathTaken, config.ConfigError) as exc:
+    except (AlreadyRunning, config.ConfigError) as exc:
         # A root or socket that cannot be used (not a directory, open to
         # others, too long a path) is an invalid setting, as a bad value is.
         print(f"kvkeeper: {exc}", file=sys.stderr)

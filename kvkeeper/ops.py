@@ -809,12 +809,18 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     """The serve arguments for the service, and every setting, resolved as
     ``serve`` resolves them; invalid settings end the command with status 2
     rather than write a service that fails at every start."""
+    from kvkeeper.config import ConfigError
+    from kvkeeper.daemon.app import check_places, config_from_settings
     from kvkeeper.settings import SETTINGS, SettingsError, default_config_file, resolve
 
     try:
         values, sources = resolve({s.name: getattr(args, s.name) for s in SETTINGS},
                                   args.config)
-    except SettingsError as exc:
+        # The root and socket as serve looks at them: too long a socket path,
+        # a root open to others, or min_free_bytes past the file system made
+        # a unit that failed at every start (and restarted forever).
+        check_places(config_from_settings(values))
+    except (SettingsError, ConfigError) as exc:
         raise CommandError(str(exc), status=2) from None
     # launchd and systemd do not hand this shell's environment to the service:
     # what came from it goes on the service's command line, so that the

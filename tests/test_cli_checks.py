@@ -584,6 +584,52 @@ def test_install_service_refuses_invalid_settings(argv: list[str], env: dict[str
     assert not (short_dir / "cfg" / "systemd" / "user" / "kvkeeper.service").exists()
 
 
+@pytest.mark.parametrize("what", ["a socket path too long", "a root open to others",
+                                  "a file at the socket path", "min_free_bytes past the disk"])
+def test_install_service_refuses_places_serve_would_refuse(what: str, short_dir: Path) -> None:
+    """Each of these made a unit that failed at every start (and, with
+    Restart=on-failure, restarted forever): only the settings' values were
+    checked. serve --print-config says so too, after the settings."""
+    root, sock, argv = short_dir / "root", short_dir / "run" / "k.sock", []
+    if what == "a socket path too long":
+        sock = short_dir / ("s" * 120) / "k.sock"
+        needle = "bytes; this platform allows"
+    elif what == "a root open to others":
+        root.mkdir(mode=0o700)
+        root.chmod(0o755)
+        needle = "root directory"
+    elif what == "a file at the socket path":
+        sock.parent.mkdir(mode=0o700)
+        sock.write_text("precious")
+        needle = "not a socket"
+    else:
+        argv = ["--min-free-bytes", "1000T"]
+        needle = "more than the whole file system"
+    places = ["--root", str(root), "--socket", str(sock), *argv]
+    home = {"HOME": str(short_dir / "home"), "XDG_CONFIG_HOME": str(short_dir / "cfg")}
+    usage_error(cli("install-service", "--print", "--platform", "linux", *places), needle)
+    usage_error(cli("install-service", "--platform", "linux", "--no-load", *places, env=home),
+                needle)
+    assert not (short_dir / "cfg" / "systemd" / "user" / "kvkeeper.service").exists()
+    r = cli("serve", "--print-config", *places)
+    assert r.returncode == 2 and "min_free_bytes" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith("kvkeeper: ") and needle in r.stderr, r.stderr
+    r = cli("serve", *places, timeout=15)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    if what == "a file at the socket path":
+        assert sock.read_text() == "precious" and not root.exists()
+
+
+def test_serve_refused_for_a_socket_in_use_leaves_no_root_behind(
+        daemon: RunningDaemon, short_dir: Path) -> None:
+    """The root was made (and locked) before the socket's lock said another
+    daemon serves it: a new empty store left behind."""
+    root = short_dir / "new" / "root"
+    r = cli("serve", "--root", str(root), "--socket", str(daemon.socket), timeout=15)
+    assert r.returncode == 2 and "another kvkeeper daemon is running" in r.stderr, r.stderr
+    assert not (short_dir / "new").exists()
+
+
 # ------------------------------------------------------------------ one config for both sides
 
 

@@ -16,6 +16,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import zmq
@@ -57,6 +58,21 @@ class DaemonConfig:
     cpu_policy: str = "batch"  # see kvkeeper.cpupolicy
 
 
+def config_from_settings(values: dict[str, Any]) -> DaemonConfig:
+    """The daemon's configuration from resolved settings (kvkeeper.settings)."""
+    return DaemonConfig(
+        root=values["root"],
+        socket=values["socket"],
+        max_pending_bytes=values["max_pending_bytes"],
+        max_disk_bytes=values["max_disk_bytes"] or None,
+        min_free_bytes=values["min_free_bytes"],
+        drain_timeout=values["drain_timeout"],
+        min_write_interval=values["min_write_interval"],
+        stall_timeout=values["stall_timeout"],
+        cpu_policy=values["cpu_policy"],
+    )
+
+
 class AlreadyRunning(config.ConfigError):
     """Another daemon holds the lock of this root or socket."""
 
@@ -71,17 +87,45 @@ def _clear_stale_socket(path: Path) -> None:
     Called with the locks held, so no live daemon owns a socket there. A file,
     directory or symlink there is someone's data or a wrong --socket: never
     delete it."""
+    if _check_socket_place(path):
+        path.unlink()
+
+
+def _check_socket_place(path: Path) -> bool:
+    """Whether a socket is at ``path`` (False: nothing is); raises
+    SocketPathTaken for anything else there."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
+    except (FileNotFoundError, NotADirectoryError):
+        return False
     if stat.S_ISSOCK(mode):
-        path.unlink()
-        return
+        return True
     kind = ("a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode)
             else "a regular file" if stat.S_ISREG(mode) else "another kind of file")
     raise SocketPathTaken(f"socket path {str(path)!r} is {kind}, not a socket; "
                           f"move it away or choose another --socket")
+
+
+def check_places(cfg: DaemonConfig) -> None:
+    """Refuse what ``Daemon.run`` would refuse about the root and the socket,
+    making, locking and removing nothing: ``install-service`` must not
+    write a service that fails at every start. Raises ConfigError."""
+    config.check_socket_path(cfg.socket)
+    # Both looked at before either is made: refused for one, the daemon
+    # leaves no new directory behind for the other.
+    config.check_private_dir(cfg.root, "root directory")
+    config.check_private_dir(cfg.socket.parent, "socket directory")
+    _check_socket_place(Path(os.path.abspath(cfg.socket)))
+    # The file system the root is (or will be made) on.
+    where = Path(os.path.abspath(cfg.root))
+    while not where.exists():
+        where = where.parent
+    fs = os.statvfs(where)
+    if cfg.min_free_bytes > fs.f_blocks * fs.f_frsize:
+        # Evicting could never get there: every entry would go at start.
+        raise config.ConfigError(
+            f"min_free_bytes ({cfg.min_free_bytes}) is more than the whole file system "
+            f"of {cfg.root} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
 
 
 #: How often the daemon checks that its root and socket are still in place.
@@ -167,32 +211,26 @@ class Daemon:
         # Before any thread starts: the daemon's threads all inherit it.
         policy = batch_this_thread() if cfg.cpu_policy == "batch" else None
         try:
-            config.check_socket_path(cfg.socket)
-            # Both looked at before either is made: refused for one, the
-            # daemon leaves no new directory behind for the other.
-            config.check_private_dir(cfg.root, "root directory")
-            config.check_private_dir(cfg.socket.parent, "socket directory")
-            root = config.private_dir(cfg.root, "root directory")
+            check_places(cfg)
+            # The socket's lock first: a daemon already serving this socket
+            # is refused before a new root is made for nothing.
             sock_dir = config.private_dir(cfg.socket.parent, "socket directory")
             sock_path = sock_dir / cfg.socket.name
+            root = Path(os.path.abspath(cfg.root))
             holder = f"pid {os.getpid()}, root {root}, socket {sock_path}"
-            locks.append(_Lock(root / LOCK_NAME, holder))
             locks.append(_Lock(sock_dir / f"{sock_path.name}.lock", holder))
+            root = config.private_dir(cfg.root, "root directory")
+            root_lock = _Lock(root / LOCK_NAME, holder)
+            locks.append(root_lock)
             _clear_stale_socket(sock_path)
             store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
             swept = store.open()
-            fs = os.statvfs(root)
-            if cfg.min_free_bytes > fs.f_blocks * fs.f_frsize:
-                # Evicting could never get there: every entry would go at start.
-                raise config.ConfigError(
-                    f"min_free_bytes ({cfg.min_free_bytes}) is more than the whole file system "
-                    f"of {root} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
             if swept:
                 log.info("event=swept_tmp count=%d", len(swept))
             evicted = store.enforce_budget()
             self.stats.inc("evictions", len(evicted))
             self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
-            return anyio.run(self._main, store, sock_path, handle_signals, locks[0],
+            return anyio.run(self._main, store, sock_path, handle_signals, root_lock,
                              backend="asyncio")
         finally:
             for lock in reversed(locks):
