@@ -425,6 +425,14 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
                 np.array([True, False]), mx.array([False, True])):
         with pytest.raises(ValueError, match="token_ids must be integers"):
             client.save(FP, "bad", [c], bad)
+    # Before: saved in some order (a dict's keys), as ids that look real.
+    for unordered in ({1, 2, 3}, frozenset({1}), {1: 2, 3: 4}):
+        with pytest.raises(ValueError, match="ordered sequence of integers"):
+            client.save(FP, "bad", [c], unordered)
+    # Before: pairs were taken as a dict; a str failed with dict()'s message.
+    for meta in ([("a", "b")], "ab"):
+        with pytest.raises(ValueError, match="metadata must be a mapping of str to str"):
+            client.save(FP, "bad", [c], [1, 2, 3], metadata=meta)  # type: ignore[arg-type]
     for batch in (mx.array([[1, 2, 3]]), np.array([[1, 2, 3]])):
         with pytest.raises(ValueError, match=r"one row of integers.*\(1, 3\)"):
             client.save(FP, "bad", [c], batch)

@@ -18,7 +18,7 @@ import time
 import warnings
 import weakref
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
@@ -946,6 +946,10 @@ def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     """A copy of a save's user metadata; raises ValueError for what ``save()``
     refuses: a key or value that is not a str, a ``kvkeeper.*`` key, text that
     is not valid Unicode, or more than MAX_METADATA_BYTES as JSON."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        # dict() would take pairs, and fail on a str with a puzzling message.
+        raise ValueError(f"metadata must be a mapping of str to str, not "
+                         f"{type(metadata).__name__}")
     meta = dict(metadata or {})
     bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
            or not isinstance(meta[k], str)]
@@ -991,6 +995,11 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
         raise ValueError("cache has no layers")
     ids: list[int] | None = None
     if token_ids is not None:
+        if isinstance(token_ids, (Set, Mapping)):
+            # Taken as a list they would be saved in some order (a dict's
+            # keys), and load back as ids that look real.
+            raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
+                             f"{type(token_ids).__name__}")
         if getattr(token_ids, "ndim", 1) != 1:  # e.g. a batch of one, mx.array([ids])
             raise ValueError(f"token_ids must be one row of integers, not an array of shape "
                              f"{tuple(token_ids.shape)}")
