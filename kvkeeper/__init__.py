@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.1"
 
-__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonShuttingDown", "DaemonUnavailable",
-           "LoadedCache", "read_cache_file", "model_fingerprint", "__version__"]
+__all__ = ["CacheFileError", "Client", "DaemonError", "DaemonShuttingDown", "DaemonTimedOut",
+           "DaemonUnavailable", "LoadedCache", "read_cache_file", "model_fingerprint",
+           "__version__"]
 
 if TYPE_CHECKING:
-    from kvkeeper.client.channel import DaemonShuttingDown, DaemonUnavailable
+    from kvkeeper.client.channel import DaemonShuttingDown, DaemonTimedOut, DaemonUnavailable
     from kvkeeper.client.client import Client, DaemonError
     from kvkeeper.client.reader import CacheFileError, LoadedCache, read_cache_file
     from kvkeeper.fingerprint import model_fingerprint
@@ -37,6 +38,10 @@ def __getattr__(name: str) -> Any:
         from kvkeeper.client.channel import DaemonShuttingDown
 
         return DaemonShuttingDown
+    if name == "DaemonTimedOut":  # a DaemonUnavailable: no answer in time, may still be up
+        from kvkeeper.client.channel import DaemonTimedOut
+
+        return DaemonTimedOut
     if name in ("CacheFileError", "LoadedCache", "read_cache_file"):
         from kvkeeper.client import reader
 

@@ -127,6 +127,27 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
         assert kv.closed and not kv._channel._thread.is_alive()
 
 
+def test_no_answer_in_time_raises_the_exported_daemon_timed_out(short_dir: Path) -> None:
+    """A daemon that is up but does not answer in time (stopped here) is told
+    apart from one that is gone by the exception's type, importable from
+    kvkeeper (before: only from a private module)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            proc.send_signal(signal.SIGSTOP)
+            with pytest.raises(kvkeeper.DaemonTimedOut, match="did not answer within 0.2 s") \
+                    as raised:
+                kv.flush(timeout=0.2)
+            assert isinstance(raised.value, kvkeeper.DaemonUnavailable)
+            proc.send_signal(signal.SIGCONT)
+            assert kv.flush(timeout=WAIT) is True
+        assert "DaemonTimedOut" in kvkeeper.__all__
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_process(proc) == 0
+
+
 def test_a_save_after_the_exit_hook_says_the_client_was_closed(daemon: RunningDaemon) -> None:
     """A save made after the exit hook closed every client (as a session's
     generator finished at interpreter exit makes) was logged as "no kvkeeper

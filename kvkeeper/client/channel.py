@@ -399,8 +399,10 @@ class Channel:
             return pending.future.result(timeout=timeout)
         # Until Python 3.11 the futures' TimeoutError is not the builtin one.
         except (TimeoutError, concurrent.futures.TimeoutError):
+            # Rounded: a caller's timeout less the time already spent on it
+            # (flush's wait for its turn) read 0.1999898750011198 s.
             raise DaemonTimedOut(
-                f"the daemon at {self.endpoint} did not answer within {timeout} s"
+                f"the daemon at {self.endpoint} did not answer within {round(timeout, 3):g} s"
             ) from None
         finally:
             with self._lock:

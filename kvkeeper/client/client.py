@@ -62,7 +62,7 @@ MAX_METADATA_BYTES = 8 * 1024 * 1024
 #: stand-in for every key makes all loads ask the daemon until a flush.
 _MAX_UNSETTLED = 100_000
 
-__all__ = ["Client", "DaemonError", "DaemonShuttingDown", "DaemonUnavailable"]
+__all__ = ["Client", "DaemonError", "DaemonShuttingDown", "DaemonTimedOut", "DaemonUnavailable"]
 
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
@@ -631,8 +631,10 @@ class Client:
         to it (saves the old one had not written are gone, and the new one
         cannot tell; those still waiting in the client go to the new one), or
         a connection ended before the daemon had read the saves sent on it. Raises
-        DaemonUnavailable when the daemon is down, goes away while the flush
-        waits, or does not answer in ``timeout`` seconds, and its subclass
+        DaemonUnavailable when the daemon is down or goes away while the flush
+        waits, its subclass DaemonTimedOut when it does not answer in
+        ``timeout`` seconds (it may still be up: ``flush(0)`` always ends so,
+        an answer taking a round trip), and its subclass
         DaemonShuttingDown at once when the daemon drains before exiting
         while saves wait here for the next one; the saves it covered
         are then answered for by the next flush that returns. Flushes from
