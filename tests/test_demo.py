@@ -62,6 +62,21 @@ def test_demo_with_a_private_daemon(short_dir: Path) -> None:
     assert where is not None and not Path(where.group(1)).exists()
 
 
+def test_the_demo_reports_what_the_restore_found_with_short_settings(short_dir: Path) -> None:
+    """Saves every 8 tokens of a 40-token stream: the newest is still held
+    (client interval, daemon write interval) when the restart reads the
+    file. The report said 7 tokens were lost where 39 were (it counted the
+    saves handed off)."""
+    out = short_dir / "demo.json"
+    proc = run_demo("--private", "--tokens", "40", "--prompt-tokens", "64", "--every-tokens",
+                    "8", "--json", str(out), env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")})
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["lost_tokens"] == 64 + 40 - rep["restored_tokens"] > 0
+    assert f"the last {rep['lost_tokens']} tokens were not saved in time" in proc.stdout
+    assert f"restored {rep['restored_tokens']} tokens" in proc.stdout
+
+
 def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
     proc = run_demo("--socket", str(daemon.socket), "--tokens", "32", "--prompt-tokens", "128")
     assert proc.returncode == 0, proc.stderr
