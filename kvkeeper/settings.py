@@ -192,8 +192,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("root", parse_path, config.default_root, "store directory", "path"),
     Setting("socket", _socket, config.default_socket, "ipc socket path", "socket"),
     Setting("max_pending_bytes", _pending_size, lambda: 1 * GiB,
-            "memory for saves received but not yet written; a save that does not fit "
-            "is refused and counted", "size"),
+            "memory for saves received but not yet written (at least 1M); a save that "
+            "does not fit is refused and counted", "size"),
     Setting("max_disk_bytes", _disk_size, lambda: 20 * GiB,
             "disk budget over everything under the root (0: none, else at least 1M); "
             "least recently used entries are evicted past it", "size"),

@@ -765,3 +765,19 @@ def test_a_stopped_daemon_is_told_apart_from_none(short_dir: Path) -> None:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def test_help_gives_sizes_as_written_and_python_m_kvkeeper_runs(daemon: RunningDaemon) -> None:
+    """Sizes' defaults read 1073741824 and 21474836480, with no word of the
+    suffixes a flag takes; and ``python -m kvkeeper`` found no __main__."""
+    for command in ("serve", "install-service"):
+        r = cli(command, "--help")
+        assert r.returncode == 0, r.stderr
+        text = " ".join(r.stdout.split())
+        for default in ("1G", "20G", "5G"):
+            assert f"(default: {default}; bytes, or with a K, M, G or T suffix)" in text, text
+        assert "1073741824" not in text and "at least 1M" in text
+    r = cli("--version", run=("-m", "kvkeeper"))
+    assert r.returncode == 0 and r.stdout.startswith("kvkeeper "), (r.stdout, r.stderr)
+    r = cli("stats", "--socket", str(daemon.socket), "--json", run=("-m", "kvkeeper"))
+    assert r.returncode == 0 and "saves_received" in json.loads(r.stdout), r.stderr
