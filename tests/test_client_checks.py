@@ -251,8 +251,8 @@ def test_write_behind_close_saves_what_a_dropped_save_missed(model, short_dir: P
         assert wb.close() is True  # the state at the last drop was never saved
         assert wb.counters.last_saved_tokens == len(ids) == 29
         # The first save went to the daemon before its restart, and no flush
-        # returned since: the new run cannot vouch for it. Then all is settled.
-        assert kv.flush(timeout=WAIT) is False
+        # returned since: the old one, stopped gracefully, answered for it
+        # as it drained (before the drain notices: False).
         assert kv.flush(timeout=WAIT) is True
         path = naming.entry_path(root, FP, "wb-drop")
         with safe_open(str(path), "numpy") as f:
@@ -531,26 +531,23 @@ def test_saves_queued_when_the_daemon_dies_wait_for_the_next_one(short_dir: Path
         stop_process(proc, signal.SIGKILL)
 
 
-def _drain_past_a_refusal(kv: Client, proc: subprocess.Popen[bytes], *,
-                          received: int) -> None:
+def _drain_past_the_notice(kv: Client, proc: subprocess.Popen[bytes], *,
+                           received: int) -> None:
     """SIGTERM the daemon once it has received ``received`` saves, and return
-    once a save made while it drains (of "x") was refused: that tells the
-    client the daemon is leaving."""
-    from .faultkit import filled
-
+    once the client has read the daemon's notice that it drains."""
     wait_for(lambda: kv.stats()["saves_received"] == received, "the daemon to take them")
     proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: "event=draining" in Path(proc.log_path).read_text(),  # type: ignore[attr-defined]
-             "the daemon to drain")
-    assert kv.save("fp", "x", filled(1, 1), [1])
-    wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1, "the refusal")
+    wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the drain notice")
 
 
 def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) -> None:
     """A daemon told to stop refuses the saves that come while it drains.
-    Told so by the first refusal, the client keeps the saves after it for
-    the next daemon instead of sending them to be refused too; a request
-    queued behind them fails at once."""
+    A client it took saves from is told so (a drain notice); one it did not
+    learns it from the first refusal. Either keeps the saves made from then
+    on for the next daemon instead of sending them to be refused; a request
+    queued behind them fails at once. After the restart the first client's
+    flush says True: the drain wrote its save (before: False, the daemon
+    restarted); the second's says False for its refused save."""
     from kvkeeper.daemon.faults import ENV
 
     from .faultkit import entry_path, filled, version_of
@@ -560,25 +557,85 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
     proc = serve_process(root, sock, "--min-write-interval", "0",
                          env={ENV: "write_delay=0.05"})
     try:
-        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv, \
+                Client(sock, timeout=WAIT, min_send_interval=0) as kv2:
             assert kv.save("fp", "big", filled(32, 1), [1])
-            _drain_past_a_refusal(kv, proc, received=1)
+            _drain_past_the_notice(kv, proc, received=1)
             assert kv.save("fp", "a", filled(1, 2), [2])
             assert kv.save("fp", "b", filled(1, 3), [3])
             with pytest.raises(kvkeeper.DaemonShuttingDown, match="shutting down"):
                 kv.flush(timeout=WAIT)  # behind the two saves
-            s = kv.client_stats()
-            assert (s["client_saves_sent"], s["client_saves_refused"]) == (2, 1), s
+            assert kv2.save("fp", "x", filled(1, 4), [4])
+            wait_for(lambda: kv2.client_stats()["client_saves_refused"] == 1, "the refusal")
+            assert kv2.save("fp", "y", filled(1, 5), [5])
+            s, s2 = kv.client_stats(), kv2.client_stats()
+            assert (s["client_saves_sent"], s["client_saves_refused"]) == (1, 0), s
+            assert (s2["client_saves_sent"], s2["client_saves_refused"],
+                    s2["client_drain_notices"]) == (1, 1, 0), s2
             assert proc.wait(WAIT) == 0  # the drain wrote the 32 MiB save
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock, "--min-write-interval", "0")
-            wait_for(lambda: entry_path(root, "b", model="fp").exists(), "the saves kept")
-            assert kv.flush(timeout=WAIT) is False  # x was refused
+            wait_for(lambda: entry_path(root, "y", model="fp").exists(), "the saves kept")
+            assert kv.flush(timeout=WAIT) is True
+            assert kv2.flush(timeout=WAIT) is False  # x was refused
+            assert kv2.flush(timeout=WAIT) is True
             assert version_of(entry_path(root, "big", model="fp"), "fp") == 1
             assert version_of(entry_path(root, "a", model="fp"), "fp") == 2
             assert version_of(entry_path(root, "b", model="fp"), "fp") == 3
-            s = kv.client_stats()
-            assert (s["client_saves_sent"], s["client_saves_lost"]) == (4, 0), s
+            assert version_of(entry_path(root, "y", model="fp"), "fp") == 5
+            assert not entry_path(root, "x", model="fp").exists()
+            s, s2 = kv.client_stats(), kv2.client_stats()
+            assert (s["client_saves_sent"], s["client_saves_lost"]) == (3, 0), s
+            assert (s2["client_saves_sent"], s2["client_saves_lost"]) == (2, 0), s2
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("drain", ["written", "failed", "timed_out"])
+def test_a_flush_after_a_graceful_restart_vouches_for_what_the_drain_wrote(
+        short_dir: Path, drain: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Saves the old daemon received, neither flushed nor written when it was
+    told to stop, are written by its drain: after the restart the flush
+    says True (before: False, as after a crash). A save the drain failed
+    (an I/O error after its rename: a failure the draining daemon reported)
+    or one it had no time for (nothing vouches for it) makes it say False;
+    the next says True."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    extra, faults = {
+        "written": ((), "write_delay=0.05"),
+        "failed": ((), "write_delay=0.05,io_error=dir_fsync"),
+        "timed_out": (("--drain-timeout", "0.5"), "write_delay=0.25"),
+    }[drain]
+    proc = serve_process(root, sock, "--min-write-interval", "0", *extra,
+                         env={ENV: "write_delay=0"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+            stop_process(proc)
+            proc = serve_process(root, sock, "--min-write-interval", "0", *extra,
+                                 env={ENV: faults})
+            wait_for(lambda: kv.connected, "the client reconnects")
+            assert kv.flush(timeout=WAIT) is True  # nothing sent since
+            assert kv.save("fp", "k", filled(1, 2), [2])
+            assert kv.save("fp", "big", filled(8, 2), [2])  # 0.4 s, or 2 s, to write
+            _drain_past_the_notice(kv, proc, received=2)
+            assert proc.wait(WAIT) == (1 if drain == "timed_out" else 0)
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock, "--min-write-interval", "0")
+            wait_for(lambda: kv.connected, "the client reconnects")
+            with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+                assert kv.flush(timeout=WAIT) is (drain == "written")
+            assert ("event=flush_unconfirmed" in caplog.text) is (drain == "timed_out")
+            assert kv.flush(timeout=WAIT) is True
+            assert version_of(entry_path(root, "k", model="fp"), "fp") == 2
+            if drain == "timed_out":
+                assert not entry_path(root, "big", model="fp").exists()
+            else:
+                assert version_of(entry_path(root, "big", model="fp"), "fp") == 2
     finally:
         stop_process(proc, signal.SIGKILL)
 
@@ -601,7 +658,7 @@ def test_a_client_keeping_saves_from_a_draining_daemon_still_loads_and_coalesces
             assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
             assert kv.save("fp", "big", filled(32, 1), [1])  # written for about 1.6 s
             assert kv.save("fp", "k", filled(1, 2), [2])  # queued behind it at the daemon
-            _drain_past_a_refusal(kv, proc, received=3)
+            _drain_past_the_notice(kv, proc, received=3)
             for v in range(10, 20):
                 assert kv.save("fp", "k", filled(1, v), [v])
                 with pytest.raises(DaemonUnavailable):
@@ -612,7 +669,7 @@ def test_a_client_keeping_saves_from_a_draining_daemon_still_loads_and_coalesces
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock, "--min-write-interval", "0")
             wait_for(lambda: kv.connected, "the client reconnects")
-            assert kv.flush(timeout=WAIT) is False  # x was refused
+            assert kv.flush(timeout=WAIT) is True  # the drain wrote k's version 2
             assert version_of(entry_path(root, "k", model="fp"), "fp") == 19
             assert kv.stats()["saves_received"] == 1
             s = kv.client_stats()
@@ -641,7 +698,7 @@ def test_a_load_the_draining_daemon_does_not_answer_in_time_raises(short_dir: Pa
             assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
             assert kv.save("fp", "big", filled(32, 1), [1])
             assert kv.save("fp", "k", filled(1, 2), [2])  # behind it at the daemon
-            _drain_past_a_refusal(kv, proc, received=3)
+            _drain_past_the_notice(kv, proc, received=3)
             assert kv.save("fp", "k", filled(1, 3), [3])  # kept for the next daemon
             with pytest.raises(DaemonUnavailable, match=r"did not answer.*fp/k"):
                 kv.load("fp", "k")
@@ -651,7 +708,7 @@ def test_a_load_the_draining_daemon_does_not_answer_in_time_raises(short_dir: Pa
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock, "--min-write-interval", "0")
             wait_for(lambda: kv.connected, "the client reconnects")
-            assert kv.flush(timeout=WAIT) is False  # x was refused
+            assert kv.flush(timeout=WAIT) is True  # the drain wrote k's version 2
             assert version_of(entry_path(root, "k", model="fp"), "fp") == 3
     finally:
         stop_process(proc, signal.SIGKILL)

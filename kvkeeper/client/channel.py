@@ -36,7 +36,9 @@ had taken whole that the daemon had not read (counted sent: a flush says
 so); requests waiting for a reply fail at once, and the saves not begun,
 waiting or held, stay for the next connection: a daemon restarted by its
 service manager writes them. So do the saves made once a daemon told to
-stop refused one (it refuses every save that comes while it drains).
+stop said it drains, or refused one (it refuses every save that comes while
+it drains); told so, the client asks it for a flush, whose answer vouches
+for the saves it drained (``ConnectionEnd``).
 """
 
 from __future__ import annotations
@@ -215,6 +217,42 @@ PendingReply = _Request
 
 
 @dataclass(eq=False)
+class _DrainFlush:
+    """The flush a client asks for when its daemon says it drains: answered
+    once the drain has settled every save it read, it vouches for the saves
+    sent before it on that connection (after the restart, which the new
+    daemon cannot)."""
+
+    pid: int  # the draining daemon's run
+    boot_id: float
+    request: _Request | None = None  # None: not sent yet (a save is half sent)
+
+
+@dataclass(eq=False)
+class ConnectionEnd:
+    """A connection that ended with saves sent on it."""
+
+    conn: int  # its number (``Channel.connections`` while it lasted)
+    last_save: int  # the number (``Channel._sent``) of the last save sent on it
+    drain: _DrainFlush | None  # asked for on it when its daemon drained
+
+    def vouched(self) -> tuple[tuple[int, float], int] | None:
+        """When the draining daemon answered for every save sent on this
+        connection: its run (pid, boot id) and its ``failed`` total for this
+        client then; else None (they may be lost)."""
+        flush = self.drain.request if self.drain is not None else None
+        if (flush is None or not flush.sent or flush.conn != self.conn
+                or flush.seq <= self.last_save or not flush.future.done()
+                or flush.future.exception() is not None):
+            return None
+        reply = flush.future.result()
+        if not isinstance(reply, m.Flushed):
+            return None
+        assert self.drain is not None
+        return (self.drain.pid, self.drain.boot_id), reply.failed
+
+
+@dataclass(eq=False)
 class _Slot:
     """A save's place in the backlog; a newer save of the key may take it."""
 
@@ -229,6 +267,7 @@ class ChannelCounters:
     saves_lost: int = 0
     saves_refused: int = 0  # the daemon said no (busy, too large, ...)
     saves_coalesced: int = 0  # replaced by a newer save of the cache while waiting to be sent
+    drain_notices: int = 0  # daemons that said they drain before they exit
     bytes_sent: int = 0
 
 
@@ -248,14 +287,19 @@ class Channel:
         self.counters = ChannelCounters()
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
-        # The number (see _sent) of the last save sent on an earlier
-        # connection than the current one: a flush answered by a restarted
-        # daemon vouches for the saves sent after it, on its own connection.
-        self.last_save_before_connection = 0
-        # The I/O thread's: the daemon refused a save as shutting down (it
-        # drains, then exits). Saves sent to it from then on would be refused
-        # too: they wait for the next daemon, as without a connection.
+        # The I/O thread's: the daemon said it drains (then exits), or refused
+        # a save as shutting down. Saves sent to it from then on would be
+        # refused: they wait for the next daemon, as without a connection.
         self._daemon_leaving = False
+        # The I/O thread's: the flush asked for on this connection once its
+        # daemon said it drains, and the number (see _sent) of the last
+        # message sent before the connection began.
+        self._drain: _DrainFlush | None = None
+        self._connection_began = 0
+        # Connections that ended with saves sent on them (under _lock; a
+        # flush answered by a restarted daemon looks at those before its
+        # own: the daemon they went to answers for them only if it drained).
+        self._ends: list[ConnectionEnd] = []
         self._on_refused = on_refused
         self._lock = threading.RLock()
         self._outbox: deque[_Save | _Request] = deque()
@@ -502,6 +546,14 @@ class Channel:
             log.warning("event=client_close_unconfirmed reason=saved_meanwhile: saves were "
                         "sent after the daemon confirmed the others")
 
+    def ended_with_saves(self, since: int, before: PendingReply) -> list[ConnectionEnd]:
+        """The connections before ``before``'s (a request already sent) that
+        ended with saves sent after the save numbered ``since``: the caller
+        reported on the older ones, and they are dropped here."""
+        with self._lock:
+            self._ends = [end for end in self._ends if end.last_save > since]
+            return [end for end in self._ends if end.conn < before.conn]
+
     def unread_losses(self, since: int, before: PendingReply) -> int:
         """How many connections ended with saves sent before ``before`` (a
         request already sent) that the daemon had not confirmed reading,
@@ -617,13 +669,17 @@ class Channel:
                             pass
                     except BlockingIOError:
                         pass
+                # Replies first: those of a connection that ended came before
+                # its end (and before any next connection's handshake), and
+                # a daemon's word that it leaves must not stick to the next.
+                if sock in events:
+                    self._receive(sock)
                 lost = monitor in events and self._monitor_events(monitor)
-                if sock in events or lost:
+                if lost:
                     # Replies still unread count (ZeroMQ drops them once it
                     # has ended the connection's pipe: the daemon keeps its
                     # connections a moment past its last reply for that).
                     self._receive(sock)
-                if lost:
                     # The daemon that had them will never answer, and a caller
                     # waiting out its timeout would stall the generation loop
                     # (a load falls back to reading the file). Requests not
@@ -636,6 +692,7 @@ class Channel:
                 self._admit_outbox(sock)
                 self._release_due()
                 self._pump(sock)
+                self._ask_drain_flush(sock)
         except zmq.ZMQError as exc:  # e.g. the socket could not be set up
             log.error("event=client_io_failed endpoint=%s error=%s", self.endpoint, exc)
         finally:
@@ -705,11 +762,16 @@ class Channel:
             except zmq.Again:
                 return lost
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.last_save_before_connection = self._sent_unanswered
+                self._connection_began = self._sent
                 self._daemon_leaving = False
+                self._drain = None
                 self.connections += 1
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                if self.connected.is_set() and self._sent_unanswered > self._connection_began:
+                    with self._lock:
+                        self._ends.append(ConnectionEnd(
+                            self.connections, self._sent_unanswered, self._drain))
                 self.connected.clear()
                 lost = True
                 if self._unconfirmed:
@@ -743,6 +805,12 @@ class Channel:
             except m.DecodeFailure as exc:
                 log.warning("event=bad_reply error=%s", exc)
                 continue
+            if isinstance(reply, m.Draining):
+                self.counters.drain_notices += 1
+                self._daemon_leaving = True
+                if self._drain is None:
+                    self._drain = _DrainFlush(reply.pid, reply.boot_id)
+                continue
             if isinstance(reply, m.SaveRefused):
                 self.counters.saves_refused += 1
                 if reply.code == "shutting_down":
@@ -753,11 +821,26 @@ class Channel:
             req = getattr(reply, "req", None)
             with self._lock:
                 item = self._waiting.get(req) if req is not None else None
+            drain = self._drain.request if self._drain is not None else None
+            if item is None and drain is not None and drain.req == req:
+                item = drain
             if item is not None and not item.future.done():
                 self._confirmed = max(self._confirmed, item.seq)
                 item.future.set_result(reply)
             elif isinstance(reply, m.Error):
                 log.warning("event=daemon_error code=%s message=%s", reply.code, reply.message)
+
+    def _ask_drain_flush(self, sock: zmq.Socket) -> None:
+        """Once the daemon said it drains, and the save being sent (if any)
+        has gone whole, ask it for the flush that vouches for this
+        connection's saves: the daemon answers it after reading everything
+        sent before it, once the drain has settled those saves."""
+        drain = self._drain
+        if drain is None or drain.request is not None or self._piping is not None:
+            return
+        req = self.next_req_id()
+        drain.request = _Request(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=req)), req)
+        self._send_request(sock, drain.request)
 
     def _admit_outbox(self, sock: zmq.Socket) -> None:
         """Take what the callers queued: requests go out now unless they must

@@ -628,9 +628,11 @@ class Client:
         any client, that was, or by a delete that was done), False when any of
         them, or what replaced it, was refused, lost or failed (the log says
         which), or when the daemon was restarted after some of them were sent
-        to it (saves the old one had not written are gone, and the new one
-        cannot tell; those still waiting in the client go to the new one), or
-        a connection ended before the daemon had read the saves sent on it. Raises
+        to it without draining (saves the old one had not written are gone,
+        and the new one cannot tell; those still waiting in the client go to
+        the new one), or a connection ended before the daemon had read the
+        saves sent on it. A daemon that drained answered a flush of the
+        client's own once it had settled them: that answer counts. Raises
         DaemonUnavailable when the daemon is down or goes away while the flush
         waits, its subclass DaemonTimedOut when it does not answer in
         ``timeout`` seconds (it may still be up: ``flush(0)`` always ends so,
@@ -704,8 +706,22 @@ class Client:
             # answers for every save it read on the old one; those the old
             # one took with it unread are the channel's to say.
             unread = self._channel.unread_losses(since=self._flushed_seq, before=pending)
-            unconfirmed = unread > 0 or (
-                restarted and self._channel.last_save_before_connection > self._flushed_seq)
+            unvouched = False
+            if restarted:
+                # Saves sent on earlier connections went to a daemon that
+                # went away: only one that drained (its flush answered once
+                # the drain had settled them) answers for them, with its
+                # failures since the last flush.
+                for end in self._channel.ended_with_saves(since=self._flushed_seq,
+                                                          before=pending):
+                    vouched = end.vouched()
+                    if vouched is None:
+                        unvouched = True
+                        continue
+                    drained, total = vouched
+                    seen = self._failed_seen if drained == self._flush_daemon else 0
+                    failed += total - seen if total >= seen else total
+            unconfirmed = unread > 0 or unvouched
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=%s: the connection to the daemon was "
                         "lost since the last flush (%s); saves handed off before may be lost",
@@ -779,6 +795,7 @@ class Client:
             "client_saves_lost": c.saves_lost,
             "client_saves_refused": c.saves_refused,
             "client_saves_coalesced": c.saves_coalesced,
+            "client_drain_notices": c.drain_notices,
             "client_bytes_sent": c.bytes_sent,
             "client_inflight_bytes": self._channel.inflight_bytes,
             "client_held_saves": self._channel.held_saves,

@@ -721,6 +721,11 @@ class WriterActor:
         the peer's next flush says so even if the refusal's reply was lost."""
         self._tally_of(peer).failed += 1
 
+    def peers(self) -> set[bytes]:
+        """The clients whose saves the writer took: those with jobs, and
+        those it keeps a tally for."""
+        return {*self._by_peer, *self._tally}
+
     def _tally_of(self, peer: bytes) -> Tally:
         tally = self._used_tally(peer)
         if tally is None:

@@ -363,9 +363,12 @@ class Daemon:
                 self._stop.set()
 
     async def _drain(self, actor: WriterActor) -> bool:
-        """Refuse new saves, let the writer finish every save already received.
-        Returns False when the drain timeout cut it short."""
+        """Refuse new saves, tell the clients, let the writer finish every
+        save already received. Returns False when the drain timeout cut it
+        short."""
         actor.stop_accepting()
+        assert self.server is not None
+        self.server.announce_drain(self.stats.gauges["boot_id"])
         log.info("event=draining pending_bytes=%d", actor.pending_bytes)
         with anyio.move_on_after(self.cfg.drain_timeout):
             await actor.finished.wait()

@@ -569,18 +569,31 @@ class Server:
             return int(parts[1]) == self._uid
         return True
 
+    def announce_drain(self, boot_id: float) -> None:
+        """Tell each client whose saves the writer took that the daemon
+        drains (``Draining``): it keeps its next saves for the next daemon
+        instead of sending them to be refused, and its flush, answered once
+        the drain has settled its saves, vouches for them after the restart."""
+        notice = m.Draining(v=m.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id)
+        for peer in {*self.actor.peers(), *self._streams}:
+            self._reply(peer, notice)
+
     async def let_replies_out(self, *, settled: bool) -> None:
         """Before the daemon closes its socket: with every job ``settled``
-        (the drain ended in time), let the requests waiting for them be
-        answered (up to REPLY_GRACE * 4), then wait until the last reply is
-        REPLY_GRACE old, so that clients read it (a flush answered at the end
-        of the drain came to nothing, and the next flush said False)."""
+        (the drain ended in time), let the requests waiting for them, and
+        those that come meanwhile (the flushes the drain notices ask for), be
+        answered, for up to REPLY_GRACE * 4, then wait until the last reply
+        is REPLY_GRACE old, so that clients read it (a flush answered at the
+        end of the drain came to nothing, and the next flush said False)."""
         if settled:
             # Their tasks are a few turns of the event loop from answering;
             # cancelled now, a flush of 15 or more saves, all written, was
-            # never answered (the client: "the daemon went away").
+            # never answered (the client: "the daemon went away"). A client
+            # told of the drain asks for its flush a round trip later, so
+            # the wait goes on while replies keep going out.
             with anyio.move_on_after(REPLY_GRACE * 4):
-                while self._waiting_total:
+                while self._waiting_total or (
+                        time.monotonic() < self._last_reply + REPLY_GRACE):
                     await anyio.sleep(0.005)
         await anyio.sleep(max(0.0, self._last_reply + REPLY_GRACE - time.monotonic()))
 
