@@ -591,6 +591,47 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
         stop_process(proc, signal.SIGKILL)
 
 
+def test_a_flush_behind_the_save_being_sent_when_the_daemon_drains_is_answered(
+        short_dir: Path) -> None:
+    """The save a client is sending when it learns of the drain still goes to
+    the draining daemon, which writes it: a flush queued behind it, with no
+    save kept for the next daemon ahead of it, is answered (before: it
+    raised DaemonShuttingDown, though nothing waited in the client)."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.02"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "p", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+            proc.send_signal(signal.SIGSTOP)
+            assert kv.save("fp", "big", filled(96, 2), [2])  # ZeroMQ takes 32 MiB of it
+            got: list[object] = []
+
+            def flush() -> None:
+                try:
+                    got.append(kv.flush(timeout=WAIT))
+                except Exception as exc:  # noqa: BLE001 - the test reports it
+                    got.append(exc)
+
+            flusher = threading.Thread(target=flush)
+            flusher.start()
+            time.sleep(0.3)  # queued behind the save (if later, it goes the same way)
+            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGCONT)
+            flusher.join(WAIT)
+            assert got == [True]
+            assert proc.wait(WAIT) == 0
+            assert kv.client_stats()["client_drain_notices"] == 1
+            assert version_of(entry_path(root, "big", model="fp"), "fp") == 2
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop_process(proc, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("drain", ["written", "failed", "timed_out"])
 def test_a_flush_after_a_graceful_restart_vouches_for_what_the_drain_wrote(
         short_dir: Path, drain: str, caplog: pytest.LogCaptureFixture) -> None:

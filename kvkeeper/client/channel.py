@@ -972,7 +972,11 @@ class Channel:
                 continue
             if not self._backlog:
                 return
-            if not self.connected.is_set() or self._daemon_leaving:
+            if not self.connected.is_set() or (
+                    self._daemon_leaving and isinstance(self._backlog[0], _Slot)):
+                # A daemon leaving still answers the requests no kept save
+                # is ahead of (a flush behind the save it was sending when
+                # told, which still went to it, failed "shutting down").
                 self._hold_backlog()
                 return
             if isinstance(self._backlog[0], _Slot) and self._piped_bytes >= PIPE_BYTES:
