@@ -121,6 +121,9 @@ class Server:
         self._waiting: dict[bytes, int] = {}  # per peer: requests whose answer waits
         self._waiting_total = 0
         self._flushes: dict[bytes, _Flushes] = {}  # per peer with flushes waiting
+        # Peers told of the drain whose flush (which the notice asks for) has
+        # not been answered yet: the daemon gives them a moment before it exits.
+        self._told_of_drain: set[bytes] = set()
 
     async def run(self) -> None:
         while True:
@@ -478,6 +481,7 @@ class Server:
                 answered = 0
                 while flushes and flushes[0][0] <= taken:
                     req = flushes.popleft()[1]
+                    self._told_of_drain.discard(peer)
                     self._reply(peer, m.Flushed(
                         v=m.PROTOCOL_VERSION, req=req, written=tally.written,
                         superseded=tally.superseded, failed=tally.failed))
@@ -576,28 +580,30 @@ class Server:
         the drain has settled its saves, vouches for them after the restart."""
         notice = m.Draining(v=m.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id)
         for peer in {*self.actor.peers(), *self._streams}:
-            self._reply(peer, notice)
+            if self._reply(peer, notice):  # not to a peer gone
+                self._told_of_drain.add(peer)
 
     async def let_replies_out(self, *, settled: bool) -> None:
         """Before the daemon closes its socket: with every job ``settled``
-        (the drain ended in time), let the requests waiting for them, and
-        those that come meanwhile (the flushes the drain notices ask for), be
-        answered, for up to REPLY_GRACE * 4, then wait until the last reply
-        is REPLY_GRACE old, so that clients read it (a flush answered at the
-        end of the drain came to nothing, and the next flush said False)."""
+        (the drain ended in time), let the requests waiting for them, and the
+        flushes the drain notices ask for, be answered, for up to
+        REPLY_GRACE * 4, then wait until the last reply is REPLY_GRACE old, so
+        that clients read it (a flush answered at the end of the drain came
+        to nothing, and the next flush said False)."""
         if settled:
             # Their tasks are a few turns of the event loop from answering;
             # cancelled now, a flush of 15 or more saves, all written, was
             # never answered (the client: "the daemon went away"). A client
-            # told of the drain asks for its flush a round trip later, so
-            # the wait goes on while replies keep going out.
+            # told of the drain asks for its flush a round trip later (an
+            # older client or a raw one never does: it costs that wait).
             with anyio.move_on_after(REPLY_GRACE * 4):
-                while self._waiting_total or (
-                        time.monotonic() < self._last_reply + REPLY_GRACE):
+                while self._waiting_total or self._told_of_drain:
                     await anyio.sleep(0.005)
         await anyio.sleep(max(0.0, self._last_reply + REPLY_GRACE - time.monotonic()))
 
-    def _reply(self, peer: bytes, msg: m.Reply) -> None:
+    def _reply(self, peer: bytes, msg: m.Reply) -> bool:
+        """Send ``msg`` to ``peer``; False when it could not go (the peer is
+        gone, or its pipe is full)."""
         self._last_reply = time.monotonic()
         try:
             data = m.encode(msg)
@@ -615,6 +621,8 @@ class Server:
         if exc is not None:
             # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
             log.debug("event=reply_dropped error=%s", exc)
+            return False
+        return True
 
 
 def _peer_pid(header: zmq.Frame) -> int | None:

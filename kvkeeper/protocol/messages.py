@@ -225,9 +225,9 @@ class Flushed(_Msg, tag="flushed"):
 
 
 class Draining(_Msg, tag="draining"):
-    """Sent unasked, when the daemon begins to drain before it exits, to each
-    client whose saves it has taken: it refuses the saves that come from now
-    on. A client keeps its next saves for the next daemon, and asks for a
+    """The one reply sent unasked: when the daemon begins to drain before it
+    exits, to each client whose saves it has taken; it refuses the saves that
+    come from now on. A client keeps its next saves for the next daemon, and asks for a
     ``Flush``: answered once the drain has settled the saves it read, it
     lets the client vouch for them after the restart (``pid`` and
     ``boot_id`` name this run, as ``Pong`` and the stats do)."""
