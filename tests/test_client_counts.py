@@ -511,6 +511,45 @@ def test_a_flush_cut_short_while_it_warns_leaves_the_verdict_to_the_next(
         assert stop_process(proc) == 0
 
 
+def test_a_flush_cut_short_after_its_verdict_leaves_it_to_the_next(short_dir: Path) -> None:
+    """A Ctrl-C that lands while the flush prunes its settled keys, after it
+    has worked out that the drain failed a save, leaves the next flush to
+    say False. (Before: the totals were stored first, and the next flush
+    said True for the failed save.) The interrupt is raised by the dict the
+    pruning reads, standing for a SIGINT at that instruction."""
+    from kvkeeper.daemon.faults import ENV
+
+    class CtrlCOnce(dict):  # type: ignore[type-arg]
+        armed = True
+
+        def items(self):  # type: ignore[no-untyped-def]
+            if CtrlCOnce.armed:
+                CtrlCOnce.armed = False
+                raise KeyboardInterrupt
+            return super().items()
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    # The I/O error comes after the rename: the file is there, the save failed.
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.05,io_error=dir_fsync"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "k", filled(4, 2), [2])
+            wait_for(lambda: kv.stats()["saves_received"] == 1, "the daemon to take it")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
+            assert proc.wait(WAIT) == 0
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock)
+            wait_for(lambda: kv.connected, "the client to reconnect")
+            kv._unsettled = CtrlCOnce(kv._unsettled)
+            with pytest.raises(KeyboardInterrupt):
+                kv.flush(WAIT)
+            assert kv.flush(WAIT) is False
+            assert kv.flush(WAIT) is True
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_a_save_zeromq_had_no_room_for_waits_and_is_still_replaced(short_dir: Path) -> None:
     """With ZeroMQ's send queue full of notices (the daemon stopped), a save
     none of which went waits at the head of the backlog, where a newer save

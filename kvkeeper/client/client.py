@@ -728,19 +728,21 @@ class Client:
                         "daemon_restarted" if restarted else "connection_lost",
                         "it was restarted" if restarted else
                         "the connection ended before the daemon read the last saves")
+        answer = failed == 0 and lost == 0 and not unconfirmed
         with self._lock:
-            # Stored together, just before the answer, by plain assignments
-            # (Python raises a pending KeyboardInterrupt at calls, never
-            # between these): a flush cut short before (Ctrl-C, even in the
-            # log line above) leaves the next one to report the same losses,
-            # failures and restart. Pruning the keys only costs loads a
-            # round trip if it is cut short, so it goes last.
-            self._lost_seen = lost_total
-            self._failed_seen = reply.failed
-            self._flush_daemon, self._flush_conn = run, conn
-            self._flushed_seq = pending.seq
+            # The answer settled these keys, whatever comes next.
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
-        return failed == 0 and lost == 0 and not unconfirmed
+        # Stored last, by plain assignments with no call between or after
+        # them (Python raises a pending KeyboardInterrupt at calls, the end
+        # of a with block included): a flush cut short before (Ctrl-C, even
+        # in the log line above, or in the pruning) leaves the next one to
+        # report the same losses, failures and restart. Only flushes, which
+        # take turns, use them.
+        self._lost_seen = lost_total
+        self._failed_seen = reply.failed
+        self._flush_daemon, self._flush_conn = run, conn
+        self._flushed_seq = pending.seq
+        return answer
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Delete an entry (after any pending save of it); True if it existed."""
