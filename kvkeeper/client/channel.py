@@ -156,8 +156,7 @@ class DaemonTimedOut(DaemonUnavailable):
 
 class DaemonShuttingDown(DaemonUnavailable):
     """The daemon is draining before it exits: a request that must follow a
-    save this client keeps for the next daemon, or the save it was sending
-    when it learnt of the drain, fails with this at once."""
+    save this client keeps for the next daemon fails with this at once."""
 
 
 Messages = list[list[bytes | memoryview]]

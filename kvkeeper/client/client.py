@@ -732,12 +732,14 @@ class Client:
         with self._lock:
             # The answer settled these keys, whatever comes next.
             self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
-        # Stored last, by plain assignments with no call between or after
-        # them (Python raises a pending KeyboardInterrupt at calls, the end
-        # of a with block included): a flush cut short before (Ctrl-C, even
-        # in the log line above, or in the pruning) leaves the next one to
-        # report the same losses, failures and restart. Only flushes, which
-        # take turns, use them.
+        # Stored last, by plain assignments with no call between them
+        # (Python raises a pending KeyboardInterrupt at calls, the end of a
+        # with block included): a flush cut short before (Ctrl-C, even in
+        # the log line above, or in the pruning) leaves the next one to
+        # report the same losses, failures and restart. One landing after
+        # them (at flush()'s release of its turn, or as the caller takes
+        # the answer) loses this answer: Python hands no value back
+        # atomically. Only flushes, which take turns, use these.
         self._lost_seen = lost_total
         self._failed_seen = reply.failed
         self._flush_daemon, self._flush_conn = run, conn
