@@ -673,7 +673,7 @@ class Channel:
                 # a daemon's word that it leaves must not stick to the next.
                 if sock in events:
                     self._receive(sock)
-                lost = monitor in events and self._monitor_events(monitor)
+                lost = monitor in events and self._monitor_events(monitor, sock)
                 if lost:
                     # Replies still unread count (ZeroMQ drops them once it
                     # has ended the connection's pipe: the daemon keeps its
@@ -752,7 +752,7 @@ class Channel:
             for save in unsent:
                 save.let_go()
 
-    def _monitor_events(self, monitor: zmq.Socket) -> bool:
+    def _monitor_events(self, monitor: zmq.Socket, sock: zmq.Socket) -> bool:
         """Follow the connection's events; True when it was lost."""
         lost = False
         while True:
@@ -767,6 +767,12 @@ class Channel:
                 self.connections += 1
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                if self.connected.is_set():
+                    # The ended connection's replies still queued, before
+                    # its end is judged, and before a next connection's
+                    # handshake read in the same batch: its daemon's word
+                    # that it leaves must not stick to the next one.
+                    self._receive(sock)
                 if self.connected.is_set() and self._sent_unanswered > self._connection_began:
                     with self._lock:
                         self._ends.append(ConnectionEnd(
