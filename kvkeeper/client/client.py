@@ -697,8 +697,7 @@ class Client:
             lost = lost_total - self._lost_seen
             failed_seen = 0 if restarted else self._failed_seen
             # A smaller total also means a new daemon (one this check missed).
-            failed = reply.failed - failed_seen if reply.failed >= failed_seen \
-                else reply.failed
+            failed = _added_since(reply.failed, failed_seen)
             # Saves sent since the last flush on an earlier connection may have
             # gone to a daemon that went away: nothing can confirm them (those
             # still waiting in the client then went to this one, which
@@ -719,8 +718,8 @@ class Client:
                         unvouched = True
                         continue
                     drained, total = vouched
-                    seen = self._failed_seen if drained == self._flush_daemon else 0
-                    failed += total - seen if total >= seen else total
+                    failed += _added_since(
+                        total, self._failed_seen if drained == self._flush_daemon else 0)
             unconfirmed = unread > 0 or unvouched
         if unconfirmed:
             log.warning("event=flush_unconfirmed reason=%s: the connection to the daemon was "
@@ -987,6 +986,12 @@ def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
             raise ValueError(f"metadata is {size} bytes as JSON; the limit is "
                              f"{MAX_METADATA_BYTES}")
     return meta
+
+
+def _added_since(total: int, seen: int) -> int:
+    """What a daemon's running total for this client added since ``seen``:
+    all of it when it is smaller (another daemon run, counting from 0)."""
+    return total - seen if total >= seen else total
 
 
 def _left(deadline: float) -> float:
