@@ -38,14 +38,6 @@ def _size(text: str) -> int:
     return _flag_value(parse_size, text)
 
 
-def _size_text(n: int) -> str:
-    """``n`` bytes in the largest unit that writes it whole: 1G, 512M, 0."""
-    for unit, scale in (("T", 1024**4), ("G", 1024**3), ("M", 1024**2), ("K", 1024)):
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
-
-
 def _path(text: str) -> Path:
     from kvkeeper.settings import parse_path
 
@@ -65,7 +57,7 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) -> None:
-    from kvkeeper.settings import SETTINGS
+    from kvkeeper.settings import SETTINGS, format_size
 
     p.add_argument("--config", type=Path, default=None,
                    help="TOML config file (default $KVKEEPER_CONFIG or "
@@ -77,7 +69,7 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
         default = s.default()
         if s.kind == "size":
             # As a person would write it (1G, not 1073741824), and how.
-            default = f"{_size_text(default)}; bytes, or with a K, M, G or T suffix"
+            default = f"{format_size(default)}; bytes, or with a K, M, G or T suffix"
         p.add_argument(f"--{s.name.replace('_', '-')}", type=flag_types[s.kind], default=None,
                        metavar="PATH" if s.kind in ("path", "socket")
                        else s.name.split("_")[-1].upper(),

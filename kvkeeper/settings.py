@@ -44,6 +44,19 @@ def _not_a(what: str, value: Any) -> ValueError:
     return ValueError(f"{what}, not {value!r} ({type(value).__name__})")
 
 
+#: The size suffixes, for parse_size and format_size (binary: 1K is 1024).
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes as parse_size reads them back, in the largest unit that
+    writes it whole: "1G", "512M", "1000"."""
+    for unit, scale in sorted(_SIZE_UNITS.items(), key=lambda u: -u[1]):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit.upper()}"
+    return str(n)
+
+
 def parse_size(text: str | int | float) -> int:
     """Byte sizes: 1073741824, "512M", "1G", "1.5GiB", "0"."""
     if isinstance(text, bool) or not isinstance(text, (str, int, float)):
@@ -57,11 +70,10 @@ def parse_size(text: str | int | float) -> int:
         raise ValueError(f"a size without a unit is a whole number of bytes, not the float "
                          f"{text!r} (write an integer, or a string such as \"50G\")")
     else:
-        units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
         t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-        num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+        num, unit = (t[:-1], t[-1]) if t and t[-1] in _SIZE_UNITS else (t, "")
         try:
-            number = float(num) * units[unit]
+            number = float(num) * _SIZE_UNITS[unit]
         except ValueError:
             raise ValueError(f"not a byte size: {text!r} (try 512M or 1G)") from None
         # float() takes "inf", "nan" and "1e400" (inf); int() of them fails
