@@ -287,6 +287,11 @@ def test_another_programs_safetensors_file_is_never_moved_or_replaced(
     r = cli("verify", "--socket", str(daemon.socket), "--repair", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["not_caches"] == [str(path)]
+    # A delete of the key unlinked them; now it fails, saying why.
+    with pytest.raises(kvkeeper.DaemonError, match="another program's safetensors file"):
+        client.delete(FP, "victim")
+    r = cli("rm", "--socket", str(daemon.socket), FP, "victim")
+    assert r.returncode != 0 and "another program's" in r.stdout + r.stderr, r
     assert path.read_bytes() == weights
     assert not (daemon.root / "quarantine").exists() or not any(
         (daemon.root / "quarantine").iterdir())

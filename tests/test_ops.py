@@ -228,6 +228,74 @@ def test_min_free_bytes_on_a_small_disk(short_dir: Path) -> None:
             rd.stop()
 
 
+def test_the_budget_evicts_what_is_there_now_not_what_was_indexed(short_dir: Path) -> None:
+    """Files changed by hand while the daemon runs: model weights moved over an
+    entry's file were deleted by the next eviction, as the entry they replaced;
+    an entry's file removed by hand still counted, so a live entry went for it.
+    The weights are now counted (never deleted) and the removed file is not."""
+    from safetensors.numpy import load_file, save_file
+
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_disk_bytes=int(3.5 * MiB))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for name in ("old", "gone", "live"):
+                assert kv.save(FP, name, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            weights = {"w": np.arange(64, dtype=np.float32)}
+            spare = short_dir / "root" / "w.safetensors"
+            save_file(weights, str(spare), metadata={"format": "pt"})
+            os.replace(spare, entry_path(rd.root, "old"))
+            entry_path(rd.root, "gone").unlink()
+            # 2 MiB more: with "gone" counted and the weights taken for "old",
+            # "old" and "live" were deleted to make room.
+            assert kv.save(FP, "new", filled(2, 2), [2]) and kv.flush(timeout=WAIT)
+            assert np.array_equal(load_file(str(entry_path(rd.root, "old")))["w"], weights["w"])
+            assert version_of(entry_path(rd.root, "live")) == 1
+            assert version_of(entry_path(rd.root, "new")) == 2
+            assert kv.stats()["evictions"] == 0
+            assert {e.cache_id for e in kv.entries()} == {"live", "new"}
+            assert [e.kind for e in kv.entries(everything=True)
+                    if e.path == str(entry_path(rd.root, "old"))] == ["foreign"]
+    finally:
+        rd.stop()
+
+
+def test_a_save_too_big_for_the_disk_evicts_nothing(short_dir: Path) -> None:
+    """A save that would not fit even with every entry gone evicted them all
+    first, and then failed with ENOSPC all the same."""
+    with small_tmpfs(short_dir, "12m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=MiB)
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                for name in ("a", "b"):
+                    assert kv.save(FP, name, filled(2, 1), [1]) and kv.flush(timeout=WAIT)
+                assert kv.save(FP, "huge", filled(16, 2), [2])
+                assert kv.flush(timeout=WAIT) is False
+                assert kv.stats()["evictions"] == 0
+                assert {e.cache_id for e in kv.entries()} == {"a", "b"}
+                assert version_of(entry_path(rd.root, "a")) == 1
+                assert tmp_files(rd.root) == []
+        finally:
+            rd.stop()
+
+
+def test_a_full_disk_makes_room_with_min_free_bytes_0(short_dir: Path) -> None:
+    """--min-free-bytes 0 turned the check before a write off: on a full disk
+    a save failed with ENOSPC while older entries could have made room."""
+    with small_tmpfs(short_dir, "8m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=0)
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                for i, name in enumerate("abcd"):
+                    assert kv.save(FP, name, filled(2, i + 1), [i + 1]), name
+                    assert kv.flush(timeout=WAIT), name
+                assert kv.stats()["saves_failed"] == 0
+                assert kv.stats()["evictions"] >= 1
+                assert version_of(entry_path(rd.root, "d")) == 4
+        finally:
+            rd.stop()
+
+
 def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """With --min-free-bytes beyond what evicting entries can free (another

@@ -151,6 +151,7 @@ class PendingFile:
         self._fd: int | None = os.open(self.tmp, flags, 0o600)
         faults.crash_point("tmp_created")
         self.nbytes = 0
+        self.identity = (0, 0)  # (inode, mtime_ns) once fsynced: what the index records
         self._written_back = 0
         self.fsync_seconds = 0.0
         self._half = len(header) + data_bytes // 2
@@ -194,6 +195,8 @@ class PendingFile:
                 full_fsync(self._fd)
             self.fsync_seconds = time.perf_counter() - t0
             faults.crash_point("fsynced")
+            st = os.fstat(self._fd)
+            self.identity = (st.st_ino, st.st_mtime_ns)
             os.close(self._fd)
             self._fd = None
             os.rename(self.tmp, self.final)
@@ -234,7 +237,9 @@ class StoredEntry:
     ``kind``: ``entry`` (a kvkeeper file), ``legacy`` (a cache file of an older
     format in an entry's place: counted, evictable), ``quarantine`` (moved
     aside as unusable: evicted first), ``foreign`` (anything else, including
-    tmp files of a live writer: counted, never deleted)."""
+    tmp files of a live writer: counted, never deleted). ``ino`` and
+    ``mtime_ns`` identify the file indexed (0: not known), so that a file put
+    at its path by another program since is never evicted for it."""
 
     model: str
     cache_id: str
@@ -244,6 +249,13 @@ class StoredEntry:
     path: Path
     kind: str = "entry"
     saved_at: float = 0.0
+    ino: int = 0
+    mtime_ns: int = 0
+
+    def is_at(self, st: os.stat_result) -> bool:
+        """Whether ``st`` (an lstat of its path) is still the file indexed."""
+        return (stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_mtime_ns, st.st_size)
+                == (self.ino, self.mtime_ns, self.nbytes))
 
 
 @dataclass
@@ -350,13 +362,15 @@ class Store:
         if not stat.S_ISREG(st.st_mode) or path.parent == self.root:
             return None  # the lock file, links
         last_used = max(st.st_atime, st.st_mtime)
-        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime)
+        ident = {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+        foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime,
+                              **ident)
         if path.parent == self.root / QUARANTINE_DIR:
             # Only names quarantine_path gives: another file put there is not ours.
             if not _QUARANTINED.fullmatch(path.name):
                 return foreign
             return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
-                               "quarantine", st.st_mtime)
+                               "quarantine", st.st_mtime, **ident)
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
@@ -370,10 +384,11 @@ class Store:
         if written_by_kvkeeper(meta):
             return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
                                _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
-                               "entry", st.st_mtime)
+                               "entry", st.st_mtime, **ident)
         if not _is_cache(meta):
             return foreign  # safetensors, but no cache of a known format: not ours to delete
-        return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy", st.st_mtime)
+        return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy",
+                           st.st_mtime, **ident)
 
     def someone_elses(self, path: Path) -> bool:
         """Whether ``path`` is a whole safetensors file of no cache format
@@ -433,7 +448,7 @@ class Store:
                 with self._lock:
                     self._index[pending.final] = StoredEntry(
                         model, cache_id, _int(tokens), pending.nbytes, now, pending.final,
-                        "entry", now)
+                        "entry", now, *pending.identity)
         return self.enforce_budget(keep=pending.final)
 
     def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
@@ -480,7 +495,14 @@ class Store:
             os.close(fd)
 
     def delete(self, model: str, cache_id: str) -> bool:
+        """Remove the entry's file; False if there was none. Raises
+        FileExistsError, leaving it, when another program's safetensors file
+        is at the entry's place (as a save of it does)."""
         path = self.path_for(model, cache_id)
+        if self.someone_elses(path):
+            raise FileExistsError(
+                errno.EEXIST, f"{path} is another program's safetensors file (not a cache); "
+                              f"left in place")
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -531,7 +553,8 @@ class Store:
             self._index.pop(path, None)
             if stat.S_ISREG(st.st_mode):
                 self._index[dest] = StoredEntry(*_quarantined_key(name), 0, st.st_size,
-                                                time.time(), dest, "quarantine", st.st_mtime)
+                                                time.time(), dest, "quarantine", st.st_mtime,
+                                                st.st_ino, st.st_mtime_ns)
         return dest
 
     # -- listing and the budget
@@ -543,6 +566,31 @@ class Store:
         out = [e for e in items
                if (everything or e.kind == "entry") and (model is None or e.model == model)]
         return sorted(out, key=lambda e: (e.last_used, str(e.path)))
+
+    def _still_indexed(self, entry: StoredEntry) -> bool:
+        """Whether the file at ``entry.path`` is the one indexed. If not (removed,
+        or another file put there by hand since), the index is brought up to
+        date with what is there now, which an eviction must not delete on the
+        strength of what was there before: another program's file, say."""
+        try:
+            now = os.lstat(entry.path)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return True  # cannot tell: the unlink reports what is wrong
+        if now is not None and entry.is_at(now):
+            return True
+        fresh = self._classify(entry.path) if now is not None else None
+        with self._lock:
+            if self._index.get(entry.path) is entry:
+                if fresh is None:
+                    del self._index[entry.path]
+                else:
+                    self._index[entry.path] = fresh
+        log.info("event=entry_changed path=%s now=%s (changed by hand since indexed: "
+                 "counted as it is now, not evicted)", entry.path,
+                 "gone" if fresh is None else fresh.kind)
+        return False
 
     def usage(self) -> int:
         with self._lock:
@@ -566,16 +614,20 @@ class Store:
                        writing: int = 0) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
-        counting ``writing`` bytes less free (a file about to be written).
-        Foreign files count but are never deleted; ``keep`` is never evicted."""
+        counting ``writing`` bytes less free (a file about to be written; it
+        must fit even with ``min_free_bytes`` 0). Foreign files count but are
+        never deleted; ``keep`` is never evicted; nothing is evicted for a
+        file that would not fit with every entry gone."""
         b = self.budget
         evicted: list[StoredEntry] = []
         used = self.usage()
+        for_free_space = True
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
                 return "max_disk_bytes"
-            if b.min_free_bytes > 0 and self.free_bytes() - writing < b.min_free_bytes:
+            if for_free_space and (b.min_free_bytes > 0 or writing) \
+                    and self.free_bytes() - writing < b.min_free_bytes:
                 return "min_free_bytes"
             return None
 
@@ -587,10 +639,20 @@ class Store:
                  if e.kind in ("entry", "legacy", "quarantine") and e.path != keep),
                 key=lambda e: (e.kind != "quarantine", e.last_used),
             )
+        if writing and (free := self.free_bytes()) + sum(e.nbytes for e in candidates) < writing:
+            # Emptying the store would not make room for it: its write fails
+            # with ENOSPC either way, and the entries are worth keeping.
+            for_free_space = False
+            log.warning("event=no_room bytes=%d free=%d evictable=%d: nothing evicted for "
+                        "it", writing, free, sum(e.nbytes for e in candidates))
         for victim in candidates:
             reason = pressure()
             if reason is None:
                 break
+            if not self._still_indexed(victim):
+                # Changed by hand since it was indexed: re-counted, not evicted.
+                used = self.usage()
+                continue
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
                 # (A load racing the unlink itself still just misses.)
