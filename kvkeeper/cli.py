@@ -92,10 +92,10 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve", help="run the daemon in the foreground",
-        description="Run the daemon in the foreground until SIGTERM or SIGINT, then write "
-        "every save already received (up to --drain-timeout) and exit 0 (1 if the timeout cut "
-        "the drain short); a second SIGTERM or SIGINT meanwhile is logged and ignored (SIGKILL "
-        "is not). One daemon per root: a second one exits 2, naming the first. The "
+        description="Run the daemon in the foreground until SIGTERM, SIGINT or SIGHUP (the "
+        "shell it runs in closing), then write every save already received (up to "
+        "--drain-timeout) and exit 0 (1 if the timeout cut the drain short); a second signal "
+        "meanwhile is logged and ignored (SIGKILL is not). One daemon per root: a second one exits 2, naming the first. The "
         "disk budget (--max-disk-bytes, --min-free-bytes) is applied at start and after every "
         "write, evicting least recently used entries. A setting not given as a flag comes "
         "from its KVKEEPER_* variable, else the config file, else the default shown below; "

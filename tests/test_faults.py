@@ -175,7 +175,19 @@ def test_sigterm_writes_every_received_save(short_dir: Path) -> None:
     assert not paths(short_dir)[1].exists()
 
 
-@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_sighup_drains_like_sigterm(short_dir: Path) -> None:
+    """A daemon run from a shell gets SIGHUP when the shell closes: by default
+    it killed the daemon at once, losing the saves received and not written."""
+    root, proc = serve_with_queued_saves(short_dir, "hup", 4, 0.05)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(WAIT) == 0
+    for i in range(4):
+        assert version_of(entry_path(root, f"hup{i}")) == i + 1
+    assert "event=signal signal=SIGHUP" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert tmp_files(root) == []
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: int) -> None:
     # 50 ms per MiB: the four saves take about 0.8 s to write.
     root, proc = serve_with_queued_saves(short_dir, "twice", 4, 0.05)

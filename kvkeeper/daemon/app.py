@@ -173,7 +173,7 @@ def _is_at(path: Path, held: os.stat_result) -> bool:
 
 
 class Daemon:
-    """One daemon. ``run()`` blocks until stopped (SIGTERM/SIGINT or ``stop()``)
+    """One daemon. ``run()`` blocks until stopped (SIGTERM/SIGINT/SIGHUP or ``stop()``)
     and returns the process exit code: 0 once every received save is settled
     (written, or failed and reported to its client as for any failure), 1
     when the drain timeout left some unwritten (each is logged by key), or
@@ -350,8 +350,10 @@ class Daemon:
         # Listening goes on through the drain: a second Ctrl-C or SIGTERM (an
         # impatient user, a supervisor repeating itself) must not cut short
         # the writes the first one promised. --drain-timeout bounds the wait;
-        # SIGKILL remains the way to give up on them.
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # SIGKILL remains the way to give up on them. SIGHUP (the terminal of a
+        # daemon run from a shell closing) drains too: by default it killed
+        # the daemon at once, losing every save received and not yet written.
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if self._stop.is_set():
