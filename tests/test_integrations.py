@@ -106,10 +106,15 @@ def test_mlx_lm_restarts_between_turns_give_the_same_tokens(
         with Client(daemon.socket, timeout=WAIT) as kv:  # a new process each turn
             if turn == 1:  # the one-call form
                 gen: list[int] = []
+                # metadata= went on to mlx-lm, which refused it (TypeError).
                 for r in kv_lm.stream_generate(kv, "tiny-lm-" + name, sid, model, lm_tok, full,
-                                               max_tokens=GEN, every_tokens=4):
+                                               max_tokens=GEN, every_tokens=4,
+                                               metadata={"turn": "1"}):
                     gen.append(r.token)
                 session = None
+                assert kv.flush(timeout=WAIT) is True
+                got = kv.load("tiny-lm-" + name, sid, verify=False)
+                assert got is not None and got.metadata["turn"] == "1"
             else:
                 session = kv_lm.Session(kv, "tiny-lm-" + name, sid, model, lm_tok, every_tokens=4)
                 gen = session.generate(full, max_tokens=GEN)
@@ -365,6 +370,14 @@ def test_mlx_vlm_whole_prompt_cached(vlm: tuple[str, nn.Module], client: Client)
     assert s2.last_plan is not None
     assert s2.last_plan.action == ("trim" if name == "llama" else "cold")
     assert s2.tracked is True
+    # The one-call form, with the session's metadata (it went on to mlx-vlm).
+    again = kv_vlm.stream_generate(client, "tiny-vlm-" + name, "regen", model, proc,
+                                   input_ids=p, max_tokens=GEN, temperature=0.0,
+                                   metadata={"turn": "3"})
+    assert vlm_tokens(again) == answer
+    assert client.flush(timeout=WAIT) is True
+    got = client.load("tiny-vlm-" + name, "regen", verify=False)
+    assert got is not None and got.metadata["turn"] == "3"
 
 
 def test_mlx_vlm_request_without_tokens_keeps_state_consistent(client: Client) -> None:

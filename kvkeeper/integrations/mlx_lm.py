@@ -211,10 +211,14 @@ def stream_generate(
     *,
     every_tokens: int | None = 64,
     every_seconds: float | None = 2.0,
+    metadata: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """One request without keeping a :class:`Session`: restore the session's
-    cache from kvkeeper, generate with it, save it behind."""
+    cache from kvkeeper, generate with it, save it behind. ``every_tokens``,
+    ``every_seconds`` and ``metadata`` are the session's; other keyword
+    arguments go to ``mlx_lm.stream_generate``."""
     session = Session(client, model_id, session_id, model, tokenizer,
-                      every_tokens=every_tokens, every_seconds=every_seconds)
+                      every_tokens=every_tokens, every_seconds=every_seconds,
+                      metadata=metadata)
     yield from session.stream_generate(prompt, max_tokens, **kwargs)

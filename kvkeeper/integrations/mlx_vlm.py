@@ -297,10 +297,14 @@ def stream_generate(
     *,
     every_tokens: int | None = 64,
     every_seconds: float | None = 2.0,
+    metadata: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationResult]:
     """One request without keeping a :class:`Session`: restore the session's
-    prompt cache from kvkeeper, generate with it, save it behind."""
+    prompt cache from kvkeeper, generate with it, save it behind.
+    ``every_tokens``, ``every_seconds`` and ``metadata`` are the session's;
+    other keyword arguments go to ``mlx_vlm.stream_generate``."""
     session = Session(client, model_id, session_id, model, processor,
-                      every_tokens=every_tokens, every_seconds=every_seconds)
+                      every_tokens=every_tokens, every_seconds=every_seconds,
+                      metadata=metadata)
     yield from session.stream_generate(prompt, image, **kwargs)
