@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="run the daemon in the foreground",
         description="Run the daemon in the foreground until SIGTERM, SIGINT or SIGHUP (the "
-        "shell it runs in closing), then write every save already received (up to "
+        "shell it runs in closing; not under nohup), then write every save already received (up to "
         "--drain-timeout) and exit 0 (1 if the timeout cut the drain short); a second signal "
         "meanwhile is logged and ignored (SIGKILL is not). One daemon per root: a second one exits 2, naming the first. The "
         "disk budget (--max-disk-bytes, --min-free-bytes) is applied at start and after every "

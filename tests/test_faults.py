@@ -187,6 +187,24 @@ def test_sighup_drains_like_sigterm(short_dir: Path) -> None:
     assert tmp_files(root) == []
 
 
+def test_sighup_under_nohup_is_still_ignored(short_dir: Path) -> None:
+    """`nohup kvkeeper serve` starts with SIGHUP ignored, to outlive the
+    terminal: the daemon's drain on SIGHUP must not undo that."""
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock, prefix=("nohup",))
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "n", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.5)  # a drain, had it started, would have ended the daemon by now
+            assert proc.poll() is None
+            assert kv.save(FP, "n", filled(1, 2), [2]) and kv.flush(timeout=WAIT)
+    finally:
+        assert stop_process(proc) == 0
+    assert version_of(entry_path(root, "n")) == 2
+    assert "signal=SIGHUP" not in proc.log_path.read_text()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: int) -> None:
     # 50 ms per MiB: the four saves take about 0.8 s to write.

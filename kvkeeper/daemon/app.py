@@ -353,7 +353,12 @@ class Daemon:
         # SIGKILL remains the way to give up on them. SIGHUP (the terminal of a
         # daemon run from a shell closing) drains too: by default it killed
         # the daemon at once, losing every save received and not yet written.
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        # Unless it was ignored when we started: `nohup kvkeeper serve` asks
+        # to outlive the terminal, and a handler would end that.
+        wanted = [signal.SIGTERM, signal.SIGINT]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            wanted.append(signal.SIGHUP)
+        with anyio.open_signal_receiver(*wanted) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if self._stop.is_set():
