@@ -204,6 +204,39 @@ def test_damaged_file_is_a_clean_miss_and_moved_aside(
     assert got is not None and got.token_ids == [9]
 
 
+def test_a_symlink_judged_at_a_load_spares_the_file_put_back(
+    client: Client, daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that finds a symlink at an entry's place has it moved aside, on
+    the writer's turn. The entry's file put back meanwhile was moved instead
+    (to quarantine/, whose files the disk budget deletes first)."""
+    from kvkeeper.daemon import faults
+
+    from .faultkit import tmp_files
+
+    assert client.save(FP, "k", filled(0.5, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "k")
+    away = daemon.root.parent / "away.safetensors"
+    shutil.move(path, away)
+    path.symlink_to(away)
+    monkeypatch.setitem(faults.ACTIVE, "write_delay", "0.5")  # 4 MiB: 2 s of writing
+    with Client(daemon.socket, timeout=WAIT) as other:
+        assert other.save(FP, "big", filled(4, 1), [1])
+        deadline = time.monotonic() + WAIT
+        while not tmp_files(daemon.root):  # the writer is busy with "big"
+            assert time.monotonic() < deadline, "the big save's write did not start"
+            time.sleep(0.005)
+        assert client.load(FP, "k") is None  # the symlink: a miss, moved aside later
+        os.replace(away, path)
+        assert other.flush(timeout=WAIT)
+    client.gc()  # on the writer's turn: after the move the load asked for
+    assert version_of(path) == 7
+    assert not (daemon.root / "quarantine").exists() or not any(
+        (daemon.root / "quarantine").iterdir())
+    got = client.load(FP, "k")
+    assert got is not None and got.token_ids == [7]
+
+
 @pytest.mark.parametrize("kind", SAME_INTEGERS)
 def test_a_lazy_load_leaves_the_layout_to_mlx(
     kind: str, client: Client, daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch

@@ -442,9 +442,19 @@ class Server:
     def _answer_load(self, peer: bytes, req: int, key: Key) -> None:
         found = self.store.find(*key)
         self.stats.inc("loads_found" if found else "loads_missing")
-        if found is None and os.path.lexists(self.store.path_for(*key)):
-            # A directory or symlink where the entry's file should be.
-            self._quarantine(None, req, DeleteJob(key=key, peer=b"", reason="not a regular file"))
+        if found is None:
+            try:
+                st = os.lstat(self.store.path_for(*key))
+            except OSError:
+                st = None
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                # A directory or symlink where the entry's file should be. Moved
+                # aside only if still there when the writer gets to it: a file
+                # put back meanwhile is a good entry (quarantine/ is what the
+                # disk budget deletes first).
+                self._quarantine(None, req, DeleteJob(
+                    key=key, peer=b"", reason="not a regular file", ino=st.st_ino,
+                    mtime_ns=st.st_mtime_ns))
         self._reply(peer, m.Found(v=m.PROTOCOL_VERSION, req=req,
                                   path=str(found[0]) if found else None))
         if found is not None:
