@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-from kvkeeper.client.client import Client
+from kvkeeper.client.client import Client, DaemonError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
 from .faultkit import FP, entry_path, filled, small_tmpfs, tmp_files, version_of
@@ -989,6 +989,9 @@ def test_the_daemon_leaves_a_file_it_cannot_identify_where_it_is(short_dir: Path
             assert kv.save(FP, "theirs", filled(0.5, 3), [3])
             assert kv.flush(timeout=WAIT) is False
             assert kv.stats()["saves_failed"] == 1
+            # So does a delete of the key (the file could be anyone's).
+            with pytest.raises(DaemonError, match="cannot tell whether"):
+                kv.delete(FP, "theirs")
             # This test runs as full root: it may read what the daemon may not.
             assert (theirs.stat().st_mode & 0o777) == 0
             assert np.array_equal(load_file(str(theirs))["w"], weights["w"])
