@@ -776,3 +776,28 @@ def test_snapshot_refuses_what_restore_could_not_rebuild() -> None:
         snapshot_cache([c])
     with pytest.raises(CodecError, match="cannot read the state"):
         snapshot_cache([V.QuantizedKVCache()])  # mlx-vlm: empty quantized state raises
+    # mlx-lm 0.32's DeepSeek V4.1 layer: a read-only state and no from_state.
+    # It was saved (flush True), and every load of it was a miss. A class of
+    # that shape in a module of its own stands in for it under mlx-lm 0.31.
+    stand_in = ModuleType("mlx_lm.models._kvkeeper_test_layer")
+
+    class LayerCache:
+        @property
+        def state(self) -> tuple[mx.array]:
+            return (mx.zeros((1, 2, 4)),)
+
+    LayerCache.__module__, LayerCache.__qualname__ = stand_in.__name__, "LayerCache"
+    stand_in.LayerCache = LayerCache  # type: ignore[attr-defined]
+    layers: list[Any] = [LayerCache()]
+    if not MLX_LM_OLD_API:  # 0.31 has no DeepSeek V4.1
+        from mlx_lm.models.deepseek_v41 import LayerCache as DeepSeekLayer
+
+        layers.append(DeepSeekLayer(window_size=8))
+        layers[-1].update_window(mx.zeros((1, 2, 4)))
+    sys.modules[stand_in.__name__] = stand_in
+    try:
+        for layer in layers:
+            with pytest.raises(CodecError, match="cannot rebuild it"):
+                snapshot_cache([layer])
+    finally:
+        del sys.modules[stand_in.__name__]

@@ -537,6 +537,10 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
         raise CodecError(f"{name}: {exc}") from None
     if getattr(sys.modules.get(module), name, None) is not cls:
         raise CodecError(f"{module}.{name} cannot be found again by name")
+    if not _looks_like_cache_class(cls):
+        # Restore refuses it: saved, it would be a file no load can use.
+        raise CodecError(f"{module}.{name} has no from_state and no settable state: "
+                         f"kvkeeper cannot rebuild it")
     if hasattr(cls, "meta_state") and module == "mlx_lm.models.cache":
         # mlx-lm 0.31 and earlier: states without counters, sliced to the
         # offset already; its ChunkedKVCache loses its offset as mlx-vlm's does.
