@@ -439,14 +439,7 @@ def _key_of(path: Path) -> tuple[str | None, str | None]:
 def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None:
     """The key a file's header names, if an entry of that key lives at the
     file's own place (``<sessions>/<model>/<id>.safetensors``); else None."""
-    model, cache_id = meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY)
-    if model is None or cache_id is None:
-        return None
-    try:
-        place = Path(naming.entry_relpath(model, cache_id))
-    except ValueError:
-        return None
-    return (model, cache_id) if place == Path(path.parent.name, path.name) else None
+    return naming.placed_key(path, meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY))
 
 
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,

@@ -16,7 +16,7 @@ from kvkeeper.daemon.faults import ENV
 from kvkeeper.protocol import safetensors as st
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
-from .faultkit import entry_path, filled, version_of
+from .faultkit import FP, entry_path, filled, version_of
 
 LONG_MODEL = "m-" + "0123456789abcdef" * 2  # the shape of model_fingerprint()
 
@@ -33,6 +33,33 @@ def test_an_entry_with_a_hashed_file_name_is_listed_by_its_key(
     assert [(e.model, e.cache_id, e.tokens) for e in listed] == [(model, cache_id, 1)]
     assert client.delete(model, cache_id)
     assert client.entries(model) == []
+
+
+def test_copies_under_names_the_daemon_does_not_give_are_not_entries(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """An entry's file copied by hand to "a_2Fb" or "a_ 2fb" (names int()
+    reads as the escape of "a/b"), and an mlx-lm cache under "Notes": each
+    was listed as one more entry of a key (evictable, and `rm` deleted one
+    file while `ls` went on listing the key), though README counts files
+    under other names as foreign: listed, never deleted."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    assert client.save(FP, "a/b", filled(0.25, 3), [3]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "a/b")
+    assert path.name == "a_2fb.safetensors"
+    copies = [path.with_name("a_2Fb.safetensors"), path.with_name("a_ 2fb.safetensors")]
+    for copy in copies:
+        copy.write_bytes(path.read_bytes())
+    notes = path.with_name("Notes.safetensors")
+    save_prompt_cache(str(notes), filled(0.25, 4))
+    client.gc()  # re-reads the root
+    assert [e.cache_id for e in client.entries()] == ["a/b"]
+    kinds = {Path(e.path).name: e.kind for e in client.entries(everything=True)}
+    assert kinds == {path.name: "entry", notes.name: "foreign",
+                     **{c.name: "foreign" for c in copies}}
+    assert client.delete(FP, "a/b") and client.entries() == []
+    assert all(c.exists() for c in [*copies, notes])
 
 
 def test_a_damaged_file_with_a_long_key_is_moved_aside(
@@ -185,11 +212,12 @@ def test_file_names_that_are_not_utf8_are_listed_not_fatal(short_dir: Path) -> N
             with open(os.fsencode(root / "other") + b"/caf\xe9.txt", "wb") as f:
                 f.write(b"not ours")
             kv.gc()  # looks at the disk again
-            listed = kv.entries("m1")
-            assert sorted(Path(e.path).name for e in listed) == ["\\xff.safetensors",
-                                                                  "a.safetensors"]
-            assert any(e.path.endswith("other/caf\\xe9.txt")
-                       for e in kv.entries(everything=True))
+            # The copy is under a name the daemon does not give: foreign.
+            assert [Path(e.path).name for e in kv.entries("m1")] == ["a.safetensors"]
+            everything = kv.entries(everything=True)
+            assert any(e.path.endswith("/\\xff.safetensors") and e.kind == "foreign"
+                       for e in everything)
+            assert any(e.path.endswith("other/caf\\xe9.txt") for e in everything)
             assert kv.save("m1", "b", filled(1, 4), [4]) and kv.flush(timeout=WAIT)
         assert proc.poll() is None
     finally:

@@ -380,13 +380,20 @@ class Store:
         except (OSError, LayoutError) as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign
-        model, cache_id = (k or "" for k in naming.key_of(path))
         if written_by_kvkeeper(meta):
-            return StoredEntry(meta.get(MODEL_KEY, model), meta.get(CACHE_ID_KEY, cache_id),
-                               _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used, path,
-                               "entry", st.st_mtime, **ident)
-        if not _is_cache(meta):
-            return foreign  # safetensors, but no cache of a known format: not ours to delete
+            here = naming.placed_key(path, meta.get(MODEL_KEY), meta.get(CACHE_ID_KEY))
+            if here is None:
+                # Another key's file, or one under a name the daemon does not
+                # give (a copy made by hand): not that entry, not ours to delete.
+                return foreign
+            return StoredEntry(*here, _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used,
+                               path, "entry", st.st_mtime, **ident)
+        model, cache_id = naming.key_of(path)
+        if not _is_cache(meta) or model is None or cache_id is None:
+            # Safetensors, but no cache of a known format, or an older
+            # format's cache under a name the daemon does not give (its header
+            # names no key to check a hashed name against): not ours to delete.
+            return foreign
         return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy",
                            st.st_mtime, **ident)
 

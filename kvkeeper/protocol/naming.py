@@ -71,7 +71,10 @@ def encode_component(value: str, what: str = "id") -> str:
 
 
 def decode_component(name: str) -> str | None:
-    """The id a component stands for, or None for a hashed or foreign name."""
+    """The id a component stands for, or None for a hashed or foreign name:
+    one :func:`encode_component` does not give (``int()`` also reads "_2F",
+    "_ 2f" or "_+2", which made copies of an entry under such names pass
+    for more entries of its key)."""
     if name.startswith("_z"):
         return None
     out = bytearray()
@@ -87,8 +90,9 @@ def decode_component(name: str) -> str | None:
                 i += 1
             else:
                 return None
-        return out.decode("utf-8")
-    except (ValueError, IndexError, UnicodeDecodeError):
+        value = out.decode("utf-8")
+        return value if encode_component(value) == name else None
+    except (ValueError, IndexError, UnicodeDecodeError):  # BadId is a ValueError
         return None
 
 
@@ -100,6 +104,19 @@ def entry_relpath(model: str, cache_id: str) -> str:
 def entry_path(root: Path, model: str, cache_id: str) -> Path:
     """Where an entry's file lives under a store root."""
     return root / SESSIONS_DIR / entry_relpath(model, cache_id)
+
+
+def placed_key(path: Path, model: str | None, cache_id: str | None) -> tuple[str, str] | None:
+    """``(model, cache_id)`` (what a file's header names) if an entry of that
+    key lives at the file's own place (``<model>/<id>.safetensors``, hashed
+    names included); else None."""
+    if model is None or cache_id is None:
+        return None
+    try:
+        place = Path(entry_relpath(model, cache_id))
+    except ValueError:
+        return None
+    return (model, cache_id) if place == Path(path.parent.name, path.name) else None
 
 
 def key_of(path: Path) -> tuple[str | None, str | None]:
