@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import kvkeeper
-from kvkeeper.client.client import Client, DaemonUnavailable
+from kvkeeper.client.client import Client, DaemonShuttingDown, DaemonUnavailable
 from kvkeeper.client.reader import CacheFileError, read_cache_file
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
@@ -538,6 +538,31 @@ def _drain_past_the_notice(kv: Client, proc: subprocess.Popen[bytes], *,
     wait_for(lambda: kv.stats()["saves_received"] == received, "the daemon to take them")
     proc.send_signal(signal.SIGTERM)
     wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the drain notice")
+
+
+def test_a_delete_the_draining_daemon_refuses_raises_daemon_shutting_down(
+    short_dir: Path,
+) -> None:
+    """A delete that comes while the daemon drains is refused: it
+    raised DaemonError, which code catching DaemonUnavailable to ride out a
+    restart let through, though a request behind a save kept for the next
+    daemon raises DaemonShuttingDown."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .faultkit import filled
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.05"})  # the drain: about 1.6 s
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "big", filled(32, 1), [1])
+            _drain_past_the_notice(kv, proc, received=1)
+            with pytest.raises(DaemonShuttingDown, match="shutting down"):
+                kv.delete("fp", "other")
+            assert proc.wait(WAIT) == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
 
 
 def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) -> None:
