@@ -238,8 +238,8 @@ class StoredEntry:
     format in an entry's place: counted, evictable), ``quarantine`` (moved
     aside as unusable: evicted first), ``foreign`` (anything else, including
     tmp files of a live writer: counted, never deleted). ``ino`` and
-    ``mtime_ns`` identify the file indexed (0: not known), so that a file put
-    at its path by another program since is never evicted for it."""
+    ``mtime_ns`` identify the file indexed, so that a file put at its path
+    by another program since is never evicted for it."""
 
     model: str
     cache_id: str
@@ -504,7 +504,8 @@ class Store:
     def delete(self, model: str, cache_id: str) -> bool:
         """Remove the entry's file; False if there was none. Raises
         FileExistsError, leaving it, when another program's safetensors file
-        is at the entry's place (as a save of it does)."""
+        is at the entry's place, and OSError when the daemon cannot tell
+        (see ``someone_elses``), as a save of it does."""
         path = self.path_for(model, cache_id)
         if self.someone_elses(path):
             raise FileExistsError(
@@ -646,12 +647,13 @@ class Store:
                  if e.kind in ("entry", "legacy", "quarantine") and e.path != keep),
                 key=lambda e: (e.kind != "quarantine", e.last_used),
             )
-        if writing and (free := self.free_bytes()) + sum(e.nbytes for e in candidates) < writing:
+        evictable = sum(e.nbytes for e in candidates)
+        if writing and (free := self.free_bytes()) + evictable < writing:
             # Emptying the store would not make room for it: its write fails
             # with ENOSPC either way, and the entries are worth keeping.
             for_free_space = False
             log.warning("event=no_room bytes=%d free=%d evictable=%d: nothing evicted for "
-                        "it", writing, free, sum(e.nbytes for e in candidates))
+                        "it", writing, free, evictable)
         for victim in candidates:
             reason = pressure()
             if reason is None:
