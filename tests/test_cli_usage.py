@@ -560,15 +560,15 @@ def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(
     assert r.returncode == 0 and "deleted 2 entries" in r.stdout
 
 
-#: The CLI as an install without the mlx extra runs it: MLX, mlx-lm and
-#: mlx-vlm cannot be imported (the finder refuses them, as a missing package
-#: would; nothing of MLX is imitated).
+#: The CLI as an install without the mlx extra runs it: MLX, mlx-lm, mlx-vlm
+#: and numpy (which only they bring) cannot be imported (the finder refuses
+#: them, as a missing package would; nothing of MLX is imitated).
 _WITHOUT_MLX = """
 import importlib.abc, sys
 
 class NoMlx(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("mlx", "mlx_lm", "mlx_vlm"):
+        if name.partition(".")[0] in ("mlx", "mlx_lm", "mlx_vlm", "numpy"):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 

@@ -55,8 +55,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
 import zmq
 import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
 from zmq.utils.monitor import parse_monitor_message
@@ -65,6 +65,9 @@ from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.pacing import CAPTURE_COPY_MAX_BYTES, HOLD_MAX_BYTES, Pacer
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = get_logger("kvkeeper.client")
 
@@ -193,6 +196,10 @@ def _copy(frame: bytes | memoryview) -> bytes | np.ndarray:
     thread may want meanwhile (``bytearray(n)`` zeroes n bytes holding it)."""
     if isinstance(frame, bytes):
         return frame
+    # Imported here: numpy comes with the mlx extra, which saves need, and
+    # the commands (ls, rm, stats) must run in an install without it.
+    import numpy as np
+
     out = np.empty(len(frame), np.uint8)
     out[:] = np.frombuffer(frame, np.uint8)
     return out

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -184,7 +185,8 @@ class Client:
             # A program that uses MLX will save: import the codec now (8-9 ms
             # here) rather than in its first save(), inside the generation
             # loop. Without MLX loaded (the commands: ls, rm) it stays unloaded.
-            _codec()
+            with contextlib.suppress(ImportError):  # numpy missing: save() says so
+                _codec()
         self._channel = Channel(
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
