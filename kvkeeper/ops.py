@@ -454,7 +454,7 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
     if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
-        from kvkeeper.client.client import DaemonError
+        from kvkeeper.client.client import DaemonError, DaemonShuttingDown
 
         for path, reason, ident in bad:
             if ident is None:
@@ -477,6 +477,9 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
                 # E.g. the daemon may not read the file, so cannot tell it from
                 # another program's: it left this one, the others may still go.
                 refused.append((path, exc.message))
+                continue
+            except DaemonShuttingDown:
+                refused.append((path, "the daemon is shutting down"))
                 continue
             if isinstance(reply, m.Deleted) and reply.existed:
                 moved.append(path)

@@ -609,6 +609,40 @@ def test_verify_repair_that_fails_part_way_reports_what_it_moved(
     assert "event=still_logged" in caplog.text
 
 
+def test_verify_repair_through_a_draining_daemon_reports_each_file(short_dir: Path) -> None:
+    """A daemon that drains refuses to move a bad file aside: the report says
+    so for the file (ab424d9 made that refusal a DaemonShuttingDown, which
+    ended the repair with exit 3 and no word of the file)."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .conftest import serve_process, stop_process, wait_for
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save(FP, "victim", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+    rd.stop()
+    victim = entry_path(root, "victim")
+    os.truncate(victim, victim.stat().st_size - 10)
+    # 0.25 s per MiB: the drain writes the 32 MiB save for about 8 s.
+    proc = serve_process(root, sock, "--drain-timeout", "60", env={ENV: "write_delay=0.25"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "big", filled(32, 1), [1])
+            wait_for(lambda: kv.stats()["saves_received"] == 1, "the daemon to take it")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
+            r = cli("verify", "--root", str(root), "--socket", str(sock), "--repair", "--json")
+            assert proc.poll() is None  # the repair asked the draining daemon
+        assert r.returncode == 1, r.stdout + r.stderr
+        report = json.loads(r.stdout)
+        assert report["not_moved"] == [{"path": str(victim),
+                                        "reason": "the daemon is shutting down"}], report
+        assert "repair_error" not in report and victim.exists()
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
     with Client(rd.socket, timeout=WAIT) as kv:
