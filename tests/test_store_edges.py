@@ -39,10 +39,11 @@ def test_copies_under_names_the_daemon_does_not_give_are_not_entries(
     client: Client, daemon: RunningDaemon
 ) -> None:
     """An entry's file copied by hand to "a_2Fb" or "a_ 2fb" (names int()
-    reads as the escape of "a/b"), and an mlx-lm cache under "Notes": each
-    was listed as one more entry of a key (evictable, and `rm` deleted one
-    file while `ls` went on listing the key), though README counts files
-    under other names as foreign: listed, never deleted."""
+    reads as the escape of "a/b"): each was listed as one more entry of its
+    key (evictable, and `rm` deleted one file while `ls` went on listing the
+    key), though README counts files under names the daemon does not give
+    as foreign: listed, never deleted. An mlx-lm cache under "Notes" was
+    an evictable legacy file."""
     from mlx_lm.models.cache import save_prompt_cache
 
     assert client.save(FP, "a/b", filled(0.25, 3), [3]) and client.flush(timeout=WAIT)
@@ -53,12 +54,19 @@ def test_copies_under_names_the_daemon_does_not_give_are_not_entries(
         copy.write_bytes(path.read_bytes())
     notes = path.with_name("Notes.safetensors")
     save_prompt_cache(str(notes), filled(0.25, 4))
+    # Places the daemon does give stay its own: a copy at another key's
+    # place is that key's (damaged) entry, an mlx-lm cache at a hashed
+    # place an evictable legacy file.
+    other = entry_path(daemon.root, "c")
+    other.write_bytes(path.read_bytes())
+    hashed = entry_path(daemon.root, "x" * 300)
+    save_prompt_cache(str(hashed), filled(0.25, 5))
     client.gc()  # re-reads the root
-    assert [e.cache_id for e in client.entries()] == ["a/b"]
+    assert sorted(e.cache_id for e in client.entries()) == ["a/b", "c"]
     kinds = {Path(e.path).name: e.kind for e in client.entries(everything=True)}
-    assert kinds == {path.name: "entry", notes.name: "foreign",
-                     **{c.name: "foreign" for c in copies}}
-    assert client.delete(FP, "a/b") and client.entries() == []
+    assert kinds == {path.name: "entry", other.name: "entry", hashed.name: "legacy",
+                     notes.name: "foreign", **{c.name: "foreign" for c in copies}}
+    assert client.delete(FP, "a/b") and [e.cache_id for e in client.entries()] == ["c"]
     assert all(c.exists() for c in [*copies, notes])
 
 

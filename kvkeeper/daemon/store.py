@@ -380,22 +380,23 @@ class Store:
         except (OSError, LayoutError) as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign
+        if not naming.is_entry_place(path):
+            # A copy made by hand under a name the daemon does not give (say
+            # "a_2Fb" beside "a_2fb"): not an entry of any key, not ours to delete.
+            return foreign
+        model, cache_id = naming.key_of(path)  # None for a hashed name
         if written_by_kvkeeper(meta):
             here = naming.placed_key(path, meta.get(MODEL_KEY), meta.get(CACHE_ID_KEY))
             if here is None:
-                # Another key's file, or one under a name the daemon does not
-                # give (a copy made by hand): not that entry, not ours to delete.
-                return foreign
+                # Damaged, or another key's file copied here: this place's
+                # entry (a load of it finds the mismatch and moves it aside).
+                here = (model or meta.get(MODEL_KEY, ""), cache_id or meta.get(CACHE_ID_KEY, ""))
             return StoredEntry(*here, _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used,
                                path, "entry", st.st_mtime, **ident)
-        model, cache_id = naming.key_of(path)
-        if not _is_cache(meta) or model is None or cache_id is None:
-            # Safetensors, but no cache of a known format, or an older
-            # format's cache under a name the daemon does not give (its header
-            # names no key to check a hashed name against): not ours to delete.
-            return foreign
-        return StoredEntry(model, cache_id, 0, st.st_size, last_used, path, "legacy",
-                           st.st_mtime, **ident)
+        if not _is_cache(meta):
+            return foreign  # safetensors, but no cache of a known format: not ours to delete
+        return StoredEntry(model or "", cache_id or "", 0, st.st_size, last_used, path,
+                           "legacy", st.st_mtime, **ident)
 
     def someone_elses(self, path: Path) -> bool:
         """Whether ``path`` is a whole safetensors file of no cache format

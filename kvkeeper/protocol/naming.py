@@ -13,6 +13,7 @@ compare it, so even then two ids never share a file silently.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from kvkeeper.protocol.messages import MAX_ID_BYTES
@@ -25,6 +26,7 @@ SESSIONS_DIR = "sessions"
 #: within the 255-byte limit of a file name.
 MAX_COMPONENT = 200
 _KEEP = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-")
+_HASHED = re.compile(r"_z[0-9a-f]{64}")
 
 
 class BadId(ValueError):
@@ -117,6 +119,15 @@ def placed_key(path: Path, model: str | None, cache_id: str | None) -> tuple[str
     except ValueError:
         return None
     return (model, cache_id) if place == Path(path.parent.name, path.name) else None
+
+
+def is_entry_place(path: Path) -> bool:
+    """Whether ``path`` ends in names the daemon gives an entry's file
+    (``<model>/<id>.safetensors``, either hashed or not), whatever it holds."""
+    if not path.name.endswith(SUFFIX):
+        return False
+    return all(decode_component(c) is not None or _HASHED.fullmatch(c)
+               for c in (path.parent.name, path.name.removesuffix(SUFFIX)))
 
 
 def key_of(path: Path) -> tuple[str | None, str | None]:
