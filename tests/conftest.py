@@ -36,6 +36,15 @@ def wait_for(cond: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
+def drain_past_the_notice(kv: Client, proc: subprocess.Popen[bytes], *,
+                          received: int) -> None:
+    """SIGTERM the daemon once it has received ``received`` saves, and return
+    once the client has read the daemon's notice that it drains."""
+    wait_for(lambda: kv.stats()["saves_received"] == received, "the daemon to take them")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the drain notice")
+
+
 def dealer(ctx: Any, socket: Path, timeout: float = WAIT) -> Any:
     """A raw ZeroMQ DEALER socket of ``ctx`` connected to the daemon at
     ``socket`` (a ``recv`` waits at most ``timeout`` seconds)."""

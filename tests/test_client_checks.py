@@ -28,7 +28,15 @@ from kvkeeper.client.reader import CacheFileError, read_cache_file
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
 
-from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    drain_past_the_notice,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
 from .tiny import prefill, prompt, tiny_llama
 
 FP = "tiny-llama-checks"
@@ -531,15 +539,6 @@ def test_saves_queued_when_the_daemon_dies_wait_for_the_next_one(short_dir: Path
         stop_process(proc, signal.SIGKILL)
 
 
-def _drain_past_the_notice(kv: Client, proc: subprocess.Popen[bytes], *,
-                           received: int) -> None:
-    """SIGTERM the daemon once it has received ``received`` saves, and return
-    once the client has read the daemon's notice that it drains."""
-    wait_for(lambda: kv.stats()["saves_received"] == received, "the daemon to take them")
-    proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the drain notice")
-
-
 def test_a_delete_the_draining_daemon_refuses_raises_daemon_shutting_down(
     short_dir: Path,
 ) -> None:
@@ -557,7 +556,7 @@ def test_a_delete_the_draining_daemon_refuses_raises_daemon_shutting_down(
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save("fp", "big", filled(32, 1), [1])
-            _drain_past_the_notice(kv, proc, received=1)
+            drain_past_the_notice(kv, proc, received=1)
             with pytest.raises(DaemonShuttingDown, match="shutting down"):
                 kv.delete("fp", "other")
             assert proc.wait(WAIT) == 0
@@ -585,7 +584,7 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv, \
                 Client(sock, timeout=WAIT, min_send_interval=0) as kv2:
             assert kv.save("fp", "big", filled(32, 1), [1])
-            _drain_past_the_notice(kv, proc, received=1)
+            drain_past_the_notice(kv, proc, received=1)
             assert kv.save("fp", "a", filled(1, 2), [2])
             assert kv.save("fp", "b", filled(1, 3), [3])
             with pytest.raises(kvkeeper.DaemonShuttingDown, match="shutting down"):
@@ -688,7 +687,7 @@ def test_a_flush_after_a_graceful_restart_vouches_for_what_the_drain_wrote(
             assert kv.flush(timeout=WAIT) is True  # nothing sent since
             assert kv.save("fp", "k", filled(1, 2), [2])
             assert kv.save("fp", "big", filled(8, 2), [2])  # 0.4 s, or 2 s, to write
-            _drain_past_the_notice(kv, proc, received=2)
+            drain_past_the_notice(kv, proc, received=2)
             assert proc.wait(WAIT) == (1 if drain == "timed_out" else 0)
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock, "--min-write-interval", "0")
@@ -724,7 +723,7 @@ def test_a_client_keeping_saves_from_a_draining_daemon_still_loads_and_coalesces
             assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
             assert kv.save("fp", "big", filled(32, 1), [1])  # written for about 1.6 s
             assert kv.save("fp", "k", filled(1, 2), [2])  # queued behind it at the daemon
-            _drain_past_the_notice(kv, proc, received=3)
+            drain_past_the_notice(kv, proc, received=3)
             for v in range(10, 20):
                 assert kv.save("fp", "k", filled(1, v), [v])
                 with pytest.raises(DaemonUnavailable):
@@ -764,7 +763,7 @@ def test_a_load_the_draining_daemon_does_not_answer_in_time_raises(short_dir: Pa
             assert kv.save("fp", "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
             assert kv.save("fp", "big", filled(32, 1), [1])
             assert kv.save("fp", "k", filled(1, 2), [2])  # behind it at the daemon
-            _drain_past_the_notice(kv, proc, received=3)
+            drain_past_the_notice(kv, proc, received=3)
             assert kv.save("fp", "k", filled(1, 3), [3])  # kept for the next daemon
             with pytest.raises(DaemonUnavailable, match=r"did not answer.*fp/k"):
                 kv.load("fp", "k")

@@ -19,7 +19,7 @@ import pytest
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, serve_process, stop_process, wait_for
+from .conftest import WAIT, drain_past_the_notice, serve_process, stop_process, wait_for
 from .faultkit import FP, entry_path, filled, version_of
 
 
@@ -534,9 +534,7 @@ def test_a_flush_cut_short_after_its_verdict_leaves_it_to_the_next(short_dir: Pa
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save(FP, "k", filled(4, 2), [2])
-            wait_for(lambda: kv.stats()["saves_received"] == 1, "the daemon to take it")
-            proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
+            drain_past_the_notice(kv, proc, received=1)
             assert proc.wait(WAIT) == 0
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock)

@@ -615,7 +615,7 @@ def test_verify_repair_through_a_draining_daemon_reports_each_file(short_dir: Pa
     ended the repair with exit 3 and no word of the file)."""
     from kvkeeper.daemon.faults import ENV
 
-    from .conftest import serve_process, stop_process, wait_for
+    from .conftest import drain_past_the_notice, serve_process, stop_process
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     rd = start_daemon(root, sock)
@@ -629,9 +629,7 @@ def test_verify_repair_through_a_draining_daemon_reports_each_file(short_dir: Pa
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save(FP, "big", filled(32, 1), [1])
-            wait_for(lambda: kv.stats()["saves_received"] == 1, "the daemon to take it")
-            proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
+            drain_past_the_notice(kv, proc, received=1)
             r = cli("verify", "--root", str(root), "--socket", str(sock), "--repair", "--json")
             assert proc.poll() is None  # the repair asked the draining daemon
         assert r.returncode == 1, r.stdout + r.stderr
