@@ -61,11 +61,16 @@ def test_copies_under_names_the_daemon_does_not_give_are_not_entries(
     other.write_bytes(path.read_bytes())
     hashed = entry_path(daemon.root, "x" * 300)
     save_prompt_cache(str(hashed), filled(0.25, 5))
+    # A hashed place its header does not name: whose it is cannot be told
+    # (taken for the header's key, a/b was listed twice).
+    unvouched = entry_path(daemon.root, "y" * 300)
+    unvouched.write_bytes(path.read_bytes())
     client.gc()  # re-reads the root
     assert sorted(e.cache_id for e in client.entries()) == ["a/b", "c"]
     kinds = {Path(e.path).name: e.kind for e in client.entries(everything=True)}
     assert kinds == {path.name: "entry", other.name: "entry", hashed.name: "legacy",
-                     notes.name: "foreign", **{c.name: "foreign" for c in copies}}
+                     unvouched.name: "foreign", notes.name: "foreign",
+                     **{c.name: "foreign" for c in copies}}
     assert client.delete(FP, "a/b") and [e.cache_id for e in client.entries()] == ["c"]
     assert all(c.exists() for c in [*copies, notes])
 

@@ -388,9 +388,14 @@ class Store:
         if written_by_kvkeeper(meta):
             here = naming.placed_key(path, meta.get(MODEL_KEY), meta.get(CACHE_ID_KEY))
             if here is None:
+                if model is None or cache_id is None:
+                    # A hashed place its header does not vouch for: whose
+                    # place it is cannot be told (taking the header's key
+                    # listed another entry twice), so never deleted.
+                    return foreign
                 # Damaged, or another key's file copied here: this place's
                 # entry (a load of it finds the mismatch and moves it aside).
-                here = (model or meta.get(MODEL_KEY, ""), cache_id or meta.get(CACHE_ID_KEY, ""))
+                here = (model, cache_id)
             return StoredEntry(*here, _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used,
                                path, "entry", st.st_mtime, **ident)
         if not _is_cache(meta):
