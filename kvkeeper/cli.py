@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                             description="Read every entry's file and check its header and the "
                             "checksum of each tensor. Works without a daemon. Caches of the "
                             "two older formats carry no checksums; safetensors files that are "
-                            "no cache (model weights) are listed and left alone. A file this "
+                            "no cache (model weights) are listed and left alone, and files under names the "
+                            "daemon does not give are not its entries: not checked. A file this "
                             "process cannot read (no permission, out of file descriptors) is "
                             "listed as not checked and never moved. Exit 1 if any file is bad "
                             "or could not be checked.")

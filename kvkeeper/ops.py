@@ -282,6 +282,9 @@ def gc(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ verify
 
 def _store_files(root: Path) -> Iterator[Path]:
+    """The files at entries' places. Others (a copy under a name the daemon
+    does not give) are not the daemon's: moved aside as bad, they became
+    quarantined files, which the disk budget deletes first."""
     sessions = root / naming.SESSIONS_DIR
     if not sessions.is_dir():
         return
@@ -289,7 +292,7 @@ def _store_files(root: Path) -> Iterator[Path]:
         if d.is_symlink() or not d.is_dir():
             continue
         for f in sorted(d.iterdir()):
-            if not f.name.startswith(".") and f.name.endswith(naming.SUFFIX):
+            if not f.name.startswith(".") and naming.is_entry_place(f):
                 yield f
 
 

@@ -642,16 +642,25 @@ def test_verify_repair_through_a_draining_daemon_reports_each_file(short_dir: Pa
 
 
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
+    """A bad entry is moved aside. Files under names the daemon does not give
+    are not its own (the store lists them as foreign): they were judged bad
+    and moved to quarantine/ too, whose files the disk budget deletes first."""
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
     with Client(rd.socket, timeout=WAIT) as kv:
         assert kv.save(FP, "x", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
     rd.stop()
     path = entry_path(short_dir / "root", "x")
     os.truncate(path, path.stat().st_size - 10)
+    theirs = [path.with_name("Notes.safetensors"), path.parent.parent / "Other" / "q.safetensors"]
+    theirs[1].parent.mkdir()
+    for p in theirs:
+        p.write_bytes(path.read_bytes())  # truncated: bad, were it an entry
     r = cli("verify", "--root", str(short_dir / "root"), "--socket",
-            str(short_dir / "run" / "kv.sock"), "--repair")
-    assert r.returncode == 1 and "moved aside" in r.stdout, r.stdout + r.stderr
+            str(short_dir / "run" / "kv.sock"), "--repair", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert json.loads(r.stdout)["moved_aside"] == [str(path)]
     assert not path.exists() and len(list((short_dir / "root" / "quarantine").iterdir())) == 1
+    assert all(p.exists() for p in theirs)
 
 
 def test_import_refuses_a_second_file_for_the_same_key(
