@@ -620,40 +620,50 @@ def test_a_flush_behind_the_save_being_sent_when_the_daemon_drains_is_answered(
     """The save a client is sending when it learns of the drain still goes to
     the draining daemon, which writes it: a flush queued behind it, with no
     save kept for the next daemon ahead of it, is answered (before: it
-    raised DaemonShuttingDown, though nothing waited in the client)."""
+    raised DaemonShuttingDown, though nothing waited in the client).
+
+    Continued, the daemon may handle SIGTERM before it reads the save's
+    first message; then it refuses the save, rightly, and the flush says
+    False (1 run in about 15). That is not the case under test: it is
+    tried again, with a new daemon, up to 3 times."""
     from kvkeeper.daemon.faults import ENV
 
     from .faultkit import entry_path, filled, version_of
 
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock, "--min-write-interval", "0",
-                         env={ENV: "write_delay=0.02"})
-    try:
-        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
-            assert kv.save("fp", "p", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
-            proc.send_signal(signal.SIGSTOP)
-            assert kv.save("fp", "big", filled(96, 2), [2])  # ZeroMQ takes 32 MiB of it
-            got: list[object] = []
+    for attempt in range(3):
+        root, sock = short_dir / f"root{attempt}", short_dir / "run" / "kv.sock"
+        proc = serve_process(root, sock, "--min-write-interval", "0",
+                             env={ENV: "write_delay=0.02"})
+        try:
+            with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+                assert kv.save("fp", "p", filled(1, 1), [1]) and kv.flush(timeout=WAIT) is True
+                proc.send_signal(signal.SIGSTOP)
+                assert kv.save("fp", "big", filled(96, 2), [2])  # ZeroMQ takes 32 MiB of it
+                got: list[object] = []
 
-            def flush() -> None:
-                try:
-                    got.append(kv.flush(timeout=WAIT))
-                except Exception as exc:  # noqa: BLE001 - the test reports it
-                    got.append(exc)
+                def flush(kv: Client = kv, got: list[object] = got) -> None:
+                    try:
+                        got.append(kv.flush(timeout=WAIT))
+                    except Exception as exc:  # noqa: BLE001 - the test reports it
+                        got.append(exc)
 
-            flusher = threading.Thread(target=flush)
-            flusher.start()
-            time.sleep(0.3)  # queued behind the save (if later, it goes the same way)
-            proc.send_signal(signal.SIGTERM)
+                flusher = threading.Thread(target=flush)
+                flusher.start()
+                time.sleep(0.3)  # queued behind the save (if later, it goes the same way)
+                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)
+                flusher.join(WAIT)
+                assert proc.wait(WAIT) == 0
+                if kv.client_stats()["client_saves_refused"] == 1 and got == [False]:
+                    continue  # the signal was handled first: the save never arrived
+                assert got == [True]
+                assert kv.client_stats()["client_drain_notices"] == 1
+                assert version_of(entry_path(root, "big", model="fp"), "fp") == 2
+                return
+        finally:
             proc.send_signal(signal.SIGCONT)
-            flusher.join(WAIT)
-            assert got == [True]
-            assert proc.wait(WAIT) == 0
-            assert kv.client_stats()["client_drain_notices"] == 1
-            assert version_of(entry_path(root, "big", model="fp"), "fp") == 2
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        stop_process(proc, signal.SIGKILL)
+            stop_process(proc, signal.SIGKILL)
+    pytest.fail("in 3 tries the daemon never read the save before the signal")
 
 
 @pytest.mark.parametrize("drain", ["written", "failed", "timed_out"])
