@@ -93,9 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="run the daemon in the foreground",
         description="Run the daemon in the foreground until SIGTERM, SIGINT or SIGHUP (the "
-        "shell it runs in closing; not under nohup), then write every save already received (up to "
-        "--drain-timeout) and exit 0 (1 if the timeout cut the drain short); a second signal "
-        "meanwhile is logged and ignored (SIGKILL is not). One daemon per root: a second one exits 2, naming the first. The "
+        "shell it runs in closing; not under nohup), then write every save already received "
+        "(up to --drain-timeout) and exit 0 (1 if the timeout cut the drain short); a second "
+        "signal meanwhile is logged and ignored (SIGKILL is not). One daemon per root: a "
+        "second one exits 2, naming the first. The "
         "disk budget (--max-disk-bytes, --min-free-bytes) is applied at start and after every "
         "write, evicting least recently used entries. A setting not given as a flag comes "
         "from its KVKEEPER_* variable, else the config file, else the default shown below; "
@@ -144,8 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                             description="Read every entry's file and check its header and the "
                             "checksum of each tensor. Works without a daemon. Caches of the "
                             "two older formats carry no checksums; safetensors files that are "
-                            "no cache (model weights) are listed and left alone, and files under names the "
-                            "daemon does not give are not its entries: not checked. A file this "
+                            "no cache (model weights) are listed and left alone, and files "
+                            "under names the daemon does not give are not its entries: not "
+                            "checked. A file this "
                             "process cannot read (no permission, out of file descriptors) is "
                             "listed as not checked and never moved. Exit 1 if any file is bad "
                             "or could not be checked.")

@@ -780,10 +780,10 @@ class Channel:
                     # handshake read in the same batch: its daemon's word
                     # that it leaves must not stick to the next one.
                     self._receive(sock)
-                if self.connected.is_set() and self._sent_unanswered > self._connection_began:
-                    with self._lock:
-                        self._ends.append(ConnectionEnd(
-                            self.connections, self._sent_unanswered, self._drain))
+                    if self._sent_unanswered > self._connection_began:
+                        with self._lock:
+                            self._ends.append(ConnectionEnd(
+                                self.connections, self._sent_unanswered, self._drain))
                 self.connected.clear()
                 lost = True
                 if self._unconfirmed:

@@ -380,11 +380,12 @@ class Store:
         except (OSError, LayoutError) as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign
-        if not naming.is_entry_place(path):
+        place = naming.entry_place_key(path)
+        if place is None:
             # A copy made by hand under a name the daemon does not give (say
             # "a_2Fb" beside "a_2fb"): not an entry of any key, not ours to delete.
             return foreign
-        model, cache_id = naming.key_of(path)  # None for a hashed name
+        model, cache_id = place  # None for a hashed name
         if written_by_kvkeeper(meta):
             here = naming.placed_key(path, meta.get(MODEL_KEY), meta.get(CACHE_ID_KEY))
             if here is None:

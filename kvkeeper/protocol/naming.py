@@ -121,13 +121,22 @@ def placed_key(path: Path, model: str | None, cache_id: str | None) -> tuple[str
     return (model, cache_id) if place == Path(path.parent.name, path.name) else None
 
 
-def is_entry_place(path: Path) -> bool:
-    """Whether ``path`` ends in names the daemon gives an entry's file
-    (``<model>/<id>.safetensors``, either hashed or not), whatever it holds."""
+def entry_place_key(path: Path) -> tuple[str | None, str | None] | None:
+    """None unless ``path`` ends in names the daemon gives an entry's file
+    (``<model>/<id>.safetensors``, hashed or not), whatever it holds; else
+    the (model, cache id) those names stand for, None for a hashed one."""
     if not path.name.endswith(SUFFIX):
-        return False
-    return all(decode_component(c) is not None or _HASHED.fullmatch(c)
-               for c in (path.parent.name, path.name.removesuffix(SUFFIX)))
+        return None
+    parts = (path.parent.name, path.name.removesuffix(SUFFIX))
+    decoded = tuple(decode_component(c) for c in parts)
+    if any(d is None and not _HASHED.fullmatch(c) for c, d in zip(parts, decoded, strict=True)):
+        return None
+    return decoded[0], decoded[1]
+
+
+def is_entry_place(path: Path) -> bool:
+    """Whether ``path`` ends in names the daemon gives an entry's file."""
+    return entry_place_key(path) is not None
 
 
 def key_of(path: Path) -> tuple[str | None, str | None]:
