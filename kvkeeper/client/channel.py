@@ -649,8 +649,10 @@ class Channel:
             # Track every frame for real: below the threshold pyzmq would copy it and
             # report it sent at once, releasing its reservation early.
             sock.copy_threshold = 0
+            # Saves made while no daemon is connected are dropped, so a restarted
+            # daemon is looked for often: a failed ipc connect costs next to nothing.
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
             monitor = sock.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
             )
