@@ -233,6 +233,33 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
             assert version_of(entry_path(root, f"slow{i}")) == i + 1
 
 
+def test_a_delete_cut_off_by_the_drain_timeout_is_not_logged_as_a_save(short_dir: Path) -> None:
+    """A delete that replaced a queued save is that key's last job: if the
+    drain timeout cuts it off, the log names a delete not done, not a save."""
+    root, proc = serve_with_queued_saves(short_dir, "gone", 4, 0.25, "--drain-timeout", "0.5")
+    sock = paths(short_dir)[1]
+    answers: list[object] = []
+
+    def delete_last() -> None:
+        with Client(sock, timeout=WAIT) as kv:
+            try:
+                answers.append(kv.delete(FP, "gone3"))
+            except Exception as exc:  # noqa: BLE001 - the drain's refusal is an answer too
+                answers.append(exc)
+
+    deleter = threading.Thread(target=delete_last)
+    deleter.start()
+    with Client(sock, timeout=WAIT) as kv:
+        wait_for(lambda: kv.stats()["saves_superseded"] >= 1, "the delete to replace the save")
+    assert stop_process(proc) == 1
+    deleter.join(WAIT)
+    assert not deleter.is_alive() and answers
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert not entry_path(root, "gone3").exists()
+    assert f"event=not_deleted_at_exit model={FP} id=gone3" in log
+    assert f"event=not_saved_at_exit model={FP} id=gone3" not in log
+
+
 @pytest.mark.parametrize("sender", ["client", "one_message"])
 def test_the_drain_timeout_bounds_a_big_save_being_written(short_dir: Path,
                                                           sender: str) -> None:

@@ -712,9 +712,9 @@ class WriterActor:
                     del self._by_peer[peer]
         job.done.set()
 
-    def unfinished(self) -> list[Key]:
-        """Keys with a job not yet finished (for the drain-timeout log)."""
-        return list(self._latest)
+    def unfinished(self) -> list[Job]:
+        """The newest unfinished job of each key (for the drain-timeout log)."""
+        return list(self._latest.values())
 
     def note_refused(self, peer: bytes) -> None:
         """A save of ``peer`` the server turned away: it will not be written, and

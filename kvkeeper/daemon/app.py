@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from kvkeeper import config
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy, restore_this_thread
-from kvkeeper.daemon.actor import WriterActor
+from kvkeeper.daemon.actor import DeleteJob, SaveJob, WriterActor
 from kvkeeper.daemon.fdlimit import raise_fd_limit
 from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
@@ -382,8 +382,16 @@ class Daemon:
         if actor.finished.is_set():
             log.info("event=drained")
             return True
-        for model, cache_id in actor.unfinished():
-            log.error("event=not_saved_at_exit model=%s id=%s", model, cache_id)
+        for job in actor.unfinished():
+            # A delete or a move aside can be the newest job of a key, having
+            # replaced its save: the log must not call it a save.
+            model, cache_id = job.key
+            if isinstance(job, SaveJob):
+                log.error("event=not_saved_at_exit model=%s id=%s", model, cache_id)
+            elif isinstance(job, DeleteJob) and job.reason is None:
+                log.error("event=not_deleted_at_exit model=%s id=%s", model, cache_id)
+            else:
+                log.error("event=not_moved_aside_at_exit model=%s id=%s", model, cache_id)
         log.error("event=drain_timeout seconds=%.1f pending_bytes=%d",
                   self.cfg.drain_timeout, actor.pending_bytes)
         return False
