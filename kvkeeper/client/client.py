@@ -474,13 +474,19 @@ class Client:
         kept here for the next daemon, returns what the draining one has
         (logged). Raises DaemonUnavailable when the daemon does not answer
         within ``timeout`` while a save of the key made through this client
-        may still be unwritten (the file may be older than it).
+        may still be unwritten (the file may be older than it), and at once
+        in a child process forked after this client was made.
         ``verify`` checks every tensor's checksum (reads the whole file); off,
         the arrays stay lazy (each is read from the file when first evaluated).
         """
         if self._closed:
             raise RuntimeError("client is closed")
         model, cache_id = naming.check_key(model, cache_id)
+        if self._channel.forked:
+            # Not a read of the file instead, as with no daemon: a verified
+            # read evaluates MLX arrays, which can hang in a forked child.
+            raise DaemonUnavailable("this Client was made before the process forked; make a "
+                                    "new one in the child")
         key = (model, cache_id)
         # One timeout for every wait of the load (who the daemon is, the
         # file, moving a damaged file aside): a stalled daemon used to cost
