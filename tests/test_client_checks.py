@@ -924,6 +924,7 @@ def test_what_flush_raises_is_importable_from_the_package(short_dir: Path) -> No
 
 _FORK_AND_USE = """
 import os
+import signal
 import sys
 import time
 
@@ -944,6 +945,7 @@ parent_cache, child_cache = cache(1), cache(2)
 assert kv.save("fp", "parent", parent_cache, [1]) and kv.flush(timeout=30)
 pid = os.fork()
 if pid == 0:
+    signal.alarm(60)  # a hang kills the child, not left behind by the test's timeout
     t0 = time.monotonic()
     code = 0
     if kv.save("fp", "child", child_cache, [2]) is not False:
