@@ -34,6 +34,10 @@ class ServiceFile:
     not_loaded: frozenset[int] = frozenset()
     # Seconds this file lets the service manager wait for the daemon to stop.
     stop_timeout: int = 30
+    # Directories the service needs before it is loaded, made with the file.
+    dirs: list[Path] = field(default_factory=list)
+    # With unload, after the file is removed.
+    after_removal: list[list[str]] = field(default_factory=list)
 
 
 #: A service manager command that stops nothing gets this long; one that may
@@ -78,31 +82,44 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         "ExitTimeOut": int(drain_timeout) + 10,
         "StandardOutPath": str(logs / "kvkeeper.log"),
         "StandardErrorPath": str(logs / "kvkeeper.log"),
+        # `python -m` puts the working directory first on sys.path: a file
+        # named like a module the daemon imports must not replace it.
+        "WorkingDirectory": "/",
     }
     path = home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
     domain = f"gui/{os.getuid()}"
     return ServiceFile(
         path,
         plistlib.dumps(plist),
-        load=[["mkdir", "-p", str(logs)], ["launchctl", "bootstrap", domain, str(path)]],
+        load=[["launchctl", "bootstrap", domain, str(path)]],
         unload=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
         stop_first=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
         # launchctl's "No such process" and "Could not find service": an
         # agent written with --no-load, or stopped by hand, is not running.
         not_loaded=frozenset({3, 113}),
         stop_timeout=plist["ExitTimeOut"],
+        # Made with the file: launchd cannot open the log of an agent it
+        # loads at the next login (--no-load) in a directory that is missing.
+        dirs=[logs],
     )
 
 
-def _systemd_word(word: str) -> str:
-    """One ExecStart argument, as systemd reads it back: it expands %
-    specifiers and $VARIABLES and unescapes C escapes even in quotes (a
-    socket path "/tmp/a%i" would have become the instance name)."""
-    w = word.replace("%", "%%").replace("$", "$$")
+def _systemd_word(word: str, *, command: bool = False) -> str:
+    """One ExecStart word, as systemd reads it back: it expands % specifiers
+    and unescapes C escapes even in quotes (a socket path "/tmp/a%i" would
+    have become the instance name), and in the arguments, not in the
+    ``command`` path, $VARIABLES."""
+    w = word.replace("%", "%%")
+    if not command:
+        w = w.replace("$", "$$")
     if w and all(c.isalnum() or c in "/._-=+:,@" for c in w):
         return w
     w = w.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
     return '"' + w + '"'
+
+
+def _systemd_command(words: Sequence[str]) -> str:
+    return " ".join(_systemd_word(w, command=i == 0) for i, w in enumerate(words))
 
 
 def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) -> ServiceFile:
@@ -113,8 +130,14 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
         "",
         "[Service]",
         "Type=simple",
-        f"ExecStart={' '.join(_systemd_word(w) for w in serve_command(serve_args))}",
+        f"ExecStart={_systemd_command(serve_command(serve_args))}",
+        # `python -m` puts the working directory (for a user service: the
+        # home directory) first on sys.path: a ~/msgspec.py replaced the module.
+        "WorkingDirectory=/",
         "Restart=on-failure",
+        # Exit 2: another daemon holds the root or socket, or a setting is
+        # refused. Starting again cannot help.
+        "RestartPreventExitStatus=2",
         "KillSignal=SIGTERM",
         f"TimeoutStopSec={stop_timeout}",
         "",
@@ -132,6 +155,8 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
               ["systemctl", "--user", "enable", UNIT],
               ["systemctl", "--user", "restart", UNIT]],
         unload=[["systemctl", "--user", "disable", "--now", UNIT]],
+        # Once the file is gone: the manager forgets the unit it had loaded.
+        after_removal=[["systemctl", "--user", "daemon-reload"]],
         stop_timeout=stop_timeout,
     )
 
@@ -162,11 +187,21 @@ def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozens
                                f"{(r.stderr or r.stdout).strip()}")
 
 
+def _try(commands: list[list[str]], seconds: float) -> None:
+    """Run ``commands``, their failures ignored."""
+    for cmd in commands:
+        try:
+            subprocess.run(cmd, capture_output=True, timeout=seconds)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
 def install(sf: ServiceFile, *, load: bool = True) -> None:
     """Write the service file (atomically) and, with ``load``, have the
     service manager (re)start the daemon from it. Raises ServiceError."""
     before = installed_stop_timeout(sf.path)
-    sf.path.parent.mkdir(parents=True, exist_ok=True)
+    for directory in (*sf.dirs, sf.path.parent):
+        directory.mkdir(parents=True, exist_ok=True)
     tmp = sf.path.with_name(sf.path.name + ".tmp")
     tmp.write_bytes(sf.content)
     os.replace(tmp, sf.path)
@@ -174,11 +209,7 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # The service manager waits up to the stop timeout of the service it
         # stops (the one installed before, if any), then answers.
         seconds = COMMAND_SECONDS + max(sf.stop_timeout, before or 0)
-        for cmd in sf.stop_first:
-            try:
-                subprocess.run(cmd, capture_output=True, timeout=seconds)
-            except (OSError, subprocess.TimeoutExpired):
-                pass  # nothing loaded, or no service manager: load says which
+        _try(sf.stop_first, seconds)  # nothing loaded, or no service manager: load says which
         _run(sf.load, seconds)
 
 
@@ -193,4 +224,6 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
         sf.path.unlink()
     except FileNotFoundError:
         return False
+    if unload:
+        _try(sf.after_removal, COMMAND_SECONDS)  # the service is stopped and its file gone
     return True

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import plistlib
+import shlex
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -347,6 +351,76 @@ def test_stopping_the_service_waits_as_long_as_its_stop_timeout(
             with pytest.raises(service.ServiceError, match="did not finish within 1 s"):
                 service.uninstall(sf)
             assert sf.path.exists()
+
+
+def test_the_service_runs_from_a_directory_whose_files_cannot_replace_its_modules(
+        short_dir: Path) -> None:
+    """The service runs `python -m kvkeeper.cli`, which puts its working
+    directory first on sys.path, and a systemd user service starts in the
+    home directory unless told otherwise: a ~/msgspec.py replaced the real
+    module and the daemon failed at every start. The commands are run as the
+    service managers would run them, from their WorkingDirectory (the home
+    directory by default, as systemd does for a user service)."""
+    home = short_dir / "home"
+    home.mkdir()
+    (home / "msgspec.py").write_text('raise SystemExit("a module of the home directory ran")\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")},
+           "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
+    places = ("--root", str(short_dir / "root"), "--socket", str(short_dir / "s.sock"))
+    r = cli("install-service", "--print", "--platform", "linux", *places, env=env)
+    assert r.returncode == 0, r.stderr
+    unit = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    # (The arguments here need none of systemd's escapes.)
+    command = shlex.split(unit["ExecStart"])
+    plist = plistlib.loads(cli("install-service", "--print", "--platform", "macos", *places,
+                               env=env).stdout.encode())
+    for argv, cwd in ((command, unit.get("WorkingDirectory", str(home))),
+                      (plist["ProgramArguments"], plist.get("WorkingDirectory", str(home)))):
+        r = subprocess.run([*argv, "--print-config"], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=WAIT)
+        assert r.returncode == 0 and "home directory ran" not in r.stderr, r.stderr
+        assert str(short_dir / "root") in r.stdout
+    # Exit 2 (another daemon holds the root, a setting refused) is not worth a restart.
+    assert unit["RestartPreventExitStatus"] == "2"
+
+
+def test_a_systemd_unit_for_an_interpreter_path_with_dollar_and_percent(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd expands % specifiers everywhere in ExecStart but $VARIABLES
+    only in the arguments: the command path's "$" must stay single (doubled,
+    `systemd-analyze verify` found no such executable)."""
+    from kvkeeper import service
+
+    python = "/opt/p$HOME%i z/bin/python"
+    monkeypatch.setattr(sys, "executable", python)
+    sf = service.systemd(["--socket", "/tmp/a$b%c"], 20.0, short_dir / "cfg")
+    (exec_start,) = [x for x in sf.content.decode().splitlines() if x.startswith("ExecStart=")]
+    assert exec_start.startswith('ExecStart="/opt/p$HOME%%i z/bin/python" -m kvkeeper.cli ')
+    assert exec_start.endswith(' --socket "/tmp/a$$b%%c"')
+
+
+def test_a_launch_agent_written_without_loading_has_its_log_directory(
+        short_dir: Path) -> None:
+    """launchd opens StandardOutPath when it loads the agent (at the next
+    login, after --no-load): the directory was made only by the load step."""
+    env = {"HOME": str(short_dir / "home")}
+    r = cli("install-service", "--platform", "macos", "--no-load", env=env)
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads((short_dir / "home" / "Library" / "LaunchAgents"
+                            / "io.github.kvkeeper.daemon.plist").read_bytes())
+    assert Path(plist["StandardOutPath"]).parent.is_dir()
+
+
+def test_uninstall_service_has_systemd_forget_the_unit(short_dir: Path) -> None:
+    """After the unit file is removed, systemd keeps the unit it loaded
+    until a daemon-reload."""
+    env = _fake_managers(short_dir)
+    assert cli("install-service", "--platform", "linux", env=env).returncode == 0
+    Path(env["CALLS"]).unlink()
+    r = cli("uninstall-service", "--platform", "linux", env=env)
+    assert r.returncode == 0, r.stderr
+    assert [x.split()[2] for x in Path(env["CALLS"]).read_text().splitlines()] == [
+        "disable", "daemon-reload"]
 
 
 # ------------------------------------------------------------------ 7. export is 0600
