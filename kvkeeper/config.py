@@ -22,11 +22,21 @@ class ConfigError(Exception):
     """A path or setting the daemon refuses to run with; the message says why."""
 
 
+def expand_user(text: str) -> Path:
+    """``text`` as a path, ``~`` expanded where it can be: ``~nosuchuser``
+    stays as it is, for the setting's own check to refuse with a message
+    (a default computed while the command line is read must not fail)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        return Path(text)
+
+
 def default_root() -> Path:
     """Store root: $KVKEEPER_ROOT, else the user's cache dir + /kvkeeper."""
     env = os.environ.get(ENV_ROOT)
     if env:
-        return Path(env).expanduser()
+        return expand_user(env)
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "kvkeeper"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -40,7 +50,7 @@ def default_socket() -> Path:
         try:
             return socket_path(env)
         except ValueError:  # serve's settings report it; a client finds no daemon there
-            return Path(env).expanduser()
+            return expand_user(env)
     if sys.platform == "darwin":
         # $TMPDIR is per user on macOS (/var/folders/...), and short enough.
         base = Path(os.environ.get("TMPDIR") or "/tmp") / f"kvkeeper-{os.getuid()}"
@@ -70,8 +80,8 @@ def socket_path(value: str | os.PathLike[str]) -> Path:
         raise ValueError("the socket path is empty")
     try:
         return Path(text).expanduser()
-    except RuntimeError as exc:  # ~nosuchuser
-        raise ValueError(str(exc)) from None
+    except RuntimeError:  # ~nosuchuser
+        raise ValueError(f"{os.fspath(text)}: its ~ names no user with a home directory") from None
 
 
 def check_socket_path(socket_path: Path) -> None:

@@ -139,8 +139,8 @@ def parse_path(value: Any) -> Path:
         raise ValueError("the path is empty")
     try:
         return Path(value).expanduser()
-    except RuntimeError as exc:  # ~nosuchuser
-        raise ValueError(str(exc)) from None
+    except RuntimeError:  # ~nosuchuser
+        raise ValueError(f"{os.fspath(value)}: its ~ names no user with a home directory") from None
 
 
 def _socket(value: Any) -> Path:
@@ -240,7 +240,7 @@ def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
     env = environ.get(ENV_CONFIG)
     if env:
-        return Path(env).expanduser()
+        return config.expand_user(env)
     base = environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "kvkeeper" / "config.toml"
 

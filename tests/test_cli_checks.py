@@ -671,6 +671,17 @@ def test_a_missing_config_file_named_by_the_environment_is_an_error(short_dir: P
     usage_error(r, "nope.toml", "does not exist")
 
 
+@pytest.mark.parametrize("variable", ["KVKEEPER_ROOT", "KVKEEPER_SOCKET", "KVKEEPER_CONFIG"])
+def test_an_environment_path_under_an_unknown_users_home_is_a_usage_error(
+        variable: str) -> None:
+    """~nosuchuser/... could not be expanded while the command line was read
+    (the defaults --help shows): every command died with a traceback."""
+    env = {variable: "~kvkeeper-no-such-user/x"}
+    assert cli("--help", env=env).returncode == 0
+    for argv in (("ls",), ("serve", "--print-config"), ("verify",)):
+        usage_error(cli(*argv, env=env), "~kvkeeper-no-such-user")
+
+
 def test_an_empty_environment_variable_means_unset(short_dir: Path) -> None:
     # KVKEEPER_ROOT= made serve take the current directory as its root, while
     # the clients took the default.
