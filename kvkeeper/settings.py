@@ -164,6 +164,10 @@ def _cpu_policy(value: Any) -> str:
     return check_cpu_policy(value.lower())
 
 
+#: The most any seconds setting takes.
+MAX_SECONDS = 86_400
+
+
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _not_a("seconds must be a number", value)
@@ -173,6 +177,11 @@ def _seconds(value: Any) -> float:
         raise ValueError(f"seconds must be a finite number, not {value!r}")
     if v < 0:
         raise ValueError(f"seconds cannot be negative: {value!r}")
+    # The drain timeout becomes the service manager's stop timeout, which
+    # has a limit of its own (launchd's plist integer, systemd's time
+    # value), and none of these waits means anything past a day.
+    if v > MAX_SECONDS:
+        raise ValueError(f"seconds must be at most {MAX_SECONDS} (a day), not {value!r}")
     return v
 
 

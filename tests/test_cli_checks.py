@@ -90,6 +90,17 @@ def test_non_finite_settings_are_refused(argv: list[str], env: dict[str, str], t
     usage_error(r, "finite")
 
 
+@pytest.mark.parametrize("platform", ["linux", "macos"])
+def test_a_drain_timeout_past_a_day_is_refused(platform: str) -> None:
+    """1e300 seconds: the LaunchAgent's plist failed to encode (a traceback),
+    and systemd ignores a TimeoutStopSec it cannot parse (90 s instead)."""
+    for argv in (("install-service", "--print", "--platform", platform),
+                 ("serve", "--print-config")):
+        usage_error(cli(*argv, "--drain-timeout", "1e300"), "at most 86400")
+    r = cli("install-service", "--print", "--platform", platform, "--drain-timeout", "86400")
+    assert r.returncode == 0 and "86410" in r.stdout, r.stderr
+
+
 @pytest.mark.parametrize("value", ["inf", "1e400", "nan", "-inf"])
 def test_non_finite_size_flags_are_refused(value: str) -> None:
     r = cli("serve", "--print-config", f"--max-disk-bytes={value}")
