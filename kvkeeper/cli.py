@@ -153,7 +153,8 @@ def _parser() -> argparse.ArgumentParser:
                             "or could not be checked.")
     _socket_arg(verify)
     verify.add_argument("--root", type=_path, default=None,
-                        help="store root (default: the running daemon's, else the configured)")
+                        help="store root (default: the running daemon's; with no daemon, the "
+                             "configured, unless --socket names one)")
     verify.add_argument("--repair", action="store_true",
                         help="move bad files aside to <root>/quarantine (through the daemon "
                              "when it runs; a file it may not read, so cannot tell from "
@@ -197,8 +198,8 @@ def _parser() -> argparse.ArgumentParser:
                          "PATH inside the store is refused (exit 2): its files are the daemon's.")
     _socket_arg(exp)
     exp.add_argument("--root", type=_path, default=None,
-                     help="store root to export from (default: the running daemon's, else "
-                          "the configured)")
+                     help="store root to export from (default: the running daemon's; with no "
+                          "daemon, the configured, unless --socket names one)")
     exp.add_argument("model")
     exp.add_argument("cache_id")
     exp.add_argument("path", type=Path)

@@ -309,6 +309,11 @@ def _root(args: argparse.Namespace, kv: Any) -> Path:
         return root
     if kv is not None and kv.connected:
         return kv.root
+    if args.socket is not None:
+        # The store of the daemon named: the configured root may be another.
+        where = kv.socket_path if kv is not None else args.socket
+        raise CommandError(f"no kvkeeper daemon at {where} to name its root: give --root",
+                           status=3)
     from kvkeeper.settings import client_path
 
     root = client_path("root")

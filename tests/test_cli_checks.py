@@ -258,9 +258,10 @@ def test_verify_and_export_on_a_root_need_no_usable_socket_setting(
 
 def test_export_without_a_daemon_or_a_store_says_so(short_dir: Path) -> None:
     # It said "no entry m / x", as if the store had been read.
-    env = {"XDG_CACHE_HOME": str(short_dir / "cache"), "HOME": str(short_dir / "home")}
+    env = {"XDG_CACHE_HOME": str(short_dir / "cache"), "HOME": str(short_dir / "home"),
+           "KVKEEPER_SOCKET": str(short_dir / "none.sock")}
     out = short_dir / "out.safetensors"
-    r = cli("export", "--socket", str(short_dir / "none.sock"), "m", "x", str(out), env=env)
+    r = cli("export", "m", "x", str(out), env=env)
     assert r.returncode == 1 and "no store at" in r.stderr, r.stdout + r.stderr
     assert "give --root" in r.stderr and not out.exists()
 
@@ -358,13 +359,31 @@ def test_verify_without_a_daemon_reads_the_configured_root_past_other_typos(
     root = short_dir / "root"
     root.mkdir(mode=0o700)
     cfg = short_dir / "cfg.toml"
-    cfg.write_text(f'root = "{root}"\nmax_disk_bites = 1\ndrain_timeout = -1\n')
-    r = cli("verify", "--socket", str(short_dir / "none.sock"),
-            env={"KVKEEPER_CONFIG": str(cfg)})
+    cfg.write_text(f'root = "{root}"\nsocket = "{short_dir / "none.sock"}"\n'
+                   f'max_disk_bites = 1\ndrain_timeout = -1\n')
+    r = cli("verify", env={"KVKEEPER_CONFIG": str(cfg)})
     assert r.returncode == 0 and f"checked under {root}" in r.stdout, (r.stdout, r.stderr)
     # Said, though: serve would refuse this file.
     assert r.stderr.startswith(f"kvkeeper: warning: config file {cfg}: unknown settings "
                                 "['max_disk_bites']"), r.stderr
+
+
+def test_verify_and_export_of_a_named_socket_with_no_daemon_there_check_no_other_root(
+    short_dir: Path,
+) -> None:
+    """`verify --socket X` with no daemon at X checked the configured root, a
+    store X's daemon may not serve, and said all was well."""
+    root = short_dir / "root"
+    (root / "sessions").mkdir(parents=True, mode=0o700)
+    sock = str(short_dir / "none.sock")
+    env = {"KVKEEPER_ROOT": str(root)}
+    for argv in (("verify",), ("export", "m", "c", str(short_dir / "out.safetensors"))):
+        r = cli(*argv, "--socket", sock, env=env)
+        assert r.returncode == 3, (argv, r.stdout, r.stderr)
+        assert sock in r.stderr and "--root" in r.stderr and "checked" not in r.stdout, r.stderr
+    # Without --socket, the configured root is the store meant.
+    r = cli("verify", env={**env, "KVKEEPER_SOCKET": sock})
+    assert r.returncode == 0 and f"checked under {root}" in r.stdout, (r.stdout, r.stderr)
 
 
 def test_a_client_says_which_config_settings_do_not_exist(
