@@ -557,8 +557,10 @@ def test_a_delete_the_draining_daemon_refuses_raises_daemon_shutting_down(
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save("fp", "big", filled(32, 1), [1])
             drain_past_the_notice(kv, proc, received=1)
-            with pytest.raises(DaemonShuttingDown, match="shutting down"):
+            with pytest.raises(DaemonShuttingDown, match="shutting down") as refused:
                 kv.delete("fp", "other")
+            # (`kvkeeper rm` printed "the daemon is shutting down: the daemon is ...")
+            assert str(refused.value).count("shutting down") == 1, refused.value
             assert proc.wait(WAIT) == 0
     finally:
         stop_process(proc, signal.SIGKILL)

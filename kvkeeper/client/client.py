@@ -858,7 +858,7 @@ class Client:
                 # A delete the draining daemon refuses: unavailable, as
                 # for a request behind a save kept for the next daemon, so
                 # code riding out a restart catches both alike.
-                raise DaemonShuttingDown(f"the daemon is shutting down: {reply.message}")
+                raise DaemonShuttingDown(reply.message)  # "the daemon is shutting down"
             raise DaemonError(reply.code, reply.message)
         return reply
 
