@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
@@ -108,6 +108,9 @@ class WriteBehind:
         """
         if self._closed:
             raise RuntimeError("write-behind is closed")
+        # At every step, not only those that save: an off-by-one would
+        # otherwise show up only at the next save, up to every_tokens later.
+        _checked_length(cache, token_ids)
         c = self.counters
         before = (self._pending, self._tried, self._last)
         c.steps += 1
@@ -204,14 +207,7 @@ class WriteBehind:
     # ------------------------------------------------------------ internals
 
     def _save(self, cache: Any, token_ids: Sequence[int]) -> bool:
-        layers = cache if isinstance(cache, (list, tuple)) else getattr(cache, "cache", None)
-        n = len(token_ids)
-        have = cache_length(layers) if layers is not None else None
-        if have is not None and have != n:
-            raise ValueError(
-                f"the cache holds {have} tokens but {n} token ids were given; "
-                "refusing to save a cache that does not match its tokens"
-            )
+        n = _checked_length(cache, token_ids)
         try:
             ok = self.client.save(self.model, self.cache_id, cache, token_ids,
                                   metadata=self.metadata)
@@ -249,6 +245,29 @@ def check_triggers(every_tokens: int | None, every_seconds: float | None) -> Non
                                       or not isinstance(every_seconds, Real)
                                       or math.isnan(every_seconds) or every_seconds < 0):
         raise ValueError(f"every_seconds must be a number >= 0 (or None), not {every_seconds!r}")
+
+
+def _checked_length(cache: Any, token_ids: Sequence[int]) -> int:
+    """``len(token_ids)``, once the pair passes the checks that cost no
+    more than a walk of the layers; raises ValueError otherwise."""
+    if isinstance(cache, (list, tuple)):
+        layers = cache
+    elif hasattr(cache, "cache"):
+        layers = cache.cache
+    else:
+        raise ValueError(f"cache must be a list of cache layers or have a .cache attribute, "
+                         f"not {type(cache).__name__}")
+    if isinstance(token_ids, (Set, Mapping)) or not hasattr(token_ids, "__len__"):
+        raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
+                         f"{type(token_ids).__name__}")
+    n = len(token_ids)
+    have = cache_length(layers)
+    if have is not None and have != n:
+        raise ValueError(
+            f"the cache holds {have} tokens but {n} token ids were given; "
+            "refusing to save a cache that does not match its tokens"
+        )
+    return n
 
 
 def cache_length(layers: Sequence[Any] | None) -> int | None:

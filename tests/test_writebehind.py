@@ -152,10 +152,19 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
     assert wb.counters.steps == 0
     assert wb.close() is False  # no step was taken: nothing to save
     wb = client.write_behind(FP, "mismatch", every_tokens=2, save_first=False)
-    wb.step(cache, p)  # not due: not checked
+    wb.step(cache, p)  # not due
     with pytest.raises(ValueError, match="holds 10 tokens but 9"):
         wb.step(cache, p[:9])  # due
     assert wb.counters.steps == 1
+    # A step that saves nothing is checked too (it was not: an off-by-one
+    # showed only at the next save, up to every_tokens steps later).
+    quiet = client.write_behind(FP, "quiet-mismatch", every_tokens=100, save_first=False)
+    for bad, says in (((cache, p[:9]), "holds 10 tokens but 9"), ((None, p), "NoneType"),
+                      ((model, p), "Model"), ((cache, set(p)), "not a set")):
+        with pytest.raises(ValueError, match=says):
+            quiet.step(*bad)
+    assert quiet.counters.steps == 0
+    quiet.discard()
     assert wb.close() is True and client.flush(timeout=WAIT)
     got = client.load(FP, "mismatch")
     assert got is not None and got.token_ids == p
