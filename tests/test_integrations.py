@@ -5,6 +5,7 @@ cannot be trimmed), random weights, greedy sampling, a real daemon."""
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -214,6 +215,27 @@ def test_mlx_lm_whole_prompt_cached_still_feeds_a_token(
         assert (plan.action, plan.prefill) == ("cold", 40)
         # Nothing diverged (it said "cache diverges at token 40").
         assert "holds the whole prompt" in plan.reason, plan.reason
+
+
+def test_a_saved_cache_without_token_ids_is_not_reused_and_says_why(
+    lm_tok: TokenizerWrapper, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An mlx-lm file brought in by `kvkeeper import` has no token ids: the
+    session started cold with nothing logged (its plan said "no cache for
+    this session"), and its first save replaced the entry."""
+    model = tiny_llama()
+    p = prompt(40, seed=21)
+    cache = make_prompt_cache(model)
+    model(mx.array([p]), cache=cache)
+    assert client.save("tiny-lm-llama", "imported", cache) and client.flush(timeout=WAIT)
+    session = kv_lm.Session(client, "tiny-lm-llama", "imported", model, lm_tok)
+    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+        gen = session.generate(p, max_tokens=GEN)
+    assert "event=restore_no_token_ids model=tiny-lm-llama id=imported" in caplog.text
+    assert session.last_plan is not None and session.last_plan.action == "cold"
+    assert client.flush(timeout=WAIT)
+    got = client.load("tiny-lm-llama", "imported")
+    assert got is not None and got.token_ids == p + gen
 
 
 def test_mlx_lm_stop_token_and_early_stop_keep_cache_and_ids_together(

@@ -248,7 +248,14 @@ class SessionBase:
             log.warning("event=restore_failed model=%s id=%s error=%s",
                         self.model_id, self.session_id, exc)
             return False
-        if got is None or got.token_ids is None:
+        if got is None:
+            return False
+        if got.token_ids is None:
+            # (An mlx-lm file brought in by `kvkeeper import` records none.)
+            log.warning("event=restore_no_token_ids model=%s id=%s: the saved cache does not "
+                        "say which tokens it holds, so it cannot be matched to the prompt; "
+                        "starting cold, and the session's first save replaces it",
+                        self.model_id, self.session_id)
             return False
         have = cache_length(got.cache)
         if have is not None and have != len(got.token_ids):
