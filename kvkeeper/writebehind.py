@@ -152,7 +152,8 @@ class WriteBehind:
 
     def close(self, cache: Any = None, token_ids: Sequence[int] | None = None) -> bool:
         """The final save: of ``(cache, token_ids)`` when given, else of what the
-        last ``step()`` saw, as it is now (skipped when the last step saved it).
+        last ``step()`` saw, as it is now (skipped when no step came after the
+        last save handed off, by a step or by ``save()``).
         Returns True when a save was handed off. Does not wait for the daemon
         (``Client.flush()`` does). Later calls do nothing. A ValueError (a
         cache and token ids that disagree) leaves the helper open: a call

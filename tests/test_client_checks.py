@@ -124,6 +124,9 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
         for everything in ("yes", 1, None):
             with pytest.raises(TypeError, match="everything must be True or False"):
                 kv.entries(everything=everything)  # type: ignore[arg-type]
+            # verify="no" was taken as true: a checked read where a lazy one was meant.
+            with pytest.raises(TypeError, match="verify must be True or False"):
+                kv.load("fp", "x", verify=everything)  # type: ignore[arg-type]
         for bad in ("5", None, -1, float("nan")):
             with pytest.raises(ValueError, match="timeout must be a number of seconds"):
                 kv.close(bad)  # type: ignore[arg-type]
@@ -133,6 +136,23 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
         assert kv.entries(everything=True) == []
         kv.close(WAIT)
         assert kv.closed and not kv._channel._thread.is_alive()
+        # Like every other call after close() (`with kv:` went on as if open).
+        with pytest.raises(RuntimeError, match="client is closed"):
+            with kv:
+                pass
+
+
+def test_mistakes_with_the_cache_or_client_say_what_was_expected(
+        client: Client) -> None:
+    """The cache wrapped in one more list was refused as "cache class module
+    'builtins' is not inside mlx_lm.models."; a socket path given to a
+    Session instead of a Client failed only at its first request."""
+    from kvkeeper.integrations import mlx_lm as kv_lm
+
+    with pytest.raises(ValueError, match="layer 0 is a list, not a cache layer"):
+        client.save("fp", "x", [[kv_layer()]], [1, 2, 3, 4])
+    with pytest.raises(TypeError, match="client must be a kvkeeper.Client or None, not str"):
+        kv_lm.Session(str(client.socket_path), "fp", "x", None, None)  # type: ignore[arg-type]
 
 
 def test_no_answer_in_time_raises_the_exported_daemon_timed_out(short_dir: Path) -> None:

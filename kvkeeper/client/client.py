@@ -220,6 +220,8 @@ class Client:
     # ------------------------------------------------------------ context manager
 
     def __enter__(self) -> Client:
+        if self._closed:
+            raise RuntimeError("client is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -482,6 +484,9 @@ class Client:
         if self._closed:
             raise RuntimeError("client is closed")
         model, cache_id = naming.check_key(model, cache_id)
+        if not isinstance(verify, bool):
+            # verify="no" would be true: checked, where a lazy load was asked for.
+            raise TypeError(f"verify must be True or False, not {verify!r}")
         if self._channel.forked:
             # Not a read of the file instead, as with no daemon: a verified
             # read evaluates MLX arrays, which can hang in a forked child.

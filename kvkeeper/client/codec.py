@@ -644,6 +644,11 @@ class _Encoder:
         raise _NodeProblem(f"cannot encode a {type(value).__qualname__} in a cache state")
 
     def layer(self, layer: Any, where: str) -> dict[str, Any]:
+        if isinstance(layer, (list, tuple)):
+            # The cache wrapped once more ([cache]) is the likely mistake.
+            raise CodecError(f"{where} is a {type(layer).__name__}, not a cache layer (a "
+                             f"KVCache, ...): the cache is a list of layers, not nested in "
+                             f"another list")
         try:
             module, name, read = _layer_class(type(layer))
         except CodecError as exc:

@@ -190,9 +190,14 @@ class SessionBase:
         every_seconds: float | None = 2.0,
         metadata: dict[str, str] | None = None,
     ) -> None:
-        from kvkeeper.client.client import check_metadata
+        from kvkeeper.client.client import Client, check_metadata
         from kvkeeper.protocol.naming import check_key
 
+        if client is not None and not isinstance(client, Client):
+            # A socket path given instead failed only at the first request
+            # (AttributeError deep in the generation).
+            raise TypeError(f"client must be a kvkeeper.Client or None, not "
+                            f"{type(client).__name__}")
         # Checked now, not at the first save in the middle of a request, with
         # room for the media fingerprint a request may add.
         if client is not None:
