@@ -328,8 +328,9 @@ def test_bad_config_file_is_a_one_line_error_outside_serve(toml: str,
                                                            short_dir: Path) -> None:
     cfg = short_dir / "bad.toml"
     cfg.write_text(toml)
-    r = cli("verify", "--socket", str(short_dir / "none.sock"),
-            env={"KVKEEPER_CONFIG": str(cfg)})
+    # (Not --socket: with no daemon there, verify needs --root, not the file's.)
+    r = cli("verify", env={"KVKEEPER_CONFIG": str(cfg),
+                           "KVKEEPER_SOCKET": str(short_dir / "none.sock")})
     usage_error(r, str(cfg))
 
 

@@ -761,8 +761,8 @@ def test_empty_import_names_and_a_missing_store_are_errors(
     usage_error(cli("import", "--socket", sock, str(out), "--id", ""), "--id is empty")
     usage_error(cli("import", "--socket", sock, str(out), "--model", ""), "--model is empty")
     assert [e.cache_id for e in client.entries("m1")] == ["a"]  # nothing imported
-    r = cli("verify", "--socket", str(short_dir / "none.sock"),
-            env={"KVKEEPER_ROOT": str(short_dir / "never-made")})
+    r = cli("verify", env={"KVKEEPER_ROOT": str(short_dir / "never-made"),
+                           "KVKEEPER_SOCKET": str(short_dir / "none.sock")})
     assert r.returncode == 1 and "no store at" in r.stderr and "all good" not in r.stdout, \
         (r.stdout, r.stderr)
 
