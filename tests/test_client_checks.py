@@ -611,6 +611,11 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
             assert kv.save("fp", "b", filled(1, 3), [3])
             with pytest.raises(kvkeeper.DaemonShuttingDown, match="shutting down"):
                 kv.flush(timeout=WAIT)  # behind the two saves
+            # Once the first client answered the notice, the drain takes no
+            # new save (before that, the second client's would be taken).
+            log_path = proc.log_path  # type: ignore[attr-defined]
+            wait_for(lambda: "event=drain_saves_closed reason=every_client_answered"
+                     in log_path.read_text(), "the drain to close to saves")
             assert kv2.save("fp", "x", filled(1, 4), [4])
             wait_for(lambda: kv2.client_stats()["client_saves_refused"] == 1, "the refusal")
             assert kv2.save("fp", "y", filled(1, 5), [5])
@@ -634,6 +639,84 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
             assert (s["client_saves_sent"], s["client_saves_lost"]) == (3, 0), s
             assert (s2["client_saves_sent"], s2["client_saves_lost"]) == (2, 0), s2
     finally:
+        stop_process(proc, signal.SIGKILL)
+
+
+def test_saves_sent_before_the_client_read_the_drain_notice_are_written(
+        short_dir: Path) -> None:
+    """A burst of saves, then SIGTERM at once: the saves still on their way
+    when the daemon began to drain (sent, save() True) were refused as
+    shutting down and lost, since a client holds no save it has sent: 6 to
+    8 of 12 in each round, the flush after the restart False. The drain now
+    takes a client's saves until its answer to the notice, which comes
+    behind them; those the client had not sent go to the next daemon."""
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.flush(timeout=WAIT) is True  # connected
+            caches = [filled(2, i + 1) for i in range(12)]
+            assert all(kv.save("fp", f"burst{i}", caches[i], [i + 1]) for i in range(12))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT) == 0
+            assert kv.client_stats()["client_saves_refused"] == 0
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock, "--min-write-interval", "0")
+            wait_for(lambda: kv.connected, "the client reconnects")
+            assert kv.flush(timeout=WAIT) is True
+        for i in range(12):
+            assert version_of(entry_path(root, f"burst{i}", model="fp"), "fp") == i + 1
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
+def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_most(
+        short_dir: Path) -> None:
+    """A client whose first save comes in the drain's first seconds is told
+    of the drain then, and its save written; a peer that never answers the
+    notice (a raw one) keeps the drain open to saves for 2 s, no longer."""
+    import zmq
+
+    from kvkeeper.daemon.faults import ENV
+    from kvkeeper.protocol import messages as m
+
+    from .conftest import dealer
+    from .faultkit import entry_path, filled, version_of
+
+    def raw_save(s: zmq.Socket, save: int, cache_id: str) -> None:
+        s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=save, model="fp",
+                                    cache_id=cache_id, tensors=[m.TensorSpec("t", "U8", [4])])))
+        s.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=save, frames=1)),
+                          b"\1\2\3\4"])
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.05"})
+    ctx = zmq.Context()
+    try:
+        raw = dealer(ctx, sock)
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            raw_save(raw, 1, "raw")
+            wait_for(lambda: kv.stats()["saves_written"] == 1, "the raw save")
+            proc.send_signal(signal.SIGTERM)
+            assert isinstance(m.decode_reply(raw.recv()), m.Draining)
+            assert kv.save("fp", "late", filled(1, 7), [7])  # its first save
+            wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
+            log_path = proc.log_path  # type: ignore[attr-defined]
+            wait_for(lambda: "event=drain_saves_closed reason=window_over"
+                     in log_path.read_text(), "the window to end")
+            raw_save(raw, 2, "raw2")
+            refused = m.decode_reply(raw.recv())
+            assert isinstance(refused, m.SaveRefused) and refused.code == "shutting_down"
+            assert proc.wait(WAIT) == 0
+            assert kv.client_stats()["client_saves_refused"] == 0
+        assert version_of(entry_path(root, "late", model="fp"), "fp") == 7
+        assert entry_path(root, "raw", model="fp").exists()
+        assert not entry_path(root, "raw2", model="fp").exists()
+    finally:
+        ctx.destroy(linger=0)
         stop_process(proc, signal.SIGKILL)
 
 

@@ -179,6 +179,7 @@ class WriterActor:
         self.stall_timeout = stall_timeout
         self.pending_bytes = 0
         self.accepting = True
+        self.draining = False  # set before accepting ends: saves are no longer held
         send, recv = anyio.create_memory_object_stream[Job](mailbox_size)
         self._send: MemoryObjectSendStream[Job] = send
         self._recv: MemoryObjectReceiveStream[Job] = recv
@@ -339,8 +340,17 @@ class WriterActor:
         await job.done.wait()
         return job.evicted
 
+    def begin_drain(self) -> None:
+        """The daemon stops: hold no save from now on (those held are
+        written now); the saves still taken are those the server lets in."""
+        self.draining = True
+        self._release_held()
+
     def stop_accepting(self) -> None:
         """Refuse new saves from now on; finish those already received."""
+        if not self.accepting:
+            return
+        self.draining = True
         self.accepting = False
         self._send.close()
         self._release_held()
@@ -464,7 +474,7 @@ class WriterActor:
 
     def _hold_until(self, job: SaveJob) -> float | None:
         """When a save may be written, if that is later than now."""
-        if (job.hurry.is_set() or not self.accepting or job.total > HOLD_MAX_BYTES
+        if (job.hurry.is_set() or self.draining or job.total > HOLD_MAX_BYTES
                 or self.pending_bytes > self.max_pending_bytes // 2):
             return None
         return self._writes.due(job.key, time.monotonic())

@@ -26,7 +26,7 @@ from kvkeeper import config
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy, restore_this_thread
 from kvkeeper.daemon.actor import DeleteJob, SaveJob, WriterActor
 from kvkeeper.daemon.fdlimit import raise_fd_limit
-from kvkeeper.daemon.server import MONITOR_EVENTS, Server
+from kvkeeper.daemon.server import LATE_SAVES_WINDOW, MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.logs import get_logger
@@ -370,15 +370,25 @@ class Daemon:
                 self._stop.set()
 
     async def _drain(self, actor: WriterActor) -> bool:
-        """Refuse new saves, tell the clients, let the writer finish every
-        save already received. Returns False when the drain timeout cut it
+        """Tell the clients, take the saves they sent before they knew
+        (within LATE_SAVES_WINDOW), then refuse new saves and let the writer
+        finish every save taken. Returns False when the drain timeout cut it
         short."""
-        actor.stop_accepting()
         assert self.server is not None
+        actor.begin_drain()
         self.server.announce_drain(self.stats.gauges["boot_id"])
         log.info("event=draining pending_bytes=%d", actor.pending_bytes)
         with anyio.move_on_after(self.cfg.drain_timeout):
+            # Saves a client sent before it read the notice are still on their
+            # way: refused, they were lost (the client no longer holds them).
+            # Each client's answer comes behind them; a window bounds the wait.
+            with anyio.move_on_after(LATE_SAVES_WINDOW) as window:
+                await self.server.late_saves_done.wait()
+            actor.stop_accepting()
+            log.info("event=drain_saves_closed reason=%s", "window_over"
+                     if window.cancelled_caught else "every_client_answered")
             await actor.finished.wait()
+        actor.stop_accepting()  # (the drain timeout may have come first)
         if actor.finished.is_set():
             log.info("event=drained")
             return True

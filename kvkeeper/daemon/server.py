@@ -74,6 +74,11 @@ MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
 #: ZMQ_IMMEDIATE, drops what it has not read when the connection ends), and
 #: its I/O thread may be waiting for the GIL for a while.
 REPLY_GRACE = 0.25
+#: How long a drain goes on taking the saves of clients that have not
+#: answered its notice yet, at most: they were sent before the client knew.
+#: A client answers (asks for its flush) behind everything it sent before,
+#: which closes the window for it at once; this bounds a client that never does.
+LATE_SAVES_WINDOW = 2.0
 
 
 @dataclass(slots=True)
@@ -124,6 +129,13 @@ class Server:
         # Peers told of the drain whose flush (which the notice asks for) has
         # not been answered yet: the daemon gives them a moment before it exits.
         self._told_of_drain: set[bytes] = set()
+        # While the daemon drains: until when saves still on their way from
+        # clients told of the drain are taken, and the clients whose answer
+        # (their flush) has not come yet. ``late_saves_done`` is set once
+        # every one has answered, or the window is over.
+        self._late_until: float | None = None
+        self._late: set[bytes] = set()
+        self.late_saves_done = anyio.Event()
 
     async def run(self) -> None:
         while True:
@@ -207,6 +219,8 @@ class Server:
                 self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
                                           counters=self.counters()))
             case m.Flush():
+                # Sent behind this client's saves of before it knew of the drain.
+                self._late_answered(peer)
                 flushes = self._flushes.get(peer)
                 if flushes is None:
                     if not self._room_to_wait(peer, msg):
@@ -250,6 +264,9 @@ class Server:
             SAVED_AT_KEY: f"{time.time():.6f}",
         })
         job = SaveJob(key=key, peer=peer, save_id=msg.save, layout=layout, metadata=metadata)
+        if self._late_until is not None and not self._late_save_taken(peer):
+            self._refuse(peer, msg.save, "shutting_down", "the daemon is shutting down")
+            return
         refusal = self.actor.submit_save(job)
         if refusal is not None:
             self._refuse(peer, msg.save, *refusal)
@@ -588,10 +605,41 @@ class Server:
         drains (``Draining``): it keeps its next saves for the next daemon
         instead of sending them to be refused, and its flush, answered once
         the drain has settled its saves, vouches for them after the restart."""
-        notice = m.Draining(v=m.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id)
+        self._notice = m.Draining(v=m.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id)
+        self._late_until = time.monotonic() + LATE_SAVES_WINDOW
         for peer in {*self.actor.peers(), *self._streams}:
-            if self._reply(peer, notice):  # not to a peer gone
-                self._told_of_drain.add(peer)
+            self._tell_of_drain(peer)
+        if not self._late:
+            self.late_saves_done.set()
+
+    def _tell_of_drain(self, peer: bytes) -> bool:
+        if not self._reply(peer, self._notice):  # a peer gone
+            return False
+        self._told_of_drain.add(peer)
+        self._late.add(peer)
+        return True
+
+    def _late_save_taken(self, peer: bytes) -> bool:
+        """While the daemon drains, whether a save of ``peer`` that comes now
+        is taken: one its client sent before it knew of the drain (refused,
+        it was lost: the client no longer has it), within the window. A
+        client not told yet (the writer had none of its saves) is told now."""
+        assert self._late_until is not None
+        if self.late_saves_done.is_set():
+            return False
+        if time.monotonic() >= self._late_until:
+            self._late.clear()
+            self.late_saves_done.set()
+            return False
+        if peer in self._late:
+            return True
+        return peer not in self._told_of_drain and self._tell_of_drain(peer)
+
+    def _late_answered(self, peer: bytes) -> None:
+        if self._late:
+            self._late.discard(peer)
+            if not self._late:
+                self.late_saves_done.set()
 
     async def let_replies_out(self, *, settled: bool) -> None:
         """Before the daemon closes its socket: with every job ``settled``
