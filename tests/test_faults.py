@@ -233,6 +233,37 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
             assert version_of(entry_path(root, f"slow{i}")) == i + 1
 
 
+def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout(
+        short_dir: Path) -> None:
+    """The drain takes a client's saves until it answers the notice. A drain
+    timeout shorter than that window, with every save taken already written,
+    is a drain done (exit 0), not one the timeout cut short (exit 1)."""
+    import zmq
+
+    from kvkeeper.protocol import messages as m
+
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock, "--drain-timeout", "0.5", "--min-write-interval", "0")
+    ctx = zmq.Context()
+    try:
+        raw = dealer(ctx, sock)
+        raw.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model=FP, cache_id="raw",
+                                      tensors=[m.TensorSpec("t", "U8", [4])])))
+        raw.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1)),
+                            b"1234"])
+        with Client(sock, timeout=WAIT) as kv:
+            wait_for(lambda: kv.stats()["saves_written"] == 1, "the raw save")
+        proc.send_signal(signal.SIGTERM)
+        assert isinstance(m.decode_reply(raw.recv()), m.Draining)  # never answered
+        assert proc.wait(WAIT) == 0
+    finally:
+        ctx.destroy(linger=0)
+        stop_process(proc, signal.SIGKILL)
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=drain_saves_closed reason=drain_timeout" in log and "event=drained" in log
+    assert entry_path(root, "raw").exists()
+
+
 def test_a_delete_cut_off_by_the_drain_timeout_is_not_logged_as_a_save(short_dir: Path) -> None:
     """A delete that replaced a queued save is that key's last job: if the
     drain timeout cuts it off, the log names a delete not done, not a save."""
