@@ -642,14 +642,19 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
         stop_process(proc, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("case", ["burst", "stopped", "flush_in_the_burst"])
 def test_saves_sent_before_the_client_read_the_drain_notice_are_written(
-        short_dir: Path) -> None:
+        short_dir: Path, case: str) -> None:
     """A burst of saves, then SIGTERM at once: the saves still on their way
     when the daemon began to drain (sent, save() True) were refused as
     shutting down and lost, since a client holds no save it has sent: 6 to
     8 of 12 in each round, the flush after the restart False. The drain now
     takes a client's saves until its answer to the notice, which comes
-    behind them; those the client had not sent go to the next daemon."""
+    behind them; those the client had not sent go to the next daemon.
+    ``stopped``: the daemon, stopped during the burst, has read none of this
+    client's saves when it handles SIGTERM (it was told of the drain only
+    when the first one was read). ``flush_in_the_burst``: a flush(0) of the
+    caller's among the saves is not the client's answer to the notice."""
     from .faultkit import entry_path, filled, version_of
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -658,8 +663,18 @@ def test_saves_sent_before_the_client_read_the_drain_notice_are_written(
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.flush(timeout=WAIT) is True  # connected
             caches = [filled(2, i + 1) for i in range(12)]
-            assert all(kv.save("fp", f"burst{i}", caches[i], [i + 1]) for i in range(12))
+            if case != "burst":
+                proc.send_signal(signal.SIGSTOP)
+            for i in range(12):
+                assert kv.save("fp", f"burst{i}", caches[i], [i + 1])
+                if case == "flush_in_the_burst" and i == 3:
+                    with pytest.raises(kvkeeper.DaemonTimedOut):
+                        kv.flush(timeout=0)
+            if case != "burst":
+                time.sleep(0.3)  # the saves sent are in the socket buffers
             proc.send_signal(signal.SIGTERM)
+            if case != "burst":
+                proc.send_signal(signal.SIGCONT)
             assert proc.wait(WAIT) == 0
             assert kv.client_stats()["client_saves_refused"] == 0
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
@@ -704,6 +719,9 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
             assert isinstance(m.decode_reply(raw.recv()), m.Draining)
             assert kv.save("fp", "late", filled(1, 7), [7])  # its first save
             wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
+            # Only saves: a delete is refused from the drain's start.
+            with pytest.raises(kvkeeper.DaemonShuttingDown):
+                kv.delete("fp", "raw")
             log_path = proc.log_path  # type: ignore[attr-defined]
             wait_for(lambda: "event=drain_saves_closed reason=window_over"
                      in log_path.read_text(), "the window to end")

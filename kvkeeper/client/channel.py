@@ -852,7 +852,10 @@ class Channel:
         drain = self._drain
         if drain is None or drain.request is not None or self._piping is not None:
             return
-        req = self.next_req_id()
+        # Marked as the answer to the notice: a flush() of the caller's, sent
+        # before the notice was read, would otherwise end the drain's wait for
+        # the saves this client sent before it.
+        req = m.DRAIN_ANSWER + self.next_req_id()
         drain.request = _Request(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=req)), req)
         self._send_request(sock, drain.request)
 

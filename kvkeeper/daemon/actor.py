@@ -285,6 +285,9 @@ class WriterActor:
             self._resolve(job, Outcome.FAILED, reason)
 
     def submit_delete(self, job: DeleteJob) -> tuple[ErrorCode, str] | None:
+        if self.draining:
+            # (The mailbox stays open to late saves for a while: not to these.)
+            return "shutting_down", "the daemon is shutting down"
         try:
             self._send.send_nowait(job)
         except anyio.WouldBlock:
@@ -329,6 +332,8 @@ class WriterActor:
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
         Runs on the writer's turn, between two writes."""
+        if self.draining:
+            return []
         job = self._next_gc
         if job is None:
             job = GcJob(key=("", ""), peer=b"")

@@ -26,7 +26,7 @@ from kvkeeper import config
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy, restore_this_thread
 from kvkeeper.daemon.actor import DeleteJob, SaveJob, WriterActor
 from kvkeeper.daemon.fdlimit import raise_fd_limit
-from kvkeeper.daemon.server import LATE_SAVES_WINDOW, MONITOR_EVENTS, Server
+from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.logs import get_logger
@@ -382,11 +382,9 @@ class Daemon:
             # Saves a client sent before it read the notice are still on their
             # way: refused, they were lost (the client no longer holds them).
             # Each client's answer comes behind them; a window bounds the wait.
-            with anyio.move_on_after(LATE_SAVES_WINDOW) as window:
-                await self.server.late_saves_done.wait()
+            reason = await self.server.late_saves()
             actor.stop_accepting()
-            log.info("event=drain_saves_closed reason=%s", "window_over"
-                     if window.cancelled_caught else "every_client_answered")
+            log.info("event=drain_saves_closed reason=%s", reason)
             await actor.finished.wait()
         if actor.accepting:
             # The drain timeout came first, while a client had not answered.

@@ -79,6 +79,10 @@ REPLY_GRACE = 0.25
 #: A client answers (asks for its flush) behind everything it sent before,
 #: which closes the window for it at once; this bounds a client that never does.
 LATE_SAVES_WINDOW = 2.0
+#: And once every client told has answered: until nothing is left to read
+#: and no save message came for this long (a client the daemon had taken no
+#: save of, told only when its first save is read, may have a burst queued).
+LATE_SAVES_QUIET = 0.1
 
 
 @dataclass(slots=True)
@@ -130,12 +134,13 @@ class Server:
         # not been answered yet: the daemon gives them a moment before it exits.
         self._told_of_drain: set[bytes] = set()
         # While the daemon drains: until when saves still on their way from
-        # clients told of the drain are taken, and the clients whose answer
-        # (their flush) has not come yet. ``late_saves_done`` is set once
-        # every one has answered, or the window is over.
+        # clients are taken (None: not draining), the clients told whose
+        # answer has not come yet, when the last save message came, and
+        # whether the window is closed (see late_saves).
         self._late_until: float | None = None
         self._late: set[bytes] = set()
-        self.late_saves_done = anyio.Event()
+        self._last_save_message = -float("inf")
+        self._late_closed = False
 
     async def run(self) -> None:
         while True:
@@ -165,6 +170,8 @@ class Server:
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code=exc.code,
                                       message=str(exc)))
             return
+        if isinstance(msg, m.SaveBegin | m.SaveData):
+            self._last_save_message = time.monotonic()
         if isinstance(msg, m.SaveData):
             self._save_data(peer, msg, header, data)
             return
@@ -219,8 +226,9 @@ class Server:
                 self._reply(peer, m.Stats(v=m.PROTOCOL_VERSION, req=msg.req,
                                           counters=self.counters()))
             case m.Flush():
-                # Sent behind this client's saves of before it knew of the drain.
-                self._late_answered(peer)
+                if msg.req >= m.DRAIN_ANSWER:
+                    # Sent behind this client's saves of before it knew of the drain.
+                    self._late.discard(peer)
                 flushes = self._flushes.get(peer)
                 if flushes is None:
                     if not self._room_to_wait(peer, msg):
@@ -607,10 +615,30 @@ class Server:
         the drain has settled its saves, vouches for them after the restart."""
         self._notice = m.Draining(v=m.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id)
         self._late_until = time.monotonic() + LATE_SAVES_WINDOW
+        # Quiet counts from now: a daemon stopped (SIGSTOP) and resumed
+        # handles the signal before its ZeroMQ thread has read what the kernel
+        # holds for it, so nothing shows as waiting to be read yet.
+        self._last_save_message = time.monotonic()
         for peer in {*self.actor.peers(), *self._streams}:
             self._tell_of_drain(peer)
-        if not self._late:
-            self.late_saves_done.set()
+
+    async def late_saves(self) -> str:
+        """While the daemon drains, take the saves still on their way (see
+        ``_late_save_taken``) until every client told has answered and none
+        is left to read, or LATE_SAVES_WINDOW is over; then take no more.
+        Returns why it ended."""
+        assert self._late_until is not None
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= self._late_until:
+                    return "window_over"
+                if (not self._late and now - self._last_save_message >= LATE_SAVES_QUIET
+                        and not self.sock.get(zmq.EVENTS) & zmq.POLLIN):
+                    return "every_client_answered"
+                await anyio.sleep(0.01)
+        finally:
+            self._late_closed = True
 
     def _tell_of_drain(self, peer: bytes) -> bool:
         if not self._reply(peer, self._notice):  # a peer gone
@@ -625,21 +653,12 @@ class Server:
         it was lost: the client no longer has it), within the window. A
         client not told yet (the writer had none of its saves) is told now."""
         assert self._late_until is not None
-        if self.late_saves_done.is_set():
-            return False
-        if time.monotonic() >= self._late_until:
-            self._late.clear()
-            self.late_saves_done.set()
+        if self._late_closed or time.monotonic() >= self._late_until:
             return False
         if peer in self._late:
             return True
         return peer not in self._told_of_drain and self._tell_of_drain(peer)
 
-    def _late_answered(self, peer: bytes) -> None:
-        if self._late:
-            self._late.discard(peer)
-            if not self._late:
-                self.late_saves_done.set()
 
     async def let_replies_out(self, *, settled: bool) -> None:
         """Before the daemon closes its socket: with every job ``settled``

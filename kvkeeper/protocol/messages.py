@@ -135,9 +135,17 @@ class Used(_Msg, tag="used"):
 
 
 class Flush(_Msg, tag="flush"):
-    """Answered once every save this client sent before it is resolved."""
+    """Answered once every save this client sent before it is resolved. A
+    ``req`` of DRAIN_ANSWER or more answers a ``Draining`` notice: everything
+    the client sent before it read the notice came ahead of it."""
 
     req: int
+
+
+#: The least ``req`` of a Flush that answers a drain notice (a client's own
+#: request numbers stay below it). Any daemon answers it as a flush; one
+#: that drains stops taking this client's saves once it reads it.
+DRAIN_ANSWER = 1 << 62
 
 
 Request = (
@@ -226,9 +234,11 @@ class Flushed(_Msg, tag="flushed"):
 
 class Draining(_Msg, tag="draining"):
     """The one reply sent unasked: when the daemon begins to drain before it
-    exits, to each client whose saves it has taken; it refuses the saves that
-    come from now on. A client keeps its next saves for the next daemon, and asks for a
-    ``Flush``: answered once the drain has settled the saves it read, it
+    exits, to each client whose saves it has taken (and to one whose first
+    save it reads in the drain's first seconds); it takes the client's saves
+    until its answer, and refuses those that come later. A client keeps its
+    next saves for the next daemon, and asks for a ``Flush`` (with a ``req``
+    of DRAIN_ANSWER or more): answered once the drain has settled the saves it read, it
     lets the client vouch for them after the restart (``pid`` and
     ``boot_id`` name this run, as ``Pong`` and the stats do)."""
 
