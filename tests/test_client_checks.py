@@ -711,12 +711,22 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
                          env={ENV: "write_delay=0.05"})
     ctx = zmq.Context()
     try:
-        raw = dealer(ctx, sock)
+        raw, answering = dealer(ctx, sock), dealer(ctx, sock)
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             raw_save(raw, 1, "raw")
-            wait_for(lambda: kv.stats()["saves_written"] == 1, "the raw save")
+            raw_save(answering, 1, "answering")
+            wait_for(lambda: kv.stats()["saves_written"] == 2, "the raw saves")
             proc.send_signal(signal.SIGTERM)
             assert isinstance(m.decode_reply(raw.recv()), m.Draining)
+            # A peer that answered the notice gets no more of its saves taken
+            # (it was told again, and its next save taken, once its flush
+            # had been answered).
+            assert isinstance(m.decode_reply(answering.recv()), m.Draining)
+            answering.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=m.DRAIN_ANSWER)))
+            assert isinstance(m.decode_reply(answering.recv()), m.Flushed)
+            raw_save(answering, 2, "answered")
+            refused = m.decode_reply(answering.recv())
+            assert isinstance(refused, m.SaveRefused) and refused.code == "shutting_down"
             assert kv.save("fp", "late", filled(1, 7), [7])  # its first save
             wait_for(lambda: kv.client_stats()["client_drain_notices"] == 1, "the notice")
             # Only saves: a delete is refused from the drain's start.
@@ -733,6 +743,7 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
         assert version_of(entry_path(root, "late", model="fp"), "fp") == 7
         assert entry_path(root, "raw", model="fp").exists()
         assert not entry_path(root, "raw2", model="fp").exists()
+        assert not entry_path(root, "answered", model="fp").exists()
     finally:
         ctx.destroy(linger=0)
         stop_process(proc, signal.SIGKILL)

@@ -139,6 +139,7 @@ class Server:
         # whether the window is closed (see late_saves).
         self._late_until: float | None = None
         self._late: set[bytes] = set()
+        self._ever_told: set[bytes] = set()  # (_told_of_drain forgets those answered)
         self._last_save_message = -float("inf")
         self._late_closed = False
 
@@ -644,6 +645,7 @@ class Server:
         if not self._reply(peer, self._notice):  # a peer gone
             return False
         self._told_of_drain.add(peer)
+        self._ever_told.add(peer)
         self._late.add(peer)
         return True
 
@@ -657,7 +659,7 @@ class Server:
             return False
         if peer in self._late:
             return True
-        return peer not in self._told_of_drain and self._tell_of_drain(peer)
+        return peer not in self._ever_told and self._tell_of_drain(peer)
 
 
     async def let_replies_out(self, *, settled: bool) -> None:
