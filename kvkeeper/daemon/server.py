@@ -142,6 +142,7 @@ class Server:
         self._ever_told: set[bytes] = set()  # (_told_of_drain forgets those answered)
         self._last_save_message = -float("inf")
         self._late_closed = False
+        self._notice: m.Draining | None = None  # (announce_drain makes it)
 
     async def run(self) -> None:
         while True:
@@ -642,6 +643,7 @@ class Server:
             self._late_closed = True
 
     def _tell_of_drain(self, peer: bytes) -> bool:
+        assert self._notice is not None
         if not self._reply(peer, self._notice):  # a peer gone
             return False
         self._told_of_drain.add(peer)
