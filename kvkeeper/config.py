@@ -22,13 +22,22 @@ class ConfigError(Exception):
     """A path or setting the daemon refuses to run with; the message says why."""
 
 
+def expanded(text: str | os.PathLike[str]) -> Path:
+    """``text`` as a path, ``~`` expanded; ValueError for a ``~`` that names
+    no user with a home directory (``~nosuchuser``)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{os.fspath(text)}: its ~ names no user with a home directory") from None
+
+
 def expand_user(text: str) -> Path:
     """``text`` as a path, ``~`` expanded where it can be: ``~nosuchuser``
     stays as it is, for the setting's own check to refuse with a message
     (a default computed while the command line is read must not fail)."""
     try:
-        return Path(text).expanduser()
-    except RuntimeError:
+        return expanded(text)
+    except ValueError:
         return Path(text)
 
 
@@ -78,10 +87,7 @@ def socket_path(value: str | os.PathLike[str]) -> Path:
                          f"(or {IPC_SCHEME}<path>)")
     if not text:
         raise ValueError("the socket path is empty")
-    try:
-        return Path(text).expanduser()
-    except RuntimeError:  # ~nosuchuser
-        raise ValueError(f"{os.fspath(text)}: its ~ names no user with a home directory") from None
+    return expanded(text)
 
 
 def check_socket_path(socket_path: Path) -> None:

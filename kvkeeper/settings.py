@@ -137,10 +137,7 @@ def parse_path(value: Any) -> Path:
     if not os.fspath(value):
         # Path("") is the current directory: surely not what was meant.
         raise ValueError("the path is empty")
-    try:
-        return Path(value).expanduser()
-    except RuntimeError:  # ~nosuchuser
-        raise ValueError(f"{os.fspath(value)}: its ~ names no user with a home directory") from None
+    return config.expanded(value)
 
 
 def _socket(value: Any) -> Path:
