@@ -172,8 +172,8 @@ class Server:
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code=exc.code,
                                       message=str(exc)))
             return
-        if isinstance(msg, m.SaveBegin | m.SaveData):
-            self._last_save_message = time.monotonic()
+        if self._late_until is not None and isinstance(msg, m.SaveBegin | m.SaveData):
+            self._last_save_message = time.monotonic()  # (the drain's quiet: see late_saves)
         if isinstance(msg, m.SaveData):
             self._save_data(peer, msg, header, data)
             return
