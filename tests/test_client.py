@@ -26,7 +26,8 @@ from kvkeeper.client.client import Client, DaemonUnavailable
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import entry_path, filled, rewrite_header
-from .tiny import greedy_decode, prefill, prompt, tiny_llama
+from .legacy_describe import MLX_LM_OLD_API
+from .tiny import greedy_decode, prefill, prompt, tiny_deepseek_v41, tiny_llama
 
 FP = "tiny-llama-test"
 
@@ -615,6 +616,35 @@ def _read_your_writes_and_coalescing(client: Client, daemon: RunningDaemon) -> N
     assert got.path is not None and got.path.stat().st_ino != old_inode
     assert np.array(got.cache[0].keys)[0, 0, 20, 0] == 20.0
     assert client.flush(timeout=WAIT)
+
+
+@pytest.mark.skipif(MLX_LM_OLD_API, reason="mlx-lm 0.31 has no DeepSeek V4.1")
+def test_a_deepseek_v41_cache_is_saved_field_by_field_and_restores(client: Client) -> None:
+    """mlx-lm 0.32's DeepSeek V4.1 LayerCache (no from_state, a read-only
+    state without its window size): save() refused it. The file holds each
+    field as a tensor (read with the safetensors package), and the loaded
+    cache goes on as the original does."""
+    model = tiny_deepseek_v41(seed=2)
+    tokens = prompt(30)
+    cache = model.make_cache()
+    prefill(model, tokens, cache)
+    assert client.save(FP, "deepseek", cache, tokens) is True
+    assert client.flush(timeout=WAIT) is True
+    got = client.load(FP, "deepseek")
+    assert got is not None and got.path is not None and got.token_ids == tokens
+    with safe_open(str(got.path), "numpy") as f:
+        layers = json.loads(f.metadata()["kvkeeper.layers"])["layers"]
+        for layer, entry in zip(cache, layers, strict=True):
+            state = dict(entry["state"]["items"])
+            assert (state["window_size"], state["offset"]) == (8, 30)
+            for field in ("window", "compress_kv", "index_k", "pending_kv", "pending_gate"):
+                want = getattr(layer, field)
+                if want is None:
+                    assert state[field] is None
+                else:
+                    assert np.array_equal(f.get_tensor(state[field]["name"]), np.array(want))
+    assert np.array_equal(next_logits(model, cache, 7), next_logits(model, got.cache, 7))
+    assert greedy_decode(model, cache, 7, 8) == greedy_decode(model, got.cache, 7, 8)
 
 
 def test_delete_entries_and_distinct_ids(client: Client) -> None:

@@ -31,7 +31,15 @@ from kvkeeper.client.codec import (
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
 
 from .legacy_describe import MLX_LM_OLD_API
-from .tiny import arrays_from_snapshot, greedy_decode, prefill, prompt, tiny_lfm2, tiny_llama
+from .tiny import (
+    arrays_from_snapshot,
+    greedy_decode,
+    prefill,
+    prompt,
+    tiny_deepseek_v41,
+    tiny_lfm2,
+    tiny_llama,
+)
 
 H, D = 2, 64
 
@@ -788,16 +796,123 @@ def test_snapshot_refuses_what_restore_could_not_rebuild() -> None:
 
     LayerCache.__module__, LayerCache.__qualname__ = stand_in.__name__, "LayerCache"
     stand_in.LayerCache = LayerCache  # type: ignore[attr-defined]
-    layers: list[Any] = [LayerCache()]
-    if not MLX_LM_OLD_API:  # 0.31 has no DeepSeek V4.1
-        from mlx_lm.models.deepseek_v41 import LayerCache as DeepSeekLayer
-
-        layers.append(DeepSeekLayer(window_size=8))
-        layers[-1].update_window(mx.zeros((1, 2, 4)))
     sys.modules[stand_in.__name__] = stand_in
     try:
-        for layer in layers:
-            with pytest.raises(CodecError, match="cannot rebuild it"):
-                snapshot_cache([layer])
+        with pytest.raises(CodecError, match="cannot rebuild it"):
+            snapshot_cache([LayerCache()])
     finally:
         del sys.modules[stand_in.__name__]
+
+
+# ---------------------------------------------------------------------------
+# mlx-lm 0.32's DeepSeek V4.1 LayerCache, which kvkeeper rebuilds itself
+
+# The real model under mlx-lm 0.32; 0.31 (the newest for Python 3.10) has none.
+DEEPSEEK_V41 = not MLX_LM_OLD_API
+needs_deepseek = pytest.mark.skipif(not DEEPSEEK_V41, reason="mlx-lm 0.31 has no DeepSeek V4.1")
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> Any:
+    return tiny_deepseek_v41()
+
+
+@needs_deepseek
+@pytest.mark.parametrize("n_prompt, steps_before", [(5, 0), (40, 0), (40, 3)])
+def test_deepseek_v41_output_identical_after_restore(
+    deepseek: Any, n_prompt: int, steps_before: int
+) -> None:
+    """Its window, compressed groups, index keys and open group come back:
+    the restored cache gives bit-identical logits and the same tokens. Before,
+    save() refused it (mlx-lm's own load_prompt_cache cannot rebuild it)."""
+    cache = deepseek.make_cache()
+    nxt = int(mx.argmax(prefill(deepseek, prompt(n_prompt), cache)).item())
+    if steps_before:
+        nxt = greedy_decode(deepseek, cache, nxt, steps_before)[-1]
+    fields = {name for c in cache for name, v in vars(c).items() if v is not None}
+    assert n_prompt < 8 or fields >= {"window", "compress_kv", "index_k", "pending_kv"}
+    snap = snapshot_cache(cache)
+    doc = json.loads(snap.layers)
+    # Older readers know versions 1 and 2: they refuse the file instead of
+    # failing on the class.
+    assert doc["version"] == 3 == LAYERS_VERSION
+    restored = restore_cache(arrays_from_snapshot(snap), snap.layers)
+    assert [type(c) for c in restored] == [type(c) for c in cache]
+    assert [(c.window_size, c.offset) for c in restored] == [(8, n_prompt + steps_before)] * 4
+    a, b = prefill(deepseek, [nxt], cache), prefill(deepseek, [nxt], restored)
+    assert mx.array_equal(a, b).item(), "next-token logits differ after restore"
+    first = int(mx.argmax(a).item())
+    assert greedy_decode(deepseek, cache, first, 12) == greedy_decode(deepseek, restored, first, 12)
+
+
+@needs_deepseek
+def test_deepseek_v41_checks_have_teeth_and_bad_descriptions_are_refused(deepseek: Any) -> None:
+    cache = deepseek.make_cache()
+    prefill(deepseek, prompt(30), cache)
+    snap = snapshot_cache(cache)
+    arrays = arrays_from_snapshot(snap)
+    doc = json.loads(snap.layers)
+    # Each saved field matters: changed, the next logits change (two tokens:
+    # the open group of 2 closes and is pooled).
+    want = prefill(deepseek, [1, 2], restore_cache(arrays, snap.layers))
+    for field in ("window", "compress_kv", "index_k", "pending_kv", "pending_gate"):
+        (name,) = [v["name"] for k, v in doc["layers"][1]["state"]["items"] if k == field]
+        bent = dict(arrays, **{name: arrays[name] * -1})
+        got = prefill(deepseek, [1, 2], restore_cache(bent, snap.layers))
+        assert not mx.array_equal(want, got).item(), field
+
+    def with_state(mutate: Callable[[dict[str, Any]], None], layer: int = 1) -> str:
+        bad = json.loads(snap.layers)
+        items = bad["layers"][layer]["state"]["items"]
+        state = dict(items)
+        mutate(state)
+        bad["layers"][layer]["state"]["items"] = [[k, v] for k, v in state.items()]
+        return json.dumps(bad)
+
+    for mutate in (
+        lambda st: st.update(offset=5),  # fewer tokens than the window holds
+        lambda st: st.update(offset=-1),
+        lambda st: st.update(window_size=0),
+        lambda st: st.update(window_size=True),
+        lambda st: st.update(offset=30.0),
+        lambda st: st.pop("index_k"),
+        lambda st: st.update(extra=1),
+        lambda st: st.update(window=None),
+        lambda st: st.update(pending_kv=[1, 2]),
+    ):
+        with pytest.raises(CodecError, match="layer 1"):
+            restore_cache(arrays, with_state(mutate))
+    bad = json.loads(snap.layers)
+    bad["layers"][0]["attrs"] = {"offset": 30}
+    with pytest.raises(CodecError, match="layer 0"):
+        restore_cache(arrays, json.dumps(bad))
+    bad = json.loads(snap.layers)
+    bad["layers"][0]["state"] = {"$": "tuple", "items": []}
+    with pytest.raises(CodecError, match="layer 0"):
+        restore_cache(arrays, json.dumps(bad))
+
+
+@needs_deepseek
+def test_deepseek_v41_with_fields_kvkeeper_does_not_know_is_refused(deepseek: Any) -> None:
+    """A later mlx-lm adding a field would have it dropped without a word:
+    save() refuses such a layer, and so does a load into such a class."""
+    from mlx_lm.models import deepseek_v41
+
+    cache = deepseek.make_cache()
+    prefill(deepseek, prompt(12), cache)
+    snap = snapshot_cache(cache)
+    cache[2].lengths = mx.array([12])
+    with pytest.raises(CodecError, match=r"layer 2: LayerCache has the fields .*lengths"):
+        snapshot_cache(cache)
+    original = deepseek_v41.LayerCache.__init__
+
+    def newer(self: Any, window_size: int) -> None:
+        original(self, window_size)
+        self.lengths = None
+
+    deepseek_v41.LayerCache.__init__ = newer  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CodecError, match=r"layer 0: .*another mlx-lm version"):
+            restore_cache(arrays_from_snapshot(snap), snap.layers)
+    finally:
+        deepseek_v41.LayerCache.__init__ = original  # type: ignore[method-assign]

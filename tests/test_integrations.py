@@ -35,7 +35,7 @@ from kvkeeper.writebehind import cache_length
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
 from .legacy_describe import MLX_LM_OLD_API
-from .tiny import VOCAB, _finish, prompt, tiny_lfm2, tiny_llama, tiny_qwen2
+from .tiny import VOCAB, _finish, prompt, tiny_deepseek_v41, tiny_lfm2, tiny_llama, tiny_qwen2
 
 GEN = 16  # tokens per turn
 
@@ -49,6 +49,8 @@ LM_MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": lambda: tiny_llama(seed=3),
     "lfm2": lambda: tiny_lfm2(seed=3),
 }
+if not MLX_LM_OLD_API:  # 0.31, the newest for Python 3.10, has no DeepSeek V4.1
+    LM_MODELS["deepseek_v41"] = lambda: tiny_deepseek_v41(seed=3)
 
 
 @pytest.fixture(scope="module", params=sorted(LM_MODELS))
@@ -133,7 +135,7 @@ def test_mlx_lm_restarts_between_turns_give_the_same_tokens(
     if name == "llama":
         assert third.action == "trim"
         assert third.reused == 48 + GEN and third.trimmed == 8 + GEN
-    else:  # the ArraysCache layers of lfm2 cannot go back: a full re-prefill
+    else:  # lfm2's ArraysCache and DeepSeek's LayerCache cannot go back: a re-prefill
         assert third.action == "cold" and third.reused == 0
         assert "cannot be trimmed" in third.reason
 

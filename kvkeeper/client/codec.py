@@ -29,6 +29,9 @@ version 1 when no layer has "attrs", so older readers take those)::
              "attrs": {"offset": int}}       # set after from_state (version 2)
           | {"class": "CacheList", "module": "...",
              "children": [LAYER, ...], "children_type": "tuple" | "list"}
+          | {"class": "LayerCache", "module": "mlx_lm.models.deepseek_v41",
+             "state": {"$": "dict", "items": [["window_size", int], ...]}}
+                                             # its fields by name (version 3)
 
     NODE  = null | true | false | int | float | str
           | [NODE, ...]                                   # a list
@@ -44,6 +47,11 @@ Two cache protocols are in use and both are detected by looking at the class:
 mlx-lm 0.32 caches keep every scalar in ``state`` and rebuild with
 ``from_state(state)``; mlx-vlm 0.7 caches also have ``meta_state`` and rebuild
 with ``from_state(state, meta_state)``.
+
+A class with neither (mlx-lm 0.32's DeepSeek V4.1 ``LayerCache``: a
+read-only ``state`` that leaves out its window size) is saved and rebuilt by
+kvkeeper itself, field by field (``_BUILDERS``), only while its fields are
+exactly the ones kvkeeper knows.
 
 Classes are resolved on restore only inside ``mlx_lm.models.`` and
 ``mlx_vlm.models.``: nothing is ever pickled or evaluated.
@@ -94,10 +102,12 @@ __all__ = [
 
 LAYERS_FORMAT = "kvkeeper.layers"
 #: Bump when the JSON layout changes; restore refuses versions it does not know.
-#: 2 adds a layer's "attrs" (set after it is rebuilt); a description without
-#: any is still written as 1, which older readers take.
-LAYERS_VERSION = 2
+#: 2 adds a layer's "attrs" (set after it is rebuilt); 3 adds the layers
+#: kvkeeper builds itself (``_BUILDERS``). Each description is written with the
+#: lowest version its layers need, so older readers take every other file.
+LAYERS_VERSION = 3
 _ATTRS_VERSION = 2
+_BUILT_VERSION = 3
 #: The attributes a layer's "attrs" may set: plain non-negative integers.
 _SETTABLE_ATTRS = frozenset({"offset"})
 #: Cache classes are only ever imported from modules under these prefixes.
@@ -220,7 +230,8 @@ def _looks_like_cache_class(cls: object) -> bool:
     except AttributeError:
         return False
     settable = isinstance(state, property) and state.fset is not None
-    return settable or callable(getattr(cls, "from_state", None))
+    return (settable or callable(getattr(cls, "from_state", None))
+            or (cls.__module__, cls.__qualname__) in _BUILDERS)
 
 
 def resolve_cache_class(module: str, name: str) -> type:
@@ -511,9 +522,68 @@ def _read_vlm_buffered_rotating(layer: Any) -> _Read:
     return super(type(layer), layer).state, None
 
 
+# mlx-lm 0.32's DeepSeek V4.1 LayerCache: its state leaves out the window size
+# and cannot be set, and it has no from_state (mlx-lm's own load_prompt_cache
+# cannot rebuild it). kvkeeper saves its fields by name and builds it itself,
+# only while they are exactly these: a field added by a later mlx-lm would
+# otherwise be lost without a word.
+_DSV41_ARRAYS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
+_DSV41_FIELDS = ("window_size", "offset", *_DSV41_ARRAYS)
+
+
+def _known_fields(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
+    have = getattr(obj, "__dict__", None)
+    if type(have) is not dict or have.keys() != set(fields):
+        names = sorted(have) if isinstance(have, dict) else None
+        raise CodecError(f"{type(obj).__qualname__} has the fields {names}, kvkeeper knows "
+                         f"{sorted(fields)} (another mlx-lm version?)")
+    return have
+
+
+def _read_deepseek_v41(layer: Any) -> _Read:
+    fields = _known_fields(layer, _DSV41_FIELDS)
+    size, offset = fields["window_size"], fields["offset"]
+    if type(size) is not int or type(offset) is not int:
+        raise CodecError(f"window_size {size!r} and offset {offset!r} are not both int")
+    return {name: fields[name] for name in _DSV41_FIELDS}, None
+
+
+def _build_deepseek_v41(cls: type, state: Any, where: str) -> Any:
+    if type(state) is not dict or state.keys() != set(_DSV41_FIELDS):
+        raise CodecError(f"{where}: a LayerCache state holds {list(_DSV41_FIELDS)}")
+    size, offset, window = state["window_size"], state["offset"], state["window"]
+    if type(size) is not int or size < 1 or type(offset) is not int or offset < 0:
+        raise CodecError(f"{where}: window_size {size!r} or offset {offset!r} is out of range")
+    for name in _DSV41_ARRAYS:
+        if state[name] is not None and (type(state[name]) is not mx.array
+                                        or state[name].ndim != 3):
+            raise CodecError(f"{where}: {name} is not a 3-dimensional array or null")
+    # The model takes the window's row count for the tokens it holds before
+    # the offset: the two must agree, as update_window keeps them.
+    rows = 0 if window is None else window.shape[1]
+    if rows != min(offset, size):
+        raise CodecError(f"{where}: a window of {rows} rows for offset {offset} "
+                         f"and window_size {size}")
+    obj = cls(size)
+    try:
+        _known_fields(obj, _DSV41_FIELDS)  # this mlx-lm's LayerCache is the one described
+    except CodecError as exc:
+        raise CodecError(f"{where}: {exc}") from None
+    for name in _DSV41_FIELDS[1:]:
+        setattr(obj, name, state[name])
+    return obj
+
+
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
     ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_chunked_with_meta,
     ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _read_vlm_buffered_rotating,
+    ("mlx_lm.models.deepseek_v41", "LayerCache"): _read_deepseek_v41,
+}
+
+#: Classes kvkeeper rebuilds itself from their saved fields: (class, state,
+#: where) -> layer. Each also has a reader above.
+_BUILDERS: dict[tuple[str, str], Callable[[type, Any, str], Any]] = {
+    ("mlx_lm.models.deepseek_v41", "LayerCache"): _build_deepseek_v41,
 }
 
 
@@ -664,6 +734,8 @@ class _Encoder:
         try:
             state, attrs = read(layer)
             meta = getattr(layer, "meta_state", _MISSING)
+        except CodecError as exc:  # a reader of ours
+            raise CodecError(f"{where}: {exc}") from None
         except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
             raise CodecError(f"{where}: cannot read the state of {name}: {exc!r}") from exc
         part = "state"
@@ -677,6 +749,8 @@ class _Encoder:
         if attrs is not None:
             entry["attrs"] = attrs
             self.version = max(self.version, _ATTRS_VERSION)
+        if (module, name) in _BUILDERS:
+            self.version = max(self.version, _BUILT_VERSION)
         return entry
 
 
@@ -951,6 +1025,11 @@ class _Decoder:
             raise CodecError(f"{where}: layer entry has no state")
         state = self.part(entry, "state", where)
         meta = self.part(entry, "meta_state", where) if "meta_state" in entry else _MISSING
+        build = _BUILDERS.get((cls.__module__, cls.__qualname__))
+        if build is not None:
+            if meta is not _MISSING or "attrs" in entry:
+                raise CodecError(f"{where}: {cls.__qualname__} has no meta_state or attrs")
+            return build(cls, state, where)
         if cls.__module__ == "mlx_lm.models.cache" and (
                 hasattr(cls, "meta_state") != (meta is not _MISSING)):
             # Saved under the other mlx-lm cache API (0.31 or earlier against 0.32).
