@@ -857,6 +857,30 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     return serve_args_for_service(pinned), values
 
 
+def _refuse_a_daemon_the_service_did_not_start(sf: Any, values: dict[str, Any]) -> None:
+    """A daemon started by hand on the service's root or socket makes the
+    service exit 2 at every start: systemd then gives up on it, launchd
+    retries every 10 s, and install-service said "started". Refused (exit 2)
+    before anything is written; the service's own daemon is restarted."""
+    from kvkeeper import service
+    from kvkeeper.daemon.app import config_from_settings, holder_pid, lock_holder, lock_paths
+
+    cfg = config_from_settings(values)
+    for path, what in zip(lock_paths(cfg), ("socket", "root"), strict=True):
+        holder = lock_holder(path)
+        if holder is None:
+            continue
+        pid = holder_pid(holder)
+        if pid is not None and pid == service.running_pid(sf):
+            continue  # the service's own daemon, which the install restarts
+        raise CommandError(
+            f"a kvkeeper daemon the service did not start holds the {what} "
+            f"{cfg.socket if what == 'socket' else cfg.root} ({holder}); the "
+            f"service would fail at every start: stop that daemon first"
+            f"{f' (kill -TERM {pid})' if pid else ''}, or only write the file with --no-load",
+            status=2)
+
+
 def install_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
@@ -868,6 +892,8 @@ def install_service(args: argparse.Namespace) -> int:
     if args.print:
         print(sf.content.decode(), end="")
         return 0
+    if not args.no_load:
+        _refuse_a_daemon_the_service_did_not_start(sf, values)
     try:
         service.install(sf, load=not args.no_load)
     except service.ServiceError as exc:
@@ -882,12 +908,16 @@ def uninstall_service(args: argparse.Namespace) -> int:
 
     platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
     sf = service.service_file([], 20.0, **({"platform": platform} if platform else {}))
+    # A file deleted by hand leaves its service loaded, maybe running.
+    orphan = None if args.no_load or sf.path.exists() else service.running_pid(sf)
     try:
         existed = service.uninstall(sf, unload=not args.no_load)
     except service.ServiceError as exc:
         raise CommandError(f"stopping the service failed, so {sf.path} stays: {exc} (with "
                            f"--no-load, uninstall-service only removes the file)") from None
-    out.print(Text.assemble("removed " if existed else "no service file at ", shown(sf.path)))
+    out.print(Text.assemble("removed " if existed else "no service file at ", shown(sf.path),
+                            f"; stopped the service still running without it (pid {orphan})"
+                            if orphan and not existed else ""))
     return 0
 
 

@@ -38,6 +38,12 @@ class ServiceFile:
     dirs: list[Path] = field(default_factory=list)
     # With unload, after the file is removed.
     after_removal: list[list[str]] = field(default_factory=list)
+    # Stops the service by name, file or none (one whose file was deleted
+    # by hand is still loaded).
+    stop_loaded: list[list[str]] = field(default_factory=list)
+    # Prints the running daemon's pid, which pid_pattern finds (group 1).
+    pid_command: list[str] = field(default_factory=list)
+    pid_pattern: str = r"\A\s*([0-9]+)\s*\Z"
 
 
 #: A service manager command that stops nothing gets this long; one that may
@@ -101,6 +107,9 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # Made with the file: launchd cannot open the log of an agent it
         # loads at the next login (--no-load) in a directory that is missing.
         dirs=[logs],
+        stop_loaded=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
+        pid_command=["launchctl", "print", f"{domain}/{LABEL}"],
+        pid_pattern=r"^\s*pid = ([0-9]+)\s*$",
     )
 
 
@@ -158,6 +167,8 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
         # Once the file is gone: the manager forgets the unit it had loaded.
         after_removal=[["systemctl", "--user", "daemon-reload"]],
         stop_timeout=stop_timeout,
+        stop_loaded=[["systemctl", "--user", "stop", UNIT]],
+        pid_command=["systemctl", "--user", "show", "--property=MainPID", "--value", UNIT],
     )
 
 
@@ -213,6 +224,21 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         _run(sf.load, seconds)
 
 
+def running_pid(sf: ServiceFile) -> int | None:
+    """The pid of the daemon the service manager runs from ``sf``, or None
+    (not running, not loaded, or no service manager to ask)."""
+    if not sf.pid_command:
+        return None
+    try:
+        r = subprocess.run(sf.pid_command, capture_output=True, text=True,
+                           timeout=COMMAND_SECONDS)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(sf.pid_pattern, r.stdout, re.MULTILINE) if r.returncode == 0 else None
+    pid = int(found.group(1)) if found else 0
+    return pid or None  # systemd says 0 for a unit not running
+
+
 def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
     """Stop the service (with ``unload``) and remove its file; False when
     there was no file. Raises ServiceError when stopping fails."""
@@ -223,6 +249,12 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
     try:
         sf.path.unlink()
     except FileNotFoundError:
+        if unload:
+            # Deleted by hand, the service may still be loaded and running:
+            # stopped by name, if so (failures ignored: most often there is
+            # no such service).
+            _try(sf.stop_loaded, COMMAND_SECONDS + sf.stop_timeout)
+            _try(sf.after_removal, COMMAND_SECONDS)
         return False
     if unload:
         _try(sf.after_removal, COMMAND_SECONDS)  # the service is stopped and its file gone

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, RunningDaemon, start_daemon
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
 from .test_cli_checks import cli, usage_error
 
 DEMO_TIMEOUT = 180.0  # a cap: without the fix the demo runs in full
@@ -254,16 +254,21 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
 
 _FAKE_MANAGERS = {
     # launchd as it answers: bootstrap of a loaded label fails (5), bootout of
-    # one not loaded fails (3).
+    # one not loaded fails (3). The running daemon's pid is in $MAINPID's file.
     "launchctl": """#!/bin/sh
 echo "launchctl $*" >> "$CALLS"
 case "$1" in
   bootstrap) [ -e "$STATE" ] && exit 5; touch "$STATE" ;;
   bootout) [ -e "$STATE" ] || exit 3; rm "$STATE" ;;
+  print) [ -e "$STATE" ] || exit 113; echo "{"; echo "	state = running";
+         [ -e "$MAINPID" ] && echo "	pid = $(cat "$MAINPID")"; echo "}" ;;
 esac
 """,
     "systemctl": """#!/bin/sh
 echo "systemctl $*" >> "$CALLS"
+case "$2" in
+  show) if [ -e "$MAINPID" ]; then cat "$MAINPID"; else echo 0; fi ;;
+esac
 """,
 }
 
@@ -281,7 +286,7 @@ def test_install_service_again_replaces_the_running_service(short_dir: Path) -> 
     calls = short_dir / "calls"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(short_dir / "home"),
            "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg"), "CALLS": str(calls),
-           "STATE": str(short_dir / "loaded")}
+           "STATE": str(short_dir / "loaded"), "MAINPID": str(short_dir / "mainpid")}
     for platform in ("macos", "linux"):
         for timeout in ("30", "40"):
             r = cli("install-service", "--platform", platform, "--drain-timeout", timeout,
@@ -302,7 +307,77 @@ def _fake_managers(short_dir: Path) -> dict[str, str]:
         (bin_dir / name).chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(short_dir / "home"),
             "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg"),
-            "CALLS": str(short_dir / "calls"), "STATE": str(short_dir / "loaded")}
+            "CALLS": str(short_dir / "calls"), "STATE": str(short_dir / "loaded"),
+            "MAINPID": str(short_dir / "mainpid")}
+
+
+def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> None:
+    """A daemon started by hand on the service's socket or root made the
+    service exit 2 at every start (systemd gives up, launchd retries every
+    10 s), and install-service said "started". It is refused before anything
+    is written; the service's own daemon (the pid its manager names) is not.
+    The service managers are stand-ins; the daemons are real."""
+    env = _fake_managers(short_dir)
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    places = ("--root", str(root), "--socket", str(sock))
+    unit = short_dir / "home" / ".cfg" / "systemd" / "user" / "kvkeeper.service"
+    plist = short_dir / "home" / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
+    by_hand = serve_process(root, sock)
+    try:
+        for platform, path in (("linux", unit), ("macos", plist)):
+            r = cli("install-service", "--platform", platform, *places, env=env)
+            usage_error(r, "did not start holds the socket", f"pid {by_hand.pid}",
+                        f"kill -TERM {by_hand.pid}", "--no-load")
+            assert not path.exists()
+            # --no-load only writes the file: allowed.
+            r = cli("install-service", "--platform", platform, "--no-load", *places, env=env)
+            assert r.returncode == 0 and path.exists(), r.stderr
+            path.unlink()
+        # The same root on another socket: the root is named.
+        r = cli("install-service", "--platform", "linux", "--root", str(root), "--socket",
+                str(short_dir / "run" / "other.sock"), env=env)
+        usage_error(r, "did not start holds the root", str(root), f"pid {by_hand.pid}")
+        # The service's own daemon: installed again (new settings), restarted.
+        (short_dir / "mainpid").write_text(f"{by_hand.pid}\n")
+        (short_dir / "loaded").touch()
+        for platform, path in (("linux", unit), ("macos", plist)):
+            r = cli("install-service", "--platform", platform, *places, env=env)
+            assert r.returncode == 0 and path.exists(), r.stderr
+            (short_dir / "loaded").touch()  # the stand-in launchctl's bootout removed it
+    finally:
+        assert stop_process(by_hand) == 0
+    # Nothing holds them any more: installed. Looking made nothing (a root
+    # not made yet stays so, for the daemon to make).
+    (short_dir / "mainpid").unlink()
+    r = cli("install-service", "--platform", "linux", *places, env=env)
+    assert r.returncode == 0, r.stderr
+    r = cli("install-service", "--platform", "linux", "--root", str(short_dir / "new-root"),
+            "--socket", str(short_dir / "new-run" / "kv.sock"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert not (short_dir / "new-root").exists() and not (short_dir / "new-run").exists()
+
+
+def test_uninstall_service_stops_a_service_whose_file_was_deleted(short_dir: Path) -> None:
+    """A unit or agent file deleted by hand leaves the service loaded and its
+    daemon running: uninstall-service said "no service file" and stopped
+    nothing. It now stops it by name, and says so."""
+    env = _fake_managers(short_dir)
+    calls = short_dir / "calls"
+    (short_dir / "mainpid").write_text("4242\n")
+    for platform, stop in (("linux", "systemctl --user stop kvkeeper.service"),
+                           ("macos", f"launchctl bootout gui/{os.getuid()}/"
+                                     f"io.github.kvkeeper.daemon")):
+        (short_dir / "loaded").touch()
+        r = cli("uninstall-service", "--platform", platform, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "no service file at" in r.stdout and "stopped the service" in r.stdout, r.stdout
+        assert "pid 4242" in r.stdout
+        assert stop in calls.read_text().splitlines()
+        calls.unlink()
+    # Nothing running, no file: says only that.
+    (short_dir / "mainpid").unlink()
+    r = cli("uninstall-service", "--platform", "linux", env=env)
+    assert r.returncode == 0 and "stopped" not in r.stdout, r.stdout
 
 
 def test_uninstall_service_of_an_agent_not_loaded_removes_it(short_dir: Path) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import fcntl
 import os
+import re
 import secrets
 import signal
 import stat
@@ -162,6 +163,39 @@ class _Lock:
         return _is_at(self.path, os.fstat(self.fd))
 
 
+def lock_paths(cfg: DaemonConfig) -> list[Path]:
+    """The lock files a daemon with ``cfg`` takes: its socket's, then its root's."""
+    sock = Path(os.path.abspath(cfg.socket))
+    return [sock.parent / f"{sock.name}.lock", Path(os.path.abspath(cfg.root)) / LOCK_NAME]
+
+
+def lock_holder(path: Path) -> str | None:
+    """What the lock file at ``path`` says of the daemon that holds it
+    ("pid N, root R, socket S"; "unknown" when it says nothing), or None
+    when no process holds it. Creates nothing: a lock that is free is taken,
+    shared, for an instant."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # no file (or none we may read): no daemon took it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            raise
+        return None
+    finally:
+        os.close(fd)  # and with it the shared lock
+
+
+def holder_pid(holder: str) -> int | None:
+    """The pid a lock holder's text (`lock_holder`) names, if any."""
+    found = re.match(r"pid ([0-9]+)\b", holder)
+    return int(found.group(1)) if found else None
+
+
 def _is_at(path: Path, held: os.stat_result) -> bool:
     """Whether ``held`` (device, inode) is the file at ``path``; raises
     OSError when that cannot be told (a network file system's error)."""
@@ -217,10 +251,12 @@ class Daemon:
             sock_dir = config.private_dir(cfg.socket.parent, "socket directory")
             sock_path = sock_dir / cfg.socket.name
             root = Path(os.path.abspath(cfg.root))
+            # install-service reads the pid back (holder_pid).
             holder = f"pid {os.getpid()}, root {root}, socket {sock_path}"
-            locks.append(_Lock(sock_dir / f"{sock_path.name}.lock", holder))
+            sock_lock_path, root_lock_path = lock_paths(cfg)
+            locks.append(_Lock(sock_lock_path, holder))
             root = config.private_dir(cfg.root, "root directory")
-            root_lock = _Lock(root / LOCK_NAME, holder)
+            root_lock = _Lock(root_lock_path, holder)
             locks.append(root_lock)
             _clear_stale_socket(sock_path)
             store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
