@@ -838,7 +838,7 @@ def test_deepseek_v41_output_identical_after_restore(
     assert doc["version"] == 3 == LAYERS_VERSION
     restored = restore_cache(arrays_from_snapshot(snap), snap.layers)
     assert [type(c) for c in restored] == [type(c) for c in cache]
-    assert [(c.window_size, c.offset) for c in restored] == [(8, n_prompt + steps_before)] * 4
+    assert [(c.window_size, c.offset) for c in restored] == [(8, n_prompt + steps_before)] * 8
     a, b = prefill(deepseek, [nxt], cache), prefill(deepseek, [nxt], restored)
     assert mx.array_equal(a, b).item(), "next-token logits differ after restore"
     first = int(mx.argmax(a).item())
@@ -852,16 +852,18 @@ def test_deepseek_v41_checks_have_teeth_and_bad_descriptions_are_refused(deepsee
     snap = snapshot_cache(cache)
     arrays = arrays_from_snapshot(snap)
     doc = json.loads(snap.layers)
-    # Each saved field matters: changed, the next logits change (two tokens:
-    # the open group of 2 closes and is pooled).
+    # Each saved field matters: changed, the next logits change. Layer 3
+    # pools 4 tokens (7 groups, 2 open: two more tokens close the group)
+    # and indexes them; layer 1 pools 16.
     want = prefill(deepseek, [1, 2], restore_cache(arrays, snap.layers))
-    for field in ("window", "compress_kv", "index_k", "pending_kv", "pending_gate"):
-        (name,) = [v["name"] for k, v in doc["layers"][1]["state"]["items"] if k == field]
+    for layer, field in [(3, f) for f in ("window", "compress_kv", "index_k", "pending_kv",
+                                          "pending_gate")] + [(1, "compress_kv"), (1, "index_k")]:
+        (name,) = [v["name"] for k, v in doc["layers"][layer]["state"]["items"] if k == field]
         bent = dict(arrays, **{name: arrays[name] * -1})
         got = prefill(deepseek, [1, 2], restore_cache(bent, snap.layers))
-        assert not mx.array_equal(want, got).item(), field
+        assert not mx.array_equal(want, got).item(), (layer, field)
 
-    def with_state(mutate: Callable[[dict[str, Any]], None], layer: int = 1) -> str:
+    def with_state(mutate: Callable[[dict[str, Any]], None], layer: int = 3) -> str:
         bad = json.loads(snap.layers)
         items = bad["layers"][layer]["state"]["items"]
         state = dict(items)
@@ -879,9 +881,18 @@ def test_deepseek_v41_checks_have_teeth_and_bad_descriptions_are_refused(deepsee
         lambda st: st.update(extra=1),
         lambda st: st.update(window=None),
         lambda st: st.update(pending_kv=[1, 2]),
+        lambda st: st.update(offset=1 << 31),
+        lambda st: st.update(pending_gate=None),  # the open group's gates gone
+        lambda st: st.update(pending_kv=st["index_k"], pending_gate=st["index_k"]),  # dim 16
+        lambda st: st.update(pending_kv=st["window"]),  # 8 rows against the gates' 2
     ):
-        with pytest.raises(CodecError, match="layer 1"):
+        with pytest.raises(CodecError, match="layer 3"):
             restore_cache(arrays, with_state(mutate))
+    # Layer 3's window of the wrong kind or batch size, its reference to match.
+    for bad_array in (mx.zeros((1, 8, 32), dtype=mx.int32), mx.zeros((2, 8, 32))):
+        bad, name = _retyped(doc, 3, bad_array)
+        with pytest.raises(CodecError, match="layer 3"):
+            restore_cache(dict(arrays, **{name: bad_array}), json.dumps(bad))
     bad = json.loads(snap.layers)
     bad["layers"][0]["attrs"] = {"offset": 30}
     with pytest.raises(CodecError, match="layer 0"):
@@ -890,6 +901,15 @@ def test_deepseek_v41_checks_have_teeth_and_bad_descriptions_are_refused(deepsee
     bad["layers"][0]["state"] = {"$": "tuple", "items": []}
     with pytest.raises(CodecError, match="layer 0"):
         restore_cache(arrays, json.dumps(bad))
+
+
+def _retyped(doc: dict[str, Any], layer: int, array: mx.array) -> tuple[dict[str, Any], str]:
+    """``doc`` with the reference to ``layer``'s window made to match
+    ``array``, and the window's tensor name."""
+    bad = json.loads(json.dumps(doc))
+    ref = next(v for k, v in bad["layers"][layer]["state"]["items"] if k == "window")
+    ref.update(dtype=mlx_dtype_name(array.dtype), shape=list(array.shape))
+    return bad, ref["name"]
 
 
 @needs_deepseek
@@ -910,9 +930,15 @@ def test_deepseek_v41_with_fields_kvkeeper_does_not_know_is_refused(deepseek: An
         original(self, window_size)
         self.lengths = None
 
-    deepseek_v41.LayerCache.__init__ = newer  # type: ignore[method-assign]
-    try:
-        with pytest.raises(CodecError, match=r"layer 0: .*another mlx-lm version"):
-            restore_cache(arrays_from_snapshot(snap), snap.layers)
-    finally:
-        deepseek_v41.LayerCache.__init__ = original  # type: ignore[method-assign]
+    def other_arguments(self: Any, window_size: int, batch_size: int) -> None:
+        original(self, window_size)
+
+    for init, message in ((newer, r"layer 0: .*another mlx-lm version"),
+                          # Was a TypeError out of load() (and a Session), not a miss.
+                          (other_arguments, r"layer 0: LayerCache rejected its state: TypeError")):
+        deepseek_v41.LayerCache.__init__ = init  # type: ignore[method-assign]
+        try:
+            with pytest.raises(CodecError, match=message):
+                restore_cache(arrays_from_snapshot(snap), snap.layers)
+        finally:
+            deepseek_v41.LayerCache.__init__ = original  # type: ignore[method-assign]

@@ -24,9 +24,9 @@ from kvkeeper.client.client import Client, DaemonError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
 from .faultkit import FP, entry_path, filled, small_tmpfs, tmp_files, version_of
-from .legacy_describe import describe
+from .legacy_describe import MLX_LM_OLD_API, describe
 from .test_legacy import MANIFEST, ROOT
-from .tiny import prefill, prompt, tiny_llama
+from .tiny import prefill, prompt, tiny_deepseek_v41, tiny_llama
 
 MiB = 2**20
 
@@ -787,6 +787,29 @@ def test_import_exits_3_when_the_daemon_dies_between_two_files(short_dir: Path) 
     reason = report["failed"][0]["reason"]
     assert "went away" in stderr, stderr
     assert "went away" in reason or "not known to be written" in reason, reason
+
+
+@pytest.mark.skipif(MLX_LM_OLD_API, reason="mlx-lm 0.31 has no DeepSeek V4.1")
+def test_deepseek_v41_is_neither_exported_nor_imported_from_mlx_lm_files(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """mlx-lm's loader cannot rebuild DeepSeek V4.1's LayerCache, and its
+    writer leaves out the window size: export refuses it and import of
+    mlx-lm's own file says why (before: "... is not a cache class")."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    sock = str(daemon.socket)
+    model = tiny_deepseek_v41()
+    cache = model.make_cache()
+    prefill(model, prompt(20), cache)
+    assert client.save("ds", "conv", cache, prompt(20)) and client.flush(timeout=WAIT)
+    r = cli("export", "--socket", sock, "ds", "conv", str(short_dir / "out.safetensors"))
+    assert r.returncode == 1 and "mlx-lm's loader cannot rebuild" in r.stderr, r.stderr
+    assert not (short_dir / "out.safetensors").exists()
+    theirs = short_dir / "theirs.safetensors"
+    save_prompt_cache(str(theirs), cache)
+    r = cli("import", "--socket", sock, "--model", "ds", str(theirs))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "do not record its window size" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: RunningDaemon,

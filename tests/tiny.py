@@ -92,23 +92,25 @@ def tiny_qwen2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> qwen2.Model:
 
 
 def tiny_deepseek_v41(seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
-    """A 4-layer DeepSeek V4.1 (mlx-lm 0.32 and later) with random weights: a
-    window of 8 tokens in every layer, one layer that keeps every token
-    compressed 1:1 and three that pool 4 tokens into one (the first of them
-    indexing its groups for the other two), so every field of its
-    ``LayerCache`` is in use. The layers sharing the index have one ratio, as
-    the model expects (with 4 and 16 mixed it gathers rows past the end: NaN
-    now and then). float32: MLX on the CPU runs experts (GatherMM) in float32 only."""
+    """An 8-layer DeepSeek V4.1 (mlx-lm 0.32 and later) with random weights:
+    a window of 8 tokens in every layer; two layers that pool 16 tokens into
+    one and four that pool 4. Layers 1, 3 and 6 keep the compressed KV (and
+    the open group), 1 and 3 also index keys, and 3 picks candidate blocks
+    for the index readers after it. Every field of its ``LayerCache`` is in use.
+    The layers sharing an index have one ratio, as the model expects (a
+    ratio-16 layer reading a ratio-4 index gathers rows past the end: NaN now
+    and then). float32: MLX on the CPU runs experts (GatherMM) in float32 only."""
     from mlx_lm.models import deepseek_v41
 
     mx.random.seed(seed)
     args = deepseek_v41.ModelArgs(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
         head_dim=32, q_lora_rank=32, qk_rope_head_dim=8, o_groups=2, o_lora_rank=16,
         moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, hc_mult=2,
-        sliding_window=8, compress_ratios=(1, 4, 4, 4), kv_source_layer_ids=(0, 1, 2, 3),
-        index_source_layer_ids=(1,), index_n_heads=2, index_head_dim=16, index_topk=4,
-        candidate_topk_blocks=0, max_position_embeddings=4096)
+        sliding_window=8, compress_ratios=(0, 16, 16, 4, 4, 4, 4, 0),
+        kv_source_layer_ids=(1, 3, 6), index_source_layer_ids=(1, 3, 4),
+        index_n_heads=2, index_head_dim=16, index_topk=3, candidate_source_layer_id=3,
+        candidate_topk_blocks=2, candidate_block_size=2, max_position_embeddings=4096)
     return _finish(deepseek_v41.Model(args), dtype)
 
 

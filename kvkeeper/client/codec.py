@@ -549,29 +549,46 @@ def _read_deepseek_v41(layer: Any) -> _Read:
 
 
 def _build_deepseek_v41(cls: type, state: Any, where: str) -> Any:
-    if type(state) is not dict or state.keys() != set(_DSV41_FIELDS):
-        raise CodecError(f"{where}: a LayerCache state holds {list(_DSV41_FIELDS)}")
-    size, offset, window = state["window_size"], state["offset"], state["window"]
-    if type(size) is not int or size < 1 or type(offset) is not int or offset < 0:
-        raise CodecError(f"{where}: window_size {size!r} or offset {offset!r} is out of range")
-    for name in _DSV41_ARRAYS:
-        if state[name] is not None and (type(state[name]) is not mx.array
-                                        or state[name].ndim != 3):
-            raise CodecError(f"{where}: {name} is not a 3-dimensional array or null")
-    # The model takes the window's row count for the tokens it holds before
-    # the offset: the two must agree, as update_window keeps them.
-    rows = 0 if window is None else window.shape[1]
-    if rows != min(offset, size):
-        raise CodecError(f"{where}: a window of {rows} rows for offset {offset} "
-                         f"and window_size {size}")
-    obj = cls(size)
     try:
+        _check_deepseek_v41(state)
+        obj = cls(state["window_size"])
         _known_fields(obj, _DSV41_FIELDS)  # this mlx-lm's LayerCache is the one described
     except CodecError as exc:
         raise CodecError(f"{where}: {exc}") from None
+    except Exception as exc:  # e.g. a later mlx-lm's constructor takes other arguments
+        raise CodecError(f"{where}: {cls.__qualname__} rejected its state: {exc!r}") from exc
     for name in _DSV41_FIELDS[1:]:
         setattr(obj, name, state[name])
     return obj
+
+
+def _check_deepseek_v41(state: Any) -> None:
+    """Refuse a LayerCache state that breaks what the class's own code keeps
+    true (broken, it shows later as NaN or a failed reshape). Only those: a
+    pipeline stage's first layer also holds fields of earlier layers."""
+    if type(state) is not dict or state.keys() != set(_DSV41_FIELDS):
+        raise CodecError(f"a LayerCache state holds {list(_DSV41_FIELDS)}")
+    size, offset = state["window_size"], state["offset"]
+    if (type(size) is not int or type(offset) is not int
+            or not (0 < size < 1 << 31 and 0 <= offset < 1 << 31)):
+        raise CodecError(f"window_size {size!r} or offset {offset!r} is out of range")
+    arrays = {name: state[name] for name in _DSV41_ARRAYS if state[name] is not None}
+    for name, a in arrays.items():
+        if type(a) is not mx.array or a.ndim != 3 or not mx.issubdtype(a.dtype, mx.floating):
+            raise CodecError(f"{name} is not a 3-dimensional float array or null")
+    if len({a.shape[0] for a in arrays.values()}) > 1:
+        raise CodecError("the arrays disagree on the batch size")
+    # window, compress_kv and the open group hold rows of one head dimension.
+    if len({a.shape[2] for name, a in arrays.items() if name != "index_k"}) > 1:
+        raise CodecError("the arrays disagree on the head dimension")
+    kv, gate = state["pending_kv"], state["pending_gate"]
+    if (kv is None) != (gate is None) or (kv is not None and kv.shape != gate.shape):
+        raise CodecError("pending_kv and pending_gate disagree")
+    # The model takes the window's row count for the tokens it holds before
+    # the offset: the two must agree, as update_window keeps them.
+    rows = 0 if state["window"] is None else state["window"].shape[1]
+    if rows != min(offset, size):
+        raise CodecError(f"a window of {rows} rows for offset {offset} and window_size {size}")
 
 
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {

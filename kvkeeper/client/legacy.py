@@ -285,6 +285,12 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
             raise CodecError(f"mlx-lm metadata: scalar {path!r} has no array")
         flat[path] = _scalar_leaf(arrays[path], kind, path)
     states = _unflatten_layers(flat, len(classes))
+    if "LayerCache" in classes:
+        # mlx-lm's save_prompt_cache writes DeepSeek V4.1's caches too, under
+        # this bare name, without the window size (its loader fails on them).
+        raise CodecError("mlx-lm's own files of DeepSeek V4.1's LayerCache cannot be "
+                         "imported: they do not record its window size (kvkeeper's own "
+                         "save() keeps it)")
     layers = [
         _mlx_lm_layer(_class_named(name, [_LM_CACHE]), state, f"layer {i}")
         for i, (name, state) in enumerate(zip(classes, states, strict=True))
