@@ -942,3 +942,115 @@ def test_deepseek_v41_with_fields_kvkeeper_does_not_know_is_refused(deepseek: An
                 restore_cache(arrays_from_snapshot(snap), snap.layers)
         finally:
             deepseek_v41.LayerCache.__init__ = original  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------
+# mlx-vlm's TurboQuantKVCache, which kvkeeper rebuilds itself
+
+
+def _turbo(bits: float = 3.5, t: int = 37, **kw: Any) -> Any:
+    from mlx_vlm.turboquant import TurboQuantKVCache
+
+    c = TurboQuantKVCache(bits=bits, **kw)
+    c.update_and_fetch(mx.random.normal((1, H, t, D)), mx.random.normal((1, H, t, D)))
+    return c
+
+
+@pytest.mark.parametrize("bits, t, trim", [(3.5, 37, 0), (4, 300, 0), (2, 37, 5), (3.5, 1, 0)])
+def test_turboquant_restores_its_quantized_state_and_goes_on_alike(
+        bits: float, t: int, trim: int) -> None:
+    """Its from_state skipped __init__ (no codecs: AttributeError at the next
+    update), and save() refused its module. The restored cache holds the
+    same quantized rows and quantizes the next ones alike, with codecs made
+    again from the head dimension, the bits and the seed."""
+    mx.random.seed(7)
+    c = _turbo(bits, t, seed=11)
+    c.trim(trim)
+    snap = snapshot_cache([c])
+    live = canon(c.state)
+    # The snapshot is the cache as it was: the original goes on first.
+    for _ in range(3):
+        c.update_and_fetch(mx.random.normal((1, H, 1, D)), mx.random.normal((1, H, 1, D)))
+    (r,) = restore_cache(arrays_from_snapshot(snap), snap.layers)
+    assert json.loads(snap.layers)["version"] == 3
+    assert (r.offset, r.bits, r.key_bits, r.value_bits, r.seed) == (t - trim, c.bits, c.key_bits,
+                                                                     c.value_bits, 11)
+    assert canon(r.state) == live
+    c.trim(3)
+    mx.random.seed(8)
+    new = [(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D))) for n in (1, 5, 1)]
+    for k, v in new:
+        c.update_and_fetch(k, v)
+        r.update_and_fetch(k, v)
+        assert canon(c.state) == canon(r.state)
+        a, b = c.dequantize(), r.dequantize()
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+
+
+def test_an_empty_turboquant_cache_restores_empty() -> None:
+    from mlx_vlm.turboquant import TurboQuantKVCache
+
+    snap = snapshot_cache([TurboQuantKVCache(bits=3.5)])
+    (r,) = restore_cache(arrays_from_snapshot(snap), snap.layers)
+    assert r.empty() and r.offset == 0 and snap.nbytes == 0
+    k = mx.random.normal((1, H, 4, D))
+    r.update_and_fetch(k, k)
+    assert r.offset == 4
+
+
+def test_turboquant_that_cannot_be_saved_whole_is_refused() -> None:
+    mx.random.seed(7)
+    with pytest.raises(CodecError, match=r"layer 0: .*key_bits 2.5: a fractional codec"):
+        snapshot_cache([_turbo(3.5, key_bits=2.5)])
+    c = _turbo()
+    c.lengths = None  # a field a later mlx-vlm might add
+    with pytest.raises(CodecError, match=r"layer 0: TurboQuantKVCache has the fields"):
+        snapshot_cache([c])
+    from mlx_vlm.turboquant import BatchTurboQuantKVCache, HybridQuantKVCache
+
+    # Their module gives kvkeeper only the class it builds itself.
+    for cls in (BatchTurboQuantKVCache, HybridQuantKVCache):
+        with pytest.raises(CodecError, match="cannot rebuild it"):
+            snapshot_cache([cls.__new__(cls)])
+
+
+def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
+    mx.random.seed(7)
+    snap = snapshot_cache([_turbo()])
+    arrays = arrays_from_snapshot(snap)
+    doc = json.loads(snap.layers)
+
+    def with_state(mutate: Callable[[dict[str, Any]], None]) -> str:
+        bad = json.loads(json.dumps(doc))
+        state = dict(bad["layers"][0]["state"]["items"])
+        mutate(state)
+        bad["layers"][0]["state"]["items"] = [[k, v] for k, v in state.items()]
+        return json.dumps(bad)
+
+    def swap(st: dict[str, Any]) -> None:
+        keys = dict(st["keys"]["items"])
+        keys["norms"], keys["indices"] = keys["indices"], keys["norms"]
+        st["keys"]["items"] = [[k, v] for k, v in keys.items()]
+
+    for mutate in (
+        lambda st: st.update(offset=36),
+        lambda st: st.update(offset=-1),
+        lambda st: st.update(key_bits=2.5),  # its codec would pick other channels
+        lambda st: st.update(bits=0.5),
+        lambda st: st.update(bits=4),  # an int: never written
+        lambda st: st.update(seed=-1),
+        lambda st: st.update(values=None),
+        lambda st: st.pop("seed"),
+        lambda st: st.update(keys=st["values"], values=st["keys"]) or swap(st),
+    ):
+        with pytest.raises(CodecError, match="layer 0"):
+            restore_cache(arrays, with_state(mutate))
+    bad = json.loads(snap.layers)
+    bad["layers"][0]["meta_state"] = {"$": "tuple", "items": ["37"]}
+    with pytest.raises(CodecError, match="layer 0"):
+        restore_cache(arrays, json.dumps(bad))
+    # Other classes of that module are never imported from a description.
+    bad = json.loads(snap.layers)
+    bad["layers"][0]["class"] = "HybridQuantKVCache"
+    with pytest.raises(CodecError, match="is not a cache class"):
+        restore_cache(arrays, json.dumps(bad))

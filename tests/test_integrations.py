@@ -5,6 +5,7 @@ cannot be trimmed), random weights, greedy sampling, a real daemon."""
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from collections.abc import Callable
@@ -626,19 +627,67 @@ def test_media_sources_are_fingerprinted_by_what_they_hold(tmp_path: Path) -> No
 def test_a_cache_kvkeeper_cannot_save_does_not_stop_generation(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """mlx-vlm's TurboQuant cache lives outside mlx_vlm.models, where kvkeeper
-    does not import from: the first save behind the loop raised CodecError
-    after the prefill, and the request died. Now the request's saves stop,
-    with a warning, and it generates what a session without kvkeeper does."""
+    """A TurboQuant cache with a fractional key codec (kv_key_bits=2.5) picks
+    its channels from the first keys, which no state holds: kvkeeper cannot
+    save it. The first save behind the loop raised CodecError after the
+    prefill, and the request died. Now the request's saves stop, with a
+    warning, and it generates what a session without kvkeeper does."""
     model, proc = tiny_vlm_llama(), vlm_processor(VOCAB)
-    kw = dict(max_tokens=GEN, temperature=0.0, kv_bits=3.5, quantized_kv_start=0)
+    kw = dict(max_tokens=GEN, temperature=0.0, kv_bits=3.5, kv_key_bits=2.5,
+              quantized_kv_start=0)
     want = vlm_tokens(kv_vlm.Session(None, "tiny-vlm-tq", "a", model, proc).stream_generate(
         input_ids=prompt(48), **kw))
     session = kv_vlm.Session(client, "tiny-vlm-tq", "a", model, proc, every_tokens=4)
     assert vlm_tokens(session.stream_generate(input_ids=prompt(48), **kw)) == want
     assert "event=write_behind_off" in caplog.text and "TurboQuantKVCache" in caplog.text
+    assert "key_bits 2.5" in caplog.text
     assert session.cache is not None  # kept in memory all the same
     assert client.flush(timeout=WAIT) and client.load("tiny-vlm-tq", "a") is None
+
+
+@pytest.mark.parametrize("kw", [{"kv_bits": 3.5}, {"kv_bits": 4, "kv_quant_scheme": "turboquant"}],
+                         ids=["3.5-bits", "scheme"])
+def test_mlx_vlm_turboquant_restarts_between_turns_give_the_same_tokens(
+        kw: dict[str, Any], daemon: RunningDaemon) -> None:
+    """mlx-vlm's TurboQuant caches (kv_bits=3.5: 3-bit keys, 4-bit values;
+    or kv_quant_scheme="turboquant") were refused by save(): a session using
+    them saved nothing. Across restarts they now give the tokens of an
+    uninterrupted run, extended and trimmed from the saved quantized state,
+    and the file holds that state (read with the safetensors package)."""
+    from safetensors import safe_open
+
+    model, proc = tiny_vlm_llama(), vlm_processor(VOCAB)
+    kw = dict(kw, temperature=0.0, max_tokens=GEN, quantized_kv_start=0)
+    memory = kv_vlm.Session(None, "tiny-vlm-tq", "mem", model, proc)
+    expected: list[list[int]] = []
+    for turn in range(3):
+        expected.append(vlm_tokens(memory.stream_generate(
+            input_ids=conversation(expected, turn), **kw)))
+    assert "TurboQuantKVCache" in {type(c).__name__ for c in memory.cache}
+    out: list[list[int]] = []
+    for turn in range(3):
+        full = conversation(out, turn)
+        with Client(daemon.socket, timeout=WAIT) as kv:  # a new process each turn
+            session = kv_vlm.Session(kv, "tiny-vlm-tq", "chat", model, proc, every_tokens=4)
+            gen = vlm_tokens(session.stream_generate(input_ids=full, **kw))
+            plan = session.last_plan
+            assert plan is not None and session.tracked is True
+            assert kv.flush(timeout=WAIT) is True
+            saved = kv.load("tiny-vlm-tq", "chat")
+            assert saved is not None and saved.token_ids == full + gen and saved.path
+            layer = session.cache[0]
+            assert type(layer).__name__ == type(saved.cache[0]).__name__ == "TurboQuantKVCache"
+            with safe_open(str(saved.path), "numpy") as f:
+                layers = json.loads(f.metadata()["kvkeeper.layers"])["layers"]
+                state = dict(layers[0]["state"]["items"])
+                assert state["offset"] == layer.offset == len(full + gen)
+                keys = dict(state["keys"]["items"])
+                want = layer.state[0].indices
+                assert np.array_equal(f.get_tensor(keys["indices"]["name"]), np.array(want))
+        out.append(gen)
+        assert gen == expected[turn], f"turn {turn}"
+        if turn:
+            assert (plan.action, plan.source) == (("extend", "trim")[turn - 1], "kvkeeper")
 
 
 def test_an_older_request_ending_late_leaves_the_newer_state(

@@ -79,6 +79,7 @@ from kvkeeper.protocol.dtypes import DTYPE_SIZES
 from kvkeeper.protocol.pacing import CAPTURE_COPY_MAX_BYTES
 
 __all__ = [
+    "BUILT_ONLY_MODULES",
     "LAYERS_FORMAT",
     "LAYERS_VERSION",
     "MLX_UNREADABLE_DTYPES",
@@ -114,7 +115,10 @@ _SETTABLE_ATTRS = frozenset({"offset"})
 TRUSTED_MODULE_PREFIXES = ("mlx_lm.models.", "mlx_vlm.models.")
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_MODULE_RE = re.compile(rf"(?:mlx_lm|mlx_vlm)\.models(?:\.{_IDENT})+")
+#: Modules outside those packages from which only the classes kvkeeper builds
+#: itself (``_BUILDERS``) are taken.
+BUILT_ONLY_MODULES = frozenset({"mlx_vlm.turboquant"})
+_MODULE_RE = re.compile(rf"(?:mlx_lm|mlx_vlm)\.models(?:\.{_IDENT})+|mlx_vlm\.turboquant")
 _CLASS_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 # A layout that splits into many tiny blocks (say a transposed view) would make
@@ -209,6 +213,7 @@ def _check_trusted_module(module: object) -> str:
     if not isinstance(module, str) or not _MODULE_RE.fullmatch(module):
         raise CodecError(
             f"cache class module {module!r} is not inside {' or '.join(TRUSTED_MODULE_PREFIXES)}"
+            f" (or {', '.join(sorted(BUILT_ONLY_MODULES))})"
         )
     return module
 
@@ -219,11 +224,12 @@ def _looks_like_cache_class(cls: object) -> bool:
     Needs ``from_state`` or a settable ``state`` property: nn.Module (which
     has a read-only ``state``) and plain helpers do not qualify.
     """
-    if not (
-        isinstance(cls, type)
-        and isinstance(getattr(cls, "__module__", None), str)
-        and cls.__module__.startswith(TRUSTED_MODULE_PREFIXES)
-    ):
+    module = getattr(cls, "__module__", None)
+    if not isinstance(cls, type) or not isinstance(module, str):
+        return False
+    if module in BUILT_ONLY_MODULES:
+        return (module, cls.__qualname__) in _BUILDERS
+    if not module.startswith(TRUSTED_MODULE_PREFIXES):
         return False
     try:
         state = inspect.getattr_static(cls, "state")
@@ -591,16 +597,111 @@ def _check_deepseek_v41(state: Any) -> None:
         raise CodecError(f"a window of {rows} rows for offset {offset} and window_size {size}")
 
 
+# mlx-vlm's TurboQuantKVCache (kv_bits=3.5, or kv_quant_scheme="turboquant"):
+# its from_state skips __init__, leaving no codecs (AttributeError at the next
+# update), and it lives outside mlx_vlm.models. Its codecs are not saved: with
+# whole key and value bits each is the MSE codec, a function of the head
+# dimension, the bits and the seed, which the next update makes again. A
+# fractional one (kv_key_bits=2.5) picks its outlier channels from the first
+# keys it saw, which no state holds: refused.
+_TQ_FIELDS = ("bits", "key_bits", "value_bits", "seed", "offset", "keys", "values",
+              "key_codec", "value_codec", "_cached_state", "_cached_state_offset",
+              "_shadow_keys", "_shadow_values")
+_TQ_SAVED = ("bits", "key_bits", "value_bits", "seed", "offset", "keys", "values")
+_TQ_MODULE = "mlx_vlm.turboquant"
+
+
+def _read_turboquant(layer: Any) -> _Read:
+    fields = _known_fields(layer, _TQ_FIELDS)
+    if fields["_shadow_keys"] is not None or fields["_shadow_values"] is not None:
+        raise CodecError("TurboQuantKVCache holds shadow keys, which kvkeeper does not save")
+    for side in ("key_bits", "value_bits"):
+        bits = fields[side]
+        if type(bits) not in (int, float) or not float(bits).is_integer():
+            raise CodecError(f"TurboQuantKVCache with {side} {bits!r}: a fractional codec "
+                             f"picks its channels from the first keys, which its state does "
+                             f"not hold, so it cannot be saved")
+    named = sys.modules[_TQ_MODULE].TurboQuantMSEState
+    # The state is the buffers cut to the offset (memoized, as mlx-vlm does).
+    parts = {}
+    for name, part in zip(("keys", "values"), layer.state, strict=True):
+        if part is not None and type(part) is not named:
+            raise CodecError(f"TurboQuantKVCache {name} are a {type(part).__qualname__}, "
+                             f"kvkeeper saves TurboQuantMSEState")
+        parts[name] = None if part is None else {"norms": part.norms, "indices": part.indices}
+    if type(fields["seed"]) is not int or type(fields["offset"]) is not int:
+        raise CodecError(f"seed {fields['seed']!r} and offset {fields['offset']!r} are not int")
+    return {"bits": float(fields["bits"]), "key_bits": float(fields["key_bits"]),
+            "value_bits": float(fields["value_bits"]), "seed": fields["seed"],
+            "offset": fields["offset"], **parts}, None
+
+
+def _build_turboquant(cls: type, state: Any, where: str) -> Any:
+    try:
+        _check_turboquant(state)
+        obj = cls(bits=state["bits"], seed=state["seed"], key_bits=state["key_bits"],
+                  value_bits=state["value_bits"])
+        _known_fields(obj, _TQ_FIELDS)  # this mlx-vlm's TurboQuantKVCache is the one described
+        named = sys.modules[cls.__module__].TurboQuantMSEState
+        for name in ("keys", "values"):
+            part = state[name]
+            setattr(obj, name, None if part is None else named(part["norms"], part["indices"]))
+        obj.offset = state["offset"]
+    except CodecError as exc:
+        raise CodecError(f"{where}: {exc}") from None
+    except Exception as exc:  # e.g. a later mlx-vlm's constructor takes other arguments
+        raise CodecError(f"{where}: {cls.__qualname__} rejected its state: {exc!r}") from exc
+    return obj
+
+
+def _check_turboquant(state: Any) -> None:
+    """Refuse a TurboQuantKVCache state its own code never makes."""
+    if type(state) is not dict or state.keys() != set(_TQ_SAVED):
+        raise CodecError(f"a TurboQuantKVCache state holds {list(_TQ_SAVED)}")
+    for name in ("bits", "key_bits", "value_bits"):
+        if type(state[name]) is not float or not 1 <= state[name] <= 16:
+            raise CodecError(f"{name} {state[name]!r} is out of range")
+    for name in ("key_bits", "value_bits"):
+        if not state[name].is_integer():
+            raise CodecError(f"{name} {state[name]!r} is fractional: its codec is not saved")
+    seed, offset = state["seed"], state["offset"]
+    if type(seed) is not int or seed < 0 or type(offset) is not int or not 0 <= offset < 1 << 31:
+        raise CodecError(f"seed {seed!r} or offset {offset!r} is out of range")
+    shapes = []
+    for name in ("keys", "values"):
+        part = state[name]
+        if part is None:
+            continue
+        if type(part) is not dict or part.keys() != {"norms", "indices"}:
+            raise CodecError(f"{name} holds norms and indices")
+        norms, indices = part["norms"], part["indices"]
+        if (type(norms) is not mx.array or type(indices) is not mx.array
+                or norms.ndim != 3 or not mx.issubdtype(norms.dtype, mx.floating)
+                or indices.ndim != 4 or indices.dtype != mx.uint32):
+            raise CodecError(f"{name}: norms are 3-dimensional floats, indices 4-dimensional "
+                             f"uint32")
+        if indices.shape[:3] != norms.shape or norms.shape[2] != offset:
+            raise CodecError(f"{name}: norms {norms.shape} and indices {indices.shape} "
+                             f"for offset {offset}")
+        shapes.append(norms.shape)
+    if len(shapes) == 1 or (not shapes and offset):
+        raise CodecError("keys and values are both saved or neither, and neither only when empty")
+    if len(shapes) == 2 and shapes[0] != shapes[1]:
+        raise CodecError("keys and values disagree on their shape")
+
+
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
     ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_chunked_with_meta,
     ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _read_vlm_buffered_rotating,
     ("mlx_lm.models.deepseek_v41", "LayerCache"): _read_deepseek_v41,
+    (_TQ_MODULE, "TurboQuantKVCache"): _read_turboquant,
 }
 
 #: Classes kvkeeper rebuilds itself from their saved fields: (class, state,
 #: where) -> layer. Each also has a reader above.
 _BUILDERS: dict[tuple[str, str], Callable[[type, Any, str], Any]] = {
     ("mlx_lm.models.deepseek_v41", "LayerCache"): _build_deepseek_v41,
+    (_TQ_MODULE, "TurboQuantKVCache"): _build_turboquant,
 }
 
 
@@ -705,6 +806,10 @@ class _Encoder:
             return self.tensor(value.array, value.length)
         if t is list:
             return _each(self.node, value)
+        if t is dict:  # the states kvkeeper's own readers give
+            return self.mapping(value)
+        if t is float and math.isfinite(value):
+            return value
         if isinstance(value, str):
             return str.__str__(value)  # a subclass as the plain str it holds
         if isinstance(value, int):
@@ -718,17 +823,20 @@ class _Encoder:
         if isinstance(value, list):
             return _each(self.node, value)
         if isinstance(value, dict):
-            items = []
-            for k, v in value.items():
-                if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise _NodeProblem(f"dict key {k!r} is not a scalar")
-                try:
-                    items.append([self.node(k), self.node(v)])
-                except _NodeProblem as exc:
-                    exc.path.append(str(k))
-                    raise
-            return {"$": "dict", "items": items}
+            return self.mapping(value)
         raise _NodeProblem(f"cannot encode a {type(value).__qualname__} in a cache state")
+
+    def mapping(self, value: dict[Any, Any]) -> dict[str, Any]:
+        items = []
+        for k, v in value.items():
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                raise _NodeProblem(f"dict key {k!r} is not a scalar")
+            try:
+                items.append([k if type(k) is str else self.node(k), self.node(v)])
+            except _NodeProblem as exc:
+                exc.path.append(str(k))
+                raise
+        return {"$": "dict", "items": items}
 
     def layer(self, layer: Any, where: str) -> dict[str, Any]:
         if isinstance(layer, (list, tuple)):
@@ -748,9 +856,10 @@ class _Encoder:
             entry["children_type"] = "list" if isinstance(children, list) else "tuple"
             return entry
 
+        built = (module, name) in _BUILDERS  # its reader's state says everything
         try:
             state, attrs = read(layer)
-            meta = getattr(layer, "meta_state", _MISSING)
+            meta = _MISSING if built else getattr(layer, "meta_state", _MISSING)
         except CodecError as exc:  # a reader of ours
             raise CodecError(f"{where}: {exc}") from None
         except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
@@ -766,7 +875,7 @@ class _Encoder:
         if attrs is not None:
             entry["attrs"] = attrs
             self.version = max(self.version, _ATTRS_VERSION)
-        if (module, name) in _BUILDERS:
+        if built:
             self.version = max(self.version, _BUILT_VERSION)
         return entry
 
