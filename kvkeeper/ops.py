@@ -865,18 +865,28 @@ def _refuse_a_daemon_the_service_did_not_start(sf: Any, values: dict[str, Any]) 
     from kvkeeper import service
     from kvkeeper.daemon.app import config_from_settings, holder_pid, lock_holder, lock_paths
 
-    cfg = config_from_settings(values)
-    for path, what in zip(lock_paths(cfg), ("socket", "root"), strict=True):
-        holder = lock_holder(path)
+    for path, what in zip(lock_paths(config_from_settings(values)), ("socket", "root"),
+                          strict=True):
+        # The lock file beside the socket, in the root.
+        place = path.with_name(path.name.removesuffix(".lock")) if what == "socket" \
+            else path.parent
+        try:
+            holder = lock_holder(path)
+        except OSError as exc:
+            raise CommandError(f"cannot read the {what}'s lock file {path}: {exc.strerror}; "
+                               f"the service could not take it either", status=2) from None
         if holder is None:
             continue
         pid = holder_pid(holder)
-        if pid is not None and pid == service.running_pid(sf):
-            continue  # the service's own daemon, which the install restarts
+        try:
+            if pid is not None and pid == service.running_pid(sf):
+                continue  # the service's own daemon, which the install restarts
+            why = ", which the service manager does not run"
+        except service.ServiceError as exc:
+            why = f" (the service manager could not be asked whether it runs it: {exc})"
         raise CommandError(
-            f"a kvkeeper daemon the service did not start holds the {what} "
-            f"{cfg.socket if what == 'socket' else cfg.root} ({holder}); the "
-            f"service would fail at every start: stop that daemon first"
+            f"the {what} {place} is held by another kvkeeper process ({holder}){why}; the "
+            f"service would fail at every start: stop that process first"
             f"{f' (kill -TERM {pid})' if pid else ''}, or only write the file with --no-load",
             status=2)
 
@@ -909,15 +919,32 @@ def uninstall_service(args: argparse.Namespace) -> int:
     platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
     sf = service.service_file([], 20.0, **({"platform": platform} if platform else {}))
     # A file deleted by hand leaves its service loaded, maybe running.
-    orphan = None if args.no_load or sf.path.exists() else service.running_pid(sf)
+    orphan = None if args.no_load or sf.path.exists() else _service_pid(sf)
     try:
         existed = service.uninstall(sf, unload=not args.no_load)
     except service.ServiceError as exc:
         raise CommandError(f"stopping the service failed, so {sf.path} stays: {exc} (with "
                            f"--no-load, uninstall-service only removes the file)") from None
-    out.print(Text.assemble("removed " if existed else "no service file at ", shown(sf.path),
-                            f"; stopped the service still running without it (pid {orphan})"
-                            if orphan and not existed else ""))
+    if orphan and not existed:
+        left = _service_pid(sf)
+        if left:
+            raise CommandError(f"no service file at {sf.path}, and the service still runs "
+                               f"without it (pid {left}): stopping it failed")
+        out.print(Text.assemble("no service file at ", shown(sf.path), "; stopped the service "
+                                f"still running without it (pid {orphan})"))
+        return 0
+    out.print(Text.assemble("removed " if existed else "no service file at ", shown(sf.path)))
     return 0
+
+
+def _service_pid(sf: Any) -> int | None:
+    """The service's running pid; None also when the manager cannot be asked
+    (uninstall-service then does what it can and says no more)."""
+    from kvkeeper import service
+
+    try:
+        return service.running_pid(sf)
+    except service.ServiceError:
+        return None
 
 

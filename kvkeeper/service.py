@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvkeeper.settings import MAX_SECONDS
+
 LABEL = "io.github.kvkeeper.daemon"
 UNIT = "kvkeeper.service"
 
@@ -41,14 +43,18 @@ class ServiceFile:
     # Stops the service by name, file or none (one whose file was deleted
     # by hand is still loaded).
     stop_loaded: list[list[str]] = field(default_factory=list)
-    # Prints the running daemon's pid, which pid_pattern finds (group 1).
+    # Prints the running daemon's pid, which pid_pattern finds (group 1);
+    # the statuses in not_loaded mean "no such service".
     pid_command: list[str] = field(default_factory=list)
-    pid_pattern: str = r"\A\s*([0-9]+)\s*\Z"
+    pid_pattern: str = r"^MainPID=([0-9]+)\s*$"
 
 
 #: A service manager command that stops nothing gets this long; one that may
 #: stop the daemon also gets the service's stop timeout (it waits that long).
 COMMAND_SECONDS = 60
+#: The longest stop timeout a service file of kvkeeper's has (the largest
+#: drain timeout plus 10 s).
+MAX_STOP_TIMEOUT = MAX_SECONDS + 10
 
 
 def installed_stop_timeout(path: Path) -> int | None:
@@ -168,7 +174,8 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
         after_removal=[["systemctl", "--user", "daemon-reload"]],
         stop_timeout=stop_timeout,
         stop_loaded=[["systemctl", "--user", "stop", UNIT]],
-        pid_command=["systemctl", "--user", "show", "--property=MainPID", "--value", UNIT],
+        # Not --value: systemd before 230 has none.
+        pid_command=["systemctl", "--user", "show", "--property=MainPID", UNIT],
     )
 
 
@@ -226,15 +233,22 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
 
 def running_pid(sf: ServiceFile) -> int | None:
     """The pid of the daemon the service manager runs from ``sf``, or None
-    (not running, not loaded, or no service manager to ask)."""
-    if not sf.pid_command:
-        return None
+    when it runs none (not loaded, or loaded and not running). Raises
+    ServiceError when the service manager cannot be asked."""
     try:
         r = subprocess.run(sf.pid_command, capture_output=True, text=True,
                            timeout=COMMAND_SECONDS)
-    except (OSError, subprocess.TimeoutExpired):
+    except FileNotFoundError:
+        raise ServiceError(f"{sf.pid_command[0]} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise ServiceError(f"{shlex.join(sf.pid_command)} did not finish within "
+                           f"{COMMAND_SECONDS} s") from None
+    if r.returncode in sf.not_loaded:
         return None
-    found = re.search(sf.pid_pattern, r.stdout, re.MULTILINE) if r.returncode == 0 else None
+    if r.returncode != 0:
+        raise ServiceError(f"{shlex.join(sf.pid_command)} failed ({r.returncode}): "
+                           f"{(r.stderr or r.stdout).strip()}")
+    found = re.search(sf.pid_pattern, r.stdout, re.MULTILINE)
     pid = int(found.group(1)) if found else 0
     return pid or None  # systemd says 0 for a unit not running
 
@@ -252,8 +266,10 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
         if unload:
             # Deleted by hand, the service may still be loaded and running:
             # stopped by name, if so (failures ignored: most often there is
-            # no such service).
-            _try(sf.stop_loaded, COMMAND_SECONDS + sf.stop_timeout)
+            # no such service; the caller asks for its pid after). With no
+            # file its stop timeout is unknown: the manager keeps to it, this
+            # only bounds the wait for the manager.
+            _try(sf.stop_loaded, COMMAND_SECONDS + MAX_STOP_TIMEOUT)
             _try(sf.after_removal, COMMAND_SECONDS)
         return False
     if unload:

@@ -259,7 +259,7 @@ _FAKE_MANAGERS = {
 echo "launchctl $*" >> "$CALLS"
 case "$1" in
   bootstrap) [ -e "$STATE" ] && exit 5; touch "$STATE" ;;
-  bootout) [ -e "$STATE" ] || exit 3; rm "$STATE" ;;
+  bootout) [ -e "$STATE" ] || exit 3; rm "$STATE"; rm -f "$MAINPID" ;;
   print) [ -e "$STATE" ] || exit 113; echo "{"; echo "	state = running";
          [ -e "$MAINPID" ] && echo "	pid = $(cat "$MAINPID")"; echo "}" ;;
 esac
@@ -267,7 +267,8 @@ esac
     "systemctl": """#!/bin/sh
 echo "systemctl $*" >> "$CALLS"
 case "$2" in
-  show) if [ -e "$MAINPID" ]; then cat "$MAINPID"; else echo 0; fi ;;
+  show) if [ -e "$MAINPID" ]; then echo "MainPID=$(cat "$MAINPID")"; else echo MainPID=0; fi ;;
+  stop) rm -f "$MAINPID" ;;
 esac
 """,
 }
@@ -326,17 +327,26 @@ def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> No
     try:
         for platform, path in (("linux", unit), ("macos", plist)):
             r = cli("install-service", "--platform", platform, *places, env=env)
-            usage_error(r, "did not start holds the socket", f"pid {by_hand.pid}",
+            usage_error(r, f"the socket {sock} is held by another kvkeeper process (pid "
+                        f"{by_hand.pid}", "which the service manager does not run",
                         f"kill -TERM {by_hand.pid}", "--no-load")
             assert not path.exists()
             # --no-load only writes the file: allowed.
             r = cli("install-service", "--platform", platform, "--no-load", *places, env=env)
             assert r.returncode == 0 and path.exists(), r.stderr
             path.unlink()
-        # The same root on another socket: the root is named.
-        r = cli("install-service", "--platform", "linux", "--root", str(root), "--socket",
-                str(short_dir / "run" / "other.sock"), env=env)
-        usage_error(r, "did not start holds the root", str(root), f"pid {by_hand.pid}")
+        # The same root on another socket, given relative: the root is named, whole.
+        r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "install-service",
+                            "--platform", "linux", "--root", "root", "--socket",
+                            str(short_dir / "run" / "other.sock")], cwd=short_dir,
+                           capture_output=True, text=True, timeout=WAIT,
+                           env={**{k: v for k, v in os.environ.items()
+                                   if not k.startswith("KVKEEPER_")}, **env})
+        usage_error(r, f"the root {root} is held", f"pid {by_hand.pid}")
+        # No service manager to ask: it says so rather than that it asked.
+        no_manager = dict(env, PATH=str(short_dir / "home"))
+        r = cli("install-service", "--platform", "linux", *places, env=no_manager)
+        usage_error(r, "could not be asked whether it runs it", "systemctl not found")
         # The service's own daemon: installed again (new settings), restarted.
         (short_dir / "mainpid").write_text(f"{by_hand.pid}\n")
         (short_dir / "loaded").touch()
@@ -348,7 +358,7 @@ def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> No
         assert stop_process(by_hand) == 0
     # Nothing holds them any more: installed. Looking made nothing (a root
     # not made yet stays so, for the daemon to make).
-    (short_dir / "mainpid").unlink()
+    (short_dir / "mainpid").unlink(missing_ok=True)
     r = cli("install-service", "--platform", "linux", *places, env=env)
     assert r.returncode == 0, r.stderr
     r = cli("install-service", "--platform", "linux", "--root", str(short_dir / "new-root"),
@@ -357,16 +367,42 @@ def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> No
     assert not (short_dir / "new-root").exists() and not (short_dir / "new-run").exists()
 
 
+def test_a_daemon_starting_while_install_service_looks_at_its_lock_starts(
+        short_dir: Path) -> None:
+    """install-service's look at a lock takes it, shared, for microseconds:
+    a daemon taking it then exited 2 ("another kvkeeper daemon is running",
+    naming whoever held it last). It now tries again for 50 ms. (The look is
+    stretched to 20 ms here.)"""
+    import fcntl
+    import threading
+
+    from kvkeeper.daemon.app import AlreadyRunning, _Lock
+
+    path = short_dir / "kv.lock"
+    path.write_text("pid 1, root /gone, socket /gone.sock")
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    threading.Timer(0.02, os.close, (fd,)).start()
+    lock = _Lock(path, "pid 2")
+    assert path.read_text() == "pid 2"
+    lock.release()
+    # Held for good, it is refused as before.
+    held = _Lock(path, "pid 3")
+    with pytest.raises(AlreadyRunning, match="pid 3"):
+        _Lock(path, "pid 4")
+    held.release()
+
+
 def test_uninstall_service_stops_a_service_whose_file_was_deleted(short_dir: Path) -> None:
     """A unit or agent file deleted by hand leaves the service loaded and its
     daemon running: uninstall-service said "no service file" and stopped
     nothing. It now stops it by name, and says so."""
     env = _fake_managers(short_dir)
     calls = short_dir / "calls"
-    (short_dir / "mainpid").write_text("4242\n")
     for platform, stop in (("linux", "systemctl --user stop kvkeeper.service"),
                            ("macos", f"launchctl bootout gui/{os.getuid()}/"
                                      f"io.github.kvkeeper.daemon")):
+        (short_dir / "mainpid").write_text("4242\n")
         (short_dir / "loaded").touch()
         r = cli("uninstall-service", "--platform", platform, env=env)
         assert r.returncode == 0, r.stderr
@@ -374,6 +410,13 @@ def test_uninstall_service_stops_a_service_whose_file_was_deleted(short_dir: Pat
         assert "pid 4242" in r.stdout
         assert stop in calls.read_text().splitlines()
         calls.unlink()
+    # A stop that fails (the service manager still names its pid): exit 1.
+    (short_dir / "mainpid").write_text("4242\n")
+    (short_dir / "bin" / "systemctl").write_text(
+        _FAKE_MANAGERS["systemctl"].replace('case "$2" in', 'case "$2" in\n  stop) exit 1 ;;'))
+    r = cli("uninstall-service", "--platform", "linux", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "still runs without it (pid 4242): stopping it failed" in r.stderr, r.stderr
     # Nothing running, no file: says only that.
     (short_dir / "mainpid").unlink()
     r = cli("uninstall-service", "--platform", "linux", env=env)

@@ -15,6 +15,7 @@ import secrets
 import signal
 import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,16 @@ class _Lock:
         self.path = path
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A few tries over 50 ms: install-service's look at the lock holds
+            # it for microseconds; a daemon that runs holds it for good.
+            for wait in (0.01, 0.04, 0.0):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if not wait or exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    time.sleep(wait)
         except OSError as exc:
             other = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
             os.close(fd)
@@ -170,14 +180,16 @@ def lock_paths(cfg: DaemonConfig) -> list[Path]:
 
 
 def lock_holder(path: Path) -> str | None:
-    """What the lock file at ``path`` says of the daemon that holds it
-    ("pid N, root R, socket S"; "unknown" when it says nothing), or None
-    when no process holds it. Creates nothing: a lock that is free is taken,
-    shared, for an instant."""
+    """What the lock file at ``path`` says of the process that holds it (a
+    daemon's "pid N, root R, socket S", "kvkeeper verify --repair, pid N";
+    "unknown" when it says nothing), or None when no process holds it.
+    Creates nothing: a lock that is free is taken, shared, for an instant
+    (a daemon starting then tries again, see _Lock). Raises OSError when the
+    file is there but cannot be opened (the daemon could not either)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None  # no file (or none we may read): no daemon took it
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no daemon ever took it
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -192,7 +204,7 @@ def lock_holder(path: Path) -> str | None:
 
 def holder_pid(holder: str) -> int | None:
     """The pid a lock holder's text (`lock_holder`) names, if any."""
-    found = re.match(r"pid ([0-9]+)\b", holder)
+    found = re.search(r"\bpid ([0-9]+)\b", holder)
     return int(found.group(1)) if found else None
 
 
