@@ -48,13 +48,16 @@ mlx-lm 0.32 caches keep every scalar in ``state`` and rebuild with
 ``from_state(state)``; mlx-vlm 0.7 caches also have ``meta_state`` and rebuild
 with ``from_state(state, meta_state)``.
 
-A class with neither (mlx-lm 0.32's DeepSeek V4.1 ``LayerCache``: a
-read-only ``state`` that leaves out its window size) is saved and rebuilt by
-kvkeeper itself, field by field (``_BUILDERS``), only while its fields are
-exactly the ones kvkeeper knows.
+Two classes that cannot be rebuilt either way are saved and built again by
+kvkeeper itself, field by field (``_BUILDERS``), only while their fields are
+exactly the ones kvkeeper knows: mlx-lm 0.32's DeepSeek V4.1 ``LayerCache``
+(a read-only ``state`` that leaves out its window size, no ``from_state``)
+and mlx-vlm's ``TurboQuantKVCache`` (its ``from_state`` leaves it without
+codecs).
 
 Classes are resolved on restore only inside ``mlx_lm.models.`` and
-``mlx_vlm.models.``: nothing is ever pickled or evaluated.
+``mlx_vlm.models.``, and in ``mlx_vlm.turboquant`` only the class kvkeeper
+builds: nothing is ever pickled or evaluated.
 """
 
 from __future__ import annotations
@@ -221,8 +224,10 @@ def _check_trusted_module(module: object) -> str:
 def _looks_like_cache_class(cls: object) -> bool:
     """A class defined in the trusted packages that can be rebuilt from a state.
 
-    Needs ``from_state`` or a settable ``state`` property: nn.Module (which
-    has a read-only ``state``) and plain helpers do not qualify.
+    Needs ``from_state`` or a settable ``state`` property (nn.Module, which
+    has a read-only ``state``, and plain helpers do not qualify), or to be
+    one kvkeeper builds itself (``_BUILDERS``), the only kind taken from
+    ``BUILT_ONLY_MODULES``.
     """
     module = getattr(cls, "__module__", None)
     if not isinstance(cls, type) or not isinstance(module, str):
@@ -541,8 +546,9 @@ def _known_fields(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
     have = getattr(obj, "__dict__", None)
     if type(have) is not dict or have.keys() != set(fields):
         names = sorted(have) if isinstance(have, dict) else None
+        package = type(obj).__module__.partition(".")[0].replace("_", "-")
         raise CodecError(f"{type(obj).__qualname__} has the fields {names}, kvkeeper knows "
-                         f"{sorted(fields)} (another mlx-lm version?)")
+                         f"{sorted(fields)} (another {package} version?)")
     return have
 
 
