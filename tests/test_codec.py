@@ -956,18 +956,22 @@ def _turbo(bits: float = 3.5, t: int = 37, **kw: Any) -> Any:
     return c
 
 
-@pytest.mark.parametrize("bits, t, trim", [(3.5, 37, 0), (4, 300, 0), (2, 37, 5), (3.5, 1, 0)])
+@pytest.mark.parametrize("kw, t, trim", [
+    ({"bits": 3.5}, 37, 0), ({"bits": 4}, 300, 0), ({"bits": 2}, 37, 5), ({"bits": 3.5}, 1, 0),
+    ({"bits": 3.5, "key_bits": 2.5}, 37, 3),  # a split codec: channels picked from the keys
+], ids=["3.5", "4-grown", "2-trimmed", "3.5-one-row", "split"])
 def test_turboquant_restores_its_quantized_state_and_goes_on_alike(
-        bits: float, t: int, trim: int) -> None:
+        kw: dict[str, float], t: int, trim: int) -> None:
     """Its from_state skipped __init__ (no codecs: AttributeError at the next
     update), and save() refused its module. The restored cache holds the
-    same quantized rows and quantizes the next ones alike, with codecs made
-    again from the head dimension, the bits and the seed."""
+    same quantized rows and codecs (a split codec's channels too): it
+    dequantizes as the original did, and quantizes the next rows alike."""
     mx.random.seed(7)
-    c = _turbo(bits, t, seed=11)
+    c = _turbo(t=t, seed=11, **kw)
     c.trim(trim)
     snap = snapshot_cache([c])
-    live = canon(c.state)
+    live, seen = canon(c.state), c.dequantize()
+    theirs = canon(c.prefix_cache_snapshot())  # mlx-vlm's own persistence contract
     # The snapshot is the cache as it was: the original goes on first.
     for _ in range(3):
         c.update_and_fetch(mx.random.normal((1, H, 1, D)), mx.random.normal((1, H, 1, D)))
@@ -976,6 +980,9 @@ def test_turboquant_restores_its_quantized_state_and_goes_on_alike(
     assert (r.offset, r.bits, r.key_bits, r.value_bits, r.seed) == (t - trim, c.bits, c.key_bits,
                                                                      c.value_bits, 11)
     assert canon(r.state) == live
+    assert canon(r.prefix_cache_snapshot()) == theirs
+    # Before any update (mlx-vlm's prefix cache, dequantize_for_apc).
+    assert all(mx.array_equal(x, y).item() for x, y in zip(r.dequantize(), seen, strict=True))
     c.trim(3)
     mx.random.seed(8)
     new = [(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D))) for n in (1, 5, 1)]
@@ -1000,11 +1007,15 @@ def test_an_empty_turboquant_cache_restores_empty() -> None:
 
 def test_turboquant_that_cannot_be_saved_whole_is_refused() -> None:
     mx.random.seed(7)
-    with pytest.raises(CodecError, match=r"layer 0: .*key_bits 2.5: a fractional codec"):
-        snapshot_cache([_turbo(3.5, key_bits=2.5)])
+    # A codebook of 9 bits takes about a second to make, of 16 minutes.
+    big = _turbo()
+    big.value_bits = 9.0
+    with pytest.raises(CodecError, match=r"layer 0: .*kvkeeper saves at most 8 bits"):
+        snapshot_cache([big])
     c = _turbo()
     c.lengths = None  # a field a later mlx-vlm might add
-    with pytest.raises(CodecError, match=r"layer 0: TurboQuantKVCache has the fields"):
+    with pytest.raises(CodecError, match=r"layer 0: TurboQuantKVCache has the fields .*another "
+                                         r"mlx-vlm version"):
         snapshot_cache([c])
     from mlx_vlm.turboquant import BatchTurboQuantKVCache, HybridQuantKVCache
 
@@ -1016,7 +1027,7 @@ def test_turboquant_that_cannot_be_saved_whole_is_refused() -> None:
 
 def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
     mx.random.seed(7)
-    snap = snapshot_cache([_turbo()])
+    snap = snapshot_cache([_turbo(3.5, key_bits=2.5)])
     arrays = arrays_from_snapshot(snap)
     doc = json.loads(snap.layers)
 
@@ -1027,21 +1038,26 @@ def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
         bad["layers"][0]["state"]["items"] = [[k, v] for k, v in state.items()]
         return json.dumps(bad)
 
-    def swap(st: dict[str, Any]) -> None:
-        keys = dict(st["keys"]["items"])
-        keys["norms"], keys["indices"] = keys["indices"], keys["norms"]
-        st["keys"]["items"] = [[k, v] for k, v in keys.items()]
+    def meta(i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+        return lambda st: st["meta_state"]["items"].__setitem__(i, value)
+
+    def codec(name: str, i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+        return lambda st: st[name]["items"].__setitem__(i, value)
 
     for mutate in (
-        lambda st: st.update(offset=36),
-        lambda st: st.update(offset=-1),
-        lambda st: st.update(key_bits=2.5),  # its codec would pick other channels
-        lambda st: st.update(bits=0.5),
-        lambda st: st.update(bits=4),  # an int: never written
-        lambda st: st.update(seed=-1),
+        meta(0, "36"),  # an offset the rows do not have
+        meta(0, "-1"),
+        meta(0, "x"),
+        meta(0, 37),
+        meta(4, "3.0"),  # 3-bit values: 8 words a row where 6 belong
+        meta(3, "16.0"),  # minutes to make its codebook
+        meta(2, "-1"),
+        codec("value_codec", 0, 32),  # half the channels
+        codec("key_codec", 1, None),  # a split codec's low channels gone
         lambda st: st.update(values=None),
-        lambda st: st.pop("seed"),
-        lambda st: st.update(keys=st["values"], values=st["keys"]) or swap(st),
+        lambda st: st.pop("key_codec"),
+        lambda st: st.update(extra=1),
+        lambda st: st.update(keys=st["values"]),  # a split codec's rows are two states
     ):
         with pytest.raises(CodecError, match="layer 0"):
             restore_cache(arrays, with_state(mutate))

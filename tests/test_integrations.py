@@ -627,37 +627,39 @@ def test_media_sources_are_fingerprinted_by_what_they_hold(tmp_path: Path) -> No
 def test_a_cache_kvkeeper_cannot_save_does_not_stop_generation(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A TurboQuant cache with a fractional key codec (kv_key_bits=2.5) picks
-    its channels from the first keys, which no state holds: kvkeeper cannot
-    save it. The first save behind the loop raised CodecError after the
-    prefill, and the request died. Now the request's saves stop, with a
-    warning, and it generates what a session without kvkeeper does."""
+    """mlx-vlm's HybridQuantKVCache (keys and values quantized by different
+    schemes) lives in mlx_vlm.turboquant, from which kvkeeper takes only the
+    class it builds itself: the first save behind the loop raised CodecError
+    after the prefill, and the request died. Now the request's saves stop,
+    with a warning, and it generates what a session without kvkeeper does."""
     model, proc = tiny_vlm_llama(), vlm_processor(VOCAB)
-    kw = dict(max_tokens=GEN, temperature=0.0, kv_bits=3.5, kv_key_bits=2.5,
-              quantized_kv_start=0)
+    kw = dict(max_tokens=GEN, temperature=0.0, kv_bits=4, kv_key_scheme="turboquant",
+              kv_value_scheme="uniform", quantized_kv_start=0)
     want = vlm_tokens(kv_vlm.Session(None, "tiny-vlm-tq", "a", model, proc).stream_generate(
         input_ids=prompt(48), **kw))
     session = kv_vlm.Session(client, "tiny-vlm-tq", "a", model, proc, every_tokens=4)
     assert vlm_tokens(session.stream_generate(input_ids=prompt(48), **kw)) == want
-    assert "event=write_behind_off" in caplog.text and "TurboQuantKVCache" in caplog.text
-    assert "key_bits 2.5" in caplog.text
+    assert "event=write_behind_off" in caplog.text and "HybridQuantKVCache" in caplog.text
     assert session.cache is not None  # kept in memory all the same
     assert client.flush(timeout=WAIT) and client.load("tiny-vlm-tq", "a") is None
 
 
-@pytest.mark.parametrize("kw", [{"kv_bits": 3.5}, {"kv_bits": 4, "kv_quant_scheme": "turboquant"}],
-                         ids=["3.5-bits", "scheme"])
+@pytest.mark.parametrize("kw", [{"kv_bits": 3.5}, {"kv_bits": 4, "kv_quant_scheme": "turboquant"},
+                                {"kv_bits": 3.5, "kv_key_bits": 2.5, "quantized_kv_start": 30}],
+                         ids=["3.5-bits", "scheme", "split-codec-late"])
 def test_mlx_vlm_turboquant_restarts_between_turns_give_the_same_tokens(
         kw: dict[str, Any], daemon: RunningDaemon) -> None:
     """mlx-vlm's TurboQuant caches (kv_bits=3.5: 3-bit keys, 4-bit values;
-    or kv_quant_scheme="turboquant") were refused by save(): a session using
-    them saved nothing. Across restarts they now give the tokens of an
-    uninterrupted run, extended and trimmed from the saved quantized state,
-    and the file holds that state (read with the safetensors package)."""
+    kv_quant_scheme="turboquant"; 2.5-bit keys, whose codec picks its
+    channels from the data, made from a KVCache after 30 tokens) were
+    refused by save(): a session using them saved nothing. Across restarts
+    they now give the tokens of an uninterrupted run, extended and trimmed
+    from the saved quantized state, and the file holds that state (read
+    with the safetensors package)."""
     from safetensors import safe_open
 
     model, proc = tiny_vlm_llama(), vlm_processor(VOCAB)
-    kw = dict(kw, temperature=0.0, max_tokens=GEN, quantized_kv_start=0)
+    kw = dict({"quantized_kv_start": 0}, **kw, temperature=0.0, max_tokens=GEN)
     memory = kv_vlm.Session(None, "tiny-vlm-tq", "mem", model, proc)
     expected: list[list[int]] = []
     for turn in range(3):
@@ -680,10 +682,12 @@ def test_mlx_vlm_turboquant_restarts_between_turns_give_the_same_tokens(
             with safe_open(str(saved.path), "numpy") as f:
                 layers = json.loads(f.metadata()["kvkeeper.layers"])["layers"]
                 state = dict(layers[0]["state"]["items"])
-                assert state["offset"] == layer.offset == len(full + gen)
-                keys = dict(state["keys"]["items"])
-                want = layer.state[0].indices
-                assert np.array_equal(f.get_tensor(keys["indices"]["name"]), np.array(want))
+                meta = state["meta_state"]["items"]
+                assert int(meta[0]) == layer.offset == len(full + gen)
+                # The values' packed rows (an MSE codec's: norms, indices).
+                _, indices = state["values"]["items"]
+                want = layer.state[1].indices
+                assert np.array_equal(f.get_tensor(indices["name"]), np.array(want))
         out.append(gen)
         assert gen == expected[turn], f"turn {turn}"
         if turn:

@@ -49,11 +49,12 @@ mlx-lm 0.32 caches keep every scalar in ``state`` and rebuild with
 with ``from_state(state, meta_state)``.
 
 Two classes that cannot be rebuilt either way are saved and built again by
-kvkeeper itself, field by field (``_BUILDERS``), only while their fields are
-exactly the ones kvkeeper knows: mlx-lm 0.32's DeepSeek V4.1 ``LayerCache``
-(a read-only ``state`` that leaves out its window size, no ``from_state``)
-and mlx-vlm's ``TurboQuantKVCache`` (its ``from_state`` leaves it without
-codecs).
+kvkeeper itself (``_BUILDERS``), only while their fields are exactly the
+ones kvkeeper knows: mlx-lm 0.32's DeepSeek V4.1 ``LayerCache`` field by
+field (a read-only ``state`` that leaves out its window size, no
+``from_state``), and mlx-vlm's ``TurboQuantKVCache`` through its own
+``prefix_cache_snapshot`` / ``prefix_cache_restore`` (its ``from_state``
+leaves it without codecs).
 
 Classes are resolved on restore only inside ``mlx_lm.models.`` and
 ``mlx_vlm.models.``, and in ``mlx_vlm.turboquant`` only the class kvkeeper
@@ -246,11 +247,12 @@ def _looks_like_cache_class(cls: object) -> bool:
 
 
 def resolve_cache_class(module: str, name: str) -> type:
-    """Import `module` (only under mlx_lm.models. / mlx_vlm.models.) and return its cache class `name`.
+    """Import `module` (only under mlx_lm.models. / mlx_vlm.models., or one of
+    ``BUILT_ONLY_MODULES``) and return its cache class `name`.
 
-    Raises CodecError for a module outside those packages (checked before any
-    import), a name that is not a plain public identifier, or an attribute that
-    is not a cache class (a type defined in those packages with a ``state``).
+    Raises CodecError for a module outside those (checked before any import),
+    a name that is not a plain public identifier, or an attribute that is not
+    a cache class (see ``_looks_like_cache_class``).
     Classes found are remembered (a load resolves one per layer); refusals are not.
     """
     if type(module) is str and type(name) is str:
@@ -540,11 +542,12 @@ def _read_vlm_buffered_rotating(layer: Any) -> _Read:
 # otherwise be lost without a word.
 _DSV41_ARRAYS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
 _DSV41_FIELDS = ("window_size", "offset", *_DSV41_ARRAYS)
+_DSV41_NAMES = frozenset(_DSV41_FIELDS)
 
 
-def _known_fields(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
+def _known_fields(obj: Any, fields: frozenset[str]) -> dict[str, Any]:
     have = getattr(obj, "__dict__", None)
-    if type(have) is not dict or have.keys() != set(fields):
+    if type(have) is not dict or have.keys() != fields:
         names = sorted(have) if isinstance(have, dict) else None
         package = type(obj).__module__.partition(".")[0].replace("_", "-")
         raise CodecError(f"{type(obj).__qualname__} has the fields {names}, kvkeeper knows "
@@ -553,7 +556,7 @@ def _known_fields(obj: Any, fields: Sequence[str]) -> dict[str, Any]:
 
 
 def _read_deepseek_v41(layer: Any) -> _Read:
-    fields = _known_fields(layer, _DSV41_FIELDS)
+    fields = _known_fields(layer, _DSV41_NAMES)
     size, offset = fields["window_size"], fields["offset"]
     if type(size) is not int or type(offset) is not int:
         raise CodecError(f"window_size {size!r} and offset {offset!r} are not both int")
@@ -564,7 +567,7 @@ def _build_deepseek_v41(cls: type, state: Any, where: str) -> Any:
     try:
         _check_deepseek_v41(state)
         obj = cls(state["window_size"])
-        _known_fields(obj, _DSV41_FIELDS)  # this mlx-lm's LayerCache is the one described
+        _known_fields(obj, _DSV41_NAMES)  # this mlx-lm's LayerCache is the one described
     except CodecError as exc:
         raise CodecError(f"{where}: {exc}") from None
     except Exception as exc:  # e.g. a later mlx-lm's constructor takes other arguments
@@ -578,7 +581,7 @@ def _check_deepseek_v41(state: Any) -> None:
     """Refuse a LayerCache state that breaks what the class's own code keeps
     true (broken, it shows later as NaN or a failed reshape). Only those: a
     pipeline stage's first layer also holds fields of earlier layers."""
-    if type(state) is not dict or state.keys() != set(_DSV41_FIELDS):
+    if type(state) is not dict or state.keys() != _DSV41_NAMES:
         raise CodecError(f"a LayerCache state holds {list(_DSV41_FIELDS)}")
     size, offset = state["window_size"], state["offset"]
     if (type(size) is not int or type(offset) is not int
@@ -605,109 +608,125 @@ def _check_deepseek_v41(state: Any) -> None:
 
 # mlx-vlm's TurboQuantKVCache (kv_bits=3.5, or kv_quant_scheme="turboquant"):
 # its from_state skips __init__, leaving no codecs (AttributeError at the next
-# update), and it lives outside mlx_vlm.models. Its codecs are not saved: with
-# whole key and value bits each is the MSE codec, a function of the head
-# dimension, the bits and the seed, which the next update makes again. A
-# fractional one (kv_key_bits=2.5) picks its outlier channels from the first
-# keys it saw, which no state holds: refused.
-_TQ_FIELDS = ("bits", "key_bits", "value_bits", "seed", "offset", "keys", "values",
-              "key_codec", "value_codec", "_cached_state", "_cached_state_offset",
-              "_shadow_keys", "_shadow_values")
-_TQ_SAVED = ("bits", "key_bits", "value_bits", "seed", "offset", "keys", "values")
-_TQ_MODULE = "mlx_vlm.turboquant"
+# update), and it lives outside mlx_vlm.models. It has a persistence contract
+# of its own, prefix_cache_snapshot / prefix_cache_restore (mlx-vlm's prefix
+# cache uses it): the packed rows cut to the offset, the scalars as strings,
+# and each codec as (dim, low channels, high channels), which rebuilds a
+# fractional (split) codec's channel choice too. kvkeeper saves that and
+# hands it back, and checks what it builds.
+_TQ_FIELDS = frozenset({"bits", "key_bits", "value_bits", "seed", "offset", "keys", "values",
+                        "key_codec", "value_codec", "_cached_state", "_cached_state_offset",
+                        "_shadow_keys", "_shadow_values"})
+_TQ_SNAPSHOT = frozenset({"meta_state", "keys", "values", "key_codec", "value_codec"})
+_TQ_MAX_BITS = 8  # a codebook of more takes seconds to minutes to make
 
 
 def _read_turboquant(layer: Any) -> _Read:
     fields = _known_fields(layer, _TQ_FIELDS)
     if fields["_shadow_keys"] is not None or fields["_shadow_values"] is not None:
         raise CodecError("TurboQuantKVCache holds shadow keys, which kvkeeper does not save")
-    for side in ("key_bits", "value_bits"):
-        bits = fields[side]
-        if type(bits) not in (int, float) or not float(bits).is_integer():
-            raise CodecError(f"TurboQuantKVCache with {side} {bits!r}: a fractional codec "
-                             f"picks its channels from the first keys, which its state does "
-                             f"not hold, so it cannot be saved")
-    named = sys.modules[_TQ_MODULE].TurboQuantMSEState
-    # The state is the buffers cut to the offset (memoized, as mlx-vlm does).
-    parts = {}
-    for name, part in zip(("keys", "values"), layer.state, strict=True):
-        if part is not None and type(part) is not named:
-            raise CodecError(f"TurboQuantKVCache {name} are a {type(part).__qualname__}, "
-                             f"kvkeeper saves TurboQuantMSEState")
-        parts[name] = None if part is None else {"norms": part.norms, "indices": part.indices}
-    if type(fields["seed"]) is not int or type(fields["offset"]) is not int:
-        raise CodecError(f"seed {fields['seed']!r} and offset {fields['offset']!r} are not int")
-    return {"bits": float(fields["bits"]), "key_bits": float(fields["key_bits"]),
-            "value_bits": float(fields["value_bits"]), "seed": fields["seed"],
-            "offset": fields["offset"], **parts}, None
+    bits = [fields[name] for name in ("bits", "key_bits", "value_bits")]
+    if not all(type(b) in (int, float) and b <= _TQ_MAX_BITS for b in bits):
+        raise CodecError(f"TurboQuantKVCache bits {bits}: kvkeeper saves at most "
+                         f"{_TQ_MAX_BITS} bits")
+    # What prefix_cache_snapshot returns (a test holds the two equal), made
+    # from the memoized state: that method cuts the rows afresh each call,
+    # 4 slices a layer (534 us of 32 layers against 33 us).
+    keys, values = layer.state
+    return {"meta_state": layer.meta_state, "keys": keys, "values": values,
+            "key_codec": _tq_codec(fields["key_codec"]),
+            "value_codec": _tq_codec(fields["value_codec"])}, None
+
+
+def _tq_codec(codec: Any) -> tuple[int, Any, Any] | None:
+    """A codec as prefix_cache_snapshot gives it: (dim, low channels, high
+    channels), the channels None but for a split codec."""
+    if codec is None:
+        return None
+    name = type(codec).__name__
+    if name == "_SplitCodec":
+        return codec.dim, codec.low_idx, codec.high_idx
+    if name == "_TurboQuantMSECodec":
+        return codec.dim, None, None
+    raise CodecError(f"TurboQuantKVCache with a {name}, which kvkeeper does not know")
 
 
 def _build_turboquant(cls: type, state: Any, where: str) -> Any:
     try:
         _check_turboquant(state)
-        obj = cls(bits=state["bits"], seed=state["seed"], key_bits=state["key_bits"],
-                  value_bits=state["value_bits"])
+        obj = cls.__new__(cls)
+        obj.prefix_cache_restore(state)
         _known_fields(obj, _TQ_FIELDS)  # this mlx-vlm's TurboQuantKVCache is the one described
-        named = sys.modules[cls.__module__].TurboQuantMSEState
-        for name in ("keys", "values"):
-            part = state[name]
-            setattr(obj, name, None if part is None else named(part["norms"], part["indices"]))
-        obj.offset = state["offset"]
+        for part, codec in ((obj.keys, obj.key_codec), (obj.values, obj.value_codec)):
+            if part is None:
+                if obj.offset:
+                    raise CodecError(f"no rows for offset {obj.offset}")
+            else:
+                _check_packed(part, codec, obj.offset)
     except CodecError as exc:
         raise CodecError(f"{where}: {exc}") from None
-    except Exception as exc:  # e.g. a later mlx-vlm's constructor takes other arguments
+    except Exception as exc:  # its own refusals, or a later mlx-vlm's other contract
         raise CodecError(f"{where}: {cls.__qualname__} rejected its state: {exc!r}") from exc
     return obj
 
 
 def _check_turboquant(state: Any) -> None:
-    """Refuse a TurboQuantKVCache state its own code never makes."""
-    if type(state) is not dict or state.keys() != set(_TQ_SAVED):
-        raise CodecError(f"a TurboQuantKVCache state holds {list(_TQ_SAVED)}")
-    for name in ("bits", "key_bits", "value_bits"):
-        if type(state[name]) is not float or not 1 <= state[name] <= 16:
-            raise CodecError(f"{name} {state[name]!r} is out of range")
-    for name in ("key_bits", "value_bits"):
-        if not state[name].is_integer():
-            raise CodecError(f"{name} {state[name]!r} is fractional: its codec is not saved")
-    seed, offset = state["seed"], state["offset"]
-    if type(seed) is not int or seed < 0 or type(offset) is not int or not 0 <= offset < 1 << 31:
-        raise CodecError(f"seed {seed!r} or offset {offset!r} is out of range")
-    shapes = []
-    for name in ("keys", "values"):
-        part = state[name]
-        if part is None:
+    """Refuse what prefix_cache_restore would take and the next update
+    could not use (or would spend minutes on: a codebook of 16 bits)."""
+    if type(state) is not dict or state.keys() != _TQ_SNAPSHOT:
+        raise CodecError(f"a TurboQuantKVCache state holds {sorted(_TQ_SNAPSHOT)}")
+    meta = state["meta_state"]
+    if type(meta) is not tuple or len(meta) != 5 or not all(type(m) is str for m in meta):
+        raise CodecError(f"meta_state {meta!r} is not 5 strings")
+    try:
+        offset, seed, bits = int(meta[0]), int(meta[2]), [float(m) for m in meta[1::2]]
+    except ValueError:
+        raise CodecError(f"meta_state {meta!r} is not numbers") from None
+    if not (0 <= offset < 1 << 31 and seed >= 0 and all(1 <= b <= _TQ_MAX_BITS for b in bits)):
+        raise CodecError(f"meta_state {meta!r} is out of range")
+    for name in ("key_codec", "value_codec"):
+        codec = state[name]
+        if codec is None:
             continue
-        if type(part) is not dict or part.keys() != {"norms", "indices"}:
-            raise CodecError(f"{name} holds norms and indices")
-        norms, indices = part["norms"], part["indices"]
-        if (type(norms) is not mx.array or type(indices) is not mx.array
-                or norms.ndim != 3 or not mx.issubdtype(norms.dtype, mx.floating)
-                or indices.ndim != 4 or indices.dtype != mx.uint32):
-            raise CodecError(f"{name}: norms are 3-dimensional floats, indices 4-dimensional "
-                             f"uint32")
-        if indices.shape[:3] != norms.shape or norms.shape[2] != offset:
-            raise CodecError(f"{name}: norms {norms.shape} and indices {indices.shape} "
-                             f"for offset {offset}")
-        shapes.append(norms.shape)
-    if len(shapes) == 1 or (not shapes and offset):
-        raise CodecError("keys and values are both saved or neither, and neither only when empty")
-    if len(shapes) == 2 and shapes[0] != shapes[1]:
-        raise CodecError("keys and values disagree on their shape")
+        if type(codec) is not tuple or len(codec) != 3 or type(codec[0]) is not int \
+                or not 0 < codec[0] <= 1 << 16:
+            raise CodecError(f"{name} {codec!r} is not (dim, low, high)")
+        if not all(x is None or (type(x) is mx.array and x.ndim == 1 and x.dtype == mx.int32)
+                   for x in codec[1:]):
+            raise CodecError(f"{name}'s channels are not 1-dimensional int32 arrays")
+
+
+def _check_packed(part: Any, codec: Any, offset: int) -> None:
+    """The packed rows of one side agree with the codec that decodes them."""
+    low, high = getattr(codec, "low_codec", None), getattr(codec, "high_codec", None)
+    if low is not None and high is not None:  # a split codec: one state per half
+        _check_packed(part.low, low, offset)
+        _check_packed(part.high, high, offset)
+        return
+    norms, indices = part.norms, part.indices
+    if (type(norms) is not mx.array or type(indices) is not mx.array or norms.ndim != 3
+            or indices.ndim != 4 or indices.dtype != mx.uint32
+            or not mx.issubdtype(norms.dtype, mx.floating)):
+        raise CodecError("the packed rows are not 3-dimensional float norms and 4-dimensional "
+                         "uint32 indices")
+    words = (codec.dim * codec.bits + 31) // 32
+    if indices.shape != (*norms.shape, words) or norms.shape[2] != offset:
+        raise CodecError(f"norms {norms.shape} and indices {indices.shape} for offset {offset}, "
+                         f"a codec of {codec.bits} bits on {codec.dim} channels")
 
 
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
     ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_chunked_with_meta,
     ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _read_vlm_buffered_rotating,
     ("mlx_lm.models.deepseek_v41", "LayerCache"): _read_deepseek_v41,
-    (_TQ_MODULE, "TurboQuantKVCache"): _read_turboquant,
+    ("mlx_vlm.turboquant", "TurboQuantKVCache"): _read_turboquant,
 }
 
 #: Classes kvkeeper rebuilds itself from their saved fields: (class, state,
 #: where) -> layer. Each also has a reader above.
 _BUILDERS: dict[tuple[str, str], Callable[[type, Any, str], Any]] = {
     ("mlx_lm.models.deepseek_v41", "LayerCache"): _build_deepseek_v41,
-    (_TQ_MODULE, "TurboQuantKVCache"): _build_turboquant,
+    ("mlx_vlm.turboquant", "TurboQuantKVCache"): _build_turboquant,
 }
 
 
@@ -816,6 +835,8 @@ class _Encoder:
             return self.mapping(value)
         if t is float and math.isfinite(value):
             return value
+        if isinstance(value, tuple):  # NamedTuples (TurboQuant's packed rows)
+            return {"$": "tuple", "items": _each(self.node, value)}
         if isinstance(value, str):
             return str.__str__(value)  # a subclass as the plain str it holds
         if isinstance(value, int):
@@ -824,8 +845,6 @@ class _Encoder:
             return float(value) if math.isfinite(value) else {"$": "float", "value": repr(value)}
         if isinstance(value, mx.array):
             return self.tensor(value, None)
-        if isinstance(value, tuple):
-            return {"$": "tuple", "items": _each(self.node, value)}
         if isinstance(value, list):
             return _each(self.node, value)
         if isinstance(value, dict):
@@ -1196,7 +1215,7 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
     the arrays were loaded from (name -> {"dtype", "shape", ...}): a reference
     that matches its entry there needs no question to the array itself.
     Raises CodecError for anything malformed, unknown or mismatched; never
-    imports outside mlx_lm.models. / mlx_vlm.models.
+    imports outside mlx_lm.models. / mlx_vlm.models. (and ``BUILT_ONLY_MODULES``).
     """
     entries = _LAYER_LISTS.get(layers) if type(layers) is str else None
     if entries is None:
