@@ -994,6 +994,15 @@ def test_turboquant_restores_its_quantized_state_and_goes_on_alike(
         assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
 
 
+def _turbo_heads(heads: int) -> Any:
+    from mlx_vlm.turboquant import TurboQuantKVCache
+
+    c = TurboQuantKVCache(bits=3.5)
+    k = mx.random.normal((1, heads, 37, D))
+    c.update_and_fetch(k, k)
+    return c
+
+
 def test_an_empty_turboquant_cache_restores_empty() -> None:
     from mlx_vlm.turboquant import TurboQuantKVCache
 
@@ -1012,6 +1021,10 @@ def test_turboquant_that_cannot_be_saved_whole_is_refused() -> None:
     big.value_bits = 9.0
     with pytest.raises(CodecError, match=r"layer 0: .*kvkeeper saves at most 8 bits"):
         snapshot_cache([big])
+    # mlx-vlm takes a negative seed (its generate never makes one); a load
+    # refuses it, so save() does: never a save that no load can use.
+    with pytest.raises(CodecError, match=r"layer 0: meta_state .* is out of range"):
+        snapshot_cache([_turbo(3.5, seed=-5)])
     c = _turbo()
     c.lengths = None  # a field a later mlx-vlm might add
     with pytest.raises(CodecError, match=r"layer 0: TurboQuantKVCache has the fields .*another "
@@ -1058,9 +1071,22 @@ def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
         lambda st: st.pop("key_codec"),
         lambda st: st.update(extra=1),
         lambda st: st.update(keys=st["values"]),  # a split codec's rows are two states
+        meta(4, "4.5"),  # fractional bits with a whole-bit codec (it would run 4)
+        # A split codec's channels: the low half twice, the high never.
+        lambda st: st["key_codec"]["items"].__setitem__(2, st["key_codec"]["items"][1]),
     ):
         with pytest.raises(CodecError, match="layer 0"):
             restore_cache(arrays, with_state(mutate))
+    # Values of another cache with twice the heads: each side fits its codec,
+    # and the next update could not broadcast one against the other.
+    two = snapshot_cache([_turbo(3.5), _turbo_heads(2 * H)])
+    bad = json.loads(two.layers)
+    values = dict(bad["layers"][1]["state"]["items"])["values"]
+    items = dict(bad["layers"][0]["state"]["items"])
+    items["values"] = values
+    bad["layers"][0]["state"]["items"] = [[k, v] for k, v in items.items()]
+    with pytest.raises(CodecError, match="layer 0: the packed rows disagree on batch and heads"):
+        restore_cache(arrays_from_snapshot(two), json.dumps(bad))
     bad = json.loads(snap.layers)
     bad["layers"][0]["meta_state"] = {"$": "tuple", "items": ["37"]}
     with pytest.raises(CodecError, match="layer 0"):

@@ -18,10 +18,12 @@ sharing the cache's buffers safe:
 * Non-contiguous views (``keys[..., :offset, :]``) are not copied either: the
   strided layout is turned into one run per contiguous block.
 
-The layout of the JSON string (``layers``), format version 2 (written as
-version 1 when no layer has "attrs", so older readers take those)::
+The layout of the JSON string (``layers``), format version 3 (each
+description is written with the lowest version its layers need: 1 without
+"attrs" or built layers, 2 with "attrs", 3 with a built layer; older
+readers take the lower ones)::
 
-    {"format": "kvkeeper.layers", "version": 1 | 2, "layers": [LAYER, ...]}
+    {"format": "kvkeeper.layers", "version": 1 | 2 | 3, "layers": [LAYER, ...]}
 
     LAYER = {"class": "KVCache", "module": "mlx_lm.models.cache",
              "state": NODE,                  # what from_state gets back
@@ -32,6 +34,10 @@ version 1 when no layer has "attrs", so older readers take those)::
           | {"class": "LayerCache", "module": "mlx_lm.models.deepseek_v41",
              "state": {"$": "dict", "items": [["window_size", int], ...]}}
                                              # its fields by name (version 3)
+          | {"class": "TurboQuantKVCache", "module": "mlx_vlm.turboquant",
+             "state": {"$": "dict", "items": [["meta_state", ...], ["keys", ...],
+                       ["values", ...], ["key_codec", ...], ["value_codec", ...]]}}
+                                 # its prefix_cache_snapshot (version 3)
 
     NODE  = null | true | false | int | float | str
           | [NODE, ...]                                   # a list
@@ -633,9 +639,13 @@ def _read_turboquant(layer: Any) -> _Read:
     # from the memoized state: that method cuts the rows afresh each call,
     # 4 slices a layer (534 us of 32 layers against 33 us).
     keys, values = layer.state
-    return {"meta_state": layer.meta_state, "keys": keys, "values": values,
-            "key_codec": _tq_codec(fields["key_codec"]),
-            "value_codec": _tq_codec(fields["value_codec"])}, None
+    snapshot = {"meta_state": layer.meta_state, "keys": keys, "values": values,
+                "key_codec": _tq_codec(fields["key_codec"]),
+                "value_codec": _tq_codec(fields["value_codec"])}
+    # What a load would refuse is refused now, while save() can say so.
+    offset = _check_turboquant(snapshot)
+    _check_sides(((keys, fields["key_codec"]), (values, fields["value_codec"])), offset)
+    return snapshot, None
 
 
 def _tq_codec(codec: Any) -> tuple[int, Any, Any] | None:
@@ -653,16 +663,11 @@ def _tq_codec(codec: Any) -> tuple[int, Any, Any] | None:
 
 def _build_turboquant(cls: type, state: Any, where: str) -> Any:
     try:
-        _check_turboquant(state)
+        offset = _check_turboquant(state)
         obj = cls.__new__(cls)
         obj.prefix_cache_restore(state)
         _known_fields(obj, _TQ_FIELDS)  # this mlx-vlm's TurboQuantKVCache is the one described
-        for part, codec in ((obj.keys, obj.key_codec), (obj.values, obj.value_codec)):
-            if part is None:
-                if obj.offset:
-                    raise CodecError(f"no rows for offset {obj.offset}")
-            else:
-                _check_packed(part, codec, obj.offset)
+        _check_sides(((obj.keys, obj.key_codec), (obj.values, obj.value_codec)), offset)
     except CodecError as exc:
         raise CodecError(f"{where}: {exc}") from None
     except Exception as exc:  # its own refusals, or a later mlx-vlm's other contract
@@ -670,38 +675,65 @@ def _build_turboquant(cls: type, state: Any, where: str) -> Any:
     return obj
 
 
-def _check_turboquant(state: Any) -> None:
-    """Refuse what prefix_cache_restore would take and the next update
-    could not use (or would spend minutes on: a codebook of 16 bits)."""
+def _check_turboquant(state: Any) -> int:
+    """Refuse what prefix_cache_restore would take and the next update could
+    not use (or would spend minutes on: a codebook of 16 bits), or would use
+    to make garbage; return the offset. Run on save and on load alike."""
     if type(state) is not dict or state.keys() != _TQ_SNAPSHOT:
         raise CodecError(f"a TurboQuantKVCache state holds {sorted(_TQ_SNAPSHOT)}")
     meta = state["meta_state"]
     if type(meta) is not tuple or len(meta) != 5 or not all(type(m) is str for m in meta):
         raise CodecError(f"meta_state {meta!r} is not 5 strings")
     try:
-        offset, seed, bits = int(meta[0]), int(meta[2]), [float(m) for m in meta[1::2]]
+        offset, seed, bits = int(meta[0]), int(meta[2]), [float(meta[i]) for i in (1, 3, 4)]
     except ValueError:
         raise CodecError(f"meta_state {meta!r} is not numbers") from None
     if not (0 <= offset < 1 << 31 and seed >= 0 and all(1 <= b <= _TQ_MAX_BITS for b in bits)):
         raise CodecError(f"meta_state {meta!r} is out of range")
-    for name in ("key_codec", "value_codec"):
+    if (state["keys"] is None) != (state["values"] is None) or (
+            state["keys"] is None and offset):
+        raise CodecError(f"keys and values are both saved or neither, and neither only "
+                         f"when empty (offset {offset})")
+    for name, side_bits in (("key_codec", bits[1]), ("value_codec", bits[2])):
         codec = state[name]
         if codec is None:
+            if state["keys"] is not None:
+                raise CodecError(f"rows without a {name}")
             continue
         if type(codec) is not tuple or len(codec) != 3 or type(codec[0]) is not int \
                 or not 0 < codec[0] <= 1 << 16:
             raise CodecError(f"{name} {codec!r} is not (dim, low, high)")
-        if not all(x is None or (type(x) is mx.array and x.ndim == 1 and x.dtype == mx.int32)
-                   for x in codec[1:]):
-            raise CodecError(f"{name}'s channels are not 1-dimensional int32 arrays")
+        dim, low, high = codec
+        if low is None and high is None:
+            if not side_bits.is_integer():
+                raise CodecError(f"{name}: {side_bits} bits with a whole-bit codec")
+            continue
+        if side_bits.is_integer() or not all(
+                type(x) is mx.array and x.ndim == 1 and x.dtype == mx.int32 for x in (low, high)):
+            raise CodecError(f"{name}: {side_bits} bits with channels {low!r}, {high!r}")
+        # Each channel once, in one half or the other.
+        picked = np.sort(np.concatenate([np.array(low), np.array(high)]))
+        if not np.array_equal(picked, np.arange(dim)):
+            raise CodecError(f"{name}: its channels are not each of 0..{dim - 1} once")
+    return offset
 
 
-def _check_packed(part: Any, codec: Any, offset: int) -> None:
-    """The packed rows of one side agree with the codec that decodes them."""
+def _check_sides(sides: Sequence[tuple[Any, Any]], offset: int) -> None:
+    """The packed rows of keys and values agree with the codecs that decode
+    them, and with each other on batch and heads."""
+    heads: set[tuple[int, ...]] = set()
+    for part, codec in sides:
+        if part is not None:
+            _check_packed(part, codec, offset, heads)
+    if len(heads) > 1:
+        raise CodecError(f"the packed rows disagree on batch and heads: {sorted(heads)}")
+
+
+def _check_packed(part: Any, codec: Any, offset: int, heads: set[tuple[int, ...]]) -> None:
     low, high = getattr(codec, "low_codec", None), getattr(codec, "high_codec", None)
     if low is not None and high is not None:  # a split codec: one state per half
-        _check_packed(part.low, low, offset)
-        _check_packed(part.high, high, offset)
+        _check_packed(part.low, low, offset, heads)
+        _check_packed(part.high, high, offset, heads)
         return
     norms, indices = part.norms, part.indices
     if (type(norms) is not mx.array or type(indices) is not mx.array or norms.ndim != 3
@@ -713,6 +745,7 @@ def _check_packed(part: Any, codec: Any, offset: int) -> None:
     if indices.shape != (*norms.shape, words) or norms.shape[2] != offset:
         raise CodecError(f"norms {norms.shape} and indices {indices.shape} for offset {offset}, "
                          f"a codec of {codec.bits} bits on {codec.dim} channels")
+    heads.add(norms.shape[:2])
 
 
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
