@@ -850,7 +850,10 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"0.948/0.966x against 1.040/0.995x. Per save, in 8 alternated pairs of "
                 f"runs measured apart that day, the client process used about 1.2 ms of "
                 f"CPU beyond the decode (its I/O thread and ZeroMQ's) and the daemon "
-                f"2.5-3 ms.")
+                f"2.5-3 ms. On 2026-12-03 the full run at cc6c6cc gave 0.951x; "
+                f"`--cases generation` right after, with trees 1519a04 (its KVCache save path "
+                f"differs by one dict lookup a layer) and cc6c6cc alternated, gave 0.999/0.977x "
+                f"against 0.974/0.977x.")
         elif case.startswith("3"):
             d = cases["disk"]
             out.append(
