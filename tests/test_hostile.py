@@ -3,6 +3,7 @@ names, other users, planted symlinks, a second daemon."""
 
 from __future__ import annotations
 
+import math
 import os
 import pwd
 import re
@@ -322,7 +323,9 @@ def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
         for p in files:  # a whole kvkeeper file; of a broken save only if it holds no data
             with safe_open(str(p), "np") as f:
                 meta = f.metadata()
-                sizes = [f.get_tensor(k).size for k in f.keys()]
+                # From the header: numpy cannot hold a bf16 tensor (one such
+                # save came out of the examples under Python 3.10).
+                sizes = [math.prod(f.get_slice(k).get_shape()) for k in f.keys()]
             assert meta["kvkeeper.format"], meta
             assert meta["kvkeeper.model"] != "fuzz" or not any(sizes), (meta, sizes)
         assert rss_kib(proc.pid) < rss0 + 200 * 1024, (rss0, rss_kib(proc.pid))
