@@ -262,7 +262,9 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
         _run(sf.unload, seconds, sf.not_loaded)
     try:
         sf.path.unlink()
+        existed = True
     except FileNotFoundError:
+        existed = False
         if unload:
             # Deleted by hand, the service may still be loaded and running:
             # stopped by name, if so (failures ignored: most often there is
@@ -270,8 +272,6 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
             # file its stop timeout is unknown: the manager keeps to it, this
             # only bounds the wait for the manager.
             _try(sf.stop_loaded, COMMAND_SECONDS + MAX_STOP_TIMEOUT)
-            _try(sf.after_removal, COMMAND_SECONDS)
-        return False
     if unload:
         _try(sf.after_removal, COMMAND_SECONDS)  # the service is stopped and its file gone
-    return True
+    return existed

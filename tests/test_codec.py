@@ -863,13 +863,8 @@ def test_deepseek_v41_checks_have_teeth_and_bad_descriptions_are_refused(deepsee
         got = prefill(deepseek, [1, 2], restore_cache(bent, snap.layers))
         assert not mx.array_equal(want, got).item(), (layer, field)
 
-    def with_state(mutate: Callable[[dict[str, Any]], None], layer: int = 3) -> str:
-        bad = json.loads(snap.layers)
-        items = bad["layers"][layer]["state"]["items"]
-        state = dict(items)
-        mutate(state)
-        bad["layers"][layer]["state"]["items"] = [[k, v] for k, v in state.items()]
-        return json.dumps(bad)
+    def with_state(mutate: Callable[[dict[str, Any]], None]) -> str:
+        return _state_edited(snap.layers, 3, mutate)
 
     for mutate in (
         lambda st: st.update(offset=5),  # fewer tokens than the window holds
@@ -948,11 +943,22 @@ def test_deepseek_v41_with_fields_kvkeeper_does_not_know_is_refused(deepseek: An
 # mlx-vlm's TurboQuantKVCache, which kvkeeper rebuilds itself
 
 
-def _turbo(bits: float = 3.5, t: int = 37, **kw: Any) -> Any:
+def _state_edited(layers: str, layer: int, mutate: Callable[[dict[str, Any]], None]) -> str:
+    """The layers description with ``layer``'s built state (a dict node) as
+    ``mutate`` leaves it."""
+    bad = json.loads(layers)
+    state = dict(bad["layers"][layer]["state"]["items"])
+    mutate(state)
+    bad["layers"][layer]["state"]["items"] = [[k, v] for k, v in state.items()]
+    return json.dumps(bad)
+
+
+def _turbo(bits: float = 3.5, t: int = 37, heads: int = H, **kw: Any) -> Any:
     from mlx_vlm.turboquant import TurboQuantKVCache
 
     c = TurboQuantKVCache(bits=bits, **kw)
-    c.update_and_fetch(mx.random.normal((1, H, t, D)), mx.random.normal((1, H, t, D)))
+    shape = (1, heads, t, D)
+    c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
     return c
 
 
@@ -994,15 +1000,6 @@ def test_turboquant_restores_its_quantized_state_and_goes_on_alike(
         assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
 
 
-def _turbo_heads(heads: int) -> Any:
-    from mlx_vlm.turboquant import TurboQuantKVCache
-
-    c = TurboQuantKVCache(bits=3.5)
-    k = mx.random.normal((1, heads, 37, D))
-    c.update_and_fetch(k, k)
-    return c
-
-
 def test_an_empty_turboquant_cache_restores_empty() -> None:
     from mlx_vlm.turboquant import TurboQuantKVCache
 
@@ -1042,14 +1039,9 @@ def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
     mx.random.seed(7)
     snap = snapshot_cache([_turbo(3.5, key_bits=2.5)])
     arrays = arrays_from_snapshot(snap)
-    doc = json.loads(snap.layers)
 
     def with_state(mutate: Callable[[dict[str, Any]], None]) -> str:
-        bad = json.loads(json.dumps(doc))
-        state = dict(bad["layers"][0]["state"]["items"])
-        mutate(state)
-        bad["layers"][0]["state"]["items"] = [[k, v] for k, v in state.items()]
-        return json.dumps(bad)
+        return _state_edited(snap.layers, 0, mutate)
 
     def meta(i: int, value: Any) -> Callable[[dict[str, Any]], None]:
         return lambda st: st["meta_state"]["items"].__setitem__(i, value)
@@ -1079,14 +1071,11 @@ def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
             restore_cache(arrays, with_state(mutate))
     # Values of another cache with twice the heads: each side fits its codec,
     # and the next update could not broadcast one against the other.
-    two = snapshot_cache([_turbo(3.5), _turbo_heads(2 * H)])
-    bad = json.loads(two.layers)
-    values = dict(bad["layers"][1]["state"]["items"])["values"]
-    items = dict(bad["layers"][0]["state"]["items"])
-    items["values"] = values
-    bad["layers"][0]["state"]["items"] = [[k, v] for k, v in items.items()]
+    two = snapshot_cache([_turbo(3.5), _turbo(3.5, heads=2 * H)])
+    values = dict(json.loads(two.layers)["layers"][1]["state"]["items"])["values"]
+    bad = _state_edited(two.layers, 0, lambda st: st.update(values=values))
     with pytest.raises(CodecError, match="layer 0: the packed rows disagree on batch and heads"):
-        restore_cache(arrays_from_snapshot(two), json.dumps(bad))
+        restore_cache(arrays_from_snapshot(two), bad)
     bad = json.loads(snap.layers)
     bad["layers"][0]["meta_state"] = {"$": "tuple", "items": ["37"]}
     with pytest.raises(CodecError, match="layer 0"):

@@ -569,15 +569,10 @@ def _read_deepseek_v41(layer: Any) -> _Read:
     return {name: fields[name] for name in _DSV41_FIELDS}, None
 
 
-def _build_deepseek_v41(cls: type, state: Any, where: str) -> Any:
-    try:
-        _check_deepseek_v41(state)
-        obj = cls(state["window_size"])
-        _known_fields(obj, _DSV41_NAMES)  # this mlx-lm's LayerCache is the one described
-    except CodecError as exc:
-        raise CodecError(f"{where}: {exc}") from None
-    except Exception as exc:  # e.g. a later mlx-lm's constructor takes other arguments
-        raise CodecError(f"{where}: {cls.__qualname__} rejected its state: {exc!r}") from exc
+def _build_deepseek_v41(cls: type, state: Any) -> Any:
+    _check_deepseek_v41(state)
+    obj = cls(state["window_size"])
+    _known_fields(obj, _DSV41_NAMES)  # this mlx-lm's LayerCache is the one described
     for name in _DSV41_FIELDS[1:]:
         setattr(obj, name, state[name])
     return obj
@@ -661,17 +656,12 @@ def _tq_codec(codec: Any) -> tuple[int, Any, Any] | None:
     raise CodecError(f"TurboQuantKVCache with a {name}, which kvkeeper does not know")
 
 
-def _build_turboquant(cls: type, state: Any, where: str) -> Any:
-    try:
-        offset = _check_turboquant(state)
-        obj = cls.__new__(cls)
-        obj.prefix_cache_restore(state)
-        _known_fields(obj, _TQ_FIELDS)  # this mlx-vlm's TurboQuantKVCache is the one described
-        _check_sides(((obj.keys, obj.key_codec), (obj.values, obj.value_codec)), offset)
-    except CodecError as exc:
-        raise CodecError(f"{where}: {exc}") from None
-    except Exception as exc:  # its own refusals, or a later mlx-vlm's other contract
-        raise CodecError(f"{where}: {cls.__qualname__} rejected its state: {exc!r}") from exc
+def _build_turboquant(cls: type, state: Any) -> Any:
+    offset = _check_turboquant(state)
+    obj = cls.__new__(cls)
+    obj.prefix_cache_restore(state)
+    _known_fields(obj, _TQ_FIELDS)  # this mlx-vlm's TurboQuantKVCache is the one described
+    _check_sides(((obj.keys, obj.key_codec), (obj.values, obj.value_codec)), offset)
     return obj
 
 
@@ -755,9 +745,10 @@ _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
     ("mlx_vlm.turboquant", "TurboQuantKVCache"): _read_turboquant,
 }
 
-#: Classes kvkeeper rebuilds itself from their saved fields: (class, state,
-#: where) -> layer. Each also has a reader above.
-_BUILDERS: dict[tuple[str, str], Callable[[type, Any, str], Any]] = {
+#: Classes kvkeeper rebuilds itself from their saved fields: (class, state)
+#: -> layer, raising CodecError (or whatever the class raises) for a state it
+#: cannot build. Each also has a reader above.
+_BUILDERS: dict[tuple[str, str], Callable[[type, Any], Any]] = {
     ("mlx_lm.models.deepseek_v41", "LayerCache"): _build_deepseek_v41,
     ("mlx_vlm.turboquant", "TurboQuantKVCache"): _build_turboquant,
 }
@@ -1213,7 +1204,13 @@ class _Decoder:
         if build is not None:
             if meta is not _MISSING or "attrs" in entry:
                 raise CodecError(f"{where}: {cls.__qualname__} has no meta_state or attrs")
-            return build(cls, state, where)
+            try:
+                return build(cls, state)
+            except CodecError as exc:
+                raise CodecError(f"{where}: {exc}") from None
+            except Exception as exc:  # the class's own refusal, or a later version's contract
+                raise CodecError(f"{where}: {cls.__qualname__} rejected its state: {exc!r}") \
+                    from exc
         if cls.__module__ == "mlx_lm.models.cache" and (
                 hasattr(cls, "meta_state") != (meta is not _MISSING)):
             # Saved under the other mlx-lm cache API (0.31 or earlier against 0.32).

@@ -663,7 +663,6 @@ class Server:
             return True
         return peer not in self._ever_told and self._tell_of_drain(peer)
 
-
     async def let_replies_out(self, *, settled: bool) -> None:
         """Before the daemon closes its socket: with every job ``settled``
         (the drain ended in time), let the requests waiting for them, and the
