@@ -47,6 +47,9 @@ class ServiceFile:
     # the statuses in not_loaded mean "no such service".
     pid_command: list[str] = field(default_factory=list)
     pid_pattern: str = r"^MainPID=([0-9]+)\s*$"
+    # Where loading the file makes a symbolic link to it (systemd's enable):
+    # removed by uninstall when left pointing at nothing.
+    links: list[Path] = field(default_factory=list)
 
 
 #: A service manager command that stops nothing gets this long; one that may
@@ -176,6 +179,7 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
         stop_loaded=[["systemctl", "--user", "stop", UNIT]],
         # Not --value: systemd before 230 has none.
         pid_command=["systemctl", "--user", "show", "--property=MainPID", UNIT],
+        links=[path.parent / "default.target.wants" / UNIT],
     )
 
 
@@ -274,4 +278,15 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
             _try(sf.stop_loaded, COMMAND_SECONDS + MAX_STOP_TIMEOUT)
     if unload:
         _try(sf.after_removal, COMMAND_SECONDS)  # the service is stopped and its file gone
+    _remove_links(sf)
     return existed
+
+
+def _remove_links(sf: ServiceFile) -> None:
+    # systemctl disable before systemd 257 refuses a unit whose file is gone
+    # ("does not exist"): a file deleted by hand left
+    # default.target.wants/kvkeeper.service pointing at nothing. A link that
+    # still leads to a file is left alone.
+    for link in sf.links:
+        if link.is_symlink() and not link.exists():
+            link.unlink(missing_ok=True)

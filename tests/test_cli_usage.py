@@ -423,6 +423,34 @@ def test_uninstall_service_stops_a_service_whose_file_was_deleted(short_dir: Pat
     assert r.returncode == 0 and "stopped" not in r.stdout, r.stdout
 
 
+def test_uninstall_service_removes_the_enable_link_a_deleted_unit_left(
+        short_dir: Path) -> None:
+    """systemctl enable links default.target.wants/kvkeeper.service to the
+    unit file; before systemd 257, disable refuses a unit whose file was
+    deleted, and the link stayed, pointing at nothing. A link that leads to
+    a file is not kvkeeper's to remove."""
+    env = _fake_managers(short_dir)
+    unit_dir = short_dir / "home" / ".cfg" / "systemd" / "user"
+    wants = unit_dir / "default.target.wants"
+    wants.mkdir(parents=True)
+    link = wants / "kvkeeper.service"
+    link.symlink_to(unit_dir / "kvkeeper.service")  # as systemctl enable makes it
+    r = cli("uninstall-service", "--platform", "linux", env=env)
+    assert r.returncode == 0, r.stderr
+    assert not link.is_symlink()
+    # Installed and uninstalled with the link in place: it goes with the file.
+    assert cli("install-service", "--platform", "linux", env=env).returncode == 0
+    link.symlink_to(unit_dir / "kvkeeper.service")
+    assert cli("uninstall-service", "--platform", "linux", env=env).returncode == 0
+    assert not link.is_symlink() and not (unit_dir / "kvkeeper.service").exists()
+    # Someone else's file under that name: kept.
+    other = short_dir / "elsewhere.service"
+    other.write_text("[Service]\n")
+    link.symlink_to(other)
+    assert cli("uninstall-service", "--platform", "linux", env=env).returncode == 0
+    assert link.is_symlink() and other.exists()
+
+
 def test_uninstall_service_of_an_agent_not_loaded_removes_it(short_dir: Path) -> None:
     """A LaunchAgent written with --no-load (or stopped by hand) is not
     loaded: launchctl bootout says so (3) and uninstall-service used to stop
