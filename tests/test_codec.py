@@ -292,6 +292,83 @@ def test_roundtrip_other_classes(case: str) -> None:
         assert canon(got.meta_state) == canon(c.meta_state)
 
 
+_PADDED_BATCHES: dict[str, Callable[[], Any]] = {
+    "lm-kv": lambda: L.BatchKVCache([1, 0]),
+    "lm-rotating": lambda: L.BatchRotatingKVCache(16, [1, 0]),
+    "vlm-kv": lambda: V.BatchKVCache([1, 0]),
+    "vlm-rotating": lambda: V.BatchRotatingKVCache(16, [1, 0]),
+    "vlm-quantized": lambda: V.BatchQuantizedKVCache([1, 0]),
+}
+
+
+def _rows_of(batch: int, t: int) -> mx.array:
+    return mx.random.normal((batch, H, t, D)).astype(mx.bfloat16)
+
+
+@pytest.mark.parametrize("case", sorted(_PADDED_BATCHES))
+def test_restored_batch_caches_finalize_filter_and_mask_as_the_original(case: str) -> None:
+    """The right padding a batch cache holds from prepare() to finalize()
+    is an attribute its state leaves out, and a layer rebuilt without
+    __init__ had none: finalize() and filter() (and mlx-vlm's rotating
+    make_mask()) raised AttributeError. Restored, it has none pending, as
+    the original after finalize(), and goes on alike. (mlx-vlm's rotating
+    one also came back believing it had wrapped, its meta_state setter
+    taking bool("False"), and its mask then let the padding be attended.)"""
+    mx.random.seed(3)
+    c = _PADDED_BATCHES[case]()
+    c.update_and_fetch(_rows_of(2, 5), _rows_of(2, 5))
+    _, (got,) = roundtrip([c])
+    more = _rows_of(2, 1)
+    for cache in (c, got):
+        cache.finalize()
+        cache.update_and_fetch(more, more)
+    assert canon(got.make_mask(1, return_array=True)) == canon(c.make_mask(1, return_array=True))
+    for cache in (c, got):
+        cache.filter(mx.array([1]))
+    assert canon(got.state) == canon(c.state)
+    if hasattr(c, "meta_state"):
+        assert canon(got.meta_state) == canon(c.meta_state)
+
+
+@pytest.mark.parametrize("case", sorted(_PADDED_BATCHES))
+def test_save_refuses_a_batch_cache_between_prepare_and_finalize(case: str) -> None:
+    """Between prepare(right_padding=...) and finalize() the padding rows
+    sit at the end of the shorter prompts; saved without the padding they
+    would be restored as tokens. Refused then, saved after finalize()."""
+    mx.random.seed(4)
+    c = _PADDED_BATCHES[case]()
+    c.prepare(lengths=[3, 5], right_padding=[2, 0])
+    c.update_and_fetch(_rows_of(2, 5), _rows_of(2, 5))
+    with pytest.raises(CodecError, match=r"layer 0: .*between prepare\(\) and finalize\(\)"):
+        snapshot_cache([c])
+    c.finalize()
+    _, (got,) = roundtrip([c])
+    assert canon(got.state) == canon(c.state)
+
+
+def test_a_minimax_m3_batch_cache_is_refused_at_save() -> None:
+    """Its state setter needs the BatchKVCache its __init__ makes: saved, it
+    was a file whose every load failed. Refused at save, saying what to
+    save instead; a load of such a file names the layer."""
+    from mlx_vlm.models.minimax_m3_vl.language import MiniMaxM3BatchKVCache, MiniMaxM3KVCache
+
+    mx.random.seed(6)
+    single = MiniMaxM3KVCache()
+    single.update_and_fetch(_rows_of(1, 5), _rows_of(1, 5))
+    batch = single.to_batch([0])
+    with pytest.raises(CodecError, match=r"layer 0: .*MiniMaxM3BatchKVCache: kvkeeper cannot "
+                                         r"rebuild it: .*extract\(i\)"):
+        snapshot_cache([batch])
+    # As 0.2.2 wrote it (its state as any class's).
+    snap = snapshot_cache([L.KVCache()])
+    doc = json.loads(snap.layers)
+    doc["layers"][0].update(module=MiniMaxM3BatchKVCache.__module__,
+                            **{"class": "MiniMaxM3BatchKVCache"})
+    with pytest.raises(CodecError, match=r"^layer 0: .*MiniMaxM3BatchKVCache"):
+        restore_cache({}, json.dumps(doc))
+    assert type(batch.extract(0)) is MiniMaxM3KVCache  # what the message says to save
+
+
 def _rows(n: int, seed: int) -> mx.array:
     mx.random.seed(seed)
     return mx.random.normal((1, H, n, D)).astype(mx.bfloat16)

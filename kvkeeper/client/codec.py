@@ -323,26 +323,36 @@ def _is_empty(x: Any) -> bool:
     return x is None or (isinstance(x, (str, list, tuple, dict)) and len(x) == 0)
 
 
-def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING) -> Any:
+def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING, *,
+                  where: str | None = None) -> Any:
     """Rebuild one cache layer with the protocol its class speaks.
 
     ``from_state(state, meta_state)`` (mlx-vlm, mlx-lm 0.31 and earlier) or
     ``from_state(state)`` (mlx-lm 0.32), chosen by the arity of the class's
     from_state; without a from_state, ``__new__`` plus the
     ``state``/``meta_state`` setters. Raises CodecError when the class
-    refuses the state.
+    refuses the state, its message starting with ``where`` if given.
     """
-    obj = _rebuild_layer(cls, state, meta_state)
+    try:
+        obj = _rebuild_layer(cls, state, meta_state)
+    except CodecError as exc:
+        if where is None:
+            raise
+        raise CodecError(f"{where}: {exc}") from exc.__cause__
+    key = (cls.__module__, cls.__name__)
     if meta_state is not _MISSING:  # first: mlx-lm 0.32 layers, the common case, have none
-        mend = _META_MENDS.get((cls.__module__, cls.__name__))
+        mend = _META_MENDS.get(key)
         if mend is not None:
             mend(obj, meta_state)
+    padding = PENDING_PADDING.get(key)
+    if padding is not None and not hasattr(obj, padding):
+        setattr(obj, padding, None)  # none pending: a layer is saved only so
     return obj
 
 
 def _mend_rotated(obj: Any, meta: Any) -> None:
-    # mlx-lm 0.31's setter takes bool("False"): every restored cache believed
-    # it had wrapped.
+    # mlx-lm 0.31's and mlx-vlm's setters take bool("False"): every restored
+    # cache believed it had wrapped (mlx-vlm's then left its padding unmasked).
     if isinstance(meta, (list, tuple)) and len(meta) == 4 and meta[3] in ("True", "False"):
         obj.rotated = meta[3] == "True"
 
@@ -350,6 +360,30 @@ def _mend_rotated(obj: Any, meta: Any) -> None:
 #: Fixes for meta_state setters that restore a field wrongly.
 _META_MENDS: dict[tuple[str, str], Callable[[Any, Any], None]] = {
     ("mlx_lm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
+    ("mlx_vlm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
+}
+
+
+#: Classes that look rebuildable and are not: a save would be a file no
+#: load can use. Why, and what to save instead.
+_UNREBUILDABLE: dict[tuple[str, str], str] = {
+    ("mlx_vlm.models.minimax_m3_vl.language", "MiniMaxM3BatchKVCache"):
+        "its state setter needs the BatchKVCache its __init__ makes (save each "
+        "sequence's MiniMaxM3KVCache, from extract(i), instead)",
+}
+
+#: Batch caches hold the right padding of a batched prefill (prompts of
+#: different lengths) from prepare() to finalize() in this attribute, which
+#: their state leaves out; rebuilt without __init__ they had no such
+#: attribute at all, and finalize(), filter() (and mlx-vlm's rotating
+#: make_mask()) raised AttributeError. save() refuses a layer with padding
+#: pending; a rebuilt layer has none.
+PENDING_PADDING: dict[tuple[str, str], str] = {
+    ("mlx_lm.models.cache", "BatchKVCache"): "_right_padding",
+    ("mlx_lm.models.cache", "BatchRotatingKVCache"): "_lengths",
+    ("mlx_vlm.models.cache", "BatchKVCache"): "_right_padding",
+    ("mlx_vlm.models.cache", "BatchRotatingKVCache"): "_lengths",
+    ("mlx_vlm.models.cache", "BatchQuantizedKVCache"): "_right_padding",
 }
 
 
@@ -778,14 +812,28 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
         # Restore refuses it: saved, it would be a file no load can use.
         raise CodecError(f"{module}.{name} has no from_state and no settable state: "
                          f"kvkeeper cannot rebuild it")
+    why = _UNREBUILDABLE.get((module, name))
+    if why is not None:
+        raise CodecError(f"{module}.{name}: kvkeeper cannot rebuild it: {why}")
     if hasattr(cls, "meta_state") and module == "mlx_lm.models.cache":
         # mlx-lm 0.31 and earlier: states without counters, sliced to the
         # offset already; its ChunkedKVCache loses its offset as mlx-vlm's does.
         read = _read_chunked_with_meta if name == "ChunkedKVCache" else _read_state
-        return module, name, read
-    trim = _TRIMMERS.get((module, name))
-    read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)
-    return module, name, read
+    else:
+        trim = _TRIMMERS.get((module, name))
+        read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)
+    padding = PENDING_PADDING.get((module, name))
+    return module, name, read if padding is None else _no_padding_pending(read, padding)
+
+
+def _no_padding_pending(read: Callable[[Any], _Read], attr: str) -> Callable[[Any], _Read]:
+    def checked(layer: Any) -> _Read:
+        if getattr(layer, attr, None) is not None:
+            raise CodecError(f"{type(layer).__name__} is between prepare() and finalize(): "
+                             f"the right padding it holds ({attr}) is not part of its state "
+                             f"(save it after finalize())")
+        return read(layer)
+    return checked
 
 
 class _NodeProblem(Exception):
@@ -1219,7 +1267,7 @@ class _Decoder:
             obj = (lm_api.rebuild_from_new(cls, state, where) if meta is _MISSING
                    else lm_api.rebuild_from_old(cls, state, meta, where))
         else:
-            obj = rebuild_layer(cls, state, meta)
+            obj = rebuild_layer(cls, state, meta, where=where)
         if "attrs" in entry:
             _set_attrs(obj, entry["attrs"], where)
         return obj

@@ -25,12 +25,12 @@ _KV_LIKE = ("KVCache", "ConcatenateKVCache", "RotatingKVCache", "QuantizedKVCach
 def rebuild_from_new(cls: type, state: Any, where: str) -> Any:
     """An mlx-lm layer of class ``cls`` saved as mlx-lm 0.32 gives it."""
     if not hasattr(cls, "meta_state"):
-        return rebuild_layer(cls, state)
+        return rebuild_layer(cls, state, where=where)
     try:
         old, meta, attrs = _old_state(cls.__name__, state, where)
     except (AttributeError, IndexError, TypeError, ValueError) as exc:
         raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
-    obj = rebuild_layer(cls, old, meta)
+    obj = rebuild_layer(cls, old, meta, where=where)
     for name, value in attrs.items():
         setattr(obj, name, value)
     return obj
@@ -39,12 +39,12 @@ def rebuild_from_new(cls: type, state: Any, where: str) -> Any:
 def rebuild_from_old(cls: type, state: Any, meta: Any, where: str) -> Any:
     """An mlx-lm layer of class ``cls`` saved as mlx-lm 0.31 gives it."""
     if hasattr(cls, "meta_state"):
-        return rebuild_layer(cls, state, meta)
+        return rebuild_layer(cls, state, meta, where=where)
     try:
         new = _new_state(cls.__name__, state, meta, where)
     except (AttributeError, IndexError, TypeError) as exc:
         raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
-    return rebuild_layer(cls, new)
+    return rebuild_layer(cls, new, where=where)
 
 
 def _old_state(name: str, state: Any, where: str) -> tuple[Any, Any, dict[str, Any]]:
