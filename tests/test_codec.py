@@ -360,12 +360,12 @@ def test_a_minimax_m3_batch_cache_is_refused_at_save() -> None:
                                          r"rebuild it: .*extract\(i\)"):
         snapshot_cache([batch])
     # As 0.2.2 wrote it (its state as any class's).
-    snap = snapshot_cache([L.KVCache()])
+    snap = snapshot_cache([fill(L.KVCache())])
     doc = json.loads(snap.layers)
     doc["layers"][0].update(module=MiniMaxM3BatchKVCache.__module__,
                             **{"class": "MiniMaxM3BatchKVCache"})
     with pytest.raises(CodecError, match=r"^layer 0: .*MiniMaxM3BatchKVCache"):
-        restore_cache({}, json.dumps(doc))
+        restore_cache(arrays_from_snapshot(snap), json.dumps(doc))
     assert type(batch.extract(0)) is MiniMaxM3KVCache  # what the message says to save
 
 
