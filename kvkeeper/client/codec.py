@@ -333,17 +333,17 @@ def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING, *,
     ``state``/``meta_state`` setters. Raises CodecError when the class
     refuses the state, its message starting with ``where`` if given.
     """
+    key = (cls.__module__, cls.__name__)
     try:
         obj = _rebuild_layer(cls, state, meta_state)
+        if meta_state is not _MISSING:  # first: mlx-lm 0.32 layers, the common case, have none
+            mend = _META_MENDS.get(key)
+            if mend is not None:
+                mend(obj, meta_state)
     except CodecError as exc:
         if where is None:
             raise
         raise CodecError(f"{where}: {exc}") from exc.__cause__
-    key = (cls.__module__, cls.__name__)
-    if meta_state is not _MISSING:  # first: mlx-lm 0.32 layers, the common case, have none
-        mend = _META_MENDS.get(key)
-        if mend is not None:
-            mend(obj, meta_state)
     padding = PENDING_PADDING.get(key)
     if padding is not None and not hasattr(obj, padding):
         setattr(obj, padding, None)  # none pending: a layer is saved only so
@@ -357,10 +357,34 @@ def _mend_rotated(obj: Any, meta: Any) -> None:
         obj.rotated = meta[3] == "True"
 
 
+def _mend_static_prefix(obj: Any, meta: Any) -> None:
+    # mlx-vlm's StaticPrefixKVCache (diffusion_gemma's static decoder) gives
+    # its rows up to the offset as its state, and its setter takes those
+    # rows as the whole fixed allocation. The decoder attends over
+    # max_size rows with a mask max_size wide: restored short, the mask hid
+    # the prompt's keys instead of the empty rows (logits differed, no
+    # error). The empty rows come back as zeros, as the cache makes them.
+    keys, values = obj.keys, obj.values
+    if keys is None and values is None:
+        return
+    if not (type(keys) is mx.array and type(values) is mx.array and keys.ndim == values.ndim == 4
+            and keys.shape[-2] == values.shape[-2] == obj.offset <= obj.max_size < 1 << 31):
+        raise CodecError(f"a StaticPrefixKVCache of max_size {obj.max_size!r} and offset "
+                         f"{obj.offset!r} cannot hold keys and values "
+                         f"{getattr(keys, 'shape', keys)!r}, {getattr(values, 'shape', values)!r}")
+    rows = keys.shape[-2]
+    if obj.max_size > rows:
+        obj.keys = mx.concatenate([keys, mx.zeros(
+            (*keys.shape[:-2], obj.max_size - rows, keys.shape[-1]), keys.dtype)], axis=-2)
+        obj.values = mx.concatenate([values, mx.zeros(
+            (*values.shape[:-2], obj.max_size - rows, values.shape[-1]), values.dtype)], axis=-2)
+
+
 #: Fixes for meta_state setters that restore a field wrongly.
 _META_MENDS: dict[tuple[str, str], Callable[[Any, Any], None]] = {
     ("mlx_lm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
     ("mlx_vlm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
+    ("mlx_vlm.models.cache", "StaticPrefixKVCache"): _mend_static_prefix,
 }
 
 
