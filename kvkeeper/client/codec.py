@@ -344,7 +344,7 @@ def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING, *,
         if where is None:
             raise
         raise CodecError(f"{where}: {exc}") from exc.__cause__
-    padding = PENDING_PADDING.get(key)
+    padding = _PENDING_PADDING.get(key)
     if padding is not None and not hasattr(obj, padding):
         setattr(obj, padding, None)  # none pending: a layer is saved only so
     return obj
@@ -402,7 +402,7 @@ _UNREBUILDABLE: dict[tuple[str, str], str] = {
 #: attribute at all, and finalize(), filter() (and mlx-vlm's rotating
 #: make_mask()) raised AttributeError. save() refuses a layer with padding
 #: pending; a rebuilt layer has none.
-PENDING_PADDING: dict[tuple[str, str], str] = {
+_PENDING_PADDING: dict[tuple[str, str], str] = {
     ("mlx_lm.models.cache", "BatchKVCache"): "_right_padding",
     ("mlx_lm.models.cache", "BatchRotatingKVCache"): "_lengths",
     ("mlx_vlm.models.cache", "BatchKVCache"): "_right_padding",
@@ -846,7 +846,7 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
     else:
         trim = _TRIMMERS.get((module, name))
         read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)
-    padding = PENDING_PADDING.get((module, name))
+    padding = _PENDING_PADDING.get((module, name))
     return module, name, read if padding is None else _no_padding_pending(read, padding)
 
 
