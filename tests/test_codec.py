@@ -1164,66 +1164,6 @@ def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
         restore_cache(arrays, json.dumps(bad))
 
 
-def _tiny_diffusion_gemma() -> Any:
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_vlm.models.diffusion_gemma.config import TextConfig
-    from mlx_vlm.models.diffusion_gemma.language import LanguageModel
-
-    cfg = TextConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        num_global_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=4,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        num_experts=4, top_k_experts=2)
-    model = LanguageModel(cfg)
-    mx.random.seed(0)
-    # Weights loud enough that the logits depend on the attention over the cache.
-    model.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.2)
-                                 for k, v in tree_flatten(model.parameters())]))
-    mx.eval(model.parameters())
-    return model
-
-
-@pytest.mark.parametrize("trim", [0, 3])
-def test_a_static_prefix_cache_restores_its_whole_allocation(trim: int) -> None:
-    """mlx-vlm's StaticPrefixKVCache (diffusion_gemma's static decoder path,
-    make_cache(max_size=...)) gives its rows up to the offset as its state,
-    and its setter took those rows as the whole allocation. The decoder
-    attends over all max_size rows with a mask as wide: restored short, the
-    mask hid the prompt's keys, and the decoder's logits differed with no
-    error. Restored, it holds max_size rows, the empty ones zeros."""
-    from mlx_vlm.models.cache import StaticPrefixKVCache
-
-    model, max_size, canvas = _tiny_diffusion_gemma(), 32, [63] * 6
-    cache = model.make_cache(max_size=max_size)
-    assert all(type(c) is StaticPrefixKVCache for c in cache)
-    model.diffusion_update_cache(mx.array([list(range(3, 16))]), cache=cache)
-    for c in cache:
-        c.trim(trim)
-    n = 13 - trim
-    _, got = roundtrip(cache)
-
-    def decode(c: list[Any]) -> mx.array:
-        mask = mx.zeros((1, max_size + len(canvas)), dtype=mx.bool_)
-        mask[:, :n] = True
-        mask[:, max_size:] = True
-        return model.diffusion_decoder_logits(mx.array([canvas]), cache=c,
-                                              decoder_attention_mask=mask)
-
-    for r, c in zip(got, cache, strict=True):
-        keys, values = r.decoder_state
-        assert keys.shape == c.decoder_state[0].shape and values.shape == c.decoder_state[1].shape
-        assert canon(keys[..., :n, :]) == canon(c.keys[..., :n, :])
-        assert not mx.any(keys[..., n:, :]).item()  # what the cache makes them
-        assert r.meta_state == c.meta_state
-    assert mx.array_equal(decode(got), decode(cache)).item()
-    # Both go on alike: one more prompt token, then the decoder again.
-    for c in (cache, got):
-        model.diffusion_update_cache(mx.array([[9]]), cache=c)
-    n += 1
-    assert mx.array_equal(decode(got), decode(cache)).item()
-
-
 def test_a_static_prefix_cache_whose_rows_disagree_with_its_offset_is_refused() -> None:
     from mlx_vlm.models.cache import StaticPrefixKVCache
 
