@@ -276,9 +276,9 @@ def uninstall(sf: ServiceFile, *, unload: bool = True) -> bool:
             # file its stop timeout is unknown: the manager keeps to it, this
             # only bounds the wait for the manager.
             _try(sf.stop_loaded, COMMAND_SECONDS + MAX_STOP_TIMEOUT)
+    _remove_links(sf)  # before the manager reloads: it reads the links too
     if unload:
         _try(sf.after_removal, COMMAND_SECONDS)  # the service is stopped and its file gone
-    _remove_links(sf)
     return existed
 
 

@@ -435,9 +435,16 @@ def test_uninstall_service_removes_the_enable_link_a_deleted_unit_left(
     wants.mkdir(parents=True)
     link = wants / "kvkeeper.service"
     link.symlink_to(unit_dir / "kvkeeper.service")  # as systemctl enable makes it
+    # Gone before systemd reloads (it reads the links then): the stand-in
+    # notes whether the link was there at daemon-reload.
+    systemctl = short_dir / "bin" / "systemctl"
+    systemctl.write_text(systemctl.read_text().replace(
+        'case "$2" in', f'case "$2" in\n  daemon-reload) if [ -L "{link}" ]; then echo LINKED >> "$CALLS"; fi ;;'))
     r = cli("uninstall-service", "--platform", "linux", env=env)
     assert r.returncode == 0, r.stderr
     assert not link.is_symlink()
+    assert "systemctl --user daemon-reload" in Path(env["CALLS"]).read_text()
+    assert "LINKED" not in Path(env["CALLS"]).read_text()
     # Installed and uninstalled with the link in place: it goes with the file.
     assert cli("install-service", "--platform", "linux", env=env).returncode == 0
     link.symlink_to(unit_dir / "kvkeeper.service")

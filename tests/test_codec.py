@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -344,6 +345,47 @@ def test_save_refuses_a_batch_cache_between_prepare_and_finalize(case: str) -> N
     c.finalize()
     _, (got,) = roundtrip([c])
     assert canon(got.state) == canon(c.state)
+
+
+def test_a_batch_cache_saved_under_the_other_mlx_lm_api_is_refused_plainly() -> None:
+    """mlx-lm 0.31 and 0.32 disagree on a batch cache's state, and kvkeeper
+    converts only the single-sequence classes: a load under the other API
+    is refused, once, saying so (not "malformed ... layer 0: ..." twice)."""
+    c = _PADDED_BATCHES["lm-kv"]()
+    c.update_and_fetch(_rows_of(2, 5), _rows_of(2, 5))
+    snap = snapshot_cache([c])
+    doc = json.loads(snap.layers)
+    layer = doc["layers"][0]
+    if MLX_LM_OLD_API:
+        del layer["meta_state"]  # as 0.32 saves it
+    else:
+        layer["meta_state"] = ""  # as 0.31 saves it
+    with pytest.raises(CodecError) as got:
+        restore_cache(arrays_from_snapshot(snap), json.dumps(doc))
+    assert re.fullmatch(r"layer 0: a BatchKVCache saved by mlx-lm 0\.3[12] or (earlier|later) "
+                        r"cannot be rebuilt by this mlx-lm", str(got.value)), str(got.value)
+
+
+def test_save_refuses_batch_caches_with_padding_pending_elsewhere() -> None:
+    """mlx-vlm's BatchQSAKVCache keeps its right padding in the BatchKVCache
+    it wraps, and BatchPoolingCache its pending lengths in a field its
+    meta_state setter resets: saved between prepare() and finalize(), they
+    came back without them (the padding rows as tokens). Refused then."""
+    from mlx_vlm.models.qwen4_exp.language import BatchQSAKVCache
+
+    mx.random.seed(8)
+    qsa = BatchQSAKVCache([0, 0])
+    qsa.prepare(lengths=[3, 5], right_padding=[2, 0])
+    qsa.update_and_fetch(_rows_of(2, 5), _rows_of(2, 5))
+    pool = V.BatchPoolingCache(4, [0, 0])
+    pool.prepare(lengths=[3, 5])
+    for cache, where in ((qsa, "kv_cache._right_padding"), (pool, "_lengths")):
+        with pytest.raises(CodecError, match=rf"between prepare\(\) and finalize\(\): the "
+                                             rf"padding it holds \({where}\)"):
+            snapshot_cache([cache])
+        cache.finalize()
+        _, (got,) = roundtrip([cache])
+        assert canon(got.state) == canon(cache.state)
 
 
 def test_a_minimax_m3_batch_cache_is_refused_at_save() -> None:
@@ -1167,11 +1209,14 @@ def test_turboquant_descriptions_that_break_its_state_are_refused() -> None:
 def test_a_static_prefix_cache_whose_rows_disagree_with_its_offset_is_refused() -> None:
     from mlx_vlm.models.cache import StaticPrefixKVCache
 
+    _, (empty,) = roundtrip([StaticPrefixKVCache(max_size=16)])  # nothing to give back
+    assert empty.decoder_state == (None, None) and empty.meta_state[0] == "16"
     c = StaticPrefixKVCache(max_size=8)
     c.update_and_fetch(_rows_of(1, 5), _rows_of(1, 5))
     snap = snapshot_cache([c])
     for meta in (["4", "256", "5", "0"], ["8", "256", "6", "0"]):  # max_size < rows; offset
         doc = json.loads(snap.layers)
         doc["layers"][0]["meta_state"] = {"$": "tuple", "items": meta}
-        with pytest.raises(CodecError, match=r"^layer 0: a StaticPrefixKVCache of max_size"):
+        with pytest.raises(CodecError, match=r"^layer 0: a StaticPrefixKVCache's keys and values "
+                                             r"\(.*\) are not offset \d+ rows within max_size"):
             restore_cache(arrays_from_snapshot(snap), json.dumps(doc))

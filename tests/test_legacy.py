@@ -238,6 +238,12 @@ def test_broken_legacy_metadata_raises_codec_error(
         decode_legacy(*broken)
 
 
+def test_a_layer_its_class_refuses_is_named() -> None:
+    with pytest.raises(CodecError, match=r"^layer 0: mlx_vlm\.models\.cache\.RotatingKVCache "
+                                         r"rejected its state"):
+        decode_legacy(*_gezel(meta_state='[["1"], ""]'))
+
+
 def test_missing_array_raises_codec_error() -> None:
     arrays, metadata = load("mlx-lm/kv.safetensors")
     del arrays["0.2"]  # offset scalar

@@ -333,21 +333,37 @@ def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING, *,
     ``state``/``meta_state`` setters. Raises CodecError when the class
     refuses the state, its message starting with ``where`` if given.
     """
-    key = (cls.__module__, cls.__name__)
     try:
+        mend, padding = _rebuild_fixes(cls)
         obj = _rebuild_layer(cls, state, meta_state)
-        if meta_state is not _MISSING:  # first: mlx-lm 0.32 layers, the common case, have none
-            mend = _META_MENDS.get(key)
-            if mend is not None:
-                mend(obj, meta_state)
+        if mend is not None and meta_state is not _MISSING:
+            mend(obj, meta_state)
     except CodecError as exc:
         if where is None:
             raise
         raise CodecError(f"{where}: {exc}") from exc.__cause__
-    padding = _PENDING_PADDING.get(key)
     if padding is not None and not hasattr(obj, padding):
         setattr(obj, padding, None)  # none pending: a layer is saved only so
     return obj
+
+
+_Mend = Callable[[Any, Any], None]
+#: What `rebuild_layer` does beyond the class's own protocol, by class: one
+#: lookup a layer (a load rebuilds one class again and again).
+_FIXES: dict[type, tuple[_Mend | None, str | None]] = {}
+
+
+def _rebuild_fixes(cls: type) -> tuple[_Mend | None, str | None]:
+    """(meta_state mend, pending-padding attribute to give a None) of ``cls``;
+    raises CodecError for a class known not to be rebuildable."""
+    fixes = _FIXES.get(cls)
+    if fixes is None:
+        key = (cls.__module__, cls.__name__)
+        why = _UNREBUILDABLE.get(key)
+        if why is not None:
+            raise CodecError(f"{key[0]}.{key[1]}: kvkeeper cannot rebuild it: {why}")
+        fixes = _FIXES[cls] = (_META_MENDS.get(key), _PENDING_PADDING.get(key))
+    return fixes
 
 
 def _mend_rotated(obj: Any, meta: Any) -> None:
@@ -369,9 +385,9 @@ def _mend_static_prefix(obj: Any, meta: Any) -> None:
         return
     if not (type(keys) is mx.array and type(values) is mx.array and keys.ndim == values.ndim == 4
             and keys.shape[-2] == values.shape[-2] == obj.offset <= obj.max_size < 1 << 31):
-        raise CodecError(f"a StaticPrefixKVCache of max_size {obj.max_size!r} and offset "
-                         f"{obj.offset!r} cannot hold keys and values "
-                         f"{getattr(keys, 'shape', keys)!r}, {getattr(values, 'shape', values)!r}")
+        raise CodecError(f"a StaticPrefixKVCache's keys and values "
+                         f"({getattr(keys, 'shape', keys)!r}, {getattr(values, 'shape', values)!r})"
+                         f" are not offset {obj.offset!r} rows within max_size {obj.max_size!r}")
     rows = keys.shape[-2]
     if obj.max_size > rows:
         obj.keys = mx.concatenate([keys, mx.zeros(
@@ -409,6 +425,27 @@ _PENDING_PADDING: dict[tuple[str, str], str] = {
     ("mlx_vlm.models.cache", "BatchRotatingKVCache"): "_lengths",
     ("mlx_vlm.models.cache", "BatchQuantizedKVCache"): "_right_padding",
 }
+
+_IDLE_POOL_LENGTH = 2**31  # mlx-vlm's BatchPoolingCache: "no length pending"
+
+#: Batch caches that keep pending padding elsewhere, and rebuild without
+#: it (no error): (where, is it pending). Refused by save() in between.
+_PENDING_ELSEWHERE: dict[tuple[str, str], tuple[str, Callable[[Any], bool]]] = {
+    ("mlx_vlm.models.qwen4_exp.language", "BatchQSAKVCache"): (
+        "kv_cache._right_padding",
+        lambda layer: getattr(getattr(layer, "kv_cache", None), "_right_padding", None)
+        is not None),
+    ("mlx_vlm.models.cache", "BatchPoolingCache"): (
+        "_lengths",
+        lambda layer: any(n != _IDLE_POOL_LENGTH for n in getattr(layer, "_lengths", ()))),
+}
+
+
+def _pending_check(key: tuple[str, str]) -> tuple[str, Callable[[Any], bool]] | None:
+    attr = _PENDING_PADDING.get(key)
+    if attr is not None:
+        return attr, lambda layer: getattr(layer, attr, None) is not None
+    return _PENDING_ELSEWHERE.get(key)
 
 
 def _rebuild_layer(cls: type, state: Any, meta_state: Any) -> Any:
@@ -836,9 +873,7 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
         # Restore refuses it: saved, it would be a file no load can use.
         raise CodecError(f"{module}.{name} has no from_state and no settable state: "
                          f"kvkeeper cannot rebuild it")
-    why = _UNREBUILDABLE.get((module, name))
-    if why is not None:
-        raise CodecError(f"{module}.{name}: kvkeeper cannot rebuild it: {why}")
+    _rebuild_fixes(cls)  # a class known not to rebuild is refused now
     if hasattr(cls, "meta_state") and module == "mlx_lm.models.cache":
         # mlx-lm 0.31 and earlier: states without counters, sliced to the
         # offset already; its ChunkedKVCache loses its offset as mlx-vlm's does.
@@ -846,15 +881,16 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
     else:
         trim = _TRIMMERS.get((module, name))
         read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)
-    padding = _PENDING_PADDING.get((module, name))
-    return module, name, read if padding is None else _no_padding_pending(read, padding)
+    pending = _pending_check((module, name))
+    return module, name, read if pending is None else _no_padding_pending(read, *pending)
 
 
-def _no_padding_pending(read: Callable[[Any], _Read], attr: str) -> Callable[[Any], _Read]:
+def _no_padding_pending(read: Callable[[Any], _Read], attr: str,
+                        is_pending: Callable[[Any], bool]) -> Callable[[Any], _Read]:
     def checked(layer: Any) -> _Read:
-        if getattr(layer, attr, None) is not None:
+        if is_pending(layer):
             raise CodecError(f"{type(layer).__name__} is between prepare() and finalize(): "
-                             f"the right padding it holds ({attr}) is not part of its state "
+                             f"the padding it holds ({attr}) is not part of its state "
                              f"(save it after finalize())")
         return read(layer)
     return checked

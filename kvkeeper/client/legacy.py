@@ -158,7 +158,7 @@ def _rebuild(cls: type, state: Any, meta: Any, where: str) -> Any:
     if meta == {} and cls.__module__ == _LM_CACHE:
         # cache_persist's record of an mlx-lm 0.32 layer, which has no meta_state.
         return rebuild_from_new(cls, state, where)
-    return rebuild_layer(cls, state, meta)
+    return rebuild_layer(cls, state, meta, where=where)
 
 
 def _meta_layer(cls: type, state: Any, meta: Any, where: str,

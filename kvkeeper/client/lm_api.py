@@ -28,6 +28,8 @@ def rebuild_from_new(cls: type, state: Any, where: str) -> Any:
         return rebuild_layer(cls, state, where=where)
     try:
         old, meta, attrs = _old_state(cls.__name__, state, where)
+    except CodecError:
+        raise  # says where and what already
     except (AttributeError, IndexError, TypeError, ValueError) as exc:
         raise CodecError(f"{where}: malformed {cls.__name__} state: {exc}") from None
     obj = rebuild_layer(cls, old, meta, where=where)
