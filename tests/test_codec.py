@@ -379,9 +379,12 @@ def test_save_refuses_batch_caches_with_padding_pending_elsewhere() -> None:
     qsa.update_and_fetch(_rows_of(2, 5), _rows_of(2, 5))
     pool = V.BatchPoolingCache(4, [0, 0])
     pool.prepare(lengths=[3, 5])
-    for cache, where in ((qsa, "kv_cache._right_padding"), (pool, "_lengths")):
-        with pytest.raises(CodecError, match=rf"between prepare\(\) and finalize\(\): the "
-                                             rf"padding it holds \({where}\)"):
+    as_array = V.BatchPoolingCache(4, [0, 0])
+    as_array.prepare(lengths=mx.array([3, 5]))  # int32 scalars: 2**31 does not fit
+    for cache, where in ((qsa, "kv_cache._right_padding"), (pool, "_lengths"),
+                         (as_array, "_lengths")):
+        with pytest.raises(CodecError, match=rf"between prepare\(\) and finalize\(\): what "
+                                             rf"it holds for the batched prefill \({where}\)"):
             snapshot_cache([cache])
         cache.finalize()
         _, (got,) = roundtrip([cache])
@@ -406,7 +409,8 @@ def test_a_minimax_m3_batch_cache_is_refused_at_save() -> None:
     doc = json.loads(snap.layers)
     doc["layers"][0].update(module=MiniMaxM3BatchKVCache.__module__,
                             **{"class": "MiniMaxM3BatchKVCache"})
-    with pytest.raises(CodecError, match=r"^layer 0: .*MiniMaxM3BatchKVCache"):
+    with pytest.raises(CodecError, match=r"^layer 0: .*MiniMaxM3BatchKVCache: kvkeeper cannot "
+                                         r"rebuild it: .*extract\(i\)"):
         restore_cache(arrays_from_snapshot(snap), json.dumps(doc))
     assert type(batch.extract(0)) is MiniMaxM3KVCache  # what the message says to save
 

@@ -428,8 +428,9 @@ _PENDING_PADDING: dict[tuple[str, str], str] = {
 
 _IDLE_POOL_LENGTH = 2**31  # mlx-vlm's BatchPoolingCache: "no length pending"
 
-#: Batch caches that keep pending padding elsewhere, and rebuild without
-#: it (no error): (where, is it pending). Refused by save() in between.
+#: Batch caches that keep what a batched prefill pends elsewhere, and
+#: rebuild without it (no error): (where, is it pending). Refused by save()
+#: in between.
 _PENDING_ELSEWHERE: dict[tuple[str, str], tuple[str, Callable[[Any], bool]]] = {
     ("mlx_vlm.models.qwen4_exp.language", "BatchQSAKVCache"): (
         "kv_cache._right_padding",
@@ -437,7 +438,8 @@ _PENDING_ELSEWHERE: dict[tuple[str, str], tuple[str, Callable[[Any], bool]]] = {
         is not None),
     ("mlx_vlm.models.cache", "BatchPoolingCache"): (
         "_lengths",
-        lambda layer: any(n != _IDLE_POOL_LENGTH for n in getattr(layer, "_lengths", ()))),
+        # int(): prepare() given lengths as an array makes them array scalars.
+        lambda layer: any(int(n) != _IDLE_POOL_LENGTH for n in getattr(layer, "_lengths", ()))),
 }
 
 
@@ -890,8 +892,8 @@ def _no_padding_pending(read: Callable[[Any], _Read], attr: str,
     def checked(layer: Any) -> _Read:
         if is_pending(layer):
             raise CodecError(f"{type(layer).__name__} is between prepare() and finalize(): "
-                             f"the padding it holds ({attr}) is not part of its state "
-                             f"(save it after finalize())")
+                             f"what it holds for the batched prefill ({attr}) is not part "
+                             f"of its state (save it after finalize())")
         return read(layer)
     return checked
 
