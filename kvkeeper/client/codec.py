@@ -397,7 +397,7 @@ def _mend_static_prefix(obj: Any, meta: Any) -> None:
 
 
 #: Fixes for meta_state setters that restore a field wrongly.
-_META_MENDS: dict[tuple[str, str], Callable[[Any, Any], None]] = {
+_META_MENDS: dict[tuple[str, str], _Mend] = {
     ("mlx_lm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
     ("mlx_vlm.models.cache", "BatchRotatingKVCache"): _mend_rotated,
     ("mlx_vlm.models.cache", "StaticPrefixKVCache"): _mend_static_prefix,
