@@ -256,7 +256,7 @@ def test_roundtrip_leaf_for_leaf(mod: ModuleType, case: str) -> None:
 
 def _batch(cls: Any, *args: Any) -> Any:
     c = cls(*args)
-    k = mx.random.normal((2, H, 5, D)).astype(mx.bfloat16)
+    k = _rows_of(2, 5)
     c.update_and_fetch(k, k)
     return c
 
@@ -417,7 +417,7 @@ def test_a_minimax_m3_batch_cache_is_refused_at_save() -> None:
 
 def _rows(n: int, seed: int) -> mx.array:
     mx.random.seed(seed)
-    return mx.random.normal((1, H, n, D)).astype(mx.bfloat16)
+    return _rows_of(1, n)
 
 
 def _vlm_chunked_trimmed() -> Any:

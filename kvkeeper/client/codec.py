@@ -348,22 +348,18 @@ def rebuild_layer(cls: type, state: Any, meta_state: Any = _MISSING, *,
 
 
 _Mend = Callable[[Any, Any], None]
-#: What `rebuild_layer` does beyond the class's own protocol, by class: one
-#: lookup a layer (a load rebuilds one class again and again).
-_FIXES: dict[type, tuple[_Mend | None, str | None]] = {}
 
 
+@functools.lru_cache(maxsize=256)
 def _rebuild_fixes(cls: type) -> tuple[_Mend | None, str | None]:
     """(meta_state mend, pending-padding attribute to give a None) of ``cls``;
-    raises CodecError for a class known not to be rebuildable."""
-    fixes = _FIXES.get(cls)
-    if fixes is None:
-        key = (cls.__module__, cls.__name__)
-        why = _UNREBUILDABLE.get(key)
-        if why is not None:
-            raise CodecError(f"{key[0]}.{key[1]}: kvkeeper cannot rebuild it: {why}")
-        fixes = _FIXES[cls] = (_META_MENDS.get(key), _PENDING_PADDING.get(key))
-    return fixes
+    raises CodecError for a class known not to be rebuildable. Cached: a
+    load rebuilds one class again and again (refusals are not cached)."""
+    key = (cls.__module__, cls.__name__)
+    why = _UNREBUILDABLE.get(key)
+    if why is not None:
+        raise CodecError(f"{key[0]}.{key[1]}: kvkeeper cannot rebuild it: {why}")
+    return _META_MENDS.get(key), _PENDING_PADDING.get(key)
 
 
 def _mend_rotated(obj: Any, meta: Any) -> None:
@@ -388,12 +384,9 @@ def _mend_static_prefix(obj: Any, meta: Any) -> None:
         raise CodecError(f"a StaticPrefixKVCache's keys and values "
                          f"({getattr(keys, 'shape', keys)!r}, {getattr(values, 'shape', values)!r})"
                          f" are not offset {obj.offset!r} rows within max_size {obj.max_size!r}")
-    rows = keys.shape[-2]
-    if obj.max_size > rows:
-        obj.keys = mx.concatenate([keys, mx.zeros(
-            (*keys.shape[:-2], obj.max_size - rows, keys.shape[-1]), keys.dtype)], axis=-2)
-        obj.values = mx.concatenate([values, mx.zeros(
-            (*values.shape[:-2], obj.max_size - rows, values.shape[-1]), values.dtype)], axis=-2)
+    if obj.max_size > obj.offset:
+        rows_after = [(0, 0), (0, 0), (0, obj.max_size - obj.offset), (0, 0)]
+        obj.keys, obj.values = mx.pad(keys, rows_after), mx.pad(values, rows_after)
 
 
 #: Fixes for meta_state setters that restore a field wrongly.
