@@ -237,7 +237,10 @@ def test_roundtrip_leaf_for_leaf(mod: ModuleType, case: str) -> None:
             assert canon(g.meta_state) == canon(o.meta_state)
         if type(o).__name__ == "CacheList":
             continue  # checked through its children (and below, whole)
-        if mod is L and type(o).__name__ in TRIMMED and o.keys is not None:
+        if mod is L and MLX_LM_OLD_API and type(o).__name__ == "ChunkedKVCache":
+            # mlx-lm 0.31 trims its front by its buffer's size: kept whole.
+            assert mx.array_equal(g.keys, o.keys).item() and g.offset == o.offset
+        elif mod is L and type(o).__name__ in TRIMMED and o.keys is not None:
             assert_kept_prefix(o.state, g.state)
             keys = g.keys[0] if isinstance(g.keys, tuple) else g.keys
             assert keys.shape[-2] == o.offset - getattr(o, "start_position", 0)
@@ -248,8 +251,10 @@ def test_roundtrip_leaf_for_leaf(mod: ModuleType, case: str) -> None:
         assert canon([c.state for c in got]) == canon([c.state for c in cache])
     # The JSON records class and module of every layer, children included.
     doc = json.loads(snap.layers)
-    # Version 1 unless a layer needs a newer reader (attrs: see below).
-    assert doc["format"] == LAYERS_FORMAT and doc["version"] == 1
+    # Version 1 unless a layer needs a newer reader (attrs: see below), as
+    # mlx-lm 0.31's ChunkedKVCache with spare rows does.
+    spare = mod is L and MLX_LM_OLD_API and case == "chunked"
+    assert doc["format"] == LAYERS_FORMAT and doc["version"] == (2 if spare else 1)
     assert [e["class"] for e in doc["layers"]] == [type(c).__name__ for c in cache]
     assert {e["module"] for e in doc["layers"]} == {mod.__name__}
 
@@ -457,6 +462,57 @@ def test_vlm_caches_whose_state_loses_position_restore_exactly(make: Callable[[]
             got.maybe_trim_front()
         assert all(mx.array_equal(a, b).item() for a, b in zip(want, have, strict=True)), i
     assert got.offset == c.offset
+
+
+def _same_steps(a: Any, b: Any, steps: int, seed: int, trim_front: bool = False) -> None:
+    """Feed both layers the same rows, one at a time, and compare what each returns."""
+    for i in range(steps):
+        if trim_front:  # as Llama 4's attention does before each update
+            a.maybe_trim_front()
+            b.maybe_trim_front()
+        k = _rows(1, seed + i)
+        want, have = a.update_and_fetch(k, k), b.update_and_fetch(k, k)
+        assert all(mx.array_equal(x, y).item() for x, y in zip(want, have, strict=True)), i
+        assert (a.offset, getattr(a, "start_position", 0)) == (b.offset,
+                                                               getattr(b, "start_position", 0))
+
+
+def test_a_trimmed_mlx_lm_concatenate_cache_keeps_its_offset() -> None:
+    """mlx-lm's ConcatenateKVCache trims only its offset and keeps its rows
+    (the next update appends after them); its setter takes the offset from the
+    rows, so restored it came back untrimmed: 13 instead of 10, the positions
+    of every later token wrong (other logits, no error)."""
+    c = L.ConcatenateKVCache()
+    c.update_and_fetch(_rows(13, 1), _rows(13, 1))
+    assert c.trim(3) == 3 and c.offset == 10 and c.keys.shape[-2] == 13
+    snap, (got,) = roundtrip([c])
+    assert json.loads(snap.layers)["layers"][0]["attrs"] == {"offset": 10}
+    assert got.offset == 10 and mx.array_equal(got.keys, c.keys).item()
+    _same_steps(c, got, 3, seed=50)
+    # Untrimmed, nothing is recorded: a file older kvkeepers read.
+    whole = L.ConcatenateKVCache()
+    whole.update_and_fetch(_rows(4, 2), _rows(4, 2))
+    assert json.loads(roundtrip([whole])[0].layers)["version"] == 1
+    # Empty, mlx-lm's setter cannot take its state: refused, not saved unusable.
+    with pytest.raises(CodecError, match="empty mlx-lm ConcatenateKVCache"):
+        snapshot_cache([L.ConcatenateKVCache()])
+
+
+def test_an_mlx_lm_chunked_cache_goes_on_as_the_original_past_its_chunk() -> None:
+    """A 300-token prefill, then decode steps past the 512-token chunk.
+    mlx-lm 0.31's ChunkedKVCache trims its front by the size of its buffer,
+    spare rows included: restored with its live rows only, it trimmed 46
+    tokens early (other logits, no error). mlx-lm 0.32 trims by the tokens it
+    holds; either restores to go on exactly as the original."""
+    c = L.ChunkedKVCache(chunk_size=512)
+    c.update_and_fetch(_rows(300, 1), _rows(300, 1))
+    for i in range(2):
+        c.maybe_trim_front()
+        c.update_and_fetch(_rows(1, 10 + i), _rows(1, 10 + i))
+    snap, (got,) = roundtrip([c])
+    assert (got.offset, got.start_position) == (c.offset, c.start_position) == (302, 0)
+    _same_steps(c, got, 260, seed=100, trim_front=True)
+    assert c.start_position > 0  # past the chunk: the front was trimmed
 
 
 def test_layer_attrs_need_the_newer_reader_and_are_checked() -> None:

@@ -19,11 +19,11 @@ from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon
 from .legacy_describe import MLX_LM_OLD_API, describe
-from .test_legacy import MANIFEST, ROOT, digest
+from .test_legacy import MANIFEST, READABLE, ROOT, digest
 from .tiny import prefill, prompt, tiny_lfm2
 
 
-@pytest.mark.parametrize("rel", sorted(MANIFEST))
+@pytest.mark.parametrize("rel", READABLE)
 def test_read_cache_file_opens_legacy_files(rel: str) -> None:
     want = MANIFEST[rel]
     got = kvkeeper.read_cache_file(ROOT / rel)

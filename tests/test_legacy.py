@@ -55,7 +55,12 @@ def test_manifest_covers_every_fixture() -> None:
 
 #: Files in the layout of mlx-lm 0.31 and earlier (written by its own
 #: save_prompt_cache; tests/data/legacy-formats/make_mlx_lm_031.py).
-OLD_MLX_LM = sorted(k for k, v in MANIFEST.items() if v.get("layout") == "mlx-lm 0.31")
+#: Its ChunkedKVCache had trimmed its front: see the test after the next.
+OLD_CHUNKED = "mlx-lm-0.31/chunked.safetensors"
+OLD_MLX_LM = sorted(k for k, v in MANIFEST.items()
+                    if v.get("layout") == "mlx-lm 0.31" and k != OLD_CHUNKED)
+#: Every fixture a load restores.
+READABLE = sorted(set(MANIFEST) - {OLD_CHUNKED})
 
 
 @pytest.mark.parametrize("rel", OLD_MLX_LM)
@@ -68,6 +73,27 @@ def test_mlx_lm_031_file_restores_as_its_own_loader_did(rel: str) -> None:
     assert got.token_ids is None and got.model_fingerprint is None
     assert [type(c).__module__ for c in got.layers] == ["mlx_lm.models.cache"] * len(got.layers)
     assert [describe(c) for c in got.layers] == want["layers"]
+
+
+def test_an_mlx_lm_031_chunked_cache_trimmed_at_the_front_is_refused() -> None:
+    """mlx-lm 0.31 saves a ChunkedKVCache as its buffer up to the offset and
+    (chunk_size, start_position): once the front is trimmed, nothing tells how
+    many rows hold tokens, and its own loader takes the row count for the
+    offset (here 16 rows for 37 tokens, start_position 240: the positions of
+    every later token wrong). A miss instead of that cache; the same layer
+    before any trim still loads."""
+    want = MANIFEST[OLD_CHUNKED]["layers"][0]["counters"]
+    assert (want["offset"], want["start_position"]) == (16, 240)  # mlx-lm 0.31's own restore
+    arrays, metadata = load(OLD_CHUNKED)
+    with pytest.raises(CodecError, match=r"layer 0: a ChunkedKVCache whose front was trimmed "
+                                         r"\(start_position 240\)"):
+        decode_legacy(arrays, metadata)
+    (layer,) = decode_legacy(arrays, {**metadata, "0.0.1": "0"}).layers
+    assert (type(layer).__name__, layer.offset, layer.start_position) == ("ChunkedKVCache", 16, 0)
+    # A file of cache_persist (mlx-vlm's class, state and meta_state alike) too.
+    arrays, metadata = load("gezel-schema3/fp-demo/chunked.safetensors")
+    with pytest.raises(CodecError, match=r"front was trimmed \(start_position 5\)"):
+        decode_legacy(arrays, {**metadata, "meta_state": '[["16", "5"]]'})
 
 
 @pytest.mark.parametrize("rel", ["mlx-lm-0.31/kv.safetensors", "mlx-lm-0.31/rotating.safetensors",
@@ -84,7 +110,7 @@ def test_a_restored_mlx_lm_031_cache_keeps_working(rel: str) -> None:
         assert mx.array_equal(keys[..., before:, :], k).item()
 
 
-@pytest.mark.parametrize("rel", sorted(set(MANIFEST) - set(OLD_MLX_LM)))
+@pytest.mark.parametrize("rel", sorted(set(READABLE) - set(OLD_MLX_LM)))
 def test_fixture_restores_to_manifest(rel: str) -> None:
     want = MANIFEST[rel]
     arrays, metadata = load(rel)
@@ -118,7 +144,7 @@ def test_decoded_cache_keeps_working(rel: str) -> None:
     assert np.array_equal(np.array(keys.view(mx.uint16))[..., :37, :], before)
 
 
-@pytest.mark.parametrize("rel", sorted(MANIFEST))
+@pytest.mark.parametrize("rel", READABLE)
 def test_legacy_to_kvkeeper_roundtrip(rel: str) -> None:
     # What an import does: decode the old file, snapshot, restore.
     layers = decode_legacy(*load(rel)).layers

@@ -17,6 +17,7 @@ import pytest
 
 import kvkeeper
 from kvkeeper.client.client import Client
+from kvkeeper.client.codec import CodecError, restore_cache
 from kvkeeper.protocol import naming
 
 from .conftest import RunningDaemon
@@ -67,3 +68,41 @@ def test_the_daemon_serves_an_entry_saved_under_the_other_api(
         assert got is not None, name
         want = MANIFEST[f"{OTHER_API}/{name}.safetensors"]["layers"]
         assert [describe(c) for c in got.cache] == want
+
+
+def _layers_of(rel: str) -> tuple[dict[str, mx.array], dict[str, object]]:
+    arrays, meta = mx.load(str(ROOT / rel), return_metadata=True)
+    return arrays, json.loads(meta["kvkeeper.layers"])
+
+
+def test_an_arrays_cache_slot_never_written_loads_under_either_api() -> None:
+    """An ArraysCache slot a model has not written is None in its state; from
+    an entry saved under mlx-lm 0.31 it was refused under 0.32 as a
+    "malformed ArraysCache state"."""
+    for rel in ("mlx-lm-0.31/hybrid.safetensors", "mlx-lm-0.32/hybrid.safetensors"):
+        arrays, doc = _layers_of(rel)
+        state = doc["layers"][0]["state"]
+        slots = state if type(state) is list else state["items"][0]  # 0.32: (cache, ...)
+        assert [s["name"] for s in slots] == ["t0", "t1"]
+        slots[0] = None
+        (arrays_cache, _kv) = restore_cache(arrays, json.dumps(doc))
+        assert arrays_cache.cache[0] is None, rel
+        assert mx.array_equal(arrays_cache.cache[1], arrays["t1"]).item(), rel
+
+
+def test_deepseek_v32_indexer_keys_of_mlx_lm_031_are_a_miss_under_032() -> None:
+    """DeepSeek V3.2's indexer keeps its keys in a KVCache whose values are 0
+    wide under mlx-lm 0.31; mlx-lm 0.32 changed that indexer (the keys as
+    values too, and computed otherwise), and such a layer loaded under it
+    failed at the model's first step (a concatenate of mismatched shapes)."""
+    arrays, doc = _layers_of("mlx-lm-0.31/kv.safetensors")
+    values = doc["layers"][0]["state"]["items"][1]
+    arrays[values["name"]] = mx.zeros((1, 2, 37, 0), dtype=mx.bfloat16)
+    values["shape"] = [1, 2, 37, 0]
+    if MLX_LM_OLD_API:
+        (layer, _) = restore_cache(arrays, json.dumps(doc))
+        assert layer.values.shape == (1, 2, 37, 0) and layer.offset == 37
+    else:
+        with pytest.raises(CodecError, match="layer 0: a KVCache whose values are 0 wide is "
+                                             "DeepSeek V3.2's indexer"):
+            restore_cache(arrays, json.dumps(doc))

@@ -241,8 +241,8 @@ def test_a_chunked_cache_trimmed_at_the_front_saves_its_live_rows_only(
     holds exactly those rows (with offset taken for the live length: 101 rows
     of 320, the last 36 of them spare), and the restored cache goes on as the
     original. (mlx-lm 0.31 and earlier trim by the buffer's size, and give the
-    row count for the offset: saved with its offset, it too goes on as the
-    original.)"""
+    row count for the offset: saved whole with its offset, it too goes on as
+    the original.)"""
     from mlx_lm.models.cache import ChunkedKVCache
     from safetensors import safe_open
 

@@ -824,9 +824,13 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     r = cli("import", "--socket", sock, str(ROOT / "gezel-schema3"))
     assert r.returncode == 0, r.stdout + r.stderr
     # Files in the layout mlx-lm 0.31 and earlier wrote (mlx-lm 0.32 cannot read them).
+    # Its ChunkedKVCache, trimmed at the front, does not record where its tokens end.
     r = cli("import", "--socket", sock, "--model", "lm031", str(ROOT / "mlx-lm-0.31"), "--json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert len(json.loads(r.stdout)["imported"]) == 6
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["imported"]) == 5
+    assert [Path(f["path"]).name for f in out["failed"]] == ["chunked.safetensors"]
+    assert "front was trimmed (start_position 240)" in out["failed"][0]["reason"]
     old = client.load("lm031", "rotating")
     assert old is not None
     assert ([describe(c) for c in old.cache]

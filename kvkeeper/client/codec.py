@@ -607,7 +607,7 @@ _Read = tuple[Any, "dict[str, int] | None"]
 
 
 def _read_chunked_with_meta(layer: Any) -> _Read:
-    # mlx-vlm ChunkedKVCache (and mlx-lm's before 0.32) keeps tokens start_position..offset at rows
+    # mlx-vlm's ChunkedKVCache keeps tokens start_position..offset at rows
     # 0..offset-start_position, but its state setter takes the offset from the
     # rows it is given and meta_state holds only (chunk_size, start_position):
     # once the front is trimmed, a restore put the offset back at the row count
@@ -620,6 +620,31 @@ def _read_chunked_with_meta(layer: Any) -> _Read:
     cut = _cut((keys, values), offset - start)
     # Before any trim the row count is the offset: no attrs, a version 1 entry.
     return (cut if cut is not None else (keys, values)), ({"offset": offset} if start else None)
+
+
+def _read_old_lm_chunked(layer: Any) -> _Read:
+    # mlx-lm 0.31's ChunkedKVCache trims its front by the size of its buffer,
+    # spare rows included, not by the tokens it holds: restored without those
+    # rows it trimmed at other steps than the original (other logits, no
+    # error). Save the whole buffer, and the offset its setter cannot tell.
+    keys, values, offset = layer.keys, layer.values, layer.offset
+    if type(keys) is not mx.array or type(values) is not mx.array or type(offset) is not int:
+        return layer.state, None
+    return (keys, values), (None if keys.shape[-2] == offset else {"offset": offset})
+
+
+def _read_lm_concatenate(layer: Any) -> _Read:
+    # mlx-lm's ConcatenateKVCache trims only its offset and keeps the rows (its
+    # next update appends after them); its setter takes the offset from the
+    # rows, so a trimmed one came back untrimmed. Record the offset.
+    keys, offset = layer.keys, layer.offset
+    if keys is None:
+        # Saved, it was a file no load could use.
+        raise CodecError("an empty mlx-lm ConcatenateKVCache cannot be rebuilt (mlx-lm's "
+                         "state setter needs its keys): save it after its first update")
+    if type(keys) is not mx.array or type(offset) is not int or keys.shape[-2] == offset:
+        return layer.state, None
+    return layer.state, {"offset": offset}
 
 
 def _read_vlm_buffered_rotating(layer: Any) -> _Read:
@@ -829,10 +854,17 @@ def _check_packed(part: Any, codec: Any, offset: int, heads: set[tuple[int, ...]
 
 
 _READERS: dict[tuple[str, str], Callable[[Any], _Read]] = {
+    ("mlx_lm.models.cache", "ConcatenateKVCache"): _read_lm_concatenate,
     ("mlx_vlm.models.cache", "ChunkedKVCache"): _read_chunked_with_meta,
     ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _read_vlm_buffered_rotating,
     ("mlx_lm.models.deepseek_v41", "LayerCache"): _read_deepseek_v41,
     ("mlx_vlm.turboquant", "TurboQuantKVCache"): _read_turboquant,
+}
+
+#: The readers of mlx-lm 0.31's classes (``meta_state`` and states cut to the offset).
+_OLD_LM_READERS: dict[str, Callable[[Any], _Read]] = {
+    "ChunkedKVCache": _read_old_lm_chunked,
+    "ConcatenateKVCache": _read_lm_concatenate,
 }
 
 #: Classes kvkeeper rebuilds itself from their saved fields: (class, state)
@@ -871,8 +903,8 @@ def _layer_class(cls: type) -> tuple[str, str, Callable[[Any], _Read]]:
     _rebuild_fixes(cls)  # a class known not to rebuild is refused now
     if hasattr(cls, "meta_state") and module == "mlx_lm.models.cache":
         # mlx-lm 0.31 and earlier: states without counters, sliced to the
-        # offset already; its ChunkedKVCache loses its offset as mlx-vlm's does.
-        read = _read_chunked_with_meta if name == "ChunkedKVCache" else _read_state
+        # offset already; two classes' states lose their offset (readers above).
+        read = _OLD_LM_READERS.get(name, _read_state)
     else:
         trim = _TRIMMERS.get((module, name))
         read = _READERS.get((module, name)) or (_trimmed_reader(trim) if trim else _read_state)

@@ -180,7 +180,25 @@ def _meta_layer(cls: type, state: Any, meta: Any, where: str,
             for i, (s, name, m) in enumerate(zip(state, meta[0], meta[1], strict=True))
         ]
         return rebuild_composite(cls, children, list)
+    if cls.__name__ == "ChunkedKVCache":
+        _refuse_front_trimmed(meta, where)
     return leaf(cls, state, meta, where)
+
+
+def _refuse_front_trimmed(meta: Any, where: str) -> None:
+    """A ChunkedKVCache given as (state, meta_state) by mlx-lm 0.31 or mlx-vlm:
+    once its front is trimmed, its state is its buffer up to the offset, spare
+    rows included, and nothing records how many rows hold tokens (mlx-lm's own
+    loader restores the row count as offset: other logits, no error)."""
+    if isinstance(meta, (list, tuple)) and len(meta) == 2:
+        try:
+            start = int(meta[1])
+        except (TypeError, ValueError):
+            return  # the class's own setter refuses it, as for any malformed meta_state
+        if start > 0:
+            raise CodecError(f"{where}: a ChunkedKVCache whose front was trimmed "
+                             f"(start_position {start}) is saved without the count of its "
+                             "rows that hold tokens: it cannot be restored as it was")
 
 
 def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:

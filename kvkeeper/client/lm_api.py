@@ -87,12 +87,24 @@ def _int_fields(meta: Any, n: int, where: str) -> list[int]:
 
 def _new_state(name: str, state: Any, meta: Any, where: str) -> Any:
     """The mlx-lm 0.32 state of an mlx-lm 0.31 layer (state, meta_state)."""
-    if not (isinstance(state, (list, tuple)) and all(s is not None for s in state)):
+    if not isinstance(state, (list, tuple)):
+        raise CodecError(f"{where}: malformed {name} state")
+    if name == "ArraysCache":
+        return list(state), None, None  # a slot never written is None
+    if any(s is None for s in state):
         raise CodecError(f"{where}: malformed {name} state")
     if name in _KV_LIKE and len(state) != 2:
         raise CodecError(f"{where}: {name} state is not (keys, values)")
     if name == "KVCache":
         keys, values = state
+        if values.shape[-1] == 0 < keys.shape[-1]:
+            # Loaded, it failed at the model's first step (a concatenate of
+            # mismatched shapes): a miss instead, and a fresh prefill.
+            raise CodecError(f"{where}: a KVCache whose values are 0 wide is DeepSeek V3.2's "
+                             "indexer (GLM's DSA models use it too) as mlx-lm 0.31 and "
+                             "earlier keep it; mlx-lm 0.32 "
+                             "changed that indexer (it keeps the keys as values, and "
+                             "computes it otherwise) and cannot use it")
         return keys, values, keys.shape[-2]
     if name == "ConcatenateKVCache":
         return tuple(state)
@@ -105,7 +117,5 @@ def _new_state(name: str, state: Any, meta: Any, where: str) -> Any:
     if name == "ChunkedKVCache":
         chunk_size, start = _int_fields(meta, 2, where)
         return state[0], state[1], state[0].shape[-2], chunk_size, start
-    if name == "ArraysCache":
-        return list(state), None, None
     raise CodecError(f"{where}: a {name} saved by mlx-lm 0.31 or earlier cannot be "
                      "rebuilt by this mlx-lm")
