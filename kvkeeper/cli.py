@@ -195,7 +195,11 @@ def _parser() -> argparse.ArgumentParser:
                          "metadata (kvkeeper_metadata, JSON); kvkeeper import restores each. "
                          "Needs the mlx extra. Works without a daemon, reading the store's "
                          "file. An existing file at PATH is replaced (atomically; the output says so); a "
-                         "PATH inside the store is refused (exit 2): its files are the daemon's.")
+                         "PATH inside the store is refused (exit 2): its files are the daemon's. "
+                         "Refused (exit 1): caches mlx-lm's loader cannot rebuild (mlx-vlm's "
+                         "classes, DeepSeek V4.1's) or would restore otherwise (a trimmed "
+                         "ConcatenateKVCache; under mlx-lm 0.31 a ChunkedKVCache trimmed at "
+                         "the front).")
     _socket_arg(exp)
     exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's; with no "

@@ -659,6 +659,26 @@ def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
     return bad
 
 
+def _lost_by_mlx_lm_files(layers: list[Any]) -> list[str]:
+    """The layers mlx-lm's own file would give back otherwise than they are:
+    their state leaves out an offset that differs from their row count."""
+    lost = []
+    for layer in layers:
+        name, offset = type(layer).__name__, getattr(layer, "offset", None)
+        keys = getattr(layer, "keys", None)
+        if (name == "ConcatenateKVCache" and keys is not None
+                and keys.shape[-2] != offset):
+            lost.append(f"a trimmed ConcatenateKVCache ({offset} of {keys.shape[-2]} rows)")
+        if (name == "ChunkedKVCache" and hasattr(type(layer), "meta_state")
+                and getattr(layer, "start_position", 0) > 0):
+            lost.append(f"a ChunkedKVCache trimmed at the front (start_position "
+                        f"{layer.start_position}) as mlx-lm 0.31 saves it")
+        children = getattr(layer, "caches", None)
+        if isinstance(children, (list, tuple)):
+            lost.extend(_lost_by_mlx_lm_files(list(children)))
+    return lost
+
+
 def _read_entry(root: Path, model: str, cache_id: str) -> Any:
     """The entry ``model`` / ``cache_id`` read from the files under ``root``,
     or None when it has none."""
@@ -725,6 +745,11 @@ def export(args: argparse.Namespace) -> int:
     if foreign:
         raise CommandError(f"mlx-lm's loader cannot rebuild {sorted(set(foreign))}; only caches "
                            f"of mlx_lm.models.cache classes can be exported")
+    lost = _lost_by_mlx_lm_files(got.cache)
+    if lost:
+        # Its loader would take the row count for the offset: other logits, no error.
+        raise CommandError(f"mlx-lm's file cannot record the offset of {lost[0]}; "
+                           f"mlx-lm's loader would restore it wrong")
     # No dots in the keys: mlx-lm's loader turns "a.b" into nested dicts.
     meta = {EXPORT_MODEL_KEY: args.model, EXPORT_CACHE_ID_KEY: args.cache_id,
             EXPORT_TOKENS_KEY: json.dumps(got.token_ids)}

@@ -812,6 +812,42 @@ def test_deepseek_v41_is_neither_exported_nor_imported_from_mlx_lm_files(
     assert "do not record its window size" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+def test_export_refuses_what_mlx_lm_files_would_give_back_otherwise(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """mlx-lm's ConcatenateKVCache trims only its offset, and its state leaves
+    the offset out: mlx-lm's own file of a trimmed one loads untrimmed (the
+    positions of every later token wrong, no error). So does mlx-lm 0.31's
+    file of a ChunkedKVCache trimmed at the front. export refuses them; the
+    same layer untrimmed exports."""
+    from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache
+
+    sock = str(daemon.socket)
+    rows = mx.random.normal((1, 2, 13, 16))
+    c = ConcatenateKVCache()
+    c.update_and_fetch(rows, rows)
+    c.trim(3)
+    assert client.save("cc", "trimmed", [c], list(range(10))) and client.flush(timeout=WAIT)
+    out = short_dir / "out.safetensors"
+    r = cli("export", "--socket", sock, "cc", "trimmed", str(out))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "cannot record the offset of a trimmed ConcatenateKVCache (10 of 13 rows)" in r.stderr
+    assert not out.exists()
+    if MLX_LM_OLD_API:
+        ch = ChunkedKVCache(chunk_size=16)
+        ch.update_and_fetch(rows, rows)
+        ch.maybe_trim_front()  # mlx-lm 0.31 trims by its buffer: 256 rows
+        assert ch.start_position > 0
+        assert client.save("cc", "chunked", [ch], list(range(13))) and client.flush(timeout=WAIT)
+        r = cli("export", "--socket", sock, "cc", "chunked", str(out))
+        assert r.returncode == 1 and "ChunkedKVCache trimmed at the front" in r.stderr, r.stderr
+    whole = ConcatenateKVCache()
+    whole.update_and_fetch(rows, rows)
+    assert client.save("cc", "whole", [whole], list(range(13))) and client.flush(timeout=WAIT)
+    r = cli("export", "--socket", sock, "cc", "whole", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert mx.array_equal(mx.load(str(out))["0.0"], rows).item()
+
+
 def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: RunningDaemon,
                                                     short_dir: Path) -> None:
     sock = str(daemon.socket)
