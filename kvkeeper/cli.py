@@ -197,9 +197,9 @@ def _parser() -> argparse.ArgumentParser:
                          "file. An existing file at PATH is replaced (atomically; the output says so); a "
                          "PATH inside the store is refused (exit 2): its files are the daemon's. "
                          "Refused (exit 1): caches mlx-lm's loader cannot rebuild (mlx-vlm's "
-                         "classes, DeepSeek V4.1's) or would restore otherwise (a trimmed "
-                         "ConcatenateKVCache; under mlx-lm 0.31 a ChunkedKVCache trimmed at "
-                         "the front).")
+                         "classes, DeepSeek V4.1's) or whose offset mlx-lm's file loses (a "
+                         "trimmed ConcatenateKVCache; under mlx-lm 0.31 a ChunkedKVCache "
+                         "trimmed at the front).")
     _socket_arg(exp)
     exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's; with no "

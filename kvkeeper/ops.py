@@ -660,8 +660,10 @@ def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
 
 
 def _lost_by_mlx_lm_files(layers: list[Any]) -> list[str]:
-    """The layers mlx-lm's own file would give back otherwise than they are:
-    their state leaves out an offset that differs from their row count."""
+    """The layers whose offset mlx-lm's own file loses: their state leaves it
+    out, and it differs from their row count. (Under mlx-lm 0.31 a
+    ChunkedKVCache also loses its spare rows there, as in mlx-lm's own files:
+    the README says so.)"""
     lost = []
     for layer in layers:
         name, offset = type(layer).__name__, getattr(layer, "offset", None)

@@ -77,9 +77,9 @@ def test_mlx_lm_031_file_restores_as_its_own_loader_did(rel: str) -> None:
 
 def test_an_mlx_lm_031_chunked_cache_trimmed_at_the_front_is_refused() -> None:
     """mlx-lm 0.31 saves a ChunkedKVCache as its buffer up to the offset and
-    (chunk_size, start_position): once the front is trimmed, nothing tells how
-    many rows hold tokens, and its own loader takes the row count for the
-    offset (here 16 rows for 37 tokens, start_position 240: the positions of
+    (chunk_size, start_position), and its file no token count: once the front
+    is trimmed, nothing tells the offset, and its own loader takes the row
+    count for it (here 16 rows for 37 tokens, start_position 240: the positions of
     every later token wrong). A miss instead of that cache; the same layer
     before any trim still loads."""
     want = MANIFEST[OLD_CHUNKED]["layers"][0]["counters"]
@@ -90,10 +90,46 @@ def test_an_mlx_lm_031_chunked_cache_trimmed_at_the_front_is_refused() -> None:
         decode_legacy(arrays, metadata)
     (layer,) = decode_legacy(arrays, {**metadata, "0.0.1": "0"}).layers
     assert (type(layer).__name__, layer.offset, layer.start_position) == ("ChunkedKVCache", 16, 0)
-    # A file of cache_persist (mlx-vlm's class, state and meta_state alike) too.
-    arrays, metadata = load("gezel-schema3/fp-demo/chunked.safetensors")
-    with pytest.raises(CodecError, match=r"front was trimmed \(start_position 5\)"):
-        decode_legacy(arrays, {**metadata, "meta_state": '[["16", "5"]]'})
+
+
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_a_cache_persist_chunked_cache_trimmed_at_the_front_takes_its_token_count(
+        tokens: int) -> None:
+    """mlx-vlm's ChunkedKVCache (state and meta_state as mlx-lm 0.31's) saved
+    by cache_persist past its chunk: its state is its buffer cut at the
+    offset, or the whole buffer once that is shorter (300 tokens here), but
+    the file's token count is the offset. Restored with it, the cache goes on
+    exactly as the original; a token count the rows cannot hold is refused."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.cache import ChunkedKVCache
+
+    c = ChunkedKVCache(chunk_size=16)
+    for i in range(tokens):
+        c.maybe_trim_front()
+        c.update_and_fetch(_row(i), _row(i))
+    rows = c.state[0].shape[2]
+    assert c.start_position > 0 and (rows == tokens if tokens == 40 else rows < tokens)
+    arrays = dict(tree_flatten([list(c.state)]))
+    metadata = {"schema_version": "3", "model_fingerprint": "fp", "state_scalars": "{}",
+                "token_ids": json.dumps(list(range(tokens))), "token_count": str(tokens),
+                "classes": '["ChunkedKVCache"]', "class_modules": '["mlx_vlm.models.cache"]',
+                "meta_state": json.dumps([list(c.meta_state)])}
+    (got,) = decode_legacy(arrays, metadata).layers
+    assert (got.offset, got.start_position) == (c.offset, c.start_position)
+    start = c.start_position
+    for i in range(60):
+        c.maybe_trim_front()
+        got.maybe_trim_front()
+        want, have = c.update_and_fetch(_row(1000 + i), _row(1000 + i)), \
+            got.update_and_fetch(_row(1000 + i), _row(1000 + i))
+        assert all(mx.array_equal(a, b).item() for a, b in zip(want, have, strict=True)), i
+    short = {**metadata, "token_ids": json.dumps(list(range(start - 1)))}
+    with pytest.raises(CodecError, match="cannot hold"):
+        decode_legacy(arrays, short)
+
+
+def _row(seed: int) -> mx.array:
+    return mx.random.normal((1, 2, 1, 8), key=mx.random.key(seed))
 
 
 @pytest.mark.parametrize("rel", ["mlx-lm-0.31/kv.safetensors", "mlx-lm-0.31/rotating.safetensors",

@@ -180,25 +180,49 @@ def _meta_layer(cls: type, state: Any, meta: Any, where: str,
             for i, (s, name, m) in enumerate(zip(state, meta[0], meta[1], strict=True))
         ]
         return rebuild_composite(cls, children, list)
-    if cls.__name__ == "ChunkedKVCache":
-        _refuse_front_trimmed(meta, where)
     return leaf(cls, state, meta, where)
 
 
-def _refuse_front_trimmed(meta: Any, where: str) -> None:
-    """A ChunkedKVCache given as (state, meta_state) by mlx-lm 0.31 or mlx-vlm:
-    once its front is trimmed, its state is its buffer up to the offset, spare
-    rows included, and nothing records how many rows hold tokens (mlx-lm's own
-    loader restores the row count as offset: other logits, no error)."""
-    if isinstance(meta, (list, tuple)) and len(meta) == 2:
-        try:
-            start = int(meta[1])
-        except (TypeError, ValueError):
-            return  # the class's own setter refuses it, as for any malformed meta_state
-        if start > 0:
-            raise CodecError(f"{where}: a ChunkedKVCache whose front was trimmed "
-                             f"(start_position {start}) is saved without the count of its "
-                             "rows that hold tokens: it cannot be restored as it was")
+def _front_trimmed(cls: type, meta: Any) -> int:
+    """The start_position of a ChunkedKVCache given as (state, meta_state)
+    (mlx-lm 0.31, mlx-vlm), else 0. Once its front is trimmed, its state is
+    its buffer up to the offset, spare rows included: the row count is the
+    offset only while the buffer is at least that long."""
+    if cls.__name__ != "ChunkedKVCache" or not (isinstance(meta, (list, tuple))
+                                                and len(meta) == 2):
+        return 0
+    try:
+        return max(int(meta[1]), 0)
+    except (TypeError, ValueError):
+        return 0  # the class's own setter refuses it, as for any malformed meta_state
+
+
+def _old_mlx_lm_leaf(cls: type, state: Any, meta: Any, where: str) -> Any:
+    start = _front_trimmed(cls, meta)
+    if start:
+        # mlx-lm's own loader took the row count for the offset: other logits, no error.
+        raise CodecError(f"{where}: a ChunkedKVCache whose front was trimmed "
+                         f"(start_position {start}) is saved by mlx-lm 0.31 without the "
+                         "count of the tokens it has seen: it cannot be restored as it was")
+    return rebuild_from_old(cls, state, meta, where)
+
+
+def _gezel_leaf(tokens: int) -> Callable[[type, Any, Any, str], Any]:
+    """cache_persist's layers: its token count is the offset of a front-trimmed
+    ChunkedKVCache, which its state alone does not tell."""
+    def leaf(cls: type, state: Any, meta: Any, where: str) -> Any:
+        layer = _rebuild(cls, state, meta, where)
+        start = _front_trimmed(cls, meta)
+        if start:
+            rows = layer.keys.shape[-2]
+            # The state is the buffer cut at the offset: as many rows, or all
+            # of a shorter buffer, which still holds every token from start on.
+            if not (start <= tokens and tokens - start <= rows <= tokens):
+                raise CodecError(f"{where}: a ChunkedKVCache of {rows} rows from "
+                                 f"start_position {start} cannot hold {tokens} tokens")
+            layer.offset = tokens
+        return layer
+    return leaf
 
 
 def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
@@ -227,7 +251,7 @@ def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
             dict.fromkeys(m for m in (module, _VLM_CACHE, _LM_CACHE) if isinstance(m, str))
         )
         cls = _class_named(name, candidates)
-        layers.append(_meta_layer(cls, state, meta, f"layer {i}"))
+        layers.append(_meta_layer(cls, state, meta, f"layer {i}", _gezel_leaf(len(token_ids))))
     fingerprint = metadata.get("model_fingerprint")
     return LegacyCache(GEZEL_SCHEMA3, layers, token_ids, fingerprint, dict(metadata))
 
@@ -280,7 +304,7 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
         states = _unflatten_layers(dict(arrays), len(classes))
         layers = [
             _meta_layer(_class_named(name, [_LM_CACHE]), state, meta, f"layer {i}",
-                        rebuild_from_old)
+                        _old_mlx_lm_leaf)
             for i, (name, state, meta) in enumerate(zip(classes, states, metas, strict=True))
         ]
         return _mlx_lm_cache(layers, user)
