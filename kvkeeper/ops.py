@@ -647,16 +647,18 @@ def import_files(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
-    bad = []
+def _each_layer(layers: list[Any]) -> Iterator[Any]:
+    """Every layer, and the children of a CacheList after it."""
     for layer in layers:
-        cls = type(layer)
-        if cls.__module__ != "mlx_lm.models.cache":
-            bad.append(f"{cls.__module__}.{cls.__name__}")
+        yield layer
         children = getattr(layer, "caches", None)
         if isinstance(children, (list, tuple)):
-            bad.extend(_mlx_lm_classes_only(list(children)))
-    return bad
+            yield from _each_layer(list(children))
+
+
+def _mlx_lm_classes_only(layers: list[Any]) -> list[str]:
+    return [f"{type(layer).__module__}.{type(layer).__name__}" for layer in _each_layer(layers)
+            if type(layer).__module__ != "mlx_lm.models.cache"]
 
 
 def _lost_by_mlx_lm_files(layers: list[Any]) -> list[str]:
@@ -665,7 +667,7 @@ def _lost_by_mlx_lm_files(layers: list[Any]) -> list[str]:
     ChunkedKVCache also loses its spare rows there, as in mlx-lm's own files:
     the README says so.)"""
     lost = []
-    for layer in layers:
+    for layer in _each_layer(layers):
         name, offset = type(layer).__name__, getattr(layer, "offset", None)
         keys = getattr(layer, "keys", None)
         if (name == "ConcatenateKVCache" and keys is not None
@@ -675,9 +677,6 @@ def _lost_by_mlx_lm_files(layers: list[Any]) -> list[str]:
                 and getattr(layer, "start_position", 0) > 0):
             lost.append(f"a ChunkedKVCache trimmed at the front (start_position "
                         f"{layer.start_position}) as mlx-lm 0.31 saves it")
-        children = getattr(layer, "caches", None)
-        if isinstance(children, (list, tuple)):
-            lost.extend(_lost_by_mlx_lm_files(list(children)))
     return lost
 
 
