@@ -49,10 +49,6 @@ class Shape:
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * 2
 
-    def describe(self) -> str:
-        return (f"{self.layers} layers, {self.kv_heads} KV heads, head dim {self.head_dim}, "
-                f"bf16 ({self.bytes_per_token // KiB} KiB/token)")
-
 
 LLAMA3_8B = Shape(32, 8, 128)
 TINY_SHAPE = Shape(4, 2, 64)

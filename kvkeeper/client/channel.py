@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -71,7 +71,6 @@ if TYPE_CHECKING:
 
 log = get_logger("kvkeeper.client")
 
-Frames = Sequence[bytes | memoryview]
 Key = tuple[str, str]  # (model, cache id)
 #: A request's ``release`` that sends every save waiting out the interval.
 ALL_KEYS: Key = ("", "")  # no real key is empty (naming.check_key)
