@@ -19,6 +19,7 @@ from benchmarks.common import (
     CallClock,
     GcWatch,
     cache_nbytes,
+    calibrate_spin,
     free_memory,
     gc_summary,
     hybrid_cache,
@@ -27,11 +28,18 @@ from benchmarks.common import (
     layers_of,
     prompt_cache_state,
     slow_calls,
+    spin,
     state_arrays,
     summarize,
     token_ids,
     vlm_mirror,
 )
+
+#: How long the control call lasts: about a ``save()`` here (its median was
+#: 0.35-0.6 ms in the full runs). The control is pure Python with no I/O, no
+#: lock and no let-go of the GIL, timed under the same conditions as
+#: ``save()``; what it suffers is what this machine does to any such call.
+CONTROL_S = 450e-6
 
 
 def reference_save(cache: Any, tokens: list[int], target: Path) -> None:
@@ -54,12 +62,14 @@ def mlx_lm_save(cache: Any, tokens: list[int], target: Path) -> None:
 
 
 def _kvk_idle(kv: Any, key: str, cache: Any, tokens: list[int], clock: CallClock,
-              out: dict[str, list]) -> None:
+              out: dict[str, list], control: CallClock, spin_n: int | None) -> None:
     ok = clock.call(kv.save, MODEL, key, cache, tokens)
     t0 = clock.windows[-1][0]
     flushed = kv.flush(WAIT)
     out["durable"].append(time.perf_counter() - t0)
     out["ok"].append(bool(ok) and bool(flushed))
+    if spin_n is not None:  # right after a flush, as the next save() will be
+        control.call(spin, spin_n)
 
 
 def _sync_round(cache: Any, tokens: list[int], d: Path, out: dict[str, list]) -> None:
@@ -110,14 +120,18 @@ def _apc_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: float,
-            gcw: GcWatch) -> dict[str, Any]:
-    """save() every ``pace`` seconds without waiting for the disk (write-behind)."""
+            gcw: GcWatch, spin_n: int) -> dict[str, Any]:
+    """save() every ``pace`` seconds without waiting for the disk (write-behind),
+    and the control call halfway between two saves."""
     before = kv.stats()
     clock = CallClock()
+    control = CallClock()
     oks = []
     for _ in range(n):
         oks.append(bool(clock.call(kv.save, MODEL, key, cache, tokens)))
-        time.sleep(pace)
+        time.sleep(pace / 2)
+        control.call(spin, spin_n)
+        time.sleep(pace / 2)
     flushed = kv.flush(WAIT)
     after = kv.stats()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
@@ -127,16 +141,26 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
             "slow_calls": slow_calls(clock.wall, clock.cpu, clock.preempted, clock),
             "steal": clock.steal_summary(),
             "gc": gc_summary(gcw, clock.windows), "handed_off": sum(oks), "dropped": len(oks) - sum(oks),
-            "flush_ok": bool(flushed), "pace_s": pace, "counters": delta}
+            "flush_ok": bool(flushed), "pace_s": pace, "counters": delta,
+            "control": _control(control)}
+
+
+def _control(clock: CallClock) -> dict[str, Any]:
+    return {"call": summarize(clock.wall), "cpu": summarize(clock.cpu),
+            "slow_calls": slow_calls(clock.wall, clock.cpu, clock.preempted, clock)}
 
 
 def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *, idle_n: int,
-                   apc_layers: list[Any] | None, apc_restore: bool, stream: bool) -> dict[str, Any]:
+                   apc_layers: list[Any] | None, apc_restore: bool,
+                   spin_n: int | None) -> dict[str, Any]:
+    """``spin_n``: the control's loop count, for the caches also measured
+    streaming; None for the others."""
     prof, kv = ctx.profile, ctx.kv
     key = f"hot-{label}"
     d = ctx.scratch / f"sync-{label}"
     d.mkdir(exist_ok=True)
     idle = CallClock()
+    control = CallClock()
     raw: dict[str, list] = {"durable": [], "ok": [],
                             "reference_new": [],
                             "reference_replace": [], "mlx_lm": [], "apc": []}
@@ -153,14 +177,14 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *, idle_
             # Side by side: each round does kvkeeper, the synchronous saves and APC.
             for _ in range(per_round):
                 if done_idle < idle_n:
-                    _kvk_idle(kv, key, cache, tokens, idle, raw)
+                    _kvk_idle(kv, key, cache, tokens, idle, raw, control, spin_n)
                     done_idle += 1
             _sync_round(cache, tokens, d, raw)
             if apc_layers is not None:
                 offset = 1000 * (r + 1)
                 _apc_round(apc_layers, [t + offset for t in tokens], apc_restore, raw)
         elif done_idle < idle_n:
-            _kvk_idle(kv, key, cache, tokens, idle, raw)
+            _kvk_idle(kv, key, cache, tokens, idle, raw, control, spin_n)
             done_idle += 1
     res: dict[str, Any] = {
         "label": label,
@@ -181,9 +205,10 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *, idle_
         res["sync_mlx_lm_error"] = raw["mlx_lm_error"][0]
     if apc_layers is not None:
         res["mlx_vlm_apc"] = _apc_summary(raw["apc"])
-    if stream:
+    if spin_n is not None:
+        res["control_idle"] = _control(control)
         res["kvkeeper_stream"] = _stream(kv, key, cache, tokens, prof.hot_stream_n,
-                                         prof.stream_pace_s, gcw)
+                                         prof.stream_pace_s, gcw, spin_n)
     # What save() is made of: the capture (on the caller's thread) and the
     # encoding that the client's I/O thread does afterwards, each in-process.
     from kvkeeper.client.codec import capture_cache, encode_capture
@@ -218,6 +243,7 @@ def _run(ctx: Any) -> dict[str, Any]:
     prof = ctx.profile
     shape = prof.shape
     sizes = []
+    spin_n = calibrate_spin(CONTROL_S)
     for t in prof.tokens:
         cache = kv_cache(shape, t, seed=t)
         toks = token_ids(t, seed=t)
@@ -225,7 +251,7 @@ def _run(ctx: Any) -> dict[str, Any]:
         idle_n = prof.hot_idle_n if t == max(prof.tokens) else prof.hot_idle_n_other
         sizes.append(_measure_cache(ctx, f"kv{t}", cache, toks, idle_n=idle_n,
                                     apc_layers=vlm_mirror(cache), apc_restore=False,
-                                    stream=True))
+                                    spin_n=spin_n))
         del cache
         free_memory()
     special = []
@@ -235,7 +261,7 @@ def _run(ctx: Any) -> dict[str, Any]:
     special.append({"kind": "mlx-vlm PromptCacheState (mlx-vlm KVCache layers)",
                     **_measure_cache(ctx, f"pcs{t}", pcs, list(pcs.token_ids),
                                      idle_n=prof.hot_idle_n_other, apc_layers=None,
-                                     apc_restore=False, stream=False)})
+                                     apc_restore=False, spin_n=None)})
     del pcs
     free_memory()
     ctx.log(f"  hot path: hybrid ArraysCache + KVCache, {t} tokens")
@@ -244,10 +270,11 @@ def _run(ctx: Any) -> dict[str, Any]:
                     **_measure_cache(ctx, f"hybrid{t}", hyb, token_ids(t, seed=8),
                                      idle_n=prof.hot_idle_n_other,
                                      apc_layers=hybrid_to_vlm(hyb), apc_restore=False,
-                                     stream=False)})
+                                     spin_n=None)})
     del hyb
     free_memory()
-    return {"sizes": sizes, "special": special}
+    return {"sizes": sizes, "special": special,
+            "control": {"target_s": CONTROL_S, "loops": spin_n}}
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:

@@ -397,6 +397,52 @@ def _idle_calls(prof: dict[str, Any]) -> str:
     return f"{n} calls of the largest cache, {other} of the others"
 
 
+def _control_pair(big: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The control call's figures (idle, streaming) at the largest cache, if measured."""
+    idle = big.get("control_idle")
+    stream = (big.get("kvkeeper_stream") or {}).get("control")
+    return (idle, stream) if idle and stream else None
+
+
+def _control_text(hot: dict[str, Any], big: dict[str, Any]) -> str:
+    pair = _control_pair(big)
+    if pair is None:
+        return ""
+    idle, stream = pair
+    target = (hot.get("control") or {}).get("target_s")
+    return (
+        f"**Control.** The same conditions with a call that only computes: a pure-Python loop "
+        f"(no I/O, no lock, never letting go of the GIL) calibrated at the start of the case "
+        f"to last about {fmt_s(target)}, timed right after each idle save's `flush()` "
+        f"and halfway between two streaming saves, at {fmt_bytes(big['bytes'])}: idle "
+        f"{_p(idle['call'])} p50 / {_p(idle['call'], 'p99')} p99 (n {idle['call']['n']}), "
+        f"streaming {_p(stream['call'])} / {_p(stream['call'], 'p99')} (n "
+        f"{stream['call']['n']}). {_slow_text('Idle', idle.get('slow_calls'))} "
+        f"{_slow_text('Streaming', stream.get('slow_calls'))}")
+
+
+def _control_verdict(big: dict[str, Any], limit: float) -> str:
+    """What the control call says of the hot-path limit, in this run."""
+    pair = _control_pair(big)
+    if pair is None:
+        return ""
+    (idle, stream), save_st = pair, big["kvkeeper_stream"]["save"]
+    over = [name for name, c in (("idle", idle), ("streaming", stream))
+            if (c["call"].get("p99") or 0) > limit]
+    figures = (f" In the same run the control call (section 1: pure Python, about as long as "
+               f"a `save()`) had a p99 of {_p(idle['call'], 'p99')} idle and "
+               f"{_p(stream['call'], 'p99')} streaming, against {_p(big['kvkeeper_save_idle'], 'p99')} "
+               f"and {_p(save_st, 'p99')} for `save()`")
+    if len(over) == 2:
+        return (figures + ": above the limit in both runs, so on this machine, at this time, "
+                "a call of that length that does nothing but compute missed it too.")
+    if over:
+        return (figures + f": above the limit in the {over[0]} run too, so there a call of "
+                f"that length that does nothing but compute missed it as well.")
+    return (figures + ": below the limit in both runs, so the rest of `save()`'s tail is "
+            "its own: the waits for a core and the slow calls described here.")
+
+
 def _hot(doc: dict[str, Any], png: str) -> list[str]:
     hot = doc["cases"]["hot_path"]
     prof = doc["profile"]
@@ -467,6 +513,9 @@ def _hot(doc: dict[str, Any], png: str) -> list[str]:
         f"streaming: "
         f"{_gc_text(_gc_total([s['kvkeeper_stream'].get('gc') for s in hot['sizes']]))}."
         + (" " + "; ".join(notes) + "." if notes else ""))
+    control = _control_text(hot, big)
+    if control:
+        out += ["", control]
     for s in hot["special"]:
         apc = s.get("mlx_vlm_apc")
         if apc and apc.get("strategy"):
@@ -796,7 +845,8 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"GB/s. {which}. The calling thread's CPU time in `save()` was "
                 f"{_p(worst['save_cpu'])} p50 / {_p(worst['save_cpu'], 'p99')} p99 there; "
                 f"{_slow_text('the slow calls', worst.get('slow_calls')).removeprefix('the slow calls: ')}"
-                f"{_steal_verdict(m)} {_tail_cause(worst)} {_RUN_TO_RUN} "
+                f"{_steal_verdict(m)}{_control_verdict(big, m['limit_s'])} "
+                f"{_tail_cause(worst)} {_RUN_TO_RUN} "
                 f"At {fmt_bytes(big['bytes'])} "
                 f"{_gc_text(_gc_total([big.get('kvkeeper_save_idle_gc'), st.get('gc')]))}."
                 + _hot_path_steal(doc))

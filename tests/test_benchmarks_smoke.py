@@ -46,6 +46,9 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
         assert size["mlx_vlm_apc"]["handoff_s"]["n"] > 0, size["mlx_vlm_apc"]
         for steal in (size["kvkeeper_save_idle_steal"], size["kvkeeper_stream"]["steal"]):
             assert steal["calls"] > 0
+        # The control call, timed under the same conditions as save().
+        for control in (size["control_idle"], size["kvkeeper_stream"]["control"]):
+            assert control["call"]["n"] > 0 and control["call"]["median"] > 0
     assert {s["label"][:3] for s in hot["special"]} == {"pcs", "hyb"}
     gen = doc["cases"]["generation"]
     assert gen["tiny_model"]["ratio"] > 0
@@ -76,6 +79,7 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
     for heading in ("## Machine", "## Targets", "## 1. Hot path", "## 7. Many clients",
                     "## 8. Requests behind saves"):
         assert heading in md
+    assert "**Control.**" in md
     assert (out / "save_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
