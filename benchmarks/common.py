@@ -114,12 +114,14 @@ QUICK = Profile(
     name="quick", shape=LLAMA3_8B, tokens=(256, 4096),
     hot_idle_n=8, hot_idle_n_other=8, hot_stream_n=12, stream_pace_s=0.05, sync_reps=5,
     special_tokens=512,
-    gen_prompt=128, gen_decode=128, gen_runs=7, cow_samples=5,
+    # Under 2 minutes with room to spare on this 2-core machine when it is busy
+    # (117.8 s at nice 10 on 2026-12-04 with 7 runs and 3 s floods).
+    gen_prompt=128, gen_decode=128, gen_runs=5, cow_samples=5,
     disk_tokens=4096, disk_reps=5, load_reps=5,
     resume_lengths=(256, 512), resume_reps=5,
     mem_total=1 * GiB, mem_save_tokens=512, mem_max_pending=256 * MiB, mem_clients=2,
-    clients_n=4, clients_tokens=256, clients_duration_s=3.0,
-    requests_tokens=1024, requests_duration_s=3.0,
+    clients_n=4, clients_tokens=256, clients_duration_s=2.0,
+    requests_tokens=1024, requests_duration_s=2.0,
 )
 #: Smoke-test sizes: every code path, nothing worth reading.
 TINY = Profile(
@@ -364,6 +366,11 @@ def slow_calls(wall: Sequence[float], cpu: Sequence[float],
         "preempted": sum(1 for p in known if p > 0) if len(known) == len(slow) else None,
         "max_cpu_s": max((cpu[i] for i in slow), default=None),
         "max_wall_s": max((wall[i] for i in slow), default=None),
+        # The slowest call's own CPU time, and the slow calls' CPU and wall
+        # time together (how much of the tail was work, how much waiting).
+        "slowest_cpu_s": cpu[max(slow, key=lambda i: wall[i])] if slow else None,
+        "cpu_sum_s": sum(cpu[i] for i in slow),
+        "wall_sum_s": sum(wall[i] for i in slow),
     }
     if clock is not None:
         stolen = [clock.stolen[i] for i in slow if clock.stolen[i] is not None]

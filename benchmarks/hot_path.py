@@ -136,7 +136,7 @@ def _stream(kv: Any, key: str, cache: Any, tokens: list[int], n: int, pace: floa
     after = kv.stats()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "saves_received", "saves_written", "saves_superseded", "saves_refused", "saves_failed",
-        "client_saves_dropped", "client_saves_lost")}
+        "client_saves_dropped", "client_saves_lost", "client_saves_coalesced")}
     return {"save": summarize(clock.wall), "save_cpu": summarize(clock.cpu),
             "slow_calls": slow_calls(clock.wall, clock.cpu, clock.preempted, clock),
             "steal": clock.steal_summary(),

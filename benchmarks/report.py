@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +90,39 @@ def _measured_text(t: dict[str, Any]) -> str:
     return str(m)
 
 
+#: Column widths of the summary table printed at the end of a run.
+_SUMMARY_WIDTHS = (4, 22, 40, 60)
+
+
+def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]],
+                widths: tuple[int, ...]) -> list[str]:
+    """A plain-text table whose cells wrap within their column."""
+    def lines_of(cells: tuple[str, ...]) -> list[str]:
+        wrapped = [textwrap.wrap(c, w) or [""] for c, w in zip(cells, widths, strict=True)]
+        height = max(len(w) for w in wrapped)
+        return ["  ".join((w[i] if i < len(w) else "").ljust(width)
+                          for w, width in zip(wrapped, widths, strict=True)).rstrip()
+                for i in range(height)]
+
+    rule = "  ".join("-" * w for w in widths)
+    out = lines_of(header) + [rule]
+    for row in rows:
+        out += lines_of(row)
+    return out
+
+
 def summary_text(doc: dict[str, Any]) -> str:
-    lines = [f"kvkeeper benchmarks ({doc['mode']}), {doc['runtime_s']:.0f} s"]
+    """The table printed at the end of a run: every target, met or not, as measured."""
+    rows = []
     for t in doc["targets"]:
         size = f" @ {fmt_bytes(t['size_bytes'])}" if t.get("size_bytes") else ""
-        lines.append(f"  [{ {True: 'MET ', False: 'MISS', None: 'INFO'}[t['met']] }] "
-                     f"{t['case']}{size}: {t['target']}\n         {_measured_text(t)}")
+        rows.append(({True: "MET", False: "MISS", None: "INFO"}[t["met"]], t["case"] + size,
+                     t["target"], _measured_text(t)))
     for name, res in doc["cases"].items():
         if "error" in res:
-            lines.append(f"  [FAIL] case {name}: {res['error']}")
-    return "\n".join(lines)
+            rows.append(("FAIL", name, "the case ran to the end", str(res["error"])))
+    return "\n".join([f"kvkeeper benchmarks ({doc['mode']}), {doc['runtime_s']:.0f} s", ""]
+                     + _text_table(("", "case", "target", "measured"), rows, _SUMMARY_WIDTHS))
 
 
 # ---------------------------------------------------------------- plot
@@ -314,41 +338,49 @@ def _tail_cause(stream: dict[str, Any]) -> str:
     if not slow.get("count"):
         return ""
     typical = med(stream["save_cpu"]) or 0.0
-    if slow["max_cpu_s"] <= 2 * typical:
-        return "The tail is time spent waiting for a core, not work in `save()`."
-    return (f"Most of the tail is waiting for a core, but the slowest call also used "
-            f"{fmt_s(slow['max_cpu_s'])} of CPU against {fmt_s(typical)} for a typical one, "
-            f"with no garbage collection inside it. Measured apart on 2026-11-30 (512 MiB, "
-            f"300 idle calls per series, each right after a `flush()`): inside the slow calls "
-            f"every step of `save()` (token ids, the layer walk, the new handles, the "
-            f"evaluation) ran 2-10× slower than usual, and the thread's CPU time equalled its "
-            f"wall time. Cutting the capture to the bare minimum (a new handle per tensor and "
-            f"one `mx.eval`, the description left to the I/O thread) cut the median to less than "
-            f"half (151-175 µs against 390-427 µs) but not the calls over 1 ms (3-6 of 300, "
-            f"against 2-14 in runs of the same script with the full capture); a specialised "
-            f"walk for plain `KVCache` lists saved 30 µs of the median and none of the slow "
-            f"calls (18-19 of 300, against 9-12), and spinning instead of sleeping between "
-            f"calls did not lower the count either (8-9, against 8-14). On 2026-12-01 "
-            f"per-phase timing of the slow streaming calls found waits of one GIL switch "
-            f"interval (about 5 ms, with 0.1 ms of CPU) where MLX's buffer export lets go of "
-            f"the GIL, once per tensor: `save()` now leaves the memoryviews to the I/O thread "
-            f"and lets go of the GIL once (one `mx.eval`), which lowered the idle median from "
-            f"0.43 to 0.34-0.35 ms and the streaming p90 from 0.64 to 0.44-0.51 ms side by "
-            f"side, but not the tail. Later that day the daemon's and the client's background "
-            f"threads moved to `SCHED_BATCH` (they no longer preempt the caller when they wake "
-            f"up): in 600 streaming calls side by side, those over 1.07 ms fell from 46 to 13 "
-            f"and those preempted from 110 to 39. The rest is the thread waiting for one of "
-            f"this shared machine's two cores (no steal showed in /proc/stat during the calls "
-            f"measured apart then) or "
-            f"running slowly for a while, not a step of `save()`. Measured apart later "
-            f"(400 streaming calls, 512 MiB): saves the client dropped, which only walk the "
-            f"layers, were slow as often as saves handed off (22 of 305 against 7 of 95 over "
-            f"1 ms), most with their CPU time near their wall time (a dropped call: 5.0 ms "
-            f"of CPU in 9.3 ms), so the thread ran slowly while the send, receive, hashing "
-            f"and writing of earlier saves moved 512 MiB at a time through the memory both "
-            f"cores share; the daemon and the client's I/O thread at nice 10 left the calls "
-            f"over 1 ms where they were (19/16/14 against 20/16/10 at nice 0, three "
-            f"alternated rounds of 200).")
+    if "slowest_cpu_s" in slow:  # runs since 2026-12-04 keep the slowest call's own figure
+        share = slow["cpu_sum_s"] / slow["wall_sum_s"] if slow["wall_sum_s"] else 0.0
+        lead = (f"The slow calls spent {share:.0%} of their time on the CPU and the rest "
+                f"waiting; the slowest used {fmt_s(slow['slowest_cpu_s'])} of CPU in "
+                f"{fmt_s(slow['max_wall_s'])}, against {fmt_s(typical)} for a typical call")
+        if slow["max_cpu_s"] <= 2 * typical:
+            return lead + ": the tail is waiting, not work in `save()`."
+    else:
+        if slow["max_cpu_s"] <= 2 * typical:
+            return "The tail is time spent waiting for a core, not work in `save()`."
+        lead = (f"Most of the tail is waiting for a core, but a slow call also used "
+                f"{fmt_s(slow['max_cpu_s'])} of CPU against {fmt_s(typical)} for a typical one")
+    return (lead + ", with no garbage collection inside it. Measured apart on 2026-11-30 (512 MiB, "
+            "300 idle calls per series, each right after a `flush()`): inside the slow calls "
+            "every step of `save()` (token ids, the layer walk, the new handles, the "
+            "evaluation) ran 2-10× slower than usual, and the thread's CPU time equalled its "
+            "wall time. Cutting the capture to the bare minimum (a new handle per tensor and "
+            "one `mx.eval`, the description left to the I/O thread) cut the median to less than "
+            "half (151-175 µs against 390-427 µs) but not the calls over 1 ms (3-6 of 300, "
+            "against 2-14 in runs of the same script with the full capture); a specialised "
+            "walk for plain `KVCache` lists saved 30 µs of the median and none of the slow "
+            "calls (18-19 of 300, against 9-12), and spinning instead of sleeping between "
+            "calls did not lower the count either (8-9, against 8-14). On 2026-12-01 "
+            "per-phase timing of the slow streaming calls found waits of one GIL switch "
+            "interval (about 5 ms, with 0.1 ms of CPU) where MLX's buffer export lets go of "
+            "the GIL, once per tensor: `save()` now leaves the memoryviews to the I/O thread "
+            "and lets go of the GIL once (one `mx.eval`), which lowered the idle median from "
+            "0.43 to 0.34-0.35 ms and the streaming p90 from 0.64 to 0.44-0.51 ms side by "
+            "side, but not the tail. Later that day the daemon's and the client's background "
+            "threads moved to `SCHED_BATCH` (they no longer preempt the caller when they wake "
+            "up): in 600 streaming calls side by side, those over 1.07 ms fell from 46 to 13 "
+            "and those preempted from 110 to 39. The rest is the thread waiting for one of "
+            "this shared machine's two cores (no steal showed in /proc/stat during the calls "
+            "measured apart then) or "
+            "running slowly for a while, not a step of `save()`. Measured apart later "
+            "(400 streaming calls, 512 MiB): saves the client dropped, which only walk the "
+            "layers, were slow as often as saves handed off (22 of 305 against 7 of 95 over "
+            "1 ms), most with their CPU time near their wall time (a dropped call: 5.0 ms "
+            "of CPU in 9.3 ms), so the thread ran slowly while the send, receive, hashing "
+            "and writing of earlier saves moved 512 MiB at a time through the memory both "
+            "cores share; the daemon and the client's I/O thread at nice 10 left the calls "
+            "over 1 ms where they were (19/16/14 against 20/16/10 at nice 0, three "
+            "alternated rounds of 200).")
 
 
 #: Measured outside the full run: the same code meets and misses this target.
@@ -395,6 +427,14 @@ def _idle_calls(prof: dict[str, Any]) -> str:
     if other == n:
         return f"{n} calls"
     return f"{n} calls of the largest cache, {other} of the others"
+
+
+def _coalesced_note(counters: dict[str, Any]) -> str:
+    n = counters.get("client_saves_coalesced")
+    if not n:
+        return ""
+    return (f" (the client replaced {n:g} saves with a newer save of the cache before "
+            f"sending them: a save not yet sent when the next comes is never sent)")
 
 
 def _control_pair(big: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -495,8 +535,11 @@ def _hot(doc: dict[str, Any], png: str) -> list[str]:
     st = big["kvkeeper_stream"]
     out.append(
         f"Streaming at {fmt_bytes(big['bytes'])}: {st['handed_off']} saves handed off, "
-        f"{st['dropped']} dropped by the client (in-flight budget full), daemon counters over "
-        f"the stream: {', '.join(f'{k} {v:g}' for k, v in st['counters'].items())}. "
+        f"{st['dropped']} dropped by the client (in-flight budget full), counters over "
+        f"the stream (the daemon's, and the client's `client_`): "
+        f"{', '.join(f'{k} {v:g}' for k, v in st['counters'].items())}"
+        f"{_coalesced_note(st['counters'])}. The flush after the stream: "
+        f"{_flush_verdict(st['flush_ok'], int(st['counters'].get('saves_refused', 0)))}. "
         f"Of the {_p(big['kvkeeper_save_idle'])} a `save()` takes, the capture "
         f"(`capture_cache`, in-process: describe the layers, a new handle per tensor) takes "
         f"{_p(big['capture_only'])} median ({_p(big.get('capture_only_cpu'))} of CPU); the "
@@ -596,8 +639,11 @@ def _gen(doc: dict[str, Any]) -> list[str]:
         "so an update copies them: that copy is the real price of a zero-copy `save()` on a "
         "large cache, and it lands on the generation loop when the next decode step comes "
         "before the send finishes. ZeroMQ lets each frame go as soon as it is sent, so a "
-        "layer already sent is updated in place again; once every byte is sent the client "
-        "holds nothing of the cache (compare the third row with the first).")
+        f"layer already sent is updated in place again; once every byte is sent the client "
+        f"holds nothing of the cache, and an update no longer copies it: "
+        f"{_p(b['step_after_save_fully_sent'])} median against "
+        f"{_p(b['step_right_after_save'])} while bytes are in flight "
+        f"({_p(b['step_plain'])} with no save at all).")
     return out
 
 
@@ -696,13 +742,15 @@ def _memory(doc: dict[str, Any]) -> list[str]:
     out = ["## 6. Memory under overload", ""]
     out.append(
         f"A second daemon with `--max-pending-bytes {fmt_bytes(m['max_pending_bytes'])}`; "
-        f"{m['clients']} clients hand it saves of {fmt_bytes(m['save_bytes'])} (3 keys per "
-        f"client) as fast as `save()` accepts them, until `save()` has accepted "
-        f"{fmt_bytes(m['handed_off'] * m['save_bytes'])} (it accepted them at "
-        f"{m['handed_off_gib_per_s']:.1f} GiB/s: they wait in the clients' in-flight budgets; "
-        f"the daemon wrote {m['written_gib_per_s']:.2f} GiB/s until all were resolved). "
-        f"RSS sampled every 2 ms "
-        f"({m['rss_samples']} samples) and the kernel's VmHWM.")
+        f"{m['clients']} clients hand it saves of {fmt_bytes(m['save_bytes'])}, each of a key "
+        f"of its own (so none replaces another before it is sent), as fast as `save()` accepts "
+        f"them, until `save()` has accepted {fmt_bytes(m['handed_off'] * m['save_bytes'])} "
+        f"(in {fmt_s(m['push_s'])}; a save the clients' in-flight budgets had no room for was "
+        f"tried again 2 ms later). The daemon took {fmt_bytes(m['daemon_counters']['bytes_received'])} "
+        f"of it for writing (a save it refuses is refused at its header, and its data frames "
+        f"are dropped as they arrive) and wrote {m['written_gib_per_s']:.2f} GiB/s until every "
+        f"save was resolved. RSS sampled every "
+        f"2 ms ({m['rss_samples']} samples) and the kernel's VmHWM.")
     out.append("")
     out += _table(["", ""], [
         ["daemon RSS idle", fmt_bytes(m["rss_idle_bytes"])],
@@ -716,7 +764,7 @@ def _memory(doc: dict[str, Any]) -> list[str]:
         ["lost by the clients (pipe broke)", str(m["client_counters"]["lost"])],
         ["coalesced by the clients (replaced by a newer save of the key before it was sent)",
          str(m["client_counters"].get("coalesced", 0))],
-        ["received by the daemon", str(c["saves_received"])],
+        ["received by the daemon", f"{c['saves_received']} ({fmt_bytes(c['bytes_received'])})"],
         ["written", str(c["saves_written"])],
         ["superseded by a newer save of the same key", str(c["saves_superseded"])],
         ["refused (busy: pending budget full)", str(c["saves_refused"])],
@@ -726,6 +774,13 @@ def _memory(doc: dict[str, Any]) -> list[str]:
          str(m["explained_by_counters"])],
     ])
     margin = m["max_pending_bytes"] + 100 * MiB - m["rss_peak_bytes"]
+    out.append("")
+    refused = sum(1 for ok in m["flush_results"] if not ok)
+    out.append(
+        f"The clients' flushes after the push: {refused} of {len(m['flush_results'])} False"
+        + (f" (the daemon refused {c['saves_refused']} saves, and a flush answers False "
+           f"when a save of its client was refused)." if refused and c["saves_refused"]
+           else "."))
     out.append("")
     out.append(
         f"Margin to the limit in this run: {margin / MiB:+.1f} MiB. The pending-bytes budget "
@@ -773,6 +828,17 @@ _REQUEST_NAMES = {
 }
 
 
+def _flush_verdict(ok: bool, refused: int) -> str:
+    """A flush's answer, with the reason when it is False."""
+    if ok:
+        return "True"
+    if refused:
+        return (f"False, as it must be: the daemon refused {refused} of the saves sent (busy: "
+                f"its `--max-pending-bytes` budget was full), and a flush answers False for "
+                f"the saves it could not vouch for")
+    return "False (no save was refused: see the daemon's log)"
+
+
 def _requests(doc: dict[str, Any]) -> list[str]:
     r = doc["cases"]["requests"]
     c = r["client_counters"]
@@ -797,10 +863,25 @@ def _requests(doc: dict[str, Any]) -> list[str]:
         f"`save()` returned True {r['saves_true']} times and False {r['saves_false']} times "
         f"(budget full); of the saves handed off, the client sent {c.get('saves_sent', 0)} and "
         f"replaced {c.get('saves_coalesced', 0)} with a newer one before sending them; "
-        f"lost {c.get('saves_lost', 0)}. The flush after the flood: "
-        f"{'True' if r['flush_after_ok'] else 'False'}.")
+        f"lost {c.get('saves_lost', 0)} (counted after the flush below). The flush after the "
+        f"flood: {_flush_verdict(r['flush_after_ok'], c.get('saves_refused', 0))}.")
     return out
 
+
+
+def _hash_budget(m: dict[str, Any]) -> str:
+    """How this run's hashing compares with what the 1.2x target leaves for it."""
+    hash_s, direct = m.get("hash_only_s"), m["direct_eval_s"]
+    if hash_s is None:
+        return "The target leaves hashing no room unless it overlaps the read"
+    room = 0.2 * direct
+    return (f"In this run xxh3 of every tensor took {fmt_s(hash_s)} in one thread (about "
+            f"{fmt_s(hash_s / 2)} over both cores, were it split perfectly), where 1.2× of "
+            f"the {fmt_s(direct)} direct load leaves {fmt_s(room)}"
+            + (": even perfectly split, a hash that follows the read does not fit"
+               if hash_s / 2 > room else
+               ": split over both cores it would fit, but kvkeeper's two hashing threads "
+               "share the cores with the read"))
 
 
 def _why(doc: dict[str, Any]) -> list[str]:
@@ -1006,9 +1087,8 @@ def _why(doc: dict[str, Any]) -> list[str]:
                 f"MLX 0.32 refuses `mx.from_dlpack(copy=False)` of CPU memory (\"Cannot "
                 f"import a CPU array without a copy\", tried on 2026-12-02), and memory "
                 f"mapped afresh for each load pays page faults (the first 512 MiB `mx.load` "
-                f"here: 131,000 faults, 138 ms). "
-                f"xxh3 needs about 10 ms of CPU for 512 MiB from memory where 1.2× of an "
-                f"18-31 ms load leaves 4-6 ms"
+                f"here, measured apart on 2026-12-02: 131,000 faults, 138 ms). "
+                f"{_hash_budget(m)}"
                 + (" (cold reads from this shared virtual disk also vary a lot from run to run)"
                    if "not in page cache" in t["target"] else "") + ".")
         elif case.startswith("6") and "rss_peak_bytes" in m:
@@ -1044,11 +1124,15 @@ def markdown(doc: dict[str, Any], png: str) -> str:
         f"({prof['shape']['bytes_per_token'] // 1024} KiB per token), mlx-lm `KVCache` layers "
         f"filled with random values; plus an mlx-vlm `PromptCacheState` and a hybrid "
         f"(`ArraysCache` + `KVCache`) cache. Every ratio compares figures measured side by side "
-        f"in the same run, alternating the contenders; figures are medians of at least "
+        f"in the same run, alternating the contenders, but for `save()` while saves stream "
+        f"(section 1): that series runs on its own, right after the rounds that alternate the "
+        f"idle `save()` calls with the synchronous savers, and is held to the limit those "
+        f"rounds set. Figures are medians of at least "
         f"{min(prof['sync_reps'], prof['disk_reps'], prof['load_reps'], prof['resume_reps'])} "
         f"runs, but where a section gives its own count (section 3's breakdown) and in "
-        f"sections 6, 7 and 8 (one run each). **p99 is nearest-rank: with fewer than 100 "
-        f"samples it is the maximum, with 100 to 199 the second largest.**")
+        f"sections 6, 7 and 8 (one run each). **p99 is nearest-rank, the ⌈0.99·n⌉-th "
+        f"smallest of n samples: the largest below 100 samples, the second largest from 100 "
+        f"to 199, the third from 200 to 299, and so on.**")
     out.append("")
     out.append("## Machine")
     out.append("")

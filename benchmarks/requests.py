@@ -82,8 +82,9 @@ def run(ctx: Any) -> dict[str, Any]:
         finally:
             stop.set()
             saver.join(WAIT)
-        after = kv.client_stats()
         flushed = kv.flush(WAIT)
+        # After the flush: every save handed off is sent, replaced or lost by now.
+        after = kv.client_stats()
     finally:
         kv.close()
     return {

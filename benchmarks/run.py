@@ -70,12 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true",
                    help="tiny caches and 2 runs per figure: a smoke test of the suite itself")
     p.add_argument("--out", type=Path, default=None,
-                   help="write all three outputs into this directory (default: BENCHMARKS.md at "
+                   help="write the outputs into this directory (default: BENCHMARKS.md at "
                         "the repository root, results.json and save_latency.png in benchmarks/)")
     p.add_argument("--cases", default=None,
-                   help=f"comma-separated subset of: {', '.join(CASES)} (default: all)")
+                   help=f"comma-separated subset of: {', '.join(CASES)} (default: all); a "
+                        f"subset needs --out, so the full report is not replaced")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
-                   help="run nothing: redraw BENCHMARKS.md and the plot from a results.json")
+                   help="run nothing: redraw BENCHMARKS.md and the plot from a results.json "
+                        "(with --out, those two go into that directory)")
     return p
 
 
@@ -93,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         print(f"unknown cases: {unknown}; choose from {list(CASES)}", file=sys.stderr)
+        return 2
+    if set(names) != set(CASES) and args.out is None and args.from_json is None:
+        # The committed report holds every case: a subset would replace it with less.
+        print("--cases runs only some of the cases: give --out DIR for its report, so that "
+              "BENCHMARKS.md and benchmarks/results.json keep the full run", file=sys.stderr)
         return 2
     if args.out is not None:
         out = args.out.resolve()
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "schema": 1,
         "mode": profile.name,
         "command": "python -m benchmarks" + (" --quick" if args.quick else "")
-                   + (" --tiny" if args.tiny else ""),
+                   + (" --tiny" if args.tiny else "")
+                   + (f" --cases {','.join(names)}" if set(names) != set(CASES) else ""),
         "started_at": started_at.isoformat(timespec="seconds"),
         "runtime_s": time.monotonic() - started,
         "case_runtimes_s": runtimes,
