@@ -876,6 +876,48 @@ _BUILDERS: dict[tuple[str, str], Callable[[type, Any], Any]] = {
 }
 
 
+# Entries kvkeeper 0.2.0 wrote that restore wrong, and that no later writer
+# makes (0.2.1 records the offset of a front-trimmed mlx-vlm ChunkedKVCache,
+# and saves the whole ring of a wrapped BufferedRotatingKVCache with keep >
+# 0): each reason, or None for an entry that restores as saved. A wrong cache
+# must never reach the model, so such an entry is refused.
+def _lossy_vlm_chunked(state: Any, meta: Any, entry: dict[str, Any]) -> str | None:
+    if "attrs" in entry or type(meta) is not tuple or len(meta) != 2:
+        return None
+    start = _int_or_none(meta[1])
+    if not start:
+        return None
+    return (f"a ChunkedKVCache whose front was trimmed (start_position {start}), written by "
+            f"kvkeeper 0.2.0, which did not record its offset: it cannot be restored exactly")
+
+
+def _lossy_vlm_buffered(state: Any, meta: Any, entry: dict[str, Any]) -> str | None:
+    if type(meta) is not tuple or len(meta) < 3 or type(state) is not tuple or not state:
+        return None
+    keep, max_size, offset = (_int_or_none(m) for m in meta[:3])
+    keys = state[0]
+    if not keep or max_size is None or offset is None or type(keys) is not mx.array:
+        return None
+    held, live = keys.shape[-2], min(offset, max_size)
+    if held >= live:
+        return None
+    return (f"a BufferedRotatingKVCache (keep {keep}) whose ring had wrapped, written by "
+            f"kvkeeper 0.2.0, which kept {held} of its {live} rows: it cannot be restored")
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+_LOSSY_OLD_ENTRIES: dict[tuple[str, str], Callable[[Any, Any, dict[str, Any]], str | None]] = {
+    ("mlx_vlm.models.cache", "ChunkedKVCache"): _lossy_vlm_chunked,
+    ("mlx_vlm.models.cache", "BufferedRotatingKVCache"): _lossy_vlm_buffered,
+}
+
+
 def _read_state(layer: Any) -> _Read:
     return layer.state, None
 
@@ -1335,6 +1377,10 @@ class _Decoder:
             raise CodecError(f"{where}: layer entry has no state")
         state = self.part(entry, "state", where)
         meta = self.part(entry, "meta_state", where) if "meta_state" in entry else _MISSING
+        lossy = _LOSSY_OLD_ENTRIES.get((cls.__module__, cls.__qualname__))
+        why = lossy(state, meta, entry) if lossy is not None else None
+        if why is not None:
+            raise CodecError(f"{where}: {why}")
         build = _BUILDERS.get((cls.__module__, cls.__qualname__))
         if build is not None:
             if meta is not _MISSING or "attrs" in entry:
