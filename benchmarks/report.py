@@ -350,7 +350,7 @@ def _tail_cause(stream: dict[str, Any]) -> str:
             return "The tail is time spent waiting for a core, not work in `save()`."
         lead = (f"Most of the tail is waiting for a core, but a slow call also used "
                 f"{fmt_s(slow['max_cpu_s'])} of CPU against {fmt_s(typical)} for a typical one")
-    return (lead + ", with no garbage collection inside it. Measured apart on 2026-11-30 (512 MiB, "
+    return (lead + ". Measured apart on 2026-11-30 (512 MiB, "
             "300 idle calls per series, each right after a `flush()`): inside the slow calls "
             "every step of `save()` (token ids, the layer walk, the new handles, the "
             "evaluation) ran 2-10× slower than usual, and the thread's CPU time equalled its "
@@ -833,9 +833,8 @@ def _flush_verdict(ok: bool, refused: int) -> str:
     if ok:
         return "True"
     if refused:
-        return (f"False, as it must be: the daemon refused {refused} of the saves sent (busy: "
-                f"its `--max-pending-bytes` budget was full), and a flush answers False for "
-                f"the saves it could not vouch for")
+        return (f"False, as it must be: the daemon refused {refused} of the saves sent, and "
+                f"a flush answers False when a save it covers was refused")
     return "False (no save was refused: see the daemon's log)"
 
 
