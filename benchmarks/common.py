@@ -323,7 +323,7 @@ class CallClock:
 
 
 def spin(n: int) -> int:
-    """Pure Python work: no memory traffic beyond the cache, no I/O, no lock,
+    """Pure Python work: no memory traffic beyond the processor's caches, no I/O, no lock,
     no GIL let go. The hot path's control call (see `calibrate_spin`)."""
     total = 0
     for i in range(n):

@@ -105,7 +105,7 @@ def test_a_cache_kvkeeper_020_saved_correctly_loads_and_goes_on_alike(
     (restored,), (original,) = got.cache, MAKER.build(cache_id)
     _same(restored, original)
     for i in range(3):
-        k = MAKER._rows(1, 500 + i)
+        k = MAKER.rows(1, 500 + i)
         for a, b in zip(restored.update_and_fetch(k, k), original.update_and_fetch(k, k),
                         strict=True):
             assert mx.array_equal(a, b).item()

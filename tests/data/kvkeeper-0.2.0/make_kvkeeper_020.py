@@ -26,31 +26,31 @@ import mlx_vlm.models.cache as V
 MODEL = "fp-test"
 
 
-def _rows(n: int, seed: int) -> mx.array:
+def rows(n: int, seed: int) -> mx.array:
     mx.random.seed(seed)
     return mx.random.normal((1, 2, n, 64)).astype(mx.bfloat16)
 
 
 def _chunked_trimmed() -> Any:
     c = V.ChunkedKVCache(chunk_size=16)
-    c.update_and_fetch(_rows(40, 1), _rows(40, 2))
+    c.update_and_fetch(rows(40, 1), rows(40, 2))
     c.maybe_trim_front()
     for i in range(5):
-        c.update_and_fetch(_rows(1, 10 + i), _rows(1, 20 + i))
+        c.update_and_fetch(rows(1, 10 + i), rows(1, 20 + i))
         c.maybe_trim_front()
     return c
 
 
 def _buffered_wrapped() -> Any:
     c = V.BufferedRotatingKVCache(max_size=32, keep=4, buffer_size=8)
-    c.update_and_fetch(_rows(40, 1), _rows(40, 2))
+    c.update_and_fetch(rows(40, 1), rows(40, 2))
     for i in range(5):
-        c.update_and_fetch(_rows(1, 10 + i), _rows(1, 20 + i))
+        c.update_and_fetch(rows(1, 10 + i), rows(1, 20 + i))
     return c
 
 
 def _filled(c: Any) -> Any:
-    c.update_and_fetch(_rows(37, 1), _rows(37, 1001))
+    c.update_and_fetch(rows(37, 1), rows(37, 1001))
     return c
 
 
