@@ -151,6 +151,14 @@ def test_mistakes_with_the_cache_or_client_say_what_was_expected(
 
     with pytest.raises(ValueError, match="layer 0 is a list, not a cache layer"):
         client.save("fp", "x", [[kv_layer()]], [1, 2, 3, 4])
+    # mlx-vlm's ChunkedKVCache (Llama 4) before the prefill: its state property
+    # fails on its None rows, and save() passed on only that AttributeError.
+    from mlx_vlm.models.cache import ChunkedKVCache
+
+    with pytest.raises(ValueError, match=r"layer 1: .*ChunkedKVCache: the layer is empty \(no "
+                       r"tokens yet\).*save the cache after the prefill"):
+        client.save("fp", "x", [kv_layer(), ChunkedKVCache(8)], [1, 2, 3, 4])
+    assert client.flush(timeout=WAIT) is True and client.entries("fp") == []
     with pytest.raises(TypeError, match="client must be a kvkeeper.Client or None, not str"):
         kv_lm.Session(str(client.socket_path), "fp", "x", None, None)  # type: ignore[arg-type]
 

@@ -961,8 +961,19 @@ def test_snapshot_refuses_what_restore_could_not_rebuild() -> None:
     c[0] = object()
     with pytest.raises(CodecError, match="cannot encode"):
         snapshot_cache([c])
-    with pytest.raises(CodecError, match="cannot read the state"):
-        snapshot_cache([V.QuantizedKVCache()])  # mlx-vlm: empty quantized state raises
+    # mlx-vlm: the state of an empty quantized or chunked layer raises; the
+    # refusal says why instead of only passing the AttributeError on.
+    for empty in (V.QuantizedKVCache(), V.ChunkedKVCache(8)):
+        with pytest.raises(CodecError, match=r"cannot read the state of .*: the layer is empty "
+                           r"\(no tokens yet\)"):
+            snapshot_cache([empty])
+    # A layer whose state fails while it holds tokens is not called empty.
+    broken = V.ChunkedKVCache(8)
+    broken.update_and_fetch(_rows(4, 1), _rows(4, 1))
+    broken.keys = "not rows"
+    with pytest.raises(CodecError, match="cannot read the state of ChunkedKVCache") as raised:
+        snapshot_cache([broken])
+    assert "empty" not in str(raised.value)
     # mlx-lm 0.32's DeepSeek V4.1 layer: a read-only state and no from_state.
     # It was saved (flush True), and every load of it was a miss. A class of
     # that shape in a module of its own stands in for it under mlx-lm 0.31.

@@ -1089,6 +1089,13 @@ class _Encoder:
         except CodecError as exc:  # a reader of ours
             raise CodecError(f"{where}: {exc}") from None
         except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
+            if _says_empty(layer):
+                # The class's own state property fails on its None rows: say
+                # what the caller can do rather than pass on the AttributeError.
+                raise CodecError(
+                    f"{where}: cannot read the state of {name}: the layer is empty (no "
+                    f"tokens yet) and {module}.{name} gives no state before its first "
+                    f"update; save the cache after the prefill ({exc!r})") from exc
             raise CodecError(f"{where}: cannot read the state of {name}: {exc!r}") from exc
         part = "state"
         try:
@@ -1104,6 +1111,15 @@ class _Encoder:
         if built:
             self.version = max(self.version, _BUILT_VERSION)
         return entry
+
+
+def _says_empty(layer: Any) -> bool:
+    """Whether the layer's own ``empty()`` says it holds no tokens (False
+    when it has none, or it raises)."""
+    try:
+        return layer.empty() is True
+    except Exception:
+        return False
 
 
 def _byte_runs(nd: np.ndarray) -> tuple[memoryview, ...]:
