@@ -250,7 +250,13 @@ def _logging(level: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvkeeper import config
-    from kvkeeper.daemon.app import AlreadyRunning, Daemon, check_places, config_from_settings
+    from kvkeeper.daemon.app import (
+        AlreadyRunning,
+        Daemon,
+        check_not_held,
+        check_places,
+        config_from_settings,
+    )
     from kvkeeper.settings import SETTINGS, resolve
 
     try:
@@ -266,6 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{s.name:<{width}}  {values[s.name]!s:<40}  ({sources[s.name]})")
         try:
             check_places(cfg)  # what serve would refuse, said here too
+            check_not_held(cfg)
         except config.ConfigError as exc:
             print(f"kvkeeper: {exc}", file=sys.stderr)
             return 2

@@ -152,3 +152,13 @@ def _check_ours(path: Path, what: str) -> None:
             f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
             f"open to group or others (chmod 700 it)"
         )
+    check_writable(path, what)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse a directory the daemon cannot make files in: it failed later,
+    with a traceback (its lock file) or at every save."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{what} {str(path)!r} cannot be written by this user (its mode, or a read-only "
+            f"file system): the daemon makes its files there (chmod 700 it, as its owner)")

@@ -92,6 +92,12 @@ def need_linux_root() -> None:
     assert os.geteuid() == 0, "these fault tests need root (CI runs as root)"
 
 
+#: Runs a command as root without the right to pass file permissions: as
+#: an ordinary user meets a directory or file it may not write.
+NO_DAC = ("setpriv", "--bounding-set=-dac_override,-dac_read_search",
+          "--inh-caps=-dac_override,-dac_read_search")
+
+
 def limit_file_size(nbytes: int):  # type: ignore[no-untyped-def]
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))

@@ -24,17 +24,17 @@ import kvkeeper
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
-from .faultkit import entry_path
+from .faultkit import NO_DAC, entry_path, need_linux_root
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
         umask: int = -1, run: tuple[str, ...] = ("-m", "kvkeeper.cli"),
-        ) -> subprocess.CompletedProcess[str]:
+        prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """The real CLI, with no KVKEEPER_* setting or config file of this machine's;
-    ``run`` is how Python starts it."""
+    ``run`` is how Python starts it, ``prefix`` what runs Python."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
-    return subprocess.run([sys.executable, *run, *args], capture_output=True,
+    return subprocess.run([*prefix, sys.executable, *run, *args], capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})}, umask=umask)
 
 
@@ -649,6 +649,78 @@ def test_install_service_refuses_places_serve_would_refuse(what: str, short_dir:
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     if what == "a file at the socket path":
         assert sock.read_text() == "precious" and not root.exists()
+
+
+@pytest.mark.parametrize("what", ["root", "socket directory", "store directory", "lock file"])
+def test_serve_refuses_a_place_it_cannot_write_with_one_line(what: str, short_dir: Path) -> None:
+    """As a user who may not write there (root without CAP_DAC_OVERRIDE
+    here): serve ended with a PermissionError traceback and exit 1, which
+    Restart=on-failure restarts forever, and --print-config and
+    install-service said nothing; with the store's sessions/ read-only it
+    started and failed every save."""
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    root.mkdir(mode=0o700)
+    sock.parent.mkdir(mode=0o700)
+    (root / "sessions").mkdir(mode=0o700)
+    place, mode = {"root": (root, 0o500), "socket directory": (sock.parent, 0o500),
+                   "store directory": (root / "sessions", 0o500),
+                   "lock file": (root / ".kvkeeper.lock", 0o400)}[what]
+    if what == "lock file":
+        place.write_text("")
+    place.chmod(mode)
+    places = ["--root", str(root), "--socket", str(sock)]
+    needle = f"{str(place)!r} cannot be written" if what != "lock file" else \
+        f"cannot open lock file {str(place)!r} to write it"
+    r = cli("serve", *places, prefix=NO_DAC, timeout=15)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert needle in r.stderr.splitlines()[-1] and not sock.exists(), r.stderr
+    r = cli("serve", "--print-config", *places, prefix=NO_DAC)
+    assert r.returncode == 2 and "max_pending_bytes" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith("kvkeeper: ") and needle in r.stderr, r.stderr
+    usage_error(cli("install-service", "--print", "--platform", "linux", *places,
+                    prefix=NO_DAC), needle)
+    # With the place mended, the same command serves.
+    place.chmod(0o700 if what != "lock file" else 0o600)
+    proc = serve_process(root, sock, prefix=NO_DAC)
+    assert stop_process(proc) == 0
+
+
+def test_a_save_failing_in_a_directory_the_daemon_cannot_write_names_it(
+        short_dir: Path) -> None:
+    """A model's directory made read-only under a running daemon: the log
+    said only error="Permission denied (errno 13)"."""
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    proc = serve_process(root, sock, prefix=NO_DAC)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("m", "a", small_cache(), [1, 2]) and kv.flush(timeout=WAIT)
+            model_dir = entry_path(root, "a", model="m").parent
+            model_dir.chmod(0o500)
+            try:
+                assert kv.save("m", "b", small_cache(), [1, 2])
+                assert kv.flush(timeout=WAIT) is False
+            finally:
+                model_dir.chmod(0o700)
+    finally:
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    failed = [line for line in log.splitlines() if "event=save_failed" in line]
+    assert len(failed) == 1 and "id=b" in failed[0], log
+    assert f"Permission denied (errno 13): {model_dir}" in failed[0], failed
+
+
+def test_print_config_says_when_a_daemon_holds_the_root_or_socket(
+        daemon: RunningDaemon, short_dir: Path) -> None:
+    """The README says --print-config exits 2 when serve would refuse its
+    root or socket; with another daemon on either it exited 0."""
+    for places in (["--root", str(daemon.root), "--socket", str(short_dir / "s" / "k.sock")],
+                   ["--root", str(short_dir / "r"), "--socket", str(daemon.socket)]):
+        r = cli("serve", "--print-config", *places)
+        assert r.returncode == 2 and "max_pending_bytes" in r.stdout, (r.stdout, r.stderr)
+        assert "another kvkeeper daemon is running (pid" in r.stderr, r.stderr
+        assert not (short_dir / "s").exists() and not (short_dir / "r").exists()
 
 
 def test_serve_refused_for_a_socket_in_use_leaves_no_root_behind(

@@ -907,5 +907,8 @@ class _FileWriter:
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror} (errno {exc.errno})"
+        # The file, when the error names one: "Permission denied" alone did
+        # not say which directory to mend.
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror} (errno {exc.errno}){where}"
     return str(exc) or type(exc).__name__

@@ -33,6 +33,7 @@ from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
+from kvkeeper.protocol.naming import SESSIONS_DIR
 from kvkeeper.settings import MIN_PENDING_BYTES
 
 log = get_logger("kvkeeper.daemon")
@@ -118,6 +119,12 @@ def check_places(cfg: DaemonConfig) -> None:
     config.check_private_dir(cfg.root, "root directory")
     config.check_private_dir(cfg.socket.parent, "socket directory")
     _check_socket_place(Path(os.path.abspath(cfg.socket)))
+    sessions = Path(os.path.abspath(cfg.root)) / SESSIONS_DIR
+    if os.path.isdir(sessions) and not os.path.islink(sessions):
+        config.check_writable(sessions, "store directory")
+    for lock in lock_paths(cfg):
+        if os.path.lexists(lock) and not os.access(lock, os.R_OK | os.W_OK):
+            raise config.ConfigError(_unusable_lock(lock, "Permission denied"))
     # The file system the root is (or will be made) on.
     where = Path(os.path.abspath(cfg.root))
     while not where.exists():
@@ -134,12 +141,20 @@ def check_places(cfg: DaemonConfig) -> None:
 WATCH_INTERVAL = 2.0
 
 
+def _unusable_lock(path: Path, why: str) -> str:
+    return (f"cannot open lock file {str(path)!r} to write it: {why} (no running daemon "
+            f"holds a file it cannot write: remove it)")
+
+
 class _Lock:
     """An flock on a file that also names its holder, for the error message."""
 
     def __init__(self, path: Path, holder: str) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise config.ConfigError(_unusable_lock(path, exc.strerror or str(exc))) from None
         try:
             # A few tries over 50 ms: install-service's look at the lock holds
             # it for microseconds; a daemon that runs holds it for good.
@@ -200,6 +215,18 @@ def lock_holder(path: Path) -> str | None:
         return None
     finally:
         os.close(fd)  # and with it the shared lock
+
+
+def check_not_held(cfg: DaemonConfig) -> None:
+    """Raise AlreadyRunning when a process holds the socket's or the root's
+    lock (what ``Daemon.run`` would then refuse), creating nothing."""
+    for path in lock_paths(cfg):
+        try:
+            holder = lock_holder(path)
+        except OSError as exc:
+            raise config.ConfigError(_unusable_lock(path, exc.strerror or str(exc))) from None
+        if holder is not None:
+            raise AlreadyRunning(f"another kvkeeper daemon is running ({holder}); lock file {path}")
 
 
 def holder_pid(holder: str) -> int | None:
