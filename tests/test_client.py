@@ -573,6 +573,26 @@ def test_a_save_that_fails_to_encode_is_counted_lost(
         assert got is not None and got.token_ids == [2]
 
 
+def test_a_save_whose_header_passes_the_daemons_limit_is_lost_with_one_line(
+        daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
+    """Millions of token ids: the README's documented limit was logged as a
+    failure of kvkeeper's own encoding (a traceback), with no key named."""
+    c = KVCache()
+    x = mx.ones((1, 2, 3, 8))
+    c.update_and_fetch(x, x)
+    with Client(daemon.socket, timeout=WAIT) as kv, caplog.at_level(logging.WARNING):
+        assert kv.save(FP, "huge", [c], list(range(9_000_000))) is True
+        assert kv.flush(timeout=WAIT) is False
+        assert kv.client_stats()["client_saves_lost"] == 1
+        assert kv.load(FP, "huge") is None
+        assert kv.save(FP, "huge", [c], [1, 2]) and kv.flush(timeout=WAIT) is True
+    lost = [r for r in caplog.records if "event=save_lost" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].exc_info is None, [r.getMessage() for r in lost]
+    said = lost[0].getMessage()
+    assert f"reason=header_too_large model={FP} id=huge:" in said, said
+    assert "the save's header is" in said and "takes at most 33554432" in said, said
+
+
 @pytest.mark.parametrize("send_interval", [0.0, 0.25])
 def test_read_your_writes_and_coalescing(daemon: RunningDaemon, send_interval: float) -> None:
     with Client(daemon.socket, timeout=WAIT, min_send_interval=send_interval) as client:

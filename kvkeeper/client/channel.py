@@ -164,6 +164,12 @@ class DaemonShuttingDown(DaemonUnavailable):
 Messages = list[list[bytes | memoryview]]
 
 
+class SaveTooLarge(ValueError):
+    """A save's header passes what the daemon takes (``MAX_HEADER_BYTES``),
+    found only when the I/O thread encodes it: a limit of the user's data,
+    not a failure of kvkeeper's, so it is logged without a traceback."""
+
+
 @dataclass(eq=False)
 class _Save:
     build: Callable[[], Messages] | None  # run on the I/O thread, then dropped
@@ -1083,7 +1089,8 @@ class Channel:
         save, self._piping = self._piping, None
         if save is not None:
             self.counters.saves_lost += 1
-            log.warning("event=save_lost %s sent_messages=%d", why, save.piped)
+            log.warning("event=save_lost %s model=%s id=%s sent_messages=%d", why, *save.key,
+                        save.piped)
             self._release_save(save)
 
     def _hold_backlog(self) -> None:
@@ -1135,11 +1142,16 @@ class Channel:
         assert build is not None
         try:
             save.messages = build()
+        except SaveTooLarge as exc:
+            self.counters.saves_lost += 1
+            log.warning("event=save_lost reason=header_too_large model=%s id=%s: %s",
+                        *save.key, exc)
+            return False
         except Exception:  # noqa: BLE001 - save() already returned True: count it, go on
             # save() checked the arguments and captured the cache; what fails
             # here is kvkeeper's own encoding, so the log has the traceback.
             self.counters.saves_lost += 1
-            log.exception("event=save_lost reason=encode")
+            log.exception("event=save_lost reason=encode model=%s id=%s", *save.key)
             return False
         with self._lock:
             self._inflight_messages += len(save.messages) - save.count
@@ -1170,7 +1182,8 @@ class Channel:
         except MemoryError:
             # As a failed build: save() already returned True, count it.
             self.counters.saves_lost += 1
-            log.warning("event=save_lost reason=no_memory_for_copy nbytes=%d", save.nbytes)
+            log.warning("event=save_lost reason=no_memory_for_copy model=%s id=%s nbytes=%d",
+                        *save.key, save.nbytes)
             return False
         return True
 

@@ -35,6 +35,7 @@ from kvkeeper.client.channel import (
     DaemonShuttingDown,
     DaemonTimedOut,
     DaemonUnavailable,
+    SaveTooLarge,
 )
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
@@ -404,8 +405,9 @@ class Client:
         if len(header) > m.MAX_HEADER_BYTES:
             # The daemon could not take it (ZeroMQ would drop the connection,
             # and the saves queued behind it): counted lost, with this reason.
-            raise ValueError(f"the save's header is {len(header)} bytes (token ids, metadata, "
-                             f"layers); the daemon takes at most {m.MAX_HEADER_BYTES}")
+            raise SaveTooLarge(f"the save's header is {len(header)} bytes (token ids, "
+                               f"metadata, layers); the daemon takes at most "
+                               f"{m.MAX_HEADER_BYTES}")
         messages: list[list[bytes | memoryview]] = [[header]]
         frames: list[memoryview] = []
         size = 0
