@@ -344,7 +344,10 @@ def _main(argv: list[str] | None) -> int:
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 3
     except DaemonError as exc:
-        print(f"kvkeeper: the daemon refused: {exc}", file=sys.stderr)
+        # "internal" comes with a request the daemon took and could not carry
+        # out (a delete of another program's file): its message says why.
+        said = exc.message if exc.code == "internal" else f"the daemon refused: {exc}"
+        print(f"kvkeeper: {said}", file=sys.stderr)
         return 1
     except (BadId, config.ConfigError) as exc:
         # An id or setting given on the command line or in the config: usage.

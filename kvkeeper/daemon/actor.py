@@ -524,10 +524,13 @@ class WriterActor:
                 self.stats.inc("files_quarantined", int(job.existed))
             self._resolve(job, Outcome.DELETED)
         except OSError as exc:
+            # The store's own refusals (another program's file, one it cannot
+            # tell) say everything in their text; "[Errno 17]" only misled.
+            why = exc.strerror if exc.strerror and not exc.filename else _describe(exc)
             log.error("event=%s model=%s id=%s error=%s",
                       "delete_failed" if job.reason is None else "quarantine_failed",
-                      model, cache_id, exc)
-            self._resolve(job, Outcome.FAILED, str(exc))
+                      model, cache_id, why)
+            self._resolve(job, Outcome.FAILED, why)
 
     async def _write(self, job: SaveJob) -> bool:
         """Write a save as its bytes come; False if it was parked instead."""

@@ -490,6 +490,8 @@ class Server:
     async def _deleted(self, peer: bytes, req: int, job: DeleteJob) -> None:
         await job.done.wait()
         if job.detail:
+            # "internal" is the one code older clients know for a request the
+            # daemon could not carry out; the message says it was the disk.
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code="internal",
                                       message=f"{'delete' if job.reason is None else 'moving aside'} "
                                               f"failed: {job.detail}"))
