@@ -792,10 +792,14 @@ def _load_misses() -> Iterator[list[str]]:
             text = record.getMessage()
             if "event=load_miss" in text:
                 reasons.append(text.partition(" reason=")[2] or text)
+            elif "event=moved_aside" in text and reasons:
+                # The reason names the entry's path, where the file is no more.
+                reasons[-1] += f" ({text.partition(': ')[2] or text})"
 
     logger = logging.getLogger("kvkeeper.client")
-    handler, level = Catch(logging.WARNING), logging.root.manager.disable
+    handler, level = Catch(logging.INFO), logging.root.manager.disable
     propagate, logger.propagate = logger.propagate, False  # said once, by the error
+    was, logger.level = logger.level, logging.INFO
     logger.addHandler(handler)
     logging.disable(logging.NOTSET)
     try:
@@ -804,6 +808,7 @@ def _load_misses() -> Iterator[list[str]]:
         logging.disable(level)
         logger.removeHandler(handler)
         logger.propagate = propagate
+        logger.setLevel(was)
 
 
 def _not_inside(dest: Path, root: Path) -> None:

@@ -482,6 +482,9 @@ def test_export_of_a_damaged_entry_says_why(client: Client, daemon: RunningDaemo
     assert len(lines) == 1 and lines[0].startswith("kvkeeper: m1 / a cannot be read: "), lines
     assert "checksum mismatch" in lines[0]
     assert not path.exists() and list((daemon.root / "quarantine").iterdir())
+    # It names the path where the file was; it says where the file went.
+    assert lines[0].endswith(f"(the daemon moved the file to {daemon.root / 'quarantine'})"), \
+        lines
     r = cli("export", "--socket", sock, "m1", "a", str(out))  # now it is gone
     assert r.returncode == 1 and "no entry m1 / a" in r.stderr, r.stderr
 

@@ -628,9 +628,12 @@ class Client:
         """Ask the daemon to move a bad file aside (it is the only writer)."""
         wait = _left(deadline)
         try:
-            self._request(lambda req: m.Quarantine(
+            reply = self._request(lambda req: m.Quarantine(
                 v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
                 ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]), wait)
+            if isinstance(reply, m.Deleted) and reply.existed:
+                log.info("event=moved_aside model=%s id=%s: the daemon moved the file to %s",
+                         model, cache_id, self.root / naming.QUARANTINE_DIR)
         except DaemonTimedOut:
             # Sent all the same: the daemon moves the file when it gets to it.
             log.info("event=quarantine_requested model=%s id=%s: not waited for (%s)",

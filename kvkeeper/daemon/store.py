@@ -27,6 +27,7 @@ from kvkeeper.daemon import faults
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.legacy_formats import detect_legacy
+from kvkeeper.protocol.naming import QUARANTINE_DIR
 from kvkeeper.protocol.safetensors import (
     CACHE_ID_KEY,
     MODEL_KEY,
@@ -40,7 +41,6 @@ from kvkeeper.protocol.safetensors import (
 log = get_logger("kvkeeper.store")
 
 TMP_SUFFIX = ".tmp"
-QUARANTINE_DIR = "quarantine"
 #: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>" or
 #: "_z<sha256>.<ns>", ns being time.time_ns() (19 digits until 2286).
 _QUARANTINED = re.compile(r"(.+\.safetensors|_z[0-9a-f]{64})\.[0-9]{19}")

@@ -22,6 +22,8 @@ SUFFIX = ".safetensors"
 #: Whole-session files live under ``<root>/sessions/``; a later block layout gets
 #: a directory of its own beside it.
 SESSIONS_DIR = "sessions"
+#: Where the daemon moves files it found damaged (``<root>/quarantine/``).
+QUARANTINE_DIR = "quarantine"
 #: Longest encoded component; leaves room for the tmp prefix and suffixes
 #: within the 255-byte limit of a file name.
 MAX_COMPONENT = 200
