@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -695,6 +696,16 @@ def test_saves_sent_before_the_client_read_the_drain_notice_are_written(
         stop_process(proc, signal.SIGKILL)
 
 
+def _raw_save(s: Any, save: int, cache_id: str) -> None:
+    """A 4-byte save of model "fp" from a raw ZeroMQ peer."""
+    from kvkeeper.protocol import messages as m
+
+    s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=save, model="fp",
+                                cache_id=cache_id, tensors=[m.TensorSpec("t", "U8", [4])])))
+    s.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=save, frames=1)),
+                      b"\1\2\3\4"])
+
+
 def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_most(
         short_dir: Path) -> None:
     """A client whose first save comes in the drain's first seconds is told
@@ -708,12 +719,6 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
     from .conftest import dealer
     from .faultkit import entry_path, filled, version_of
 
-    def raw_save(s: zmq.Socket, save: int, cache_id: str) -> None:
-        s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=save, model="fp",
-                                    cache_id=cache_id, tensors=[m.TensorSpec("t", "U8", [4])])))
-        s.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=save, frames=1)),
-                          b"\1\2\3\4"])
-
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, "--min-write-interval", "0",
                          env={ENV: "write_delay=0.05"})
@@ -721,8 +726,8 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
     try:
         raw, answering = dealer(ctx, sock), dealer(ctx, sock)
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
-            raw_save(raw, 1, "raw")
-            raw_save(answering, 1, "answering")
+            _raw_save(raw, 1, "raw")
+            _raw_save(answering, 1, "answering")
             wait_for(lambda: kv.stats()["saves_written"] == 2, "the raw saves")
             proc.send_signal(signal.SIGTERM)
             assert isinstance(m.decode_reply(raw.recv()), m.Draining)
@@ -732,7 +737,7 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
             assert isinstance(m.decode_reply(answering.recv()), m.Draining)
             answering.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=m.DRAIN_ANSWER)))
             assert isinstance(m.decode_reply(answering.recv()), m.Flushed)
-            raw_save(answering, 2, "answered")
+            _raw_save(answering, 2, "answered")
             refused = m.decode_reply(answering.recv())
             assert isinstance(refused, m.SaveRefused) and refused.code == "shutting_down"
             assert kv.save("fp", "late", filled(1, 7), [7])  # its first save
@@ -743,7 +748,7 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
             log_path = proc.log_path  # type: ignore[attr-defined]
             wait_for(lambda: "event=drain_saves_closed reason=window_over"
                      in log_path.read_text(), "the window to end")
-            raw_save(raw, 2, "raw2")
+            _raw_save(raw, 2, "raw2")
             refused = m.decode_reply(raw.recv())
             assert isinstance(refused, m.SaveRefused) and refused.code == "shutting_down"
             assert proc.wait(WAIT) == 0
@@ -752,6 +757,53 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
         assert entry_path(root, "raw", model="fp").exists()
         assert not entry_path(root, "raw2", model="fp").exists()
         assert not entry_path(root, "answered", model="fp").exists()
+    finally:
+        ctx.destroy(linger=0)
+        stop_process(proc, signal.SIGKILL)
+
+
+def test_an_older_client_that_saves_after_its_flush_in_the_drain_holds_the_exit_again(
+        short_dir: Path) -> None:
+    """A peer whose flushes carry no drain mark (a kvkeeper client older than
+    the notice) flushed early in the drain, then saved: its save was taken
+    and written, but the daemon exited at the end of the 2 s window without
+    waiting for the flush that vouches for it (the client's next flush
+    failed, and the one after the restart said False)."""
+    import zmq
+
+    from kvkeeper.protocol import messages as m
+
+    from .conftest import dealer
+    from .faultkit import entry_path
+
+    def answer(s: zmq.Socket, kind: type) -> Any:
+        assert s.poll(int(WAIT * 1000)), f"no {kind.__name__} came"
+        got = m.decode_reply(s.recv())
+        assert isinstance(got, kind), got
+        return got
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0")
+    ctx = zmq.Context()
+    try:
+        old = dealer(ctx, sock)
+        _raw_save(old, 1, "before")
+        old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=1)))
+        answer(old, m.Flushed)
+        proc.send_signal(signal.SIGTERM)
+        answer(old, m.Draining)
+        old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=2)))  # no mark: answered
+        answer(old, m.Flushed)
+        _raw_save(old, 2, "late")  # taken: the window is open to it for 2 s
+        log_path = proc.log_path  # type: ignore[attr-defined]
+        wait_for(lambda: "event=drain_saves_closed reason=window_over" in log_path.read_text(),
+                 "the window to end")
+        time.sleep(0.3)  # past the 0.25 s the daemon lets its last reply out
+        old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=3)))
+        flushed = answer(old, m.Flushed)
+        assert (flushed.req, flushed.failed) == (3, 0), flushed
+        assert proc.wait(WAIT) == 0
+        assert entry_path(root, "late", model="fp").exists()
     finally:
         ctx.destroy(linger=0)
         stop_process(proc, signal.SIGKILL)

@@ -662,6 +662,10 @@ class Server:
         if self._late_closed or time.monotonic() >= self._late_until:
             return False
         if peer in self._late:
+            # A flush answered before this save came does not vouch for it:
+            # the exit waits for the next one again (an older client, whose
+            # flushes carry no mark, asked early and then saved).
+            self._told_of_drain.add(peer)
             return True
         return peer not in self._ever_told and self._tell_of_drain(peer)
 
