@@ -833,6 +833,19 @@ def test_loads_with_no_daemon_and_no_store_say_where_they_looked(
         where = kv.root
     said = [r.getMessage() for r in caplog.records if "no store at" in r.getMessage()]
     assert len(said) == 1 and str(where) in said[0], caplog.text
+    assert "the root the daemon would use" in said[0], said
+    # A root given, missing or a directory that holds no store (a models
+    # directory): the second was a silent miss, and the first's line said
+    # the root was the daemon's.
+    (short_dir / "models").mkdir()
+    for given in (short_dir / "missing", short_dir / "models"):
+        caplog.clear()
+        with Client(short_dir / "none.sock", root=given, connect_timeout=0.2) as kv:
+            for _ in range(2):
+                assert kv.load(FP, "x") is None
+        said = [r.getMessage() for r in caplog.records if "no store at" in r.getMessage()]
+        assert len(said) == 1 and f"no store at {given} to read instead (given as " \
+            f"Client(root=...))" in said[0], caplog.text
 
 
 def test_a_root_given_with_a_tilde_is_the_home_one(

@@ -143,6 +143,21 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
                 pass
 
 
+def test_a_socket_or_root_of_the_wrong_type_is_named(short_dir: Path) -> None:
+    """bytes gave "startswith first arg must be bytes ...", an int "expected
+    str, bytes or os.PathLike object", naming neither argument."""
+    for kw in ({"socket": b"/tmp/x.sock"}, {"socket": 123}, {"root": 5},
+               {"root": b"/tmp"}):
+        (name, value), = kw.items()
+        with pytest.raises(TypeError, match=rf"^{name} must be a path \(str or os.PathLike of "
+                           rf"str\) or None, not {type(value).__name__}$"):
+            Client(connect_timeout=0, **kw)
+    # The policy in any case, as serve's --cpu-policy and KVKEEPER_CPU_POLICY.
+    for policy in ("BATCH", "Normal"):
+        with Client(short_dir / "none.sock", connect_timeout=0, cpu_policy=policy) as kv:
+            assert not kv.connected
+
+
 def test_mistakes_with_the_cache_or_client_say_what_was_expected(
         client: Client) -> None:
     """The cache wrapped in one more list was refused as "cache class module

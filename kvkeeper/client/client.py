@@ -132,6 +132,8 @@ class Client:
         connect_timeout: float = 1.0,
         cpu_policy: str = "batch",
     ) -> None:
+        _check_path_argument("socket", socket)
+        _check_path_argument("root", root)
         self.socket_path = (config.socket_path(socket) if socket is not None
                             else settings.client_path("socket"))
         try:
@@ -193,7 +195,8 @@ class Client:
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
             on_refused=_RefusalLog(),  # not a method: the channel must not keep this client alive
-            cpu_policy=cpu_policy,
+            # As serve's --cpu-policy and KVKEEPER_CPU_POLICY take it.
+            cpu_policy=cpu_policy.lower() if isinstance(cpu_policy, str) else cpu_policy,
         )
         # A client dropped without close() would keep its I/O thread, ZeroMQ's
         # threads and a dozen descriptors for the life of the process (one
@@ -578,15 +581,17 @@ class Client:
         if unwritten:
             log.warning("event=load_from_file model=%s id=%s reason=%s: the file may be "
                         "older than this client's saves: %s", model, cache_id, why, unwritten)
-        if attempt.ident is None and not self.root.is_dir():
+        if attempt.ident is None and not (self.root / naming.SESSIONS_DIR).is_dir():
             # Every load would be a silent miss: say once where it looked.
             with self._lock:
                 first = "no_store" not in self._warned
                 self._warned.add("no_store")
             if first:
-                log.warning("event=load_from_file reason=%s: no store at %s to read instead "
-                            "(the root the daemon would use; Client(root=...) names another); "
-                            "loads miss until the daemon is back", why, self.root)
+                # In the format, not an argument: the log quotes arguments with spaces.
+                whose = ("given as Client(root=...)" if self._root_override is not None
+                         else "the root the daemon would use; Client(root=...) names another")
+                log.warning(f"event=load_from_file reason=%s: no store at %s to read instead "
+                            f"({whose}); loads miss until the daemon is back", why, self.root)
         return self._conclude(model, cache_id, attempt, deadline)
 
     def _can_read_directly(self, key: tuple[str, str], deadline: float) -> bool:
@@ -982,6 +987,15 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
 #: their key that land every few ms (0.25 MiB, flushed one by one) met two
 #: replaces in a row on a loaded machine: 1 load of 3,589 missed with 2 tries.
 _READ_ATTEMPTS = 5
+
+
+def _check_path_argument(name: str, value: object) -> None:
+    """A socket or root given to Client() is a path of text (or None)."""
+    if value is None or (isinstance(value, (str, os.PathLike))
+                         and isinstance(os.fspath(value), str)):
+        return
+    raise TypeError(f"{name} must be a path (str or os.PathLike of str) or None, not "
+                    f"{type(value).__name__}")
 
 
 class DaemonError(Exception):
