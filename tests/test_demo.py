@@ -75,6 +75,24 @@ def test_the_demo_reports_what_the_restore_found_with_short_settings(short_dir: 
     assert rep["lost_tokens"] == 64 + 40 - rep["restored_tokens"] > 0
     assert f"the last {rep['lost_tokens']} tokens were not saved in time" in proc.stdout
     assert f"restored {rep['restored_tokens']} tokens" in proc.stdout
+    # The first token's line says sooner or later by what was measured
+    # (short settings can make the restore the slower: "0.4x sooner").
+    cold, restored = rep["cold"]["ttft_s"], rep["restored"]["ttft_s"]
+    said = re.search(r"restored from kvkeeper +[0-9.]+ s +([0-9.]+)x (sooner|later)",
+                     proc.stdout)
+    assert said is not None, proc.stdout
+    assert said.group(2) == ("sooner" if restored <= cold else "later"), (cold, restored)
+    assert float(said.group(1)) >= 1, said.group(0)
+
+
+def test_the_first_token_comparison_says_later_when_the_restore_was_slower() -> None:
+    """With a tiny model and a short prompt the load can take longer than the
+    re-prefill: the demo printed "0.4x sooner"."""
+    from kvkeeper.demo import than_reprefill
+
+    assert than_reprefill(1.0, 0.05) == "20x sooner"
+    assert than_reprefill(0.01, 0.025) == "2.5x later"
+    assert than_reprefill(0.3, 0.3) == "1.0x sooner"
 
 
 def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
