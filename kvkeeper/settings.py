@@ -168,7 +168,11 @@ MAX_SECONDS = 86_400
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _not_a("seconds must be a number", value)
-    v = float(value)
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError(f"not a number of seconds: {value!r} (a plain number: 5 or 0.5, "
+                         f"no unit)") from None
     # nan passes every comparison: --drain-timeout nan got as far as SIGTERM.
     if not math.isfinite(v):
         raise ValueError(f"seconds must be a finite number, not {value!r}")

@@ -90,6 +90,16 @@ def test_non_finite_settings_are_refused(argv: list[str], env: dict[str, str], t
     usage_error(r, "finite")
 
 
+@pytest.mark.parametrize(("env", "toml"), [({"KVKEEPER_DRAIN_TIMEOUT": "5s"}, ""),
+                                           ({}, 'min_write_interval = "1 s"\n')])
+def test_seconds_with_a_unit_say_so(env: dict[str, str], toml: str, short_dir: Path) -> None:
+    """"could not convert string to float: '5s'" was Python's, not ours."""
+    cfg = short_dir / "kv.toml"
+    cfg.write_text(toml)
+    usage_error(cli("serve", "--config", str(cfg), "--print-config", env=env),
+                "not a number of seconds: ", "(a plain number: 5 or 0.5, no unit)")
+
+
 @pytest.mark.parametrize("platform", ["linux", "macos"])
 def test_a_drain_timeout_past_a_day_is_refused(platform: str) -> None:
     """1e300 seconds: the LaunchAgent's plist failed to encode (a traceback),

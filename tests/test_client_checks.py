@@ -128,6 +128,10 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
             # verify="no" was taken as true: a checked read where a lazy one was meant.
             with pytest.raises(TypeError, match="verify must be True or False"):
                 kv.load("fp", "x", verify=everything)  # type: ignore[arg-type]
+            # read_cache_file took it (a checked read), the file not even looked at.
+            with pytest.raises(TypeError, match="verify must be True or False"):
+                read_cache_file(daemon.root / "none.safetensors",
+                                verify=everything)  # type: ignore[arg-type]
         for bad in ("5", None, -1, float("nan")):
             with pytest.raises(ValueError, match="timeout must be a number of seconds"):
                 kv.close(bad)  # type: ignore[arg-type]

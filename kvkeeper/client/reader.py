@@ -89,8 +89,12 @@ def read_cache_file(
     checksums.
     ``model`` / ``cache_id``, when given, must match what the file records
     (an older format may record neither: then they are not checked). Raises
-    CacheFileError for anything that is not a usable cache.
+    CacheFileError for anything that is not a usable cache, TypeError for
+    a ``verify`` that is not a bool (as ``Client.load`` does).
     """
+    if not isinstance(verify, bool):
+        # verify="no" would be true: checked, where a lazy read was asked for.
+        raise TypeError(f"verify must be True or False, not {verify!r}")
     return read_file(Path(path), verify, model, cache_id)
 
 
