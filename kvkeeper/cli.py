@@ -173,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
                          "PATH exits 2; no daemon, or one that goes away part way, exits 3.")
     _socket_arg(imp)
     imp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
-                     help="files, or directories searched for *.safetensors")
+                     help="files, or directories searched (subdirectories too) for "
+                          "*.safetensors")
     imp.add_argument("--model", default=None,
                      help="model fingerprint (required for mlx_lm files, which record none, "
                           "unless kvkeeper export wrote them); a file that records another "

@@ -210,7 +210,15 @@ def test_import_of_a_directory_without_cache_files(client: Client, daemon: Runni
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert str(empty) in r.stderr and "imported" in r.stdout
     assert [e.cache_id for e in client.entries()] == ["c0"]
-    assert "nothing to import" in " ".join(cli("import", "--help").stdout.split())
+    help_text = " ".join(cli("import", "--help").stdout.split())
+    assert "nothing to import" in help_text
+    # A directory is searched with its subdirectories, as --help now says.
+    assert "directories searched (subdirectories too) for *.safetensors" in help_text
+    (short_dir / "tree" / "a").mkdir(parents=True)
+    (deep,) = _cache_files(short_dir / "tree" / "a" / "b", 1)
+    r = cli("import", "--socket", sock, "--model", "m", "--id", "deep", str(short_dir / "tree"))
+    assert r.returncode == 0 and str(deep) in " ".join(r.stdout.split()), (r.stdout, r.stderr)
+    assert sorted(e.cache_id for e in client.entries()) == ["c0", "deep"]
 
 
 # ------------------------------------------------------------------ 5. demo --socket
