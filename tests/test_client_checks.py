@@ -715,14 +715,14 @@ def test_saves_sent_before_the_client_read_the_drain_notice_are_written(
         stop_process(proc, signal.SIGKILL)
 
 
-def _raw_save(s: Any, save: int, cache_id: str) -> None:
-    """A 4-byte save of model "fp" from a raw ZeroMQ peer."""
+def _raw_save(s: Any, save: int, cache_id: str, nbytes: int = 4) -> None:
+    """A save of model "fp" (one U8 tensor) from a raw ZeroMQ peer."""
     from kvkeeper.protocol import messages as m
 
-    s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=save, model="fp",
-                                cache_id=cache_id, tensors=[m.TensorSpec("t", "U8", [4])])))
+    s.send(m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=save, model="fp", cache_id=cache_id,
+                                tensors=[m.TensorSpec("t", "U8", [nbytes])])))
     s.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=save, frames=1)),
-                      b"\1\2\3\4"])
+                      bytes(range(4)) * (nbytes // 4)])
 
 
 def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_most(
@@ -781,15 +781,18 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
         stop_process(proc, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("when", ["after_its_flush", "while_its_flush_waits"])
 def test_an_older_client_that_saves_after_its_flush_in_the_drain_holds_the_exit_again(
-        short_dir: Path) -> None:
+        when: str, short_dir: Path) -> None:
     """A peer whose flushes carry no drain mark (a kvkeeper client older than
     the notice) flushed early in the drain, then saved: its save was taken
     and written, but the daemon exited at the end of the 2 s window without
     waiting for the flush that vouches for it (the client's next flush
-    failed, and the one after the restart said False)."""
+    failed, and the one after the restart said False). So too when the save
+    came while that flush still waited for an earlier save's write."""
     import zmq
 
+    from kvkeeper.daemon.faults import ENV
     from kvkeeper.protocol import messages as m
 
     from .conftest import dealer
@@ -802,7 +805,8 @@ def test_an_older_client_that_saves_after_its_flush_in_the_drain_holds_the_exit_
         return got
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock, "--min-write-interval", "0")
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={ENV: "write_delay=0.05"})  # s per MiB
     ctx = zmq.Context()
     try:
         old = dealer(ctx, sock)
@@ -811,9 +815,15 @@ def test_an_older_client_that_saves_after_its_flush_in_the_drain_holds_the_exit_
         answer(old, m.Flushed)
         proc.send_signal(signal.SIGTERM)
         answer(old, m.Draining)
-        old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=2)))  # no mark: answered
-        answer(old, m.Flushed)
-        _raw_save(old, 2, "late")  # taken: the window is open to it for 2 s
+        if when == "after_its_flush":
+            old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=2)))  # no mark: answered
+            answer(old, m.Flushed)
+            _raw_save(old, 2, "late")  # taken: the window is open to it for 2 s
+        else:
+            _raw_save(old, 2, "slow", nbytes=8 << 20)  # written in 0.4 s
+            old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=2)))  # waits for it
+            _raw_save(old, 3, "late")
+            assert answer(old, m.Flushed).req == 2
         log_path = proc.log_path  # type: ignore[attr-defined]
         wait_for(lambda: "event=drain_saves_closed reason=window_over" in log_path.read_text(),
                  "the window to end")

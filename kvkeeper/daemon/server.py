@@ -133,6 +133,9 @@ class Server:
         # Peers told of the drain whose flush (which the notice asks for) has
         # not been answered yet: the daemon gives them a moment before it exits.
         self._told_of_drain: set[bytes] = set()
+        # Per peer: actor.jobs_taken just after its last save taken in the
+        # drain; only a flush that came at or after it takes it off the list.
+        self._late_jobs: dict[bytes, int] = {}
         # While the daemon drains: until when saves still on their way from
         # clients are taken (None: not draining), the clients told whose
         # answer has not come yet, when the last save message came, and
@@ -281,6 +284,12 @@ class Server:
         if refusal is not None:
             self._refuse(peer, msg.save, *refusal)
             return
+        if self._late_until is not None:
+            # A flush that came before this save does not vouch for it: the
+            # exit waits for one that came after (an older client, whose
+            # flushes carry no mark, asked early in the drain and then saved).
+            self._told_of_drain.add(peer)
+            self._late_jobs[peer] = self.actor.jobs_taken
         if job.total:
             self._track(peer, msg.save, job, _peer_pid(header), _connection(_source_fd(header)))
 
@@ -519,8 +528,9 @@ class Server:
                 tally = await self.actor.flush(peer)
                 answered = 0
                 while flushes and flushes[0][0] <= taken:
-                    req = flushes.popleft()[1]
-                    self._told_of_drain.discard(peer)
+                    covered, req = flushes.popleft()
+                    if covered >= self._late_jobs.get(peer, 0):
+                        self._told_of_drain.discard(peer)
                     self._reply(peer, m.Flushed(
                         v=m.PROTOCOL_VERSION, req=req, written=tally.written,
                         superseded=tally.superseded, failed=tally.failed))
@@ -662,10 +672,6 @@ class Server:
         if self._late_closed or time.monotonic() >= self._late_until:
             return False
         if peer in self._late:
-            # A flush answered before this save came does not vouch for it:
-            # the exit waits for the next one again (an older client, whose
-            # flushes carry no mark, asked early and then saved).
-            self._told_of_drain.add(peer)
             return True
         return peer not in self._ever_told and self._tell_of_drain(peer)
 
