@@ -76,7 +76,9 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
                        help=f"{s.help} (default: {default})")
     if not for_service:
         p.add_argument("--print-config", action="store_true",
-                       help="print the effective settings and where each came from, then exit")
+                       help="print the effective settings and where each came from, then exit "
+                            "(2, with the reason, when serve would refuse the root or socket, "
+                            "or another daemon holds either)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -492,10 +492,15 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
             if isinstance(reply, m.Deleted) and reply.existed:
                 moved.append(path)
         return
-    from kvkeeper.daemon.app import LOCK_NAME, _Lock
+    from kvkeeper.daemon.app import LOCK_NAME, LockUnusable, _Lock
     from kvkeeper.daemon.store import Store
 
-    lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
+    try:
+        lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
+    except LockUnusable as exc:
+        # A root this user cannot write: the repair failed (exit 1), as it did
+        # with the OSError; exit 2 is for usage and a root another holds.
+        raise CommandError(str(exc)) from None
     try:
         store = Store(root)
         for path, _, ident in bad:

@@ -699,6 +699,28 @@ def test_serve_refuses_a_place_it_cannot_write_with_one_line(what: str, short_di
     assert stop_process(proc) == 0
 
 
+def test_repair_with_a_lock_file_it_cannot_write_fails_with_status_1(short_dir: Path) -> None:
+    """verify --repair, no daemon, a root lock file this user cannot write:
+    the repair failed (exit 1) with a PermissionError; when _Lock learned to
+    say so in one line it became a settings error (exit 2)."""
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    proc = serve_process(root, sock)
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save("m", "a", small_cache(), [1, 2]) and kv.flush(timeout=WAIT)
+    assert stop_process(proc) == 0
+    path = entry_path(root, "a", model="m")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    (root / ".kvkeeper.lock").chmod(0o400)
+    r = cli("verify", "--root", str(root), "--socket", str(sock), "--repair", prefix=NO_DAC)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert f"cannot open lock file {str(root / '.kvkeeper.lock')!r} to write it: " \
+        f"Permission denied (no daemon can hold a lock file it cannot write" in r.stderr, r.stderr
+    assert "BAD" in r.stdout and path.exists(), r.stdout
+
+
 def test_a_save_failing_in_a_directory_the_daemon_cannot_write_names_it(
         short_dir: Path) -> None:
     """A model's directory made read-only under a running daemon: the log
@@ -734,6 +756,7 @@ def test_print_config_says_when_a_daemon_holds_the_root_or_socket(
         assert r.returncode == 2 and "max_pending_bytes" in r.stdout, (r.stdout, r.stderr)
         assert "another kvkeeper daemon is running (pid" in r.stderr, r.stderr
         assert not (short_dir / "s").exists() and not (short_dir / "r").exists()
+    assert "or another daemon holds either" in " ".join(cli("serve", "--help").stdout.split())
 
 
 def test_serve_refused_for_a_socket_in_use_leaves_no_root_behind(

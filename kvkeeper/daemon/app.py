@@ -124,7 +124,7 @@ def check_places(cfg: DaemonConfig) -> None:
         config.check_writable(sessions, "store directory")
     for lock in lock_paths(cfg):
         if os.path.lexists(lock) and not os.access(lock, os.R_OK | os.W_OK):
-            raise config.ConfigError(_unusable_lock(lock, "Permission denied"))
+            raise _unusable_lock(lock, PermissionError(errno.EACCES, "Permission denied"))
     # The file system the root is (or will be made) on.
     where = Path(os.path.abspath(cfg.root))
     while not where.exists():
@@ -141,9 +141,18 @@ def check_places(cfg: DaemonConfig) -> None:
 WATCH_INTERVAL = 2.0
 
 
-def _unusable_lock(path: Path, why: str) -> str:
-    return (f"cannot open lock file {str(path)!r} to write it: {why} (no running daemon "
-            f"holds a file it cannot write: remove it)")
+class LockUnusable(config.ConfigError):
+    """A lock file that cannot be opened for writing, or made."""
+
+
+def _unusable_lock(path: Path, exc: OSError) -> LockUnusable:
+    why = exc.strerror or str(exc)
+    if not os.path.lexists(path):
+        return LockUnusable(f"cannot create lock file {str(path)!r}: {why} (its directory "
+                            f"must be writable)")
+    hint = (" (no daemon can hold a lock file it cannot write: remove it, or chmod 600 it)"
+            if exc.errno in (errno.EACCES, errno.EPERM) else "")
+    return LockUnusable(f"cannot open lock file {str(path)!r} to write it: {why}{hint}")
 
 
 class _Lock:
@@ -154,7 +163,7 @@ class _Lock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise config.ConfigError(_unusable_lock(path, exc.strerror or str(exc))) from None
+            raise _unusable_lock(path, exc) from None
         try:
             # A few tries over 50 ms: install-service's look at the lock holds
             # it for microseconds; a daemon that runs holds it for good.
@@ -224,7 +233,7 @@ def check_not_held(cfg: DaemonConfig) -> None:
         try:
             holder = lock_holder(path)
         except OSError as exc:
-            raise config.ConfigError(_unusable_lock(path, exc.strerror or str(exc))) from None
+            raise _unusable_lock(path, exc) from None
         if holder is not None:
             raise AlreadyRunning(f"another kvkeeper daemon is running ({holder}); lock file {path}")
 
