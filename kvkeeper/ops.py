@@ -797,14 +797,15 @@ def _load_misses() -> Iterator[list[str]]:
             text = record.getMessage()
             if "event=load_miss" in text:
                 reasons.append(text.partition(" reason=")[2] or text)
-            elif "event=moved_aside" in text and reasons:
+            elif hasattr(record, "kvkeeper_moved_to") and reasons:
                 # The reason names the entry's path, where the file is no more.
-                reasons[-1] += f" ({text.partition(': ')[2] or text})"
+                reasons[-1] += f" (the daemon moved the file to {record.kvkeeper_moved_to})"
 
     logger = logging.getLogger("kvkeeper.client")
     handler, level = Catch(logging.INFO), logging.root.manager.disable
     propagate, logger.propagate = logger.propagate, False  # said once, by the error
-    was, logger.level = logger.level, logging.INFO
+    was = logger.level
+    logger.setLevel(logging.INFO)  # (setLevel also clears the loggers' level cache)
     logger.addHandler(handler)
     logging.disable(logging.NOTSET)
     try:

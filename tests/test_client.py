@@ -848,6 +848,51 @@ def test_loads_with_no_daemon_and_no_store_say_where_they_looked(
             f"Client(root=...))" in said[0], caplog.text
 
 
+def kv_small() -> KVCache:
+    c = KVCache()
+    x = mx.ones((1, 2, 3, 8))
+    c.update_and_fetch(x, x)
+    return c
+
+
+def test_a_root_this_user_cannot_enter_is_a_miss_not_an_error(short_dir: Path) -> None:
+    """With the daemon down, a load looked for the root's sessions/ to say
+    "no store": in a root this user may not enter, is_dir() raised
+    PermissionError out of load() (Python before 3.14)."""
+    from .faultkit import NO_DAC, need_linux_root
+
+    need_linux_root()
+    shut = short_dir / "shut"
+    (shut / "sessions").mkdir(parents=True)
+    shut.chmod(0)
+    script = ("import sys; from kvkeeper import Client\n"
+              "with Client(sys.argv[1], root=sys.argv[2], connect_timeout=0.2) as kv:\n"
+              "    print(kv.load('m', 'x'))\n")
+    r = subprocess.run([*NO_DAC, sys.executable, "-c", script, str(short_dir / "none.sock"),
+                        str(shut)], capture_output=True, text=True, timeout=WAIT)
+    shut.chmod(0o700)
+    assert r.returncode == 0 and r.stdout == "None\n", (r.stdout, r.stderr)
+    assert "no store at" not in r.stderr, r.stderr
+
+
+def test_the_daemon_moving_a_damaged_file_is_logged_with_its_own_root(
+        daemon: RunningDaemon, short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Client(root=X) while the daemon serves another root: the daemon moves
+    the file into its own quarantine/, which the line must name."""
+    with Client(daemon.socket, root=short_dir, timeout=WAIT) as kv:
+        assert kv.save(FP, "bad", [kv_small()], [1]) and kv.flush(timeout=WAIT)
+        path = entry_path(daemon.root, "bad", model=FP)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+        with caplog.at_level(logging.INFO, logger="kvkeeper.client"):
+            assert kv.load(FP, "bad") is None
+    moved = [r for r in caplog.records if "event=moved_aside" in r.getMessage()]
+    assert len(moved) == 1 and str(daemon.root / "quarantine") in moved[0].getMessage(), \
+        caplog.text
+    assert [p.name for p in (daemon.root / "quarantine").iterdir()] != []
+
+
 def test_a_root_given_with_a_tilde_is_the_home_one(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -581,7 +581,7 @@ class Client:
         if unwritten:
             log.warning("event=load_from_file model=%s id=%s reason=%s: the file may be "
                         "older than this client's saves: %s", model, cache_id, why, unwritten)
-        if attempt.ident is None and not (self.root / naming.SESSIONS_DIR).is_dir():
+        if attempt.ident is None and not _holds_a_store(self.root):
             # Every load would be a silent miss: say once where it looked.
             with self._lock:
                 first = "no_store" not in self._warned
@@ -637,8 +637,10 @@ class Client:
                 v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
                 ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]), wait)
             if isinstance(reply, m.Deleted) and reply.existed:
+                # Into the daemon's root, which Client(root=...) may not be.
+                where = (self._daemon_root or self.root) / naming.QUARANTINE_DIR
                 log.info("event=moved_aside model=%s id=%s: the daemon moved the file to %s",
-                         model, cache_id, self.root / naming.QUARANTINE_DIR)
+                         model, cache_id, where, extra={"kvkeeper_moved_to": str(where)})
         except DaemonTimedOut:
             # Sent all the same: the daemon moves the file when it gets to it.
             log.info("event=quarantine_requested model=%s id=%s: not waited for (%s)",
@@ -987,6 +989,15 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
 #: their key that land every few ms (0.25 MiB, flushed one by one) met two
 #: replaces in a row on a loaded machine: 1 load of 3,589 missed with 2 tries.
 _READ_ATTEMPTS = 5
+
+
+def _holds_a_store(root: Path) -> bool:
+    """Whether ``root`` has a store's sessions/ (True when that cannot be
+    told: a root this user may not enter is not "no store")."""
+    try:
+        return (root / naming.SESSIONS_DIR).is_dir()
+    except OSError:  # Python before 3.14 raises EACCES from is_dir()
+        return True
 
 
 def _check_path_argument(name: str, value: object) -> None:
