@@ -7,6 +7,7 @@ however ``close()`` and the daemon's state cut its way short.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -54,6 +55,29 @@ def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(short_dir: Path)
     c = kv.client_stats()
     assert c["client_saves_lost"] == 1, c
     assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
+
+
+def test_a_save_cut_short_by_the_daemons_death_is_logged_lost_with_its_key(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The line read 'event=save_lost "reason=connection_lost"' (the reason
+    quoted as one value) and named no key; a send refused mid-save said
+    'error=Resource temporarily unavailable' for the same loss."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv, \
+                caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            proc.send_signal(signal.SIGSTOP)
+            assert kv.save(FP, "big", filled(96, 2), [2])  # ZeroMQ takes 32 MiB of it
+            time.sleep(1.0)  # the I/O thread hands ZeroMQ its first messages at once
+            proc.send_signal(signal.SIGKILL)
+            wait_for(lambda: kv.client_stats()["client_saves_lost"] == 1, "the save to be lost")
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    lost = [r.getMessage() for r in caplog.records if "event=save_lost" in r.getMessage()]
+    assert len(lost) == 1, lost
+    assert re.fullmatch(rf"event=save_lost reason=connection_lost model={FP} id=big "
+                        rf"sent_messages=[0-9]+", lost[0]), lost
 
 
 def test_close_says_when_the_daemon_did_not_confirm_it_read_the_saves(

@@ -700,7 +700,7 @@ class Channel:
                     # the next connection.
                     self._fail_waiting(f"the daemon at {self.endpoint} went away",
                                        sent_only=True)
-                    self._abandon_piping("reason=connection_lost")
+                    self._abandon_piping("connection_lost")
                 self._reap()
                 self._admit_outbox(sock)
                 self._release_due()
@@ -1041,7 +1041,10 @@ class Channel:
                     return False
                 # Nothing more of this save goes out; the daemon drops the part it
                 # got when this client's next save starts (or after its stall timeout).
-                self._abandon_piping(f"error={exc}")
+                # EAGAIN after the first message: the connection went (with
+                # IMMEDIATE there is no pipe left; SNDHWM is far off).
+                self._abandon_piping("connection_lost" if isinstance(exc, zmq.Again) else
+                                     "send_failed", None if isinstance(exc, zmq.Again) else exc)
                 return True
             # From here ZeroMQ alone holds the frames, and lets each go once it
             # is sent: a tensor's snapshot handle dies with its last frame, so
@@ -1082,15 +1085,20 @@ class Channel:
                 for entry in self._backlog):
             self._open[save.key] = slot
 
-    def _abandon_piping(self, why: str) -> None:
+    def _abandon_piping(self, reason: str, error: BaseException | None = None) -> None:
         """Count the save being handed over lost and let it go: a send failed,
         or the connection ended and the rest would reach a daemon that never
         saw it begin."""
         save, self._piping = self._piping, None
         if save is not None:
             self.counters.saves_lost += 1
-            log.warning("event=save_lost %s model=%s id=%s sent_messages=%d", why, *save.key,
-                        save.piped)
+            # The reason in the format: the log quotes an argument "a=b".
+            fields, args = f"event=save_lost reason={reason} model=%s id=%s sent_messages=%d", \
+                [*save.key, save.piped]
+            if error is not None:
+                fields += " error=%s"
+                args.append(error)
+            log.warning(fields, *args)
             self._release_save(save)
 
     def _hold_backlog(self) -> None:
