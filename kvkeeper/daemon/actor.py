@@ -47,7 +47,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvkeeper.daemon.stats import Stats
-from kvkeeper.daemon.store import PendingFile, Store, StoredEntry
+from kvkeeper.daemon.store import LeftInPlace, PendingFile, Store, StoredEntry
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import ErrorCode
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer
@@ -524,9 +524,10 @@ class WriterActor:
                 self.stats.inc("files_quarantined", int(job.existed))
             self._resolve(job, Outcome.DELETED)
         except OSError as exc:
-            # The store's own refusals (another program's file, one it cannot
-            # tell) say everything in their text; "[Errno 17]" only misled.
-            why = exc.strerror if exc.strerror and not exc.filename else _describe(exc)
+            # The store's own refusals say everything in their text; "[Errno
+            # 17]" only misled.
+            why = exc.strerror if isinstance(exc, LeftInPlace) and exc.strerror \
+                else _describe(exc)
             log.error("event=%s model=%s id=%s error=%s",
                       "delete_failed" if job.reason is None else "quarantine_failed",
                       model, cache_id, why)

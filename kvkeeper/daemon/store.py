@@ -41,6 +41,13 @@ from kvkeeper.protocol.safetensors import (
 log = get_logger("kvkeeper.store")
 
 TMP_SUFFIX = ".tmp"
+
+
+class LeftInPlace(OSError):
+    """The store will not touch a file (another program's, or one it cannot
+    tell from another program's); its text says which and why."""
+
+
 #: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>" or
 #: "_z<sha256>.<ns>", ns being time.time_ns() (19 digits until 2286).
 _QUARANTINED = re.compile(r"(.+\.safetensors|_z[0-9a-f]{64})\.[0-9]{19}")
@@ -408,7 +415,7 @@ class Store:
         """Whether ``path`` is a whole safetensors file of no cache format
         (model weights, say): another program's, which the daemon never
         moves, replaces or deletes. A file it cannot read as safetensors at
-        all is taken for a damaged cache. Raises OSError when the daemon
+        all is taken for a damaged cache. Raises LeftInPlace when the daemon
         cannot tell (no permission to read it, out of descriptors or
         memory): the caller must then leave the file as it is."""
         try:
@@ -418,9 +425,9 @@ class Store:
             if exc.errno != errno.ENOENT and says_nothing_of_the_file(exc):
                 # Guessing either way could replace, or send to quarantine
                 # (which the disk budget empties first), another program's file.
-                raise OSError(exc.errno, f"cannot tell whether {path} is a cache or another "
-                                         f"program's file ({exc.strerror}); left as it "
-                                         f"is") from exc
+                raise LeftInPlace(exc.errno, f"cannot tell whether {path} is a cache or "
+                                             f"another program's file ({exc.strerror}); left "
+                                             f"as it is") from exc
             return False
         except LayoutError:
             return False
@@ -438,7 +445,7 @@ class Store:
     def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
         the entries evicted for it (never the one just written). Raises
-        FileExistsError, and leaves both files as they were, when another
+        LeftInPlace, and leaves both files as they were, when another
         program's safetensors file is at the entry's place."""
         # Read, not looked up in the index: a file may be put there any time.
         try:
@@ -448,7 +455,7 @@ class Store:
             raise
         if theirs:
             pending.abort()
-            raise FileExistsError(
+            raise LeftInPlace(
                 errno.EEXIST, f"{pending.final} is another program's safetensors file (not a "
                               f"cache); move it away to save this entry")
         try:
@@ -510,12 +517,12 @@ class Store:
 
     def delete(self, model: str, cache_id: str) -> bool:
         """Remove the entry's file; False if there was none. Raises
-        FileExistsError, leaving it, when another program's safetensors file
+        LeftInPlace, leaving it, when another program's safetensors file
         is at the entry's place, and OSError when the daemon cannot tell
         (see ``someone_elses``), as a save of it does."""
         path = self.path_for(model, cache_id)
         if self.someone_elses(path):
-            raise FileExistsError(
+            raise LeftInPlace(
                 errno.EEXIST, f"{path} is another program's safetensors file (not a cache); "
                               f"left in place")
         try:
