@@ -706,9 +706,11 @@ def test_repair_with_a_lock_file_it_cannot_write_fails_with_status_1(short_dir: 
     need_linux_root()
     root, sock = short_dir / "root", short_dir / "run" / "k.sock"
     proc = serve_process(root, sock)
-    with Client(sock, timeout=WAIT) as kv:
-        assert kv.save("m", "a", small_cache(), [1, 2]) and kv.flush(timeout=WAIT)
-    assert stop_process(proc) == 0
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("m", "a", small_cache(), [1, 2]) and kv.flush(timeout=WAIT)
+    finally:
+        assert stop_process(proc) == 0
     path = entry_path(root, "a", model="m")
     data = bytearray(path.read_bytes())
     data[-1] ^= 1

@@ -573,13 +573,18 @@ def test_a_save_that_fails_to_encode_is_counted_lost(
         assert got is not None and got.token_ids == [2]
 
 
+def kv_small() -> KVCache:
+    c = KVCache()
+    x = mx.ones((1, 2, 3, 8))
+    c.update_and_fetch(x, x)
+    return c
+
+
 def test_a_save_whose_header_passes_the_daemons_limit_is_lost_with_one_line(
         daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
     """Millions of token ids: the README's documented limit was logged as a
     failure of kvkeeper's own encoding (a traceback), with no key named."""
-    c = KVCache()
-    x = mx.ones((1, 2, 3, 8))
-    c.update_and_fetch(x, x)
+    c = kv_small()
     with Client(daemon.socket, timeout=WAIT) as kv, caplog.at_level(logging.WARNING):
         assert kv.save(FP, "huge", [c], list(range(9_000_000))) is True
         assert kv.flush(timeout=WAIT) is False
@@ -846,13 +851,6 @@ def test_loads_with_no_daemon_and_no_store_say_where_they_looked(
         said = [r.getMessage() for r in caplog.records if "no store at" in r.getMessage()]
         assert len(said) == 1 and f"no store at {given} to read instead (given as " \
             f"Client(root=...))" in said[0], caplog.text
-
-
-def kv_small() -> KVCache:
-    c = KVCache()
-    x = mx.ones((1, 2, 3, 8))
-    c.update_and_fetch(x, x)
-    return c
 
 
 def test_a_root_this_user_cannot_enter_is_a_miss_not_an_error(short_dir: Path) -> None:

@@ -1043,8 +1043,9 @@ class Channel:
                 # got when this client's next save starts (or after its stall timeout).
                 # EAGAIN after the first message: the connection went (with
                 # IMMEDIATE there is no pipe left; SNDHWM is far off).
-                self._abandon_piping("connection_lost" if isinstance(exc, zmq.Again) else
-                                     "send_failed", None if isinstance(exc, zmq.Again) else exc)
+                gone = isinstance(exc, zmq.Again)
+                self._abandon_piping("connection_lost" if gone else "send_failed",
+                                     None if gone else exc)
                 return True
             # From here ZeroMQ alone holds the frames, and lets each go once it
             # is sent: a tensor's snapshot handle dies with its last frame, so
@@ -1093,8 +1094,8 @@ class Channel:
         if save is not None:
             self.counters.saves_lost += 1
             # The reason in the format: the log quotes an argument "a=b".
-            fields, args = f"event=save_lost reason={reason} model=%s id=%s sent_messages=%d", \
-                [*save.key, save.piped]
+            fields = f"event=save_lost reason={reason} model=%s id=%s sent_messages=%d"
+            args: list[object] = [*save.key, save.piped]
             if error is not None:
                 fields += " error=%s"
                 args.append(error)

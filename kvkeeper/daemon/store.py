@@ -518,8 +518,8 @@ class Store:
     def delete(self, model: str, cache_id: str) -> bool:
         """Remove the entry's file; False if there was none. Raises
         LeftInPlace, leaving it, when another program's safetensors file
-        is at the entry's place, and OSError when the daemon cannot tell
-        (see ``someone_elses``), as a save of it does."""
+        is at the entry's place or the daemon cannot tell (see
+        ``someone_elses``), as a save of it does."""
         path = self.path_for(model, cache_id)
         if self.someone_elses(path):
             raise LeftInPlace(

@@ -43,7 +43,7 @@ ErrorCode = Literal[
     "shutting_down",  # the daemon is draining and takes no new saves
     "unknown_save",  # data for a save the daemon does not know (refused or expired)
     "forbidden",  # a peer of another user
-    "internal",  # the daemon could not do what was asked (a bug, or the disk): the message says
+    "internal",  # the daemon could not do what was asked (a bug, or the disk); the message says why
 ]
 
 
