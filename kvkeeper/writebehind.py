@@ -80,6 +80,9 @@ class WriteBehind:
         self.cache_id = cache_id
         self.every_tokens = every_tokens
         self.every_seconds = every_seconds
+        if not isinstance(save_first, bool):
+            # "no" was taken as true, as every_tokens and every_seconds refuse bools.
+            raise TypeError(f"save_first must be True or False, not {save_first!r}")
         self.save_first = save_first
         # Checked here, not at the first save in the middle of a generation.
         self.metadata = check_metadata(metadata) or None

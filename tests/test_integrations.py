@@ -719,6 +719,43 @@ def test_an_older_request_ending_late_leaves_the_newer_state(
     assert got is not None and got.token_ids == newer
 
 
+def test_an_empty_prompt_refused_while_a_request_streams_leaves_that_request_newest(
+    lm_tok: TokenizerWrapper, client: Client
+) -> None:
+    """An empty prompt was refused only after it had become the session's
+    newest request (and loaded the cache from kvkeeper): the request
+    streaming then stopped saving, and its end was dropped."""
+    session = kv_lm.Session(client, "tiny-lm-empty", "chat", tiny_llama(seed=3), lm_tok,
+                            every_tokens=4)
+    p = prompt(30, seed=1)
+    streaming = session.stream_generate(p, max_tokens=12)
+    out = [int(next(streaming).token) for _ in range(2)]
+    for empty in ([], ""):
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            session.generate(empty, max_tokens=4)
+    out += [int(r.token) for r in streaming]
+    # Its end is the session's, in memory and in kvkeeper.
+    saved = client.flush(timeout=WAIT) and client.load("tiny-lm-empty", "chat")
+    assert saved and saved.token_ids == session.token_ids == p + out and len(out) == 12
+
+
+def test_the_one_call_forms_check_their_arguments_at_the_call(
+    lm_tok: TokenizerWrapper, client: Client
+) -> None:
+    """They were generators: a bad argument raised only at the first token,
+    after a server may have sent its headers."""
+    model = tiny_llama(seed=3)
+    with pytest.raises(ValueError):
+        kv_lm.stream_generate(client, "tiny-lm", "one", model, lm_tok, prompt(5),
+                              every_tokens=0)
+    with pytest.raises(ValueError, match="metadata"):
+        kv_vlm.stream_generate(client, "tiny-vlm", "one", tiny_vlm_llama(), vlm_processor(VOCAB),
+                               "hi", metadata={"kvkeeper.x": "y"})
+    # Good arguments: a generator, as before.
+    got = kv_lm.stream_generate(client, "tiny-lm", "one", model, lm_tok, prompt(5), 3)
+    assert len([r.token for r in got]) == 3
+
+
 def test_a_client_closed_while_a_request_streams_does_not_stop_it(
     lm_tok: TokenizerWrapper, short_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -785,6 +822,10 @@ def test_session_and_write_behind_arguments_are_checked_up_front(
             kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok, **bad)
         with pytest.raises(ValueError):
             client.write_behind("tiny-lm", "chat", **bad)
+    # "no" was taken as true (every_tokens and every_seconds refuse bools).
+    for flag in ("no", 0, None):
+        with pytest.raises(TypeError, match="save_first must be True or False"):
+            client.write_behind("tiny-lm", "chat", save_first=flag)  # type: ignore[arg-type]
     for model_id, session_id in (("tiny-lm", ""), ("", "chat"), ("tiny-lm", "\ud800")):
         with pytest.raises(ValueError):
             kv_lm.Session(client, model_id, session_id, model, lm_tok)
@@ -845,6 +886,14 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
             vlm_tokens(vlm_session.stream_generate(input_ids=bad, max_tokens=2))
     assert lm_session.generate(mx.array([[5, 6, 7]]), max_tokens=2) != []
     assert vlm_tokens(vlm_session.stream_generate(input_ids=[5, 6, 7], max_tokens=2)) != []
+    # Bytes were taken for token ids ([104, 105]); mlx-vlm's prompt given ids
+    # failed deep in its tokenizer; a None tokenizer at its first decode.
+    with pytest.raises(ValueError, match="not bytes"):
+        lm_session.generate(b"hi", max_tokens=2)
+    with pytest.raises(TypeError, match="give token ids as input_ids="):
+        vlm_tokens(vlm_session.stream_generate([5, 6, 7], max_tokens=2))
+    with pytest.raises(TypeError, match="tokenizer is None"):
+        kv_lm.Session(None, "tiny-lm", "chat", tiny_llama(seed=3), None)
 
 
 def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(

@@ -278,8 +278,12 @@ class SessionBase:
     def _compatible(self, cache: list[Any]) -> bool:
         return True
 
-    def _begin(self) -> int:
-        """A request starts: its number (see ``_latest``)."""
+    def _begin(self, prompt_ids: list[int]) -> int:
+        """A request starts: its number (see ``_latest``). An empty prompt is
+        refused first: a request refused then must not become the newest,
+        which stops the saves of one still streaming and drops its end."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
         self._requests += 1
         return self._requests
 

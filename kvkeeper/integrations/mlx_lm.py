@@ -63,6 +63,8 @@ class Session(SessionBase):
         super().__init__(client, model_id, session_id, every_tokens=every_tokens,
                          every_seconds=every_seconds, metadata=metadata)
         self.model = model
+        if tokenizer is None:
+            raise TypeError("tokenizer is None: give the tokenizer mlx_lm.load returned")
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
         self.tokenizer = tokenizer
@@ -78,6 +80,9 @@ class Session(SessionBase):
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
         if isinstance(prompt, (mx.array, np.ndarray)):
             return token_ids_of(prompt)
+        if isinstance(prompt, (bytes, bytearray)):
+            # Iterated, its bytes were taken for token ids.
+            raise ValueError("the prompt must be text or token ids (integers), not bytes")
         ids = []
         try:
             for t in prompt:
@@ -117,7 +122,7 @@ class Session(SessionBase):
                              "an empty prompt cannot be matched against a cached "
                              "conversation (give the ids the embeddings stand for, or call "
                              "mlx_lm.stream_generate without a Session)")
-        request = self._begin()
+        request = self._begin(ids)
         plan = self._prepare(ids)
         if plan.action == "cold":
             cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
@@ -218,7 +223,9 @@ def stream_generate(
     cache from kvkeeper, generate with it, save it behind. ``every_tokens``,
     ``every_seconds`` and ``metadata`` are the session's; other keyword
     arguments go to ``mlx_lm.stream_generate``."""
+    # Not a generator itself: the Session's checks raise here, at the call,
+    # not at the first token (after a server has sent its headers).
     session = Session(client, model_id, session_id, model, tokenizer,
                       every_tokens=every_tokens, every_seconds=every_seconds,
                       metadata=metadata)
-    yield from session.stream_generate(prompt, max_tokens, **kwargs)
+    return session.stream_generate(prompt, max_tokens, **kwargs)

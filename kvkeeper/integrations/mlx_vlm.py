@@ -92,6 +92,10 @@ class Session(SessionBase):
         as mlx-vlm takes them among them) go back into ``kwargs`` so that
         mlx-vlm does not prepare them again."""
         input_ids = kwargs.get("input_ids")
+        if input_ids is None and not isinstance(prompt, str):
+            # mlx-vlm's tokenizer failed deep inside on a list of ids.
+            raise TypeError(f"the prompt is the formatted conversation as text, not "
+                            f"{type(prompt).__name__}: give token ids as input_ids=")
         if input_ids is None:
             from mlx_vlm.generate import dispatch
 
@@ -130,7 +134,7 @@ class Session(SessionBase):
                 raise TypeError(f"Session.stream_generate does not take {name}=")
         ids = self._inputs(prompt, image, audio, video, kwargs)
         media = media_fingerprint(kwargs, image=image, audio=audio, video=video)
-        request = self._begin()
+        request = self._begin(ids)
         plan = self._prepare(ids, media)
         state = PromptCacheState()
         if plan.action == "cold":
@@ -304,7 +308,9 @@ def stream_generate(
     prompt cache from kvkeeper, generate with it, save it behind.
     ``every_tokens``, ``every_seconds`` and ``metadata`` are the session's;
     other keyword arguments go to ``mlx_vlm.stream_generate``."""
+    # Not a generator itself: the Session's checks raise here, at the call,
+    # not at the first token (after a server has sent its headers).
     session = Session(client, model_id, session_id, model, processor,
                       every_tokens=every_tokens, every_seconds=every_seconds,
                       metadata=metadata)
-    yield from session.stream_generate(prompt, image, **kwargs)
+    return session.stream_generate(prompt, image, **kwargs)
