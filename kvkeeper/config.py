@@ -155,6 +155,14 @@ def _check_ours(path: Path, what: str) -> None:
     check_writable(path, what)
 
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` when it is True or False; TypeError otherwise: a flag given
+    "no" would be taken as true."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
 def check_writable(path: Path, what: str) -> None:
     """Refuse a directory the daemon cannot make files in: it failed later,
     with a traceback (its lock file) or at every save."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
+from kvkeeper import config
 from kvkeeper.logs import get_logger
 
 if TYPE_CHECKING:
@@ -80,10 +81,8 @@ class WriteBehind:
         self.cache_id = cache_id
         self.every_tokens = every_tokens
         self.every_seconds = every_seconds
-        if not isinstance(save_first, bool):
-            # "no" was taken as true, as every_tokens and every_seconds refuse bools.
-            raise TypeError(f"save_first must be True or False, not {save_first!r}")
-        self.save_first = save_first
+        # Checked as strictly as the triggers: "no" was taken as true.
+        self.save_first = config.check_flag("save_first", save_first)
         # Checked here, not at the first save in the middle of a generation.
         self.metadata = check_metadata(metadata) or None
         self.counters = WriteBehindCounters()

@@ -489,9 +489,8 @@ class Client:
         if self._closed:
             raise RuntimeError("client is closed")
         model, cache_id = naming.check_key(model, cache_id)
-        if not isinstance(verify, bool):
-            # verify="no" would be true: checked, where a lazy load was asked for.
-            raise TypeError(f"verify must be True or False, not {verify!r}")
+        # verify="no" would be true: checked, where a lazy load was asked for.
+        config.check_flag("verify", verify)
         if self._channel.forked:
             # Not a read of the file instead, as with no daemon: a verified
             # read evaluates MLX arrays, which can hang in a forked child.
@@ -796,10 +795,9 @@ class Client:
         if model is not None:
             naming.check_id(model, "model")
             model = naming.plain(model)
-        if not isinstance(everything, bool):
-            # The daemon cannot decode it, and its answer names no request:
-            # the call would wait out its timeout.
-            raise TypeError(f"everything must be True or False, not {everything!r}")
+        # The daemon cannot decode another value, and its answer names no
+        # request: the call would wait out its timeout.
+        config.check_flag("everything", everything)
         reply = self._request(lambda req: m.ListEntries(
             v=m.PROTOCOL_VERSION, req=req, model=model, everything=everything))
         assert isinstance(reply, m.Entries)

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 
+from kvkeeper import config
 from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, restore_cache
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import safetensors as st
@@ -92,10 +93,8 @@ def read_cache_file(
     CacheFileError for anything that is not a usable cache, TypeError for
     a ``verify`` that is not a bool (as ``Client.load`` does).
     """
-    if not isinstance(verify, bool):
-        # verify="no" would be true: checked, where a lazy read was asked for.
-        raise TypeError(f"verify must be True or False, not {verify!r}")
-    return read_file(Path(path), verify, model, cache_id)
+    # verify="no" would be true: checked, where a lazy read was asked for.
+    return read_file(Path(path), config.check_flag("verify", verify), model, cache_id)
 
 
 def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
