@@ -573,24 +573,17 @@ def test_a_save_that_fails_to_encode_is_counted_lost(
         assert got is not None and got.token_ids == [2]
 
 
-def kv_small() -> KVCache:
-    c = KVCache()
-    x = mx.ones((1, 2, 3, 8))
-    c.update_and_fetch(x, x)
-    return c
-
-
 def test_a_save_whose_header_passes_the_daemons_limit_is_lost_with_one_line(
         daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
     """Millions of token ids: the README's documented limit was logged as a
     failure of kvkeeper's own encoding (a traceback), with no key named."""
-    c = kv_small()
+    c = filled(0.01, 1)
     with Client(daemon.socket, timeout=WAIT) as kv, caplog.at_level(logging.WARNING):
-        assert kv.save(FP, "huge", [c], list(range(9_000_000))) is True
+        assert kv.save(FP, "huge", c, list(range(9_000_000))) is True
         assert kv.flush(timeout=WAIT) is False
         assert kv.client_stats()["client_saves_lost"] == 1
         assert kv.load(FP, "huge") is None
-        assert kv.save(FP, "huge", [c], [1, 2]) and kv.flush(timeout=WAIT) is True
+        assert kv.save(FP, "huge", c, [1, 2]) and kv.flush(timeout=WAIT) is True
     lost = [r for r in caplog.records if "event=save_lost" in r.getMessage()]
     assert len(lost) == 1 and lost[0].exc_info is None, [r.getMessage() for r in lost]
     said = lost[0].getMessage()
@@ -878,7 +871,7 @@ def test_the_daemon_moving_a_damaged_file_is_logged_with_its_own_root(
     """Client(root=X) while the daemon serves another root: the daemon moves
     the file into its own quarantine/, which the line must name."""
     with Client(daemon.socket, root=short_dir, timeout=WAIT) as kv:
-        assert kv.save(FP, "bad", [kv_small()], [1]) and kv.flush(timeout=WAIT)
+        assert kv.save(FP, "bad", filled(0.01, 1), [1]) and kv.flush(timeout=WAIT)
         path = entry_path(daemon.root, "bad", model=FP)
         data = bytearray(path.read_bytes())
         data[-1] ^= 1
