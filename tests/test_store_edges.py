@@ -15,7 +15,7 @@ from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import ENV
 from kvkeeper.protocol import safetensors as st
 
-from .conftest import WAIT, RunningDaemon, serve_process, stop_process
+from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
 from .faultkit import FP, entry_path, filled, version_of
 
 LONG_MODEL = "m-" + "0123456789abcdef" * 2  # the shape of model_fingerprint()
@@ -291,3 +291,90 @@ def test_a_store_cleared_with_its_root_kept_takes_saves_again(
     assert version_of(entry_path(daemon.root, "b", model="fp"), "fp") == 2
     assert [e.cache_id for e in client.entries()] == ["b"]
     assert client.load("fp", "a") is None
+
+
+def _bytes_under(root: Path) -> int:
+    """Every regular file the daemon counts: all under the root but the files
+    directly in it (its lock)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        if Path(dirpath) != root:
+            total += sum(os.lstat(os.path.join(dirpath, n)).st_size for n in names)
+    return total
+
+
+BUDGET = 500_000
+
+
+def test_the_budget_evicts_in_order_of_use_and_counts_every_byte(short_dir: Path) -> None:
+    """80 random saves, loads, deletes and damaged files against a budget
+    of about three entries. After each: the daemon's count of bytes equals what is on disk;
+    the entries left are the most recently used ones (a suffix of the order
+    of use, the newest save always kept); a file moved aside goes before any
+    entry. (The daemon keeps this order and count as they change, not by
+    summing and sorting the index at each save.)"""
+    import random
+
+    rng = random.Random(20261204)
+    root = short_dir / "root"
+    rd = start_daemon(root, short_dir / "kv.sock", max_disk_bytes=BUDGET)
+    used: list[str] = []  # keys in the order of their last use, oldest first
+    quarantine = root / "quarantine"
+    damaged = quarantine_went_first = 0
+
+    def aside() -> int:
+        return len(os.listdir(quarantine)) if quarantine.exists() else 0
+
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for step in range(80):
+                op = rng.choice(["save", "save", "save", "load", "load", "delete", "damage"])
+                key = f"k{rng.randrange(8)}"
+                if op == "damage" and used:
+                    key = rng.choice(used)
+                aside_before = aside()
+                if op == "save":
+                    mib = rng.choice([0.05, 0.1, 0.2, 0.3])
+                    assert kv.save(FP, key, filled(mib, step), [step]) and kv.flush(timeout=WAIT)
+                    used = [k for k in used if k != key] + [key]
+                elif op == "load":
+                    got = kv.load(FP, key)
+                    assert (got is not None) == (key in used), (step, key, used)
+                    if got is not None:
+                        used = [k for k in used if k != key] + [key]
+                elif op == "delete":
+                    assert kv.delete(FP, key) == (key in used), (step, key, used)
+                    used = [k for k in used if k != key]
+                elif key in used:  # damage: the next load misses and moves it aside
+                    path = entry_path(root, key)
+                    with open(path, "r+b") as f:
+                        f.truncate(path.stat().st_size // 2)
+                    assert kv.load(FP, key) is None
+                    used = [k for k in used if k != key]
+                    damaged += 1
+                    deadline = time.monotonic() + WAIT
+                    while os.path.lexists(path):
+                        assert time.monotonic() < deadline, "damaged file was not moved aside"
+                        time.sleep(0.01)
+                kv.ping()  # after every use the loads reported
+                left = [k for k in used if entry_path(root, k).exists()]
+                gone = [k for k in used if k not in left]
+                assert left == used[len(gone):], (step, op, key, used, left)  # oldest went
+                if op == "save":
+                    assert left[-1] == key
+                if gone:
+                    # Entries went only after every file moved aside had gone.
+                    assert aside() == 0, step
+                if op == "save" and aside() < aside_before:
+                    quarantine_went_first += 1  # evicted: the save needed room
+                used = left
+                stats = kv.stats()
+                assert stats["disk_used_bytes"] == _bytes_under(root), (step, op, key)
+                if len(left) > 1:
+                    assert stats["disk_used_bytes"] <= BUDGET, (step, stats["disk_used_bytes"])
+            # The sequence took every path: evictions, a file moved aside and
+            # evicted, loads that found and missed.
+            assert stats["evictions"] >= 10 and damaged >= 2 and quarantine_went_first >= 1, \
+                (stats, damaged, quarantine_went_first)
+    finally:
+        assert rd.stop() == 0
