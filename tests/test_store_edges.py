@@ -4,6 +4,7 @@ directory fsync that fails after the new file is already in place."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -378,3 +379,52 @@ def test_the_budget_evicts_in_order_of_use_and_counts_every_byte(short_dir: Path
                 (stats, damaged, quarantine_went_first)
     finally:
         assert rd.stop() == 0
+
+
+def test_a_file_dated_back_by_hand_is_evicted_as_the_oldest(short_dir: Path) -> None:
+    """An entry whose file changed by hand since it was indexed (here: dated
+    back a day, as `touch -d yesterday` does) is counted anew at the next
+    eviction and not evicted then; after that it takes its place in the order
+    by its file's times: first to go. (It was put last, as if just used, and
+    entries used seconds ago went before it.)"""
+    root = short_dir / "root"
+    rd = start_daemon(root, short_dir / "kv.sock", max_disk_bytes=int(4.5 * 0.1 * 2**20))
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            for k in "abcd":
+                assert kv.save(FP, k, filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            yesterday = time.time() - 86400
+            os.utime(entry_path(root, "a"), (yesterday, yesterday))
+            left = []
+            for k in "efg":
+                assert kv.save(FP, k, filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+                left.append("".join(x for x in "abcdefg" if entry_path(root, x).exists()))
+            assert left == ["acde", "cdef", "defg"], left
+    finally:
+        assert rd.stop() == 0
+
+
+def test_the_count_of_bytes_is_never_read_half_made(short_dir: Path) -> None:
+    """`stats` while `gc` re-reads a root of 10,000 files: disk_used_bytes is
+    the whole count every time (it was read while the index was being
+    rebuilt: 0, or a part of it)."""
+    root = short_dir / "root"
+    (root / "sessions" / "other").mkdir(parents=True)
+    os.chmod(root, 0o700)
+    for i in range(10_000):
+        (root / "sessions" / "other" / f"f{i}").write_bytes(b"z" * 100)
+    rd = start_daemon(root, short_dir / "kv.sock")
+    seen: list[float] = []
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv, Client(rd.socket, timeout=WAIT) as poller:
+            for _ in range(4):
+                done = threading.Event()
+                gc = threading.Thread(target=lambda done=done: (kv.gc(), done.set()))
+                gc.start()
+                while not done.is_set():
+                    seen.append(poller.stats()["disk_used_bytes"])
+                gc.join(WAIT)
+                assert not gc.is_alive()
+    finally:
+        assert rd.stop() == 0
+    assert len(seen) > 20 and set(seen) == {1_000_000}, (len(seen), sorted(set(seen))[:5])

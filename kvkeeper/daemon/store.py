@@ -380,12 +380,17 @@ class Store:
                 entry = self._classify(Path(dirpath) / name)
                 if entry is not None:
                     found.append(entry)
-        found.sort(key=lambda e: (e.last_used, str(e.path)))
+        found.sort(key=_use_order)  # outside the lock: sorted again in it, in one pass
         with self._lock:
             self._index = {}
             self._used = self._quarantined = 0
-            for entry in found:
-                self._put(entry)
+            self._insert_in_order(found)
+
+    def _insert_in_order(self, entries: list[StoredEntry]) -> None:
+        """Index ``entries`` last, in the order of their last use (lock held)."""
+        entries.sort(key=_use_order)
+        for entry in entries:
+            self._put(entry)
 
     def _classify(self, path: Path) -> StoredEntry | None:
         try:
@@ -631,7 +636,10 @@ class Store:
             if self._index.get(entry.path) is entry:
                 self._drop(entry.path)
                 if fresh is not None:
-                    self._put(fresh)  # counted anew, and last in the order: not evicted now
+                    # Counted anew, at its place in the order of use (its
+                    # file's times): a file dated back by hand goes first.
+                    # Rare enough for a sort.
+                    self._insert_in_order([*self._index.values(), fresh])
         log.info("event=entry_changed path=%s now=%s (changed by hand since indexed: "
                  "counted as it is now, not evicted)", entry.path,
                  "gone" if fresh is None else fresh.kind)
@@ -639,7 +647,8 @@ class Store:
 
     def usage(self) -> int:
         """Bytes of every file indexed under the root."""
-        return self._used
+        with self._lock:  # not half way through a _put or a rescan
+            return self._used
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)
@@ -736,6 +745,10 @@ class Store:
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
         return evicted
+
+
+def _use_order(e: StoredEntry) -> tuple[float, str]:
+    return e.last_used, str(e.path)
 
 
 def _is_cache(meta: dict[str, str]) -> bool:
