@@ -297,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     # The commands turn the log off; run in-process (a script, a test),
     # that must not outlast them.
     disabled = logging.root.manager.disable
+    # Names are the user's text: where the output's encoding cannot show a
+    # character (PYTHONIOENCODING=ascii, a C locale without UTF-8), it is
+    # written as an escape rather than ending the command with a traceback.
+    errors = getattr(sys.stdout, "errors", None)
+    if errors == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -307,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         logging.disable(disabled)
+        if errors == "strict" and hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(errors="strict")
 
 
 def _main(argv: list[str] | None) -> int:

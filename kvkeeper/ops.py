@@ -52,6 +52,9 @@ def shown(value: object) -> Text:
     if not s.isprintable():
         # All of it, backslashes too: a real newline must not look like "\n".
         s = s.encode("unicode_escape").decode("ascii")
+    elif not out.encoding.startswith("utf"):
+        # What the output cannot show, escaped before a table measures it.
+        s = s.encode(out.encoding, "backslashreplace").decode(out.encoding)
     return Text(s)
 
 

@@ -141,3 +141,18 @@ def test_a_terminal_gets_rich_until_the_listing_is_long(
     lines = many.stdout.splitlines()
     assert lines[0].startswith("1004 entries, ") and len(lines) == 1004 + 4 + 1
     assert all("many-" in line or "few-" in line for line in lines[4:-1])
+
+
+def test_an_output_that_cannot_show_a_name_gets_it_escaped(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """PYTHONIOENCODING=ascii (or a C locale without UTF-8): names it cannot
+    show are written as escapes, in a table still aligned, where the command
+    ended in a UnicodeEncodeError traceback."""
+    assert client.save("日本", "é id", _cache(), [1]) and client.flush(timeout=WAIT)
+    for args in (("ls",), ("ls", "--all")):
+        r = cli(*args, "--socket", str(daemon.socket), env={**PIPED, "PYTHONIOENCODING": "ascii"})
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout.isascii() and "\\u65e5\\u672c" in r.stdout and "\\xe9 id" in r.stdout
+        table = r.stdout.splitlines()[1:]
+        assert len({len(line) for line in table}) == 1, r.stdout
