@@ -695,9 +695,10 @@ class Store:
         candidates = itertools.chain(
             (e for e in (indexed if quarantined else ()) if e.kind == "quarantine"),
             (e for e in indexed if e.kind in ("entry", "legacy") and e.path != keep))
-        if writing:
-            evictable = sum(e.nbytes for e in indexed
-                            if e.kind in ("entry", "legacy", "quarantine") and e.path != keep)
+        # (Only a file about to be written needs the total.)
+        evictable = sum(e.nbytes for e in indexed
+                        if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
+                        ) if writing else 0
         if writing and (free := self.free_bytes()) + evictable < writing:
             # Emptying the store would not make room for it: its write fails
             # with ENOSPC either way, and the entries are worth keeping.
