@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     # Names are the user's text: where the output's encoding cannot show a
     # character (PYTHONIOENCODING=ascii, a C locale without UTF-8), it is
     # written as an escape rather than ending the command with a traceback.
-    errors = getattr(sys.stdout, "errors", None)
-    if errors == "strict" and hasattr(sys.stdout, "reconfigure"):
+    escape = getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure")
+    if escape:
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return _main(argv)
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         logging.disable(disabled)
-        if errors == "strict" and hasattr(sys.stdout, "reconfigure"):
+        if escape:
             sys.stdout.reconfigure(errors="strict")
 
 

@@ -13,10 +13,8 @@ import json
 import os
 from pathlib import Path
 
-import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import KVCache
 from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
@@ -27,7 +25,7 @@ from kvkeeper.client.client import Client
 from kvkeeper.plaintable import render
 
 from .conftest import WAIT, RunningDaemon, start_daemon
-from .test_cli_checks import cli
+from .test_cli_checks import cli, small_cache
 
 PIPED = {"FORCE_COLOR": "", "TTY_COMPATIBLE": ""}  # whatever the CI's own setting
 TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "", "COLUMNS": "100"}
@@ -66,19 +64,12 @@ def test_drawn_as_rich_draws_it(data: st.DataObject, title: str) -> None:
     assert render(title, columns, rows) == _rich_piped(title, columns, rows)  # type: ignore[arg-type]
 
 
-def _cache() -> list[KVCache]:
-    c = KVCache()
-    x = mx.zeros((1, 1, 1, 8))
-    c.update_and_fetch(x, x)
-    return [c]
-
-
 def test_piped_ls_and_gc_list_long_odd_names_whole(client: Client, daemon: RunningDaemon) -> None:
     sock = str(daemon.socket)
     long_id = "conversation-" + "x" * 140
     names = [("model-a", long_id), ("日本語モデル", "e\u0301 wide 日本 ids "), ("model-a", "tab\there")]
     for model, cache_id in names:
-        assert client.save(model, cache_id, _cache(), [1])
+        assert client.save(model, cache_id, small_cache(), [1])
     assert client.flush(timeout=WAIT)
     r = cli("ls", "--socket", sock, env=PIPED)
     assert r.returncode == 0, r.stderr
@@ -112,7 +103,7 @@ def test_gc_lists_what_it_evicted_unfolded(short_dir: Path) -> None:
     rd = start_daemon(root, short_dir / "kv.sock", max_disk_bytes=200_000)
     try:
         with Client(rd.socket, timeout=WAIT) as kv:
-            assert kv.save("m", long_id, _cache(), [1]) and kv.flush(timeout=WAIT)
+            assert kv.save("m", long_id, small_cache(), [1]) and kv.flush(timeout=WAIT)
         r = cli("gc", "--socket", str(rd.socket), env=PIPED)
     finally:
         assert rd.stop() == 0
@@ -127,13 +118,13 @@ def test_a_terminal_gets_rich_until_the_listing_is_long(
 ) -> None:
     sock = str(daemon.socket)
     for i in range(3):
-        assert client.save("m", f"few-{i}", _cache(), [1])
+        assert client.save("m", f"few-{i}", small_cache(), [1])
     assert client.flush(timeout=WAIT)
     few = cli("ls", "--socket", sock, env=TERMINAL)
     assert few.returncode == 0, few.stderr
     assert "\x1b[" in few.stdout  # rich's styles: a terminal's table
     for i in range(1001):
-        assert client.save("m", f"many-{i:04d}", _cache(), [1])
+        assert client.save("m", f"many-{i:04d}", small_cache(), [1])
     assert client.flush(timeout=WAIT)
     many = cli("ls", "--socket", sock, env=TERMINAL)
     assert many.returncode == 0, many.stderr
@@ -149,7 +140,7 @@ def test_an_output_that_cannot_show_a_name_gets_it_escaped(
     """PYTHONIOENCODING=ascii (or a C locale without UTF-8): names it cannot
     show are written as escapes, in a table still aligned, where the command
     ended in a UnicodeEncodeError traceback."""
-    assert client.save("日本", "é id", _cache(), [1]) and client.flush(timeout=WAIT)
+    assert client.save("日本", "é id", small_cache(), [1]) and client.flush(timeout=WAIT)
     for args in (("ls",), ("ls", "--all")):
         r = cli(*args, "--socket", str(daemon.socket), env={**PIPED, "PYTHONIOENCODING": "ascii"})
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

@@ -4,6 +4,7 @@ directory fsync that fails after the new file is already in place."""
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -314,8 +315,6 @@ def test_the_budget_evicts_in_order_of_use_and_counts_every_byte(short_dir: Path
     of use, the newest save always kept); a file moved aside goes before any
     entry. (The daemon keeps this order and count as they change, not by
     summing and sorting the index at each save.)"""
-    import random
-
     rng = random.Random(20261204)
     root = short_dir / "root"
     rd = start_daemon(root, short_dir / "kv.sock", max_disk_bytes=BUDGET)

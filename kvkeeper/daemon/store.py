@@ -380,7 +380,6 @@ class Store:
                 entry = self._classify(Path(dirpath) / name)
                 if entry is not None:
                     found.append(entry)
-        found.sort(key=_use_order)  # outside the lock: sorted again in it, in one pass
         with self._lock:
             self._index = {}
             self._used = self._quarantined = 0
