@@ -137,7 +137,7 @@ _GROUPS = [
                 "queue_depth", "held_saves", "saves_held", "parked_saves",
                 "saves_parked", "write_seconds_p50",
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
-    ("Disk", ["disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
+    ("Disk", ["store_indexing", "disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
               "bytes_evicted", "deletes"]),
     ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "requests_refused",
                 "internal_errors", "forbidden_peers"]),

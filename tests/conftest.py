@@ -105,8 +105,11 @@ class RunningDaemon:
         return self.exit_code[0]
 
 
-def start_daemon(root: Path, socket: Path, **kw: object) -> RunningDaemon:
+def start_daemon(root: Path, socket: Path, *, indexed: bool = True,
+                 **kw: object) -> RunningDaemon:
     """An in-process daemon on a thread (signals stay with pytest's main thread).
+    Returns once it has indexed the store (``indexed``), or as soon as it
+    answers.
 
     The disk budget is off unless a test sets it: how full this machine's disk
     is must not decide what the other tests see."""
@@ -128,6 +131,8 @@ def start_daemon(root: Path, socket: Path, **kw: object) -> RunningDaemon:
     assert d.ready.wait(WAIT), "daemon did not start"
     if errors:
         raise errors[0]
+    if indexed:
+        wait_for(lambda: scan_done(socket) or not t.is_alive(), "the start-up scan")
     return RunningDaemon(d, t, root, socket, code)
 
 
@@ -151,8 +156,9 @@ def client(daemon: RunningDaemon) -> Iterator[Client]:
         kv.close()
 
 
-def ping(socket: Path, timeout: float = 1.0) -> bool:
-    """Whether a daemon answers on ``socket`` within ``timeout`` seconds."""
+def _ask(socket: Path, request: Any, timeout: float) -> Any:
+    """One request to the daemon on ``socket``: its reply, or None when none
+    comes within ``timeout`` seconds."""
     import zmq
 
     from kvkeeper.protocol import messages as m
@@ -162,13 +168,30 @@ def ping(socket: Path, timeout: float = 1.0) -> bool:
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(f"ipc://{socket}")
-        s.send(m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=1)))
+        s.send(m.encode(request))
         if not s.poll(int(timeout * 1000)):
-            return False
-        return isinstance(m.decode_reply(s.recv()), m.Pong)
+            return None
+        return m.decode_reply(s.recv())
     finally:
         s.close(linger=0)
         ctx.term()
+
+
+def ping(socket: Path, timeout: float = 1.0) -> bool:
+    """Whether a daemon answers on ``socket`` within ``timeout`` seconds."""
+    from kvkeeper.protocol import messages as m
+
+    return isinstance(_ask(socket, m.Ping(v=m.PROTOCOL_VERSION, req=1), timeout), m.Pong)
+
+
+def scan_done(socket: Path, timeout: float = 1.0) -> bool:
+    """Whether the daemon on ``socket`` has indexed its store: its stats say
+    ``store_indexing`` 0, or do not have it (a daemon without that gauge
+    indexed the store before it bound its socket)."""
+    from kvkeeper.protocol import messages as m
+
+    reply = _ask(socket, m.GetStats(v=m.PROTOCOL_VERSION, req=1), timeout)
+    return isinstance(reply, m.Stats) and reply.counters.get("store_indexing", 0) == 0
 
 
 def serve_process(
@@ -178,8 +201,10 @@ def serve_process(
     env: dict[str, str] | None = None,
     prefix: tuple[str, ...] = (),
     preexec_fn: object = None,
+    indexed: bool = True,
 ) -> subprocess.Popen[bytes]:
-    """``kvkeeper serve`` as a real subprocess; returns once it answers a ping.
+    """``kvkeeper serve`` as a real subprocess; returns once it has indexed
+    the store (``indexed``), or as soon as it answers a ping.
 
     Its log goes to ``<socket dir>/../serve-<n>.log`` (``proc.log_path``), never
     to a pipe nobody reads."""
@@ -196,7 +221,7 @@ def serve_process(
     log.close()
     proc.log_path = log_path  # type: ignore[attr-defined]
     deadline = time.monotonic() + WAIT
-    while not (socket.exists() and ping(socket, 0.5)):
+    while not (socket.exists() and (scan_done(socket, 0.5) if indexed else ping(socket, 0.5))):
         if proc.poll() is not None:
             raise AssertionError(f"kvkeeper serve exited {proc.returncode}: "
                                  f"{log_path.read_text(errors='replace')}")

@@ -1,5 +1,8 @@
 """The daemon's life: checks, single-instance lock, bind, one task group, drain.
 
+The store is indexed after binding, by the writer before its first job, so a
+long start-up scan does not leave clients without a daemon.
+
 Order matters: the lock is taken before binding, because a second ZeroMQ bind
 on an ``ipc://`` path silently takes the socket over from the first daemon.
 """
@@ -308,12 +311,7 @@ class Daemon:
             locks.append(root_lock)
             _clear_stale_socket(sock_path)
             store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
-            swept = store.open()
-            if swept:
-                log.info("event=swept_tmp count=%d", len(swept))
-            evicted = store.enforce_budget()
-            self.stats.inc("evictions", len(evicted))
-            self.stats.inc("bytes_evicted", sum(e.nbytes for e in evicted))
+            store.open()  # its files are indexed once the socket is bound (WriterActor.run)
             return anyio.run(self._main, store, sock_path, handle_signals, root_lock,
                              backend="asyncio")
         finally:

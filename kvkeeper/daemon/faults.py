@@ -11,6 +11,10 @@ lookup that finds nothing.
   writer's wait on it, for the tests of what may happen meanwhile).
 - ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
   power-cut test: they must show loss).
+- ``scan_delay=S``: sleep up to S seconds at the end of a rescan, after every
+  file is read and before the index is replaced (a slow start-up scan); a
+  drain's stop ends the sleep. ``scan_file_delay=S``: the same before each
+  file is read.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename).
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 
 ENV = "KVKEEPER_TEST_FAULTS"
@@ -58,3 +63,12 @@ def slow_abort() -> None:
 def io_error(point: str) -> None:
     if ACTIVE and ACTIVE.get("io_error") == point:
         raise OSError(errno.EIO, f"injected I/O error at {point}")
+
+
+def slow_scan(stop: threading.Event | None, fault: str = "scan_delay") -> None:
+    if ACTIVE and fault in ACTIVE:
+        delay = float(ACTIVE[fault])
+        if stop is None:
+            time.sleep(delay)
+        else:
+            stop.wait(delay)

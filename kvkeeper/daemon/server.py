@@ -508,6 +508,7 @@ class Server:
             self._reply(peer, m.Deleted(v=m.PROTOCOL_VERSION, req=req, existed=job.existed))
 
     async def _list(self, peer: bytes, req: int, model: str | None, everything: bool) -> None:
+        await self.actor.indexed.wait()  # not the part of the store read so far
         found = self.store.entries(model, everything=everything)
         self._reply(peer, m.Entries(v=m.PROTOCOL_VERSION, req=req,
                                     entries=[_entry(e) for e in found]))

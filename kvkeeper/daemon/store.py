@@ -297,6 +297,8 @@ class Store:
         self._index: dict[Path, StoredEntry] = {}
         self._used = 0
         self._quarantined = 0
+        # Uses of entries while a rescan runs, by path (None when none runs).
+        self._uses_meanwhile: dict[Path, float] | None = None
 
     def _put(self, entry: StoredEntry) -> None:
         """Index ``entry`` as the most recently used file (lock held)."""
@@ -348,8 +350,9 @@ class Store:
         self.rescan()
 
     # -- lifecycle
-    def open(self) -> list[Path]:
-        """Create the layout, remove tmp files a crash left behind, index the rest."""
+    def open(self) -> None:
+        """Create the layout, or check the one there; ``recover`` then sweeps
+        and indexes the files in it."""
         try:
             os.makedirs(self.sessions, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -357,33 +360,62 @@ class Store:
         if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
             raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
                               f"keeps its entries there (move it aside)")
+
+    def recover(self, stop: threading.Event | None = None) -> tuple[list[Path], bool]:
+        """Remove the tmp files a crash left behind, then index the rest.
+        Returns the files removed, and whether the index is whole (False
+        when ``stop`` was set part way: it holds what was read by then)."""
         removed = []
         for model_dir in self.sessions.iterdir():
             if model_dir.is_symlink() or not model_dir.is_dir():
                 continue
-            for f in model_dir.iterdir():
+            try:
+                names = list(model_dir.iterdir())
+            except OSError as exc:
+                # One unreadable directory must not keep the others unindexed.
+                log.warning("event=sweep_failed path=%s error=%s", model_dir, exc)
+                continue
+            for f in names:
                 if f.name.startswith(".") and f.name.endswith(TMP_SUFFIX):
                     try:
                         f.unlink()
                         removed.append(f)
                     except OSError as exc:
                         log.warning("event=sweep_failed path=%s error=%s", f, exc)
-        self.rescan()
-        return removed
+        return removed, self.rescan(stop)
 
-    def rescan(self) -> None:
-        """Rebuild the index from what is on disk (headers only)."""
+    def rescan(self, stop: threading.Event | None = None) -> bool:
+        """Rebuild the index from what is on disk (headers only); False when
+        ``stop`` cut it short (the index then holds what was read).
+
+        A use of an entry while it runs (``find``, from the server's thread)
+        is kept: the file's times may have been read before it."""
+        with self._lock:
+            self._uses_meanwhile = {}
         found = []
+        complete = True
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
             for name in filenames:
+                faults.slow_scan(stop, "scan_file_delay")
+                if stop is not None and stop.is_set():
+                    complete = False
+                    break
                 entry = self._classify(Path(dirpath) / name)
                 if entry is not None:
                     found.append(entry)
+            if not complete:
+                break
+        faults.slow_scan(stop)
         with self._lock:
+            uses, self._uses_meanwhile = self._uses_meanwhile, None
             self._index = {}
             self._used = self._quarantined = 0
             self._insert_in_order(found)
+            for path, when in sorted(uses.items(), key=lambda use: use[1]):
+                if (entry := self._index.get(path)) is not None:
+                    self._put(replace(entry, last_used=max(entry.last_used, when)))
+        return complete
 
     def _insert_in_order(self, entries: list[StoredEntry]) -> None:
         """Index ``entries`` last, in the order of their last use (lock held)."""
@@ -516,10 +548,13 @@ class Store:
         if not stat.S_ISREG(st.st_mode):
             log.warning("event=not_a_file path=%s", path)
             return None
+        now = time.time()
         with self._lock:
+            if self._uses_meanwhile is not None:
+                self._uses_meanwhile[path] = now
             entry = self._index.get(path)
             if entry is not None:
-                self._put(replace(entry, last_used=time.time()))
+                self._put(replace(entry, last_used=now))
         return path, st
 
     def record_use(self, path: Path, st: os.stat_result) -> None:
@@ -643,6 +678,11 @@ class Store:
                  "counted as it is now, not evicted)", entry.path,
                  "gone" if fresh is None else fresh.kind)
         return False
+
+    def count(self) -> int:
+        """Files indexed under the root (entries and the rest)."""
+        with self._lock:
+            return len(self._index)
 
     def usage(self) -> int:
         """Bytes of every file indexed under the root."""
