@@ -261,3 +261,43 @@ def test_a_closed_helper_holds_no_cache(model, tok, client: Client) -> None:
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
     assert s.last_write_behind is not None and s.last_write_behind.counters.sent >= 1
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_close_saves_a_rollback_to_the_same_length(model, client: Client, in_place: bool) -> None:
+    """A step saved the cache at 10 tokens; the last 2 were then taken back
+    and 2 others fed (a rejected draft), so cache and ids are 10 long again.
+    close(cache, ids) skipped the save (same cache, same length, no step
+    since), and the key kept the tokens taken back. The ids passed may be a
+    new list or the saved one changed in place."""
+    p = prompt(10, seed=9)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, f"rollback-{in_place}", every_tokens=1, every_seconds=None)
+    ids = list(p)
+    assert wb.step(cache, ids) is True
+    for layer in cache:
+        layer.trim(2)
+    other = [(t + 1) % 64 for t in p[-2:]]
+    prefill(model, other, cache)
+    if in_place:
+        ids[-2:] = other
+    else:
+        ids = p[:8] + other
+    assert wb.close(cache, ids) is True
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, f"rollback-{in_place}")
+    assert got is not None and got.token_ids == p[:8] + other
+    for saved, live in zip(got.cache, cache, strict=True):
+        assert saved.offset == live.offset == 10
+        assert mx.array_equal(saved.state[0][..., :10, :], live.state[0][..., :10, :]).item()
+
+
+def test_close_does_not_save_again_what_the_last_step_saved(model, client: Client) -> None:
+    p = prompt(10, seed=9)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, "same", every_tokens=1, every_seconds=None)
+    assert wb.step(cache, p) is True
+    assert wb.close(cache, list(p)) is False
+    assert wb.counters.sent == 1
