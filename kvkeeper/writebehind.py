@@ -158,9 +158,9 @@ class WriteBehind:
     def close(self, cache: Any = None, token_ids: Sequence[int] | None = None) -> bool:
         """The final save: of ``(cache, token_ids)`` when given, else of what the
         last ``step()`` saw, as it is now (skipped when no step came after the
-        last save handed off, by a step or by ``save()``, and, given a pair,
-        when it is that save's cache with as many token ids, the last 64 the
-        same: a rollback to the same length is saved).
+        last save handed off, by a step or by ``save()``, and the pair is that
+        save's cache with as many token ids, the last 64 the same: a rollback
+        to the same length, ids changed in place, is saved).
         Returns True when a save was handed off. Does not wait for the daemon
         (``Client.flush()`` does). Later calls do nothing. A ValueError (a
         cache and token ids that disagree) leaves the helper open: a call
@@ -182,16 +182,16 @@ class WriteBehind:
         return handed
 
     def _final_save(self, cache: Any, token_ids: Sequence[int] | None) -> bool:
-        if cache is not None:
-            assert token_ids is not None
-            if (self._pending == 0 and self._last is not None and self._last[0] is cache
-                    and self.counters.last_saved_tokens == len(token_ids)
-                    and self._saved_tail is not None and _tail(token_ids) == self._saved_tail):
-                return False  # the last step saved exactly this
-            return self._save(cache, token_ids)
-        if self._last is None or self._pending == 0:
-            return False
-        return self._save(*self._last)
+        if cache is None:
+            if self._last is None:
+                return False
+            cache, token_ids = self._last
+        assert token_ids is not None
+        if (self._pending == 0 and self._last is not None and self._last[0] is cache
+                and self.counters.last_saved_tokens == len(token_ids)
+                and self._saved_tail is not None and _tail(token_ids) == self._saved_tail):
+            return False  # the last save was of exactly this
+        return self._save(cache, token_ids)
 
     def _end(self) -> None:
         self._closed = True

@@ -263,17 +263,20 @@ def test_a_closed_helper_holds_no_cache(model, tok, client: Client) -> None:
     assert s.last_write_behind is not None and s.last_write_behind.counters.sent >= 1
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_close_saves_a_rollback_to_the_same_length(model, client: Client, in_place: bool) -> None:
+@pytest.mark.parametrize("in_place, passed", [(False, True), (True, True), (True, False)])
+def test_close_saves_a_rollback_to_the_same_length(model, client: Client, in_place: bool,
+                                                   passed: bool) -> None:
     """A step saved the cache at 10 tokens; the last 2 were then taken back
     and 2 others fed (a rejected draft), so cache and ids are 10 long again.
-    close(cache, ids) skipped the save (same cache, same length, no step
-    since), and the key kept the tokens taken back. The ids passed may be a
-    new list or the saved one changed in place."""
+    close() skipped the save (same cache, same length, no step since), and
+    the key kept the tokens taken back. The ids may be a new list or the
+    saved one changed in place; close() may be given the pair or not (then
+    it saves what the last step saw, as it is now)."""
     p = prompt(10, seed=9)
     cache = make_prompt_cache(model)
     prefill(model, p, cache)
-    wb = client.write_behind(FP, f"rollback-{in_place}", every_tokens=1, every_seconds=None)
+    key = f"rollback-{in_place}-{passed}"
+    wb = client.write_behind(FP, key, every_tokens=1, every_seconds=None)
     ids = list(p)
     assert wb.step(cache, ids) is True
     for layer in cache:
@@ -284,9 +287,9 @@ def test_close_saves_a_rollback_to_the_same_length(model, client: Client, in_pla
         ids[-2:] = other
     else:
         ids = p[:8] + other
-    assert wb.close(cache, ids) is True
+    assert (wb.close(cache, ids) if passed else wb.close()) is True
     assert client.flush(timeout=WAIT)
-    got = client.load(FP, f"rollback-{in_place}")
+    got = client.load(FP, key)
     assert got is not None and got.token_ids == p[:8] + other
     for saved, live in zip(got.cache, cache, strict=True):
         assert saved.offset == live.offset == 10
