@@ -1,11 +1,11 @@
-"""The daemon answers while it indexes the store at start.
+"""The daemon answers, and writes, while it indexes the store at start.
 
 It used to bind its socket only after reading the header of every file under
 the root (20,000 entries: 1.2 s with the files in the page cache, 4-28 s
 without), and clients found no daemon meanwhile: every save made then was
-dropped. ``scan_delay`` (faults) holds the scan after it has read every file
-and before it replaces the index, so what a request would see of a half-done
-scan shows."""
+dropped. The ``scan_hold`` fault holds the scan (after it read every file, or
+``scan_hold_after`` files) until the test makes a file, so what a request
+sees during the scan is what it would see during a long one."""
 
 from __future__ import annotations
 
@@ -13,18 +13,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
-import pytest
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .conftest import WAIT, scan_done, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import FP, MiB, entry_path, filled, version_of
-
-SLOW_SCAN = {"KVKEEPER_TEST_FAULTS": "scan_delay=4"}
 
 
 def _holds(path: Path, version: int) -> bool:
@@ -33,9 +31,9 @@ def _holds(path: Path, version: int) -> bool:
     return bool(arrays) and all(mx.all(a == version).item() for a in arrays.values())
 
 
-def _store(root: Path, socket: Path, names: list[str], mib: float = 0.25) -> None:
+def _store(root: Path, socket: Path, names: list[str], mib: float = 0.25) -> int:
     """Entries ``names`` (entry i holds version i + 1), written by a daemon
-    that is then stopped."""
+    that is then stopped; returns the size of one (all the same)."""
     rd = start_daemon(root, socket)
     try:
         with Client(rd.socket, timeout=WAIT) as kv:
@@ -44,69 +42,87 @@ def _store(root: Path, socket: Path, names: list[str], mib: float = 0.25) -> Non
             assert kv.flush(timeout=WAIT)
     finally:
         assert rd.stop() == 0
+    sizes = {entry_path(root, n).stat().st_size for n in names}
+    assert len(sizes) == 1, sizes
+    return sizes.pop()
+
+
+def _held(go: Path, after: int | None = None) -> dict[str, str]:
+    faults = f"scan_hold={go}" + ("" if after is None else f",scan_hold_after={after}")
+    return {"KVKEEPER_TEST_FAULTS": faults}
+
+
+def _on_disk(root: Path) -> int:
+    return sum(f.stat().st_size for f in (root / "sessions").rglob("*") if f.is_file())
 
 
 def test_saves_loads_and_ls_during_the_start_up_scan(short_dir: Path) -> None:
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
     names = ["e0", "e1", "e2", "e3", "e4"]
     _store(root, sock, names)
-    proc = serve_process(root, sock, env=SLOW_SCAN, indexed=False)
+    proc = serve_process(root, sock, env=_held(go), indexed=False)
     try:
         with Client(sock, timeout=WAIT) as kv:
             assert kv.stats()["store_indexing"] == 1  # answering, and not done
             assert kv.save(FP, "new", filled(0.25, 7, layers=1), [7])
             assert kv.save(FP, "e0", filled(0.25, 8, layers=1), [8])  # replaces a file
-            got = kv.load(FP, "e1", verify=False)  # lazy, read before the scan ends
+            assert kv.delete(FP, "e2") is True  # an entry the scan has read
+            got = kv.load(FP, "e1", verify=False)  # an entry the scan has not indexed
             assert got is not None and got.token_ids == [2]
             assert mx.all(got.cache[0].state[0] == 2).item()
-            ls = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "ls", "--socket",
-                                 str(sock)], capture_output=True, text=True, timeout=WAIT)
-            assert ls.returncode == 0, ls.stderr
-            # Not the part of the store read so far (nothing, until the scan is done).
-            assert all(name in ls.stdout for name in names[1:]), ls.stdout
+            # Written during the scan, not after it: the saving client's own
+            # load (read-your-writes) does not wait for the scan.
+            got = kv.load(FP, "new")
+            assert got is not None and got.token_ids == [7]
             assert kv.flush(timeout=WAIT) is True
             stats = kv.stats()
-            assert stats["store_indexing"] == 0
-            assert stats["saves_written"] == 2 and stats["client_saves_dropped"] == 0
-            assert stats["client_saves_lost"] == 0
+            assert stats["store_indexing"] == 1 and stats["saves_written"] == 2
             assert _holds(entry_path(root, "new"), 7) and _holds(entry_path(root, "e0"), 8)
-            on_disk = sum(f.stat().st_size for f in (root / "sessions").rglob("*") if f.is_file())
-            assert stats["disk_used_bytes"] == on_disk
-            assert {e.cache_id for e in kv.entries()} == {*names, "new"}
+            # A listing waits for the scan: before it is done, the index holds
+            # only the two files written since the start.
+            listed: list[set[str]] = []
+            with Client(sock, timeout=WAIT) as other:
+                lister = threading.Thread(
+                    target=lambda: listed.append({e.cache_id for e in other.entries()}))
+                lister.start()
+                time.sleep(1.0)
+                assert not listed, listed
+                go.touch()
+                lister.join(WAIT)
+            assert listed == [{"e0", "e1", "e3", "e4", "new"}]
+            wait_for(lambda: scan_done(sock), "the scan")
+            stats = kv.stats()
+            assert stats["client_saves_dropped"] == 0 and stats["client_saves_lost"] == 0
+            assert stats["disk_used_bytes"] == _on_disk(root)
+        ls = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "ls", "--socket", str(sock)],
+                            capture_output=True, text=True, timeout=WAIT)
+        assert ls.returncode == 0 and "e2" not in ls.stdout, ls
+        assert all(n in ls.stdout for n in ["e0", "e1", "e3", "e4", "new"]), ls
     finally:
         assert stop_process(proc) == 0
 
 
-@pytest.mark.parametrize("fault, cut_short", [("scan_delay=600", False),
-                                               ("scan_file_delay=200", True)])
-def test_sigterm_during_the_start_up_scan_writes_the_saves_taken(
-        short_dir: Path, fault: str, cut_short: bool) -> None:
-    """SIGTERM during the scan: the drain writes the saves waiting behind it
-    at once, instead of after the whole scan (here 600 s). Stopped part way
-    through the files, the scan is cut short (and the budget left for the
-    next start); stopped after it read them all, it is whole."""
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+def test_sigterm_during_the_start_up_scan(short_dir: Path) -> None:
+    """The drain stops the scan: the daemon exits at once (the scan is held
+    for up to 600 s), with what it was sent written."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
     _store(root, sock, ["old", "older"])
-    proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": fault}, indexed=False)
+    proc = serve_process(root, sock, env=_held(go), indexed=False)
     try:
-        with Client(sock, timeout=WAIT) as kv:
-            assert kv.stats()["store_indexing"] == 1  # SIGTERM comes during the scan
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.stats()["store_indexing"] == 1
             assert kv.save(FP, "x", filled(0.25, 5, layers=1), [5])
-            # Sent whole: a save still on its way when the drain begins is
-            # for the client to keep (tested apart).
-            deadline = time.monotonic() + WAIT
-            while kv.stats()["saves_received"] < 1:
-                assert time.monotonic() < deadline, "the save did not reach the daemon"
-                time.sleep(0.02)
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.save(FP, "x", filled(0.25, 6, layers=1), [6])
+            wait_for(lambda: kv.stats()["saves_received"] == 2, "the second save sent")
             assert stop_process(proc) == 0  # within WAIT, not 600 s
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(WAIT)
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
-    assert ("event=scan_cut_short" in log) is cut_short, log
-    assert "event=not_saved_at_exit" not in log, log
-    assert _holds(entry_path(root, "x"), 5) and version_of(entry_path(root, "x")) == 5
+    assert "event=not_saved_at_exit" not in log and "scan_failed" not in log, log
+    assert _holds(entry_path(root, "x"), 6) and version_of(entry_path(root, "x")) == 6
     assert version_of(entry_path(root, "old")) == 1
     proc = serve_process(root, sock)  # the next start indexes all three
     try:
@@ -116,21 +132,49 @@ def test_sigterm_during_the_start_up_scan_writes_the_saves_taken(
         assert stop_process(proc, signal.SIGTERM) == 0
 
 
+def test_a_scan_cut_short_evicts_nothing(short_dir: Path) -> None:
+    """Saves written during the scan, then SIGTERM after the scan read 2 of
+    4 entries. From a part of the store, the budget (room for 3) evicted the
+    oldest of what it held: the first saves made since the start while the
+    scan ran, then whichever entries the scan happened to read first,
+    however recently used. Now nothing goes until a scan is whole."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    size = _store(root, sock, ["a", "b", "c", "d"], mib=0.5)
+    budget = 3 * size - 1
+    assert budget >= MiB
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
+                         env=_held(go, after=2), indexed=False)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for i, name in enumerate("wxyz"):
+                assert kv.save(FP, name, filled(0.5, 5 + i, layers=1), [5 + i])
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.stats()["evictions"] == 0
+            assert stop_process(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT)
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=scan_cut_short" in log and "event=evicted" not in log, log
+    assert all(entry_path(root, n).exists() for n in "abcdwxyz")
+    assert all(_holds(entry_path(root, n), 5 + i) for i, n in enumerate("wxyz"))
+
+
 def test_a_load_during_the_scan_counts_as_a_use(short_dir: Path) -> None:
     """An entry loaded after the scan read its file's times, before the scan
-    ended, is kept as used: the scan's times were older than the load."""
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    _store(root, sock, ["a", "b", "c"])
-    sizes = {n: entry_path(root, n).stat().st_size for n in "abc"}
-    assert len(set(sizes.values())) == 1, sizes
+    ended, is kept as used: the scan's times were older than the load. The
+    budget is applied once the scan is done."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    size = _store(root, sock, ["a", "b", "c"])
     now = time.time()
     for age, name in ((300, "a"), (200, "b"), (100, "c")):  # "a" used longest ago
         os.utime(entry_path(root, name), (now - age, now - age))
-    # Room for the three and not for a fourth: one goes when "d" is written.
-    budget = 4 * sizes["a"] - 1
+    # Room for the three and not for a fourth: one goes once "d" is written.
+    budget = 4 * size - 1
     assert budget >= MiB
     proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
-                         env=SLOW_SCAN, indexed=False)
+                         env=_held(go), indexed=False)
     try:
         with Client(sock, timeout=WAIT) as kv:
             assert kv.stats()["store_indexing"] == 1
@@ -138,10 +182,70 @@ def test_a_load_during_the_scan_counts_as_a_use(short_dir: Path) -> None:
             assert got is not None and got.token_ids == [1]
             assert kv.save(FP, "d", filled(0.25, 4, layers=1), [4])
             assert kv.flush(timeout=WAIT) is True
-            assert entry_path(root, "d").stat().st_size == sizes["a"]
+            assert entry_path(root, "d").stat().st_size == size
+            assert kv.stats()["evictions"] == 0  # not before the scan is whole
+            go.touch()
+            wait_for(lambda: scan_done(sock), "the scan")
             assert kv.stats()["evictions"] == 1
             assert {e.cache_id for e in kv.entries()} == {"a", "c", "d"}
             assert not entry_path(root, "b").exists()
             assert _holds(entry_path(root, "a"), 1)
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_file_the_scan_cannot_stat_is_skipped(short_dir: Path) -> None:
+    """A file whose path is longer than PATH_MAX (its directory's is not):
+    its lstat fails (ENAMETOOLONG). That failure stopped the whole scan: the
+    daemon did not start, or served with nothing indexed and the budget
+    off. Now that file is skipped, and the rest indexed."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    _store(root, sock, ["a", "b"])
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        depth = 0  # the directory's path ends 3900-4000 bytes long, the file's past 4096
+        while len(os.fsencode(root)) + depth * 101 < 3900:
+            os.mkdir("d" * 100, 0o700, dir_fd=fd)
+            inner = os.open("d" * 100, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd, depth = inner, depth + 1
+        os.close(os.open("f" * 250, os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert {e.cache_id for e in kv.entries()} == {"a", "b"}
+            assert kv.stats()["disk_used_bytes"] == _on_disk(root)
+    finally:
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=unreadable_file" in log and "scan_failed" not in log, log
+
+
+def test_a_gc_during_the_scan_shares_it(short_dir: Path) -> None:
+    """A gc asked for during the start-up scan is answered once the scan is
+    done, from its index, with the budget applied."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    size = _store(root, sock, ["a", "b", "c"], mib=0.5)
+    budget = 2 * size
+    assert budget >= MiB
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
+                         env=_held(go), indexed=False)
+    try:
+        evicted: list[set[str]] = []
+        with Client(sock, timeout=WAIT) as kv:
+            collector = threading.Thread(
+                target=lambda: evicted.append({e.cache_id for e in kv.gc().entries}))
+            collector.start()
+            time.sleep(1.0)
+            assert not evicted, evicted  # waiting for the scan
+            go.touch()
+            collector.join(WAIT)
+            # The oldest went (at the end of the scan, or by the gc).
+            assert not entry_path(root, "a").exists()
+            assert {e.cache_id for e in kv.entries()} == {"b", "c"}
+            assert kv.stats()["evictions"] == 1 and kv.stats()["disk_used_bytes"] == _on_disk(root)
+        assert len(evicted) == 1
     finally:
         assert stop_process(proc) == 0

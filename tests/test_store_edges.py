@@ -201,7 +201,8 @@ def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
 
     store = LoadedMidEviction(root, Budget(None, 1))
     store.open()
-    store.recover()
+    store.sweep()
+    assert store.rescan()
     for key in ("a", "b", "c"):  # the order of use: "a" oldest
         assert store.find("fp", key) is not None
         time.sleep(0.01)

@@ -41,7 +41,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -202,8 +201,9 @@ class WriterActor:
         # held every save up for minutes).
         self._next_gc: GcJob | None = None
         self.current: Job | None = None
-        #: Set once the store is indexed (run() does it first): a listing
-        #: waits for it, where it would have shown a part of the store.
+        #: Set once the start-up scan is done (beside the writer's first
+        #: jobs): a listing waits for it, where it would show a part of the
+        #: store.
         self.indexed = anyio.Event()
         self._stop_indexing = threading.Event()  # the drain cuts the start-up scan short
         #: Jobs taken in so far, of every client (never reset): a flush
@@ -374,25 +374,12 @@ class WriterActor:
         """Process jobs until the mailbox is closed and drained."""
         try:
             async with self._recv, anyio.create_task_group() as away:
-                await self._index_store()
-                while True:
-                    self._close_resend()
-                    try:
-                        job = await self._recv.receive()
-                    except anyio.EndOfStream:
-                        break
-                    if job.done.is_set():
-                        continue  # superseded while it waited
-                    self.current = job
-                    try:
-                        await self._take(job, away)
-                    except Exception:  # noqa: BLE001 - a bug in one job must not stop the writer
-                        self.stats.inc("internal_errors")
-                        log.exception("event=job_crashed key=%s", job.key)
-                        self._resolve(job, Outcome.FAILED, "internal error")
-                        job.done.set()
-                    finally:
-                        self.current = None
+                await self._sweep()
+                away.start_soon(self._index_store)
+                try:
+                    await self._work(away)
+                finally:
+                    self._stop_indexing.set()  # the scan must not hold up the exit
         finally:
             # The drain was cut short: no parked save's tmp file is left
             # behind (closing and unlinking cannot wait for a thread here).
@@ -402,31 +389,58 @@ class WriterActor:
                         tmp.abort()
             self.finished.set()
 
-    async def _index_store(self) -> None:
-        """Sweep and index the store, before the first job. The daemon
-        answers meanwhile (loads read the files, saves wait in the mailbox):
-        it used to bind its socket only after this, and every save made
-        during a long scan was dropped (20,000 entries, page cache cold:
-        5 s here, 28 s once)."""
-        began = time.monotonic()
+    async def _work(self, away: TaskGroup) -> None:
+        while True:
+            self._close_resend()
+            try:
+                job = await self._recv.receive()
+            except anyio.EndOfStream:
+                return
+            if job.done.is_set():
+                continue  # superseded while it waited
+            self.current = job
+            try:
+                await self._take(job, away)
+            except Exception:  # noqa: BLE001 - a bug in one job must not stop the writer
+                self.stats.inc("internal_errors")
+                log.exception("event=job_crashed key=%s", job.key)
+                self._resolve(job, Outcome.FAILED, "internal error")
+                job.done.set()
+            finally:
+                self.current = None
 
-        def index() -> tuple[list[Path], bool, list[StoredEntry]]:
-            swept, complete = self.store.recover(self._stop_indexing)
-            # Cut short, the budget waits for the next start: from a part of
-            # the index it could evict entries out of their order of use.
-            return swept, complete, self.store.enforce_budget() if complete else []
-
+    async def _sweep(self) -> None:
+        """Remove the tmp files a crash left behind, before the first write."""
         try:
-            swept, complete, evicted = await anyio.to_thread.run_sync(index)
-            self._count_evictions(evicted)
+            swept = await anyio.to_thread.run_sync(self.store.sweep)
             if swept:
                 log.info("event=swept_tmp count=%d", len(swept))
-            if not complete:
-                log.warning("event=scan_cut_short reason=draining")
         except OSError as exc:
-            # Serving with what was read beats a supervisor's restart loop;
-            # a gc rescans.
-            log.error("event=scan_failed error=%s", exc)
+            log.error("event=sweep_failed error=%s", exc)
+
+    async def _index_store(self) -> None:
+        """Index the store, beside the writer's jobs. The daemon used to bind
+        its socket only once this was done, and every save made meanwhile
+        was dropped (20,000 entries, page cache cold: 5 s here, 28 s once);
+        a save waiting for it instead held its client's load of that key.
+        Nothing is evicted until it is done (see Store.rescan); a drain
+        cuts it short, and the budget then waits for the next start."""
+        began = time.monotonic()
+
+        def index() -> tuple[bool, list[StoredEntry]]:
+            complete = self.store.rescan(self._stop_indexing)
+            return complete, self.store.enforce_budget() if complete else []
+
+        try:
+            complete, evicted = await anyio.to_thread.run_sync(index)
+            self._count_evictions(evicted)
+            if not complete:
+                log.warning("event=scan_cut_short reason=draining: nothing is evicted "
+                            "until the next start")
+        except OSError as exc:
+            # Serving (with the disk budget off) beats a supervisor's restart
+            # loop; a gc scans again.
+            log.error("event=scan_failed error=%s: nothing is evicted until a gc", exc)
         except Exception:  # noqa: BLE001 - as for a job: the writer goes on
             self.stats.inc("internal_errors")
             log.exception("event=scan_crashed")
@@ -544,8 +558,14 @@ class WriterActor:
             self.store.rescan()
             return self.store.enforce_budget()
 
+        # One asked for during the start-up scan shares it (a second scan
+        # would find the same, and hold the writer meanwhile).
+        shared = not self.indexed.is_set()
+        if shared:
+            await self.indexed.wait()
         try:
-            job.evicted = await anyio.to_thread.run_sync(rescan_and_enforce)
+            job.evicted = await anyio.to_thread.run_sync(
+                self.store.enforce_budget if shared else rescan_and_enforce)
             self._count_evictions(job.evicted)
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
@@ -827,8 +847,8 @@ class WriterActor:
             "held_saves": float(len(self._held)),
             "parked_saves": float(len(self._parked)),
             "disk_used_bytes": float(self.store.usage()),
-            # 1 while the start-up scan runs: disk_used_bytes counts only
-            # what it has read (nothing, until it is done).
+            # 1 while the start-up scan runs: until it is done,
+            # disk_used_bytes counts only the files written since the start.
             "store_indexing": 0.0 if self.indexed.is_set() else 1.0,
             "max_disk_bytes": float(budget.max_disk_bytes or 0),
             "min_free_bytes": float(budget.min_free_bytes),

@@ -11,10 +11,9 @@ lookup that finds nothing.
   writer's wait on it, for the tests of what may happen meanwhile).
 - ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
   power-cut test: they must show loss).
-- ``scan_delay=S``: sleep up to S seconds at the end of a rescan, after every
-  file is read and before the index is replaced (a slow start-up scan); a
-  drain's stop ends the sleep. ``scan_file_delay=S``: the same before each
-  file is read.
+- ``scan_hold=PATH``: a rescan waits, after reading every file and before
+  it replaces the index, until PATH exists (at most 600 s; a drain's stop
+  ends the wait); with ``scan_hold_after=N``, after reading N files instead.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename).
 """
 
@@ -65,10 +64,17 @@ def io_error(point: str) -> None:
         raise OSError(errno.EIO, f"injected I/O error at {point}")
 
 
-def slow_scan(stop: threading.Event | None, fault: str = "scan_delay") -> None:
-    if ACTIVE and fault in ACTIVE:
-        delay = float(ACTIVE[fault])
+def hold_scan(stop: threading.Event | None, files_read: int | None) -> None:
+    """Wait for the ``scan_hold`` file (or the stop) at the point the
+    faults name: after ``scan_hold_after`` files, or at the end (None)."""
+    if not ACTIVE or "scan_hold" not in ACTIVE:
+        return
+    after = ACTIVE.get("scan_hold_after")
+    if (None if after is None else int(after)) != files_read:
+        return
+    deadline = time.monotonic() + 600
+    while not os.path.exists(ACTIVE["scan_hold"]) and time.monotonic() < deadline:
+        if stop is not None and stop.wait(0.02):
+            return
         if stop is None:
-            time.sleep(delay)
-        else:
-            stop.wait(delay)
+            time.sleep(0.02)

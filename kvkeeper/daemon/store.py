@@ -297,8 +297,12 @@ class Store:
         self._index: dict[Path, StoredEntry] = {}
         self._used = 0
         self._quarantined = 0
-        # Uses of entries while a rescan runs, by path (None when none runs).
+        # While a rescan runs (None otherwise), by path: the files put (their
+        # entry) or removed (None) meanwhile, and the uses.
+        self._meanwhile: dict[Path, StoredEntry | None] | None = None
         self._uses_meanwhile: dict[Path, float] | None = None
+        self._whole = False  # a rescan has read every file: the budget may evict
+        self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
 
     def _put(self, entry: StoredEntry) -> None:
         """Index ``entry`` as the most recently used file (lock held)."""
@@ -306,6 +310,8 @@ class Store:
         self._index[entry.path] = entry
         self._used += entry.nbytes
         self._quarantined += entry.kind == "quarantine"
+        if self._meanwhile is not None:
+            self._meanwhile[entry.path] = entry
 
     def _drop(self, path: Path) -> StoredEntry | None:
         """Forget ``path``; returns what was indexed there (lock held)."""
@@ -313,6 +319,8 @@ class Store:
         if old is not None:
             self._used -= old.nbytes
             self._quarantined -= old.kind == "quarantine"
+        if self._meanwhile is not None:
+            self._meanwhile[path] = None
         return old
 
     # -- paths
@@ -361,10 +369,9 @@ class Store:
             raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
                               f"keeps its entries there (move it aside)")
 
-    def recover(self, stop: threading.Event | None = None) -> tuple[list[Path], bool]:
-        """Remove the tmp files a crash left behind, then index the rest.
-        Returns the files removed, and whether the index is whole (False
-        when ``stop`` was set part way: it holds what was read by then)."""
+    def sweep(self) -> list[Path]:
+        """Remove the tmp files a crash left behind (before any write: the
+        writer's own are named alike); returns them."""
         removed = []
         for model_dir in self.sessions.iterdir():
             if model_dir.is_symlink() or not model_dir.is_dir():
@@ -372,7 +379,7 @@ class Store:
             try:
                 names = list(model_dir.iterdir())
             except OSError as exc:
-                # One unreadable directory must not keep the others unindexed.
+                # One unreadable directory must not keep the others unswept.
                 log.warning("event=sweep_failed path=%s error=%s", model_dir, exc)
                 continue
             for f in names:
@@ -382,40 +389,63 @@ class Store:
                         removed.append(f)
                     except OSError as exc:
                         log.warning("event=sweep_failed path=%s error=%s", f, exc)
-        return removed, self.rescan(stop)
+        return removed
 
     def rescan(self, stop: threading.Event | None = None) -> bool:
         """Rebuild the index from what is on disk (headers only); False when
-        ``stop`` cut it short (the index then holds what was read).
+        ``stop`` cut it short, or another rescan runs.
 
-        A use of an entry while it runs (``find``, from the server's thread)
-        is kept: the file's times may have been read before it."""
+        The writer may put and remove files while it runs (the start-up
+        scan runs beside it), and the server's thread records uses: those
+        are applied over what it read, which may predate them. Until a scan
+        has been whole, nothing is evicted (from a part of the store, the
+        entries used last could go first)."""
         with self._lock:
-            self._uses_meanwhile = {}
-        found = []
+            if self._meanwhile is not None:
+                return False  # only _sessions_again, while the start-up scan runs
+            self._meanwhile, self._uses_meanwhile = {}, {}
+        found: list[StoredEntry] = []
         complete = True
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
-            for name in filenames:
-                faults.slow_scan(stop, "scan_file_delay")
-                if stop is not None and stop.is_set():
-                    complete = False
+        try:
+            for dirpath, dirnames, filenames in os.walk(self.root, onerror=_unlisted):
+                dirnames[:] = [d for d in dirnames
+                               if not os.path.islink(os.path.join(dirpath, d))]
+                for name in filenames:
+                    faults.hold_scan(stop, len(found))
+                    if stop is not None and stop.is_set():
+                        complete = False
+                        break
+                    entry = self._classify(Path(dirpath) / name)
+                    if entry is not None:
+                        found.append(entry)
+                if not complete:
                     break
-                entry = self._classify(Path(dirpath) / name)
-                if entry is not None:
-                    found.append(entry)
-            if not complete:
-                break
-        faults.slow_scan(stop)
-        with self._lock:
-            uses, self._uses_meanwhile = self._uses_meanwhile, None
+            faults.hold_scan(stop, None)
+        except BaseException:
+            with self._lock:
+                self._meanwhile = self._uses_meanwhile = None
+            raise
+        with self._lock:  # one hold: a put between two would be lost
+            changes, uses = self._meanwhile, self._uses_meanwhile
+            assert changes is not None and uses is not None
+            self._meanwhile = self._uses_meanwhile = None
             self._index = {}
             self._used = self._quarantined = 0
             self._insert_in_order(found)
+            for path in changes:
+                self._drop(path)
+            self._insert_in_order([e for e in changes.values() if e is not None])
             for path, when in sorted(uses.items(), key=lambda use: use[1]):
-                if (entry := self._index.get(path)) is not None:
-                    self._put(replace(entry, last_used=max(entry.last_used, when)))
+                if (entry := self._index.get(path)) is not None and when > entry.last_used:
+                    self._used_at(entry, when)
+            self._whole = complete
         return complete
+
+    def _used_at(self, entry: StoredEntry, when: float) -> None:
+        """Move ``entry`` last in the order of use (lock held). Not a _put:
+        a rescan running must not take the entry for a change of the file."""
+        del self._index[entry.path]
+        self._index[entry.path] = replace(entry, last_used=when)
 
     def _insert_in_order(self, entries: list[StoredEntry]) -> None:
         """Index ``entries`` last, in the order of their last use (lock held)."""
@@ -427,6 +457,11 @@ class Store:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            # One file (a path past PATH_MAX, an I/O error) must not leave
+            # the whole store unindexed.
+            log.warning("event=unreadable_file path=%s error=%s", path, exc)
             return None
         if not stat.S_ISREG(st.st_mode) or path.parent == self.root:
             return None  # the lock file, links
@@ -554,7 +589,7 @@ class Store:
                 self._uses_meanwhile[path] = now
             entry = self._index.get(path)
             if entry is not None:
-                self._put(replace(entry, last_used=now))
+                self._used_at(entry, now)
         return path, st
 
     def record_use(self, path: Path, st: os.stat_result) -> None:
@@ -711,8 +746,15 @@ class Store:
         must fit even with ``min_free_bytes`` 0). Foreign files count but are
         never deleted; ``keep`` is never evicted; nothing is evicted for a
         file that would not fit with every entry gone."""
+        with self._evicting:
+            return self._enforce_budget(keep, writing)
+
+    def _enforce_budget(self, keep: Path | None, writing: int) -> list[StoredEntry]:
         b = self.budget
         evicted: list[StoredEntry] = []
+        with self._lock:
+            if not self._whole:
+                return evicted  # not from a part of the store: see rescan
         used = self.usage()
         for_free_space = True
 
@@ -785,6 +827,11 @@ class Store:
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
         return evicted
+
+
+def _unlisted(exc: OSError) -> None:
+    """A directory the scan cannot list: its files stay unindexed."""
+    log.warning("event=unreadable_dir path=%s error=%s", exc.filename, exc)
 
 
 def _use_order(e: StoredEntry) -> tuple[float, str]:
