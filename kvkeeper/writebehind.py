@@ -18,6 +18,7 @@ is fed to a model, and a wrong one would silently produce wrong tokens.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence, Set
@@ -262,10 +263,15 @@ def _tail(token_ids: Sequence[int]) -> tuple[int, ...] | None:
     save before it skips its own: a rollback to the same length (a draft
     rejected, others fed) changes them, and its save was skipped. Not every
     id: a copy of 128k of them at every save would cost the loop about
-    0.15 ms. None when they cannot be sliced (close() then saves)."""
+    0.15 ms. None when they can be neither sliced nor reversed (close()
+    then saves)."""
     try:
         tail = token_ids[-_TAIL:]
         return tuple(tail.tolist() if hasattr(tail, "tolist") else tail)
+    except (TypeError, ValueError):
+        pass
+    try:  # a deque: no slices
+        return tuple(itertools.islice(reversed(token_ids), _TAIL))[::-1]
     except (TypeError, ValueError):
         return None
 

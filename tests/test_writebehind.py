@@ -304,3 +304,21 @@ def test_close_does_not_save_again_what_the_last_step_saved(model, client: Clien
     assert wb.step(cache, p) is True
     assert wb.close(cache, list(p)) is False
     assert wb.counters.sent == 1
+
+
+def test_close_after_a_step_that_saved_ids_in_a_deque(model, client: Client) -> None:
+    """Ids that take no slices (a deque) are compared from their end: the
+    final save of what the last step saved is still skipped."""
+    from collections import deque
+
+    p = prompt(10, seed=9)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, "deque", every_tokens=1, every_seconds=None)
+    ids = deque(p)
+    assert wb.step(cache, ids) is True
+    assert wb.close() is False and wb.counters.sent == 1
+    ids[-1] = (ids[-1] + 1) % 64
+    wb = client.write_behind(FP, "deque", every_tokens=1, every_seconds=None)
+    assert wb.step(cache, deque(p)) is True
+    assert wb.close(cache, ids) is True  # not the ids saved
