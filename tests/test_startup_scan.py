@@ -133,23 +133,24 @@ def test_sigterm_during_the_start_up_scan(short_dir: Path) -> None:
 
 
 def test_a_scan_cut_short_evicts_nothing(short_dir: Path) -> None:
-    """Saves written during the scan, then SIGTERM after the scan read 2 of
-    4 entries. From a part of the store, the budget (room for 3) evicted the
-    oldest of what it held: the first saves made since the start while the
-    scan ran, then whichever entries the scan happened to read first,
-    however recently used. Now nothing goes until a scan is whole."""
+    """Saves past the budget (room for 3) during a scan cut short by SIGTERM
+    after it read 2 of 4 entries, most of them written after the cut. From
+    a part of the store, the budget evicted the oldest of what it held:
+    saves written during the scan, whichever entries it happened to read
+    first, however recently used. Now nothing goes until a scan is whole."""
     root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
     size = _store(root, sock, ["a", "b", "c", "d"], mib=0.5)
     budget = 3 * size - 1
     assert budget >= MiB
+    # A slow disk (1 s a MiB): most of the saves are written after the cut.
+    env = {"KVKEEPER_TEST_FAULTS": f"scan_hold={go},scan_hold_after=2,write_delay=1"}
     proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
-                         env=_held(go, after=2), indexed=False)
+                         "--min-write-interval", "0", env=env, indexed=False)
     try:
-        with Client(sock, timeout=WAIT) as kv:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             for i, name in enumerate("wxyz"):
                 assert kv.save(FP, name, filled(0.5, 5 + i, layers=1), [5 + i])
-            assert kv.flush(timeout=WAIT) is True
-            assert kv.stats()["evictions"] == 0
+            wait_for(lambda: kv.stats()["saves_received"] == 4, "the saves sent")
             assert stop_process(proc) == 0
     finally:
         if proc.poll() is None:
@@ -225,27 +226,86 @@ def test_a_file_the_scan_cannot_stat_is_skipped(short_dir: Path) -> None:
 
 def test_a_gc_during_the_scan_shares_it(short_dir: Path) -> None:
     """A gc asked for during the start-up scan is answered once the scan is
-    done, from its index, with the budget applied."""
+    done, with what the scan's own pass of the budget evicted; meanwhile the
+    writer goes on (the gc waited on the writer's turn, and held every save
+    up until the scan was done)."""
     root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
     size = _store(root, sock, ["a", "b", "c"], mib=0.5)
+    now = time.time()
+    for age, name in ((300, "a"), (200, "b"), (100, "c")):  # "a" used longest ago
+        os.utime(entry_path(root, name), (now - age, now - age))
     budget = 2 * size
     assert budget >= MiB
     proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
                          env=_held(go), indexed=False)
     try:
-        evicted: list[set[str]] = []
-        with Client(sock, timeout=WAIT) as kv:
+        evicted: list[list[str]] = []
+        with Client(sock, timeout=WAIT) as kv, Client(sock, timeout=WAIT) as other:
             collector = threading.Thread(
-                target=lambda: evicted.append({e.cache_id for e in kv.gc().entries}))
+                target=lambda: evicted.append([e.cache_id for e in other.gc().entries]))
             collector.start()
             time.sleep(1.0)
             assert not evicted, evicted  # waiting for the scan
+            assert kv.save(FP, "x", filled(0.5, 9, layers=1), [9])
+            assert kv.flush(timeout=WAIT) is True
+            assert _holds(entry_path(root, "x"), 9)
             go.touch()
             collector.join(WAIT)
-            # The oldest went (at the end of the scan, or by the gc).
-            assert not entry_path(root, "a").exists()
-            assert {e.cache_id for e in kv.entries()} == {"b", "c"}
-            assert kv.stats()["evictions"] == 1 and kv.stats()["disk_used_bytes"] == _on_disk(root)
-        assert len(evicted) == 1
+            assert evicted == [["a", "b"]]  # the oldest, until b, c and x fit
+            assert {e.cache_id for e in kv.entries()} == {"c", "x"}
+            stats = kv.stats()
+            assert stats["evictions"] == 2 and stats["disk_used_bytes"] == _on_disk(root)
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_the_order_of_use_spans_the_scan_and_what_came_meanwhile(short_dir: Path) -> None:
+    """A save written during the scan, then a load of an old entry: the
+    entry is the one used last. The files put meanwhile were ordered after
+    everything the scan read, so the budget evicted the entry just loaded."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    size = _store(root, sock, ["e"], mib=0.5)
+    now = time.time()
+    os.utime(entry_path(root, "e"), (now - 300, now - 300))
+    budget = 2 * size - 1  # room for one
+    assert budget >= MiB
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
+                         env=_held(go, after=0), indexed=False)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "s", filled(0.5, 2, layers=1), [2])
+            assert kv.flush(timeout=WAIT) is True
+            time.sleep(0.05)  # the load comes later than the save, by the clock
+            got = kv.load(FP, "e")
+            assert got is not None and got.token_ids == [1]
+            go.touch()
+            wait_for(lambda: scan_done(sock), "the scan")
+            assert {e.cache_id for e in kv.entries()} == {"e"}
+            assert kv.stats()["evictions"] == 1 and not entry_path(root, "s").exists()
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_the_store_cleared_during_the_scan(short_dir: Path) -> None:
+    """`rm -rf <root>/sessions` while the start-up scan runs, then a save:
+    the scan's index listed the entries removed (and counted their bytes)
+    until a gc. The daemon's rescan for the cleared store now waits for the
+    start-up scan, then reads the store as it is."""
+    import shutil
+
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    _store(root, sock, ["e1", "e2", "e3"])
+    proc = serve_process(root, sock, env=_held(go), indexed=False)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            shutil.rmtree(root / "sessions")
+            assert kv.save(FP, "new", filled(0.25, 7, layers=1), [7])
+            time.sleep(0.5)  # the save waits for the scan (the writer's rescan does)
+            go.touch()
+            assert kv.flush(timeout=WAIT) is True
+            wait_for(lambda: scan_done(sock), "the scan")
+            assert {e.cache_id for e in kv.entries()} == {"new"}
+            assert kv.stats()["disk_used_bytes"] == _on_disk(root)
+            assert _holds(entry_path(root, "new"), 7)
     finally:
         assert stop_process(proc) == 0

@@ -206,6 +206,7 @@ class WriterActor:
         #: store.
         self.indexed = anyio.Event()
         self._stop_indexing = threading.Event()  # the drain cuts the start-up scan short
+        self._scan_evicted: list[StoredEntry] = []  # a gc asked during the scan answers them
         #: Jobs taken in so far, of every client (never reset): a flush
         #: started when it was N covers every request that came when it was
         #: at most N.
@@ -340,6 +341,12 @@ class WriterActor:
         Runs on the writer's turn, between two writes."""
         if self.draining:
             return []
+        if not self.indexed.is_set():
+            # Asked during the start-up scan: it reads the root anyway, and
+            # ends with the budget applied; waiting for it on the writer's
+            # turn held every save up meanwhile.
+            await self.indexed.wait()
+            return self._scan_evicted
         job = self._next_gc
         if job is None:
             job = GcJob(key=("", ""), peer=b"")
@@ -434,6 +441,7 @@ class WriterActor:
         try:
             complete, evicted = await anyio.to_thread.run_sync(index)
             self._count_evictions(evicted)
+            self._scan_evicted = evicted
             if not complete:
                 log.warning("event=scan_cut_short reason=draining: nothing is evicted "
                             "until the next start")
@@ -443,7 +451,7 @@ class WriterActor:
             log.error("event=scan_failed error=%s: nothing is evicted until a gc", exc)
         except Exception:  # noqa: BLE001 - as for a job: the writer goes on
             self.stats.inc("internal_errors")
-            log.exception("event=scan_crashed")
+            log.exception("event=scan_crashed: nothing is evicted until a gc")
         finally:
             self.indexed.set()
         log.info("event=indexed files=%d disk_used_bytes=%d seconds=%.2f", self.store.count(),
@@ -558,14 +566,8 @@ class WriterActor:
             self.store.rescan()
             return self.store.enforce_budget()
 
-        # One asked for during the start-up scan shares it (a second scan
-        # would find the same, and hold the writer meanwhile).
-        shared = not self.indexed.is_set()
-        if shared:
-            await self.indexed.wait()
         try:
-            job.evicted = await anyio.to_thread.run_sync(
-                self.store.enforce_budget if shared else rescan_and_enforce)
+            job.evicted = await anyio.to_thread.run_sync(rescan_and_enforce)
             self._count_evictions(job.evicted)
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)

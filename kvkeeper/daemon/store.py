@@ -303,6 +303,7 @@ class Store:
         self._uses_meanwhile: dict[Path, float] | None = None
         self._whole = False  # a rescan has read every file: the budget may evict
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
+        self._scanning = threading.Lock()
 
     def _put(self, entry: StoredEntry) -> None:
         """Index ``entry`` as the most recently used file (lock held)."""
@@ -393,16 +394,18 @@ class Store:
 
     def rescan(self, stop: threading.Event | None = None) -> bool:
         """Rebuild the index from what is on disk (headers only); False when
-        ``stop`` cut it short, or another rescan runs.
+        ``stop`` cut it short.
 
         The writer may put and remove files while it runs (the start-up
         scan runs beside it), and the server's thread records uses: those
         are applied over what it read, which may predate them. Until a scan
         has been whole, nothing is evicted (from a part of the store, the
         entries used last could go first)."""
+        with self._scanning:  # one at a time (_sessions_again's waits for the start-up one)
+            return self._rescan(stop)
+
+    def _rescan(self, stop: threading.Event | None) -> bool:
         with self._lock:
-            if self._meanwhile is not None:
-                return False  # only _sessions_again, while the start-up scan runs
             self._meanwhile, self._uses_meanwhile = {}, {}
         found: list[StoredEntry] = []
         complete = True
@@ -429,15 +432,20 @@ class Store:
             changes, uses = self._meanwhile, self._uses_meanwhile
             assert changes is not None and uses is not None
             self._meanwhile = self._uses_meanwhile = None
+            merged = {e.path: e for e in found}
+            for path, changed in changes.items():
+                if changed is None:
+                    merged.pop(path, None)
+                else:
+                    merged[path] = changed
+            for path, when in uses.items():
+                if (entry := merged.get(path)) is not None and when > entry.last_used:
+                    merged[path] = replace(entry, last_used=when)
             self._index = {}
             self._used = self._quarantined = 0
-            self._insert_in_order(found)
-            for path in changes:
-                self._drop(path)
-            self._insert_in_order([e for e in changes.values() if e is not None])
-            for path, when in sorted(uses.items(), key=lambda use: use[1]):
-                if (entry := self._index.get(path)) is not None and when > entry.last_used:
-                    self._used_at(entry, when)
+            # One order of use for all: a file put meanwhile is not newer than
+            # an entry loaded after it.
+            self._insert_in_order(list(merged.values()))
             self._whole = complete
         return complete
 
