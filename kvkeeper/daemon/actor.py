@@ -429,9 +429,9 @@ class WriterActor:
         """Index the store, beside the writer's jobs. The daemon used to bind
         its socket only once this was done, and every save made meanwhile
         was dropped (20,000 entries, page cache cold: 5 s here, 28 s once);
-        a save waiting for it instead held its client's load of that key.
-        Nothing is evicted until it is done (see Store.rescan); a drain
-        cuts it short, and the budget then waits for the next start."""
+        saves held back until it was done held their clients' loads of
+        those keys. Nothing is evicted until it is done (see Store.rescan);
+        a drain cuts it short, and the budget then waits for the next start."""
         began = time.monotonic()
 
         def index() -> tuple[bool, list[StoredEntry]]:

@@ -1,7 +1,8 @@
 """The daemon's life: checks, single-instance lock, bind, one task group, drain.
 
-The store is indexed after binding, by the writer before its first job, so a
-long start-up scan does not leave clients without a daemon.
+The store is indexed after binding, beside the writer (see
+``WriterActor.run``), so a long start-up scan leaves no client without a
+daemon, and no save waiting for it.
 
 Order matters: the lock is taken before binding, because a second ZeroMQ bind
 on an ``ipc://`` path silently takes the socket over from the first daemon.

@@ -360,8 +360,8 @@ class Store:
 
     # -- lifecycle
     def open(self) -> None:
-        """Create the layout, or check the one there; ``recover`` then sweeps
-        and indexes the files in it."""
+        """Create the layout, or check the one there; ``sweep`` and
+        ``rescan`` then deal with the files in it."""
         try:
             os.makedirs(self.sessions, mode=0o700, exist_ok=True)
         except OSError as exc:
