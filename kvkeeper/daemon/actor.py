@@ -433,13 +433,9 @@ class WriterActor:
         those keys. Nothing is evicted until it is done (see Store.rescan);
         a drain cuts it short, and the budget then waits for the next start."""
         began = time.monotonic()
-
-        def index() -> tuple[bool, list[StoredEntry]]:
-            complete = self.store.rescan(self._stop_indexing)
-            return complete, self.store.enforce_budget() if complete else []
-
         try:
-            complete, evicted = await anyio.to_thread.run_sync(index)
+            complete, evicted = await anyio.to_thread.run_sync(self.store.rescan_and_enforce,
+                                                               self._stop_indexing)
             self._count_evictions(evicted)
             self._scan_evicted = evicted
             if not complete:
@@ -562,12 +558,8 @@ class WriterActor:
         if self._next_gc is job:
             self._next_gc = None  # begun: a request from now on needs a rescan of its own
 
-        def rescan_and_enforce() -> list[StoredEntry]:
-            self.store.rescan()
-            return self.store.enforce_budget()
-
         try:
-            job.evicted = await anyio.to_thread.run_sync(rescan_and_enforce)
+            _, job.evicted = await anyio.to_thread.run_sync(self.store.rescan_and_enforce)
             self._count_evictions(job.evicted)
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)

@@ -449,6 +449,13 @@ class Store:
             self._whole = complete
         return complete
 
+    def rescan_and_enforce(self, stop: threading.Event | None = None
+                           ) -> tuple[bool, list[StoredEntry]]:
+        """``rescan``, then apply the disk budget (which evicts nothing when
+        the scan was cut short); returns whether it was whole, and what went."""
+        complete = self.rescan(stop)
+        return complete, self.enforce_budget()
+
     def _used_at(self, entry: StoredEntry, when: float) -> None:
         """Move ``entry`` last in the order of use (lock held). Not a _put:
         a rescan running must not take the entry for a change of the file."""
@@ -763,7 +770,7 @@ class Store:
         with self._lock:
             if not self._whole:
                 return evicted  # not from a part of the store: see rescan
-        used = self.usage()
+            used = self._used
         for_free_space = True
 
         def pressure() -> str | None:
