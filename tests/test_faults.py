@@ -23,6 +23,7 @@ from kvkeeper.daemon.faults import CRASH_POINTS, ENV
 from .conftest import WAIT, dealer, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import (
     FP,
+    NO_DAC,
     entry_path,
     filled,
     limit_file_size,
@@ -504,3 +505,43 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
             assert version_of(entry_path(root, "k")) == 3
     finally:
         assert stop_process(proc) == 0
+
+
+def test_a_key_whose_tmp_file_could_not_be_made_is_evicted_later(short_dir: Path) -> None:
+    """A save of ``b`` failed at the creation of its tmp file (its directory
+    read-only). The file of a key with a save being written is never evicted;
+    that failed save must not leave ``b`` unevictable for the daemon's life."""
+    need_linux_root()
+    root, sock = paths(short_dir)
+    size = _entry_size(short_dir)
+    proc = serve_process(root, sock, "--max-disk-bytes", str(3 * size), "--min-free-bytes",
+                         "0", "--min-write-interval", "0", prefix=NO_DAC)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "a", filled(0.5, 1, layers=1), [1]) and kv.flush(timeout=WAIT)
+            model_dir = entry_path(root, "a").parent
+            model_dir.chmod(0o500)
+            try:
+                assert kv.save(FP, "b", filled(0.5, 2, layers=1), [2])
+                assert kv.flush(timeout=WAIT) is False
+            finally:
+                model_dir.chmod(0o700)
+            for v, name in enumerate("bcde", start=2):
+                assert kv.save(FP, name, filled(0.5, v, layers=1), [v])
+                assert kv.flush(timeout=WAIT) is True
+            assert kv.stats()["evictions"] == 2
+    finally:
+        assert stop_process(proc) == 0
+    assert [n for n in "abcde" if entry_path(root, n).exists()] == ["c", "d", "e"]
+
+
+def _entry_size(short_dir: Path) -> int:
+    """The size of the files this module's budget tests save (0.5 MiB, 1 layer)."""
+    root, sock = short_dir / "sizing", short_dir / "run" / "sizing.sock"
+    rd = start_daemon(root, sock)
+    try:
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert kv.save(FP, "x", filled(0.5, 1, layers=1), [1]) and kv.flush(timeout=WAIT)
+    finally:
+        assert rd.stop() == 0
+    return entry_path(root, "x").stat().st_size

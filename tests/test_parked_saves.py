@@ -425,3 +425,43 @@ def test_a_save_parked_with_bytes_unwritten_fails_one_stall_timeout_after_them(
             assert content(entry(rd, "other")) == b"o" * 1000
     finally:
         assert rd.stop() == 0
+
+
+def save_sized(s: zmq.Socket, cache_id: str, fill: bytes, nbytes: int, req: int) -> m.Reply:
+    """A save of ``nbytes`` sent whole, then a flush; returns its answer."""
+    s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [nbytes])]))
+    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), fill * nbytes])
+    return ask(s, m.encode(m.Flush(v=V, req=req)))
+
+
+def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path) -> None:
+    """The key's file is the least recently used when a save of it stalls and
+    another save pushes the store over its budget. Evicting that file left
+    nothing of the key once the stalled save failed (its client gone for
+    good): the eviction takes the next entry instead."""
+    MiB = 2**20
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2,
+                      max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
+    try:
+        with dealers(rd.socket, 2) as (slow, other):
+            for i, (name, fill) in enumerate([("k", b"o"), ("a", b"a")]):
+                assert save_sized(other, name, fill, MiB, req=i + 1) == m.Flushed(
+                    v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
+            start_stalled(rd.root, slow, "k")
+            # k (1 MiB, the oldest) + a (1 MiB) + b (3 MiB) is over 4.5 MiB.
+            assert save_sized(other, "b", b"b", 3 * MiB, req=3) == m.Flushed(
+                v=V, req=3, written=3, superseded=0, failed=0)
+            assert not entry(rd, "a").exists()
+            assert content(entry(rd, "k")) == b"o" * MiB
+            # The stalled save fails: the key still has the file it had.
+            assert ask(slow, m.encode(m.Flush(v=V, req=4))) == m.Flushed(
+                v=V, req=4, written=0, superseded=0, failed=1)
+            assert content(entry(rd, "k")) == b"o" * MiB
+            stats = ask(other, m.encode(m.GetStats(v=V, req=5)))
+            assert isinstance(stats, m.Stats)
+            assert stats.counters["evictions"] == 1
+            assert stats.counters["disk_used_bytes"] == sum(
+                entry(rd, n).stat().st_size for n in ("k", "b"))
+        assert tmp_files(rd.root) == []
+    finally:
+        assert rd.stop() == 0

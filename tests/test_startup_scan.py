@@ -20,9 +20,19 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvkeeper.client.client import Client
+from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, scan_done, serve_process, start_daemon, stop_process, wait_for
-from .faultkit import FP, MiB, entry_path, filled, version_of
+from .conftest import (
+    WAIT,
+    dealers,
+    scan_done,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
+from .faultkit import FP, MiB, entry_path, filled, tmp_files, version_of
+from .test_protocol_edge import V, ask, begin
 from .test_store_edges import _bytes_under
 
 
@@ -305,5 +315,31 @@ def test_the_store_cleared_during_the_scan(short_dir: Path) -> None:
             assert {e.cache_id for e in kv.entries()} == {"new"}
             assert kv.stats()["disk_used_bytes"] == _bytes_under(root)
             assert _holds(entry_path(root, "new"), 7)
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_the_scans_budget_pass_keeps_the_old_file_of_a_key_being_saved(
+    short_dir: Path,
+) -> None:
+    """A save of the least recently used key is being written when the scan's
+    pass of the budget comes. It evicted that key's file, and when the save
+    then failed (its client stopped sending) nothing of the key was left."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    size = _store(root, sock, ["k", "a", "b", "c"], mib=0.5)
+    proc = serve_process(root, sock, "--max-disk-bytes", str(3 * size), "--min-free-bytes",
+                         "0", "--stall-timeout", "2", env=_held(go), indexed=False)
+    try:
+        with dealers(sock, 1) as (slow,):
+            slow.send(begin(save=1, model=FP, cache_id="k",
+                            tensors=[m.TensorSpec("t0", "U8", [MiB])]))
+            slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"n" * (MiB // 2)])
+            wait_for(lambda: tmp_files(root) != [], "the save's tmp file")
+            go.touch()
+            wait_for(lambda: scan_done(sock), "the scan")
+            assert [n for n in "kabc" if not entry_path(root, n).exists()] == ["a"]
+            assert ask(slow, m.encode(m.Flush(v=V, req=1))) == m.Flushed(
+                v=V, req=1, written=0, superseded=0, failed=1)
+        assert _holds(entry_path(root, "k"), 1)
     finally:
         assert stop_process(proc) == 0

@@ -8,6 +8,7 @@ reader (or a crash) sees the complete old or the complete new version.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import hashlib
@@ -146,16 +147,22 @@ class PendingFile:
 
     def __init__(self, final: Path, header: bytes, data_bytes: int = 0,
                  key: tuple[str, str] = ("", ""),
-                 on_gone: Callable[[Path], None] | None = None) -> None:
+                 on_gone: Callable[[PendingFile], None] | None = None) -> None:
         self.final = final
         self.key = key  # (model, cache id): a hashed file name does not give them back
-        # Told the tmp path once it is renamed or removed: a rescan meanwhile
-        # (gc) indexed it, and the index must not go on counting it.
+        # Told once the tmp file is renamed or removed: a rescan meanwhile
+        # (gc) indexed it, and the index must not go on counting it; and
+        # the old version is no longer all the key has if this one fails.
         self._on_gone = on_gone
         self.renamed = False  # in place, and served, from then on
         self.tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd: int | None = os.open(self.tmp, flags, 0o600)
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(self.tmp, flags, 0o600)
+        except BaseException:
+            self._gone()
+            raise
         faults.crash_point("tmp_created")
         self.nbytes = 0
         self.identity = (0, 0)  # (inode, mtime_ns) once fsynced: what the index records
@@ -208,8 +215,7 @@ class PendingFile:
             self._fd = None
             os.rename(self.tmp, self.final)
             self.renamed = True
-            if self._on_gone is not None:
-                self._on_gone(self.tmp)
+            self._gone()
         except BaseException:
             self.abort()
             raise
@@ -233,8 +239,13 @@ class PendingFile:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
-        if self._on_gone is not None:
-            self._on_gone(self.tmp)
+        finally:
+            self._gone()
+
+    def _gone(self) -> None:
+        on_gone, self._on_gone = self._on_gone, None  # once
+        if on_gone is not None:
+            on_gone(self)
 
 
 @dataclass(frozen=True)
@@ -304,6 +315,10 @@ class Store:
         self._whole = False  # a rescan has read every file: the budget may evict
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
         self._scanning = threading.Lock()
+        # Tmp files being written, not yet renamed or removed: their keys'
+        # files are not evicted (if the new version fails, the old one is
+        # all the key has; if it is renamed, it replaces the old one anyway).
+        self._replacing: collections.Counter[Path] = collections.Counter()
 
     def _put(self, entry: StoredEntry) -> None:
         """Index ``entry`` as the most recently used file (lock held)."""
@@ -546,13 +561,22 @@ class Store:
 
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
+        """Open a tmp file for a new version of the entry. Until it is
+        committed or aborted, the entry's current file is never evicted."""
         self._model_dir(model)
-        return PendingFile(self.path_for(model, cache_id), header, data_bytes,
-                           (model, cache_id), on_gone=self._forget)
+        final = self.path_for(model, cache_id)
+        with self._lock:  # before the tmp file exists: see _enforce_budget
+            self._replacing[final] += 1
+        return PendingFile(final, header, data_bytes, (model, cache_id), on_gone=self._forget)
 
-    def _forget(self, path: Path) -> None:
+    def _forget(self, pending: PendingFile) -> None:
+        """The tmp file was renamed or removed (or never made): told once."""
         with self._lock:
-            self._drop(path)
+            if pending.renamed or not os.path.lexists(pending.tmp):  # (an unlink may fail)
+                self._drop(pending.tmp)
+            self._replacing[pending.final] -= 1
+            if self._replacing[pending.final] <= 0:
+                del self._replacing[pending.final]
 
     def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
@@ -759,8 +783,9 @@ class Store:
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
         must fit even with ``min_free_bytes`` 0). Foreign files count but are
-        never deleted; ``keep`` is never evicted; nothing is evicted for a
-        file that would not fit with every entry gone."""
+        never deleted; ``keep`` is never evicted, nor is an entry whose new
+        version is being written; nothing is evicted for a file that would
+        not fit with every entry gone."""
         with self._evicting:
             return self._enforce_budget(keep, writing)
 
@@ -786,14 +811,15 @@ class Store:
         with self._lock:
             indexed = list(self._index.values())  # oldest use first
             quarantined = self._quarantined
+            kept = {keep, *self._replacing}
         # Quarantined files first; then entries and old caches, oldest first.
         # Taken as needed: usually one goes.
         candidates = itertools.chain(
             (e for e in (indexed if quarantined else ()) if e.kind == "quarantine"),
-            (e for e in indexed if e.kind in ("entry", "legacy") and e.path != keep))
+            (e for e in indexed if e.kind in ("entry", "legacy") and e.path not in kept))
         # (Only a file about to be written needs the total.)
         evictable = sum(e.nbytes for e in indexed
-                        if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
+                        if e.kind in ("entry", "legacy", "quarantine") and e.path not in kept
                         ) if writing else 0
         if writing and (free := self.free_bytes()) + evictable < writing:
             # Emptying the store would not make room for it: its write fails
@@ -811,8 +837,10 @@ class Store:
                 continue
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
-                # (A load racing the unlink itself still just misses.)
-                if self._index.get(victim.path) is not victim:
+                # (A load racing the unlink itself still just misses.) A
+                # save of it begun since then: its file is all it has if
+                # that save fails.
+                if self._index.get(victim.path) is not victim or victim.path in self._replacing:
                     continue
                 try:
                     os.unlink(victim.path)
