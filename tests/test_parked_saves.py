@@ -434,11 +434,13 @@ def save_sized(s: zmq.Socket, cache_id: str, fill: bytes, nbytes: int, req: int)
     return ask(s, m.encode(m.Flush(v=V, req=req)))
 
 
-def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path) -> None:
+@pytest.mark.parametrize("sent", [HALF, 0], ids=["half sent", "no byte sent"])
+def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent: int) -> None:
     """The key's file is the least recently used when a save of it stalls and
     another save pushes the store over its budget. Evicting that file left
     nothing of the key once the stalled save failed (its client gone for
-    good): the eviction takes the next entry instead."""
+    good): the eviction takes the next entry instead. (With no byte sent,
+    the stalled save has no tmp file yet.)"""
     MiB = 2**20
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2,
                       max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
@@ -447,7 +449,13 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path) -> No
             for i, (name, fill) in enumerate([("k", b"o"), ("a", b"a")]):
                 assert save_sized(other, name, fill, MiB, req=i + 1) == m.Flushed(
                     v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
-            start_stalled(rd.root, slow, "k")
+            if sent:
+                start_stalled(rd.root, slow, "k")
+            else:
+                slow.send(begin(save=1, cache_id="k",
+                                tensors=[m.TensorSpec("t0", "U8", [2 * HALF])]))
+                wait_for(lambda: ask(other, m.encode(m.GetStats(v=V, req=9)))
+                         .counters["saves_received"] == 3, "the stalled save")
             # k (1 MiB, the oldest) + a (1 MiB) + b (3 MiB) is over 4.5 MiB.
             assert save_sized(other, "b", b"b", 3 * MiB, req=3) == m.Flushed(
                 v=V, req=3, written=3, superseded=0, failed=0)

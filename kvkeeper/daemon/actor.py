@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -124,6 +125,7 @@ class SaveJob(Job):
     pace_since: float | None = None
     pace_from: int = 0
     parked_at: int = -1  # job.received when it was last parked
+    protected: Path | None = None  # its key's file, kept from eviction until it is resolved
 
     def __post_init__(self) -> None:
         if self.layout is not None:
@@ -244,6 +246,10 @@ class WriterActor:
             self._send.send_nowait(job)
         except anyio.WouldBlock:
             return "busy", "the writer's mailbox is full"
+        # From here until it is resolved (queued, held, written, parked): if
+        # it fails, the key's file is all the key has. Before the save it
+        # replaces lets go, so that the key is never unprotected between.
+        job.protected = self.store.protect(*job.key)
         if old is not None:
             self._supersede(old, job)
         job.reserved = need
@@ -754,6 +760,9 @@ class WriterActor:
             # the wire (65,536 long names: 35 MB), and budgeted for none of it.
             job.layout = None
             job.file = None
+            if job.protected is not None:
+                self.store.unprotect(job.protected)
+                job.protected = None
             if self._waiting.get(job.key) is job:
                 del self._waiting[job.key]
             self.stats.inc(f"saves_{outcome.value}")

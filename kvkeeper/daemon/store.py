@@ -147,22 +147,16 @@ class PendingFile:
 
     def __init__(self, final: Path, header: bytes, data_bytes: int = 0,
                  key: tuple[str, str] = ("", ""),
-                 on_gone: Callable[[PendingFile], None] | None = None) -> None:
+                 on_gone: Callable[[Path], None] | None = None) -> None:
         self.final = final
         self.key = key  # (model, cache id): a hashed file name does not give them back
-        # Told once the tmp file is renamed or removed: a rescan meanwhile
-        # (gc) indexed it, and the index must not go on counting it; and
-        # the old version is no longer all the key has if this one fails.
+        # Told the tmp path once it is renamed or removed: a rescan meanwhile
+        # (gc) indexed it, and the index must not go on counting it.
         self._on_gone = on_gone
         self.renamed = False  # in place, and served, from then on
         self.tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd: int | None = None
-        try:
-            self._fd = os.open(self.tmp, flags, 0o600)
-        except BaseException:
-            self._gone()
-            raise
+        self._fd: int | None = os.open(self.tmp, flags, 0o600)
         faults.crash_point("tmp_created")
         self.nbytes = 0
         self.identity = (0, 0)  # (inode, mtime_ns) once fsynced: what the index records
@@ -215,7 +209,8 @@ class PendingFile:
             self._fd = None
             os.rename(self.tmp, self.final)
             self.renamed = True
-            self._gone()
+            if self._on_gone is not None:
+                self._on_gone(self.tmp)
         except BaseException:
             self.abort()
             raise
@@ -239,13 +234,8 @@ class PendingFile:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
-        finally:
-            self._gone()
-
-    def _gone(self) -> None:
-        on_gone, self._on_gone = self._on_gone, None  # once
-        if on_gone is not None:
-            on_gone(self)
+        if self._on_gone is not None:
+            self._on_gone(self.tmp)
 
 
 @dataclass(frozen=True)
@@ -315,10 +305,8 @@ class Store:
         self._whole = False  # a rescan has read every file: the budget may evict
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
         self._scanning = threading.Lock()
-        # Tmp files being written, not yet renamed or removed: their keys'
-        # files are not evicted (if the new version fails, the old one is
-        # all the key has; if it is renamed, it replaces the old one anyway).
-        self._replacing: collections.Counter[Path] = collections.Counter()
+        # Keys with a save on its way (see protect), by their file's path.
+        self._protected: collections.Counter[Path] = collections.Counter()
 
     def _put(self, entry: StoredEntry) -> None:
         """Index ``entry`` as the most recently used file (lock held)."""
@@ -561,22 +549,29 @@ class Store:
 
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
-        """Open a tmp file for a new version of the entry. Until it is
-        committed or aborted, the entry's current file is never evicted."""
         self._model_dir(model)
-        final = self.path_for(model, cache_id)
-        with self._lock:  # before the tmp file exists: see _enforce_budget
-            self._replacing[final] += 1
-        return PendingFile(final, header, data_bytes, (model, cache_id), on_gone=self._forget)
+        return PendingFile(self.path_for(model, cache_id), header, data_bytes,
+                           (model, cache_id), on_gone=self._forget)
 
-    def _forget(self, pending: PendingFile) -> None:
-        """The tmp file was renamed or removed (or never made): told once."""
+    def _forget(self, path: Path) -> None:
         with self._lock:
-            if pending.renamed or not os.path.lexists(pending.tmp):  # (an unlink may fail)
-                self._drop(pending.tmp)
-            self._replacing[pending.final] -= 1
-            if self._replacing[pending.final] <= 0:
-                del self._replacing[pending.final]
+            self._drop(path)
+
+    def protect(self, model: str, cache_id: str) -> Path:
+        """Keep the entry's file from eviction until ``unprotect`` (one call
+        each), while a save of it is on its way: if that save fails, the
+        file is all the key has; if it is written, it replaces the file
+        anyway. Returns the path to give ``unprotect``."""
+        path = self.path_for(model, cache_id)
+        with self._lock:
+            self._protected[path] += 1
+        return path
+
+    def unprotect(self, path: Path) -> None:
+        with self._lock:
+            self._protected[path] -= 1
+            if self._protected[path] <= 0:
+                del self._protected[path]
 
     def commit(self, pending: PendingFile, header: bytes, tokens: str | None) -> list[StoredEntry]:
         """Make a put durable and visible, then apply the disk budget; returns
@@ -783,9 +778,9 @@ class Store:
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
         must fit even with ``min_free_bytes`` 0). Foreign files count but are
-        never deleted; ``keep`` is never evicted, nor is an entry whose new
-        version is being written; nothing is evicted for a file that would
-        not fit with every entry gone."""
+        never deleted; ``keep`` and protected entries are never evicted;
+        nothing is evicted for a file that would not fit with every entry
+        gone."""
         with self._evicting:
             return self._enforce_budget(keep, writing)
 
@@ -811,7 +806,7 @@ class Store:
         with self._lock:
             indexed = list(self._index.values())  # oldest use first
             quarantined = self._quarantined
-            kept = {keep, *self._replacing}
+            kept = {keep, *self._protected}
         # Quarantined files first; then entries and old caches, oldest first.
         # Taken as needed: usually one goes.
         candidates = itertools.chain(
@@ -837,10 +832,9 @@ class Store:
                 continue
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
-                # (A load racing the unlink itself still just misses.) A
-                # save of it begun since then: its file is all it has if
-                # that save fails.
-                if self._index.get(victim.path) is not victim or victim.path in self._replacing:
+                # (A load racing the unlink itself still just misses.) So is
+                # a save of it sent since.
+                if self._index.get(victim.path) is not victim or victim.path in self._protected:
                     continue
                 try:
                     os.unlink(victim.path)
