@@ -473,3 +473,32 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent:
         assert tmp_files(rd.root) == []
     finally:
         assert rd.stop() == 0
+
+
+def test_a_key_being_saved_is_evicted_last_but_the_budget_holds(short_dir: Path) -> None:
+    """As above, but b (3.5 MiB) fits only with both k and a gone: k goes
+    too, after a. Never evicting it would leave the store over its budget
+    for as long as more keys are being saved than it has room for."""
+    MiB = 2**20
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600,
+                      max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
+    try:
+        with dealers(rd.socket, 2) as (slow, other):
+            for i, (name, fill) in enumerate([("a", b"a"), ("k", b"o")]):  # a is the oldest
+                assert save_sized(other, name, fill, MiB, req=i + 1) == m.Flushed(
+                    v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
+            start_stalled(rd.root, slow, "k")
+            assert save_sized(other, "b", b"b", 7 * MiB // 2, req=3) == m.Flushed(
+                v=V, req=3, written=3, superseded=0, failed=0)
+            assert not entry(rd, "a").exists() and not entry(rd, "k").exists()
+            stats = ask(other, m.encode(m.GetStats(v=V, req=4)))
+            assert isinstance(stats, m.Stats)
+            assert stats.counters["evictions"] == 2
+            assert stats.counters["disk_used_bytes"] == entry(rd, "b").stat().st_size
+            # The stalled save, resumed, is written: the key has its new version.
+            finish_stalled(slow)
+            assert ask(slow, m.encode(m.Flush(v=V, req=5))) == m.Flushed(
+                v=V, req=5, written=1, superseded=0, failed=0)
+            assert content(entry(rd, "k")) == b"a" * HALF + b"b" * HALF
+    finally:
+        assert rd.stop() == 0

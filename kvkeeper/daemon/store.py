@@ -19,7 +19,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -305,7 +305,8 @@ class Store:
         self._whole = False  # a rescan has read every file: the budget may evict
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
         self._scanning = threading.Lock()
-        # Keys with a save on its way (see protect), by their file's path.
+        # Keys with a save on its way (see protect: evicted last), by their
+        # file's path.
         self._protected: collections.Counter[Path] = collections.Counter()
 
     def _put(self, entry: StoredEntry) -> None:
@@ -558,10 +559,12 @@ class Store:
             self._drop(path)
 
     def protect(self, model: str, cache_id: str) -> Path:
-        """Keep the entry's file from eviction until ``unprotect`` (one call
-        each), while a save of it is on its way: if that save fails, the
-        file is all the key has; if it is written, it replaces the file
-        anyway. Returns the path to give ``unprotect``."""
+        """Evict the entry's file only after every other entry, until
+        ``unprotect`` (one call each), while a save of it is on its way: if
+        that save fails, the file is all the key has; if it is written, it
+        replaces the file anyway. (Never evicting it would let the store
+        grow past its budget while more keys are being saved than it has
+        room for.) Returns the path to give ``unprotect``."""
         path = self.path_for(model, cache_id)
         with self._lock:
             self._protected[path] += 1
@@ -778,9 +781,9 @@ class Store:
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
         must fit even with ``min_free_bytes`` 0). Foreign files count but are
-        never deleted; ``keep`` and protected entries are never evicted;
-        nothing is evicted for a file that would not fit with every entry
-        gone."""
+        never deleted; ``keep`` is never evicted, and protected entries only
+        once every other entry is gone; nothing is evicted for a file that
+        would not fit with every entry gone."""
         with self._evicting:
             return self._enforce_budget(keep, writing)
 
@@ -806,15 +809,20 @@ class Store:
         with self._lock:
             indexed = list(self._index.values())  # oldest use first
             quarantined = self._quarantined
-            kept = {keep, *self._protected}
-        # Quarantined files first; then entries and old caches, oldest first.
-        # Taken as needed: usually one goes.
+            protected = set(self._protected)
+
+        def entries(saving: bool) -> Iterator[tuple[StoredEntry, bool]]:
+            return ((e, saving) for e in indexed if e.kind in ("entry", "legacy")
+                    and e.path != keep and (e.path in protected) == saving)
+
+        # Quarantined files first; then entries and old caches, oldest first,
+        # those with a save on its way last. Taken as needed: usually one goes.
         candidates = itertools.chain(
-            (e for e in (indexed if quarantined else ()) if e.kind == "quarantine"),
-            (e for e in indexed if e.kind in ("entry", "legacy") and e.path not in kept))
+            ((e, False) for e in (indexed if quarantined else ()) if e.kind == "quarantine"),
+            entries(False), entries(True))
         # (Only a file about to be written needs the total.)
         evictable = sum(e.nbytes for e in indexed
-                        if e.kind in ("entry", "legacy", "quarantine") and e.path not in kept
+                        if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
                         ) if writing else 0
         if writing and (free := self.free_bytes()) + evictable < writing:
             # Emptying the store would not make room for it: its write fails
@@ -822,7 +830,7 @@ class Store:
             for_free_space = False
             log.warning("event=no_room bytes=%d free=%d evictable=%d: nothing evicted for "
                         "it", writing, free, evictable)
-        for victim in candidates:
+        for victim, saving in candidates:
             reason = pressure()
             if reason is None:
                 break
@@ -832,9 +840,10 @@ class Store:
                 continue
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
-                # (A load racing the unlink itself still just misses.) So is
-                # a save of it sent since.
-                if self._index.get(victim.path) is not victim or victim.path in self._protected:
+                # (A load racing the unlink itself still just misses.) A save
+                # of it sent since puts it last: not in this pass.
+                if self._index.get(victim.path) is not victim or (
+                        not saving and victim.path in self._protected):
                     continue
                 try:
                     os.unlink(victim.path)
