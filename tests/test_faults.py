@@ -509,8 +509,9 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
 
 def test_a_key_whose_tmp_file_could_not_be_made_is_evicted_later(short_dir: Path) -> None:
     """A save of ``b`` failed at the creation of its tmp file (its directory
-    read-only). The file of a key with a save on its way is never evicted;
-    that failed save must not leave ``b`` unevictable for the daemon's life."""
+    read-only). The file of a key with a save on its way is evicted only
+    after every other entry; that failed save must not leave ``b`` so for
+    the daemon's life."""
     need_linux_root()
     root, sock = paths(short_dir)
     size = _entry_size(short_dir)
