@@ -571,6 +571,7 @@ class Store:
         return path
 
     def unprotect(self, path: Path) -> None:
+        """Undo one ``protect`` (its save was written, failed or replaced)."""
         with self._lock:
             self._protected[path] -= 1
             if self._protected[path] <= 0:
