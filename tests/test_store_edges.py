@@ -212,6 +212,51 @@ def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
     assert version_of(entry_path(root, "a", model="fp"), "fp") == 1
 
 
+def test_an_entry_whose_save_comes_while_eviction_runs_still_goes_last(
+        short_dir: Path) -> None:
+    """A save of "c" is queued (the key protected) after eviction took its
+    candidates: "c" is kept for last, but still evicted when the budget needs
+    it. It was dropped from the pass: the store stayed over its budget, and
+    the log blamed foreign files."""
+    from kvkeeper.daemon.store import Budget, Store, StoredEntry
+
+    from .conftest import start_daemon
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for key in ("a", "b", "c"):
+                assert kv.save("fp", key, filled(0.25, 1), [1])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert d.stop() == 0
+    size = entry_path(root, "a", model="fp").stat().st_size
+
+    class SavedMidEviction(Store):
+        """The first check after the candidates are taken is where the save
+        of "c" lands."""
+
+        checks = 0
+
+        def _still_indexed(self, entry: StoredEntry) -> bool:
+            self.checks += 1
+            if self.checks == 1:
+                self.protect("fp", "c")
+            return super()._still_indexed(entry)
+
+    store = SavedMidEviction(root, Budget(size, 0))
+    store.open()
+    store.sweep()
+    assert store.rescan()
+    for key in ("b", "c", "a"):  # the order of use: "b" oldest
+        assert store.find("fp", key) is not None
+        time.sleep(0.01)
+    evicted = store.enforce_budget(keep=entry_path(root, "a", model="fp"))
+    assert [e.cache_id for e in evicted] == ["b", "c"]
+    assert store.usage() == size == _bytes_under(root)
+
+
 def test_file_names_that_are_not_utf8_are_listed_not_fatal(short_dir: Path) -> None:
     """A file whose name is not UTF-8 under the root (a copy with a Latin-1
     name, another program's file): listing it made the reply fail to encode,

@@ -782,8 +782,8 @@ class Store:
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
         must fit even with ``min_free_bytes`` 0). Foreign files count but are
-        never deleted; ``keep`` is never evicted, and protected entries only
-        once every other entry is gone; nothing is evicted for a file that
+        never deleted; ``keep`` is never evicted, and protected entries (a
+        save of them on its way) go last; nothing is evicted for a file that
         would not fit with every entry gone."""
         with self._evicting:
             return self._enforce_budget(keep, writing)
@@ -817,10 +817,12 @@ class Store:
                     and e.path != keep and (e.path in protected) == saving)
 
         # Quarantined files first; then entries and old caches, oldest first,
-        # those with a save on its way last. Taken as needed: usually one goes.
+        # those with a save on its way last (with those whose save came during
+        # this pass: ``late``). Taken as needed: usually one goes.
+        late: list[StoredEntry] = []
         candidates = itertools.chain(
             ((e, False) for e in (indexed if quarantined else ()) if e.kind == "quarantine"),
-            entries(False), entries(True))
+            entries(False), entries(True), ((e, True) for e in late))
         # (Only a file about to be written needs the total.)
         evictable = sum(e.nbytes for e in indexed
                         if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
@@ -841,10 +843,11 @@ class Store:
                 continue
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
-                # (A load racing the unlink itself still just misses.) A save
-                # of it sent since puts it last: not in this pass.
-                if self._index.get(victim.path) is not victim or (
-                        not saving and victim.path in self._protected):
+                # (A load racing the unlink itself still just misses.)
+                if self._index.get(victim.path) is not victim:
+                    continue
+                if not saving and victim.path in self._protected:
+                    late.append(victim)  # a save of it sent since: it goes last
                     continue
                 try:
                     os.unlink(victim.path)
