@@ -169,11 +169,9 @@ def test_reading_a_header_puts_the_atime_back_where_o_noatime_is_missing(
     assert path.stat().st_atime == 1_000_000 and path.stat().st_mtime == 2_000_000
 
 
-def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
-    """Eviction sorts its candidates, then deletes them one by one; a load
-    answered in between makes its entry the newest, so it must be spared."""
-    from kvkeeper.daemon.store import Budget, Store
-
+def _three_entries(short_dir: Path) -> Path:
+    """Entries a, b and c of model fp (0.25 MiB each), written by a daemon
+    that is then stopped; returns its root."""
     from .conftest import start_daemon
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -185,6 +183,15 @@ def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
             assert kv.flush(timeout=WAIT)
     finally:
         assert d.stop() == 0
+    return root
+
+
+def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
+    """Eviction sorts its candidates, then deletes them one by one; a load
+    answered in between makes its entry the newest, so it must be spared."""
+    from kvkeeper.daemon.store import Budget, Store
+
+    root = _three_entries(short_dir)
 
     class LoadedMidEviction(Store):
         """Short of free space until one file is gone; the first check after
@@ -220,17 +227,7 @@ def test_an_entry_whose_save_comes_while_eviction_runs_still_goes_last(
     the log blamed foreign files."""
     from kvkeeper.daemon.store import Budget, Store, StoredEntry
 
-    from .conftest import start_daemon
-
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    d = start_daemon(root, sock)
-    try:
-        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
-            for key in ("a", "b", "c"):
-                assert kv.save("fp", key, filled(0.25, 1), [1])
-            assert kv.flush(timeout=WAIT)
-    finally:
-        assert d.stop() == 0
+    root = _three_entries(short_dir)
     size = entry_path(root, "a", model="fp").stat().st_size
 
     class SavedMidEviction(Store):
