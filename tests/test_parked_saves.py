@@ -80,10 +80,11 @@ def load_waits_for_the_stalled_save(slow: zmq.Socket) -> None:
 
 
 def save_whole(s: zmq.Socket, cache_id: str, fill: bytes, req: int = 1, *,
-               send_only: bool = False) -> m.Reply | None:
-    """A small save sent whole, then a flush; returns the flush's answer."""
-    s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [1000])]))
-    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), fill * 1000])
+               send_only: bool = False, nbytes: int = 1000) -> m.Reply | None:
+    """A save (``nbytes``, small by default) sent whole, then a flush;
+    returns the flush's answer."""
+    s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [nbytes])]))
+    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), fill * nbytes])
     return None if send_only else ask(s, m.encode(m.Flush(v=V, req=req)))
 
 
@@ -427,13 +428,6 @@ def test_a_save_parked_with_bytes_unwritten_fails_one_stall_timeout_after_them(
         assert rd.stop() == 0
 
 
-def save_sized(s: zmq.Socket, cache_id: str, fill: bytes, nbytes: int, req: int) -> m.Reply:
-    """A save of ``nbytes`` sent whole, then a flush; returns its answer."""
-    s.send(begin(save=1, cache_id=cache_id, tensors=[m.TensorSpec("t0", "U8", [nbytes])]))
-    s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), fill * nbytes])
-    return ask(s, m.encode(m.Flush(v=V, req=req)))
-
-
 @pytest.mark.parametrize("sent", [HALF, 0], ids=["half sent", "no byte sent"])
 def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent: int) -> None:
     """The key's file is the least recently used when a save of it stalls and
@@ -447,7 +441,7 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent:
     try:
         with dealers(rd.socket, 2) as (slow, other):
             for i, (name, fill) in enumerate([("k", b"o"), ("a", b"a")]):
-                assert save_sized(other, name, fill, MiB, req=i + 1) == m.Flushed(
+                assert save_whole(other, name, fill, i + 1, nbytes=MiB) == m.Flushed(
                     v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
             if sent:
                 start_stalled(rd.root, slow, "k")
@@ -457,7 +451,7 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent:
                 wait_for(lambda: ask(other, m.encode(m.GetStats(v=V, req=9)))
                          .counters["saves_received"] == 3, "the stalled save")
             # k (1 MiB, the oldest) + a (1 MiB) + b (3 MiB) is over 4.5 MiB.
-            assert save_sized(other, "b", b"b", 3 * MiB, req=3) == m.Flushed(
+            assert save_whole(other, "b", b"b", 3, nbytes=3 * MiB) == m.Flushed(
                 v=V, req=3, written=3, superseded=0, failed=0)
             assert not entry(rd, "a").exists()
             assert content(entry(rd, "k")) == b"o" * MiB
@@ -485,10 +479,10 @@ def test_a_key_being_saved_is_evicted_last_but_the_budget_holds(short_dir: Path)
     try:
         with dealers(rd.socket, 2) as (slow, other):
             for i, (name, fill) in enumerate([("a", b"a"), ("k", b"o")]):  # a is the oldest
-                assert save_sized(other, name, fill, MiB, req=i + 1) == m.Flushed(
+                assert save_whole(other, name, fill, i + 1, nbytes=MiB) == m.Flushed(
                     v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
             start_stalled(rd.root, slow, "k")
-            assert save_sized(other, "b", b"b", 7 * MiB // 2, req=3) == m.Flushed(
+            assert save_whole(other, "b", b"b", 3, nbytes=7 * MiB // 2) == m.Flushed(
                 v=V, req=3, written=3, superseded=0, failed=0)
             assert not entry(rd, "a").exists() and not entry(rd, "k").exists()
             stats = ask(other, m.encode(m.GetStats(v=V, req=4)))

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import ENV
+from kvkeeper.daemon.store import Budget, Store, StoredEntry
 from kvkeeper.protocol import safetensors as st
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
@@ -172,8 +173,6 @@ def test_reading_a_header_puts_the_atime_back_where_o_noatime_is_missing(
 def _three_entries(short_dir: Path) -> Path:
     """Entries a, b and c of model fp (0.25 MiB each), written by a daemon
     that is then stopped; returns its root."""
-    from .conftest import start_daemon
-
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     d = start_daemon(root, sock)
     try:
@@ -186,11 +185,21 @@ def _three_entries(short_dir: Path) -> Path:
     return root
 
 
+def _indexed(store: Store, order: str) -> Store:
+    """``store`` opened and indexed, its entries of model fp used in
+    ``order`` (one letter an id), 10 ms apart."""
+    store.open()
+    store.sweep()
+    assert store.rescan()
+    for key in order:
+        assert store.find("fp", key) is not None
+        time.sleep(0.01)
+    return store
+
+
 def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
     """Eviction sorts its candidates, then deletes them one by one; a load
     answered in between makes its entry the newest, so it must be spared."""
-    from kvkeeper.daemon.store import Budget, Store
-
     root = _three_entries(short_dir)
 
     class LoadedMidEviction(Store):
@@ -206,13 +215,7 @@ def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
             files = list(entry_path(root, "a", model="fp").parent.iterdir())
             return 0 if len(files) == 3 else 2**40
 
-    store = LoadedMidEviction(root, Budget(None, 1))
-    store.open()
-    store.sweep()
-    assert store.rescan()
-    for key in ("a", "b", "c"):  # the order of use: "a" oldest
-        assert store.find("fp", key) is not None
-        time.sleep(0.01)
+    store = _indexed(LoadedMidEviction(root, Budget(None, 1)), "abc")  # "a" used longest ago
     evicted = store.enforce_budget()
     assert [e.cache_id for e in evicted] == ["b"]
     assert [e.cache_id for e in store.entries("fp")] == ["c", "a"]
@@ -225,8 +228,6 @@ def test_an_entry_whose_save_comes_while_eviction_runs_still_goes_last(
     candidates: "c" is kept for last, but still evicted when the budget needs
     it. It was dropped from the pass: the store stayed over its budget, and
     the log blamed foreign files."""
-    from kvkeeper.daemon.store import Budget, Store, StoredEntry
-
     root = _three_entries(short_dir)
     size = entry_path(root, "a", model="fp").stat().st_size
 
@@ -242,13 +243,7 @@ def test_an_entry_whose_save_comes_while_eviction_runs_still_goes_last(
                 self.protect("fp", "c")
             return super()._still_indexed(entry)
 
-    store = SavedMidEviction(root, Budget(size, 0))
-    store.open()
-    store.sweep()
-    assert store.rescan()
-    for key in ("b", "c", "a"):  # the order of use: "b" oldest
-        assert store.find("fp", key) is not None
-        time.sleep(0.01)
+    store = _indexed(SavedMidEviction(root, Budget(size, 0)), "bca")  # "b" used longest ago
     evicted = store.enforce_budget(keep=entry_path(root, "a", model="fp"))
     assert [e.cache_id for e in evicted] == ["b", "c"]
     assert store.usage() == size == _bytes_under(root)
