@@ -5,6 +5,8 @@ it instead of holding the single writer for its stall timeout."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -428,14 +430,23 @@ def test_a_save_parked_with_bytes_unwritten_fails_one_stall_timeout_after_them(
         assert rd.stop() == 0
 
 
+def evictions_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The evictions the store logged, in order: id, reason and what follows."""
+    return [re.sub(r".* (id=\S+) bytes=\d+ kind=entry ", r"\1 ", r.getMessage())
+            for r in caplog.records if "event=evicted" in r.getMessage()]
+
+
 @pytest.mark.parametrize("sent", [HALF, 0], ids=["half sent", "no byte sent"])
-def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent: int) -> None:
+def test_the_old_file_of_a_key_being_saved_is_not_evicted(
+    short_dir: Path, sent: int, caplog: pytest.LogCaptureFixture,
+) -> None:
     """The key's file is the least recently used when a save of it stalls and
     another save pushes the store over its budget. Evicting that file left
     nothing of the key once the stalled save failed (its client gone for
     good): the eviction takes the next entry instead. (With no byte sent,
     the stalled save has no tmp file yet.)"""
     MiB = 2**20
+    caplog.set_level(logging.INFO, logger="kvkeeper.store")
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2,
                       max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
     try:
@@ -455,6 +466,7 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent:
                 v=V, req=3, written=3, superseded=0, failed=0)
             assert not entry(rd, "a").exists()
             assert content(entry(rd, "k")) == b"o" * MiB
+            assert evictions_logged(caplog) == ["id=a reason=max_disk_bytes save_pending=0"]
             # The stalled save fails: the key still has the file it had.
             assert ask(slow, m.encode(m.Flush(v=V, req=4))) == m.Flushed(
                 v=V, req=4, written=0, superseded=0, failed=1)
@@ -469,11 +481,15 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(short_dir: Path, sent:
         assert rd.stop() == 0
 
 
-def test_a_key_being_saved_is_evicted_last_but_the_budget_holds(short_dir: Path) -> None:
+def test_a_key_being_saved_is_evicted_last_but_the_budget_holds(
+    short_dir: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
     """As above, but b (3.5 MiB) fits only with both k and a gone: k goes
-    too, after a. Never evicting it would leave the store over its budget
-    for as long as more keys are being saved than it has room for."""
+    too, after a, and the log says a save of it was on its way. Never
+    evicting it would leave the store over its budget for as long as more
+    keys are being saved than it has room for."""
     MiB = 2**20
+    caplog.set_level(logging.INFO, logger="kvkeeper.store")
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=600,
                       max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
     try:
@@ -485,6 +501,8 @@ def test_a_key_being_saved_is_evicted_last_but_the_budget_holds(short_dir: Path)
             assert save_whole(other, "b", b"b", 3, nbytes=7 * MiB // 2) == m.Flushed(
                 v=V, req=3, written=3, superseded=0, failed=0)
             assert not entry(rd, "a").exists() and not entry(rd, "k").exists()
+            assert evictions_logged(caplog) == ["id=a reason=max_disk_bytes save_pending=0",
+                                                "id=k reason=max_disk_bytes save_pending=1"]
             stats = ask(other, m.encode(m.GetStats(v=V, req=4)))
             assert isinstance(stats, m.Stats)
             assert stats.counters["evictions"] == 2

@@ -863,8 +863,10 @@ class Store:
                 log.error("event=evict_dir_fsync_failed path=%s error=%s", victim.path, exc)
             used -= victim.nbytes
             evicted.append(victim)
-            log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s",
-                     victim.model, victim.cache_id, victim.nbytes, victim.kind, reason)
+            # A save of it on its way means the budget had nothing else left to
+            # evict: if that save fails, the entry is gone (said in the log).
+            log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s save_pending=%d",
+                     victim.model, victim.cache_id, victim.nbytes, victim.kind, reason, saving)
         if b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
