@@ -44,6 +44,14 @@ def _path(text: str) -> Path:
     return _flag_value(parse_path, text)
 
 
+def _file_path(text: str) -> Path:
+    """A file or directory argument as given; never "" (Path("") is the
+    current directory, which import would then search whole)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty")
+    return Path(text)
+
+
 def _socket(text: str) -> Path:
     from kvkeeper.config import socket_path
 
@@ -172,9 +180,12 @@ def _parser() -> argparse.ArgumentParser:
                          "--replace), nor a second file for a key imported in the run. "
                          "Exit 1 if any file was not imported, or if there was nothing to "
                          "import (only directories with no *.safetensors files); a missing "
-                         "PATH exits 2; no daemon, or one that goes away part way, exits 3.")
+                         "or empty PATH exits 2; no daemon, or one that goes away part way, "
+                         "exits 3. A file named twice (or found again in a directory named) "
+                         "is imported once; a subdirectory that cannot be listed is said and "
+                         "skipped.")
     _socket_arg(imp)
-    imp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+    imp.add_argument("paths", nargs="+", type=_file_path, metavar="PATH",
                      help="files, or directories searched (subdirectories too) for "
                           "*.safetensors")
     imp.add_argument("--model", default=None,
@@ -209,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
                           "daemon, the configured, unless --socket names one)")
     exp.add_argument("model")
     exp.add_argument("cache_id")
-    exp.add_argument("path", type=Path)
+    exp.add_argument("path", type=_file_path)
 
     for name, text in (("install-service", "run the daemon as a user service (launchd or "
                                            "systemd)"),

@@ -546,17 +546,36 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     """The files to import, and the directories that hold none."""
     files: list[Path] = []
     empty: list[Path] = []
+    seen: set[str] = set()
     for p in paths:
         if p.is_dir():
-            found = sorted(p.rglob(f"*{naming.SUFFIX}"))
-            files.extend(found)
+            found = _cache_files_under(p)
             if not found:
                 empty.append(p)
         elif p.exists():
-            files.append(p)
+            found = [p]
         else:
             raise CommandError(f"{p}: no such file or directory", status=2)
+        for f in found:
+            # One file named twice (a.safetensors ./a.safetensors, or a file
+            # and its directory) is one file: its second mention is no
+            # duplicate key to refuse.
+            if (real := os.path.realpath(f)) not in seen:
+                seen.add(real)
+                files.append(f)
     return files, empty
+
+
+def _cache_files_under(directory: Path) -> list[Path]:
+    """Every ``*.safetensors`` under ``directory`` (not through links to
+    directories), sorted. A subdirectory removed while this walks it is
+    skipped, one it cannot list is reported: neither fails the import."""
+    def unlisted(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            err.print(f"cannot list {exc.filename}: {exc.strerror}", markup=False)
+
+    return sorted(Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
+                  for name in names if name.endswith(naming.SUFFIX))
 
 
 def import_files(args: argparse.Namespace) -> int:
@@ -736,8 +755,10 @@ def export(args: argparse.Namespace) -> int:
 
     dest: Path = args.path
     if dest.suffix != naming.SUFFIX:
-        raise CommandError(f"{dest}: the file name must end in {naming.SUFFIX} "
-                           f"(mlx-lm's loader expects it)", status=2)
+        # (".safetensors" alone is a name with no suffix, to pathlib and mlx-lm.)
+        need = (f"give a name before {naming.SUFFIX}" if dest.name == naming.SUFFIX
+                else f"the file name must end in {naming.SUFFIX}")
+        raise CommandError(f"{dest}: {need} (mlx-lm's loader expects it)", status=2)
     if dest.is_dir():
         raise CommandError(f"{dest} is a directory; give a file name", status=2)
     if not dest.parent.is_dir():

@@ -29,13 +29,18 @@ from .faultkit import NO_DAC, entry_path, need_linux_root
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
         umask: int = -1, run: tuple[str, ...] = ("-m", "kvkeeper.cli"),
-        prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        prefix: tuple[str, ...] = (), cwd: Path | None = None,
+        ) -> subprocess.CompletedProcess[str]:
     """The real CLI, with no KVKEEPER_* setting or config file of this machine's;
     ``run`` is how Python starts it, ``prefix`` what runs Python."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
+    if cwd is not None:  # ``-m`` finds this tree's package by its directory, not the cwd
+        base["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run([*prefix, sys.executable, *run, *args], capture_output=True,
-                          text=True, timeout=timeout, env={**base, **(env or {})}, umask=umask)
+                          text=True, timeout=timeout, env={**base, **(env or {})}, umask=umask,
+                          cwd=cwd)
 
 
 def usage_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
+from .faultkit import NO_DAC, need_linux_root
 from .test_cli_checks import cli, usage_error
 
 DEMO_TIMEOUT = 180.0  # a cap: without the fix the demo runs in full
@@ -91,6 +92,51 @@ def test_import_usage_errors(client: Client, daemon: RunningDaemon, short_dir: P
     r = cli("import", "--socket", sock, "--model", "m", "--id", "x", str(a))
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert [(e.model, e.cache_id) for e in client.entries()] == [("m", "x")]
+
+
+def test_import_refuses_an_empty_path_and_takes_a_file_named_twice_once(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """import "" searched the current directory whole (Path("") is "."), and
+    with --replace overwrote the entries it found there; a file named twice
+    was imported, then refused as a second file for its key (exit 1)."""
+    sock = str(daemon.socket)
+    here = short_dir / "here"
+    a, b = _cache_files(here, 2)
+    r = cli("import", "--socket", sock, "--model", "m", "--replace", "", cwd=here)
+    assert r.returncode == 2 and "the path is empty" in r.stderr, (r.stdout, r.stderr)
+    r = cli("export", "--socket", sock, "m", "c0", "", cwd=here)
+    assert r.returncode == 2 and "the path is empty" in r.stderr, (r.stdout, r.stderr)
+    usage_error(cli("export", "--socket", sock, "m", "c0", ".safetensors", cwd=here),
+                "give a name before .safetensors")
+    assert client.entries() == []
+    r = cli("import", "--socket", sock, "--model", "m", "--json", str(a),
+            str(here / "." / a.name), str(here), cwd=short_dir)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    report = json.loads(r.stdout)
+    assert [i["path"] for i in report["imported"]] == [str(a), str(b)]
+    assert report["failed"] == []
+    assert sorted(e.cache_id for e in client.entries()) == ["c0", "c1"]
+
+
+def test_import_of_a_directory_with_an_unlistable_subdirectory(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """A subdirectory the user may not list is said, and the rest imported.
+    (The search skipped it without a word.)"""
+    need_linux_root()
+    top = short_dir / "top"
+    (a,) = _cache_files(top, 1)
+    _cache_files(top / "shut", 1)
+    (top / "shut").chmod(0)
+    try:
+        r = cli("import", "--socket", str(daemon.socket), "--model", "m", str(top),
+                prefix=NO_DAC)
+    finally:
+        (top / "shut").chmod(0o700)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"cannot list {top / 'shut'}: Permission denied" in r.stderr, r.stderr
+    assert [e.cache_id for e in client.entries()] == ["c0"]
 
 
 # ------------------------------------------------------------------ 2. TOML booleans
