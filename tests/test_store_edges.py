@@ -466,3 +466,47 @@ def test_the_count_of_bytes_is_never_read_half_made(short_dir: Path) -> None:
     finally:
         assert rd.stop() == 0
     assert len(seen) > 20 and set(seen) == {1_000_000}, (len(seen), sorted(set(seen))[:5])
+
+
+def test_the_start_up_sweep_removes_only_the_writers_own_tmp_files(short_dir: Path) -> None:
+    """A crash leaves ``.<entry file>.<pid>.<n>.tmp`` behind: swept at start.
+    The sweep took every ``.*.tmp`` of a model directory, another program's
+    ``.notes.tmp`` too, where the README says such files are never deleted."""
+    root = _three_entries(short_dir)
+    model_dir = entry_path(root, "a", model="fp").parent
+    ours = model_dir / ".a.safetensors.4242.7.tmp"
+    theirs = [model_dir / n for n in (".notes.tmp", "notes.tmp", ".a.safetensors.tmp",
+                                      ".a.safetensors.x.7.tmp", ".a.safetensors.backup")]
+    for f in (ours, *theirs):
+        f.write_bytes(b"x" * 100)
+    d = start_daemon(root, short_dir / "run" / "kv.sock")
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            foreign = {e.path for e in kv.entries(everything=True) if e.kind == "foreign"}
+    finally:
+        assert d.stop() == 0
+    assert not ours.exists() and all(f.exists() for f in theirs)
+    assert foreign == {str(f) for f in theirs}
+
+
+def test_files_in_the_root_itself_count_against_the_budget(short_dir: Path) -> None:
+    """``--max-disk-bytes`` is over everything under the root: a file put in
+    the root itself was neither counted nor listed (only files below it
+    were), so the store could grow past its budget without end. The lock
+    files (the root's, and the socket's when the socket is in the root) are
+    the daemon's own: neither."""
+    root = _three_entries(short_dir)
+    size = entry_path(root, "a", model="fp").stat().st_size
+    big = root / "big-notes.bin"
+    big.write_bytes(b"n" * (size * 3 // 2))
+    d = start_daemon(root, root / "kv.sock", max_disk_bytes=3 * size)
+    try:
+        assert (root / "kv.sock.lock").exists() and (root / ".kvkeeper.lock").exists()
+        with Client(d.socket, timeout=WAIT) as kv:
+            listed = {(e.path, e.kind) for e in kv.entries(everything=True)}
+            used = kv.stats()["disk_used_bytes"]
+    finally:
+        assert d.stop() == 0
+    # a and b went (the oldest); c and the foreign file are counted, and fit.
+    assert listed == {(str(big), "foreign"), (str(entry_path(root, "c", model="fp")), "entry")}
+    assert used == big.stat().st_size + size

@@ -37,13 +37,12 @@ from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Budget, Store
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
-from kvkeeper.protocol.naming import SESSIONS_DIR
+from kvkeeper.protocol.naming import LOCK_NAME, SESSIONS_DIR
 from kvkeeper.settings import MIN_PENDING_BYTES
 
 log = get_logger("kvkeeper.daemon")
 
 GiB = 1024**3
-LOCK_NAME = ".kvkeeper.lock"
 RCVHWM = 8
 #: Replies queued per client before more are dropped (beside the 1000 the
 #: client's socket takes).
@@ -311,7 +310,8 @@ class Daemon:
             root_lock = _Lock(root_lock_path, holder)
             locks.append(root_lock)
             _clear_stale_socket(sock_path)
-            store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes))
+            store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes),
+                          own_files=(sock_lock_path,))
             store.open()  # its files are indexed once the socket is bound (WriterActor.run)
             return anyio.run(self._main, store, sock_path, handle_signals, root_lock,
                              backend="asyncio")

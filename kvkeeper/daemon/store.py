@@ -52,6 +52,9 @@ class LeftInPlace(OSError):
 #: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>" or
 #: "_z<sha256>.<ns>", ns being time.time_ns() (19 digits until 2286).
 _QUARANTINED = re.compile(r"(.+\.safetensors|_z[0-9a-f]{64})\.[0-9]{19}")
+#: The names PendingFile gives its tmp files: ``.<entry file>.<pid>.<n>.tmp``.
+_OUR_TMP = re.compile(r"\..+" + re.escape(naming.SUFFIX) + r"\.[0-9]+\.[0-9]+"
+                      + re.escape(TMP_SUFFIX))
 
 
 def _quarantined_key(name: str) -> tuple[str, str]:
@@ -288,8 +291,15 @@ class Store:
     per save from 1.3 ms to 5.7-6.6 ms).
     """
 
-    def __init__(self, root: Path, budget: Budget | None = None) -> None:
+    def __init__(self, root: Path, budget: Budget | None = None,
+                 own_files: Sequence[Path] = ()) -> None:
+        """``own_files``: files under ``root`` that are the daemon's own (the
+        socket's lock, were the socket put there), neither indexed nor
+        counted, as the root's lock is not."""
         self.root = root
+        own = [root / naming.LOCK_NAME, *own_files]
+        self._own_names = {p.name for p in own}
+        self._own = {os.path.abspath(p) for p in own}
         self.sessions = root / naming.SESSIONS_DIR
         self.budget = budget or Budget()
         self._lock = threading.Lock()
@@ -366,10 +376,19 @@ class Store:
     def open(self) -> None:
         """Create the layout, or check the one there; ``sweep`` and
         ``rescan`` then deal with the files in it."""
+        fresh = not os.path.lexists(self.sessions)
         try:
             os.makedirs(self.sessions, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create {self.sessions}: {exc.strerror}") from None
+        if fresh:
+            # As in _model_dir: the new directories' entries must be as
+            # durable as the first file put in them.
+            fsync_dir(self.root)
+            try:
+                fsync_dir(self.root.parent)
+            except OSError:
+                pass  # a parent this user may not read: the root is older then
         if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
             raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
                               f"keeps its entries there (move it aside)")
@@ -388,7 +407,8 @@ class Store:
                 log.warning("event=sweep_failed path=%s error=%s", model_dir, exc)
                 continue
             for f in names:
-                if f.name.startswith(".") and f.name.endswith(TMP_SUFFIX):
+                # Only the writer's own names: ".notes.tmp" is another program's.
+                if _OUR_TMP.fullmatch(f.name):
                     try:
                         f.unlink()
                         removed.append(f)
@@ -482,8 +502,9 @@ class Store:
             # the whole store unindexed.
             log.warning("event=unreadable_file path=%s error=%s", path, exc)
             return None
-        if not stat.S_ISREG(st.st_mode) or path.parent == self.root:
-            return None  # the lock file, links
+        if not stat.S_ISREG(st.st_mode) or (
+                path.name in self._own_names and os.path.abspath(path) in self._own):
+            return None  # links, the lock files
         last_used = max(st.st_atime, st.st_mtime)
         ident = {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
         foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime,

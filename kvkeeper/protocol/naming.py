@@ -24,6 +24,9 @@ SUFFIX = ".safetensors"
 SESSIONS_DIR = "sessions"
 #: Where the daemon moves files it found damaged (``<root>/quarantine/``).
 QUARANTINE_DIR = "quarantine"
+#: The root's single-instance lock (``<root>/.kvkeeper.lock``): the one file
+#: under the root that is neither an entry nor counted against the budget.
+LOCK_NAME = ".kvkeeper.lock"
 #: Longest encoded component; leaves room for the tmp prefix and suffixes
 #: within the 255-byte limit of a file name.
 MAX_COMPONENT = 200
