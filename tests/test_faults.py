@@ -234,6 +234,37 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
             assert version_of(entry_path(root, f"slow{i}")) == i + 1
 
 
+def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) -> None:
+    """From the drain's start gc evicts nothing, but a gc asked before it,
+    queued behind a save being written, ran its rescan and evicted during
+    the drain all the same (here: the entries a file put in the root pushed
+    over the budget)."""
+    MiB = 2**20
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0",
+                         "--max-disk-bytes", str(18 * MiB), env={ENV: "write_delay=0.2"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for key in "abc":
+                assert kv.save(FP, key, filled(0.25, 1), [1])
+            assert kv.flush(timeout=WAIT)
+            assert kv.save(FP, "x", filled(16, 2), [2])  # written for about 3.2 s
+            wait_for(lambda: kv.stats()["saves_received"] == 4, "the big save")
+            # Seen only by a rescan: over the budget with it.
+            (root / "notes.bin").write_bytes(b"n" * (2 * MiB))
+            answer: list[object] = []
+            asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
+            asker.start()
+            time.sleep(0.5)  # the gc queued behind the save being written
+            proc.send_signal(signal.SIGTERM)
+            asker.join(WAIT)
+            assert answer and answer[0].entries == [], answer  # type: ignore[attr-defined]
+        assert proc.wait(WAIT) == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert all(entry_path(root, key).exists() for key in "abcx")
+
+
 def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout(
         short_dir: Path) -> None:
     """The drain takes a client's saves until it answers the notice. A drain

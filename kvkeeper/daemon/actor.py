@@ -563,7 +563,11 @@ class WriterActor:
     async def _gc(self, job: GcJob) -> None:
         if self._next_gc is job:
             self._next_gc = None  # begun: a request from now on needs a rescan of its own
-
+        if self.draining:
+            # Asked before the drain began, its turn came during it: as one
+            # asked during the drain, it evicts nothing (collect's check).
+            job.done.set()
+            return
         try:
             _, job.evicted = await anyio.to_thread.run_sync(self.store.rescan_and_enforce)
             self._count_evictions(job.evicted)
