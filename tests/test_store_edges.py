@@ -510,3 +510,26 @@ def test_files_in_the_root_itself_count_against_the_budget(short_dir: Path) -> N
     # a and b went (the oldest); c and the foreign file are counted, and fit.
     assert listed == {(str(big), "foreign"), (str(entry_path(root, "c", model="fp")), "entry")}
     assert used == big.stat().st_size + size
+
+
+def test_an_entry_removed_by_hand_is_neither_listed_nor_counted(short_dir: Path) -> None:
+    """``rm`` of a file the user removed by hand said "no such entry" while
+    ``ls`` went on listing it (and the budget counting it) until a gc."""
+    root = _three_entries(short_dir)
+    d = start_daemon(root, short_dir / "run" / "kv.sock")
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            size = entry_path(root, "a", model="fp").stat().st_size
+            assert kv.stats()["disk_used_bytes"] == 3 * size
+            entry_path(root, "a", model="fp").unlink()
+            assert [e.cache_id for e in kv.entries("fp")] == ["b", "c"]
+            assert kv.stats()["disk_used_bytes"] == 2 * size
+            entry_path(root, "b", model="fp").unlink()
+            assert not kv.delete("fp", "b")
+            assert kv.stats()["disk_used_bytes"] == size
+            entry_path(root, "c", model="fp").unlink()
+            assert kv.load("fp", "c") is None
+            assert kv.stats()["disk_used_bytes"] == 0
+            assert kv.entries(everything=True) == []
+    finally:
+        assert d.stop() == 0

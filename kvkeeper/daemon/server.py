@@ -9,6 +9,7 @@ small task of their own, so one slow answer never holds up the receive loop.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
 import stat
@@ -509,7 +510,8 @@ class Server:
 
     async def _list(self, peer: bytes, req: int, model: str | None, everything: bool) -> None:
         await self.actor.indexed.wait()  # not the part of the store read so far
-        found = self.store.entries(model, everything=everything)
+        found = await anyio.to_thread.run_sync(
+            functools.partial(self.store.listing, model, everything=everything))
         self._reply(peer, m.Entries(v=m.PROTOCOL_VERSION, req=req,
                                     entries=[_entry(e) for e in found]))
 

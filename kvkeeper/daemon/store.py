@@ -338,6 +338,14 @@ class Store:
             self._meanwhile[path] = None
         return old
 
+    def _forget_if_gone(self, path: Path) -> None:
+        """Forget ``path`` if its file is gone (removed by hand: the index
+        would list and count it until a rescan). Looked at again under the
+        lock: a save may have renamed its file in, and indexed it, since."""
+        with self._lock:
+            if path in self._index and not os.path.lexists(path):
+                self._drop(path)
+
     # -- paths
     def path_for(self, model: str, cache_id: str) -> Path:
         return naming.entry_path(self.root, model, cache_id)
@@ -635,6 +643,7 @@ class Store:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
+            self._forget_if_gone(path)
             return None
         except OSError as exc:  # e.g. a file planted where the model's directory goes
             log.warning("event=entry_unreadable path=%s error=%s", path, exc)
@@ -686,6 +695,7 @@ class Store:
         try:
             os.unlink(path)
         except FileNotFoundError:
+            self._forget_if_gone(path)
             return False
         with self._lock:
             self._drop(path)
@@ -745,6 +755,19 @@ class Store:
         out = [e for e in items
                if (everything or e.kind == "entry") and (model is None or e.model == model)]
         return sorted(out, key=lambda e: (e.last_used, str(e.path)))
+
+    def listing(self, model: str | None = None, *, everything: bool = False
+                ) -> list[StoredEntry]:
+        """``entries``, less (and forgetting) the files removed by hand since
+        they were indexed: a listing must not show what ``delete`` would call
+        gone. One lstat a file (20,000 entries: tens of ms; in a worker thread)."""
+        listed = []
+        for entry in self.entries(model, everything=everything):
+            if os.path.lexists(entry.path):
+                listed.append(entry)
+            else:
+                self._forget_if_gone(entry.path)
+        return listed
 
     def _still_indexed(self, entry: StoredEntry) -> bool:
         """Whether the file at ``entry.path`` is the one indexed. If not (removed,
