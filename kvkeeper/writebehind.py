@@ -7,9 +7,10 @@
     wb.close()                             # the final state
 
 Every save is ``Client.save()``: a snapshot handed to the daemon at once,
-never waited for. The daemon keeps only the newest pending save of a key, so a
-slow disk costs dropped intermediate snapshots (counted by the daemon as
-``saves_superseded``), never a stall of the loop.
+never waited for. The client and the daemon keep only the newest pending save
+of a key, so a slow disk costs dropped intermediate snapshots (most replaced
+in the client before they are sent, ``client_saves_coalesced``; the rest in
+the daemon, ``saves_superseded``), never a stall of the loop.
 
 The helper also refuses to save a cache that does not hold exactly the tokens
 it is saved with (when the layers tell their length): a cache restored later
