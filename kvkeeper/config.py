@@ -145,12 +145,19 @@ def _check_ours(path: Path, what: str) -> None:
         raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it")
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what} {str(path)!r} is not a directory")
+    # A directory shared by every user (/tmp) must not be chmod-ed: the place
+    # wanted is a directory of its own inside it, which start-up makes.
+    shared = st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH
+    own_place = (f"; use a directory of its own inside it instead (e.g. "
+                 f"{str(path / 'kvkeeper')!r}: made at start, mode 700)"
+                 if shared or st.st_uid != os.getuid() else "")
     if st.st_uid != os.getuid():
-        raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us")
+        raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us"
+                          f"{own_place}")
     if st.st_mode & 0o077:
         raise ConfigError(
             f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
-            f"open to group or others (chmod 700 it)"
+            f"open to group or others" + (own_place or " (chmod 700 it)")
         )
     check_writable(path, what)
 

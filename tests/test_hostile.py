@@ -442,13 +442,26 @@ def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
     open_dir = short_dir / "open"
     open_dir.mkdir()
     open_dir.chmod(0o770)
-    with pytest.raises(ConfigError, match="open to group or others"):
+    with pytest.raises(ConfigError, match="open to group or others") as refused:
         start_daemon(short_dir / "r1", open_dir / "kv.sock")
+    assert "(chmod 700 it)" in str(refused.value)
+    # A directory every user shares, as /tmp: not to be chmod-ed, but to hold
+    # a directory of the daemon's own.
+    shared = short_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ConfigError, match="open to group or others") as refused:
+        start_daemon(short_dir / "r1", shared / "kv.sock")
+    assert "chmod" not in str(refused.value)
+    assert f"a directory of its own inside it instead (e.g. '{shared}/kvkeeper'" in \
+        str(refused.value)
+    start_daemon(short_dir / "r1", shared / "kvkeeper" / "kv.sock").stop()
     theirs = short_dir / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
-    with pytest.raises(ConfigError, match="owned by uid"):
+    with pytest.raises(ConfigError, match="owned by uid") as refused:
         start_daemon(theirs, short_dir / "run" / "kv.sock")
+    assert "a directory of its own inside it" in str(refused.value)
     link = short_dir / "link"
     link.symlink_to(short_dir / "run", target_is_directory=True)
     (short_dir / "run").mkdir(mode=0o700)
