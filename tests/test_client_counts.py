@@ -353,6 +353,40 @@ def test_refusals_are_logged_once_a_minute_per_code(
     assert len(lines) == 1, lines
 
 
+def test_a_refusal_logged_after_quiet_ones_counts_them_in_a_field_of_its_own(
+        short_dir: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count of refusals not logged was glued to the end of ``detail``
+    (and an empty one logged as ``""`` after its closing quote): the line was
+    not logfmt. Each key now appears once, with one well-formed value."""
+    import kvkeeper.client.client as client_module
+
+    from .conftest import start_daemon
+
+    monkeypatch.setattr(client_module, "REFUSAL_LOG_SECONDS", 0.5)
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
+    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
+    try:
+        with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+            for j in range(3):
+                assert kv.save(FP, "big", filled(1.5, j), [j])
+                assert kv.flush(timeout=WAIT) is False
+            time.sleep(0.6)
+            assert kv.save(FP, "big", filled(1.5, 9), [9])
+            assert kv.flush(timeout=WAIT) is False
+    finally:
+        assert rd.stop() == 0
+    lines = [r.getMessage() for r in caplog.records if "event=save_refused" in r.getMessage()]
+    pair = re.compile(r'([a-z_]+)=("(?:[^"\\]|\\.)*"|[^\s"]+)(?: |$)')
+    fields = []
+    for line in lines:
+        assert "".join(m.group(0) for m in pair.finditer(line)).rstrip() == line, line
+        keys = [m.group(1) for m in pair.finditer(line)]
+        assert keys == ["event", "code", "detail", "not_logged_since"], line
+        fields.append(dict((m.group(1), m.group(2)) for m in pair.finditer(line)))
+    assert [f["not_logged_since"] for f in fields] == ["0", "2"], lines
+
+
 #: What each batch saves before its flush: small saves that fit, and saves
 #: over the disk budget that the daemon refuses ("big"), or over the client's
 #: in-flight budget that save() itself drops ("huge").

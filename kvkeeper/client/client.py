@@ -899,8 +899,9 @@ class _RefusalLog:
                 return
             self._last[reply.code] = now
             quiet = self._quiet.pop(reply.code, 0)
-        since = f" ({quiet} more with this code since the last report)" if quiet else ""
-        log.warning("event=save_refused code=%s detail=%s%s", reply.code, reply.message, since)
+        # A field of its own: appended to detail, it broke the line's logfmt.
+        log.warning("event=save_refused code=%s detail=%s not_logged_since=%d", reply.code,
+                    reply.message, quiet)
 
 
 #: At most one log line per refusal code in this many seconds.
