@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -337,20 +337,32 @@ def test_refusals_are_logged_once_a_minute_per_code(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Each refused save logged a warning (a daemon shutting down or out of
     memory refuses every one); the counts are in stats()."""
+    with _refusing(short_dir, caplog) as (kv, refuse):
+        for j in range(5):
+            refuse(j)
+        assert kv.stats()["client_saves_refused"] == 5
+    lines = [r.getMessage() for r in caplog.records if "event=save_refused" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
+@contextmanager
+def _refusing(short_dir: Path, caplog: pytest.LogCaptureFixture,
+              ) -> Iterator[tuple[Client, Callable[[int], None]]]:
+    """A client of a daemon with a 1 MiB disk budget, its warnings captured,
+    and ``refuse(j)``: a 1.5 MiB save the daemon refuses, flushed."""
     from .conftest import start_daemon
 
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
     caplog.set_level(logging.WARNING, logger="kvkeeper.client")
     try:
         with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-            for j in range(5):
+            def refuse(j: int) -> None:
                 assert kv.save(FP, "big", filled(1.5, j), [j])
                 assert kv.flush(timeout=WAIT) is False
-            assert kv.stats()["client_saves_refused"] == 5
+
+            yield kv, refuse
     finally:
         assert rd.stop() == 0
-    lines = [r.getMessage() for r in caplog.records if "event=save_refused" in r.getMessage()]
-    assert len(lines) == 1, lines
 
 
 def test_a_refusal_logged_after_quiet_ones_counts_them_in_a_field_of_its_own(
@@ -361,21 +373,12 @@ def test_a_refusal_logged_after_quiet_ones_counts_them_in_a_field_of_its_own(
     not logfmt. Each key now appears once, with one well-formed value."""
     import kvkeeper.client.client as client_module
 
-    from .conftest import start_daemon
-
     monkeypatch.setattr(client_module, "REFUSAL_LOG_SECONDS", 0.5)
-    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
-    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
-    try:
-        with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-            for j in range(3):
-                assert kv.save(FP, "big", filled(1.5, j), [j])
-                assert kv.flush(timeout=WAIT) is False
-            time.sleep(0.6)
-            assert kv.save(FP, "big", filled(1.5, 9), [9])
-            assert kv.flush(timeout=WAIT) is False
-    finally:
-        assert rd.stop() == 0
+    with _refusing(short_dir, caplog) as (_, refuse):
+        for j in range(3):
+            refuse(j)
+        time.sleep(0.6)
+        refuse(9)
     lines = [r.getMessage() for r in caplog.records if "event=save_refused" in r.getMessage()]
     pair = re.compile(r'([a-z_]+)=("(?:[^"\\]|\\.)*"|[^\s"]+)(?: |$)')
     fields = []
