@@ -162,10 +162,7 @@ def stats(args: argparse.Namespace) -> int:
     with client(args.socket) as kv:
         counters = {k: v for k, v in kv.stats().items() if not k.startswith("client_")}
     if args.json:
-        # Counts and sizes travel as floats: whole numbers print as integers
-        # (a script comparing saves_written to 3 must not meet 3.0); times stay floats.
-        _print_json({k: v if "seconds" in k or k.endswith("_s") or not float(v).is_integer()
-                     else int(v) for k, v in counters.items()})
+        _print_json(counters)  # counts and sizes ints, times floats (Client.stats)
         return 0
     table = Table(title="kvkeeper daemon", show_header=False, box=None, padding=(0, 2))
     listed = set()

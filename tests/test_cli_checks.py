@@ -289,6 +289,10 @@ def test_stats_json_gives_counts_as_integers(client: Client, daemon: RunningDaem
     assert got["saves_written"] == 1 and type(got["saves_written"]) is int, r.stdout
     assert type(got["boot_id"]) is int and type(got["max_pending_bytes"]) is int
     assert type(got["uptime_s"]) is float and type(got["write_seconds_p50"]) is float
+    # So are Client.stats()'s (they were floats: "evictions 1.0").
+    kinds = {k: type(v) for k, v in client.stats().items()}
+    assert kinds["saves_written"] is kinds["disk_used_bytes"] is kinds["evictions"] is int
+    assert kinds["uptime_s"] is kinds["fsync_seconds_p99"] is float
 
 
 def test_a_reader_that_goes_away_is_no_traceback(daemon: RunningDaemon, short_dir: Path) -> None:

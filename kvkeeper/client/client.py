@@ -810,10 +810,11 @@ class Client:
         return reply
 
     def stats(self) -> dict[str, float]:
-        """The daemon's counters, plus this client's own under ``client_*``."""
+        """The daemon's counters, plus this client's own under ``client_*``.
+        Counts and sizes are ints; times (``*_seconds*``, ``uptime_s``) floats."""
         reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req))
         assert isinstance(reply, m.Stats)
-        out = dict(reply.counters)
+        out = {name: _number(name, value) for name, value in reply.counters.items()}
         out.update(self.client_stats())
         return out
 
@@ -902,6 +903,15 @@ class _RefusalLog:
         # A field of its own: appended to detail, it broke the line's logfmt.
         log.warning("event=save_refused code=%s detail=%s not_logged_since=%d", reply.code,
                     reply.message, quiet)
+
+
+def _number(name: str, value: float) -> float:
+    """A daemon counter as it travelled (every one a float): whole counts
+    and sizes back to int (a script comparing saves_written to 3 must not
+    meet 3.0), times left floats."""
+    if "seconds" in name or name.endswith("_s") or not float(value).is_integer():
+        return value
+    return int(value)
 
 
 #: At most one log line per refusal code in this many seconds.
