@@ -58,6 +58,11 @@ def shown(value: object) -> Text:
     return Text(s)
 
 
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun it takes: "1 entry", "2 entries"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -203,7 +208,7 @@ def ls(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     n = sum(e.kind == "entry" for e in entries)
-    others = f", {len(entries) - n} other files" if len(entries) > n else ""
+    others = f", {counted(len(entries) - n, 'other file')}" if len(entries) > n else ""
     columns: list[plaintable.Column] = [("model", "left"), ("id", "left"), ("tokens", "right"),
                                         ("size", "right"), ("saved", "right"),
                                         ("last used", "right")]
@@ -217,7 +222,8 @@ def ls(args: argparse.Namespace) -> int:
         rows.append(row)
     if args.all:
         columns.append(("kind", "left"))
-    _print_table(f"{n} entries{others}, {human(sum(e.nbytes for e in entries))}", columns, rows)
+    _print_table(f"{counted(n, 'entry', 'entries')}{others}, "
+                 f"{human(sum(e.nbytes for e in entries))}", columns, rows)
     return 0
 
 
@@ -269,19 +275,23 @@ def rm(args: argparse.Namespace) -> int:
                            "--model FP (kvkeeper rm --model FP) for all of a model", status=2)
     with client(args.socket) as kv:
         if args.cache_id is not None:
-            existed = kv.delete(args.model, args.cache_id)
-            out.print("deleted" if existed else "no such entry")
-            return 0 if existed else 1
+            if not kv.delete(args.model, args.cache_id):
+                # On stderr, as every other failure: "2>err" keeps the reason.
+                err.print(Text.assemble("kvkeeper: no such entry: ", shown(args.model), " / ",
+                                        shown(args.cache_id)))
+                return 1
+            out.print("deleted")
+            return 0
         entries = kv.entries(args.all_of_model)
         deleted = sum(kv.delete(e.model, e.cache_id) for e in entries)
     if not entries:  # as for one entry: a typo in the model must not read as done
-        out.print(Text.assemble("no entries of model ", shown(args.all_of_model)))
+        err.print(Text.assemble("kvkeeper: no entries of model ", shown(args.all_of_model)))
         return 1
     # The count of deletes done: an entry evicted or deleted meanwhile was
     # listed, but not deleted by this command.
     gone = f" ({len(entries) - deleted} listed were gone already)" if deleted < len(entries) else ""
-    out.print(Text.assemble(f"deleted {deleted} entries of model ", shown(args.all_of_model),
-                            gone))
+    out.print(Text.assemble(f"deleted {counted(deleted, 'entry', 'entries')} of model ",
+                            shown(args.all_of_model), gone))
     return 0
 
 
@@ -422,9 +432,9 @@ def verify(args: argparse.Namespace) -> int:
                      **({"repair_error": str(repair_error)} if repair_error else {})})
     else:
         out.print(Text.assemble(
-            f"{checked} files checked under ", shown(root),
-            f", {len(legacy)} legacy files without checksums" if legacy else "",
-            f", {len(others)} safetensors files that are not caches (left alone)"
+            f"{counted(checked, 'file')} checked under ", shown(root),
+            f", {counted(len(legacy), 'legacy file')} without checksums" if legacy else "",
+            f", {counted(len(others), 'safetensors file')} that are not caches (left alone)"
             if others else ""))
         not_moved = dict(refused)
         for p, reason, _ in bad:
@@ -632,7 +642,7 @@ def import_files(args: argparse.Namespace) -> int:
             if first is not None:
                 # Two files named alike in different directories: the second
                 # would replace the first without a word.
-                failed.append((f, f"{model}/{cache_id} was imported from {first} already "
+                failed.append((f, f"{model} / {cache_id} was imported from {first} already "
                                   f"(import this one alone, with --id)"))
                 continue
             if model not in stored:
@@ -646,7 +656,7 @@ def import_files(args: argparse.Namespace) -> int:
             if replaced and not args.replace:
                 # An old backup imported over the live conversation would
                 # replace it without a word.
-                failed.append((f, f"{model}/{cache_id} is already in the store (give "
+                failed.append((f, f"{model} / {cache_id} is already in the store (give "
                                   f"--replace to replace it)"))
                 continue
             meta = {k: v for k, v in got.metadata.items()

@@ -68,7 +68,13 @@ def test_rm_without_a_whole_key_is_a_usage_error(client: Client, daemon: Running
     usage_error(cli("rm", "--socket", str(daemon.socket.parent / "none.sock"), "m1"))
     # A real failure stays 1: the key names no entry.
     r = cli("rm", "--socket", sock, "m1", "nope")
-    assert r.returncode == 1 and "no such entry" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == "kvkeeper: no such entry: m1 / nope\n", r.stderr  # was on stdout
+    # One of a thing is not "1 entries" ("1 files", ...).
+    r = cli("verify", "--socket", sock)
+    assert r.returncode == 0 and r.stdout.startswith("1 file checked under "), r.stdout
+    r = cli("rm", "--socket", sock, "--model", "m1")
+    assert r.returncode == 0 and r.stdout == "deleted 1 entry of model m1\n", r.stdout
 
 
 def test_import_usage_errors(client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
@@ -825,7 +831,7 @@ def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(
         _save(kv, "model-a", "conv", 2.0)
         r = cli("import", "--socket", sock, str(out), "--json")
         assert r.returncode == 1, (r.stdout, r.stderr)
-        assert "model-a/conv is already in the store (give --replace" in r.stdout
+        assert "model-a / conv is already in the store (give --replace" in r.stdout
         stored = kv.load("model-a", "conv")
         assert stored is not None and stored.cache[0].keys[0, 0, 0, 0].item() == 2.0
         r = cli("import", "--socket", sock, str(out), "--replace", "--json")
@@ -836,7 +842,7 @@ def test_import_keeps_a_files_own_model_and_rm_of_no_entries_fails(
         r = cli("import", "--socket", sock, str(out), "--replace", "--id", "new")
         assert r.returncode == 0 and "replaced" not in r.stdout, (r.stdout, r.stderr)
     r = cli("rm", "--socket", sock, "--model", "model-aa")
-    assert r.returncode == 1 and "no entries of model model-aa" in r.stdout
+    assert r.returncode == 1 and "kvkeeper: no entries of model model-aa" in r.stderr
     r = cli("rm", "--socket", sock, "--model", "model-a")
     assert r.returncode == 0 and "deleted 2 entries" in r.stdout
 

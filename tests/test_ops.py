@@ -349,8 +349,8 @@ def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon
     assert kinds == {"ok.safetensors": "entry", ".leftover.tmp": "foreign",
                      "old.safetensors": "legacy", "older.safetensors": "legacy"}
     table = cli("ls", "--socket", str(daemon.socket), "--all").stdout
-    assert "foreign" in table and "1 entries, 3 other files" in table  # not "4 entries"
-    assert "1 entries," in cli("ls", "--socket", str(daemon.socket)).stdout
+    assert "foreign" in table and "1 entry, 3 other files" in table  # not "4 entries"
+    assert "1 entry," in cli("ls", "--socket", str(daemon.socket)).stdout
     assert [e.cache_id for e in client.entries()] == ["ok"]
 
 
