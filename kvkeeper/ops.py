@@ -101,13 +101,18 @@ def client(socket: Path | None, *, required: bool = True,  # type: ignore[no-unt
         raise CommandError(str(exc), status=2) from None
     if required and not kv.connected:
         kv.close()
-        path = kv.socket_path
-        if _listening(path):  # a daemon stopped (SIGSTOP) or hung, not a stale socket
-            raise CommandError(f"the kvkeeper daemon at {path} did not answer within 2 s (is "
-                               f"it stopped?)", status=3)
-        raise CommandError(f"no kvkeeper daemon at {path} (start it: kvkeeper serve)",
+        raise CommandError(_no_daemon(kv.socket_path, " (start it: kvkeeper serve)"),
                            status=3)
     return kv
+
+
+def _no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:
+    """Why no daemon answered at ``path``: none runs (``hint`` follows), or
+    one does and did not answer (``hint_if_stopped``)."""
+    if _listening(path):  # a daemon stopped (SIGSTOP) or hung, not a stale socket
+        return (f"the kvkeeper daemon at {path} did not answer within 2 s (is it stopped?)"
+                f"{hint_if_stopped}")
+    return f"no kvkeeper daemon at {path}{hint}"
 
 
 def _listening(path: Path) -> bool:
@@ -344,7 +349,8 @@ def _root(args: argparse.Namespace, kv: Any) -> Path:
     if args.socket is not None:
         # The store of the daemon named: the configured root may be another.
         where = kv.socket_path if kv is not None else args.socket
-        raise CommandError(f"no kvkeeper daemon at {where} to name its root: give --root",
+        raise CommandError(_no_daemon(where, " to name its root: give --root",
+                                      "; give --root to work on its files without it"),
                            status=3)
     from kvkeeper.settings import client_path
 

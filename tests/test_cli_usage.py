@@ -1041,12 +1041,21 @@ def test_a_stopped_daemon_is_told_apart_from_none(short_dir: Path) -> None:
         r = cli("stats", "--socket", str(sock), timeout=30)
         assert r.returncode == 3 and "did not answer" in r.stderr and "stopped" in r.stderr, \
             r.stderr
+        # verify and export, which can do without it given --root, too (they
+        # said "no kvkeeper daemon at ... to name its root").
+        for args in (["verify"], ["export", "m", "a", str(short_dir / "a.safetensors")]):
+            r = cli(*args, "--socket", str(sock), timeout=30)
+            assert r.returncode == 3 and "did not answer within 2 s (is it stopped?); give " \
+                "--root to work on its files without it" in r.stderr, r.stderr
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait(WAIT)
         assert sock.exists()  # left behind by the killed daemon
         r = cli("stats", "--socket", str(sock), timeout=30)
         assert r.returncode == 3 and "no kvkeeper daemon at" in r.stderr, r.stderr
+        r = cli("verify", "--socket", str(sock), timeout=30)
+        assert r.returncode == 3 and "no kvkeeper daemon at " in r.stderr, r.stderr
+        assert "to name its root: give --root" in r.stderr, r.stderr
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
