@@ -858,7 +858,7 @@ def _load_misses() -> Iterator[list[str]]:
                 reasons.append(text.partition(" reason=")[2] or text)
             elif hasattr(record, "kvkeeper_moved_to") and reasons:
                 # The reason names the entry's path, where the file is no more.
-                reasons[-1] += f" (the daemon moved the file to {record.kvkeeper_moved_to})"
+                reasons[-1] += f" (the daemon moved the file into {record.kvkeeper_moved_to}/)"
 
     logger = logging.getLogger("kvkeeper.client")
     handler, level = Catch(logging.INFO), logging.root.manager.disable

@@ -502,7 +502,7 @@ def test_export_of_a_damaged_entry_says_why(client: Client, daemon: RunningDaemo
     assert "checksum mismatch" in lines[0]
     assert not path.exists() and list((daemon.root / "quarantine").iterdir())
     # It names the path where the file was; it says where the file went.
-    assert lines[0].endswith(f"(the daemon moved the file to {daemon.root / 'quarantine'})"), \
+    assert lines[0].endswith(f"(the daemon moved the file into {daemon.root / 'quarantine'}/)"), \
         lines
     r = cli("export", "--socket", sock, "m1", "a", str(out))  # now it is gone
     assert r.returncode == 1 and "no entry m1 / a" in r.stderr, r.stderr

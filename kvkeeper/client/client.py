@@ -638,7 +638,8 @@ class Client:
             if isinstance(reply, m.Deleted) and reply.existed:
                 # Into the daemon's root, which Client(root=...) may not be.
                 where = (self._daemon_root or self.root) / naming.QUARANTINE_DIR
-                log.info("event=moved_aside model=%s id=%s: the daemon moved the file to %s",
+                # (The answer does not say the file's new name: its directory.)
+                log.info("event=moved_aside model=%s id=%s: the daemon moved the file into %s/",
                          model, cache_id, where, extra={"kvkeeper_moved_to": str(where)})
         except DaemonTimedOut:
             # Sent all the same: the daemon moves the file when it gets to it.
