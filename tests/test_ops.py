@@ -352,6 +352,16 @@ def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon
     assert "foreign" in table and "1 entry, 3 other files" in table  # not "4 entries"
     assert "1 entry," in cli("ls", "--socket", str(daemon.socket)).stdout
     assert [e.cache_id for e in client.entries()] == ["ok"]
+    # Files in a model's directory are listed with that model (the foreign
+    # one had none, so --model left it out); a file outside any has none.
+    (daemon.root / "notes.txt").write_bytes(b"n")
+    client.gc()
+    rows = json.loads(cli("ls", "--socket", str(daemon.socket), "--all", "--json",
+                          "--model", FP).stdout)
+    assert sorted(Path(r["path"]).name for r in rows) == [
+        ".leftover.tmp", "ok.safetensors", "old.safetensors", "older.safetensors"]
+    assert [e.model for e in client.entries(everything=True)
+            if Path(e.path).name == "notes.txt"] == [""]
 
 
 def test_ls_all_of_a_model_shows_its_quarantined_files(short_dir: Path) -> None:

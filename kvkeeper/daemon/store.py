@@ -523,6 +523,9 @@ class Store:
                 return foreign
             return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
                                "quarantine", st.st_mtime, **ident)
+        if path.parent.parent == self.sessions:
+            # Listed with the model whose directory holds it (``ls --all --model``).
+            foreign = replace(foreign, model=naming.decode_component(path.parent.name) or "")
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
