@@ -506,11 +506,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from kvkeeper import config
 
-    if (args.tokens < 2 or args.prompt_tokens < 64 or args.every_tokens < 1
-            or args.layers < 1 or args.hidden < 8 or args.hidden % 8):
-        # hidden: 4 attention heads, each of an even width for RoPE.
-        print("kvkeeper demo: need --tokens >= 2, --prompt-tokens >= 64, --every-tokens >= 1, "
-              "--layers >= 1, --hidden a multiple of 8", file=sys.stderr)
+    # hidden: 4 attention heads, each of an even width for RoPE.
+    wrong = [f"{flag} {need} (got {value})" for flag, value, ok, need in (
+        ("--tokens", args.tokens, args.tokens >= 2, "at least 2"),
+        ("--prompt-tokens", args.prompt_tokens, args.prompt_tokens >= 64, "at least 64"),
+        ("--every-tokens", args.every_tokens, args.every_tokens >= 1, "at least 1"),
+        ("--layers", args.layers, args.layers >= 1, "at least 1"),
+        ("--hidden", args.hidden, args.hidden >= 8 and args.hidden % 8 == 0,
+         "a multiple of 8, at least 8"),
+    ) if not ok]
+    if wrong:  # only the flags that are wrong (all were listed, so which was not said)
+        print(f"kvkeeper demo: need {', '.join(wrong)}", file=sys.stderr)
         return 2
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         # Found out after the run, it would cost the measurements.

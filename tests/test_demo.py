@@ -111,8 +111,13 @@ def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
     """A model the settings cannot build, or a --json path that cannot be
     written, is a usage error at once (before: a traceback, or a crash after
     the whole run, its measurements lost)."""
-    for args, needle in ((("--layers", "0"), "--layers >= 1"),
-                         (("--hidden", "7"), "multiple of 8"),
+    for args, needle in ((("--layers", "0"), "need --layers at least 1 (got 0)\n"),
+                         (("--hidden", "7"), "need --hidden a multiple of 8, at least 8 (got 7)\n"),
+                         # 0 is a multiple of 8: the message said only that.
+                         (("--hidden", "0"), "need --hidden a multiple of 8, at least 8 (got 0)\n"),
+                         (("--hidden", "0", "--layers", "0"),
+                          "need --layers at least 1 (got 0), --hidden a multiple of 8, at least 8 "
+                          "(got 0)\n"),
                          (("--json", str(short_dir / "nope" / "x.json")), "existing directory"),
                          (("--json", str(short_dir)), "existing directory")):
         r = run_demo("--private", "--tokens", "2", "--prompt-tokens", "64", *args)
