@@ -283,7 +283,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         width = max(len(s.name) for s in SETTINGS)
         for s in SETTINGS:
-            print(f"{s.name:<{width}}  {values[s.name]!s:<40}  ({sources[s.name]})")
+            value = values[s.name]
+            if isinstance(value, Path) and not value.is_absolute():
+                value = f"{value} (= {os.path.abspath(value)})"  # where serve would use
+            print(f"{s.name:<{width}}  {value!s:<40}  ({sources[s.name]})")
         try:
             check_places(cfg)  # what serve would refuse, said here too
             check_not_held(cfg)
@@ -292,8 +295,8 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         return 0
     _logging(values["log_level"])
-    print(f"kvkeeper {__version__}: socket {cfg.socket}, root {cfg.root}", file=sys.stderr,
-          flush=True)
+    print(f"kvkeeper {__version__}: socket {os.path.abspath(cfg.socket)}, root "
+          f"{os.path.abspath(cfg.root)}", file=sys.stderr, flush=True)
     try:
         return Daemon(cfg).run()
     except (AlreadyRunning, config.ConfigError) as exc:

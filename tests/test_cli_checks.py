@@ -919,3 +919,14 @@ def test_a_relative_path_in_the_config_file_is_refused(line: str, short_dir: Pat
     monkeypatch.setenv("HOME", str(home))
     r = cli("serve", "--config", str(cfg), "--print-config", env={"HOME": str(home)})
     assert r.returncode == 0 and str(home) in r.stdout, r.stderr
+
+
+def test_print_config_shows_where_a_relative_path_leads(short_dir: Path) -> None:
+    """A relative --root or --socket was printed as given: where serve would
+    put the store, and listen, was left to the reader to work out."""
+    r = cli("serve", "--root", "rr", "--socket", "s/kv.sock", "--print-config", cwd=short_dir)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert f"rr (= {short_dir / 'rr'})" in rows["root"], r.stdout
+    assert f"s/kv.sock (= {short_dir / 's' / 'kv.sock'})" in rows["socket"], r.stdout
+    assert not (short_dir / "rr").exists()  # printing makes nothing
