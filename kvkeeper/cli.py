@@ -138,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="delete one entry, or all of a model",
                         description="kvkeeper rm MODEL ID deletes one entry; kvkeeper rm "
                         "--model FP deletes every entry of a model. Give one form, not both "
-                        "(anything else exits 2). Exit 1 if MODEL ID names no entry, or FP none.")
+                        "(anything else exits 2). Exit 1 if MODEL ID names no entry, or FP none. "
+                        "A model or id starting with '-' goes after '--' "
+                        "(kvkeeper rm -- MODEL -ID).")
     _socket_arg(rm)
     rm.add_argument("model", nargs="?", help="model fingerprint")
     rm.add_argument("cache_id", nargs="?", help="cache id")
@@ -213,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
                          "Refused (exit 1): caches mlx-lm's loader cannot rebuild (mlx-vlm's "
                          "classes, DeepSeek V4.1's) or whose offset mlx-lm's file loses (a "
                          "trimmed ConcatenateKVCache; under mlx-lm 0.31 a ChunkedKVCache "
-                         "trimmed at the front).")
+                         "trimmed at the front). A model or id starting with '-' goes after "
+                         "'--' (kvkeeper export -- MODEL -ID PATH).")
     _socket_arg(exp)
     exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's; with no "

@@ -1077,3 +1077,18 @@ def test_help_gives_sizes_as_written_and_python_m_kvkeeper_runs(daemon: RunningD
     assert r.returncode == 0 and r.stdout.startswith("kvkeeper "), (r.stdout, r.stderr)
     r = cli("stats", "--socket", str(daemon.socket), "--json", run=("-m", "kvkeeper"))
     assert r.returncode == 0 and "saves_received" in json.loads(r.stdout), r.stderr
+
+
+def test_an_id_starting_with_a_dash_goes_after_double_dash(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """As rm's and export's help say: ``--`` ends the options."""
+    sock = str(daemon.socket)
+    _save(client, "m1", "-dash")
+    assert "goes after '--'" in cli("rm", "--help").stdout.replace("\n", " ")
+    out = short_dir / "x.safetensors"
+    r = cli("export", "--socket", sock, "--", "m1", "-dash", str(out))
+    assert r.returncode == 0 and out.exists(), (r.stdout, r.stderr)
+    r = cli("rm", "--socket", sock, "--", "m1", "-dash")
+    assert r.returncode == 0 and r.stdout == "deleted\n", (r.stdout, r.stderr)
+    assert client.entries() == []
