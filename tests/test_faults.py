@@ -265,6 +265,37 @@ def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) 
     assert all(entry_path(root, key).exists() for key in "abcx")
 
 
+def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -> None:
+    """As above, with the gc already reading the root when SIGTERM comes (a
+    large store's rescan takes seconds): its evictions once the rescan was
+    done came during the drain."""
+    MiB = 2**20
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    go.touch()  # the start-up scan goes through; the gc's waits for it
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0",
+                         "--max-disk-bytes", str(MiB), env={ENV: f"scan_hold={go}"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for key in "abc":
+                assert kv.save(FP, key, filled(0.25, 1), [1])
+            assert kv.flush(timeout=WAIT)
+            (root / "notes.bin").write_bytes(b"n" * (MiB // 2))  # over the budget with it
+            go.unlink()
+            answer: list[object] = []
+            asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
+            asker.start()
+            time.sleep(0.5)  # the gc's rescan has read the root, and waits
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)  # the drain has begun
+            go.touch()
+            asker.join(WAIT)
+            assert answer and answer[0].entries == [], answer  # type: ignore[attr-defined]
+        assert proc.wait(WAIT) == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert all(entry_path(root, key).exists() for key in "abc")
+
+
 def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout(
         short_dir: Path) -> None:
     """The drain takes a client's saves until it answers the notice. A drain

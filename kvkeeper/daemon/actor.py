@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import threading
 import time
 from collections import deque
@@ -207,7 +208,9 @@ class WriterActor:
         #: jobs): a listing waits for it, where it would show a part of the
         #: store.
         self.indexed = anyio.Event()
-        self._stop_indexing = threading.Event()  # the drain cuts the start-up scan short
+        # Set when the drain begins: it cuts the start-up scan short, and ends
+        # a gc's evictions.
+        self._stop_indexing = threading.Event()
         self._scan_evicted: list[StoredEntry] = []  # a gc asked during the scan answers them
         #: Jobs taken in so far, of every client (never reset): a flush
         #: started when it was N covers every request that came when it was
@@ -376,6 +379,7 @@ class WriterActor:
         if not self.accepting:
             return
         self.draining = True
+        self._stop_indexing.set()
         self.accepting = False
         self._send.close()
         self._release_held()
@@ -569,7 +573,10 @@ class WriterActor:
             job.done.set()
             return
         try:
-            _, job.evicted = await anyio.to_thread.run_sync(self.store.rescan_and_enforce)
+            # The rescan reads on; what it finds is evicted only until the drain
+            # begins (a large store's rescan takes seconds).
+            _, job.evicted = await anyio.to_thread.run_sync(functools.partial(
+                self.store.rescan_and_enforce, no_evictions=self._stop_indexing))
             self._count_evictions(job.evicted)
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)

@@ -481,12 +481,14 @@ class Store:
             self._whole = complete
         return complete
 
-    def rescan_and_enforce(self, stop: threading.Event | None = None
+    def rescan_and_enforce(self, stop: threading.Event | None = None, *,
+                           no_evictions: threading.Event | None = None,
                            ) -> tuple[bool, list[StoredEntry]]:
         """``rescan``, then apply the disk budget (which evicts nothing when
-        the scan was cut short); returns whether it was whole, and what went."""
+        the scan was cut short, nor once ``no_evictions`` is set); returns
+        whether it was whole, and what went."""
         complete = self.rescan(stop)
-        return complete, self.enforce_budget()
+        return complete, self.enforce_budget(no_evictions=no_evictions)
 
     def _used_at(self, entry: StoredEntry, when: float) -> None:
         """Move ``entry`` last in the order of use (lock held). Not a _put:
@@ -823,19 +825,21 @@ class Store:
         entry's current file is kept; it stays on disk meanwhile."""
         return self.enforce_budget(keep=self.path_for(model, cache_id), writing=nbytes)
 
-    def enforce_budget(self, keep: Path | None = None, *,
-                       writing: int = 0) -> list[StoredEntry]:
+    def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
+                       no_evictions: threading.Event | None = None) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
         must fit even with ``min_free_bytes`` 0). Foreign files count but are
         never deleted; ``keep`` is never evicted, and protected entries (a
         save of them on its way) go last; nothing is evicted for a file that
-        would not fit with every entry gone."""
+        would not fit with every entry gone, nor once ``no_evictions`` is set
+        (looked at before each one)."""
         with self._evicting:
-            return self._enforce_budget(keep, writing)
+            return self._enforce_budget(keep, writing, no_evictions)
 
-    def _enforce_budget(self, keep: Path | None, writing: int) -> list[StoredEntry]:
+    def _enforce_budget(self, keep: Path | None, writing: int,
+                        no_evictions: threading.Event | None) -> list[StoredEntry]:
         b = self.budget
         evicted: list[StoredEntry] = []
         with self._lock:
@@ -882,7 +886,7 @@ class Store:
                         "it", writing, free, evictable)
         for victim, saving in candidates:
             reason = pressure()
-            if reason is None:
+            if reason is None or (no_evictions is not None and no_evictions.is_set()):
                 break
             if not self._still_indexed(victim):
                 # Changed by hand since it was indexed: re-counted, not evicted.
