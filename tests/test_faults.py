@@ -13,7 +13,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -234,6 +236,21 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
             assert version_of(entry_path(root, f"slow{i}")) == i + 1
 
 
+def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes],
+                       then: Callable[[], object] = lambda: None) -> list[object]:
+    """What a gc evicted, asked 0.5 s before the daemon is sent SIGTERM
+    (``then`` runs right after the signal)."""
+    answer: list[Any] = []
+    asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
+    asker.start()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    then()
+    asker.join(WAIT)
+    assert answer, "the gc was not answered"
+    return list(answer[0].entries)
+
+
 def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) -> None:
     """From the drain's start gc evicts nothing, but a gc asked before it,
     queued behind a save being written, ran its rescan and evicted during
@@ -252,13 +269,8 @@ def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) 
             wait_for(lambda: kv.stats()["saves_received"] == 4, "the big save")
             # Seen only by a rescan: over the budget with it.
             (root / "notes.bin").write_bytes(b"n" * (2 * MiB))
-            answer: list[object] = []
-            asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
-            asker.start()
-            time.sleep(0.5)  # the gc queued behind the save being written
-            proc.send_signal(signal.SIGTERM)
-            asker.join(WAIT)
-            assert answer and answer[0].entries == [], answer  # type: ignore[attr-defined]
+            # (The gc queues behind the save being written.)
+            assert _gc_across_sigterm(kv, proc) == []
         assert proc.wait(WAIT) == 0
     finally:
         stop_process(proc, signal.SIGKILL)
@@ -281,15 +293,8 @@ def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -
             assert kv.flush(timeout=WAIT)
             (root / "notes.bin").write_bytes(b"n" * (MiB // 2))  # over the budget with it
             go.unlink()
-            answer: list[object] = []
-            asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
-            asker.start()
-            time.sleep(0.5)  # the gc's rescan has read the root, and waits
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)  # the drain has begun
-            go.touch()
-            asker.join(WAIT)
-            assert answer and answer[0].entries == [], answer  # type: ignore[attr-defined]
+            # (The gc's rescan reads the root, and waits for go.)
+            assert _gc_across_sigterm(kv, proc, then=lambda: (time.sleep(0.3), go.touch())) == []
         assert proc.wait(WAIT) == 0
     finally:
         stop_process(proc, signal.SIGKILL)
