@@ -145,12 +145,13 @@ def _check_ours(path: Path, what: str) -> None:
         raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it")
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what} {str(path)!r} is not a directory")
-    # A directory shared by every user (/tmp) must not be chmod-ed: the place
-    # wanted is a directory of its own inside it, which start-up makes.
+    # A directory every user shares (/tmp, sticky and open to all) must not
+    # be chmod-ed: the place wanted is a directory of this user's own inside
+    # it, which start-up makes. (Inside another user's, nothing can be made.)
     shared = st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH
     own_place = (f"; use a directory of its own inside it instead (e.g. "
-                 f"{str(path / 'kvkeeper')!r}: made at start, mode 700)"
-                 if shared or st.st_uid != os.getuid() else "")
+                 f"{str(path / f'kvkeeper-{os.getuid()}')!r}: made at start, mode 700)"
+                 if shared else "")
     if st.st_uid != os.getuid():
         raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us"
                           f"{own_place}")

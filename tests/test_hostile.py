@@ -453,15 +453,20 @@ def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
     with pytest.raises(ConfigError, match="open to group or others") as refused:
         start_daemon(short_dir / "r1", shared / "kv.sock")
     assert "chmod" not in str(refused.value)
-    assert f"a directory of its own inside it instead (e.g. '{shared}/kvkeeper'" in \
-        str(refused.value)
-    start_daemon(short_dir / "r1", shared / "kvkeeper" / "kv.sock").stop()
+    own = shared / f"kvkeeper-{os.getuid()}"
+    assert f"a directory of its own inside it instead (e.g. '{own}'" in str(refused.value)
+    start_daemon(short_dir / "r1", own / "kv.sock").stop()
+    os.chown(shared, pwd.getpwnam("nobody").pw_uid, -1)  # as /tmp, root's, is to a user
+    with pytest.raises(ConfigError, match="owned by uid") as refused:
+        start_daemon(short_dir / "r1", shared / "kv.sock")
+    assert f"a directory of its own inside it instead (e.g. '{own}'" in str(refused.value)
     theirs = short_dir / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
     with pytest.raises(ConfigError, match="owned by uid") as refused:
         start_daemon(theirs, short_dir / "run" / "kv.sock")
-    assert "a directory of its own inside it" in str(refused.value)
+    # Not "a directory of its own inside it": nothing can be made there.
+    assert "inside it" not in str(refused.value)
     link = short_dir / "link"
     link.symlink_to(short_dir / "run", target_is_directory=True)
     (short_dir / "run").mkdir(mode=0o700)
