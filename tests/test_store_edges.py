@@ -510,6 +510,16 @@ def test_files_in_the_root_itself_count_against_the_budget(short_dir: Path) -> N
     # a and b went (the oldest); c and the foreign file are counted, and fit.
     assert listed == {(str(big), "foreign"), (str(entry_path(root, "c", model="fp")), "entry")}
     assert used == big.stat().st_size + size
+    # The socket named through a link to the root's parent: its lock is
+    # still the daemon's own.
+    (short_dir / "alias").symlink_to(short_dir, target_is_directory=True)
+    d = start_daemon(root, short_dir / "alias" / "root" / "kv.sock", max_disk_bytes=3 * size)
+    try:
+        with Client(d.socket, timeout=WAIT) as kv:
+            assert {e.path for e in kv.entries(everything=True)} == {
+                str(big), str(entry_path(root, "c", model="fp"))}
+    finally:
+        assert d.stop() == 0
 
 
 def test_an_entry_removed_by_hand_is_neither_listed_nor_counted(short_dir: Path) -> None:

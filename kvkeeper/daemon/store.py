@@ -299,7 +299,8 @@ class Store:
         self.root = root
         own = [root / naming.LOCK_NAME, *own_files]
         self._own_names = {p.name for p in own}
-        self._own = {os.path.abspath(p) for p in own}
+        # Resolved: the socket may be named through a link to the root's parent.
+        self._own = {os.path.realpath(p) for p in own}
         self.sessions = root / naming.SESSIONS_DIR
         self.budget = budget or Budget()
         self._lock = threading.Lock()
@@ -513,7 +514,7 @@ class Store:
             log.warning("event=unreadable_file path=%s error=%s", path, exc)
             return None
         if not stat.S_ISREG(st.st_mode) or (
-                path.name in self._own_names and os.path.abspath(path) in self._own):
+                path.name in self._own_names and os.path.realpath(path) in self._own):
             return None  # links, the lock files
         last_used = max(st.st_atime, st.st_mtime)
         ident = {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
