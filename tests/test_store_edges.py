@@ -543,3 +543,31 @@ def test_an_entry_removed_by_hand_is_neither_listed_nor_counted(short_dir: Path)
             assert kv.entries(everything=True) == []
     finally:
         assert d.stop() == 0
+
+
+def test_a_file_put_back_while_a_gc_reads_the_root_stays_indexed(short_dir: Path) -> None:
+    """A listing that found a's file gone while a gc's rescan ran told the
+    rescan so, and the rescan then left out the file it read after it was
+    put back: listed and counted again only at the next gc."""
+    root = _three_entries(short_dir)
+    sock, go = short_dir / "run" / "kv.sock", short_dir / "go"
+    a = entry_path(root, "a", model="fp")
+    go.touch()  # the start-up scan goes through; the gc's waits before its first file
+    proc = serve_process(root, sock, env={ENV: f"scan_hold={go},scan_hold_after=0"})
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            go.unlink()
+            answer: list[object] = []
+            asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
+            asker.start()
+            time.sleep(0.5)  # the gc's rescan waits before it reads a file
+            os.rename(a, short_dir / "a.bak")
+            assert [e.cache_id for e in kv.entries("fp")] == ["b", "c"]
+            os.rename(short_dir / "a.bak", a)
+            go.touch()
+            asker.join(WAIT)
+            assert answer, "the gc was not answered"
+            assert sorted(e.cache_id for e in kv.entries("fp")) == ["a", "b", "c"]
+            assert kv.stats()["disk_used_bytes"] == 3 * a.stat().st_size
+    finally:
+        assert stop_process(proc) == 0

@@ -329,13 +329,14 @@ class Store:
         if self._meanwhile is not None:
             self._meanwhile[entry.path] = entry
 
-    def _drop(self, path: Path) -> StoredEntry | None:
-        """Forget ``path``; returns what was indexed there (lock held)."""
+    def _drop(self, path: Path, *, change: bool = True) -> StoredEntry | None:
+        """Forget ``path``; returns what was indexed there (lock held).
+        ``change``: a change a rescan running must apply over what it read."""
         old = self._index.pop(path, None)
         if old is not None:
             self._used -= old.nbytes
             self._quarantined -= old.kind == "quarantine"
-        if self._meanwhile is not None:
+        if self._meanwhile is not None and change:
             self._meanwhile[path] = None
         return old
 
@@ -345,7 +346,10 @@ class Store:
         lock: a save may have renamed its file in, and indexed it, since."""
         with self._lock:
             if path in self._index and not os.path.lexists(path):
-                self._drop(path)
+                # Seen, not done by the daemon: a rescan running reads the
+                # file again (a file put back meanwhile stays indexed, and one
+                # still gone is forgotten at the next look).
+                self._drop(path, change=False)
 
     # -- paths
     def path_for(self, model: str, cache_id: str) -> Path:
