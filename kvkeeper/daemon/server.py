@@ -130,6 +130,9 @@ class Server:
         self._last_reply = -float("inf")
         self._waiting: dict[bytes, int] = {}  # per peer: requests whose answer waits
         self._waiting_total = 0
+        # Listings (one lstat a file) in threads of their own: many at once
+        # must not take every thread of the pool the writer's disk work uses.
+        self._listing = anyio.CapacityLimiter(2)
         self._flushes: dict[bytes, _Flushes] = {}  # per peer with flushes waiting
         # Peers told of the drain whose flush (which the notice asks for) has
         # not been answered yet: the daemon gives them a moment before it exits.
@@ -511,7 +514,8 @@ class Server:
     async def _list(self, peer: bytes, req: int, model: str | None, everything: bool) -> None:
         await self.actor.indexed.wait()  # not the part of the store read so far
         found = await anyio.to_thread.run_sync(
-            functools.partial(self.store.listing, model, everything=everything))
+            functools.partial(self.store.listing, model, everything=everything),
+            limiter=self._listing)
         self._reply(peer, m.Entries(v=m.PROTOCOL_VERSION, req=req,
                                     entries=[_entry(e) for e in found]))
 
