@@ -508,6 +508,13 @@ class Store:
             self._put(entry)
 
     def _classify(self, path: Path) -> StoredEntry | None:
+        entry = self._classify_file(path)
+        if entry is not None and entry.kind == "foreign" and path.parent.parent == self.sessions:
+            # Listed with the model whose directory holds it (``ls --all --model``).
+            return replace(entry, model=naming.decode_component(path.parent.name) or "")
+        return entry
+
+    def _classify_file(self, path: Path) -> StoredEntry | None:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -530,9 +537,6 @@ class Store:
                 return foreign
             return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
                                "quarantine", st.st_mtime, **ident)
-        if path.parent.parent == self.sessions:
-            # Listed with the model whose directory holds it (``ls --all --model``).
-            foreign = replace(foreign, model=naming.decode_component(path.parent.name) or "")
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
