@@ -1499,3 +1499,26 @@ def test_the_constructor_waits_connect_timeout_for_a_busy_daemon(short_dir: Path
     finally:
         ctx.destroy(linger=0)
         stop_process(proc)
+
+
+def test_a_lazy_cache_handed_to_another_thread_is_a_clear_error(client: Client) -> None:
+    """MLX's streams are per thread: a cache of load(verify=False) saved from
+    another thread made save() raise MLX's RuntimeError "There is no
+    Stream(cpu, 0) in current thread" (a generation loop's pending step
+    too). It is a ValueError saying what to do; evaluated, it saves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .faultkit import FP, filled
+
+    assert client.save(FP, "a", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    lazy = client.load(FP, "a", verify=False)
+    assert lazy is not None
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(ValueError, match="another thread's MLX stream.*evaluate them "
+                                             "there first"):
+            pool.submit(client.save, FP, "b", lazy.cache, lazy.token_ids).result(WAIT)
+        mx.eval([a for layer in lazy.cache for a in layer.state])
+        assert pool.submit(client.save, FP, "b", lazy.cache, lazy.token_ids).result(WAIT)
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, "b")
+    assert got is not None and mx.array_equal(got.cache[0].keys, lazy.cache[0].keys).item()

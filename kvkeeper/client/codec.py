@@ -1242,19 +1242,30 @@ def capture_cache(layers: Sequence[Any]) -> CacheCapture:
     # were slower too while the capture lived (see CAPTURE_COPY_MAX_BYTES).
     copy = nbytes <= CAPTURE_COPY_MAX_BYTES
     handles = []
-    for p, size in zip(enc.pending, sizes, strict=True):
-        if size:
-            p.handle = mx.array(p.source) if copy else p.source.__copy__()
-            handles.append(p.handle)
-        # The cache's own array object may be rebound by the next update; the
-        # handle (and the description recorded above) is all that is kept.
-        p.source = None  # type: ignore[assignment]
-    # Computes whatever is still lazy in the cache (a few microseconds when
-    # nothing is): the I/O thread must only ever read finished buffers. The
-    # memoryviews are taken there too: each one lets go of the GIL (MLX's
-    # buffer export), and every let-go is a chance for another thread to
-    # keep save() waiting for it (up to the 5 ms switch interval).
-    mx.eval(handles)
+    try:
+        for p, size in zip(enc.pending, sizes, strict=True):
+            if size:
+                p.handle = mx.array(p.source) if copy else p.source.__copy__()
+                handles.append(p.handle)
+            # The cache's own array object may be rebound by the next update; the
+            # handle (and the description recorded above) is all that is kept.
+            p.source = None  # type: ignore[assignment]
+        # Computes whatever is still lazy in the cache (a few microseconds when
+        # nothing is): the I/O thread must only ever read finished buffers. The
+        # memoryviews are taken there too: each one lets go of the GIL (MLX's
+        # buffer export), and every let-go is a chance for another thread to
+        # keep save() waiting for it (up to the 5 ms switch interval).
+        mx.eval(handles)
+    except RuntimeError as exc:
+        if "in current thread" not in str(exc):
+            raise
+        # MLX's streams are per thread: work left pending by another thread
+        # (a generation loop's last step, a lazy load) cannot be run here.
+        raise CodecError(
+            f"the cache holds arrays still to be computed on another thread's MLX stream "
+            f"({exc}): evaluate them there first (mx.eval), or save from that thread "
+            f"(a cache from load(verify=False) is lazy: load it verified, or evaluate it, "
+            f"to hand it to another thread)") from None
     description = {"format": LAYERS_FORMAT, "version": enc.version, "layers": entries}
     return CacheCapture(description, tuple(enc.pending), nbytes)
 
