@@ -215,6 +215,11 @@ def test_a_save_after_the_exit_hook_says_the_client_was_closed(daemon: RunningDa
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr)\n"
         "def late():\n"  # registered first: runs after kvkeeper's exit hook
         "    print('saved', kv.save('m', 'late', [layer], [1, 2, 3, 4]), flush=True)\n"
+        "    for call in (lambda: kv.flush(5), lambda: kv.load('m', 'x'), kv.entries):\n"
+        "        try:\n"
+        "            call()\n"
+        "        except Exception as exc:\n"
+        "            print('raised', type(exc).__name__, exc, flush=True)\n"
         "atexit.register(late)\n"
         "import mlx.core as mx\n"
         "from mlx_lm.models.cache import KVCache\n"
@@ -228,6 +233,10 @@ def test_a_save_after_the_exit_hook_says_the_client_was_closed(daemon: RunningDa
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT)
     assert r.returncode == 0 and "saved False" in r.stdout, r.stdout + r.stderr
     assert "reason=closed" in r.stderr and "daemon_down" not in r.stderr, r.stderr
+    # So do its requests (they said "no kvkeeper daemon at ..." too).
+    raised = [line for line in r.stdout.splitlines() if line.startswith("raised")]
+    assert raised == ["raised DaemonUnavailable the client's connection was closed (by "
+                      "close() on another thread, or at interpreter exit)"] * 2, r.stdout
 
 
 def test_float64_cache_is_refused_naming_the_layer(client: Client, daemon: RunningDaemon) -> None:

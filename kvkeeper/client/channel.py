@@ -223,6 +223,11 @@ class _Request:
     conn: int = 0  # the I/O thread's: Channel.connections when it went
 
 
+#: Why a request of a client whose close() began elsewhere fails.
+CLOSED_BY_OTHERS = ("the client's connection was closed (by close() on another thread, or at "
+                    "interpreter exit)")
+
+
 #: A request on its way: what ``Channel.send_request`` returns.
 PendingReply = _Request
 
@@ -422,13 +427,16 @@ class Channel:
         may pass saves still waiting for room. Raises DaemonUnavailable when
         the daemon is not connected."""
         if not self.connected.is_set():
+            if self._close_claimed and self._closer != threading.get_ident():
+                # The daemon may well be up: say what happened to this client.
+                raise DaemonUnavailable(CLOSED_BY_OTHERS)
             raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
         req = self.next_req_id()
         item = _Request(m.encode(make(req)), req, release)
         with self._lock:
             if self._stopped:
                 # Nobody would ever answer it: fail now, not after the timeout.
-                raise DaemonUnavailable("client closed")
+                raise DaemonUnavailable(CLOSED_BY_OTHERS)
             self._waiting[req] = item
         self._push(item, hand_over=True)
         return item
@@ -753,7 +761,7 @@ class Channel:
                 self._ctx.term()
             finally:
                 self.connected.clear()
-                self._fail_waiting("client closed")
+                self._fail_waiting(CLOSED_BY_OTHERS)
                 with self._lock:
                     # Under the lock close() looks at _ended with: either it
                     # closes the pipe, or this thread does, never neither.

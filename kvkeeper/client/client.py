@@ -31,6 +31,7 @@ import msgspec
 from kvkeeper import __version__, config, settings
 from kvkeeper.client.channel import (
     ALL_KEYS,
+    CLOSED_BY_OTHERS,
     Channel,
     DaemonShuttingDown,
     DaemonTimedOut,
@@ -325,8 +326,7 @@ class Client:
             if self._channel.closing:
                 # E.g. a generator finished at interpreter exit, after the
                 # exit hook closed every client: the daemon may be up.
-                return self._drop("closed", "the client's connection was closed (by close() "
-                                            "on another thread, or at interpreter exit)")
+                return self._drop("closed", CLOSED_BY_OTHERS)
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
         # Only the capture (which checks the layers) runs here; the JSON, the
         # byte runs and the messages are built on the I/O thread (_messages).
