@@ -47,14 +47,19 @@ def daemon_stopped(short_dir: Path) -> Iterator[Client]:
         assert stop_process(proc) == 0
 
 
-def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(short_dir: Path) -> None:
+def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     # 64 MiB cannot all leave before close() gives up on it.
+    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
     with daemon_stopped(short_dir) as kv:
         assert kv.save(FP, "big", filled(64, 1), [1])
         kv.close(timeout=0.5)
     c = kv.client_stats()
     assert c["client_saves_lost"] == 1, c
     assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
+    # And said, with whose it was (it was counted without a word).
+    lost = [r.getMessage() for r in caplog.records if "saves_lost_at_close" in r.getMessage()]
+    assert len(lost) == 1 and f"count=1 keys={FP}/big:" in lost[0], lost
 
 
 def test_a_save_cut_short_by_the_daemons_death_is_logged_lost_with_its_key(

@@ -223,6 +223,12 @@ class _Request:
     conn: int = 0  # the I/O thread's: Channel.connections when it went
 
 
+def _some_keys(keys: list[Key], shown: int = 20) -> str:
+    """``model/id,...`` of at most ``shown`` keys, and how many more."""
+    text = ",".join(f"{model}/{cache_id}" for model, cache_id in keys[:shown])
+    return text + (f",+{len(keys) - shown} more" if len(keys) > shown else "")
+
+
 #: Why a request of a client whose close() began elsewhere fails.
 CLOSED_BY_OTHERS = ("the client's connection was closed (by close() on another thread, or at "
                     "interpreter exit)")
@@ -746,6 +752,12 @@ class Channel:
             self._piping = None
             self._piped.clear()
             self.counters.saves_lost += len(unsent)
+            if unsent:
+                # A shutdown that loses a conversation's last state says whose.
+                keys = sorted({save.key for save in unsent})
+                log.warning("event=saves_lost_at_close count=%d keys=%s: not sent whole "
+                            "before the client closed (no daemon, or close()'s timeout)",
+                            len(unsent), _some_keys(keys))
             # In one hold of the lock: a thread still calling save() contends
             # for it, and each wait for it costs this thread a GIL hand-over.
             with self._lock:
