@@ -299,6 +299,33 @@ def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -
     finally:
         stop_process(proc, signal.SIGKILL)
     assert all(entry_path(root, key).exists() for key in "abc")
+    assert "event=evictions_stopped" in proc.log_path.read_text()  # type: ignore[attr-defined]
+
+
+def test_a_start_up_scan_the_drain_meets_after_its_last_file_evicts_nothing(
+        short_dir: Path) -> None:
+    """The start-up scan had read every file when SIGTERM came: its eviction
+    pass then ran during the drain, and a gc that waited for the scan
+    answered with what it evicted."""
+    MiB = 2**20
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0")
+    with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+        for key in "abc":
+            assert kv.save(FP, key, filled(0.5, 1), [1])
+        assert kv.flush(timeout=WAIT)
+    assert stop_process(proc) == 0
+    # Over a 1 MiB budget; the scan waits after its last file until the drain.
+    proc = serve_process(root, sock, "--min-free-bytes", "0", "--max-disk-bytes", str(MiB),
+                         env={ENV: f"scan_hold={go}"}, indexed=False)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert _gc_across_sigterm(kv, proc) == []
+        assert proc.wait(WAIT) == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert all(entry_path(root, key).exists() for key in "abc")
+    assert "event=evictions_stopped" in proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout(

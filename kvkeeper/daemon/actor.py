@@ -379,7 +379,6 @@ class WriterActor:
         if not self.accepting:
             return
         self.draining = True
-        self._stop_indexing.set()
         self.accepting = False
         self._send.close()
         self._release_held()
@@ -444,8 +443,11 @@ class WriterActor:
         a drain cuts it short, and the budget then waits for the next start."""
         began = time.monotonic()
         try:
-            complete, evicted = await anyio.to_thread.run_sync(self.store.rescan_and_enforce,
-                                                               self._stop_indexing)
+            # A drain cuts the scan short; one that begins after its last file
+            # still ends its evictions (gc evicts nothing from the drain's start).
+            complete, evicted = await anyio.to_thread.run_sync(functools.partial(
+                self.store.rescan_and_enforce, self._stop_indexing,
+                no_evictions=self._stop_indexing))
             self._count_evictions(evicted)
             self._scan_evicted = evicted
             if not complete:

@@ -893,9 +893,13 @@ class Store:
             for_free_space = False
             log.warning("event=no_room bytes=%d free=%d evictable=%d: nothing evicted for "
                         "it", writing, free, evictable)
+        stopped = False
         for victim, saving in candidates:
             reason = pressure()
-            if reason is None or (no_evictions is not None and no_evictions.is_set()):
+            if reason is None:
+                break
+            if no_evictions is not None and no_evictions.is_set():
+                stopped = True
                 break
             if not self._still_indexed(victim):
                 # Changed by hand since it was indexed: re-counted, not evicted.
@@ -927,7 +931,10 @@ class Store:
             # evict: if that save fails, the entry is gone (said in the log).
             log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s save_pending=%d",
                      victim.model, victim.cache_id, victim.nbytes, victim.kind, reason, saving)
-        if b.max_disk_bytes is not None and used > b.max_disk_bytes:
+        if stopped:
+            log.warning("event=evictions_stopped used=%d reason=%s: the daemon is draining; "
+                        "the budget is applied again at the next start", used, reason)
+        elif b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
         # Free space is read again only when entries went (a statvfs call).
