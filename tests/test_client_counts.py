@@ -62,6 +62,30 @@ def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(
     assert len(lost) == 1 and f"count=1 keys={FP}/big:" in lost[0], lost
 
 
+def test_a_log_handler_that_raises_at_the_lost_saves_line_does_not_undo_close(
+        short_dir: Path) -> None:
+    """The line is logged in the I/O thread's last cleanup: a handler that
+    raised there left the thread unfinished (close() waited 5 s more), the
+    reservation held and the client still 'connected'."""
+
+    class Raising(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "saves_lost_at_close" in record.getMessage():
+                raise RuntimeError("a handler that fails")
+
+    handler = Raising(logging.WARNING)
+    logging.getLogger("kvkeeper.client").addHandler(handler)
+    try:
+        with daemon_stopped(short_dir) as kv:
+            assert kv.save(FP, "big", filled(64, 1), [1])
+            kv.close(timeout=0.5)
+    finally:
+        logging.getLogger("kvkeeper.client").removeHandler(handler)
+    c = kv.client_stats()
+    assert c["client_saves_lost"] == 1 and c["client_inflight_bytes"] == 0, c
+    assert not kv.connected
+
+
 def test_a_save_cut_short_by_the_daemons_death_is_logged_lost_with_its_key(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The line read 'event=save_lost "reason=connection_lost"' (the reason

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import ctypes
 import itertools
 import os
@@ -232,6 +233,8 @@ def _some_keys(keys: list[Key], shown: int = 20) -> str:
 #: Why a request of a client whose close() began elsewhere fails.
 CLOSED_BY_OTHERS = ("the client's connection was closed (by close() on another thread, or at "
                     "interpreter exit)")
+#: Why a request of a client made before a fork fails in the child.
+FORKED = "this Client was made before the process forked; make a new one in the child"
 
 
 #: A request on its way: what ``Channel.send_request`` returns.
@@ -419,21 +422,23 @@ class Channel:
         return True
 
     def request(self, make: Callable[[int], m.Request], timeout: float, *,
-                release: Key | None = None) -> m.Reply:
+                release: Key | None = None, closing: bool = False) -> m.Reply:
         """Send a request and wait for its reply; raises DaemonUnavailable.
-        ``release`` as for ``send_request``."""
-        return self.wait(self.send_request(make, release=release), timeout)
+        ``release`` and ``closing`` as for ``send_request``."""
+        return self.wait(self.send_request(make, release=release, closing=closing), timeout)
 
     def send_request(self, make: Callable[[int], m.Request], *,
-                     release: Key | None = None) -> PendingReply:
+                     release: Key | None = None, closing: bool = False) -> PendingReply:
         """Send a request without waiting; ``wait`` collects the reply, so the
         caller can work while the daemon answers. Every save of ``release``
         made before it (``ALL_KEYS``: every save) reaches the daemon first,
         one waiting out the send interval included; with ``release`` None it
-        may pass saves still waiting for room. Raises DaemonUnavailable when
-        the daemon is not connected."""
+        may pass saves still waiting for room. ``closing``: close()'s own
+        request. Raises DaemonUnavailable when the daemon is not connected."""
         if not self.connected.is_set():
-            if self._close_claimed and self._closer != threading.get_ident():
+            if self.forked:
+                raise DaemonUnavailable(FORKED)
+            if self._close_claimed and not closing:
                 # The daemon may well be up: say what happened to this client.
                 raise DaemonUnavailable(CLOSED_BY_OTHERS)
             raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
@@ -442,7 +447,7 @@ class Channel:
         with self._lock:
             if self._stopped:
                 # Nobody would ever answer it: fail now, not after the timeout.
-                raise DaemonUnavailable(CLOSED_BY_OTHERS)
+                raise DaemonUnavailable(FORKED if self.forked else CLOSED_BY_OTHERS)
             self._waiting[req] = item
         self._push(item, hand_over=True)
         return item
@@ -492,7 +497,7 @@ class Channel:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-        self._fail_waiting("the client was made before a fork")
+        self._fail_waiting(FORKED)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send the saves waiting out the send interval, give queued saves up
@@ -605,7 +610,8 @@ class Channel:
                         "to ask the daemon")
             return False
         try:
-            self.request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
+            self.request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout,
+                         closing=True)
         except DaemonUnavailable as exc:
             log.warning("event=client_close_unconfirmed reason=%s", exc)
             return False
@@ -752,12 +758,7 @@ class Channel:
             self._piping = None
             self._piped.clear()
             self.counters.saves_lost += len(unsent)
-            if unsent:
-                # A shutdown that loses a conversation's last state says whose.
-                keys = sorted({save.key for save in unsent})
-                log.warning("event=saves_lost_at_close count=%d keys=%s: not sent whole "
-                            "before the client closed (no daemon, or close()'s timeout)",
-                            len(unsent), _some_keys(keys))
+            lost_keys = sorted({save.key for save in unsent})
             # In one hold of the lock: a thread still calling save() contends
             # for it, and each wait for it costs this thread a GIL hand-over.
             with self._lock:
@@ -774,6 +775,13 @@ class Channel:
             finally:
                 self.connected.clear()
                 self._fail_waiting(CLOSED_BY_OTHERS)
+                if unsent:
+                    # A shutdown that loses a conversation's last state says
+                    # whose; before close() returns, and never in its way.
+                    with contextlib.suppress(Exception):
+                        log.warning("event=saves_lost_at_close count=%d keys=%s: not sent "
+                                    "whole before the client closed (no daemon, or close()'s "
+                                    "timeout)", len(unsent), _some_keys(lost_keys))
                 with self._lock:
                     # Under the lock close() looks at _ended with: either it
                     # closes the pipe, or this thread does, never neither.

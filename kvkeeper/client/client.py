@@ -32,6 +32,7 @@ from kvkeeper import __version__, config, settings
 from kvkeeper.client.channel import (
     ALL_KEYS,
     CLOSED_BY_OTHERS,
+    FORKED,
     Channel,
     DaemonShuttingDown,
     DaemonTimedOut,
@@ -321,8 +322,7 @@ class Client:
             if connected:
                 return self._drop_inflight()
             if self._channel.forked:
-                return self._drop("forked", "this Client was made before the process forked; "
-                                            "make a new one in the child")
+                return self._drop("forked", FORKED)
             if self._channel.closing:
                 # E.g. a generator finished at interpreter exit, after the
                 # exit hook closed every client: the daemon may be up.
@@ -494,8 +494,7 @@ class Client:
         if self._channel.forked:
             # Not a read of the file instead, as with no daemon: a verified
             # read evaluates MLX arrays, which can hang in a forked child.
-            raise DaemonUnavailable("this Client was made before the process forked; make a "
-                                    "new one in the child")
+            raise DaemonUnavailable(FORKED)
         key = (model, cache_id)
         # One timeout for every wait of the load (who the daemon is, the
         # file, moving a damaged file aside): a stalled daemon used to cost
@@ -678,8 +677,7 @@ class Client:
         if self._channel.forked:
             # The parent's flush may have held the turn at the fork: the
             # child's requests fail at once, and so does this one.
-            raise DaemonUnavailable("this Client was made before the process forked; make a "
-                                    "new one in the child")
+            raise DaemonUnavailable(FORKED)
         if not self._flushing.acquire(timeout=timeout):
             raise DaemonUnavailable(f"another flush of this client did not end within "
                                     f"{timeout} s")
