@@ -63,7 +63,7 @@ def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(
 
 
 def test_a_log_handler_that_raises_at_the_lost_saves_line_does_not_undo_close(
-        short_dir: Path) -> None:
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The line is logged in the I/O thread's last cleanup: a handler that
     raised there left the thread unfinished (close() waited 5 s more), the
     reservation held and the client still 'connected'."""
@@ -73,6 +73,7 @@ def test_a_log_handler_that_raises_at_the_lost_saves_line_does_not_undo_close(
             if "saves_lost_at_close" in record.getMessage():
                 raise RuntimeError("a handler that fails")
 
+    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
     handler = Raising(logging.WARNING)
     logging.getLogger("kvkeeper.client").addHandler(handler)
     try:
@@ -84,6 +85,8 @@ def test_a_log_handler_that_raises_at_the_lost_saves_line_does_not_undo_close(
     c = kv.client_stats()
     assert c["client_saves_lost"] == 1 and c["client_inflight_bytes"] == 0, c
     assert not kv.connected
+    # Nor did close() wait for the thread ("did not end within 5 s").
+    assert not [r for r in caplog.records if "client_close_slow" in r.getMessage()]
 
 
 def test_a_save_cut_short_by_the_daemons_death_is_logged_lost_with_its_key(

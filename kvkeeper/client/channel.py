@@ -447,7 +447,7 @@ class Channel:
         with self._lock:
             if self._stopped:
                 # Nobody would ever answer it: fail now, not after the timeout.
-                raise DaemonUnavailable(FORKED if self.forked else CLOSED_BY_OTHERS)
+                raise DaemonUnavailable(CLOSED_BY_OTHERS)  # (a forked child is never connected)
             self._waiting[req] = item
         self._push(item, hand_over=True)
         return item

@@ -933,12 +933,13 @@ class Store:
                      victim.model, victim.cache_id, victim.nbytes, victim.kind, reason, saving)
         if stopped:
             log.warning("event=evictions_stopped used=%d reason=%s: the daemon is draining; "
-                        "the budget is applied again at the next start", used, reason)
+                        "the budget is applied again by the next save written, or at the "
+                        "next start", used, reason)
         elif b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
         # Free space is read again only when entries went (a statvfs call).
-        if evicted and b.min_free_bytes > 0 and (
+        if evicted and not stopped and b.min_free_bytes > 0 and (
                 free := self.free_bytes() - writing) < b.min_free_bytes:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
