@@ -251,6 +251,20 @@ def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes],
     return list(answer[0].entries)
 
 
+def _gc_across_the_drain_evicts_nothing(root: Path, sock: Path, proc: subprocess.Popen[bytes],
+                                        then: Callable[[], object] = lambda: None) -> None:
+    """A gc across SIGTERM (``_gc_across_sigterm``) evicts nothing of a, b
+    and c, the daemon exits 0, and its log says the drain stopped evicting."""
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert _gc_across_sigterm(kv, proc, then) == []
+        assert proc.wait(WAIT) == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert all(entry_path(root, key).exists() for key in "abc")
+    assert "event=evictions_stopped" in proc.log_path.read_text()  # type: ignore[attr-defined]
+
+
 def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) -> None:
     """From the drain's start gc evicts nothing, but a gc asked before it,
     queued behind a save being written, ran its rescan and evicted during
@@ -291,15 +305,14 @@ def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -
             for key in "abc":
                 assert kv.save(FP, key, filled(0.25, 1), [1])
             assert kv.flush(timeout=WAIT)
-            (root / "notes.bin").write_bytes(b"n" * (MiB // 2))  # over the budget with it
-            go.unlink()
-            # (The gc's rescan reads the root, and waits for go.)
-            assert _gc_across_sigterm(kv, proc, then=lambda: (time.sleep(0.3), go.touch())) == []
-        assert proc.wait(WAIT) == 0
-    finally:
+        (root / "notes.bin").write_bytes(b"n" * (MiB // 2))  # over the budget with it
+        go.unlink()
+    except BaseException:
         stop_process(proc, signal.SIGKILL)
-    assert all(entry_path(root, key).exists() for key in "abc")
-    assert "event=evictions_stopped" in proc.log_path.read_text()  # type: ignore[attr-defined]
+        raise
+    # (The gc's rescan reads the root, and waits for go.)
+    _gc_across_the_drain_evicts_nothing(
+        root, sock, proc, then=lambda: (time.sleep(0.3), go.touch()))
 
 
 def test_a_start_up_scan_the_drain_meets_after_its_last_file_evicts_nothing(
@@ -318,14 +331,7 @@ def test_a_start_up_scan_the_drain_meets_after_its_last_file_evicts_nothing(
     # Over a 1 MiB budget; the scan waits after its last file until the drain.
     proc = serve_process(root, sock, "--min-free-bytes", "0", "--max-disk-bytes", str(MiB),
                          env={ENV: f"scan_hold={go}"}, indexed=False)
-    try:
-        with Client(sock, timeout=WAIT) as kv:
-            assert _gc_across_sigterm(kv, proc) == []
-        assert proc.wait(WAIT) == 0
-    finally:
-        stop_process(proc, signal.SIGKILL)
-    assert all(entry_path(root, key).exists() for key in "abc")
-    assert "event=evictions_stopped" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    _gc_across_the_drain_evicts_nothing(root, sock, proc)
 
 
 def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout(

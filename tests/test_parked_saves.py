@@ -436,6 +436,13 @@ def evictions_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
             for r in caplog.records if "event=evicted" in r.getMessage()]
 
 
+def save_mib_entries(dealer: zmq.Socket, entries: list[tuple[str, bytes]]) -> None:
+    """Entries of 1 MiB each (id, fill byte), written in this order (req 1, 2, ...)."""
+    for i, (name, fill) in enumerate(entries):
+        assert save_whole(dealer, name, fill, i + 1, nbytes=2**20) == m.Flushed(
+            v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
+
+
 @pytest.mark.parametrize("sent", [HALF, 0], ids=["half sent", "no byte sent"])
 def test_the_old_file_of_a_key_being_saved_is_not_evicted(
     short_dir: Path, sent: int, caplog: pytest.LogCaptureFixture,
@@ -451,9 +458,7 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(
                       max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
     try:
         with dealers(rd.socket, 2) as (slow, other):
-            for i, (name, fill) in enumerate([("k", b"o"), ("a", b"a")]):
-                assert save_whole(other, name, fill, i + 1, nbytes=MiB) == m.Flushed(
-                    v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
+            save_mib_entries(other, [("k", b"o"), ("a", b"a")])
             if sent:
                 start_stalled(rd.root, slow, "k")
             else:
@@ -494,9 +499,7 @@ def test_a_key_being_saved_is_evicted_last_but_the_budget_holds(
                       max_disk_bytes=MiB * 9 // 2, min_write_interval=0.0)
     try:
         with dealers(rd.socket, 2) as (slow, other):
-            for i, (name, fill) in enumerate([("a", b"a"), ("k", b"o")]):  # a is the oldest
-                assert save_whole(other, name, fill, i + 1, nbytes=MiB) == m.Flushed(
-                    v=V, req=i + 1, written=i + 1, superseded=0, failed=0)
+            save_mib_entries(other, [("a", b"a"), ("k", b"o")])  # a is the oldest
             start_stalled(rd.root, slow, "k")
             assert save_whole(other, "b", b"b", 3, nbytes=7 * MiB // 2) == m.Flushed(
                 v=V, req=3, written=3, superseded=0, failed=0)
