@@ -252,9 +252,10 @@ def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes],
 
 
 def _gc_across_the_drain_evicts_nothing(root: Path, sock: Path, proc: subprocess.Popen[bytes],
-                                        then: Callable[[], object] = lambda: None) -> None:
+                                        then: Callable[[], object] = lambda: None,
+                                        logged: str = "event=evictions_stopped") -> None:
     """A gc across SIGTERM (``_gc_across_sigterm``) evicts nothing of a, b
-    and c, the daemon exits 0, and its log says the drain stopped evicting."""
+    and c, the daemon exits 0, and its log says why (``logged``)."""
     try:
         with Client(sock, timeout=WAIT) as kv:
             assert _gc_across_sigterm(kv, proc, then) == []
@@ -262,7 +263,7 @@ def _gc_across_the_drain_evicts_nothing(root: Path, sock: Path, proc: subprocess
     finally:
         stop_process(proc, signal.SIGKILL)
     assert all(entry_path(root, key).exists() for key in "abc")
-    assert "event=evictions_stopped" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert logged in proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) -> None:
@@ -313,6 +314,39 @@ def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -
     # (The gc's rescan reads the root, and waits for go.)
     _gc_across_the_drain_evicts_nothing(
         root, sock, proc, then=lambda: (time.sleep(0.3), go.touch()))
+
+
+def test_the_drain_cuts_short_a_gc_the_saves_queued_behind(short_dir: Path) -> None:
+    """A gc's rescan runs on the writer's turn and takes seconds on a large,
+    cold store: one under way when the drain began held the saves queued
+    behind it until it ended, past --drain-timeout. Here the rescan would
+    wait for ``go`` for 600 s before its first file; the drain cuts it short
+    and writes the save, which evicts to the budget as a save written during
+    the drain does: the index the cut-short scan read nothing of is kept."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    go.touch()  # the start-up scan goes through; the gc's waits for it
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--drain-timeout", "5",
+                         "--min-free-bytes", "0", "--max-disk-bytes", str(2**20),  # one fits
+                         env={ENV: f"scan_hold={go},scan_hold_after=0"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "old", filled(0.75, 1), [1]) and kv.flush(timeout=WAIT)
+            go.unlink()
+            answer: list[Any] = []
+            asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
+            asker.start()
+            time.sleep(0.5)  # the gc's rescan waits for go
+            assert kv.save(FP, "queued", filled(0.75, 2), [2])
+            wait_for(lambda: kv.stats()["saves_received"] == 2, "the save behind the gc")
+            proc.send_signal(signal.SIGTERM)
+            asker.join(WAIT)
+            assert answer and list(answer[0].entries) == []
+        assert proc.wait(WAIT) == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert version_of(entry_path(root, "queued")) == 2
+    assert not entry_path(root, "old").exists()
+    assert "event=gc_cut_short reason=draining" in proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def test_a_start_up_scan_the_drain_meets_after_its_last_file_evicts_nothing(

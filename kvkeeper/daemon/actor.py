@@ -575,11 +575,15 @@ class WriterActor:
             job.done.set()
             return
         try:
-            # The rescan reads on; what it finds is evicted only until the drain
-            # begins (a large store's rescan takes seconds).
-            _, job.evicted = await anyio.to_thread.run_sync(functools.partial(
-                self.store.rescan_and_enforce, no_evictions=self._stop_indexing))
+            # A large store's rescan takes seconds, on the writer's turn: the
+            # drain cuts it short (the saves queued behind it come first), and
+            # from the drain's start nothing is evicted.
+            complete, job.evicted = await anyio.to_thread.run_sync(functools.partial(
+                self.store.rescan_and_enforce, self._stop_indexing,
+                no_evictions=self._stop_indexing))
             self._count_evictions(job.evicted)
+            if not complete:
+                log.warning("event=gc_cut_short reason=draining: nothing was evicted")
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
         job.done.set()

@@ -437,7 +437,8 @@ class Store:
         scan runs beside it), and the server's thread records uses: those
         are applied over what it read, which may predate them. Until a scan
         has been whole, nothing is evicted (from a part of the store, the
-        entries used last could go first)."""
+        entries used last could go first). A scan cut short after a whole
+        one leaves that one's index, kept up to date meanwhile, in place."""
         with self._scanning:  # one at a time (_sessions_again's waits for the start-up one)
             return self._rescan(stop)
 
@@ -469,6 +470,8 @@ class Store:
             changes, uses = self._meanwhile, self._uses_meanwhile
             assert changes is not None and uses is not None
             self._meanwhile = self._uses_meanwhile = None
+            if not complete and self._whole:
+                return False  # a part of the store would drop the rest from the budget
             merged = {e.path: e for e in found}
             for path, changed in changes.items():
                 if changed is None:
@@ -489,11 +492,12 @@ class Store:
     def rescan_and_enforce(self, stop: threading.Event | None = None, *,
                            no_evictions: threading.Event | None = None,
                            ) -> tuple[bool, list[StoredEntry]]:
-        """``rescan``, then apply the disk budget (which evicts nothing when
-        the scan was cut short, nor once ``no_evictions`` is set); returns
+        """``rescan``, then apply the disk budget (not when the scan was cut
+        short; it evicts nothing once ``no_evictions`` is set); returns
         whether it was whole, and what went."""
-        complete = self.rescan(stop)
-        return complete, self.enforce_budget(no_evictions=no_evictions)
+        if not self.rescan(stop):
+            return False, []
+        return True, self.enforce_budget(no_evictions=no_evictions)
 
     def _used_at(self, entry: StoredEntry, when: float) -> None:
         """Move ``entry`` last in the order of use (lock held). Not a _put:
