@@ -36,6 +36,19 @@ def wait_for(cond: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
+def line_from(proc: subprocess.Popen[str]) -> str:
+    """The next line a child process prints, stripped; fails after WAIT
+    seconds (a child stuck before it must fail the test, not hang it)."""
+    stdout = proc.stdout
+    assert stdout is not None
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(WAIT)  # (a reader still waiting ends when the child is killed)
+    assert got, f"no line from the child in {WAIT:.0f} s"
+    return got[0].strip()
+
+
 def drain_past_the_notice(kv: Client, proc: subprocess.Popen[bytes], *,
                           received: int) -> None:
     """SIGTERM the daemon once it has received ``received`` saves, and return

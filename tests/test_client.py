@@ -24,7 +24,15 @@ from safetensors import safe_open
 import kvkeeper
 from kvkeeper.client.client import Client, DaemonUnavailable
 
-from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    line_from,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
 from .faultkit import entry_path, filled, rewrite_header
 from .legacy_describe import MLX_LM_OLD_API
 from .tiny import greedy_decode, prefill, prompt, tiny_deepseek_v41, tiny_llama
@@ -308,7 +316,7 @@ def child_ready(script: str, sock: Path, value: int) -> Iterator[subprocess.Pope
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
+        assert line_from(child) == "ready"
         yield child
     finally:
         child.kill()
@@ -370,6 +378,11 @@ def test_a_client_dropped_just_before_exit_still_gets_its_save_sent(short_dir: P
 #: with a long timeout; a Ctrl-C cuts that close short, and the process then
 #: ends normally: its exit hook must still close the channel.
 INTERRUPTED_CLOSE = CHILD_WITH_64_MIB + """
+import signal
+# Ctrl-C's own handler, even where the tests run with SIGINT ignored (a
+# background job of a shell without job control): then it was no
+# KeyboardInterrupt, and close() went on waiting.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 assert kv.save("fp", "cut", layers, [1])
 print("closing", flush=True)
 try:
@@ -392,10 +405,10 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_at_exit(short_dir: Path) -> Non
             try:
                 child.stdin.write("go\n")
                 child.stdin.flush()
-                assert child.stdout.readline().strip() == "closing"
+                assert line_from(child) == "closing"
                 time.sleep(0.5)
                 child.send_signal(signal.SIGINT)
-                assert child.stdout.readline().strip() == "interrupted"
+                assert line_from(child) == "interrupted"
             finally:
                 proc.send_signal(signal.SIGCONT)
             child.stdin.write("exit\n")

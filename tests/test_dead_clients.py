@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process, wait_for
+from .conftest import WAIT, line_from, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import FP, entry_path, filled, tmp_files, version_of
 
 MiB = 1024 * 1024
@@ -126,7 +126,7 @@ def child(sock: Path, cache_id: str, total: int, chunks: int, per: int,
                              str(chunks), str(per), how],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
+    assert line_from(proc) == "ready"
     return proc
 
 
@@ -135,7 +135,7 @@ def go(proc: subprocess.Popen[str]) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("go\n")
     proc.stdin.flush()
-    assert proc.stdout.readline().strip() == "sent"
+    assert line_from(proc) == "sent"
 
 
 def test_a_killed_client_does_not_hold_up_the_writer(short_dir: Path) -> None:
@@ -297,7 +297,7 @@ def test_looking_for_dead_clients_never_stops_the_daemon_reading(short_dir: Path
         n, per = 40_000, 16  # 40,000 messages of 64 bytes at 8,000 a second
         live = subprocess.Popen([sys.executable, "-c", STREAMER, str(rd.socket), str(n),
                                  str(per), "8000"], stdout=subprocess.PIPE, text=True)
-        assert live.stdout is not None and live.stdout.readline().strip() == "started"
+        assert line_from(live) == "started"
         assert ping(rd.socket, 5.0)  # a connection that closes
         path = entry_path(rd.root, "live", model="fp")
         wait_for(path.exists, "the live save to be written")
@@ -351,16 +351,16 @@ def pausing_save(sock: Path, root: Path, mode: str) -> None:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdin is not None and proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
+        assert line_from(proc) == "ready"
         if mode == "on-cue":
             # The closed connection's descriptor is free: the client's own
             # connection is likely to get it, and must not be taken for it.
             assert ping(sock, 5.0)
             proc.stdin.write("go\n")
             proc.stdin.flush()
-            assert proc.stdout.readline().strip() == "half"
+            assert line_from(proc) == "half"
         else:
-            assert proc.stdout.readline().strip() == "half"
+            assert line_from(proc) == "half"
             assert ping(sock, 5.0)  # a connection closes: the daemon looks for gone senders
         path = entry_path(root, "headless", model="fp")
         wait_for(path.exists, "the save to be written")
