@@ -617,3 +617,47 @@ def test_a_file_where_the_model_directory_should_be_is_a_miss(
     assert client.load("stray-model", "x") is None
     assert client.load("stray-model", "x", verify=False) is None
     assert place.parent.read_bytes() == b"not a directory"
+
+
+def test_a_symlink_planted_for_a_model_directory_is_not_followed(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """A symlink where a model's directory goes (an operator moving one
+    model to another disk) was followed by loads (served from outside the
+    root), rm (the file outside deleted, then "delete failed") and the
+    quarantine of a damaged file there (moved into the root, unindexed).
+    Saves already refused it; now all of them do."""
+    for key in ("good", "bad"):
+        assert client.save("elsewhere", key, filled(0.1, 4), [4])
+    assert client.flush(timeout=WAIT)
+    model_dir = entry_path(daemon.root, "good", model="elsewhere").parent
+    outside = short_dir / "outside"
+    model_dir.rename(outside)
+    model_dir.symlink_to(outside, target_is_directory=True)
+    flip_bit(outside / entry_path(daemon.root, "bad", model="elsewhere").name)
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    assert client.load("elsewhere", "good") is None
+    assert client.load("elsewhere", "good", verify=False) is None
+    assert client.load("elsewhere", "bad") is None
+    with pytest.raises(kvkeeper.DaemonError, match="is a symlink"):
+        client.delete("elsewhere", "good")
+    assert client.save("elsewhere", "new", filled(0.1, 5), [5])
+    assert client.flush(timeout=WAIT) is False
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+    assert not (daemon.root / "quarantine").exists()
+    # With no daemon to ask, the client reads the store itself: as refused.
+    with Client(short_dir / "none.sock", root=daemon.root, timeout=WAIT) as alone:
+        assert alone.load("elsewhere", "good") is None
+
+
+def test_a_symlink_planted_for_quarantine_is_not_followed(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """A damaged file was moved through a symlinked quarantine/ out of the
+    root, and the disk budget later deleted it there."""
+    assert client.save(FP, "bad", filled(0.1, 4), [4]) and client.flush(timeout=WAIT)
+    outside = short_dir / "outside"
+    outside.mkdir()
+    (daemon.root / "quarantine").symlink_to(outside, target_is_directory=True)
+    flip_bit(entry_path(daemon.root, "bad"))
+    assert client.load(FP, "bad") is None
+    assert list(outside.iterdir()) == []
+    assert entry_path(daemon.root, "bad").exists()  # left where it was

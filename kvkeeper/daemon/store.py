@@ -101,6 +101,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def real_dir(path: Path) -> None:
+    """Raise ENOTDIR unless ``path`` is a directory and no symlink: one
+    planted for a model's directory or ``quarantine/`` would take loads,
+    deletes and moves out of the root (the last component of a path is
+    never followed; the ones before it are, unless looked at)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ENOTDIR, f"{path} is a symlink (refused: the store keeps its "
+                                     f"files in the root itself; move it aside)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, f"{path} is not a directory (move it aside)")
+
+
 def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -368,9 +381,7 @@ class Store:
             # otherwise lose the directory, and the fsynced file with it.
             fsync_dir(self.sessions)
         except FileExistsError:
-            st = os.lstat(d)
-            if not stat.S_ISDIR(st.st_mode):
-                raise OSError(errno.ENOTDIR, f"{d} is not a directory (refusing a symlink)") from None
+            real_dir(d)
         return d
 
     def _sessions_again(self) -> None:
@@ -659,11 +670,12 @@ class Store:
         keeps that in the file's atime, so the order survives a restart."""
         path = self.path_for(model, cache_id)
         try:
+            real_dir(path.parent)
             st = os.lstat(path)
         except FileNotFoundError:
             self._forget_if_gone(path)
             return None
-        except OSError as exc:  # e.g. a file planted where the model's directory goes
+        except OSError as exc:  # e.g. a file or symlink planted where the model's directory goes
             log.warning("event=entry_unreadable path=%s error=%s", path, exc)
             return None
         if not stat.S_ISREG(st.st_mode):
@@ -706,6 +718,11 @@ class Store:
         is at the entry's place or the daemon cannot tell (see
         ``someone_elses``), as a save of it does."""
         path = self.path_for(model, cache_id)
+        try:
+            real_dir(path.parent)
+        except FileNotFoundError:
+            self._forget_if_gone(path)
+            return False
         if self.someone_elses(path):
             raise LeftInPlace(
                 errno.EEXIST, f"{path} is another program's safetensors file (not a cache); "
@@ -739,6 +756,7 @@ class Store:
         ``someone_elses``: quarantined files are the first the budget deletes,
         and another program's must never be); returns where it went."""
         try:
+            real_dir(path.parent)
             st = os.lstat(path)
         except FileNotFoundError:
             return None
@@ -750,6 +768,7 @@ class Store:
             return None
         qdir = self.root / QUARANTINE_DIR
         os.makedirs(qdir, mode=0o700, exist_ok=True)
+        real_dir(qdir)  # (makedirs takes a symlink to a directory for one)
         name = f"{path.parent.name}.{path.name}.{time.time_ns()}"
         if len(os.fsencode(name)) > 255:  # two long components: over a file name's limit
             digest = hashlib.sha256(os.fsencode(f"{path.parent.name}/{path.name}")).hexdigest()
