@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -435,6 +436,55 @@ def test_a_cache_whose_front_was_dropped_is_not_trimmed_for_reuse() -> None:
     ids = list(range(40))
     plan = plan_reuse([c], ids, ids[:30] + [99])
     assert plan.action == "cold", plan
+
+
+def _kv(ids: list[int]) -> mx.array:
+    """Keys (or values) for ``ids``: one position each, a vector of its id."""
+    return mx.concatenate([mx.full((1, 1, 1, 4), float(i)) for i in ids], axis=2)
+
+
+def _fed(c: Any, ids: list[int], prefill: int = 0) -> Any:
+    """``c`` fed ``ids``: the first ``prefill`` in one update, the rest one
+    at a time (as decoding does)."""
+    if prefill:
+        c.update_and_fetch(_kv(ids[:prefill]), _kv(ids[:prefill]))
+    for i in ids[prefill:]:
+        c.update_and_fetch(_kv([i]), _kv([i]))
+    return c
+
+
+def _attended(c: Any, token: int) -> list[float]:
+    """The ids of the positions ``c`` attends to when fed ``token``."""
+    keys, _ = c.update_and_fetch(_kv([token]), _kv([token]))
+    return sorted(keys[0, 0, :, 0].tolist())
+
+
+@pytest.mark.parametrize("kind", ["buffered_keep", "ring"])
+def test_a_ring_whose_slots_were_overwritten_is_not_trimmed_for_reuse(kind: str) -> None:
+    """mlx-vlm's BufferedRotatingKVCache with keep > 0 (its start_position
+    stays 0 when it wraps) and unlimited_ocr's RingSlidingKVCache (a KVCache,
+    trimmable by inheritance) were trimmed back to a common prefix after
+    their slots had been overwritten: the model then attended to 17, 18, 19
+    in place of 14, 15, 16."""
+    from mlx_vlm.models.cache import BufferedRotatingKVCache
+    from mlx_vlm.models.unlimited_ocr.language import RingSlidingKVCache
+
+    from kvkeeper.integrations import plan_reuse
+
+    def make() -> Any:
+        return (BufferedRotatingKVCache(max_size=8, keep=2) if kind == "buffered_keep"
+                else RingSlidingKVCache(window_size=4))
+
+    prefill = 0 if kind == "buffered_keep" else 10
+    ids = list(range(20))
+    plan = plan_reuse([_fed(make(), ids, prefill)], ids, ids[:17] + [99, 98])
+    assert plan.action == "cold", plan
+    # Before they wrap, a trim gives back the prefix a cache fed it holds.
+    short = ids[:7] if kind == "buffered_keep" else ids[:10]
+    c = _fed(make(), short, prefill)
+    plan = plan_reuse([c], short, short[:5] + [99, 98])
+    assert plan.action == "trim" and plan.reused == 5, plan
+    assert _attended(c, 99) == _attended(_fed(make(), short[:5], min(prefill, 5)), 99)
 
 
 def test_a_saved_conversation_of_another_layer_count_is_not_reused(client: Client) -> None:

@@ -103,12 +103,18 @@ def _fully_retained(layer: Any) -> bool:
     if children is not None:
         return all(_fully_retained(c) for c in children)
     start = getattr(layer, "start_position", None)
-    if start is not None:  # ChunkedKVCache & co. evict by advancing the start
-        return int(start) == 0
+    if start is not None and int(start) != 0:  # ChunkedKVCache & co. evict by advancing it
+        return False
+    offset = int(getattr(layer, "offset", 0) or 0)
     max_size = getattr(layer, "max_size", None)
-    if max_size is not None:  # RotatingKVCache: fine until the window wraps
-        return int(getattr(layer, "offset", 0) or 0) <= int(max_size)
-    return True
+    # Rotating caches: fine until the window wraps (mlx-vlm's buffered one
+    # with keep > 0 wraps with its start_position still 0).
+    if max_size is not None and offset > int(max_size):
+        return False
+    # mlx-vlm's RingSlidingKVCache (unlimited_ocr) is a KVCache, trimmable by
+    # inheritance, whose decode tokens overwrite a ring after the prefill:
+    # once decoding began, its slots are no longer in order of position.
+    return getattr(layer, "prefill_length", None) is None
 
 
 def _trimmable(cache: Sequence[Any]) -> bool:
