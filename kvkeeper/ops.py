@@ -291,7 +291,7 @@ def rm(args: argparse.Namespace) -> int:
                 return 1
             out.print("deleted")
             return 0
-        entries = kv.entries(args.all_of_model)
+        entries = _loadable(kv, args.all_of_model)
         deleted = sum(kv.delete(e.model, e.cache_id) for e in entries)
     if not entries:  # as for one entry: a typo in the model must not read as done
         err.print(Text.assemble("kvkeeper: no entries of model ", shown(args.all_of_model)))
@@ -302,6 +302,13 @@ def rm(args: argparse.Namespace) -> int:
     out.print(Text.assemble(f"deleted {counted(deleted, 'entry', 'entries')} of model ",
                             shown(args.all_of_model), gone))
     return 0
+
+
+def _loadable(kv: Any, model: str) -> list[m.Entry]:
+    """A model's entries and the caches of the older formats at entries'
+    places (``legacy``): a load of their key returns them, so rm --model
+    deletes them and import does not replace them unasked."""
+    return [e for e in kv.entries(model, everything=True) if e.kind in ("entry", "legacy")]
 
 
 def gc(args: argparse.Namespace) -> int:
@@ -657,7 +664,7 @@ def import_files(args: argparse.Namespace) -> int:
                 continue
             if model not in stored:
                 try:
-                    stored[model] = {e.cache_id for e in kv.entries(model)}
+                    stored[model] = {e.cache_id for e in _loadable(kv, model)}
                 except DaemonUnavailable as exc:
                     gone = str(exc)
                     failed.append((f, f"not imported: {exc}"))

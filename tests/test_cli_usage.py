@@ -11,6 +11,7 @@ import os
 import plistlib
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -23,8 +24,9 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
-from .faultkit import NO_DAC, need_linux_root
+from .faultkit import NO_DAC, entry_path, need_linux_root
 from .test_cli_checks import cli, usage_error
+from .test_legacy import ROOT as LEGACY
 
 DEMO_TIMEOUT = 180.0  # a cap: without the fix the demo runs in full
 
@@ -1103,3 +1105,25 @@ def test_an_id_starting_with_a_dash_goes_after_double_dash(
     r = cli("rm", "--socket", sock, "--", "m1", "-dash")
     assert r.returncode == 0 and r.stdout == "deleted\n", (r.stdout, r.stderr)
     assert client.entries() == []
+
+
+def test_a_legacy_cache_at_an_entrys_place_is_one_import_and_rm_see(
+    daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """A cache of an older format at an entry's place loads by its key, but
+    import replaced it without --replace, and rm --model said "no entries"
+    and left it."""
+    sock = str(daemon.socket)
+    legacy = LEGACY / "mlx-lm" / "kv.safetensors"
+    place = entry_path(daemon.root, "leg", model="model-l")
+    place.parent.mkdir(parents=True)
+    shutil.copyfile(legacy, place)
+    assert cli("gc", "--socket", sock).returncode == 0  # a rescan indexes it
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        assert kv.load("model-l", "leg") is not None
+    r = cli("import", "--socket", sock, "--model", "model-l", "--id", "leg", str(legacy))
+    assert r.returncode == 1 and "model-l / leg is already in the store" in r.stdout, r.stdout
+    assert place.read_bytes() == legacy.read_bytes()
+    r = cli("rm", "--socket", sock, "--model", "model-l")
+    assert r.returncode == 0 and "deleted 1 entry of model model-l" in r.stdout, r.stdout
+    assert not place.exists()
