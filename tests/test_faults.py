@@ -527,6 +527,32 @@ def test_a_full_disk_makes_room_for_the_next_save(short_dir: Path) -> None:
             assert rd.stop() == 0
 
 
+def test_a_save_whose_file_cannot_be_made_evicts_nothing(short_dir: Path) -> None:
+    """Room was made for a save (entries evicted) before its tmp file was
+    made: a model directory it could not be made in (a symlink planted for
+    it, a mode changed by hand) cost an entry, and nothing was written."""
+    mib = 2**20
+    with small_tmpfs(short_dir, "48m") as mnt:
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=4 * mib,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abcd"):
+                    assert kv.save(FP, k, filled(10, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+                planted = entry_path(root, "x", model="linked").parent
+                (short_dir / "elsewhere").mkdir()
+                planted.symlink_to(short_dir / "elsewhere", target_is_directory=True)
+                # 10 MiB more would need an eviction (8 MiB free, 4 kept free).
+                assert kv.save("linked", "x", filled(10, 9), [9])
+                assert kv.flush(timeout=WAIT) is False
+                assert kv.stats()["evictions"] == 0
+            assert [version_of(entry_path(root, k)) for k in "abcd"] == [1, 2, 3, 4]
+            assert tmp_files(root) == [] and list((short_dir / "elsewhere").iterdir()) == []
+        finally:
+            assert rd.stop() == 0
+
+
 def _begin_and_stall(ctx, socket: Path, cache_id: str, nbytes: int):  # noqa: ANN001, ANN202
     """A raw client that begins a save of ``nbytes``, sends 1 KiB of it and
     stops: the daemon opens its file (making room for it) and waits."""

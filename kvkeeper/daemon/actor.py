@@ -976,8 +976,11 @@ class _FileWriter:
             if disk is not None and len(header) + self.job.total > disk:
                 raise ValueError(f"the file would take {len(header) + self.job.total} bytes, "
                                  f"over max disk bytes ({disk})")
+            # The tmp file first: a directory it cannot be made in (a mode
+            # changed by hand) must not cost the entries evicted for it.
+            self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
             self.evicted += self.store.make_room(model, cache_id, len(header) + self.job.total)
-            self.pending = self.store.begin(model, cache_id, header, self.job.total)
+            self.pending.append([header])
         if hash_too:
             self._hash(batch)
         if batch:

@@ -161,7 +161,7 @@ def write_all(fd: int, bufs: Sequence[memoryview | bytes]) -> int:
 class PendingFile:
     """A new version of one entry, written to a tmp file beside the target."""
 
-    def __init__(self, final: Path, header: bytes, data_bytes: int = 0,
+    def __init__(self, final: Path, header_bytes: int, data_bytes: int = 0,
                  key: tuple[str, str] = ("", ""),
                  on_gone: Callable[[Path], None] | None = None) -> None:
         self.final = final
@@ -178,12 +178,7 @@ class PendingFile:
         self.identity = (0, 0)  # (inode, mtime_ns) once fsynced: what the index records
         self._written_back = 0
         self.fsync_seconds = 0.0
-        self._half = len(header) + data_bytes // 2
-        try:
-            self.append([header])
-        except BaseException:
-            self.abort()
-            raise
+        self._half = header_bytes + data_bytes // 2
 
     def append(self, bufs: Sequence[memoryview | bytes]) -> None:
         assert self._fd is not None
@@ -607,9 +602,12 @@ class Store:
             return False
 
     # -- put / find / delete
-    def begin(self, model: str, cache_id: str, header: bytes, data_bytes: int) -> PendingFile:
+    def begin(self, model: str, cache_id: str, header_bytes: int, data_bytes: int
+              ) -> PendingFile:
+        """The tmp file of a new version of the entry, empty: the caller
+        makes room for it (``make_room``), then appends the header and data."""
         self._model_dir(model)
-        return PendingFile(self.path_for(model, cache_id), header, data_bytes,
+        return PendingFile(self.path_for(model, cache_id), header_bytes, data_bytes,
                            (model, cache_id), on_gone=self._forget)
 
     def _forget(self, path: Path) -> None:
