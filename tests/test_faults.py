@@ -7,13 +7,14 @@ verifying reader, whose checksums catch what safetensors readers accept.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -494,63 +495,63 @@ def test_full_disk(short_dir: Path) -> None:
             assert rd.stop() == 0
 
 
+@contextlib.contextmanager
+def _four_saves_on_a_small_disk(short_dir: Path) -> Iterator[tuple[Path, Client]]:
+    """A daemon keeping 4 MiB free on a 48 MiB tmpfs, with entries a, b, c, d
+    of 10 MiB (versions 1-4) saved in that order: 8 MiB are free. Yields the
+    mount and a client."""
+    with small_tmpfs(short_dir, "48m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=4 * 2**20,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abcd"):
+                    assert kv.save(FP, k, filled(10, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+                yield mnt, kv
+        finally:
+            assert rd.stop() == 0
+
+
 def test_a_full_disk_makes_room_for_the_next_save(short_dir: Path) -> None:
     """Only a commit evicted: on a disk whose free space was above
     --min-free-bytes but below the next save, every save failed with ENOSPC
     (a new key, a new version of a stored one), and nothing was ever evicted
     to make room; nor when another program filled the disk."""
     mib = 2**20
-    with small_tmpfs(short_dir, "48m") as mnt:
+    with _four_saves_on_a_small_disk(short_dir) as (mnt, kv):
         root = mnt / "root"
-        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=4 * mib,
-                          min_write_interval=0)
-        try:
-            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-                for i, k in enumerate("abcd"):
-                    assert kv.save(FP, k, filled(10, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
-                assert kv.stats()["evictions"] == 0  # 48 MiB, 8 MiB free: within the budget
-                assert kv.save(FP, "e", filled(10, 5), [5]) and kv.flush(timeout=WAIT)
-                assert version_of(entry_path(root, "e")) == 5
-                assert not entry_path(root, "a").exists()  # the least recently used went
-                # Another program fills the disk below the daemon's minimum.
-                filler = mnt / "other-program.bin"
-                free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
-                with open(filler, "wb") as f:
-                    f.write(b"\0" * (free - 2 * mib))
-                assert kv.save(FP, "c", filled(10, 6), [6]) and kv.flush(timeout=WAIT)
-                assert version_of(entry_path(root, "c")) == 6
-                s = kv.stats()
-                assert s["saves_failed"] == 0 and s["evictions"] >= 2, s
-                assert filler.exists()  # not the daemon's to delete
-                assert [e.cache_id for e in kv.entries()][-1] == "c"
-        finally:
-            assert rd.stop() == 0
+        assert kv.stats()["evictions"] == 0  # 48 MiB, 8 MiB free: within the budget
+        assert kv.save(FP, "e", filled(10, 5), [5]) and kv.flush(timeout=WAIT)
+        assert version_of(entry_path(root, "e")) == 5
+        assert not entry_path(root, "a").exists()  # the least recently used went
+        # Another program fills the disk below the daemon's minimum.
+        filler = mnt / "other-program.bin"
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (free - 2 * mib))
+        assert kv.save(FP, "c", filled(10, 6), [6]) and kv.flush(timeout=WAIT)
+        assert version_of(entry_path(root, "c")) == 6
+        s = kv.stats()
+        assert s["saves_failed"] == 0 and s["evictions"] >= 2, s
+        assert filler.exists()  # not the daemon's to delete
+        assert [e.cache_id for e in kv.entries()][-1] == "c"
 
 
 def test_a_save_whose_file_cannot_be_made_evicts_nothing(short_dir: Path) -> None:
     """Room was made for a save (entries evicted) before its tmp file was
     made: a model directory it could not be made in (a symlink planted for
     it, a mode changed by hand) cost an entry, and nothing was written."""
-    mib = 2**20
-    with small_tmpfs(short_dir, "48m") as mnt:
+    with _four_saves_on_a_small_disk(short_dir) as (mnt, kv):
         root = mnt / "root"
-        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=4 * mib,
-                          min_write_interval=0)
-        try:
-            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-                for i, k in enumerate("abcd"):
-                    assert kv.save(FP, k, filled(10, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
-                planted = entry_path(root, "x", model="linked").parent
-                (short_dir / "elsewhere").mkdir()
-                planted.symlink_to(short_dir / "elsewhere", target_is_directory=True)
-                # 10 MiB more would need an eviction (8 MiB free, 4 kept free).
-                assert kv.save("linked", "x", filled(10, 9), [9])
-                assert kv.flush(timeout=WAIT) is False
-                assert kv.stats()["evictions"] == 0
-            assert [version_of(entry_path(root, k)) for k in "abcd"] == [1, 2, 3, 4]
-            assert tmp_files(root) == [] and list((short_dir / "elsewhere").iterdir()) == []
-        finally:
-            assert rd.stop() == 0
+        planted = entry_path(root, "x", model="linked").parent
+        (short_dir / "elsewhere").mkdir()
+        planted.symlink_to(short_dir / "elsewhere", target_is_directory=True)
+        # 10 MiB more would need an eviction (8 MiB free, 4 kept free).
+        assert kv.save("linked", "x", filled(10, 9), [9])
+        assert kv.flush(timeout=WAIT) is False
+        assert kv.stats()["evictions"] == 0
+        assert [version_of(entry_path(root, k)) for k in "abcd"] == [1, 2, 3, 4]
+        assert tmp_files(root) == [] and list((short_dir / "elsewhere").iterdir()) == []
 
 
 def _begin_and_stall(ctx, socket: Path, cache_id: str, nbytes: int):  # noqa: ANN001, ANN202
