@@ -22,12 +22,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 from kvkeeper import config
+from kvkeeper.client.client import check_token_ids
 from kvkeeper.logs import get_logger
 
 if TYPE_CHECKING:
@@ -287,7 +288,8 @@ def _checked_length(cache: Any, token_ids: Sequence[int]) -> int:
     else:
         raise ValueError(f"cache must be a list of cache layers or have a .cache attribute, "
                          f"not {type(cache).__name__}")
-    if isinstance(token_ids, (Set, Mapping)) or not hasattr(token_ids, "__len__"):
+    check_token_ids(token_ids)
+    if not hasattr(token_ids, "__len__"):
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
     n = len(token_ids)

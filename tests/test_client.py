@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -271,6 +273,7 @@ def test_a_client_made_after_mlx_is_loaded_has_its_codec_ready(daemon: RunningDa
     still does not."""
     script = """
 import sys
+import threading
 if sys.argv[2] == "mlx-without-numpy":  # numpy is not a dependency of MLX or the daemon
     sys.modules["numpy"] = None
 if sys.argv[2].startswith("mlx"):
@@ -474,6 +477,17 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     for batch in (mx.array([[1, 2, 3]]), np.array([[1, 2, 3]])):
         with pytest.raises(ValueError, match=r"one row of integers.*\(1, 3\)"):
             client.save(FP, "bad", [c], batch)
+    # Before: saved as the ids 97, 98, 99.
+    for raw in (b"abc", bytearray(b"abc")):
+        with pytest.raises(ValueError, match="token_ids must be integers, not byte"):
+            client.save(FP, "bad", [c], raw)
+    # Before: MLX's RuntimeError "There is no Stream(cpu, 0) in current thread".
+    lazy: list[Any] = []
+    maker = threading.Thread(target=lambda: lazy.append(mx.arange(3) + 1))
+    maker.start()
+    maker.join(WAIT)
+    with pytest.raises(ValueError, match="another thread's stream.*evaluate it there"):
+        client.save(FP, "bad", [c], lazy[0])
     assert client.load(FP, "bad") is None
 
 

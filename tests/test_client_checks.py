@@ -1277,6 +1277,17 @@ class _Disguised(str):
     __hash__ = str.__hash__
 
 
+def test_metadata_given_as_str_subclasses_is_saved_as_its_text(client: Client) -> None:
+    """A value of a str subclass (an enum's member, say) raised msgspec's
+    TypeError "Encoding objects of type ... is unsupported"."""
+    layer = kv_layer(tokens=2)
+    meta = {_Disguised("who"): _Disguised("text/of it"), "plain": _Unhashable("v")}
+    assert client.save("sub-model", "meta", [layer], [1, 2], metadata=meta)
+    assert client.flush(timeout=WAIT)
+    got = client.load("sub-model", "meta")
+    assert got is not None and got.metadata == {"who": "text/of it", "plain": "v"}
+
+
 @pytest.mark.parametrize("kind", [_Unhashable, _Disguised], ids=["unhashable", "disguised"])
 def test_ids_given_as_str_subclasses_name_the_entry_of_their_text(
     kind: type, client: Client, daemon: RunningDaemon

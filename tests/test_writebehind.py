@@ -160,7 +160,10 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
     # showed only at the next save, up to every_tokens steps later).
     quiet = client.write_behind(FP, "quiet-mismatch", every_tokens=100, save_first=False)
     for bad, says in (((cache, p[:9]), "holds 10 tokens but 9"), ((None, p), "NoneType"),
-                      ((model, p), "Model"), ((cache, set(p)), "not a set")):
+                      ((model, p), "Model"), ((cache, set(p)), "not a set"),
+                      # Before: "holds 10 tokens but 1 token ids were given".
+                      ((cache, mx.array([p])), r"one row of integers.*\(1, 10\)"),
+                      ((cache, bytes(range(10))), "not bytes")):
         with pytest.raises(ValueError, match=says):
             quiet.step(*bad)
     assert quiet.counters.steps == 0

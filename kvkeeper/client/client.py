@@ -1050,6 +1050,8 @@ def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
            or not isinstance(meta[k], str)]
     if bad:
         raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
+    # Exact str: a subclass (an enum's member, say) cannot be encoded.
+    meta = {naming.plain(k): naming.plain(v) for k, v in meta.items()}
     if meta:
         try:  # the header is UTF-8: a lone surrogate would fail on the I/O thread
             size = len(msgspec.json.encode(meta))
@@ -1083,6 +1085,22 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
     return float(value)  # threading's waits take no numpy scalar
 
 
+def check_token_ids(token_ids: Any) -> None:
+    """Raise ValueError for token ids of a kind that cannot be one: unordered
+    (a set, a dict's keys would be saved in some order and load back as ids
+    that look real), bytes (their bytes would be taken for ids), or an array
+    of more than one row (a batch of one, ``mx.array([ids])``)."""
+    if isinstance(token_ids, (Set, Mapping)):
+        raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
+                         f"{type(token_ids).__name__}")
+    if isinstance(token_ids, (bytes, bytearray)):
+        raise ValueError(f"token_ids must be integers, not {type(token_ids).__name__} "
+                         f"(encode the text with the tokenizer)")
+    if getattr(token_ids, "ndim", 1) != 1:
+        raise ValueError(f"token_ids must be one row of integers, not an array of shape "
+                         f"{tuple(token_ids.shape)}")
+
+
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
     if isinstance(cache, (list, tuple)):
         layers = list(cache)
@@ -1096,16 +1114,18 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
         raise ValueError("cache has no layers")
     ids: list[int] | None = None
     if token_ids is not None:
-        if isinstance(token_ids, (Set, Mapping)):
-            # Taken as a list they would be saved in some order (a dict's
-            # keys), and load back as ids that look real.
-            raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
-                             f"{type(token_ids).__name__}")
-        if getattr(token_ids, "ndim", 1) != 1:  # e.g. a batch of one, mx.array([ids])
-            raise ValueError(f"token_ids must be one row of integers, not an array of shape "
-                             f"{tuple(token_ids.shape)}")
+        check_token_ids(token_ids)
         if hasattr(token_ids, "tolist"):
-            token_ids = token_ids.tolist()
+            try:
+                token_ids = token_ids.tolist()
+            except RuntimeError as exc:
+                if "in current thread" not in str(exc):
+                    raise
+                # As for the cache's arrays (codec.capture_cache).
+                raise ValueError(
+                    f"token_ids is an MLX array still to be computed on another thread's "
+                    f"stream ({exc}): evaluate it there first (mx.eval), or pass a list"
+                ) from None
         # A copy the caller cannot change afterwards, checked in C: a list of
         # ints in ~3 ns a token (array('q') took 10); numpy integers and
         # other whole numbers go the slower way.
