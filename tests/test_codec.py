@@ -396,6 +396,22 @@ def test_save_refuses_batch_caches_with_padding_pending_elsewhere() -> None:
         assert canon(got.state) == canon(cache.state)
 
 
+@pytest.mark.parametrize("field", ["left_padding", "lengths"])
+def test_save_refuses_an_mlx_vlm_arrays_cache_holding_a_batchs_padding(field: str) -> None:
+    """mlx-vlm's ArraysCache keeps left_padding and lengths out of its state
+    (mlx-lm's keeps them in): saved, it came back with neither, and its mask
+    was gone ([[F, F, T], [T, T, T]] became None), with no error."""
+    arrays = V.ArraysCache(2)
+    arrays[0], arrays[1] = mx.ones((2, 3)), mx.ones((2, 4))
+    setattr(arrays, field, mx.array([2, 0] if field == "left_padding" else [3, 1]))
+    with pytest.raises(CodecError, match=r"ArraysCache holds a batch's left_padding or "
+                                         r"lengths outside its state.*one sequence"):
+        snapshot_cache([arrays])
+    setattr(arrays, field, None)
+    _, (got,) = roundtrip([arrays])
+    assert canon(got.state) == canon(arrays.state) and got.make_mask(3) is None
+
+
 def test_a_minimax_m3_batch_cache_is_refused_at_save() -> None:
     """Its state setter needs the BatchKVCache its __init__ makes: saved, it
     was a file whose every load failed. Refused at save, saying what to

@@ -420,6 +420,7 @@ _PENDING_PADDING: dict[tuple[str, str], str] = {
 }
 
 _IDLE_POOL_LENGTH = 2**31  # mlx-vlm's BatchPoolingCache: "no length pending"
+_BATCH_ROWS = "left_padding or lengths"  # mlx-vlm's ArraysCache: kept for a batch's life
 
 #: Batch caches that keep what a batched prefill pends elsewhere, and
 #: rebuild without it (no error): (where, is it pending). Refused by save()
@@ -433,6 +434,12 @@ _PENDING_ELSEWHERE: dict[tuple[str, str], tuple[str, Callable[[Any], bool]]] = {
         "_lengths",
         # int(): prepare() given lengths as an array makes them array scalars.
         lambda layer: any(int(n) != _IDLE_POOL_LENGTH for n in getattr(layer, "_lengths", ()))),
+    # mlx-vlm's ArraysCache (unlike mlx-lm's) keeps a batch's left padding and
+    # lengths out of its state: restored, its masks were gone (no error).
+    ("mlx_vlm.models.cache", "ArraysCache"): (
+        _BATCH_ROWS,
+        lambda layer: getattr(layer, "_left_padding", None) is not None
+        or getattr(layer, "_lengths", None) is not None),
 }
 
 
@@ -958,6 +965,10 @@ def _no_padding_pending(read: Callable[[Any], _Read], attr: str,
                         is_pending: Callable[[Any], bool]) -> Callable[[Any], _Read]:
     def checked(layer: Any) -> _Read:
         if is_pending(layer):
+            if attr == _BATCH_ROWS:
+                raise CodecError(f"{type(layer).__name__} holds a batch's {attr} outside its "
+                                 f"state, which a restore would leave out: save the cache of "
+                                 f"one sequence")
             raise CodecError(f"{type(layer).__name__} is between prepare() and finalize(): "
                              f"what it holds for the batched prefill ({attr}) is not part "
                              f"of its state (save it after finalize())")
