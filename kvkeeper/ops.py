@@ -329,17 +329,28 @@ def gc(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ verify
 
-def _store_files(root: Path) -> Iterator[Path]:
+def _store_files(root: Path, unlisted: list[tuple[Path, str]]) -> Iterator[Path]:
     """The files at entries' places. Others (a copy under a name the daemon
     does not give) are not the daemon's: moved aside as bad, they became
-    quarantined files, which the disk budget deletes first."""
+    quarantined files, which the disk budget deletes first. A model's
+    directory this process cannot list goes to ``unlisted``, with why."""
     sessions = root / naming.SESSIONS_DIR
     if not sessions.is_dir():
         return
-    for d in sorted(sessions.iterdir()):
+    try:
+        models = sorted(sessions.iterdir())
+    except OSError as exc:
+        raise CommandError(f"cannot list {sessions}: {exc.strerror or exc}") from None
+    for d in models:
         if d.is_symlink() or not d.is_dir():
             continue
-        for f in sorted(d.iterdir()):
+        try:
+            names = sorted(d.iterdir())
+        except OSError as exc:
+            # One such directory stopped the whole check with a bare errno.
+            unlisted.append((d, exc.strerror or str(exc)))
+            continue
+        for f in names:
             if not f.name.startswith(".") and naming.is_entry_place(f):
                 yield f
 
@@ -377,8 +388,9 @@ def verify(args: argparse.Namespace) -> int:
     kv = client(args.socket, required=False, root=args.root)
     try:
         root = _root(args, kv)
+        unlisted: list[tuple[Path, str]] = []  # directories: reported as not checked
         # Files the daemon deletes or evicts meanwhile are gone, not bad.
-        sizes = {f: n for f in _store_files(root) if (n := _size(f)) is not None}
+        sizes = {f: n for f in _store_files(root, unlisted) if (n := _size(f)) is not None}
         files: list[Path] = []
         # With the file's identity when it was judged: the repair must move
         # that file, never a newer version saved since (a check of a big store
@@ -438,6 +450,7 @@ def verify(args: argparse.Namespace) -> int:
         if kv is not None:
             kv.close()
     checked = len(files) - len(legacy) - len(others) - len(unchecked)
+    unchecked += unlisted
     if args.json:
         _print_json({"root": str(root), "checked": checked,
                      "legacy_unchecked": [str(p) for p in legacy],

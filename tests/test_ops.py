@@ -1074,6 +1074,22 @@ def test_verify_does_not_call_a_file_it_cannot_open_bad(short_dir: Path) -> None
     text = " ".join(r.stdout.split())
     assert r.returncode == 1 and f"NOT CHECKED {theirs}: Permission denied" in text, r.stdout
     assert "1 not checked" in text and "BAD" not in text
+    # A model's directory it cannot list: before, a bare "[Errno 13] Permission
+    # denied", exit 1, and no JSON even with --json.
+    theirs.chmod(0o600)
+    theirs.parent.chmod(0)
+    try:
+        r = subprocess.run(
+            ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable, "-m",
+             "kvkeeper.cli", "verify", "--root", str(root), "--socket",
+             str(short_dir / "none.sock"), "--json"], capture_output=True, text=True, timeout=120)
+    finally:
+        theirs.parent.chmod(0o700)
+    assert r.returncode == 1, (r.stdout, r.stderr[-3000:])
+    report = json.loads(r.stdout or "null")
+    assert report is not None and report["checked"] == 0, (report, r.stderr[-3000:])
+    assert report["could_not_read"] == [{"path": str(theirs.parent),
+                                         "reason": "Permission denied"}]
 
 
 def test_the_daemon_leaves_a_file_it_cannot_identify_where_it_is(short_dir: Path) -> None:
