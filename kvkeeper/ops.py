@@ -9,6 +9,7 @@ the daemon's lock so that nothing else writes meanwhile.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -325,6 +326,16 @@ def gc(args: argparse.Namespace) -> int:
     out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
               f"its file system")
     return 0
+
+
+def _fsync_path(path: Path, flags: int) -> None:
+    from kvkeeper.daemon.store import full_fsync
+
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ verify
@@ -844,7 +855,9 @@ def export(args: argparse.Namespace) -> int:
             EXPORT_TOKENS_KEY: json.dumps(got.token_ids)}
     if got.metadata:
         meta[EXPORT_METADATA_KEY] = json.dumps(got.metadata)
-    tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.tmp{naming.SUFFIX}")
+    # Not named after dest: a name near the 255-byte limit left no room for
+    # the additions (ENAMETOOLONG, naming a file the user never gave).
+    tmp = dest.with_name(f".kvkeeper-export.{os.getpid()}.tmp{naming.SUFFIX}")
     replaced = os.path.lexists(dest)
     try:
         # The file holds a conversation: 0600 like the store's own files, from
@@ -854,9 +867,14 @@ def export(args: argparse.Namespace) -> int:
                          | os.O_CLOEXEC, 0o600))
         save_prompt_cache(str(tmp), got.cache, metadata=meta)
         os.chmod(tmp, 0o600)  # in case the writer replaced the file instead
+        # Durable as the store's files: a power cut must not leave an empty
+        # file where a good export was.
+        _fsync_path(tmp, os.O_RDONLY)
         os.replace(tmp, dest)
+        _fsync_path(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
     except (OSError, RuntimeError) as exc:  # mlx reports a file it cannot open as RuntimeError
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the error to report is the first
+            tmp.unlink(missing_ok=True)
         raise CommandError(f"cannot write {dest}: {exc}") from None
     # Not mlx_lm.generate --prompt-cache-file: it also wants the model and
     # tokenizer config in the metadata, which kvkeeper does not have.

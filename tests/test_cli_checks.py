@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, load_prompt_cache
 
 import kvkeeper
 from kvkeeper.client.client import Client
@@ -455,6 +455,13 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     # Again: the file there is replaced, and the output says so.
     r = cli("export", "--socket", sock, "m1", "a", str(ok))
     assert r.returncode == 0 and "replacing the file that was there" in r.stdout, r.stdout
+    # A name of 255 bytes, the most a file name has: the tmp file's name was
+    # this one and 20 bytes more ([Errno 36] File name too long, naming it).
+    longest = short_dir / ("n" * (255 - len(".safetensors")) + ".safetensors")
+    r = cli("export", "--socket", sock, "m1", "a", str(longest))
+    assert r.returncode == 0 and longest.exists(), (r.stdout, r.stderr)
+    assert len(load_prompt_cache(str(longest))) == len(small_cache())
+    assert not _leftovers(short_dir)
 
 
 def test_export_into_the_store_is_refused(client: Client, daemon: RunningDaemon,
