@@ -72,6 +72,10 @@ def parse_size(text: str | int | float) -> int:
     else:
         t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
         num, unit = (t[:-1], t[-1]) if t and t[-1] in _SIZE_UNITS else (t, "")
+        if num.strip().isascii() and num.strip().isdigit():
+            # Exact: through a float, 2**63 - 1 became 2**63 (over the limit).
+            value = int(num) * _SIZE_UNITS[unit]
+            return _in_range(value, text)
         try:
             number = float(num) * _SIZE_UNITS[unit]
         except ValueError:
@@ -89,6 +93,10 @@ def parse_size(text: str | int | float) -> int:
                     if unit == "" and "e" not in num else "")
             raise ValueError(f"a size is a whole number of bytes, not {text!r}{hint}")
         value = int(number)
+    return _in_range(value, text)
+
+
+def _in_range(value: int, text: object) -> int:
     if value < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")
     if value > MAX_SIZE:

@@ -139,6 +139,12 @@ def test_serve_refuses_sizes_past_what_a_daemon_can_hold(short_dir: Path) -> Non
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"argument {flag}: a size must be at most" in r.stderr, r.stderr
     assert not sock.exists()
+    # The limit itself is taken (through a float it became 2**63: "must be at
+    # most 9223372036854775807 bytes, not '9223372036854775807'"), one more not.
+    r = cli("serve", "--print-config", "--max-disk-bytes", str(2**63 - 1))
+    assert r.returncode == 0 and str(2**63 - 1) in r.stdout, (r.stdout, r.stderr)
+    r = cli("serve", "--print-config", "--max-disk-bytes", str(2**63))
+    assert r.returncode == 2 and "at most" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("what", ["a root that is not UTF-8", "a sessions symlink"])
