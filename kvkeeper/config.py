@@ -175,6 +175,11 @@ def check_writable(path: Path, what: str) -> None:
     """Refuse a directory the daemon cannot make files in: it failed later,
     with a traceback (its lock file) or at every save."""
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{what} {str(path)!r} cannot be written by this user (its mode, or a read-only "
-            f"file system): the daemon makes its files there (chmod 700 it, as its owner)")
+        try:
+            read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = ("it is on a read-only file system: give a root on a writable one" if read_only
+               else "chmod 700 it, as its owner")
+        raise ConfigError(f"{what} {str(path)!r} cannot be written by this user: the daemon "
+                          f"makes its files there ({why})")

@@ -24,7 +24,7 @@ import kvkeeper
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
-from .faultkit import NO_DAC, entry_path, need_linux_root
+from .faultkit import NO_DAC, entry_path, need_linux_root, run, small_tmpfs
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
@@ -719,6 +719,20 @@ def test_serve_refuses_a_place_it_cannot_write_with_one_line(what: str, short_di
     place.chmod(0o700 if what != "lock file" else 0o600)
     proc = serve_process(root, sock, prefix=NO_DAC)
     assert stop_process(proc) == 0
+
+
+def test_serve_on_a_read_only_file_system_says_so(short_dir: Path) -> None:
+    """A root on a read-only file system was refused with the advice to
+    "chmod 700 it, as its owner", which cannot help there."""
+    with small_tmpfs(short_dir, "1m") as mnt:
+        (mnt / "root").mkdir(mode=0o700)
+        run("mount", "-o", "remount,ro", str(mnt))
+        r = cli("serve", "--root", str(mnt / "root"), "--socket",
+                str(short_dir / "run" / "k.sock"), timeout=15)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "read-only file system: give a root on a writable one" in last, r.stderr
+    assert "chmod" not in last
 
 
 def test_repair_with_a_lock_file_it_cannot_write_fails_with_status_1(short_dir: Path) -> None:
