@@ -104,8 +104,10 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="run the daemon in the foreground",
         description="Run the daemon in the foreground until SIGTERM, SIGINT or SIGHUP (the "
         "shell it runs in closing; not under nohup), then write every save already received "
-        "(up to --drain-timeout) and exit 0 (1 if the timeout cut the drain short); a second "
-        "signal meanwhile is logged and ignored (SIGKILL is not). One daemon per root: a "
+        "(up to --drain-timeout) and exit 0 (1 if the timeout cut the drain short). It also "
+        "drains and exits 1 when its socket or the root's lock file is removed or replaced "
+        "(the root removed), for a supervisor to start a new daemon. A second "
+        "signal during the drain is logged and ignored (SIGKILL is not). One daemon per root: a "
         "second one exits 2, naming the first. The "
         "disk budget (--max-disk-bytes, --min-free-bytes) is applied at start and after every "
         "write, evicting least recently used entries. A setting not given as a flag comes "
