@@ -48,17 +48,20 @@ def shown(value: object) -> Text:
     """A name that came from a user (model, id, path, a message quoting one)
     as it is: never read as markup ("arr[i]" stays so, for copying into
     ``rm``), control characters escaped (a newline or ESC would break a
-    table or drive the terminal), and in double quotes when a space begins
-    or ends it ("a " and "a" looked alike) or it begins with one (so a name
-    shown in quotes is always one quoted)."""
+    table or drive the terminal), and in double quotes when escaped ("a\\nb"
+    with a newline looked like the id a\\nb), when a space begins or ends it
+    ("a " and "a" looked alike) or when it begins with one (so a name shown
+    in quotes is always one quoted)."""
     s = str(value)
-    if not s.isprintable():
+    escaped = not s.isprintable()
+    if escaped:
         # All of it, backslashes too: a real newline must not look like "\n".
         s = s.encode("unicode_escape").decode("ascii")
     elif not out.encoding.startswith("utf"):
         # What the output cannot show, escaped before a table measures it.
-        s = s.encode(out.encoding, "backslashreplace").decode(out.encoding)
-    if s != s.strip(" ") or s.startswith('"'):
+        shows = s.encode(out.encoding, "backslashreplace").decode(out.encoding)
+        escaped, s = shows != s, shows
+    if escaped or s != s.strip(" ") or s.startswith('"'):
         s = f'"{s}"'
     return Text(s)
 

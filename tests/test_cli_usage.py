@@ -955,14 +955,16 @@ def test_names_are_printed_as_they_are(
     assert client.save("m[b]x", "back\\slash\n", small_cache(), [1])  # escaped whole
     assert client.flush(timeout=WAIT)
     assert "back\\\\slash\\n" in cli("ls", "--socket", sock, env={"COLUMNS": "200"}).stdout
-    # Ids a space begins or ends looked like the bare one (rm of it missed).
-    for cache_id in ("sp", " sp", "sp ", '"sp"'):
+    # Ids a space begins or ends looked like the bare one (rm of it missed),
+    # and one with a newline like one with a backslash and an n.
+    for cache_id in ("sp", " sp", "sp ", '"sp"', "n\n", "n\\n"):
         assert client.save("spaced", cache_id, small_cache(), [1])
     assert client.flush(timeout=WAIT)
     for env in ({"COLUMNS": "200"}, {"COLUMNS": "200", "FORCE_COLOR": "1"}):
         listed = cli("ls", "--socket", sock, "--model", "spaced", env=env).stdout
-        assert all(f" {shown} " in listed for shown in ('" sp"', '"sp "', '""sp""')), listed
-        assert re.search(r"│ sp +│", listed), listed
+        assert all(f" {shown} " in listed
+                   for shown in ('" sp"', '"sp "', '""sp""', '"n\\n"')), listed
+        assert re.search(r"│ sp +│", listed) and re.search(r"│ n\\n +│", listed), listed
     r = cli("rm", "--socket", sock, "spaced", "nothing ")
     assert r.returncode == 1 and 'no such entry: spaced / "nothing "' in r.stderr, r.stderr
     out = short_dir / "x[1].safetensors"
