@@ -487,6 +487,23 @@ def test_a_ring_whose_slots_were_overwritten_is_not_trimmed_for_reuse(kind: str)
     assert _attended(c, 99) == _attended(_fed(make(), short[:5], min(prefill, 5)), 99)
 
 
+def test_a_buffered_ring_past_its_size_that_dropped_nothing_is_trimmed() -> None:
+    """mlx-vlm's BufferedRotatingKVCache (keep 0) fed 10 tokens at once
+    with room for 8 still holds all 10 in order: a trim is exact, and went
+    cold when the check only compared the offset with max_size."""
+    from mlx_vlm.models.cache import BufferedRotatingKVCache
+
+    from kvkeeper.integrations import plan_reuse
+
+    ids = list(range(10))
+    c = _fed(BufferedRotatingKVCache(max_size=8), ids, prefill=10)
+    assert c.offset > c.max_size and c.start_position == 0
+    plan = plan_reuse([c], ids, ids[:9] + [99])
+    assert plan.action == "trim" and plan.reused == 9, plan
+    assert _attended(c, 99) == _attended(_fed(BufferedRotatingKVCache(max_size=8), ids[:9],
+                                              prefill=9), 99)
+
+
 def test_a_saved_conversation_of_another_layer_count_is_not_reused(client: Client) -> None:
     """mlx-lm's llama zips its layers with the cache: a restored cache with
     more layers than the model would be used, silently, and answer wrongly."""

@@ -107,14 +107,22 @@ def _fully_retained(layer: Any) -> bool:
         return False
     offset = int(getattr(layer, "offset", 0) or 0)
     max_size = getattr(layer, "max_size", None)
-    # Rotating caches: fine until the window wraps (mlx-vlm's buffered one
-    # with keep > 0 wraps with its start_position still 0).
+    # Rotating caches: fine until the window wraps, or, for mlx-vlm's
+    # buffered one, until it drops rows (past max_size it may still hold
+    # every token; with keep > 0 it wraps with its start_position still 0).
     if max_size is not None and offset > int(max_size):
-        return False
+        held = _rows_held(layer)
+        return held is not None and held >= offset
     # mlx-vlm's RingSlidingKVCache (unlimited_ocr) is a KVCache, trimmable by
     # inheritance, whose decode tokens overwrite a ring after the prefill:
     # once decoding began, its slots are no longer in order of position.
     return getattr(layer, "prefill_length", None) is None
+
+
+def _rows_held(layer: Any) -> int | None:
+    """How many rows a buffered rotating layer holds (its ``_idx``), if it says."""
+    idx = getattr(layer, "_idx", None)
+    return idx if type(idx) is int and hasattr(layer, "start_position") else None
 
 
 def _trimmable(cache: Sequence[Any]) -> bool:
