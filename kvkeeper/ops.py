@@ -312,7 +312,9 @@ def _loadable(kv: Any, model: str) -> list[m.Entry]:
     """A model's entries and the caches of the older formats at entries'
     places (``legacy``): a load of their key returns them, so rm --model
     deletes them and import does not replace them unasked."""
-    return [e for e in kv.entries(model, everything=True) if e.kind in ("entry", "legacy")]
+    # (A legacy file at a hashed place has no id to give: none to delete by.)
+    return [e for e in kv.entries(model, everything=True)
+            if e.kind in ("entry", "legacy") and e.cache_id]
 
 
 def gc(args: argparse.Namespace) -> int:
@@ -696,7 +698,9 @@ def import_files(args: argparse.Namespace) -> int:
                     gone = str(exc)
                     failed.append((f, f"not imported: {exc}"))
                     break
-            replaced = cache_id in stored[model]
+            # By name too: a legacy cache at a hashed place lists without its id.
+            replaced = cache_id in stored[model] or os.path.lexists(
+                naming.entry_path(kv.root, model, cache_id))
             if replaced and not args.replace:
                 # An old backup imported over the live conversation would
                 # replace it without a word.
@@ -788,6 +792,11 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
     path = naming.entry_path(root, model, cache_id)
     if not path.exists():
         return None
+    if path.parent.is_symlink():
+        # As the daemon and load(): a symlink planted for the model's
+        # directory leads out of the store, and is not followed.
+        raise CommandError(f"cannot export {model} / {cache_id}: {path.parent} is a symlink, "
+                           f"not followed")
     try:
         return read_cache_file(path, model=model, cache_id=cache_id)
     except CacheFileError as exc:

@@ -1126,6 +1126,14 @@ def test_a_legacy_cache_at_an_entrys_place_is_one_import_and_rm_see(
     r = cli("import", "--socket", sock, "--model", "model-l", "--id", "leg", str(legacy))
     assert r.returncode == 1 and "model-l / leg is already in the store" in r.stdout, r.stdout
     assert place.read_bytes() == legacy.read_bytes()
+    # One at a hashed place (an id too long for a file name) lists without
+    # its id: rm --model stopped at it ("cache id is empty", exit 2).
+    long_id = "x" * 300
+    hashed = entry_path(daemon.root, long_id, model="model-l")
+    shutil.copyfile(legacy, hashed)
+    assert cli("gc", "--socket", sock).returncode == 0
+    r = cli("import", "--socket", sock, "--model", "model-l", "--id", long_id, str(legacy))
+    assert r.returncode == 1 and "is already in the store" in r.stdout, r.stdout
     r = cli("rm", "--socket", sock, "--model", "model-l")
     assert r.returncode == 0 and "deleted 1 entry of model model-l" in r.stdout, r.stdout
-    assert not place.exists()
+    assert not place.exists() and hashed.exists()

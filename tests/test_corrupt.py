@@ -24,6 +24,7 @@ from kvkeeper.client.reader import CacheFileError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
 from .faultkit import FP, entry_path, filled, need_linux_root, rewrite_header, version_of
+from .test_cli_checks import cli
 
 
 def truncate(p: Path) -> None:
@@ -644,9 +645,14 @@ def test_a_symlink_planted_for_a_model_directory_is_not_followed(
     assert client.flush(timeout=WAIT) is False
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     assert not (daemon.root / "quarantine").exists()
-    # With no daemon to ask, the client reads the store itself: as refused.
+    # With no daemon to ask, the client reads the store itself: as refused;
+    # so does export.
     with Client(short_dir / "none.sock", root=daemon.root, timeout=WAIT) as alone:
         assert alone.load("elsewhere", "good") is None
+    r = cli("export", "--socket", str(short_dir / "none.sock"), "--root", str(daemon.root),
+            "elsewhere", "good", str(short_dir / "out.safetensors"))
+    assert r.returncode == 1 and "is a symlink, not followed" in r.stderr, r.stderr
+    assert not (short_dir / "out.safetensors").exists()
 
 
 def test_a_symlink_planted_for_quarantine_is_not_followed(
