@@ -179,7 +179,7 @@ def check_writable(path: Path, what: str) -> None:
             read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
         except OSError:
             read_only = False
-        why = ("it is on a read-only file system: give a root on a writable one" if read_only
-               else "chmod 700 it, as its owner")
+        why = ("it is on a read-only file system: choose a place on a writable one"
+               if read_only else "chmod 700 it, as its owner")
         raise ConfigError(f"{what} {str(path)!r} cannot be written by this user: the daemon "
                           f"makes its files there ({why})")

@@ -883,11 +883,18 @@ def export(args: argparse.Namespace) -> int:
         # file where a good export was.
         _fsync_path(tmp, os.O_RDONLY)
         os.replace(tmp, dest)
-        _fsync_path(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
     except (OSError, RuntimeError) as exc:  # mlx reports a file it cannot open as RuntimeError
         with contextlib.suppress(OSError):  # the error to report is the first
             tmp.unlink(missing_ok=True)
         raise CommandError(f"cannot write {dest}: {exc}") from None
+    try:
+        _fsync_path(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        # Written and in place: only the rename's durability is not vouched
+        # for (a directory this user may write but not read, say).
+        err.print(Text.assemble("kvkeeper: warning: wrote ", shown(dest), ", but could not "
+                                f"fsync its directory ({exc.strerror or exc}): a power cut "
+                                f"may still undo the rename"))
     # Not mlx_lm.generate --prompt-cache-file: it also wants the model and
     # tokenizer config in the metadata, which kvkeeper does not have.
     out.print(Text.assemble("wrote ", shown(dest),

@@ -470,6 +470,22 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     assert not _leftovers(short_dir)
 
 
+def test_export_into_a_directory_it_may_write_but_not_read(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """The file was written and renamed in, then the directory's fsync could
+    not open it (mode 0300) and export said "cannot write", exit 1."""
+    need_linux_root()
+    assert client.save("m1", "a", small_cache(), [1, 2]) and client.flush(timeout=WAIT)
+    drop = short_dir / "drop"
+    drop.mkdir(mode=0o300)
+    r = cli("export", "--socket", str(daemon.socket), "m1", "a", str(drop / "out.safetensors"),
+            prefix=NO_DAC)
+    drop.chmod(0o700)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "could not fsync its directory" in r.stderr and "cannot write" not in r.stderr
+    assert len(load_prompt_cache(str(drop / "out.safetensors"))) == len(small_cache())
+
+
 def test_export_into_the_store_is_refused(client: Client, daemon: RunningDaemon,
                                           short_dir: Path) -> None:
     """An export to another entry's place replaced that entry behind the
@@ -731,8 +747,8 @@ def test_serve_on_a_read_only_file_system_says_so(short_dir: Path) -> None:
                 str(short_dir / "run" / "k.sock"), timeout=15)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert "read-only file system: give a root on a writable one" in last, r.stderr
-    assert "chmod" not in last
+    assert "read-only file system: choose a place on a writable one" in last, r.stderr
+    assert "chmod" not in last and last.startswith("kvkeeper: root directory"), r.stderr
 
 
 def test_repair_with_a_lock_file_it_cannot_write_fails_with_status_1(short_dir: Path) -> None:
