@@ -110,6 +110,25 @@ def run(*cmd: str) -> None:
 
 
 @contextmanager
+def small_ext4(parent: Path, mib: int) -> Iterator[Path]:
+    """An ext4 image of ``mib`` MiB, no blocks reserved for root, loop-mounted
+    at ``parent/ext4``: a small real disk (a tmpfs takes a new directory
+    with no free block; ext4 needs one)."""
+    need_linux_root()
+    img, mnt = parent / "ext4.img", parent / "ext4"
+    with open(img, "wb") as f:
+        f.truncate(mib * 2**20)
+    run("mkfs.ext4", "-q", "-F", "-m", "0", str(img))
+    mnt.mkdir(mode=0o700)
+    run("mount", "-o", "loop", str(img), str(mnt))
+    try:
+        yield mnt
+    finally:
+        run("umount", "-l", str(mnt))
+        img.unlink()
+
+
+@contextmanager
 def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. "6m") mounted at ``parent/small``: a small disk."""
     need_linux_root()

@@ -8,6 +8,7 @@ verifying reader, whose checksums catch what safetensors readers accept.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import signal
@@ -31,6 +32,7 @@ from .faultkit import (
     filled,
     limit_file_size,
     need_linux_root,
+    small_ext4,
     small_tmpfs,
     tmp_files,
     version_of,
@@ -552,6 +554,43 @@ def test_a_save_whose_file_cannot_be_made_evicts_nothing(short_dir: Path) -> Non
         assert kv.stats()["evictions"] == 0
         assert [version_of(entry_path(root, k)) for k in "abcd"] == [1, 2, 3, 4]
         assert tmp_files(root) == [] and list((short_dir / "elsewhere").iterdir()) == []
+
+
+def test_a_full_ext4_makes_room_for_a_new_models_directory(short_dir: Path) -> None:
+    """On a full ext4 a new model's directory has no block to go in: its
+    mkdir failed with ENOSPC before any room was made, so every save of a
+    new model failed for good. Now room is made and the file begun again
+    (ext4 frees the evicted blocks at its next journal commit: the save
+    that made room may fail, the next one is written)."""
+    with small_ext4(short_dir, 64) as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=0,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abc"):
+                    assert kv.save(FP, k, filled(8, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+                fd = os.open(mnt / "other-program.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+                try:  # filled to the last byte
+                    for size in (2**20, 4096, 1):
+                        with contextlib.suppress(OSError):
+                            while True:
+                                os.write(fd, b"\0" * size)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                with pytest.raises(OSError) as full:  # no block for a new directory
+                    (mnt / "probe").mkdir()
+                assert full.value.errno == errno.ENOSPC
+                assert kv.save("new-model", "x", filled(8, 9), [9])
+                kv.flush(timeout=WAIT)
+                assert kv.stats()["evictions"] >= 1
+                os.sync()  # the journal commit that frees the evicted blocks
+                assert kv.save("new-model", "x", filled(8, 10), [10])
+                assert kv.flush(timeout=WAIT) is True
+                assert version_of(entry_path(mnt / "root", "x", model="new-model"),
+                                  "new-model") == 10
+        finally:
+            assert rd.stop() == 0
 
 
 def _begin_and_stall(ctx, socket: Path, cache_id: str, nbytes: int):  # noqa: ANN001, ANN202

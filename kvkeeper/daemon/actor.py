@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import functools
 import threading
 import time
@@ -977,9 +978,19 @@ class _FileWriter:
                 raise ValueError(f"the file would take {len(header) + self.job.total} bytes, "
                                  f"over max disk bytes ({disk})")
             # The tmp file first: a directory it cannot be made in (a mode
-            # changed by hand) must not cost the entries evicted for it.
-            self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
-            self.evicted += self.store.make_room(model, cache_id, len(header) + self.job.total)
+            # changed by hand) must not cost the entries evicted for it. But
+            # a full disk may not take it either (ext4 has no block for a new
+            # model's directory): then room first, and once more.
+            size = len(header) + self.job.total
+            try:
+                self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                self.evicted += self.store.make_room(model, cache_id, size)
+                self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
+            else:
+                self.evicted += self.store.make_room(model, cache_id, size)
             self.pending.append([header])
         if hash_too:
             self._hash(batch)
