@@ -74,7 +74,9 @@ def parse_size(text: str | int | float) -> int:
         num, unit = (t[:-1], t[-1]) if t and t[-1] in _SIZE_UNITS else (t, "")
         if num.strip().isascii() and num.strip().isdigit():
             # Exact: through a float, 2**63 - 1 became 2**63 (over the limit).
-            value = int(num) * _SIZE_UNITS[unit]
+            # (int() refuses over 4300 digits, with advice about Python.)
+            digits = num.strip().lstrip("0")
+            value = int(num) * _SIZE_UNITS[unit] if len(digits) <= 30 else MAX_SIZE + 1
             return _in_range(value, text)
         try:
             number = float(num) * _SIZE_UNITS[unit]

@@ -22,13 +22,12 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 from kvkeeper import config
-from kvkeeper.client.client import check_token_ids
 from kvkeeper.logs import get_logger
 
 if TYPE_CHECKING:
@@ -276,6 +275,22 @@ def _tail(token_ids: Sequence[int]) -> tuple[int, ...] | None:
         return tuple(itertools.islice(reversed(token_ids), _TAIL))[::-1]
     except (TypeError, ValueError):
         return None
+
+
+def check_token_ids(token_ids: Any) -> None:
+    """Raise ValueError for token ids of a kind that cannot be one: unordered
+    (a set, a dict's keys would be saved in some order and load back as ids
+    that look real), bytes (their bytes would be taken for ids), or an array
+    of more than one row (a batch of one, ``mx.array([ids])``)."""
+    if isinstance(token_ids, (Set, Mapping)):
+        raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
+                         f"{type(token_ids).__name__}")
+    if isinstance(token_ids, (bytes, bytearray)):
+        raise ValueError(f"token_ids must be integers, not {type(token_ids).__name__} "
+                         f"(encode the text with the tokenizer)")
+    if getattr(token_ids, "ndim", 1) != 1:
+        raise ValueError(f"token_ids must be one row of integers, not an array of shape "
+                         f"{tuple(token_ids.shape)}")
 
 
 def _checked_length(cache: Any, token_ids: Sequence[int]) -> int:

@@ -325,3 +325,16 @@ def test_close_after_a_step_that_saved_ids_in_a_deque(model, client: Client) -> 
     wb = client.write_behind(FP, "deque", every_tokens=1, every_seconds=None)
     assert wb.step(cache, deque(p)) is True
     assert wb.close(cache, ids) is True  # not the ids saved
+
+
+def test_the_write_behind_module_imports_no_socket_library() -> None:
+    """Its token-id checks came from the client module for a while, which
+    made importing kvkeeper.writebehind (and kvkeeper.integrations) load
+    ZeroMQ and msgspec too."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import sys, kvkeeper.writebehind; "
+                        "print(sorted(m for m in ('zmq', 'msgspec') if m in sys.modules))"],
+                       capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)

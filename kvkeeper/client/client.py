@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 from array import array
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
@@ -43,6 +43,7 @@ from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
+from kvkeeper.writebehind import check_token_ids
 
 if TYPE_CHECKING:
     from kvkeeper.client.codec import CacheCapture
@@ -1083,22 +1084,6 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'} "
                          f"and at most {threading.TIMEOUT_MAX:.0f}, not {value!r}")
     return float(value)  # threading's waits take no numpy scalar
-
-
-def check_token_ids(token_ids: Any) -> None:
-    """Raise ValueError for token ids of a kind that cannot be one: unordered
-    (a set, a dict's keys would be saved in some order and load back as ids
-    that look real), bytes (their bytes would be taken for ids), or an array
-    of more than one row (a batch of one, ``mx.array([ids])``)."""
-    if isinstance(token_ids, (Set, Mapping)):
-        raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
-                         f"{type(token_ids).__name__}")
-    if isinstance(token_ids, (bytes, bytearray)):
-        raise ValueError(f"token_ids must be integers, not {type(token_ids).__name__} "
-                         f"(encode the text with the tokenizer)")
-    if getattr(token_ids, "ndim", 1) != 1:
-        raise ValueError(f"token_ids must be one row of integers, not an array of shape "
-                         f"{tuple(token_ids.shape)}")
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
