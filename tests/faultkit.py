@@ -129,12 +129,14 @@ def small_ext4(parent: Path, mib: int) -> Iterator[Path]:
 
 
 @contextmanager
-def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` (e.g. "6m") mounted at ``parent/small``: a small disk."""
+def small_tmpfs(parent: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "6m"; and of ``inodes`` inodes) mounted at
+    ``parent/small``: a small disk."""
     need_linux_root()
     mnt = parent / "small"
     mnt.mkdir(mode=0o700)
-    run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt))
+    more = "" if inodes is None else f",nr_inodes={inodes}"
+    run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700{more}", "tmpfs", str(mnt))
     try:
         yield mnt
     finally:

@@ -593,6 +593,29 @@ def test_a_full_ext4_makes_room_for_a_new_models_directory(short_dir: Path) -> N
             assert rd.stop() == 0
 
 
+def test_a_disk_out_of_inodes_makes_room_for_the_next_save(short_dir: Path) -> None:
+    """The budget counted bytes only: with no inode left, every save of a new
+    key failed with ENOSPC (8 MiB free) and nothing was evicted. Now a tmp
+    file the disk will not take makes room for an inode too."""
+    with small_tmpfs(short_dir, "8m", inodes=16) as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=0,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                saved = 0
+                while os.statvfs(mnt).f_favail > 0:
+                    assert saved < 16, "the tmpfs has more inodes than asked for"
+                    assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1])
+                    assert kv.flush(timeout=WAIT) is True
+                    saved += 1
+                assert kv.save(FP, "new", filled(0.1, 2), [2])
+                assert kv.flush(timeout=WAIT) is True
+                assert kv.stats()["evictions"] == 1 and not entry_path(mnt / "root", "k0").exists()
+                assert version_of(entry_path(mnt / "root", "new")) == 2
+        finally:
+            assert rd.stop() == 0
+
+
 def _begin_and_stall(ctx, socket: Path, cache_id: str, nbytes: int):  # noqa: ANN001, ANN202
     """A raw client that begins a save of ``nbytes``, sends 1 KiB of it and
     stops: the daemon opens its file (making room for it) and waits."""

@@ -987,7 +987,7 @@ class _FileWriter:
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-                self.evicted += self.store.make_room(model, cache_id, size)
+                self.evicted += self.store.make_room(model, cache_id, size, need_inode=True)
                 self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
             else:
                 self.evicted += self.store.make_room(model, cache_id, size)

@@ -845,18 +845,28 @@ class Store:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
-    def make_room(self, model: str, cache_id: str, nbytes: int) -> list[StoredEntry]:
+    def out_of_inodes(self) -> bool:
+        """Whether the root's file system has no inode left for a new file
+        (one that counts them: f_files is 0 where there is no such limit)."""
+        st = os.statvfs(self.root)
+        return st.f_files > 0 and st.f_favail == 0
+
+    def make_room(self, model: str, cache_id: str, nbytes: int, *,
+                  need_inode: bool = False) -> list[StoredEntry]:
         """Before a file of ``nbytes`` is written for the entry: evict so that
         ``min_free_bytes`` stay free with it written. (Only a commit evicted:
         on a disk too full for the next save every save failed with ENOSPC,
         and nothing was ever evicted.) Free space only: ``max_disk_bytes`` is
         an account, settled once the file is in (a save that never arrives
         whole must not have evicted entries for its declared size). The
-        entry's current file is kept; it stays on disk meanwhile."""
-        return self.enforce_budget(keep=self.path_for(model, cache_id), writing=nbytes)
+        entry's current file is kept; it stays on disk meanwhile. ``need_inode``:
+        its tmp file could not be made (ENOSPC), so an inode is needed too."""
+        return self.enforce_budget(keep=self.path_for(model, cache_id), writing=nbytes,
+                                   need_inode=need_inode)
 
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
-                       no_evictions: threading.Event | None = None) -> list[StoredEntry]:
+                       no_evictions: threading.Event | None = None,
+                       need_inode: bool = False) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
@@ -866,10 +876,11 @@ class Store:
         would not fit with every entry gone, nor once ``no_evictions`` is set
         (looked at before each one)."""
         with self._evicting:
-            return self._enforce_budget(keep, writing, no_evictions)
+            return self._enforce_budget(keep, writing, no_evictions, need_inode)
 
     def _enforce_budget(self, keep: Path | None, writing: int,
-                        no_evictions: threading.Event | None) -> list[StoredEntry]:
+                        no_evictions: threading.Event | None,
+                        need_inode: bool = False) -> list[StoredEntry]:
         b = self.budget
         evicted: list[StoredEntry] = []
         with self._lock:
@@ -884,6 +895,8 @@ class Store:
             if for_free_space and (b.min_free_bytes > 0 or writing) \
                     and self.free_bytes() - writing < b.min_free_bytes:
                 return "min_free_bytes"
+            if need_inode and self.out_of_inodes():
+                return "inodes"  # the file about to be written could not be made
             return None
 
         if pressure() is None:
