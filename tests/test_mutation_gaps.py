@@ -502,6 +502,11 @@ def test_a_buffered_ring_past_its_size_that_dropped_nothing_is_trimmed() -> None
     assert plan.action == "trim" and plan.reused == 9, plan
     assert _attended(c, 99) == _attended(_fed(BufferedRotatingKVCache(max_size=8), ids[:9],
                                               prefill=9), 99)
+    # With keep > 0 it updates as a ring however many rows it holds: trimmed,
+    # the same prompt again attended to 9 twice and lost 4.
+    kept = _fed(BufferedRotatingKVCache(max_size=8, keep=2), ids, prefill=10)
+    assert kept._idx >= kept.offset and kept.start_position == 0
+    assert plan_reuse([kept], ids, ids).action == "cold"
 
 
 def test_a_saved_conversation_of_another_layer_count_is_not_reused(client: Client) -> None:

@@ -120,9 +120,13 @@ def _fully_retained(layer: Any) -> bool:
 
 
 def _rows_held(layer: Any) -> int | None:
-    """How many rows a buffered rotating layer holds (its ``_idx``), if it says."""
+    """How many rows a buffered rotating layer holds in order from position 0
+    (its ``_idx``), if it says. Not with ``keep`` > 0: that one updates as a
+    ring even before it drops a row (trimmed, it overwrote a kept token)."""
     idx = getattr(layer, "_idx", None)
-    return idx if type(idx) is int and hasattr(layer, "start_position") else None
+    if type(idx) is not int or not hasattr(layer, "start_position"):
+        return None
+    return idx if getattr(layer, "keep", 0) == 0 else None
 
 
 def _trimmable(cache: Sequence[Any]) -> bool:
