@@ -126,6 +126,7 @@ def small_ext4(parent: Path, mib: int) -> Iterator[Path]:
     finally:
         run("umount", "-l", str(mnt))
         img.unlink()
+        mnt.rmdir()
 
 
 @contextmanager

@@ -980,7 +980,8 @@ class _FileWriter:
             # The tmp file first: a directory it cannot be made in (a mode
             # changed by hand) must not cost the entries evicted for it. But
             # a full disk may not take it either (ext4 has no block for a new
-            # model's directory): then room first, and once more.
+            # model's directory, nor an inode left): then room first, and
+            # once more.
             size = len(header) + self.job.total
             try:
                 self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
@@ -989,8 +990,8 @@ class _FileWriter:
                     raise
                 self.evicted += self.store.make_room(model, cache_id, size, need_inode=True)
                 self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
-            else:
-                self.evicted += self.store.make_room(model, cache_id, size)
+            # (Again after a retry: the new model's directory took a block.)
+            self.evicted += self.store.make_room(model, cache_id, size)
             self.pending.append([header])
         if hash_too:
             self._hash(batch)
