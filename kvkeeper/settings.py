@@ -76,7 +76,7 @@ def parse_size(text: str | int | float) -> int:
             # Exact: through a float, 2**63 - 1 became 2**63 (over the limit).
             # (int() refuses over 4300 digits, with advice about Python.)
             digits = num.strip().lstrip("0")
-            value = int(num) * _SIZE_UNITS[unit] if len(digits) <= 30 else MAX_SIZE + 1
+            value = int(digits or "0") * _SIZE_UNITS[unit] if len(digits) <= 30 else MAX_SIZE + 1
             return _in_range(value, text)
         try:
             number = float(num) * _SIZE_UNITS[unit]
@@ -100,11 +100,22 @@ def parse_size(text: str | int | float) -> int:
 
 def _in_range(value: int, text: object) -> int:
     if value < 0:
-        raise ValueError(f"a size cannot be negative: {text!r}")
+        raise ValueError(f"a size cannot be negative: {_as_given(text)}")
     if value > MAX_SIZE:
         # ZeroMQ's message size limit (an int64) takes the pending budget.
-        raise ValueError(f"a size must be at most {MAX_SIZE} bytes (8 EiB), not {text!r}")
+        raise ValueError(f"a size must be at most {MAX_SIZE} bytes (8 EiB), not "
+                         f"{_as_given(text)}")
     return value
+
+
+def _as_given(text: object) -> str:
+    """``text`` for a message, cut short (repr of an int of over 4300 digits
+    raises ValueError, with advice about Python itself)."""
+    try:
+        r = repr(text)
+    except ValueError:
+        return "a number of thousands of digits"
+    return r if len(r) <= 60 else f"{r[:57]}..."
 
 
 #: The largest byte size a setting takes.

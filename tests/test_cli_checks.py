@@ -147,7 +147,9 @@ def test_serve_refuses_sizes_past_what_a_daemon_can_hold(short_dir: Path) -> Non
     assert r.returncode == 2 and "at most" in r.stderr, r.stderr
     # Past 4300 digits int() refused with advice about Python itself.
     r = cli("serve", "--print-config", "--max-disk-bytes", "1" * 5000)
-    assert r.returncode == 2 and "at most" in r.stderr and "digits" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "at most" in r.stderr and "set_int_max" not in r.stderr, r.stderr
+    r = cli("serve", "--print-config", "--max-disk-bytes", "0" * 5000 + "2G")
+    assert r.returncode == 0 and "max_disk_bytes" in r.stdout, (r.stdout, r.stderr)
 
 
 @pytest.mark.parametrize("what", ["a root that is not UTF-8", "a sessions symlink"])
