@@ -604,10 +604,30 @@ def test_a_disk_out_of_inodes_makes_room_for_the_next_save(short_dir: Path) -> N
                     assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1])
                     assert kv.flush(timeout=WAIT) is True
                     saved += 1
+                root = mnt / "root"
                 assert kv.save(FP, "new", filled(0.1, 2), [2])
                 assert kv.flush(timeout=WAIT) is True
-                assert kv.stats()["evictions"] == 1 and not entry_path(mnt / "root", "k0").exists()
-                assert version_of(entry_path(mnt / "root", "new")) == 2
+                assert kv.stats()["evictions"] == 1 and not entry_path(root, "k0").exists()
+                assert version_of(entry_path(root, "new")) == 2
+                # A new model needs two: its directory and the file.
+                assert kv.save("new-model", "x", filled(0.1, 3), [3])
+                assert kv.flush(timeout=WAIT) is True
+                assert kv.stats()["evictions"] == 3
+                assert version_of(entry_path(root, "x", model="new-model"), "new-model") == 3
+                # Entries held open elsewhere free no inode when evicted: one
+                # goes, and the save fails (before: every entry went).
+                held = [open(p, "rb") for p in sorted((root / "sessions").rglob("*.safetensors"))]
+                try:
+                    assert kv.save(FP, "more", filled(0.1, 4), [4])
+                    assert kv.flush(timeout=WAIT) is False
+                    assert kv.stats()["evictions"] == 4
+                finally:
+                    for f in held:
+                        f.close()
+                # Nor does a save that would not fit with every entry gone.
+                assert kv.save(FP, "huge", filled(12, 5), [5])
+                assert kv.flush(timeout=WAIT) is False
+                assert kv.stats()["evictions"] == 4
         finally:
             assert rd.stop() == 0
 

@@ -983,13 +983,20 @@ class _FileWriter:
             # model's directory, nor an inode left): then room first, and
             # once more.
             size = len(header) + self.job.total
-            try:
-                self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                self.evicted += self.store.make_room(model, cache_id, size, need_inode=True)
-                self.pending = self.store.begin(model, cache_id, len(header), self.job.total)
+            for tries_left in (2, 1, 0):  # a new model's directory and the file
+                try:
+                    self.pending = self.store.begin(model, cache_id, len(header),
+                                                    self.job.total)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC or not tries_left:
+                        raise
+                    made = self.store.make_room(model, cache_id, size, need_inode=True)
+                    self.evicted += made
+                    if not made or self.store.out_of_inodes():
+                        # Nothing went, or it freed no inode (a file open
+                        # elsewhere): begin would fail alike.
+                        raise
             # (Again after a retry: the new model's directory took a block.)
             self.evicted += self.store.make_room(model, cache_id, size)
             self.pending.append([header])

@@ -895,8 +895,11 @@ class Store:
             if for_free_space and (b.min_free_bytes > 0 or writing) \
                     and self.free_bytes() - writing < b.min_free_bytes:
                 return "min_free_bytes"
-            if need_inode and self.out_of_inodes():
-                return "inodes"  # the file about to be written could not be made
+            # The file about to be written could not be made: one entry, as
+            # its unlink may free no inode (a file open elsewhere, a file
+            # system that always says none are free).
+            if need_inode and for_free_space and not evicted and self.out_of_inodes():
+                return "inodes"
             return None
 
         if pressure() is None:
