@@ -65,10 +65,10 @@ def parse_size(text: str | int | float) -> int:
         value = text
     elif isinstance(text, float):
         if not math.isfinite(text):
-            raise ValueError(f"a size must be a finite number of bytes, not {text!r}")
+            raise ValueError(f"a size must be a finite number of bytes, not {_as_given(text)}")
         # TOML's 50.0 or 1e3: bytes written as a float are surely a unit missing.
         raise ValueError(f"a size without a unit is a whole number of bytes, not the float "
-                         f"{text!r} (write an integer, or a string such as \"50G\")")
+                         f"{_as_given(text)} (write an integer, or a string such as \"50G\")")
     else:
         t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
         num, unit = (t[:-1], t[-1]) if t and t[-1] in _SIZE_UNITS else (t, "")
@@ -81,11 +81,11 @@ def parse_size(text: str | int | float) -> int:
         try:
             number = float(num) * _SIZE_UNITS[unit]
         except ValueError:
-            raise ValueError(f"not a byte size: {text!r} (try 512M or 1G)") from None
+            raise ValueError(f"not a byte size: {_as_given(text)} (try 512M or 1G)") from None
         # float() takes "inf", "nan" and "1e400" (inf); int() of them fails
         # with an OverflowError no caller expects.
         if not math.isfinite(number):
-            raise ValueError(f"a size must be a finite number of bytes, not {text!r}")
+            raise ValueError(f"a size must be a finite number of bytes, not {_as_given(text)}")
         # Cut to whole bytes, "1.5" would be a disk budget of 1 byte (every
         # entry evicted) and "0.5" none at all: surely a missing unit. So is
         # "2.0" or "1e3" (integers are not written so).
@@ -93,7 +93,7 @@ def parse_size(text: str | int | float) -> int:
                 number != int(number) and int(number) == 0):
             hint = (f' (a unit missing? e.g. "{num.strip()}G")'
                     if unit == "" and "e" not in num else "")
-            raise ValueError(f"a size is a whole number of bytes, not {text!r}{hint}")
+            raise ValueError(f"a size is a whole number of bytes, not {_as_given(text)}{hint}")
         value = int(number)
     return _in_range(value, text)
 
