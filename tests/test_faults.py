@@ -621,13 +621,14 @@ def test_a_disk_out_of_inodes_makes_room_for_the_next_save(short_dir: Path) -> N
                     assert kv.save(FP, "more", filled(0.1, 4), [4])
                     assert kv.flush(timeout=WAIT) is False
                     assert kv.stats()["evictions"] == 4
+                    assert os.statvfs(mnt).f_favail == 0
+                    # Nor does a save that would not fit with every entry gone.
+                    assert kv.save(FP, "huge", filled(12, 5), [5])
+                    assert kv.flush(timeout=WAIT) is False
+                    assert kv.stats()["evictions"] == 4
                 finally:
                     for f in held:
                         f.close()
-                # Nor does a save that would not fit with every entry gone.
-                assert kv.save(FP, "huge", filled(12, 5), [5])
-                assert kv.flush(timeout=WAIT) is False
-                assert kv.stats()["evictions"] == 4
         finally:
             assert rd.stop() == 0
 
