@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import functools
 import threading
 import time
 from collections import deque
@@ -446,9 +445,8 @@ class WriterActor:
         try:
             # A drain cuts the scan short; one that begins after its last file
             # still ends its evictions (gc evicts nothing from the drain's start).
-            complete, evicted = await anyio.to_thread.run_sync(functools.partial(
-                self.store.rescan_and_enforce, self._stop_indexing,
-                no_evictions=self._stop_indexing))
+            complete, evicted = await anyio.to_thread.run_sync(
+                self.store.rescan_and_enforce, self._stop_indexing)
             self._count_evictions(evicted)
             self._scan_evicted = evicted
             if not complete:
@@ -579,9 +577,8 @@ class WriterActor:
             # A large store's rescan takes seconds, on the writer's turn: the
             # drain cuts it short (the saves queued behind it come first), and
             # from the drain's start nothing is evicted.
-            complete, job.evicted = await anyio.to_thread.run_sync(functools.partial(
-                self.store.rescan_and_enforce, self._stop_indexing,
-                no_evictions=self._stop_indexing))
+            complete, job.evicted = await anyio.to_thread.run_sync(
+                self.store.rescan_and_enforce, self._stop_indexing)
             self._count_evictions(job.evicted)
             if not complete:
                 log.warning("event=gc_cut_short reason=draining: nothing was evicted")

@@ -495,15 +495,15 @@ class Store:
             self._whole = complete
         return complete
 
-    def rescan_and_enforce(self, stop: threading.Event | None = None, *,
-                           no_evictions: threading.Event | None = None,
+    def rescan_and_enforce(self, stop: threading.Event | None = None
                            ) -> tuple[bool, list[StoredEntry]]:
-        """``rescan``, then apply the disk budget (not when the scan was cut
-        short; it evicts nothing once ``no_evictions`` is set); returns
-        whether it was whole, and what went."""
+        """``rescan``, then apply the disk budget; returns whether the scan
+        was whole, and what went. ``stop`` (the drain's start) cuts the scan
+        short, and then nothing is evicted; set after its last file, it stops
+        the evictions (see ``enforce_budget``'s ``no_evictions``)."""
         if not self.rescan(stop):
             return False, []
-        return True, self.enforce_budget(no_evictions=no_evictions)
+        return True, self.enforce_budget(no_evictions=stop)
 
     def _used_at(self, entry: StoredEntry, when: float) -> None:
         """Move ``entry`` last in the order of use (lock held). Not a _put:
