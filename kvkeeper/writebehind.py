@@ -37,8 +37,8 @@ log = get_logger("kvkeeper.writebehind")
 
 _TAIL = 64  # ids compared by close(cache, ids): see _tail
 
-__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_triggers",
-           "layer_offsets"]
+__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_token_ids",
+           "check_triggers", "is_bytes", "layer_offsets"]
 
 
 @dataclass
@@ -277,6 +277,17 @@ def _tail(token_ids: Sequence[int]) -> tuple[int, ...] | None:
         return None
 
 
+#: struct formats of a memoryview of bytes (``memoryview(b"...")`` is "B").
+_BYTE_FORMATS = frozenset({"B", "b", "c"})
+
+
+def is_bytes(raw: Any) -> bool:
+    """Whether ``raw`` is bytes, or a view of them: iterated, either gives
+    byte values that would pass for token ids."""
+    return isinstance(raw, (bytes, bytearray)) or (
+        isinstance(raw, memoryview) and raw.format in _BYTE_FORMATS)
+
+
 def check_token_ids(token_ids: Any) -> None:
     """Raise ValueError for token ids of a kind that cannot be one: unordered
     (a set, a dict's keys would be saved in some order and load back as ids
@@ -285,8 +296,9 @@ def check_token_ids(token_ids: Any) -> None:
     if isinstance(token_ids, (Set, Mapping)):
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
-    if isinstance(token_ids, (bytes, bytearray)):
-        raise ValueError(f"token_ids must be integers, not {type(token_ids).__name__} "
+    if is_bytes(token_ids):
+        kind = "bytes" if isinstance(token_ids, memoryview) else type(token_ids).__name__
+        raise ValueError(f"token_ids must be integers, not {kind} "
                          f"(encode the text with the tokenizer)")
     if getattr(token_ids, "ndim", 1) != 1:
         raise ValueError(f"token_ids must be one row of integers, not an array of shape "

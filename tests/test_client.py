@@ -478,7 +478,7 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
         with pytest.raises(ValueError, match=r"one row of integers.*\(1, 3\)"):
             client.save(FP, "bad", [c], batch)
     # Before: saved as the ids 97, 98, 99.
-    for raw in (b"abc", bytearray(b"abc")):
+    for raw in (b"abc", bytearray(b"abc"), memoryview(b"abc"), memoryview(bytearray(b"ab"))):
         with pytest.raises(ValueError, match="token_ids must be integers, not byte"):
             client.save(FP, "bad", [c], raw)
     # Before: MLX's RuntimeError "There is no Stream(cpu, 0) in current thread".

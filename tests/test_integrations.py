@@ -888,8 +888,9 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
     assert vlm_tokens(vlm_session.stream_generate(input_ids=[5, 6, 7], max_tokens=2)) != []
     # Bytes were taken for token ids ([104, 105]); mlx-vlm's prompt given ids
     # failed deep in its tokenizer; a None tokenizer at its first decode.
-    with pytest.raises(ValueError, match="not bytes"):
-        lm_session.generate(b"hi", max_tokens=2)
+    for raw in (b"hi", memoryview(b"hi")):
+        with pytest.raises(ValueError, match="not bytes"):
+            lm_session.generate(raw, max_tokens=2)
     with pytest.raises(TypeError, match="give token ids as input_ids="):
         vlm_tokens(vlm_session.stream_generate([5, 6, 7], max_tokens=2))
     with pytest.raises(TypeError, match="tokenizer is None"):

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvkeeper.integrations import Plan, SessionBase, token_ids_of
+from kvkeeper.writebehind import is_bytes
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
@@ -80,7 +81,7 @@ class Session(SessionBase):
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
         if isinstance(prompt, (mx.array, np.ndarray)):
             return token_ids_of(prompt)
-        if isinstance(prompt, (bytes, bytearray)):
+        if is_bytes(prompt):
             # Iterated, its bytes were taken for token ids.
             raise ValueError("the prompt must be text or token ids (integers), not bytes")
         ids = []
