@@ -343,3 +343,26 @@ def test_the_scans_budget_pass_keeps_the_old_file_of_a_key_being_saved(
         assert _holds(entry_path(root, "k"), 1)
     finally:
         assert stop_process(proc) == 0
+
+
+def test_the_scans_eviction_never_unlinks_a_save_renamed_meanwhile(short_dir: Path) -> None:
+    """The scan's pass of the budget judged the old file of a key being saved,
+    then lost the CPU (``evict_delay``); the save's rename came meanwhile,
+    and its entry was indexed only after the directory's fsync
+    (``renamed_delay``). The pass then unlinked the new file: the flush said
+    True, and the key had no file."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    size = _store(root, sock, ["k"], mib=2)
+    faults = f"scan_hold={go},write_delay=4,evict_delay=2,renamed_delay=3"
+    proc = serve_process(root, sock, "--max-disk-bytes", str(size // 2), "--min-free-bytes",
+                         "0", "--min-write-interval", "0", env={"KVKEEPER_TEST_FAULTS": faults},
+                         indexed=False)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(0.25, 2, layers=1), [2])  # written in about 1 s
+            wait_for(lambda: tmp_files(root) != [], "the save's tmp file")
+            go.touch()  # the pass judges k's old file at once, and acts on it 2 s later
+            assert kv.flush(timeout=WAIT)
+        assert _holds(entry_path(root, "k"), 2)
+    finally:
+        assert stop_process(proc) == 0

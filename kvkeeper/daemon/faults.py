@@ -15,6 +15,10 @@ lookup that finds nothing.
   it replaces the index, until PATH exists (at most 600 s; a drain's stop
   ends the wait); with ``scan_hold_after=N``, after reading N files instead.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename).
+- ``renamed_delay=S``: sleep S seconds after a save's rename, before the
+  directory's fsync (a slow one); ``evict_delay=S``: sleep S seconds between
+  an eviction's check of its victim and the unlink (the thread losing the
+  CPU there).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ def slow_write(nbytes: int) -> None:
 def slow_abort() -> None:
     if ACTIVE and "abort_delay" in ACTIVE:
         time.sleep(float(ACTIVE["abort_delay"]))
+
+
+def slow_step(name: str) -> None:
+    """Sleep for the ``renamed_delay`` or ``evict_delay`` fault, if set."""
+    if ACTIVE and name in ACTIVE:
+        time.sleep(float(ACTIVE[name]))
 
 
 def io_error(point: str) -> None:

@@ -9,6 +9,7 @@ reader (or a crash) sees the complete old or the complete new version.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -200,9 +201,13 @@ class PendingFile:
             faults.crash_point("half_written")
         return bufs
 
-    def commit(self, header: bytes) -> None:
+    def commit(self, header: bytes, lock: threading.Lock | None = None,
+               on_renamed: Callable[[], None] | None = None) -> None:
         """Put the final header in place, then fsync -> rename -> fsync(dir).
-        A failure anywhere removes the tmp file and leaves the old version."""
+        ``on_renamed`` runs right after the rename, both under ``lock``. A
+        failure before the rename removes the tmp file and leaves the old
+        version; once renamed (``renamed``), the new version is in place even
+        if the directory's fsync then fails."""
         assert self._fd is not None
         try:
             view = memoryview(header)
@@ -218,14 +223,18 @@ class PendingFile:
             self.identity = (st.st_ino, st.st_mtime_ns)
             os.close(self._fd)
             self._fd = None
-            os.rename(self.tmp, self.final)
-            self.renamed = True
+            with lock if lock is not None else contextlib.nullcontext():
+                os.rename(self.tmp, self.final)
+                self.renamed = True
+                if on_renamed is not None:
+                    on_renamed()
             if self._on_gone is not None:
                 self._on_gone(self.tmp)
         except BaseException:
             self.abort()
             raise
         faults.crash_point("renamed")
+        faults.slow_step("renamed_delay")
         t0 = time.perf_counter()
         if not faults.skip("no_dir_fsync"):
             faults.io_error("dir_fsync")
@@ -649,17 +658,18 @@ class Store:
             raise LeftInPlace(
                 errno.EEXIST, f"{pending.final} is another program's safetensors file (not a "
                               f"cache); move it away to save this entry")
-        try:
-            pending.commit(header)
-        finally:
-            if pending.renamed:
-                # The new file is served even if the directory's fsync then
-                # failed: the index (listing, disk budget) must know it.
-                now = time.time()
-                model, cache_id = pending.key
-                with self._lock:
-                    self._put(StoredEntry(model, cache_id, _int(tokens), pending.nbytes, now,
-                                          pending.final, "entry", now, *pending.identity))
+        model, cache_id = pending.key
+
+        def index_it() -> None:
+            # Under the lock the rename took: an eviction (the start-up scan's,
+            # in another thread) that judged the old file could otherwise
+            # unlink the new one. The new file is served even if the
+            # directory's fsync then fails: the index must know it.
+            now = time.time()
+            self._put(StoredEntry(model, cache_id, _int(tokens), pending.nbytes, now,
+                                  pending.final, "entry", now, *pending.identity))
+
+        pending.commit(header, self._lock, index_it)
         return self.enforce_budget(keep=pending.final)
 
     def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
@@ -942,6 +952,7 @@ class Store:
                 # Changed by hand since it was indexed: re-counted, not evicted.
                 used = self.usage()
                 continue
+            faults.slow_step("evict_delay")
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
                 # (A load racing the unlink itself still just misses.)
