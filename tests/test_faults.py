@@ -747,6 +747,46 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
         assert stop_process(proc) == 0
 
 
+def test_a_file_moved_to_quarantine_whose_fsync_failed_is_indexed_there(short_dir: Path) -> None:
+    """A damaged entry was moved to quarantine/, and then the directories'
+    fsync failed: the move was reported failed (``quarantine_failed``), not
+    counted, and the index kept the entry and not the moved file, so the
+    disk budget did not count it until a gc."""
+    need_linux_root()
+    root, sock = paths(short_dir)
+    ctl = str(short_dir / "fiu")
+    proc = serve_process(root, sock, prefix=("fiu-run", "-x", "-f", ctl))
+
+    def damage_and_load(kv: Client, name: str) -> None:
+        path = entry_path(root, name)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert kv.load(FP, name) is None
+        wait_for(lambda: not path.exists(), "the move to quarantine/")
+
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for v, name in enumerate("ab", start=1):
+                assert kv.save(FP, name, filled(0.25, v, layers=1), [v])
+            assert kv.flush(timeout=WAIT)
+            damage_and_load(kv, "a")  # quarantine/ is made, and fsynced, without faults
+            subprocess.run(["fiu-ctrl", "-f", ctl, "-c", "enable name=posix/io/sync/fsync",
+                            str(proc.pid)], check=True, timeout=WAIT)
+            damage_and_load(kv, "b")
+            subprocess.run(["fiu-ctrl", "-f", ctl, "-c", "disable name=posix/io/sync/fsync",
+                            str(proc.pid)], check=True, timeout=WAIT)
+            wait_for(lambda: kv.stats()["files_quarantined"] == 2, "the second move counted")
+            moved = [e for e in kv.entries(everything=True) if e.kind == "quarantine"]
+            assert len(moved) == 2
+            assert kv.stats()["disk_used_bytes"] == sum(
+                p.stat().st_size for p in (root / "quarantine").iterdir())
+    finally:
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=quarantine_dir_fsync_failed" in log and "quarantine_failed" not in log
+
+
 def test_a_key_whose_tmp_file_could_not_be_made_is_evicted_later(short_dir: Path) -> None:
     """A save of ``b`` failed at the creation of its tmp file (its directory
     read-only). The file of a key with a save on its way is evicted only

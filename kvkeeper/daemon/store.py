@@ -332,6 +332,7 @@ class Store:
         self._uses_meanwhile: dict[Path, float] | None = None
         self._whole = False  # a rescan has read every file: the budget may evict
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
+        self._synced_dirs: set[Path] = set()  # see _synced
         self._scanning = threading.Lock()
         # Keys with a save on its way (see protect: evicted last), by their
         # file's path.
@@ -380,13 +381,23 @@ class Store:
             except FileNotFoundError:
                 self._sessions_again()
                 os.mkdir(d, 0o700)
-            # The new directory's entry must be as durable as the file put in
-            # it: a file system that does not journal them in order could
-            # otherwise lose the directory, and the fsynced file with it.
-            fsync_dir(self.sessions)
+            made = True
         except FileExistsError:
             real_dir(d)
+            made = False
+        self._synced(d, made)
         return d
+
+    def _synced(self, d: Path, made: bool) -> None:
+        """Make the entry of directory ``d`` in its parent durable, as the
+        files put in it will be: a file system that does not journal them in
+        order could otherwise lose the directory, and fsynced files with it.
+        Done when this run made ``d``, and at its first use in this run: an
+        earlier run may have made it and then crashed, or failed, before the
+        parent's fsync (every later save then found it there and skipped it)."""
+        if made or d not in self._synced_dirs:
+            fsync_dir(d.parent)
+            self._synced_dirs.add(d)
 
     def _sessions_again(self) -> None:
         """The sessions directory is gone (``rm -rf <root>/*`` clears the
@@ -395,7 +406,7 @@ class Store:
         until a restart). A root removed whole stops the daemon instead:
         see the place check in ``app``."""
         os.mkdir(self.sessions, 0o700)  # not through a symlink: mkdir makes it
-        fsync_dir(self.root)
+        self._synced(self.sessions, True)
         log.warning("event=sessions_recreated path=%s: the store was cleared while the daemon "
                     "ran", self.sessions)
         self.rescan()
@@ -409,17 +420,15 @@ class Store:
             os.makedirs(self.sessions, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create {self.sessions}: {exc.strerror}") from None
+        if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
+            raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
+                              f"keeps its entries there (move it aside)")
+        self._synced(self.sessions, fresh)
         if fresh:
-            # As in _model_dir: the new directories' entries must be as
-            # durable as the first file put in them.
-            fsync_dir(self.root)
             try:
                 fsync_dir(self.root.parent)
             except OSError:
                 pass  # a parent this user may not read: the root is older then
-        if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
-            raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
-                              f"keeps its entries there (move it aside)")
 
     def sweep(self) -> list[Path]:
         """Remove the tmp files a crash left behind (before any write: the
@@ -775,20 +784,30 @@ class Store:
                         "program's safetensors file, left in place", path)
             return None
         qdir = self.root / QUARANTINE_DIR
-        os.makedirs(qdir, mode=0o700, exist_ok=True)
-        real_dir(qdir)  # (makedirs takes a symlink to a directory for one)
+        try:
+            os.mkdir(qdir, 0o700)
+            made = True
+        except FileExistsError:
+            real_dir(qdir)  # never a symlink to a directory
+            made = False
+        self._synced(qdir, made)
         name = f"{path.parent.name}.{path.name}.{time.time_ns()}"
         if len(os.fsencode(name)) > 255:  # two long components: over a file name's limit
             digest = hashlib.sha256(os.fsencode(f"{path.parent.name}/{path.name}")).hexdigest()
             name = f"_z{digest}.{time.time_ns()}"
         dest = qdir / name
         os.rename(path, dest)
-        fsync_dir(path.parent)
+        # Moved: the index must know it, whatever the fsyncs then say.
         with self._lock:
             self._drop(path)
             if stat.S_ISREG(st.st_mode):
                 self._put(StoredEntry(*_quarantined_key(name), 0, st.st_size, time.time(), dest,
                                       "quarantine", st.st_mtime, st.st_ino, st.st_mtime_ns))
+        try:
+            fsync_dir(path.parent)
+            fsync_dir(qdir)
+        except OSError as exc:  # moved all the same; only its durability is in doubt
+            log.error("event=quarantine_dir_fsync_failed path=%s error=%s", dest, exc)
         return dest
 
     # -- listing and the budget
