@@ -21,7 +21,7 @@ default ~/.config/kvkeeper/config.toml), then defaults;
 no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
 (1.5G); without one they are whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
-3 no daemon running."""
+3 no daemon running, 130 interrupted (Ctrl-C)."""
 
 
 def _flag_value(parse: Callable[[str], Any], text: str) -> Any:
@@ -331,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: what the command was doing is undone where it can be
+        # (export's tmp file), and a traceback would tell the user nothing.
+        print("\nkvkeeper: interrupted", file=sys.stderr)
+        return 130
     finally:
         logging.disable(disabled)
         if escape:

@@ -883,10 +883,14 @@ def export(args: argparse.Namespace) -> int:
         # file where a good export was.
         _fsync_path(tmp, os.O_RDONLY)
         os.replace(tmp, dest)
-    except (OSError, RuntimeError) as exc:  # mlx reports a file it cannot open as RuntimeError
+    except BaseException as exc:
+        # Ctrl-C too: the tmp file is a whole hidden copy of the conversation,
+        # and no later run looks for it (its name has this run's pid).
         with contextlib.suppress(OSError):  # the error to report is the first
             tmp.unlink(missing_ok=True)
-        raise CommandError(f"cannot write {dest}: {exc}") from None
+        if isinstance(exc, (OSError, RuntimeError)):  # mlx: a file it cannot open
+            raise CommandError(f"cannot write {dest}: {exc}") from None
+        raise
     try:
         _fsync_path(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:

@@ -8,6 +8,7 @@ import os
 import plistlib
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -473,6 +474,40 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     assert r.returncode == 0 and longest.exists(), (r.stdout, r.stderr)
     assert len(load_prompt_cache(str(longest))) == len(small_cache())
     assert not _leftovers(short_dir)
+
+
+def test_export_stopped_by_ctrl_c_leaves_no_tmp_file(client: Client, daemon: RunningDaemon,
+                                                     short_dir: Path) -> None:
+    """Ctrl-C while export wrote its tmp file left it there for good: a
+    hidden whole copy of the conversation, under a name with the run's pid."""
+    c = KVCache()
+    x = mx.random.normal((1, 8, 32768, 128)).astype(mx.bfloat16)  # 64 MiB
+    c.update_and_fetch(x, x)
+    assert client.save("m1", "big", [c], list(range(32768))) and client.flush(timeout=WAIT)
+    out = short_dir / "out"
+    out.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    # Python's own SIGINT handler, even where the tests run with SIGINT ignored.
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from kvkeeper.cli import main; sys.exit(main(sys.argv[1:]))")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, "export", "--socket", str(daemon.socket), "m1", "big",
+         str(out / "big.safetensors")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**base, "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"})
+    try:
+        deadline = time.monotonic() + WAIT
+        while not _leftovers(out):  # the tmp file is made, then filled (about 0.5 s)
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "no tmp file"
+            time.sleep(0.002)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=WAIT)
+    finally:
+        child.kill()
+        child.wait(WAIT)
+    assert child.returncode == 130 and err.strip() == "kvkeeper: interrupted", err
+    assert list(out.iterdir()) == []
 
 
 def test_export_into_a_directory_it_may_write_but_not_read(
