@@ -1006,8 +1006,10 @@ class _FileWriter:
 
     def _commit(self) -> None:
         assert self.pending is not None
-        done, self.pending = self.pending, None  # commit cleans up after itself on failure
+        # Built while the tmp file is still ours to remove (see _write's
+        # handlers); from then on commit cleans up after itself on failure.
         final = self.layout.header(self.job.metadata, self.hasher.hexdigests())
+        done, self.pending = self.pending, None
         self.evicted += self.store.commit(done, final, self.job.metadata.get(TOKEN_COUNT_KEY))
         self.committed = done
 
