@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeeper.client.client import Client
+from kvkeeper.client.client import Client, DaemonTimedOut
 
 from .conftest import WAIT, drain_past_the_notice, serve_process, stop_process, wait_for
 from .faultkit import FP, entry_path, filled, version_of
@@ -484,6 +484,53 @@ def _flush_into(kv: Client, got: list[bool | BaseException]) -> None:
         got.append(kv.flush(timeout=WAIT))
     except Exception as exc:  # noqa: BLE001 - shown by the test's assert
         got.append(exc)
+
+
+def _a_failure_behind_a_flush(kv: Client, save_behind: Callable[[], bool]) -> None:
+    """A flush waits for a save being written slowly; another thread's save,
+    handed off after the flush, fails meanwhile. That failure is the next
+    flush's: the first said False and the next True, for a save never written."""
+    assert kv.save(FP, "a", filled(60, 1), [1])  # about 1.2 s to write
+    got: list[bool | BaseException] = []
+    waiting = threading.Thread(target=_flush_into, args=(kv, got))
+    waiting.start()
+    time.sleep(0.2)  # the flush has queued its request
+    assert save_behind()
+    # The wait for a turn counts in the timeout: a timeout, not "daemon down".
+    with pytest.raises(DaemonTimedOut, match="another flush of this client"):
+        kv.flush(timeout=0.05)
+    waiting.join(WAIT)
+    assert got == [True]
+    assert kv.flush(timeout=WAIT) is False
+    assert kv.flush(timeout=WAIT) is True
+
+
+def test_a_save_lost_in_the_client_after_a_flush_is_the_next_flushs(short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": "write_delay=0.02"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            # Over 32 MiB of token ids: the I/O thread cannot build its header.
+            _a_failure_behind_a_flush(kv, lambda: kv.save(FP, "b", filled(0.1, 2),
+                                                          [1234567] * 5_000_000))
+            assert kv.client_stats()["client_saves_lost"] == 1
+        assert version_of(entry_path(root, "a")) == 1 and not entry_path(root, "b").exists()
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_save_refused_after_a_flush_is_the_next_flushs(short_dir: Path) -> None:
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--max-pending-bytes", "100M",
+                         env={"KVKEEPER_TEST_FAULTS": "write_delay=0.02"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            # No room beside the first: refused busy while the flush waits.
+            _a_failure_behind_a_flush(kv, lambda: kv.save(FP, "b", filled(60, 2), [2]))
+            assert kv.stats()["saves_refused"] == 1
+        assert version_of(entry_path(root, "a")) == 1 and not entry_path(root, "b").exists()
+    finally:
+        assert stop_process(proc) == 0
 
 
 def test_a_flush_answered_just_before_the_daemon_exits_is_true(

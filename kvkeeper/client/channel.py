@@ -222,6 +222,11 @@ class _Request:
     sent: bool = False  # the I/O thread's: handed to a connection (which may die with it)
     seq: int = 0  # the I/O thread's: Channel._sent when it went
     conn: int = 0  # the I/O thread's: Channel.connections when it went
+    # The I/O thread's: ``counters.saves_lost`` when it went. Every save
+    # handed off before it was sent, or lost, by then; a flush counts these
+    # losses only (a save handed off after it, and lost while it waited,
+    # is the next flush's).
+    lost: int = 0
 
 
 def _some_keys(keys: list[Key], shown: int = 20) -> str:
@@ -984,6 +989,7 @@ class Channel:
             self._sent += 1
             item.seq = self._sent
             item.conn = self.connections
+            item.lost = self.counters.saves_lost
 
     def _hold_until(self, save: _Save) -> float | None:
         """When ``save`` may be sent, if it is to wait: its key was sent less

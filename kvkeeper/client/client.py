@@ -680,8 +680,8 @@ class Client:
             # child's requests fail at once, and so does this one.
             raise DaemonUnavailable(FORKED)
         if not self._flushing.acquire(timeout=timeout):
-            raise DaemonUnavailable(f"another flush of this client did not end within "
-                                    f"{timeout} s")
+            raise DaemonTimedOut(f"another flush of this client did not end within "
+                                 f"{timeout} s")
         try:
             return self._flush(max(0.0, timeout - (time.monotonic() - t0)))
         finally:
@@ -723,7 +723,7 @@ class Client:
         with self._lock:
             # Running totals: what went wrong since the last flush that returned
             # (the daemon counts refusals with failures: their replies can be lost).
-            lost_total = self._channel.counters.saves_lost
+            lost_total = pending.lost
             lost = lost_total - self._lost_seen
             failed_seen = 0 if restarted else self._failed_seen
             # A smaller total also means a new daemon (one this check missed).

@@ -93,14 +93,19 @@ class Job:
     outcome: Outcome | None = None
     detail: str = ""
     # Other clients whose saves this job replaced: their flushes wait for it,
-    # and its failure is theirs too.
-    heirs: set[bytes] = field(default_factory=set)
+    # and its failure is theirs too, charged to the stamp of the first of
+    # their saves it replaced (see Tally).
+    heirs: dict[bytes, int] = field(default_factory=dict)
     # The job that replaced this one: whoever waits for this job waits for
     # that one too (and for whatever replaces it in turn).
     replaced_by: Job | None = None
-    # Whether this job replaced a save of its own client: a delete that then
-    # fails leaves that client's save neither written nor deleted.
-    replaced_own: bool = False
+    # The stamp of the first save of its own client this job replaced (None:
+    # none): a delete that then fails leaves that save neither written nor
+    # deleted.
+    replaced_own: int | None = None
+    # ``jobs_taken`` once this job was taken: a flush covers the jobs taken
+    # before it came (see Tally).
+    stamp: int = 0
 
 
 @dataclass(eq=False)
@@ -157,6 +162,11 @@ class GcJob(Job):
     evicted: list[StoredEntry] = field(default_factory=list)
 
 
+#: Failures kept apart for the flushes to come (see Tally.fail): past this
+#: many, the older half is counted as reported.
+_MAX_UNREPORTED = 4096
+
+
 @dataclass
 class Tally:
     """What happened to one client's saves, since it connected."""
@@ -164,6 +174,34 @@ class Tally:
     written: int = 0
     superseded: int = 0
     failed: int = 0  # failed, or refused before it reached the writer
+    # The stamps of the saves whose failures no flush has reported yet, and
+    # how many were reported (see failed_up_to).
+    unreported: list[int] = field(default_factory=list)
+    reported: int = 0
+
+    def fail(self, stamp: int) -> None:
+        """A failure, of the save taken as ``jobs_taken`` reached ``stamp``."""
+        self.failed += 1
+        self.unreported.append(stamp)
+        if len(self.unreported) > _MAX_UNREPORTED:
+            # Bounded for a client that fails and never flushes. Counted at
+            # once, they may go to a flush sent before their saves: one that
+            # says False, with the next flush then not saying so again.
+            self.unreported.sort()
+            half = len(self.unreported) // 2
+            self.reported += half
+            del self.unreported[:half]
+
+    def failed_up_to(self, covered: int) -> int:
+        """The running total of failures a flush reports: those of the saves
+        taken up to ``covered`` (its mark). A failure of a save that came
+        after the flush, even one already known (a refusal, a quick failure
+        while the flush waited), is left to the next flush: had this one
+        reported it, the flush that covers the save would say True."""
+        keep = [stamp for stamp in self.unreported if stamp > covered]
+        self.reported += len(self.unreported) - len(keep)
+        self.unreported = keep
+        return self.reported
 
 
 class WriterActor:
@@ -343,7 +381,13 @@ class WriterActor:
             # A job replaced by another client's while this flush waits must
             # be answered for by the replacement (see the module docstring).
             await _outcome_of(job)
-        return replace(self._used_tally(peer) or Tally())
+        return replace(self._used_tally(peer) or Tally(), unreported=[])
+
+    def failed_up_to(self, peer: bytes, covered: int) -> int:
+        """``peer``'s failures for its flush that came as ``jobs_taken`` was
+        ``covered``: see Tally.failed_up_to."""
+        tally = self._used_tally(peer)
+        return 0 if tally is None else tally.failed_up_to(covered)
 
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
@@ -744,10 +788,13 @@ class WriterActor:
     def _supersede(self, old: SaveJob, new: Job) -> None:
         """``new`` replaces ``old``, and answers for it to every client that
         was waiting for it (see the module docstring)."""
-        heirs = ({old.peer} | old.heirs) - {new.peer}
-        new.replaced_own |= new.peer == old.peer or new.peer in old.heirs
-        new.heirs |= heirs
-        for peer in heirs:
+        replaced = dict(old.heirs)
+        replaced[old.peer] = min(old.stamp, replaced.get(old.peer, old.stamp))
+        own = replaced.pop(new.peer, None)
+        if own is not None:
+            new.replaced_own = own if new.replaced_own is None else min(new.replaced_own, own)
+        for peer, stamp in replaced.items():
+            new.heirs[peer] = min(stamp, new.heirs.get(peer, stamp))
             self._by_peer.setdefault(peer, set()).add(new)
         old.replaced_by = new
         self._resolve(old, Outcome.SUPERSEDED)
@@ -756,6 +803,7 @@ class WriterActor:
         self._latest[job.key] = job
         self._by_peer.setdefault(job.peer, set()).add(job)
         self.jobs_taken += 1
+        job.stamp = self.jobs_taken
 
     def _resolve(self, job: Job, outcome: Outcome, detail: str = "") -> None:
         if job.done.is_set():
@@ -787,12 +835,13 @@ class WriterActor:
             elif outcome is Outcome.SUPERSEDED:
                 tally.superseded += 1
             else:
-                tally.failed += 1
+                tally.fail(job.stamp)
         if outcome is Outcome.FAILED:
-            for peer in job.heirs:  # their save was replaced by a job that failed
-                self._tally_of(peer).failed += 1
-            if job.replaced_own and not isinstance(job, SaveJob):
-                self._tally_of(job.peer).failed += 1  # (a failed save counts itself)
+            for peer, stamp in job.heirs.items():  # their save was replaced by a job that failed
+                self._tally_of(peer).fail(stamp)
+            if job.replaced_own is not None and not isinstance(job, SaveJob):
+                # (A failed save counts itself.)
+                self._tally_of(job.peer).fail(job.replaced_own)
         if self._latest.get(job.key) is job:
             # A held or parked save may still be waiting behind a job that
             # overtook it (moving a damaged file aside): it is the newest
@@ -802,7 +851,7 @@ class WriterActor:
                 self._latest[job.key] = behind
             else:
                 del self._latest[job.key]
-        for peer in {job.peer} | job.heirs:
+        for peer in {job.peer, *job.heirs}:
             peer_jobs = self._by_peer.get(peer)
             if peer_jobs is not None:
                 peer_jobs.discard(job)
@@ -817,7 +866,9 @@ class WriterActor:
     def note_refused(self, peer: bytes) -> None:
         """A save of ``peer`` the server turned away: it will not be written, and
         the peer's next flush says so even if the refusal's reply was lost."""
-        self._tally_of(peer).failed += 1
+        # Stamped as a job: a flush that came before it does not report it.
+        self.jobs_taken += 1
+        self._tally_of(peer).fail(self.jobs_taken)
 
     def peers(self) -> set[bytes]:
         """The clients whose saves the writer took: those with jobs, and

@@ -540,7 +540,8 @@ class Server:
                         self._told_of_drain.discard(peer)
                     self._reply(peer, m.Flushed(
                         v=m.PROTOCOL_VERSION, req=req, written=tally.written,
-                        superseded=tally.superseded, failed=tally.failed))
+                        superseded=tally.superseded,
+                        failed=self.actor.failed_up_to(peer, covered)))
                     answered += 1
                     if answered % _ANSWER_RUN == 0:
                         await anyio.lowlevel.checkpoint()

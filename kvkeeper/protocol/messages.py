@@ -224,7 +224,8 @@ class Flushed(_Msg, tag="flushed"):
     """Every save this client sent before it is resolved. The counts are running
     totals for this client's connection, so that a flush whose answer was lost
     (a timeout) hides nothing from the next one. ``failed`` counts refused
-    saves too."""
+    saves too, of the saves sent before this flush only: one sent after it
+    that failed while it waited is left to the next flush."""
 
     req: int
     written: int
