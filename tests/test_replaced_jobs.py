@@ -171,3 +171,24 @@ def test_replaced_saves_keep_the_newest_bytes(short_dir: Path) -> None:
                 assert held(path) == np.full(16, 2, np.uint8).tobytes()
     finally:
         assert stop_process(proc) == 0
+
+
+def test_a_delete_that_replaces_a_waiting_save_says_the_entry_existed(short_dir: Path) -> None:
+    """A delete of a key whose first save waits behind another is done "after
+    any pending save of it": the entry existed. It replaced the save instead
+    of waiting for its write, and said False, as for a key never saved."""
+    proc = slow_daemon(short_dir)
+    try:
+        with dealers(short_dir / "run" / "kv.sock", 2) as (a, b):
+            save(b, 1, "busy", BUSY)
+            time.sleep(0.2)
+            save(a, 1, "k", V1)  # waits behind the busy save
+            assert ask(a, m.Delete(v=V, req=1, model="fp", cache_id="k")) == m.Deleted(
+                v=V, req=1, existed=True)
+            assert ask(a, m.Delete(v=V, req=2, model="fp", cache_id="k")) == m.Deleted(
+                v=V, req=2, existed=False)
+            assert ask(a, m.Flush(v=V, req=3)) == m.Flushed(v=V, req=3, written=0,
+                                                            superseded=1, failed=0)
+        assert not naming.entry_path(short_dir / "root", "fp", "k").exists()
+    finally:
+        assert stop_process(proc) == 0

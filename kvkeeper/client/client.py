@@ -776,7 +776,8 @@ class Client:
         return answer
 
     def delete(self, model: str, cache_id: str) -> bool:
-        """Delete an entry (after any pending save of it); True if it existed."""
+        """Delete an entry (after any pending save of it); True if it existed,
+        or a save of it was on its way (which the delete replaces)."""
         model, cache_id = naming.check_key(model, cache_id)
         with self._lock:
             mark = self._unsettled.get((model, cache_id))

@@ -634,7 +634,10 @@ class WriterActor:
         model, cache_id = job.key
         try:
             if job.reason is None:
-                job.existed = await anyio.to_thread.run_sync(self.store.delete, model, cache_id)
+                deleted = await anyio.to_thread.run_sync(self.store.delete, model, cache_id)
+                # A save of the key it replaced counts: the delete comes "after
+                # any pending save", which would have made the entry.
+                job.existed = deleted or job.replaced_own is not None or bool(job.heirs)
                 self.stats.inc("deletes")
             else:
                 moved = await anyio.to_thread.run_sync(
