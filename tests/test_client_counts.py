@@ -723,3 +723,36 @@ def test_a_save_zeromq_had_no_room_for_waits_and_is_still_replaced(short_dir: Pa
     finally:
         proc.send_signal(signal.SIGCONT)
         stop_process(proc, signal.SIGKILL)
+
+
+def test_a_load_after_a_restart_that_took_its_save_says_it_may_be_stale(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon read a save and held it (write interval), and was killed;
+    a new one answered the load of the key with the older file. The client
+    took that as settling its save: no word, and every later load of the key
+    read the older file directly, until a flush said False."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "600")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            assert kv.save(FP, "k", filled(0.1, 2), [2])  # held by the daemon
+            kv.ping()  # which has read it
+            stop_process(proc, signal.SIGKILL)
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            proc = serve_process(root, sock)
+            wait_for(lambda: kv.connected, "the client to reconnect")
+            with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+                for _ in range(2):
+                    got = kv.load(FP, "k")
+                    assert got is not None and got.token_ids == [1]
+                said = [r.getMessage() for r in caplog.records
+                        if "event=load_may_be_stale" in r.getMessage()]
+                assert len(said) == 2 and "reason=daemon_restarted" in said[0], said
+                assert kv.flush(timeout=WAIT) is False  # it tells, and settles the key
+                caplog.clear()
+                got = kv.load(FP, "k")
+                assert got is not None and got.token_ids == [1]
+                assert not [r for r in caplog.records if "load_may_be_stale" in r.getMessage()]
+    finally:
+        assert stop_process(proc) == 0

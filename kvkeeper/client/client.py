@@ -37,6 +37,7 @@ from kvkeeper.client.channel import (
     DaemonShuttingDown,
     DaemonTimedOut,
     DaemonUnavailable,
+    PendingReply,
     SaveTooLarge,
 )
 from kvkeeper.logs import get_logger
@@ -483,7 +484,10 @@ class Client:
         (logged). Raises DaemonUnavailable when the daemon does not answer
         within ``timeout`` while a save of the key made through this client
         may still be unwritten (the file may be older than it), and at once
-        in a child process forked after this client was made.
+        in a child process forked after this client was made. After the
+        connection to the daemon was lost since the last flush, a load of a
+        key saved meanwhile returns what the daemon has, logged as possibly
+        older (``event=load_may_be_stale``) until a flush tells.
         ``verify`` checks every tensor's checksum (reads the whole file); off,
         the arrays stay lazy (each is read from the file when first evaluated).
         """
@@ -564,13 +568,37 @@ class Client:
             return self._read_instead(model, cache_id, exc, unwritten,
                                       early or _read(guess, verify, model, cache_id), deadline)
         if not kept:
-            self._settled(key, mark)
+            lost = self._lost_since_flush(pending) if unwritten else None
+            if lost is None:
+                self._settled(key, mark)
+            else:
+                # The daemon answered for what it has; a save of ours sent to
+                # one that went away may be gone. Until a flush says, every
+                # load of the key asks, and says so.
+                log.warning("event=load_may_be_stale model=%s id=%s reason=%s: the connection "
+                            "to the daemon was lost since the last flush (%s), and %s: the "
+                            "file may be older than it", model, cache_id, lost,
+                            "it was restarted" if lost == "daemon_restarted" else
+                            "the daemon had not read the last saves", unwritten)
         if not isinstance(reply, m.Found) or not reply.path:
             return None
         path = Path(reply.path)
         if early is None or path != guess or not early.still_current():
             early = _read(path, verify, model, cache_id)
         return self._conclude(model, cache_id, early, deadline)
+
+    def _lost_since_flush(self, pending: PendingReply) -> str | None:
+        """Why saves handed off since the last flush that returned may be lost
+        for all the daemon answering ``pending`` knows (None: they are not):
+        a connection ended before the daemon read them, or one ended with
+        saves sent on it and no drain answering for them (the daemon may have
+        been restarted). A flush tells which, with a round trip or two more."""
+        if self._channel.unread_losses(since=self._flushed_seq, before=pending):
+            return "connection_lost"
+        if any(end.vouched() is None for end in self._channel.ended_with_saves(
+                since=self._flushed_seq, before=pending)):
+            return "daemon_restarted"
+        return None
 
     def _read_instead(self, model: str, cache_id: str, why: DaemonUnavailable,
                       unwritten: str | None, attempt: _Attempt,
