@@ -149,9 +149,17 @@ def _check_ours(path: Path, what: str) -> None:
     # be chmod-ed: the place wanted is a directory of this user's own inside
     # it, which start-up makes. (Inside another user's, nothing can be made.)
     shared = st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH
-    own_place = (f"; use a directory of its own inside it instead (e.g. "
-                 f"{str(path / f'kvkeeper-{os.getuid()}')!r}: made at start, mode 700)"
-                 if shared else "")
+    own_place = ""
+    if shared and what == "root directory":
+        # A shared directory is /tmp, or like it: emptied at boot, and a
+        # store is to outlive restarts.
+        own_place = (f"; keep the store in a directory of its own that outlives a reboot "
+                     f"(the default root is {str(default_root())!r})")
+    elif shared or path == Path.home():
+        # Nor is a home directory to be chmod-ed for a socket.
+        own_place = (f"; use a directory of its own inside it instead (e.g. "
+                     f"{str(path / (f'kvkeeper-{os.getuid()}' if shared else '.kvkeeper'))!r}: "
+                     f"made at start, mode 700)")
     if st.st_uid != os.getuid():
         raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us"
                           f"{own_place}")

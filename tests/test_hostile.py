@@ -435,6 +435,23 @@ def test_files_and_dirs_are_private(client: Client, daemon: RunningDaemon) -> No
     assert os.stat(daemon.socket).st_mode & 0o077 == 0
 
 
+def test_a_socket_in_a_home_directory_others_may_read_is_sent_elsewhere(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The advice was "chmod 700 it": of the user's home directory."""
+    from kvkeeper.config import ConfigError
+
+    home = short_dir / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(ConfigError, match="open to group or others") as refused:
+        start_daemon(short_dir / "r1", home / "kv.sock")
+    assert "chmod" not in str(refused.value)
+    own = home / ".kvkeeper"
+    assert f"a directory of its own inside it instead (e.g. '{own}'" in str(refused.value)
+    start_daemon(short_dir / "r1", own / "kv.sock").stop()
+
+
 def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
     need_linux_root()
     from kvkeeper.config import ConfigError
@@ -456,6 +473,12 @@ def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
     own = shared / f"kvkeeper-{os.getuid()}"
     assert f"a directory of its own inside it instead (e.g. '{own}'" in str(refused.value)
     start_daemon(short_dir / "r1", own / "kv.sock").stop()
+    # A store there would go at the next boot: not "a directory inside it".
+    with pytest.raises(ConfigError, match="open to group or others") as refused:
+        start_daemon(shared, short_dir / "run" / "kv.sock")
+    assert "inside it" not in str(refused.value)
+    assert "in a directory of its own that outlives a reboot (the default root is" \
+        in str(refused.value)
     os.chown(shared, pwd.getpwnam("nobody").pw_uid, -1)  # as /tmp, root's, is to a user
     with pytest.raises(ConfigError, match="owned by uid") as refused:
         start_daemon(short_dir / "r1", shared / "kv.sock")
