@@ -445,6 +445,18 @@ def _leftovers(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if ".tmp" in p.name]
 
 
+def test_a_relative_socket_path_starting_with_at_is_a_file(short_dir: Path) -> None:
+    """``serve --socket @foo`` binds the file ./@foo; the other commands took
+    ``ipc://@foo`` for Linux's abstract namespace, and said "did not answer
+    within 2 s (is it stopped?)" of a running daemon."""
+    proc = serve_process(short_dir / "root", short_dir / "@foo")
+    try:
+        r = cli("ls", "--json", "--socket", "@foo", cwd=short_dir)
+        assert r.returncode == 0 and json.loads(r.stdout) == [], (r.stdout, r.stderr)
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_export_to_a_destination_it_cannot_write(client: Client, daemon: RunningDaemon,
                                                  short_dir: Path) -> None:
     sock = str(daemon.socket)

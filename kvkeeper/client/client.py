@@ -138,8 +138,10 @@ class Client:
     ) -> None:
         _check_path_argument("socket", socket)
         _check_path_argument("root", root)
-        self.socket_path = (config.socket_path(socket) if socket is not None
-                            else settings.client_path("socket"))
+        # Absolute, as the daemon binds it: ZeroMQ takes a relative "@name"
+        # for Linux's abstract namespace, where no kvkeeper daemon listens.
+        self.socket_path = Path(os.path.abspath(
+            config.socket_path(socket) if socket is not None else settings.client_path("socket")))
         try:
             config.check_socket_path(self.socket_path)
         except config.ConfigError as exc:  # ZeroMQ would fail later, on the I/O thread
