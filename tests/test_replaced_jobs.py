@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 from safetensors.numpy import load_file
 
@@ -190,5 +191,40 @@ def test_a_delete_that_replaces_a_waiting_save_says_the_entry_existed(short_dir:
             assert ask(a, m.Flush(v=V, req=3)) == m.Flushed(v=V, req=3, written=0,
                                                             superseded=1, failed=0)
         assert not naming.entry_path(short_dir / "root", "fp", "k").exists()
+    finally:
+        assert stop_process(proc) == 0
+
+
+@pytest.mark.parametrize("how", ["its own newer save", "its own, then another client's"])
+def test_a_flush_reports_the_failure_of_what_replaced_its_save(short_dir: Path, how: str) -> None:
+    """A's flush covers A's save of k; a newer save of A's replaces it before
+    it is written (and, in the second case, B's save replaces that one), and
+    the last replacement fails. The failure was charged to the newer save's
+    place after the flush: the flush said True with the key holding v1."""
+    proc = slow_daemon(short_dir)
+    path = naming.entry_path(short_dir / "root", "fp", "k")
+    try:
+        with dealers(short_dir / "run" / "kv.sock", 2) as (a, b):
+            save(a, 1, "k", V1)
+            assert ask(a, m.Flush(v=V, req=1)) == m.Flushed(v=V, req=1, written=1,
+                                                            superseded=0, failed=0)
+            save(b, 1, "busy", BUSY)
+            time.sleep(0.2)
+            save(a, 2, "k", V2)  # waits behind the busy save
+            a.send(m.encode(m.Flush(v=V, req=2)))
+            time.sleep(0.2)
+            last = a if how == "its own newer save" else b
+            if last is b:
+                save(a, 3, "k", V3)
+                time.sleep(0.2)
+            save(last, 4, "k", b"v4" * 8, send_bytes=4)  # replaces the waiting save...
+            time.sleep(0.3)
+            save(last, 5, "other", b"o")  # ...and is abandoned half sent
+            flushed = reply(a)
+            assert isinstance(flushed, m.Flushed) and flushed.failed == 1, flushed
+            assert held(path) == V1
+            # Reported once: the next flush has nothing new to say.
+            again = ask(a, m.Flush(v=V, req=3))
+            assert isinstance(again, m.Flushed) and again.failed == 1, again
     finally:
         assert stop_process(proc) == 0

@@ -107,6 +107,13 @@ class Job:
     # before it came (see Tally).
     stamp: int = 0
 
+    @property
+    def own_stamp(self) -> int:
+        """The stamp its own client's failure is charged at: that of the
+        first of the client's saves it answers for (itself, or one it
+        replaced), so that a flush which covered that save reports it."""
+        return self.stamp if self.replaced_own is None else min(self.stamp, self.replaced_own)
+
 
 @dataclass(eq=False)
 class SaveJob(Job):
@@ -792,7 +799,7 @@ class WriterActor:
         """``new`` replaces ``old``, and answers for it to every client that
         was waiting for it (see the module docstring)."""
         replaced = dict(old.heirs)
-        replaced[old.peer] = min(old.stamp, replaced.get(old.peer, old.stamp))
+        replaced[old.peer] = min(old.own_stamp, replaced.get(old.peer, old.own_stamp))
         own = replaced.pop(new.peer, None)
         if own is not None:
             new.replaced_own = own if new.replaced_own is None else min(new.replaced_own, own)
@@ -838,13 +845,13 @@ class WriterActor:
             elif outcome is Outcome.SUPERSEDED:
                 tally.superseded += 1
             else:
-                tally.fail(job.stamp)
+                tally.fail(job.own_stamp)
         if outcome is Outcome.FAILED:
             for peer, stamp in job.heirs.items():  # their save was replaced by a job that failed
                 self._tally_of(peer).fail(stamp)
             if job.replaced_own is not None and not isinstance(job, SaveJob):
                 # (A failed save counts itself.)
-                self._tally_of(job.peer).fail(job.replaced_own)
+                self._tally_of(job.peer).fail(job.own_stamp)
         if self._latest.get(job.key) is job:
             # A held or parked save may still be waiting behind a job that
             # overtook it (moving a damaged file aside): it is the newest
