@@ -60,7 +60,13 @@ def slow_daemon(short_dir: Path):  # noqa: ANN201 - a Popen
                          "--min-write-interval", "0", env={ENV: "write_delay=0.5"})
 
 
-def test_a_flush_waits_for_the_save_that_replaced_its_own(short_dir: Path) -> None:
+@pytest.mark.parametrize("how", ["another client's", "its own newer save",
+                                 "its own, then another client's"])
+def test_a_flush_waits_for_the_save_that_replaced_its_own(short_dir: Path, how: str) -> None:
+    """A's flush covers A's save of k, which is replaced before it is written
+    (by B's save; by A's newer one; by A's, then that by B's), and the last
+    replacement fails. (In the last two, the failure was charged after the
+    flush, which said True with the key holding v1.)"""
     proc = slow_daemon(short_dir)
     path = naming.entry_path(short_dir / "root", "fp", "k")
     try:
@@ -73,16 +79,24 @@ def test_a_flush_waits_for_the_save_that_replaced_its_own(short_dir: Path) -> No
             save(a, 2, "k", V2)  # waits behind the busy save
             a.send(m.encode(m.Flush(v=V, req=2)))
             time.sleep(0.2)
-            # B's newer save of k replaces A's, and B then abandons it half sent.
-            save(b, 2, "k", V3, send_bytes=4)
+            last = a if how == "its own newer save" else b
+            if how == "its own, then another client's":
+                save(a, 3, "k", V3)
+                time.sleep(0.2)
+            # The last newer save of k replaces the waiting one, and is then
+            # abandoned half sent.
+            save(last, 4, "k", b"v4" * 8, send_bytes=4)
             time.sleep(0.3)
-            save(b, 3, "other", b"o")
+            save(last, 5, "other", b"o")
             flushed = reply(a)
             assert isinstance(flushed, m.Flushed)
-            # A's save was replaced by one that never completed: the key still
-            # holds v1, and A's flush must say a save of A's was not written.
+            # The key still holds v1, and A's flush must say a save of A's
+            # was not written.
             assert held(path) == V1
             assert flushed.failed == 1, flushed
+            # Reported once: the next flush has nothing new to say.
+            again = ask(a, m.Flush(v=V, req=3))
+            assert isinstance(again, m.Flushed) and again.failed == 1, again
     finally:
         assert stop_process(proc) == 0
 
@@ -194,37 +208,3 @@ def test_a_delete_that_replaces_a_waiting_save_says_the_entry_existed(short_dir:
     finally:
         assert stop_process(proc) == 0
 
-
-@pytest.mark.parametrize("how", ["its own newer save", "its own, then another client's"])
-def test_a_flush_reports_the_failure_of_what_replaced_its_save(short_dir: Path, how: str) -> None:
-    """A's flush covers A's save of k; a newer save of A's replaces it before
-    it is written (and, in the second case, B's save replaces that one), and
-    the last replacement fails. The failure was charged to the newer save's
-    place after the flush: the flush said True with the key holding v1."""
-    proc = slow_daemon(short_dir)
-    path = naming.entry_path(short_dir / "root", "fp", "k")
-    try:
-        with dealers(short_dir / "run" / "kv.sock", 2) as (a, b):
-            save(a, 1, "k", V1)
-            assert ask(a, m.Flush(v=V, req=1)) == m.Flushed(v=V, req=1, written=1,
-                                                            superseded=0, failed=0)
-            save(b, 1, "busy", BUSY)
-            time.sleep(0.2)
-            save(a, 2, "k", V2)  # waits behind the busy save
-            a.send(m.encode(m.Flush(v=V, req=2)))
-            time.sleep(0.2)
-            last = a if how == "its own newer save" else b
-            if last is b:
-                save(a, 3, "k", V3)
-                time.sleep(0.2)
-            save(last, 4, "k", b"v4" * 8, send_bytes=4)  # replaces the waiting save...
-            time.sleep(0.3)
-            save(last, 5, "other", b"o")  # ...and is abandoned half sent
-            flushed = reply(a)
-            assert isinstance(flushed, m.Flushed) and flushed.failed == 1, flushed
-            assert held(path) == V1
-            # Reported once: the next flush has nothing new to say.
-            again = ask(a, m.Flush(v=V, req=3))
-            assert isinstance(again, m.Flushed) and again.failed == 1, again
-    finally:
-        assert stop_process(proc) == 0
