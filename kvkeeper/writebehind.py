@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from array import array
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -277,15 +278,19 @@ def _tail(token_ids: Sequence[int]) -> tuple[int, ...] | None:
         return None
 
 
-#: struct formats of a memoryview of bytes (``memoryview(b"...")`` is "B").
+#: struct formats (less any byte order) and array typecodes of bytes
+#: (``memoryview(b"...")`` is "B", a ctypes one "<B").
 _BYTE_FORMATS = frozenset({"B", "b", "c"})
 
 
 def is_bytes(raw: Any) -> bool:
-    """Whether ``raw`` is bytes, or a view of them: iterated, either gives
-    byte values that would pass for token ids."""
-    return isinstance(raw, (bytes, bytearray)) or (
-        isinstance(raw, memoryview) and raw.format in _BYTE_FORMATS)
+    """Whether ``raw`` is bytes, or a view or array of them: iterated, any of
+    them gives byte values that would pass for token ids."""
+    if isinstance(raw, memoryview):
+        return raw.format.lstrip("@=<>!") in _BYTE_FORMATS
+    if isinstance(raw, array):
+        return raw.typecode in _BYTE_FORMATS
+    return isinstance(raw, (bytes, bytearray))
 
 
 def check_token_ids(token_ids: Any) -> None:
@@ -297,7 +302,8 @@ def check_token_ids(token_ids: Any) -> None:
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
     if is_bytes(token_ids):
-        kind = "bytes" if isinstance(token_ids, memoryview) else type(token_ids).__name__
+        kind = type(token_ids).__name__ if isinstance(token_ids, (bytes, bytearray)) \
+            else "bytes"
         raise ValueError(f"token_ids must be integers, not {kind} "
                          f"(encode the text with the tokenizer)")
     if getattr(token_ids, "ndim", 1) != 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -478,7 +480,8 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
         with pytest.raises(ValueError, match=r"one row of integers.*\(1, 3\)"):
             client.save(FP, "bad", [c], batch)
     # Before: saved as the ids 97, 98, 99.
-    for raw in (b"abc", bytearray(b"abc"), memoryview(b"abc"), memoryview(bytearray(b"ab"))):
+    for raw in (b"abc", bytearray(b"abc"), memoryview(b"abc"), memoryview(bytearray(b"ab")),
+                array("B", b"abc"), memoryview((ctypes.c_ubyte * 3)())):
         with pytest.raises(ValueError, match="token_ids must be integers, not byte"):
             client.save(FP, "bad", [c], raw)
     # Before: MLX's RuntimeError "There is no Stream(cpu, 0) in current thread".
