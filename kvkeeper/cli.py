@@ -21,7 +21,7 @@ default ~/.config/kvkeeper/config.toml), then defaults;
 no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
 (1.5G); without one they are whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
-3 no daemon running, 130 interrupted (Ctrl-C)."""
+3 no daemon running, 130 interrupted (Ctrl-C; serve drains instead)."""
 
 
 def _flag_value(parse: Callable[[str], Any], text: str) -> Any:

@@ -490,11 +490,11 @@ def _a_failure_behind_a_flush(kv: Client, save_behind: Callable[[], bool]) -> No
     """A flush waits for a save being written slowly; another thread's save,
     handed off after the flush, fails meanwhile. That failure is the next
     flush's: the first said False and the next True, for a save never written."""
-    assert kv.save(FP, "a", filled(60, 1), [1])  # about 1.2 s to write
+    assert kv.save(FP, "a", filled(60, 1), [1])  # about 1.8 s to write
     got: list[bool | BaseException] = []
     waiting = threading.Thread(target=_flush_into, args=(kv, got))
     waiting.start()
-    time.sleep(0.2)  # the flush has queued its request
+    time.sleep(0.5)  # the flush has queued its request
     assert save_behind()
     # The wait for a turn counts in the timeout: a timeout, not "daemon down".
     with pytest.raises(DaemonTimedOut, match="another flush of this client"):
@@ -507,7 +507,7 @@ def _a_failure_behind_a_flush(kv: Client, save_behind: Callable[[], bool]) -> No
 
 def test_a_save_lost_in_the_client_after_a_flush_is_the_next_flushs(short_dir: Path) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": "write_delay=0.02"})
+    proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": "write_delay=0.03"})
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             # Over 32 MiB of token ids: the I/O thread cannot build its header.
@@ -522,7 +522,7 @@ def test_a_save_lost_in_the_client_after_a_flush_is_the_next_flushs(short_dir: P
 def test_a_save_refused_after_a_flush_is_the_next_flushs(short_dir: Path) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, "--max-pending-bytes", "100M",
-                         env={"KVKEEPER_TEST_FAULTS": "write_delay=0.02"})
+                         env={"KVKEEPER_TEST_FAULTS": "write_delay=0.03"})
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             # No room beside the first: refused busy while the flush waits.
@@ -725,19 +725,26 @@ def test_a_save_zeromq_had_no_room_for_waits_and_is_still_replaced(short_dir: Pa
         stop_process(proc, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("how", ["held", "half sent"])
 def test_a_load_after_a_restart_that_took_its_save_says_it_may_be_stale(
-        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The daemon read a save and held it (write interval), and was killed;
-    a new one answered the load of the key with the older file. The client
-    took that as settling its save: no word, and every later load of the key
-    read the older file directly, until a flush said False."""
+        short_dir: Path, caplog: pytest.LogCaptureFixture, how: str) -> None:
+    """The daemon read a save and held it (write interval), or had read half
+    of it (stopped), and was killed; a new one answered the load of the key
+    with the older file. The client took that as settling its save: no word,
+    and every later load of the key read the older file directly, until a
+    flush said False."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, "--min-write-interval", "600")
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save(FP, "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
-            assert kv.save(FP, "k", filled(0.1, 2), [2])  # held by the daemon
-            kv.ping()  # which has read it
+            if how == "held":
+                assert kv.save(FP, "k", filled(0.1, 2), [2])  # held by the daemon
+                kv.ping()  # which has read it
+            else:
+                proc.send_signal(signal.SIGSTOP)  # it reads no more
+                assert kv.save(FP, "k", filled(96, 2), [2])
+                time.sleep(1.0)  # what ZeroMQ's buffers take of it went
             stop_process(proc, signal.SIGKILL)
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock)
@@ -748,7 +755,8 @@ def test_a_load_after_a_restart_that_took_its_save_says_it_may_be_stale(
                     assert got is not None and got.token_ids == [1]
                 said = [r.getMessage() for r in caplog.records
                         if "event=load_may_be_stale" in r.getMessage()]
-                assert len(said) == 2 and "reason=daemon_restarted" in said[0], said
+                reason = "daemon_restarted" if how == "held" else "save_lost"
+                assert len(said) == 2 and f"reason={reason}" in said[0], said
                 assert kv.flush(timeout=WAIT) is False  # it tells, and settles the key
                 caplog.clear()
                 got = kv.load(FP, "k")

@@ -577,11 +577,9 @@ class Client:
                 # The daemon answered for what it has; a save of ours sent to
                 # one that went away may be gone. Until a flush says, every
                 # load of the key asks, and says so.
-                log.warning("event=load_may_be_stale model=%s id=%s reason=%s: the connection "
-                            "to the daemon was lost since the last flush (%s), and %s: the "
-                            "file may be older than it", model, cache_id, lost,
-                            "it was restarted" if lost == "daemon_restarted" else
-                            "the daemon had not read the last saves", unwritten)
+                log.warning("event=load_may_be_stale model=%s id=%s reason=%s: %s since the "
+                            "last flush, and %s: the file may be older than it", model,
+                            cache_id, lost, _LOST_BECAUSE[lost], unwritten)
         if not isinstance(reply, m.Found) or not reply.path:
             return None
         path = Path(reply.path)
@@ -592,13 +590,19 @@ class Client:
     def _lost_since_flush(self, pending: PendingReply) -> str | None:
         """Why saves handed off since the last flush that returned may be lost
         for all the daemon answering ``pending`` knows (None: they are not):
-        a connection ended before the daemon read them, or one ended with
-        saves sent on it and no drain answering for them (the daemon may have
-        been restarted). A flush tells which, with a round trip or two more."""
+        one was lost on its way (half sent when a connection ended), a
+        connection ended before the daemon read them, or one ended with saves
+        sent on it and no drain answering for them (the daemon may have been
+        restarted), or the answer came on a later connection than the request
+        went on. A flush tells which, with a round trip or two more. (Which
+        keys is not known: any key saved since the last flush is in doubt.)"""
+        if self._channel.counters.saves_lost > self._lost_seen:
+            return "save_lost"
         if self._channel.unread_losses(since=self._flushed_seq, before=pending):
             return "connection_lost"
-        if any(end.vouched() is None for end in self._channel.ended_with_saves(
-                since=self._flushed_seq, before=pending)):
+        if self._channel.connections != pending.conn or any(
+                end.vouched() is None for end in self._channel.ended_with_saves(
+                    since=self._flushed_seq, before=pending)):
             return "daemon_restarted"
         return None
 
@@ -1115,6 +1119,14 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'} "
                          f"and at most {threading.TIMEOUT_MAX:.0f}, not {value!r}")
     return float(value)  # threading's waits take no numpy scalar
+
+
+#: load_may_be_stale's reasons (see Client._lost_since_flush), said.
+_LOST_BECAUSE = {
+    "save_lost": "a save was lost on its way to the daemon (the connection ended)",
+    "connection_lost": "the connection to the daemon ended before it read the last saves",
+    "daemon_restarted": "the connection to the daemon was lost (it may have been restarted)",
+}
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
