@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -488,6 +489,30 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     assert not _leftovers(short_dir)
 
 
+def _interrupted(args: list[str], ready: Callable[[], bool]) -> tuple[int, str, str]:
+    """Run the CLI, press Ctrl-C once ``ready()`` says so; (status, stdout,
+    stderr)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    # Python's own SIGINT handler, even where the tests run with SIGINT ignored.
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from kvkeeper.cli import main; sys.exit(main(sys.argv[1:]))")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**base, "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"})
+    try:
+        deadline = time.monotonic() + WAIT
+        while not ready():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.002)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=WAIT)
+    finally:
+        child.kill()
+        child.wait(WAIT)
+    return child.returncode, out, err
+
+
 def test_export_stopped_by_ctrl_c_leaves_no_tmp_file(client: Client, daemon: RunningDaemon,
                                                      short_dir: Path) -> None:
     """Ctrl-C while export wrote its tmp file left it there for good: a
@@ -498,28 +523,31 @@ def test_export_stopped_by_ctrl_c_leaves_no_tmp_file(client: Client, daemon: Run
     assert client.save("m1", "big", [c], list(range(32768))) and client.flush(timeout=WAIT)
     out = short_dir / "out"
     out.mkdir()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
-    # Python's own SIGINT handler, even where the tests run with SIGINT ignored.
-    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "from kvkeeper.cli import main; sys.exit(main(sys.argv[1:]))")
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, "export", "--socket", str(daemon.socket), "m1", "big",
-         str(out / "big.safetensors")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**base, "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"})
-    try:
-        deadline = time.monotonic() + WAIT
-        while not _leftovers(out):  # the tmp file is made, then filled (about 0.5 s)
-            assert child.poll() is None, child.communicate()
-            assert time.monotonic() < deadline, "no tmp file"
-            time.sleep(0.002)
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=WAIT)
-    finally:
-        child.kill()
-        child.wait(WAIT)
-    assert child.returncode == 130 and err.strip() == "kvkeeper: interrupted", err
+    # The tmp file is made, then filled (about 0.5 s).
+    status, _, err = _interrupted(["export", "--socket", str(daemon.socket), "m1", "big",
+                                   str(out / "big.safetensors")], lambda: bool(_leftovers(out)))
+    assert status == 130 and err.strip() == "kvkeeper: interrupted", err
     assert list(out.iterdir()) == []
+
+
+def test_import_stopped_by_ctrl_c_reports_what_it_did(short_dir: Path) -> None:
+    """Ctrl-C printed a traceback and nothing of the files imported, which a
+    second run then refused as "already in the store"."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0",
+                         env={"KVKEEPER_TEST_FAULTS": "write_delay=10"})  # 1-3 s a file
+    src = Path(__file__).parent / "data" / "legacy-formats" / "mlx-lm"
+    try:
+        status, out, err = _interrupted(
+            ["import", "--socket", str(sock), "--model", "m", str(src)],
+            lambda: entry_path(root, "cachelist", model="m").exists())
+    finally:
+        assert stop_process(proc) == 0
+    assert status == 130 and err.strip().endswith("kvkeeper: interrupted"), err
+    lines = out.strip().splitlines()
+    assert lines[0].startswith(f"imported {src / 'cachelist.safetensors'} as m / cachelist")
+    assert lines[1].startswith(f"not imported {src / 'chunked.safetensors'}: interrupted")
+    assert len(lines) == 2, out
 
 
 def test_export_into_a_directory_it_may_write_but_not_read(
