@@ -672,6 +672,10 @@ def import_files(args: argparse.Namespace) -> int:
             for f in files:
                 bar.advance(task)
                 current = f
+                if not _mlx_can_open(f):
+                    # Not "damaged", which MLX's error made of it.
+                    failed.append((f, f"{NOT_UTF8}: rename it, or copy it, to import it"))
+                    continue
                 try:
                     got = read_cache_file(f)
                 except CacheFileError as exc:
@@ -766,6 +770,19 @@ def import_files(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+#: Why a path MLX is given fails (std::bad_cast, from its loader and writer).
+NOT_UTF8 = "MLX cannot open a path that is not valid UTF-8"
+
+
+def _mlx_can_open(path: Path) -> bool:
+    """Whether MLX can open ``path`` (it takes paths as UTF-8 text)."""
+    try:
+        os.fsencode(os.path.abspath(path)).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _each_layer(layers: list[Any]) -> Iterator[Any]:
     """Every layer, and the children of a CacheList after it."""
     for layer in layers:
@@ -838,6 +855,9 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError(f"{dest} is a directory; give a file name", status=2)
     if not dest.parent.is_dir():
         raise CommandError(f"{dest.parent} is not an existing directory", status=2)
+    if not _mlx_can_open(dest):
+        raise CommandError(f"{dest}: {NOT_UTF8}: choose another name (mlx-lm's loader could "
+                           f"not read the file back)", status=2)
     naming.check_key(args.model, args.cache_id)
     kv = client(args.socket, required=False, root=args.root)
     misses: list[str] = []

@@ -128,6 +128,27 @@ def test_import_refuses_an_empty_path_and_takes_a_file_named_twice_once(
     assert sorted(e.cache_id for e in client.entries()) == ["c0", "c1"]
 
 
+def test_a_path_mlx_cannot_open_is_refused_as_such(client: Client, daemon: RunningDaemon,
+                                                   short_dir: Path) -> None:
+    """A name that is not UTF-8: import called the file damaged ("MLX cannot
+    read it: std::bad_cast"), and export wrote one no loader could open."""
+    sock = str(daemon.socket)
+    here = short_dir / "here"
+    (good,) = _cache_files(here, 1)
+    odd = here / os.fsdecode(b"\xff.safetensors")
+    shutil.copyfile(good, odd)
+    r = cli("import", "--socket", sock, "--model", "m", "--json", str(odd))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    (failed,) = json.loads(r.stdout)["failed"]
+    assert failed["reason"].startswith("MLX cannot open a path that is not valid UTF-8: "
+                                       "rename it"), failed
+    assert client.entries() == []
+    assert client.save("m", "c0", small_cache(), [1, 2]) and client.flush(timeout=WAIT)
+    dest = here / os.fsdecode(b"out\xfe.safetensors")
+    usage_error(cli("export", "--socket", sock, "m", "c0", str(dest)), "not valid UTF-8")
+    assert not os.path.lexists(dest)
+
+
 def test_import_of_a_directory_with_an_unlistable_subdirectory(
     client: Client, daemon: RunningDaemon, short_dir: Path
 ) -> None:
