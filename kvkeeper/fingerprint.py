@@ -99,9 +99,9 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
     times: it changes when config.json, a tokenizer file, the set or size of
     the weight files, or a safetensors header changes. Weight data is never
     read. Raises FileNotFoundError when `path` does not exist and ValueError
-    when it is not a directory, has no config.json, or holds a safetensors
-    file with a broken header.
-    """
+    when it is not a directory, has no config.json, holds a safetensors
+    file with a broken header, or a file it lists is a broken symlink (a
+    Hugging Face download left unfinished)."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"model directory {str(root)!r} does not exist")
@@ -113,12 +113,19 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
     entries: list[list[object]] = []
     for rel, file in _files(root):
         name = file.name
-        if rel == "config.json" or name in _TOKENIZER_FILES or name.endswith(_CONTENT_SUFFIXES):
-            entries.append(["content", rel, _content_digest(file)])
-        elif name.endswith(_WEIGHT_SUFFIXES):
-            size = file.stat().st_size
-            header = _safetensors_header_digest(file, size) if name.endswith(".safetensors") else ""
-            entries.append(["weights", rel, size, header])
+        try:
+            if rel == "config.json" or name in _TOKENIZER_FILES \
+                    or name.endswith(_CONTENT_SUFFIXES):
+                entries.append(["content", rel, _content_digest(file)])
+            elif name.endswith(_WEIGHT_SUFFIXES):
+                size = file.stat().st_size
+                header = (_safetensors_header_digest(file, size)
+                          if name.endswith(".safetensors") else "")
+                entries.append(["weights", rel, size, header])
+        except FileNotFoundError:
+            # A FileNotFoundError would say the directory is missing.
+            raise ValueError(f"{str(root)!r}: {rel} is a broken symlink (an unfinished "
+                             f"download?) or was removed meanwhile") from None
     h = hashlib.sha256(_FP_VERSION.encode())
     for entry in entries:
         h.update(b"\n" + json.dumps(entry, separators=(",", ":")).encode())

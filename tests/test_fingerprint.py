@@ -132,3 +132,14 @@ def test_symlinked_files_and_loops(model: Path, tmp_path: Path) -> None:
         (snapshot / f.name).symlink_to(f)
     (snapshot / "loop").symlink_to(snapshot, target_is_directory=True)
     assert model_fingerprint(snapshot) == fp
+
+
+@pytest.mark.parametrize("name", ["model-00002-of-00002.safetensors", "tokenizer.json"])
+def test_a_broken_symlink_is_named(model: Path, tmp_path: Path, name: str) -> None:
+    """An unfinished Hugging Face download: a link to a blob not there yet.
+    It raised a bare FileNotFoundError, which the docstring gives for a
+    missing model directory."""
+    (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(tmp_path / "blobs" / "not-yet")
+    with pytest.raises(ValueError, match=f"{name} is a broken symlink"):
+        model_fingerprint(model)
