@@ -26,7 +26,7 @@ import kvkeeper
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, serve_process, stop_process
-from .faultkit import NO_DAC, entry_path, need_linux_root, run, small_tmpfs
+from .faultkit import NO_DAC, entry_path, need_linux_root, run, small_tmpfs, tmp_files
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
@@ -489,9 +489,10 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     assert not _leftovers(short_dir)
 
 
-def _interrupted(args: list[str], ready: Callable[[], bool]) -> tuple[int, str, str]:
-    """Run the CLI, press Ctrl-C once ``ready()`` says so; (status, stdout,
-    stderr)."""
+def _interrupted(args: list[str], ready: Callable[[], bool],
+                 again: float | None = None) -> tuple[int, str, str]:
+    """Run the CLI, press Ctrl-C once ``ready()`` says so (and ``again``
+    seconds later once more); (status, stdout, stderr)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     # Python's own SIGINT handler, even where the tests run with SIGINT ignored.
     code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
@@ -506,6 +507,9 @@ def _interrupted(args: list[str], ready: Callable[[], bool]) -> tuple[int, str, 
             assert time.monotonic() < deadline, "never ready"
             time.sleep(0.002)
         child.send_signal(signal.SIGINT)
+        if again is not None:
+            time.sleep(again)
+            child.send_signal(signal.SIGINT)
         out, err = child.communicate(timeout=WAIT)
     finally:
         child.kill()
@@ -530,20 +534,35 @@ def test_export_stopped_by_ctrl_c_leaves_no_tmp_file(client: Client, daemon: Run
     assert list(out.iterdir()) == []
 
 
-def test_import_stopped_by_ctrl_c_reports_what_it_did(short_dir: Path) -> None:
+@pytest.mark.parametrize("times", [1, 2])
+def test_import_stopped_by_ctrl_c_reports_what_it_did(short_dir: Path, times: int) -> None:
     """Ctrl-C printed a traceback and nothing of the files imported, which a
-    second run then refused as "already in the store"."""
+    second run then refused as "already in the store". Twice: the second
+    while the client closes, waiting for a daemon that does not answer."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock, "--min-write-interval", "0",
                          env={"KVKEEPER_TEST_FAULTS": "write_delay=10"})  # 1-3 s a file
     src = Path(__file__).parent / "data" / "legacy-formats" / "mlx-lm"
+
+    def ready() -> bool:
+        # The first file written and its flush answered: the second's tmp
+        # file is there (the first's was renamed before).
+        if not (entry_path(root, "cachelist", model="m").exists() and tmp_files(root)):
+            return False
+        if times == 2:
+            proc.send_signal(signal.SIGSTOP)  # close() then waits for it
+        return True
+
     try:
         status, out, err = _interrupted(
-            ["import", "--socket", str(sock), "--model", "m", str(src)],
-            lambda: entry_path(root, "cachelist", model="m").exists())
+            ["import", "--socket", str(sock), "--model", "m", str(src)], ready,
+            again=1.0 if times == 2 else None)
     finally:
+        proc.send_signal(signal.SIGCONT)
         assert stop_process(proc) == 0
-    assert status == 130 and err.strip().endswith("kvkeeper: interrupted"), err
+    # (Twice: the close cut short is finished at exit, which warns that the
+    # stopped daemon did not confirm the last save.)
+    assert status == 130 and "kvkeeper: interrupted\n" in err, err
     lines = out.strip().splitlines()
     assert lines[0].startswith(f"imported {src / 'cachelist.safetensors'} as m / cachelist")
     assert lines[1].startswith(f"not imported {src / 'chunked.safetensors'}: interrupted")

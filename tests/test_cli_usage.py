@@ -147,6 +147,15 @@ def test_a_path_mlx_cannot_open_is_refused_as_such(client: Client, daemon: Runni
     dest = here / os.fsdecode(b"out\xfe.safetensors")
     usage_error(cli("export", "--socket", sock, "m", "c0", str(dest)), "not valid UTF-8")
     assert not os.path.lexists(dest)
+    # A relative name opens in a directory whose own name is not UTF-8.
+    odd_dir = short_dir / os.fsdecode(b"d\xff")
+    odd_dir.mkdir()
+    r = cli("export", "--socket", sock, "m", "c0", "out.safetensors", cwd=odd_dir)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    r = cli("import", "--socket", sock, "--model", "m", "--id", "again", "out.safetensors",
+            cwd=odd_dir)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert {e.cache_id for e in client.entries()} == {"c0", "again"}
 
 
 def test_import_of_a_directory_with_an_unlistable_subdirectory(

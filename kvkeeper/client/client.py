@@ -1123,7 +1123,7 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
 
 #: load_may_be_stale's reasons (see Client._lost_since_flush), said.
 _LOST_BECAUSE = {
-    "save_lost": "a save was lost on its way to the daemon (the connection ended)",
+    "save_lost": "a save was lost on its way to the daemon (see event=save_lost)",
     "connection_lost": "the connection to the daemon ended before it read the last saves",
     "daemon_restarted": "the connection to the daemon was lost (it may have been restarted)",
 }
