@@ -9,7 +9,6 @@ reader (or a crash) sees the complete old or the complete new version.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import errno
 import hashlib
@@ -201,8 +200,8 @@ class PendingFile:
             faults.crash_point("half_written")
         return bufs
 
-    def commit(self, header: bytes, lock: threading.Lock | None = None,
-               on_renamed: Callable[[], None] | None = None) -> None:
+    def commit(self, header: bytes, lock: threading.Lock,
+               on_renamed: Callable[[], None]) -> None:
         """Put the final header in place, then fsync -> rename -> fsync(dir).
         ``on_renamed`` runs right after the rename, both under ``lock``. A
         failure before the rename removes the tmp file and leaves the old
@@ -223,11 +222,10 @@ class PendingFile:
             self.identity = (st.st_ino, st.st_mtime_ns)
             os.close(self._fd)
             self._fd = None
-            with lock if lock is not None else contextlib.nullcontext():
+            with lock:
                 os.rename(self.tmp, self.final)
                 self.renamed = True
-                if on_renamed is not None:
-                    on_renamed()
+                on_renamed()
             if self._on_gone is not None:
                 self._on_gone(self.tmp)
         except BaseException:
@@ -375,18 +373,26 @@ class Store:
 
     def _model_dir(self, model: str) -> Path:
         d = self.sessions / naming.encode_component(model, "model")
+        self._own_dir(d, parent_gone=self._sessions_again)
+        return d
+
+    def _own_dir(self, d: Path, parent_gone: Callable[[], None] | None = None) -> None:
+        """Make directory ``d`` (mode 0700) unless it is there, never
+        through a symlink, with its entry made durable (``_synced``);
+        ``parent_gone`` makes its parent again if that is missing."""
         try:
             try:
                 os.mkdir(d, 0o700)
             except FileNotFoundError:
-                self._sessions_again()
+                if parent_gone is None:
+                    raise
+                parent_gone()
                 os.mkdir(d, 0o700)
             made = True
         except FileExistsError:
             real_dir(d)
             made = False
         self._synced(d, made)
-        return d
 
     def _synced(self, d: Path, made: bool) -> None:
         """Make the entry of directory ``d`` in its parent durable, as the
@@ -784,13 +790,7 @@ class Store:
                         "program's safetensors file, left in place", path)
             return None
         qdir = self.root / QUARANTINE_DIR
-        try:
-            os.mkdir(qdir, 0o700)
-            made = True
-        except FileExistsError:
-            real_dir(qdir)  # never a symlink to a directory
-            made = False
-        self._synced(qdir, made)
+        self._own_dir(qdir)
         name = f"{path.parent.name}.{path.name}.{time.time_ns()}"
         if len(os.fsencode(name)) > 255:  # two long components: over a file name's limit
             digest = hashlib.sha256(os.fsencode(f"{path.parent.name}/{path.name}")).hexdigest()
