@@ -662,100 +662,96 @@ def import_files(args: argparse.Namespace) -> int:
     stored: dict[str, set[str]] = {}  # model -> ids in the store when first asked
     gone: str | None = None
     stopped = False
+    current: Path | None = None
     try:
         with client(args.socket) as kv, Progress(
             TextColumn("import"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
             console=err, disable=args.json or not err.is_terminal,
         ) as bar:
             task = bar.add_task("import", total=len(files))
-            current: Path | None = None
-            try:
-                for f in files:
-                    bar.advance(task)
-                    current = f
-                    if not _mlx_can_open(f):
-                        # Not "damaged", which MLX's error made of it.
-                        failed.append((f, f"{NOT_UTF8}: rename it, or copy it, to import it"))
-                        continue
+            for f in files:
+                bar.advance(task)
+                current = f
+                if not _mlx_can_open(f):
+                    # Not "damaged", which MLX's error made of it.
+                    failed.append((f, f"{NOT_UTF8}: rename it, or copy it, to import it"))
+                    continue
+                try:
+                    got = read_cache_file(f)
+                except CacheFileError as exc:
+                    failed.append((f, str(exc)))
+                    continue
+                model = args.model or got.model
+                if not model:
+                    failed.append((f, "this format records no model fingerprint: give --model"))
+                    continue
+                if got.model and model != got.model:
+                    # A cache is only ever restored for the model that made it:
+                    # relabelling one would hand another model its keys and values.
+                    failed.append((f, f"the file records model {got.model!r}, not --model "
+                                      f"{model!r} (leave --model out to keep its own)"))
+                    continue
+                cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
+                first = taken.get((model, cache_id))
+                if first is not None:
+                    # Two files named alike in different directories: the second
+                    # would replace the first without a word.
+                    failed.append((f, f"{model} / {cache_id} was imported from {first} already "
+                                      f"(import this one alone, with --id)"))
+                    continue
+                if model not in stored:
                     try:
-                        got = read_cache_file(f)
-                    except CacheFileError as exc:
-                        failed.append((f, str(exc)))
-                        continue
-                    model = args.model or got.model
-                    if not model:
-                        failed.append((f, "this format records no model fingerprint: give --model"))
-                        continue
-                    if got.model and model != got.model:
-                        # A cache is only ever restored for the model that made it:
-                        # relabelling one would hand another model its keys and values.
-                        failed.append((f, f"the file records model {got.model!r}, not --model "
-                                          f"{model!r} (leave --model out to keep its own)"))
-                        continue
-                    cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
-                    first = taken.get((model, cache_id))
-                    if first is not None:
-                        # Two files named alike in different directories: the second
-                        # would replace the first without a word.
-                        failed.append((f, f"{model} / {cache_id} was imported from {first} already "
-                                          f"(import this one alone, with --id)"))
-                        continue
-                    if model not in stored:
-                        try:
-                            stored[model] = {e.cache_id for e in _loadable(kv, model)}
-                        except DaemonUnavailable as exc:
-                            gone = str(exc)
-                            failed.append((f, f"not imported: {exc}"))
-                            break
-                    # By name too: a legacy cache at a hashed place lists without its id.
-                    replaced = cache_id in stored[model] or os.path.lexists(
-                        naming.entry_path(kv.root, model, cache_id))
-                    if replaced and not args.replace:
-                        # An old backup imported over the live conversation would
-                        # replace it without a word.
-                        failed.append((f, f"{model} / {cache_id} is already in the store (give "
-                                          f"--replace to replace it)"))
-                        continue
-                    meta = {k: v for k, v in got.metadata.items()
-                            if isinstance(v, str) and not k.startswith("kvkeeper.")} \
-                        if got.format != st.FORMAT else got.metadata
-                    if not kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta):
-                        if not kv.connected:  # gone between two files
-                            gone = f"the daemon at {kv.socket_path} went away"
-                            failed.append((f, f"not imported: {gone}"))
-                            break
-                        failed.append((f, "the client did not hand it to the daemon (over the "
-                                          "client's in-flight budget, or the daemon's size limit)"))
-                        continue
-                    del got
-                    # One file at a time: each gets its own answer, and the files
-                    # never wait in memory together (the daemon refuses what is over
-                    # its pending budget).
-                    try:
-                        written = kv.flush(timeout=300)
+                        stored[model] = {e.cache_id for e in _loadable(kv, model)}
                     except DaemonUnavailable as exc:
-                        # What is imported so far is still reported.
                         gone = str(exc)
-                        failed.append((f, f"not known to be written: {exc}"))
+                        failed.append((f, f"not imported: {exc}"))
                         break
-                    if not written:
-                        failed.append((f, "the daemon could not write it (see its log)"))
-                        continue
-                    taken[(model, cache_id)] = f
-                    done.append((f, model, cache_id, replaced))
-            except KeyboardInterrupt:
-                # What was imported is still reported, and the file on its way
-                # named: its save may be written yet (a run with --replace
-                # imports it again).
-                stopped = True
-                reported = {p for p, *_ in done} | {p for p, _ in failed}
-                if current is not None and current not in reported:
-                    failed.append((current, "interrupted: it may be imported or not (see "
-                                            "kvkeeper ls; import it again with --replace)"))
+                # By name too: a legacy cache at a hashed place lists without its id.
+                replaced = cache_id in stored[model] or os.path.lexists(
+                    naming.entry_path(kv.root, model, cache_id))
+                if replaced and not args.replace:
+                    # An old backup imported over the live conversation would
+                    # replace it without a word.
+                    failed.append((f, f"{model} / {cache_id} is already in the store (give "
+                                      f"--replace to replace it)"))
+                    continue
+                meta = {k: v for k, v in got.metadata.items()
+                        if isinstance(v, str) and not k.startswith("kvkeeper.")} \
+                    if got.format != st.FORMAT else got.metadata
+                if not kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta):
+                    if not kv.connected:  # gone between two files
+                        gone = f"the daemon at {kv.socket_path} went away"
+                        failed.append((f, f"not imported: {gone}"))
+                        break
+                    failed.append((f, "the client did not hand it to the daemon (over the "
+                                      "client's in-flight budget, or the daemon's size limit)"))
+                    continue
+                del got
+                # One file at a time: each gets its own answer, and the files
+                # never wait in memory together (the daemon refuses what is over
+                # its pending budget).
+                try:
+                    written = kv.flush(timeout=300)
+                except DaemonUnavailable as exc:
+                    # What is imported so far is still reported.
+                    gone = str(exc)
+                    failed.append((f, f"not known to be written: {exc}"))
+                    break
+                if not written:
+                    failed.append((f, "the daemon could not write it (see its log)"))
+                    continue
+                taken[(model, cache_id)] = f
+                done.append((f, model, cache_id, replaced))
     except KeyboardInterrupt:
-        # Once more, as the client closed (it waits for the daemon to
-        # confirm what it sent): the report still comes first.
+        # What was imported is still reported (also after a second Ctrl-C
+        # as the client closed, waiting for the daemon to confirm what it
+        # sent), and the file on its way named: its save may be written yet
+        # (a run with --replace imports it again).
         stopped = True
+        reported = {p for p, *_ in done} | {p for p, _ in failed}
+        if current is not None and current not in reported:
+            failed.append((current, "interrupted: it may be imported or not (see "
+                                    "kvkeeper ls; import it again with --replace)"))
     if args.json:
         _print_json({"imported": [{"path": str(p), "model": mo, "cache_id": c, "replaced": r}
                                   for p, mo, c, r in done],
