@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -118,6 +120,42 @@ def test_a_failed_directory_fsync_still_indexes_the_file_it_put_in_place(
             assert kv.stats()["disk_used_bytes"] == path.stat().st_size
     finally:
         assert stop_process(proc) == 0
+
+
+@pytest.mark.parametrize("code", [22, 95], ids=["EINVAL", "ENOTSUP"])
+def test_a_file_system_that_cannot_sync_directories_still_keeps_saves(
+    short_dir: Path, code: int
+) -> None:
+    """Some network and FUSE file systems answer a directory's fsync with
+    EINVAL or ENOTSUP: every save there must not fail for it (EIO still
+    fails it: the test above). The log says so once, not at every save."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: f"dir_fsync_errno={code}"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for v, (model, key) in enumerate([("fp", "a"), ("fp", "b"), ("fp2", "a")], 1):
+                assert kv.save(model, key, filled(0.25, v, layers=1), [v])
+                assert kv.flush(timeout=WAIT) is True
+            for v, (model, key) in enumerate([("fp", "a"), ("fp", "b"), ("fp2", "a")], 1):
+                assert version_of(entry_path(root, key, model=model), model) == v
+            assert kv.stats()["saves_failed"] == 0
+    finally:
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert log.count("event=dir_fsync_unsupported") == 1, log
+
+
+def test_a_directory_fsync_failing_at_start_is_reported_in_one_line(short_dir: Path) -> None:
+    """EIO from the root's fsync at start (a failing disk): exit 2 with the
+    reason, not a traceback."""
+    root, sock = short_dir / "root", short_dir / "kv.sock"
+    env = {**os.environ, ENV: "dir_fsync_errno=5"}
+    done = subprocess.run([sys.executable, "-m", "kvkeeper", "serve", "--root", str(root),
+                           "--socket", str(sock)], env=env, capture_output=True, text=True,
+                          timeout=WAIT)
+    assert done.returncode == 2, done
+    assert f"kvkeeper: cannot fsync {root}: injected: Input/output error" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def _age(path: Path, *, used: float, modified: float) -> None:

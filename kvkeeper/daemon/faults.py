@@ -15,6 +15,8 @@ lookup that finds nothing.
   it replaces the index, until PATH exists (at most 600 s; a drain's stop
   ends the wait); with ``scan_hold_after=N``, after reading N files instead.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename).
+- ``dir_fsync_errno=N``: every directory fsync fails with errno N instead of
+  syncing (a file system that cannot sync directories answers EINVAL).
 - ``renamed_delay=S``: sleep S seconds after a save's rename, before the
   directory's fsync (a slow one); ``evict_delay=S``: sleep S seconds between
   an eviction's check of its victim and the unlink (the thread losing the
@@ -72,6 +74,13 @@ def slow_step(name: str) -> None:
 def io_error(point: str) -> None:
     if ACTIVE and ACTIVE.get("io_error") == point:
         raise OSError(errno.EIO, f"injected I/O error at {point}")
+
+
+def dir_fsync_refused() -> None:
+    """Raise the ``dir_fsync_errno`` fault's error, if set."""
+    if ACTIVE and "dir_fsync_errno" in ACTIVE:
+        code = int(ACTIVE["dir_fsync_errno"])
+        raise OSError(code, f"injected: {os.strerror(code)}")
 
 
 def hold_scan(stop: threading.Event | None, files_read: int | None) -> None:

@@ -93,10 +93,30 @@ def full_fsync(fd: int) -> None:
     os.fsync(fd)
 
 
+#: A directory's fsync answers these on file systems that cannot sync
+#: directories (some network and FUSE ones). A rename there is as durable as
+#: the file system makes it, whatever kvkeeper does; failing every save on it
+#: instead would keep nothing at all. (PostgreSQL ignores the same answers.)
+_DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+_dir_fsync_warned: set[int] = set()  # st_dev of the file systems warned about
+
+
 def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (a rename, a new file, an
+    unlink) durable, where its file system can."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
+        faults.dir_fsync_refused()
         full_fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+        dev = os.fstat(fd).st_dev
+        if dev not in _dir_fsync_warned:  # once per file system: it says so at every save
+            _dir_fsync_warned.add(dev)
+            log.warning("event=dir_fsync_unsupported path=%s error=%s: this file system "
+                        "cannot sync directories, so a power cut may undo the latest "
+                        "renames there; saves go on", path, exc.strerror or exc)
     finally:
         os.close(fd)
 
@@ -429,7 +449,10 @@ class Store:
         if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
             raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
                               f"keeps its entries there (move it aside)")
-        self._synced(self.sessions, fresh)
+        try:
+            self._synced(self.sessions, fresh)
+        except OSError as exc:  # a disk failing at start: say so, not a traceback
+            raise ConfigError(f"cannot fsync {self.root}: {exc.strerror or exc}") from None
         if fresh:
             try:
                 fsync_dir(self.root.parent)
