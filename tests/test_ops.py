@@ -337,6 +337,25 @@ def test_ls_piped_shows_long_ids_whole_and_stats_says_no_disk_limit(short_dir: P
         assert rd.stop() == 0
 
 
+def test_junk_at_an_entrys_place_is_that_entrys_damaged_file(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """Bytes that are no safetensors file at all, under an entry's name: a load
+    moves them aside and a save replaces them, so ``ls --all`` must not call
+    them another program's file ("foreign": never deleted). It listed them so;
+    they are the key's entry, as a damaged file of kvkeeper's is."""
+    assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
+    junk = entry_path(daemon.root, "junk")
+    junk.write_bytes(b"not a safetensors file")
+    client.gc()
+    rows = json.loads(cli("ls", "--socket", str(daemon.socket), "--all", "--json").stdout)
+    assert {(r["cache_id"], r["kind"]) for r in rows if r["path"] == str(junk)} == {("junk", "entry")}
+    assert {e.cache_id for e in client.entries()} == {"ok", "junk"}
+    assert client.load(FP, "junk") is None
+    assert not junk.exists() and len(list((daemon.root / "quarantine").iterdir())) == 1
+    assert {e.cache_id for e in client.entries()} == {"ok"}
+
+
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
     assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
     model_dir = entry_path(daemon.root, "ok").parent

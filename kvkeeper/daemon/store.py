@@ -597,13 +597,22 @@ class Store:
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
+        place = naming.entry_place_key(path)
         try:
             with open_file(path, keep_atime=True) as (_, header):
                 meta = header.metadata
-        except (OSError, LayoutError) as exc:
+        except OSError as exc:  # cannot tell what it is (see someone_elses)
             log.info("event=unreadable_file path=%s error=%s", path, exc)
             return foreign
-        place = naming.entry_place_key(path)
+        except LayoutError as exc:
+            log.info("event=unreadable_file path=%s error=%s", path, exc)
+            if place is None or place[0] is None or place[1] is None:
+                return foreign  # (a hashed place: whose it is cannot be told)
+            # No safetensors at all at an entry's place: that entry's damaged
+            # file, as someone_elses judges it (a load moves it aside, a save
+            # replaces it), not another program's file kept forever.
+            return StoredEntry(place[0], place[1], 0, st.st_size, last_used, path, "entry",
+                               st.st_mtime, **ident)
         if place is None:
             # A copy made by hand under a name the daemon does not give (say
             # "a_2Fb" beside "a_2fb"): not an entry of any key, not ours to delete.
