@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, RunningDaemon, dealers
+from .conftest import WAIT, RunningDaemon, dealers, start_daemon
 
 V = m.PROTOCOL_VERSION
 
@@ -422,3 +422,27 @@ def test_replies_to_a_client_that_reads_late_are_not_dropped(daemon: RunningDaem
             assert isinstance(reply, m.SaveRefused) and reply.code == "too_large", reply
             refused += 1
     assert refused == n
+
+
+@pytest.mark.parametrize("count", ["9" * 30, "-5", "1_000", " 7"])
+def test_a_token_count_that_is_no_count_is_listed_as_none(short_dir: Path, count: str) -> None:
+    """A save (or a file) whose header says the cache holds 30 nines of
+    tokens: the next listing of any client stopped the daemon (msgpack has
+    no such integer), and the file stopped it again after every restart."""
+    root, sock = short_dir / "root", short_dir / "run" / "s"
+    for turn in range(2):  # the save, then a restart on the same store
+        rd = start_daemon(root, sock)
+        try:
+            with dealers(sock, 2) as (a, b):
+                if turn == 0:
+                    a.send(begin(cache_id="odd", metadata={"kvkeeper.token_count": count}))
+                    a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)),
+                                      bytes(16)])
+                    flushed = ask(a, m.encode(m.Flush(v=V, req=1)))
+                    assert isinstance(flushed, m.Flushed) and flushed.written == 1, flushed
+                listed = ask(b, m.encode(m.ListEntries(v=V, req=2)))
+                assert isinstance(listed, m.Entries), listed
+                assert [(e.cache_id, e.tokens) for e in listed.entries] == [("odd", 0)]
+                assert_alive(b)
+        finally:
+            assert rd.stop() == 0

@@ -575,6 +575,9 @@ class Server:
                        args: tuple[Any, ...]) -> None:
         try:
             await answer(peer, *args)
+        except Exception:  # noqa: BLE001 - as in run(): in the task group, it stopped the daemon
+            self.stats.inc("internal_errors")
+            log.exception("event=internal_error answer=%s", answer.__name__)
         finally:
             self._waiting_total -= 1
             left = self._waiting[peer] - 1
@@ -707,7 +710,7 @@ class Server:
         self._last_reply = time.monotonic()
         try:
             data = m.encode(msg)
-        except (UnicodeEncodeError, msgspec.EncodeError) as exc:
+        except (UnicodeEncodeError, msgspec.EncodeError, OverflowError) as exc:
             # A bug, but not one to stop the daemon (and lose what it has not
             # written) over: the client gets an error instead.
             self.stats.inc("internal_errors")

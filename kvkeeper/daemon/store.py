@@ -1063,11 +1063,14 @@ def _is_cache(meta: dict[str, str]) -> bool:
     return written_by_kvkeeper(meta) or detect_legacy(meta) is not None
 
 
+_COUNT = re.compile(r"[0-9]{1,18}")
+
+
 def _int(text: str | None) -> int:
-    try:
-        return int(text or 0)
-    except ValueError:
-        return 0
+    """A token count a header records, 0 unless it is one: the daemon
+    answers listings with it, and msgpack carries no integer of 2**64 or
+    more (a save or a file with 30 nines stopped the daemon at every ls)."""
+    return int(text) if text and _COUNT.fullmatch(text) else 0
 
 
 if sys.platform == "win32":  # pragma: no cover - the daemon needs POSIX file semantics
