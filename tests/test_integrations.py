@@ -153,6 +153,50 @@ def test_mlx_lm_restarts_between_turns_give_the_same_tokens(
         assert sources == [None, "memory", "memory"]
 
 
+def test_mlx_lm_a_cache_made_from_other_input_embeddings_is_not_reused(
+    lm_tok: TokenizerWrapper, client: Client
+) -> None:
+    """Two images behind the same placeholder ids (input_embeddings that are
+    not the ids' own): the session matched the cache by its ids alone, so the
+    second image got the first one's answer, in memory and after a restart."""
+    model = tiny_llama(seed=3)
+    ids = [7] * 16 + prompt(20, seed=50)
+    own = model.model.embed_tokens(mx.array(ids))
+    mx.random.seed(1)
+    image = {name: own.at[:16].add(mx.random.normal((16, own.shape[-1])).astype(own.dtype) * 3)
+             for name in "AB"}
+
+    def cold(emb: mx.array, ids: list[int] = ids) -> list[int]:
+        return [r.token for r in lm_stream_generate(model, lm_tok, mx.array(ids), max_tokens=8,
+                                                    input_embeddings=emb)]
+
+    fresh = {name: cold(emb) for name, emb in image.items()}
+    assert fresh["A"] != fresh["B"]
+    session = kv_lm.Session(client, "tiny-lm", "images", model, lm_tok)
+    said = session.generate(ids, max_tokens=8, input_embeddings=image["A"])
+    assert said == fresh["A"]
+    assert session.generate(ids, max_tokens=8, input_embeddings=image["B"]) == fresh["B"]
+    assert session.last_plan is not None and session.last_plan.action == "cold"
+    assert client.flush(timeout=WAIT)
+    restarted = kv_lm.Session(client, "tiny-lm", "images", model, lm_tok)
+    assert restarted.generate(ids, max_tokens=8, input_embeddings=image["A"]) == fresh["A"]
+    assert restarted.last_plan is not None and restarted.last_plan.action == "cold"
+    # The same image again, the conversation carried on: the rows its
+    # embeddings made are reused (the generated ones, the model's own
+    # embeddings, are fed again with the rows given for them).
+    assert client.flush(timeout=WAIT)
+    again = kv_lm.Session(client, "tiny-lm", "images", model, lm_tok)
+    whole = ids + fresh["A"] + prompt(4, seed=51)
+    emb = mx.concatenate([image["A"], model.model.embed_tokens(mx.array(whole[len(ids):]))])
+    assert again.generate(whole, max_tokens=8, input_embeddings=emb) == cold(emb, whole)
+    assert again.last_plan is not None and again.last_plan.source == "kvkeeper"
+    assert again.last_plan.reused == len(ids), again.last_plan
+    # Without embeddings, a cache made from them is not the ids' own either.
+    assert again.generate(whole, max_tokens=8) == [
+        r.token for r in lm_stream_generate(model, lm_tok, mx.array(whole), max_tokens=8)]
+    assert again.last_plan is not None and again.last_plan.action == "cold"
+
+
 def test_mlx_lm_arguments_that_follow_the_prompt_see_the_cached_part_too(
     lm_tok: TokenizerWrapper,
 ) -> None:
@@ -835,10 +879,14 @@ def test_session_and_write_behind_arguments_are_checked_up_front(
         with pytest.raises(ValueError, match="metadata"):
             kv_vlm.Session(client, "tiny-pg", "meta", tiny_paligemma(), vlm_processor(VOCAB),
                            metadata=meta)
-    # An mlx-lm session adds no media key: it takes what save() takes; and a
-    # session kept in memory only needs no ids kvkeeper could file.
+    # An mlx-lm session keeps room for the fingerprint of input_embeddings
+    # (a request with them would fail at its first save otherwise); one kept
+    # in memory only needs no ids kvkeeper could file.
+    with pytest.raises(ValueError, match="metadata"):
+        kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok,
+                      metadata={"a": "x" * (MAX_METADATA_BYTES - 9)})
     kv_lm.Session(client, "tiny-lm", "chat", model, lm_tok,
-                  metadata={"a": "x" * (MAX_METADATA_BYTES - 9)})
+                  metadata={"a": "x" * (MAX_METADATA_BYTES - 100)})
     kv_lm.Session(None, "", "", model, lm_tok)
 
 

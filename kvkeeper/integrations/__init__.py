@@ -142,11 +142,13 @@ def plan_reuse(
     cached_ids: Sequence[int] | None,
     prompt_ids: Sequence[int],
     source: str | None = None,
+    max_reuse: int | None = None,
 ) -> Plan:
     """Decide how to use ``cache`` (holding ``cached_ids``) for ``prompt_ids``,
     and trim it in place when that is the decision. After an ``extend`` or
     ``trim`` plan the cache holds exactly ``prompt_ids[:plan.reused]``; after
-    ``cold`` it must not be used."""
+    ``cold`` it must not be used. ``max_reuse``: at most that many of its
+    tokens are reused (the rest were computed from other inputs)."""
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -161,6 +163,10 @@ def plan_reuse(
         return cold(f"cache holds {have} tokens but {len(cached_ids)} ids")
     p = common_prefix(cached_ids, prompt_ids)
     target = min(p, n - 1)  # the model needs at least one token to read
+    if max_reuse is not None and max_reuse < target:
+        if max_reuse <= 0:
+            return cold("the cache was made from other input_embeddings")
+        target = max_reuse
     if target <= 0:
         return cold("nothing in common with the cached tokens")
     drop = len(cached_ids) - target
@@ -195,8 +201,9 @@ class SessionBase:
     ``client=None`` keeps the cache in memory only (nothing is saved).
     """
 
-    #: Whether requests carry media, whose fingerprint goes into the metadata.
-    _carries_media = False
+    #: The longest media fingerprint a request may carry into the metadata
+    #: ("": none), for the check of the metadata's room.
+    _media_room = ""
 
     def __init__(
         self,
@@ -224,8 +231,8 @@ class SessionBase:
         if metadata and MEDIA_KEY in metadata:
             raise ValueError(f"metadata key {MEDIA_KEY!r} is the session's own")
         self.metadata = check_metadata(metadata) or None
-        if self._carries_media:
-            check_metadata({**(self.metadata or {}), MEDIA_KEY: "0" * 32})
+        if self._media_room:
+            check_metadata({**(self.metadata or {}), MEDIA_KEY: self._media_room})
         self.client = client
         self.model_id = model_id
         self.session_id = session_id
@@ -311,21 +318,28 @@ class SessionBase:
         in memory or in kvkeeper."""
         return request == self._requests
 
-    def _prepare(self, prompt_ids: list[int], media: str = "") -> Plan:
+    def _prepare(self, prompt_ids: list[int], media: str = "",
+                 matched: Callable[[str], tuple[str, int | None]] | None = None) -> Plan:
         """Restore, decide, and leave ``self.cache`` holding exactly the reused
         prefix (or None for a cold start). ``media``: the fingerprint of the
-        request's images, audio and video; a cache made with others is not used."""
+        request's images, audio and video; a cache made with others is not used.
+        ``matched``, given the fingerprint the cache was made with, answers
+        the request's instead, and how many tokens the two agree on (None: all)."""
         if self.cache is None:
             self.restore()
         source = self._source if self.cache is not None else None
         if self.cache is not None and source is None:
             source = "memory"
+        max_reuse = None
+        if matched is not None and self.cache is not None:
+            media, max_reuse = matched(self.media)
         if self.cache is not None and self.media != media:
             self.forget()
             plan = Plan("cold", source, 0, 0, len(prompt_ids),
-                        "the cache was made with other images, audio or video")
+                        "the cache was made with other images, audio or video"
+                        if matched is None else "the cache was made from other inputs")
         else:
-            plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source)
+            plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source, max_reuse)
         if plan.action == "cold":
             self.forget()
         else:

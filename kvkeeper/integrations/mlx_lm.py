@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx_lm
 import numpy as np
+import xxhash
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
@@ -69,6 +70,9 @@ class Session(SessionBase):
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
         self.tokenizer = tokenizer
+
+    # input_embeddings: "input_embeddings:<rows>:<xxh3-128>" (see _embeddings_mark).
+    _media_room = "input_embeddings:9999999999:" + "0" * 32
 
     def _compatible(self, cache: list[Any]) -> bool:
         return len(cache) == len(make_prompt_cache(self.model))
@@ -123,8 +127,22 @@ class Session(SessionBase):
                              "an empty prompt cannot be matched against a cached "
                              "conversation (give the ids the embeddings stand for, or call "
                              "mlx_lm.stream_generate without a Session)")
+        embeddings = kwargs.get("input_embeddings")
         request = self._begin(ids)
-        plan = self._prepare(ids)
+        made_from = matched = None
+        if embeddings is not None:
+            # The ids alone do not tell what the cache's rows were computed
+            # from (two images behind the same placeholder ids): it is reused
+            # only as far as the embeddings it was made from are the same.
+            made_from = _embeddings_mark(embeddings, len(ids))
+
+            def matched(cached: str) -> tuple[str, int | None]:
+                rows = _rows_marked(cached)
+                if rows is None or rows > len(ids) or _embeddings_mark(embeddings, rows) != cached:
+                    return made_from, 0
+                return cached, rows
+
+        plan = self._prepare(ids, made_from or "", matched)
         if plan.action == "cold":
             cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
         else:
@@ -137,7 +155,7 @@ class Session(SessionBase):
         n_prompt = len(ids)
         if plan.reused:
             _feed_only_the_rest(kwargs, ids[:plan.reused])
-        wb = self._write_behind()
+        wb = self._write_behind(made_from or "")
         clean = started = False
         try:
             responses = _mlx_stream_generate(
@@ -157,8 +175,9 @@ class Session(SessionBase):
                     raise
             clean = True
         finally:
-            self._end(request, wb, clean, lambda: self._keep(cache, all_ids),
-                      None if started else lambda: self._unused(cache, plan, ids, ""))
+            self._end(request, wb, clean, lambda: self._keep(cache, all_ids, made_from or ""),
+                      None if started else lambda: self._unused(cache, plan, ids,
+                                                                made_from or ""))
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:
@@ -168,6 +187,24 @@ class Session(SessionBase):
             if r.generation_tokens > len(out):
                 out.append(int(r.token))
         return out
+
+
+_MARK = "input_embeddings:"
+
+
+def _embeddings_mark(embeddings: Any, rows: int) -> str:
+    """The fingerprint of the first ``rows`` rows of ``embeddings`` (recorded
+    with a cache as its media: its first ``rows`` tokens came from them)."""
+    part = mx.contiguous(mx.array(embeddings[:rows]))
+    h = xxhash.xxh3_128(f"{part.dtype} {tuple(part.shape)}".encode())
+    h.update(memoryview(part))
+    return f"{_MARK}{rows}:{h.hexdigest()}"
+
+
+def _rows_marked(mark: str) -> int | None:
+    """How many rows a fingerprint of ``_embeddings_mark`` covers (None: it is none)."""
+    rows, sep, _ = mark.removeprefix(_MARK).partition(":")
+    return int(rows) if mark.startswith(_MARK) and sep and rows.isdigit() else None
 
 
 def _version(text: str) -> tuple[int, ...]:

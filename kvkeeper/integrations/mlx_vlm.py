@@ -51,7 +51,7 @@ class Session(SessionBase):
     with mlx-vlm's ``processor``.
     """
 
-    _carries_media = True
+    _media_room = "0" * 32
 
     def __init__(
         self,
