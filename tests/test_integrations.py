@@ -374,6 +374,53 @@ def vlm(request: pytest.FixtureRequest) -> tuple[str, nn.Module]:
     return request.param, VLM_MODELS[request.param]()
 
 
+@pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])
+def test_a_hybrid_cache_kept_in_memory_serves_the_next_request_on_another_thread(
+    lm_tok: TokenizerWrapper, library: str
+) -> None:
+    """A server runs each request on a worker thread of its own. The libraries
+    generate on a stream of the thread's own, and a hybrid model's ArraysCache
+    state (which the last token does not need) was left lazy there: the next
+    request, on another thread, failed with "There is no Stream(cpu, N) in
+    current thread" unless a save had happened to evaluate it (memory only,
+    or the daemon down, it never did)."""
+    import threading
+
+    if library == "mlx-lm":
+        session: Any = kv_lm.Session(None, "tiny-lfm2", "threads", tiny_lfm2(seed=3), lm_tok,
+                                     every_tokens=None, every_seconds=None)
+
+        def ask(ids: list[int]) -> list[int]:
+            return session.generate(ids, max_tokens=6)
+    else:
+        session = kv_vlm.Session(None, "tiny-vlm-lfm2", "threads", tiny_vlm_lfm2(),
+                                 vlm_processor(VOCAB), every_tokens=None, every_seconds=None)
+
+        def ask(ids: list[int]) -> list[int]:
+            return vlm_tokens(session.stream_generate(input_ids=ids, max_tokens=6,
+                                                      temperature=0.0))
+
+    said: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def on_a_thread(ids: list[int]) -> None:
+        def run() -> None:
+            try:
+                said.append(ask(ids))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join(WAIT)
+        assert not worker.is_alive() and not errors, errors
+
+    first = prompt(30, seed=2)
+    on_a_thread(first)
+    on_a_thread(first + said[0] + [5, 6, 7])
+    assert session.last_plan is not None and session.last_plan.source == "memory"
+    assert len(said[1]) == 6
+
+
 def vlm_tokens(results: Any) -> list[int]:
     out: list[int] = []
     for r in results:

@@ -431,5 +431,18 @@ class SessionBase:
                         self.model_id, self.session_id, have, len(token_ids))
             self.forget()
             return
+        import mlx.core as mx
+
+        try:
+            # On the generating thread: mlx-lm and mlx-vlm generate on a
+            # stream of the thread's own, and a state left lazy there (a
+            # hybrid model's ArraysCache, which the last token does not need)
+            # cannot be evaluated from another thread. A server's next request
+            # on another worker failed ("There is no Stream(cpu, 2) in current
+            # thread") unless a save had happened to evaluate it.
+            mx.eval([layer.state for layer in cache])
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+            log.debug("event=state_not_evaluated model=%s id=%s error=%s",
+                      self.model_id, self.session_id, exc)
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
         self.media = media
