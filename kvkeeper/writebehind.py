@@ -160,7 +160,8 @@ class WriteBehind:
 
     def close(self, cache: Any = None, token_ids: Sequence[int] | None = None) -> bool:
         """The final save: of ``(cache, token_ids)`` when given, else of what the
-        last ``step()`` saw, as it is now (skipped when no step came after the
+        last ``step()`` saw, as it is now (``token_ids`` alone: of that step's
+        cache with those ids; skipped when no step came after the
         last save handed off, by a step or by ``save()``, and the pair is that
         save's cache with as many token ids, the last 64 the same: a rollback
         to the same length, ids changed in place, is saved).
@@ -187,9 +188,19 @@ class WriteBehind:
     def _final_save(self, cache: Any, token_ids: Sequence[int] | None) -> bool:
         if cache is None:
             if self._last is None:
+                if token_ids is not None:
+                    raise ValueError("close(token_ids=...) saves the cache the last step() "
+                                     "saw, and no step came: give the cache too")
                 return False
-            cache, token_ids = self._last
+            # Token ids alone: of the cache the last step saw (they were
+            # dropped, and that step's ids saved instead).
+            cache, token_ids = self._last[0], (self._last[1] if token_ids is None
+                                               else token_ids)
         assert token_ids is not None
+        # Checked before the skip: a cache fed more tokens since the last
+        # step, with that step's ids, was skipped as saved already (and
+        # refused as a mismatch when the last step had not saved).
+        _checked_length(cache, token_ids)
         if (self._pending == 0 and self._last is not None and self._last[0] is cache
                 and self.counters.last_saved_tokens == len(token_ids)
                 and self._saved_tail is not None and _tail(token_ids) == self._saved_tail):

@@ -327,6 +327,33 @@ def test_close_after_a_step_that_saved_ids_in_a_deque(model, client: Client) -> 
     assert wb.close(cache, ids) is True  # not the ids saved
 
 
+def test_close_sees_tokens_fed_after_the_last_step(model, client: Client) -> None:
+    """A loop that builds a new ids list per token, fed one more token without
+    a step, then closed: close() skipped the save as done (the last step's
+    ids and save matched), and the last token was lost without a word; had
+    that step not saved, the same close raised. close(token_ids=...) alone
+    dropped the ids given and saved the last step's."""
+    p = prompt(20, seed=3)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, "fed", every_tokens=None, every_seconds=0)
+    ids = list(p)
+    for t in (1, 2, 3):
+        next_logits(model, cache, t)
+        ids = ids + [t]
+        assert wb.step(cache, ids) is True
+    next_logits(model, cache, 4)  # fed, and no step
+    with pytest.raises(ValueError, match="holds 24 tokens but 23"):
+        wb.close()
+    assert wb.close(token_ids=ids + [4]) is True  # the cache of the last step, these ids
+    assert client.flush(timeout=WAIT)
+    got = client.load(FP, "fed")
+    assert got is not None and got.token_ids == ids + [4] and got.cache[0].offset == 24
+    fresh = client.write_behind(FP, "never", every_tokens=None, every_seconds=None)
+    with pytest.raises(ValueError, match="give the cache too"):
+        fresh.close(token_ids=ids)
+
+
 def test_the_write_behind_module_imports_no_socket_library() -> None:
     """Its token-id checks came from the client module for a while, which
     made importing kvkeeper.writebehind (and kvkeeper.integrations) load
