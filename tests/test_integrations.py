@@ -990,6 +990,18 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
         vlm_tokens(vlm_session.stream_generate([5, 6, 7], max_tokens=2))
     with pytest.raises(TypeError, match="tokenizer is None"):
         kv_lm.Session(None, "tiny-lm", "chat", tiny_llama(seed=3), None)
+    # A None model failed at the first request (AttributeError deep inside);
+    # an id past the vocabulary killed the process (SIGSEGV, in MLX), one of
+    # 2**64 - 1 raised std::bad_cast, a negative one was generated from.
+    with pytest.raises(TypeError, match="model is None"):
+        kv_lm.Session(None, "tiny-lm", "chat", None, lm_tok)
+    for bad_id in (VOCAB, 2**64 - 1, -1):
+        for given in ([5, bad_id, 7], np.array([5, bad_id, 7], dtype=np.uint64 if bad_id > 0
+                                               else np.int64)):
+            with pytest.raises(ValueError, match=f"token id {bad_id} .at 1. is not in the "
+                                                 f"model's vocabulary .0 to {VOCAB - 1}."):
+                lm_session.generate(given, max_tokens=2)
+    assert lm_session.generate([5, VOCAB - 1, 7], max_tokens=2) != []
 
 
 def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(

@@ -64,6 +64,8 @@ class Session(SessionBase):
     ) -> None:
         super().__init__(client, model_id, session_id, every_tokens=every_tokens,
                          every_seconds=every_seconds, metadata=metadata)
+        if model is None:  # it failed only at the first request, deep inside
+            raise TypeError("model is None: give the model mlx_lm.load returned")
         self.model = model
         if tokenizer is None:
             raise TypeError("tokenizer is None: give the tokenizer mlx_lm.load returned")
@@ -82,9 +84,13 @@ class Session(SessionBase):
         if isinstance(prompt, str):
             bos = self.tokenizer.bos_token
             add_special = bos is None or not prompt.startswith(bos)
-            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+            self._check_vocabulary(ids)  # (a tokenizer's added tokens, past the model's)
+            return ids
         if isinstance(prompt, (mx.array, np.ndarray)):
-            return token_ids_of(prompt)
+            ids = token_ids_of(prompt)
+            self._check_vocabulary(ids)
+            return ids
         if is_bytes(prompt):
             # Iterated, its bytes were taken for token ids.
             raise ValueError("the prompt must be text or token ids (integers), not bytes")
@@ -98,7 +104,18 @@ class Session(SessionBase):
                 ids.append(operator.index(t))
         except TypeError:
             raise ValueError("the prompt must be text or token ids (integers)") from None
+        self._check_vocabulary(ids)
         return ids
+
+    def _check_vocabulary(self, ids: list[int]) -> None:
+        """Raise ValueError for an id the model has no embedding for: MLX reads
+        past the table (the process died of SIGSEGV) or cannot make the array."""
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        top = vocab if type(vocab) is int and vocab > 0 else 2**31
+        for i, t in enumerate(ids):
+            if not 0 <= t < top:
+                raise ValueError(f"token id {t} (at {i}) is not in the model's vocabulary "
+                                 f"(0 to {top - 1})")
 
     def stream_generate(
         self,
