@@ -78,6 +78,9 @@ def test_undecodable_headers_get_typed_errors(raw: zmq.Socket, daemon: RunningDa
          "malformed"),
         (dict(tensors=[m.TensorSpec("t0", "F32", [2**30, 2**10])]), "too_large"),
         (dict(tensors=[m.TensorSpec("t0", "F32", [2**40, 0])]), "malformed"),
+        # Empty, and the others multiply past 2**64: the safetensors package
+        # could not open the file the daemon wrote.
+        (dict(tensors=[m.TensorSpec("t0", "F32", [2**31 - 1] * 3 + [0])]), "malformed"),
     ],
 )
 def test_invalid_saves_are_refused_and_write_nothing(raw: zmq.Socket, daemon: RunningDaemon,

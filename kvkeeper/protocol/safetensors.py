@@ -71,6 +71,10 @@ def tensor_nbytes(spec: TensorSpec) -> int:
         raise LayoutError(f"unknown dtype {spec.dtype!r}")
     if any(d > MAX_DIM for d in spec.shape):
         raise LayoutError(f"tensor {spec.name!r} has a dimension over {MAX_DIM}")
+    if math.prod(d for d in spec.shape if d) * size >= 2**63:
+        # Empty (a 0 in it), but the safetensors package multiplies the
+        # others first and fails on the overflow: a file it cannot open.
+        raise LayoutError(f"tensor {spec.name!r}: its dimensions multiply past 2**63 bytes")
     return math.prod(spec.shape) * size
 
 
