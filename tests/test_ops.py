@@ -356,6 +356,54 @@ def test_junk_at_an_entrys_place_is_that_entrys_damaged_file(
     assert {e.cache_id for e in client.entries()} == {"ok"}
 
 
+def _fp8_weights(path: Path, n: int) -> None:
+    """A safetensors file as torch writes FP8 weights: a dtype kvkeeper's
+    reader does not know, which the safetensors package opens."""
+    import struct
+
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         "w": {"dtype": "F8_E4M3", "shape": [n], "data_offsets": [0, n]}})
+    raw = header.encode() + b" " * (-(8 + len(header)) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + os.urandom(n))
+    from safetensors import safe_open
+    with safe_open(str(path), "np") as f:
+        assert list(f.keys()) == ["w"]
+
+
+def test_weights_of_a_dtype_kvkeeper_does_not_know_are_never_deleted(short_dir: Path) -> None:
+    """FP8 weights named like an entry: kvkeeper's reader refuses their dtype,
+    and that was taken for a damaged cache, so the disk budget deleted them
+    at start and rm --model deleted them (and a save of that key replaced
+    them). A cache of kvkeeper's cut short is still that entry's, damaged
+    (the budget deletes it)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    weights = entry_path(root, "weights")
+    root.mkdir(mode=0o700)
+    _fp8_weights(weights, 100_000)
+    before = weights.read_bytes()
+    rd = start_daemon(root, sock, max_disk_bytes=50_000)  # the weights alone are over it
+    try:
+        assert weights.read_bytes() == before
+        rows = json.loads(cli("ls", "--socket", str(sock), "--all", "--json").stdout)
+        assert [(r["path"], r["kind"]) for r in rows] == [(str(weights), "foreign")]
+        r = cli("rm", "--model", FP, "--socket", str(sock))
+        assert r.returncode == 1 and "no entries" in r.stderr, r
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "weights", filled(0.01, 1), [1])
+            assert kv.flush(timeout=WAIT) is False  # left in place: not ours to replace
+            assert weights.read_bytes() == before
+            assert kv.save(FP, "cut", filled(0.01, 2), [2]) and kv.flush(timeout=WAIT)
+            cut = entry_path(root, "cut")
+            os.truncate(cut, cut.stat().st_size - 10)
+            kv.gc()  # over the budget again: the damaged entry goes, the weights stay
+            assert not cut.exists() and kv.stats()["evictions"] == 1
+            assert [e.kind for e in kv.entries(everything=True)] == ["foreign"]
+    finally:
+        assert rd.stop() == 0
+    assert weights.read_bytes() == before
+
+
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
     assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
     model_dir = entry_path(daemon.root, "ok").parent

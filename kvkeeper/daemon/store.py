@@ -34,6 +34,7 @@ from kvkeeper.protocol.safetensors import (
     MODEL_KEY,
     TOKEN_COUNT_KEY,
     LayoutError,
+    TableError,
     open_file,
     says_nothing_of_the_file,
     written_by_kvkeeper,
@@ -606,11 +607,13 @@ class Store:
             return foreign
         except LayoutError as exc:
             log.info("event=unreadable_file path=%s error=%s", path, exc)
-            if place is None or place[0] is None or place[1] is None:
-                return foreign  # (a hashed place: whose it is cannot be told)
-            # No safetensors at all at an entry's place: that entry's damaged
-            # file, as someone_elses judges it (a load moves it aside, a save
-            # replaces it), not another program's file kept forever.
+            if place is None or place[0] is None or place[1] is None or _theirs(exc):
+                # (A hashed place: whose it is cannot be told.)
+                return foreign
+            # A cache cut short, or no safetensors at all, at an entry's place:
+            # that entry's damaged file, as someone_elses judges it (a load
+            # moves it aside, a save replaces it), not another program's
+            # file kept forever.
             return StoredEntry(place[0], place[1], 0, st.st_size, last_used, path, "entry",
                                st.st_mtime, **ident)
         if place is None:
@@ -654,8 +657,8 @@ class Store:
                                              f"another program's file ({exc.strerror}); left "
                                              f"as it is") from exc
             return False
-        except LayoutError:
-            return False
+        except LayoutError as exc:
+            return _theirs(exc)
 
     # -- put / find / delete
     def begin(self, model: str, cache_id: str, header_bytes: int, data_bytes: int
@@ -1055,6 +1058,14 @@ def _unlisted(exc: OSError) -> None:
 
 def _use_order(e: StoredEntry) -> tuple[float, str]:
     return e.last_used, str(e.path)
+
+
+def _theirs(exc: LayoutError) -> bool:
+    """Whether a file kvkeeper's reader refused is still another program's
+    safetensors file: its header reads, and says no cache (weights of a
+    dtype kvkeeper does not know, such as F8_E4M3). Anything else it
+    refused is taken for a damaged cache."""
+    return isinstance(exc, TableError) and not _is_cache(exc.metadata)
 
 
 def _is_cache(meta: dict[str, str]) -> bool:

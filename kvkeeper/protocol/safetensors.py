@@ -59,6 +59,17 @@ class LayoutError(ValueError):
     """A declared tensor layout or a file header that cannot be right."""
 
 
+class TableError(LayoutError):
+    """A file whose header reads (JSON, metadata of strings) but whose tensor
+    table kvkeeper cannot take: a dtype it does not know (``F8_E4M3``
+    weights), sizes that disagree with the file (cut short). ``metadata``
+    says whose file it is: a damaged cache, or another program's."""
+
+    def __init__(self, message: str, metadata: dict[str, str]) -> None:
+        super().__init__(message)
+        self.metadata = metadata
+
+
 #: MLX shapes are int32.
 MAX_DIM = 2**31 - 1
 
@@ -241,13 +252,14 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
                     raise ValueError
                 want *= d
         except (KeyError, TypeError, ValueError):
-            raise LayoutError(f"tensor {name!r} has a malformed entry") from None
+            raise TableError(f"tensor {name!r} has a malformed entry", meta) from None
         if not (0 <= a <= b <= data_len) or b - a != want:
-            raise LayoutError(f"tensor {name!r} lies outside the file or has the wrong size")
+            raise TableError(f"tensor {name!r} lies outside the file or has the wrong size",
+                             meta)
         if b > end:
             end = b
     if end != data_len:
-        raise LayoutError(f"file holds {data_len} data bytes, header describes {end}")
+        raise TableError(f"file holds {data_len} data bytes, header describes {end}", meta)
     return FileHeader(body, meta, 8 + n)
 
 
