@@ -1002,6 +1002,18 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
                                                  f"model's vocabulary .0 to {VOCAB - 1}."):
                 lm_session.generate(given, max_tokens=2)
     assert lm_session.generate([5, VOCAB - 1, 7], max_tokens=2) != []
+    # A wrapper model (pixtral: its args hold only a text_config) was not
+    # checked: id VOCAB was read past the table, a larger one SIGSEGV.
+    from mlx_lm.models import pixtral
+
+    wrapper = pixtral.Model(pixtral.ModelArgs(model_type="pixtral", text_config=dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)))
+    mx.eval(wrapper.parameters())
+    wrapped = kv_lm.Session(None, "tiny-pixtral", "chat", wrapper, lm_tok)
+    with pytest.raises(ValueError, match=f"token id {VOCAB} .at 1. is not in the model's"):
+        wrapped.generate([5, VOCAB, 7], max_tokens=2)
+    assert wrapped.generate([5, VOCAB - 1, 7], max_tokens=2) != []
 
 
 def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(

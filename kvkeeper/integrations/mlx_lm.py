@@ -110,8 +110,7 @@ class Session(SessionBase):
     def _check_vocabulary(self, ids: list[int]) -> None:
         """Raise ValueError for an id the model has no embedding for: MLX reads
         past the table (the process died of SIGSEGV) or cannot make the array."""
-        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
-        top = vocab if type(vocab) is int and vocab > 0 else 2**31
+        top = _vocabulary_size(self.model) or 2**31
         for i, t in enumerate(ids):
             if not 0 <= t < top:
                 raise ValueError(f"token id {t} (at {i}) is not in the model's vocabulary "
@@ -204,6 +203,24 @@ class Session(SessionBase):
             if r.generation_tokens > len(out):
                 out.append(int(r.token))
         return out
+
+
+def _vocabulary_size(model: Any) -> int | None:
+    """The model's vocabulary size as its arguments give it: its own
+    (``vocab_size``; phixtral's ``num_vocab``), its ``text_config``'s, or
+    its ``language_model``'s (pixtral, qwen2-vl and the other wrappers)."""
+    for _ in range(4):
+        args = getattr(model, "args", None)
+        text = getattr(args, "text_config", None)
+        for size in (getattr(args, "vocab_size", None), getattr(args, "num_vocab", None),
+                     text.get("vocab_size") if isinstance(text, dict)
+                     else getattr(text, "vocab_size", None)):
+            if type(size) is int and size > 0:
+                return size
+        model = getattr(model, "language_model", None)
+        if model is None:
+            return None
+    return None
 
 
 _MARK = "input_embeddings:"
