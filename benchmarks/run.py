@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "exit_code": daemon_code,
                    "log_tail": daemon_log[-2000:] if daemon_code not in (0, None) else ""},
         "cases": results,
-        "targets": targets,
+        # In the order (a case may add a target to a later one's).
+        "targets": sorted(targets, key=lambda t: int(t["case"].split()[0])),
     }
     report.write(doc, paths)
     print()

@@ -50,6 +50,12 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
         for control in (size["control_idle"], size["kvkeeper_stream"]["control"]):
             assert control["call"]["n"] > 0 and control["call"]["median"] > 0
     assert {s["label"][:3] for s in hot["special"]} == {"pcs", "hyb"}
+    # The counters account for the hot-path stream's saves too (one key: the
+    # coalesced and superseded ones), in the order of cases.
+    streamed = [t for t in doc["targets"] if "hot-path stream" in t["target"]]
+    assert len(streamed) == 1 and streamed[0]["met"], streamed
+    assert [t["case"] for t in doc["targets"]] == sorted(
+        (t["case"] for t in doc["targets"]), key=lambda c: int(c.split()[0]))
     gen = doc["cases"]["generation"]
     assert gen["tiny_model"]["ratio"] > 0
     assert gen["tiny_model"]["same_tokens_in_every_run"]
