@@ -609,3 +609,36 @@ def test_a_failed_saves_tensor_table_is_let_go(short_dir: Path) -> None:
     finally:
         ctx.destroy(linger=0)
         stop_process(proc)
+
+
+def test_a_live_saves_tensor_table_counts_against_the_memory_budget(short_dir: Path) -> None:
+    """A save's decoded tensor table (65,536 long names: 33 MB in memory for
+    17 on the wire) was not counted while the save lived: 16 such saves,
+    each kept alive by a byte now and then, held 630 MB of a daemon given
+    16 MiB. Counted, the second one finds no room."""
+    sock = short_dir / "run" / "s"
+    proc = serve_process(short_dir / "root", sock, "--max-pending-bytes", str(64 * 2**20),
+                         "--stall-timeout", "30")
+    ctx = zmq.Context()
+    try:
+        specs = [m.TensorSpec(f"n{i:0254d}", "U8", [1]) for i in range(65536)]
+        begin = [m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model="fp",
+                                      cache_id=f"c{i}", tensors=specs)) for i in range(2)]
+        del specs
+        first, second, stats = (dealer(ctx, sock) for _ in range(3))
+        first.send(begin[0])
+        deadline = time.monotonic() + WAIT
+        while True:
+            stats.send(m.encode(m.GetStats(v=m.PROTOCOL_VERSION, req=1)))
+            got = m.decode_reply(stats.recv())
+            if got.counters.get("saves_received", 0) == 1:  # type: ignore[union-attr]
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+        assert got.counters["pending_bytes"] > 30e6, got.counters  # type: ignore[union-attr]
+        second.send(begin[1])
+        refused = m.decode_reply(second.recv())
+        assert isinstance(refused, m.SaveRefused) and refused.code == "busy", refused
+    finally:
+        ctx.destroy(linger=0)
+        stop_process(proc)

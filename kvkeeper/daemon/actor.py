@@ -272,16 +272,19 @@ class WriterActor:
             return "shutting_down", "the daemon is shutting down"
         # The metadata (token ids, up to 32 MiB) is held until the save is
         # done, like its data, and goes into the file's header: both count
-        # against the memory budget and the disk budget.
-        need = job.total + job.metadata_bytes
+        # against the memory budget and the disk budget. So does the decoded
+        # tensor table, in memory only: 65,536 tensors of long names held
+        # 37 MB a save for its whole life, outside the budget.
+        on_disk = job.total + job.metadata_bytes
+        need = on_disk + (job.layout.table_bytes if job.layout is not None else 0)
         disk = self.store.budget.max_disk_bytes
-        if disk is not None and need > disk:
-            return "too_large", (f"save of {need} bytes (data and metadata) exceeds max disk "
-                                 f"bytes ({disk})")
+        if disk is not None and on_disk > disk:
+            return "too_large", (f"save of {on_disk} bytes (data and metadata) exceeds max "
+                                 f"disk bytes ({disk})")
         if need > self.max_pending_bytes:
             return "too_large", (
-                f"save of {need} bytes (data and metadata) exceeds the daemon's max pending "
-                f"bytes ({self.max_pending_bytes})"
+                f"save of {need} bytes (data, metadata and its tensor table) exceeds the "
+                f"daemon's max pending bytes ({self.max_pending_bytes})"
             )
         old = self._waiting.get(job.key)
         room = self.max_pending_bytes - self.pending_bytes + (old.reserved if old else 0)
