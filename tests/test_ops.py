@@ -383,6 +383,7 @@ def test_weights_of_a_dtype_kvkeeper_does_not_know_are_never_deleted(short_dir: 
     _fp8_weights(weights, 100_000)
     before = weights.read_bytes()
     rd = start_daemon(root, sock, max_disk_bytes=50_000)  # the weights alone are over it
+    running = True
     try:
         assert weights.read_bytes() == before
         rows = json.loads(cli("ls", "--socket", str(sock), "--all", "--json").stdout)
@@ -399,8 +400,18 @@ def test_weights_of_a_dtype_kvkeeper_does_not_know_are_never_deleted(short_dir: 
             kv.gc()  # over the budget again: the damaged entry goes, the weights stay
             assert not cut.exists() and kv.stats()["evictions"] == 1
             assert [e.kind for e in kv.entries(everything=True)] == ["foreign"]
+        # verify called them bad (unknown dtype), and its repair tried to move them.
+        for daemon_up in (True, False):
+            if not daemon_up:
+                running, code = False, rd.stop()
+                assert code == 0
+            r = cli("verify", "--root", str(root), "--socket", str(sock), "--repair", "--json")
+            report = json.loads(r.stdout)
+            assert r.returncode == 0 and report["not_caches"] == [str(weights)], r
+            assert report["bad"] == [] and weights.read_bytes() == before
     finally:
-        assert rd.stop() == 0
+        if running:
+            assert rd.stop() == 0
     assert weights.read_bytes() == before
 
 
