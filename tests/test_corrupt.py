@@ -125,6 +125,13 @@ def format_name(p: Path) -> None:
     _flip_in_header(p, b'"kvkeeper/1"', b'"kvkeeper/7"')
 
 
+def metadata_key(p: Path) -> None:
+    # The key's name damaged, the JSON whole: the metadata then read as none
+    # (no cache's), and the file was taken for another program's, never
+    # moved aside or replaced, and every later save of the key failed.
+    _flip_in_header(p, b'"__metadata__"', b'"__letadata__"')
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -151,6 +158,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "nested-header": nested_header,
     "token-id-digit": token_id_digit,
     "format-name": format_name,
+    "metadata-key": metadata_key,
 }
 
 

@@ -245,18 +245,26 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
     # (a third of the time it took with them).
     for name, t in body.items():
         try:
-            shape, (a, b) = t["shape"], t["data_offsets"]
-            want = DTYPE_SIZES[t["dtype"]]
+            shape, (a, b), dtype = t["shape"], t["data_offsets"], t["dtype"]
             # Any JSON may sit in a file under the root: only plain integers
             # (no bools, strings or floats) may reach the arithmetic below.
-            if type(shape) is not list or type(a) is not int or type(b) is not int:
+            if type(shape) is not list or type(a) is not int or type(b) is not int \
+                    or type(dtype) is not str:
                 raise ValueError
+            want = 1
             for d in shape:
                 if type(d) is not int or d < 0:
                     raise ValueError
                 want *= d
         except (KeyError, TypeError, ValueError):
-            raise TableError(f"tensor {name!r} has a malformed entry", meta) from None
+            # Not a TableError: a damaged "__metadata__" key (a flipped bit)
+            # reads as a tensor of no shape, and as metadata of no cache.
+            raise LayoutError(f"tensor {name!r} has a malformed entry") from None
+        size = DTYPE_SIZES.get(dtype)
+        if size is None:
+            raise TableError(f"tensor {name!r} has a dtype kvkeeper does not read ({dtype!r})",
+                             meta)
+        want *= size
         if not (0 <= a <= b <= data_len) or b - a != want:
             raise TableError(f"tensor {name!r} lies outside the file or has the wrong size",
                              meta)
