@@ -1010,10 +1010,19 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)))
     mx.eval(wrapper.parameters())
-    wrapped = kv_lm.Session(None, "tiny-pixtral", "chat", wrapper, lm_tok)
-    with pytest.raises(ValueError, match=f"token id {VOCAB} .at 1. is not in the model's"):
-        wrapped.generate([5, VOCAB, 7], max_tokens=2)
-    assert wrapped.generate([5, VOCAB - 1, 7], max_tokens=2) != []
+    # Nor one that keeps its arguments as .config (youtu-llm, plamo2, ...).
+    from mlx_lm.models import youtu_llm
+
+    configured = youtu_llm.Model(youtu_llm.ModelArgs(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16))
+    mx.eval(configured.parameters())
+    for name, other in (("tiny-pixtral", wrapper), ("tiny-youtu", configured)):
+        wrapped = kv_lm.Session(None, name, "chat", other, lm_tok)
+        with pytest.raises(ValueError, match=f"token id {VOCAB} .at 1. is not in the model's"):
+            wrapped.generate([5, VOCAB, 7], max_tokens=2)
+        assert wrapped.generate([5, VOCAB - 1, 7], max_tokens=2) != []
 
 
 def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(

@@ -206,17 +206,18 @@ class Session(SessionBase):
 
 
 def _vocabulary_size(model: Any) -> int | None:
-    """The model's vocabulary size as its arguments give it: its own
-    (``vocab_size``; phixtral's ``num_vocab``), its ``text_config``'s, or
-    its ``language_model``'s (pixtral, qwen2-vl and the other wrappers)."""
+    """The model's vocabulary size as its arguments (``args``, or ``config``
+    for plamo2, youtu-llm and a few more) give it: their own (``vocab_size``;
+    phixtral's ``num_vocab``), their ``text_config``'s, or its
+    ``language_model``'s (pixtral, qwen2-vl and the other wrappers)."""
     for _ in range(4):
-        args = getattr(model, "args", None)
-        text = getattr(args, "text_config", None)
-        for size in (getattr(args, "vocab_size", None), getattr(args, "num_vocab", None),
-                     text.get("vocab_size") if isinstance(text, dict)
-                     else getattr(text, "vocab_size", None)):
-            if type(size) is int and size > 0:
-                return size
+        for args in (getattr(model, "args", None), getattr(model, "config", None)):
+            text = getattr(args, "text_config", None)
+            for size in (getattr(args, "vocab_size", None), getattr(args, "num_vocab", None),
+                         text.get("vocab_size") if isinstance(text, dict)
+                         else getattr(text, "vocab_size", None)):
+                if type(size) is int and size > 0:
+                    return size
         model = getattr(model, "language_model", None)
         if model is None:
             return None
