@@ -191,6 +191,15 @@ def test_mlx_lm_a_cache_made_from_other_input_embeddings_is_not_reused(
     assert again.generate(whole, max_tokens=8, input_embeddings=emb) == cold(emb, whole)
     assert again.last_plan is not None and again.last_plan.source == "kvkeeper"
     assert again.last_plan.reused == len(ids), again.last_plan
+    # A fingerprint read back from a file that is none (its row count "²",
+    # a digit to str.isdigit only): a cold start, not a ValueError.
+    from kvkeeper.integrations import MEDIA_KEY
+
+    assert client.save("tiny-lm", "odd-mark", make_prompt_cache(model), [],
+                       metadata={MEDIA_KEY: "input_embeddings:\u00b2:0"})
+    assert client.flush(timeout=WAIT)
+    odd = kv_lm.Session(client, "tiny-lm", "odd-mark", model, lm_tok)
+    assert odd.generate(ids, max_tokens=8, input_embeddings=image["A"]) == fresh["A"]
     # Without embeddings, a cache made from them is not the ids' own either.
     assert again.generate(whole, max_tokens=8) == [
         r.token for r in lm_stream_generate(model, lm_tok, mx.array(whole), max_tokens=8)]

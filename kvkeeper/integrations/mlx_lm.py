@@ -239,7 +239,10 @@ def _embeddings_mark(embeddings: Any, rows: int) -> str:
 def _rows_marked(mark: str) -> int | None:
     """How many rows a fingerprint of ``_embeddings_mark`` covers (None: it is none)."""
     rows, sep, _ = mark.removeprefix(_MARK).partition(":")
-    return int(rows) if mark.startswith(_MARK) and sep and rows.isdigit() else None
+    # ASCII digits only: "²" is a digit to str.isdigit and not to int() (a
+    # fingerprint read back from a file may say anything).
+    ok = mark.startswith(_MARK) and sep and rows.isascii() and rows.isdigit()
+    return int(rows) if ok else None
 
 
 def _version(text: str) -> tuple[int, ...]:
