@@ -451,7 +451,7 @@ def verify(args: argparse.Namespace) -> int:
                     else:
                         bad.append((f, str(exc), judged))
                 except st.TableError as exc:
-                    if st.written_by_kvkeeper(exc.metadata) or detect_legacy(exc.metadata):
+                    if st.is_cache(exc.metadata):
                         bad.append((f, str(exc), judged))
                     else:  # another program's safetensors (FP8 weights, say), as the store says
                         others.append(f)

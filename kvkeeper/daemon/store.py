@@ -27,7 +27,6 @@ from kvkeeper.config import ConfigError
 from kvkeeper.daemon import faults
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import naming
-from kvkeeper.protocol.legacy_formats import detect_legacy
 from kvkeeper.protocol.naming import QUARANTINE_DIR
 from kvkeeper.protocol.safetensors import (
     CACHE_ID_KEY,
@@ -35,6 +34,7 @@ from kvkeeper.protocol.safetensors import (
     TOKEN_COUNT_KEY,
     LayoutError,
     TableError,
+    is_cache,
     open_file,
     says_nothing_of_the_file,
     written_by_kvkeeper,
@@ -634,7 +634,7 @@ class Store:
                 here = (model, cache_id)
             return StoredEntry(*here, _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used,
                                path, "entry", st.st_mtime, **ident)
-        if not _is_cache(meta):
+        if not is_cache(meta):
             return foreign  # safetensors, but no cache of a known format: not ours to delete
         return StoredEntry(model or "", cache_id or "", 0, st.st_size, last_used, path,
                            "legacy", st.st_mtime, **ident)
@@ -648,7 +648,7 @@ class Store:
         memory): the caller must then leave the file as it is."""
         try:
             with open_file(path, keep_atime=True) as (_, header):
-                return not _is_cache(header.metadata)
+                return not is_cache(header.metadata)
         except OSError as exc:
             if exc.errno != errno.ENOENT and says_nothing_of_the_file(exc):
                 # Guessing either way could replace, or send to quarantine
@@ -1065,13 +1065,7 @@ def _theirs(exc: LayoutError) -> bool:
     safetensors file: its header reads, and says no cache (weights of a
     dtype kvkeeper does not know, such as F8_E4M3). Anything else it
     refused is taken for a damaged cache."""
-    return isinstance(exc, TableError) and not _is_cache(exc.metadata)
-
-
-def _is_cache(meta: dict[str, str]) -> bool:
-    """Whether a safetensors header's metadata is a cache's: kvkeeper's own,
-    or one of the two older formats."""
-    return written_by_kvkeeper(meta) or detect_legacy(meta) is not None
+    return isinstance(exc, TableError) and not is_cache(exc.metadata)
 
 
 _COUNT = re.compile(r"[0-9]{1,18}")

@@ -28,6 +28,7 @@ import msgspec
 import xxhash
 
 from kvkeeper.protocol.dtypes import DTYPE_SIZES
+from kvkeeper.protocol.legacy_formats import detect_legacy
 from kvkeeper.protocol.messages import TensorSpec
 
 #: Metadata keys. ``kvkeeper.format`` marks a file as ours.
@@ -276,6 +277,12 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
 
 
 _CHECKSUM_FIELDS = frozenset({"algo", "header", "tensors"})
+
+
+def is_cache(metadata: Mapping[str, str]) -> bool:
+    """Whether a header's metadata is a cache's: kvkeeper's own, or one of
+    the two older formats (any other safetensors file is another program's)."""
+    return written_by_kvkeeper(metadata) or detect_legacy(metadata) is not None
 
 
 def written_by_kvkeeper(metadata: Mapping[str, str]) -> bool:
