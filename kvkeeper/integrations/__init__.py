@@ -87,6 +87,17 @@ def token_ids_of(ids: Any) -> list[int]:
     return values
 
 
+def hash_array(h: Any, arr: Any) -> None:
+    """Feed an array's dtype, shape and bytes (MLX's or numpy's) into the
+    xxhash object ``h``: the media and embedding fingerprints."""
+    import mlx.core as mx
+    import numpy as np
+
+    h.update(f"{arr.dtype}:{tuple(arr.shape)}:".encode())
+    h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)
+             else np.ascontiguousarray(arr).data)
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))

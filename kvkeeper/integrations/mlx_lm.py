@@ -31,7 +31,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from kvkeeper.integrations import Plan, SessionBase, token_ids_of
+from kvkeeper.integrations import Plan, SessionBase, hash_array, token_ids_of
 from kvkeeper.writebehind import is_bytes
 
 if TYPE_CHECKING:
@@ -230,9 +230,8 @@ _MARK = "input_embeddings:"
 def _embeddings_mark(embeddings: Any, rows: int) -> str:
     """The fingerprint of the first ``rows`` rows of ``embeddings`` (recorded
     with a cache as its media: its first ``rows`` tokens came from them)."""
-    part = mx.contiguous(mx.array(embeddings[:rows]))
-    h = xxhash.xxh3_128(f"{part.dtype} {tuple(part.shape)}".encode())
-    h.update(memoryview(part))
+    h = xxhash.xxh3_128()
+    hash_array(h, embeddings[:rows])
     return f"{_MARK}{rows}:{h.hexdigest()}"
 
 

@@ -37,7 +37,14 @@ from mlx_vlm.generate import GenerationResult, PromptCacheState
 from mlx_vlm.generate import stream_generate as _vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
 
-from kvkeeper.integrations import Plan, SessionBase, cache_length, log, token_ids_of
+from kvkeeper.integrations import (
+    Plan,
+    SessionBase,
+    cache_length,
+    hash_array,
+    log,
+    token_ids_of,
+)
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
@@ -226,7 +233,7 @@ def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any =
         for arr in _arrays(kwargs[name]):
             found = True
             h.update(f"{name}:".encode())
-            _hash_array(h, arr)
+            hash_array(h, arr)
     if not found:
         # Nothing prepared: mlx-vlm reads the sources itself. What they hold
         # is hashed, not what they are called: a file rewritten under the same
@@ -253,7 +260,7 @@ def _hash_source(h: Any, name: str, ref: Any) -> None:
         return
     h.update(f"{name}:{type(ref).__name__}:".encode())
     if isinstance(ref, (mx.array, np.ndarray)):
-        _hash_array(h, ref)
+        hash_array(h, ref)
     elif isinstance(ref, (bytes, bytearray, memoryview)):
         h.update(ref)
     elif isinstance(ref, io.BytesIO):
@@ -274,12 +281,6 @@ def _hash_source(h: Any, name: str, ref: Any) -> None:
                 h.update(os.urandom(16))  # mlx-vlm cannot read it either
     else:
         h.update(os.urandom(16))
-
-
-def _hash_array(h: Any, arr: Any) -> None:
-    h.update(f"{arr.dtype}:{tuple(arr.shape)}:".encode())
-    h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)
-             else np.ascontiguousarray(arr).data)
 
 
 def _arrays(value: Any) -> list[Any]:
