@@ -132,6 +132,13 @@ def metadata_key(p: Path) -> None:
     _flip_in_header(p, b'"__metadata__"', b'"__letadata__"')
 
 
+def layer_class(p: Path) -> None:
+    # The layers' description names a class no module has: a lazy load, which
+    # skips the checksums, took the file for one this process cannot rebuild
+    # (a newer kvkeeper's), and left it in place: a miss at every load.
+    _flip_in_header(p, b'\\"class\\":\\"KVCache\\"', b'\\"class\\":\\"KVCachf\\"')
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -159,6 +166,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "token-id-digit": token_id_digit,
     "format-name": format_name,
     "metadata-key": metadata_key,
+    "layer-class": layer_class,
 }
 
 
@@ -211,6 +219,39 @@ def test_damaged_file_is_a_clean_miss_and_moved_aside(
     assert client.save(FP, "victim", filled(1, 9), [9])
     got = client.load(FP, "victim")
     assert got is not None and got.token_ids == [9]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_sound_file_naming_a_class_not_here_is_a_miss_left_in_place(
+    verify: bool, client: Client, daemon: RunningDaemon
+) -> None:
+    """The other side of "layer-class": a file whose header checks out but
+    names a cache class this process cannot import (a newer kvkeeper's, or
+    a model package not installed here) is a miss, not damage, lazy or not:
+    the file stays for a process that can read it."""
+    from kvkeeper.protocol import safetensors as st
+
+    assert client.save(FP, "future", filled(1, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "future")
+
+    def from_the_future(header: dict) -> None:
+        meta = header["__metadata__"]
+        meta[st.LAYERS_KEY] = meta[st.LAYERS_KEY].replace("mlx_lm.models.cache",
+                                                          "mlx_lm.models.future_cache")
+        sums = json.loads(meta[st.CHECKSUMS_KEY])
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        sums["header"] = st.header_digest(meta, tensors)
+        meta[st.CHECKSUMS_KEY] = json.dumps(sums)
+
+    rewrite_header(path, from_the_future)
+    written = path.read_bytes()
+    with pytest.raises(CacheFileError, match="future_cache") as info:
+        reader.read_cache_file(path, verify=verify)
+    assert info.value.damaged is False
+    assert client.load(FP, "future", verify=verify) is None
+    client.gc()  # on the writer's turn: after any move the load asked for
+    assert path.read_bytes() == written
+    assert client.stats()["files_quarantined"] == 0
 
 
 def test_a_symlink_judged_at_a_load_spares_the_file_put_back(

@@ -248,9 +248,18 @@ def _kvkeeper_file(
             # A lazy load left the layout to MLX, which takes some our check
             # refuses (e.g. two negative dimensions of the right product):
             # such a file is damaged, not just unusable here.
-            _header(path)
-        # Checksums passed (or were skipped): the bytes are what was saved, but
-        # this process cannot rebuild them (e.g. a class it cannot import).
+            header = _header(path)
+        if not verify:
+            # The layer description is in the header, which a lazy load did
+            # not check: a flipped byte in a class name was taken for a file
+            # of a newer kvkeeper's and never moved aside.
+            try:
+                header.checksums  # noqa: B018 - raises when the header is damaged
+            except st.LayoutError as damage:
+                raise CacheFileError(f"{path}: {damage}") from None
+        # The header's checksum passed (and the data's, when verified): this
+        # is what was saved, but this process cannot rebuild it (e.g. a class
+        # it cannot import).
         raise CacheFileError(f"{path}: {exc}", damaged=False) from None
     return LoadedCache(
         cache=layers,
