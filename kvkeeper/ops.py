@@ -172,7 +172,8 @@ def _fmt(name: str, v: float) -> str:
     if name == "uptime_s":
         return f"{v:.0f} s"
     if name == "boot_id":
-        return f"{int(v):x}"  # an identifier, not a quantity
+        # An identifier, not a quantity; as --json and Client.stats() give it.
+        return str(int(v))
     return f"{v:g}"
 
 
