@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -112,6 +113,43 @@ def test_a_save_larger_than_max_inflight_bytes_is_logged_as_such(
     [warning] = [r.getMessage() for r in caplog.records if "save_dropped" in r.getMessage()]
     assert "reason=larger_than_inflight" in warning
     assert f"a save of {nbytes} bytes is larger than max_inflight_bytes ({nbytes - 1})" in warning
+
+
+@pytest.mark.parametrize("smaller", ["daemon", "client"])
+def test_a_save_over_a_limit_names_the_smaller_one(
+    smaller: str, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save over the daemon's --max-pending-bytes is dropped by the client
+    (reason too_large, naming that limit). Over both that and the client's
+    max_inflight_bytes, the warning names the smaller: raising the other one
+    would not let it through (before: too_large whichever was smaller)."""
+    big = kv_layer(tokens=1 << 16)  # 8 MiB: the daemon's limit is at least 1 MiB
+    nbytes = big.keys.nbytes + big.values.nbytes
+    daemon_limit, client_limit = ((nbytes // 2, nbytes - 1) if smaller == "daemon"
+                                  else (nbytes - 1, nbytes // 2))
+    rd = start_daemon(short_dir / "root", short_dir / "kv.sock",
+                      max_pending_bytes=daemon_limit)
+    try:
+        with Client(rd.socket, timeout=WAIT, max_inflight_bytes=client_limit) as kv:
+            assert kv.connected
+            with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+                assert kv.save(FP, "big", [big], list(range(1 << 16))) is False
+            assert kv.client_stats()["client_saves_dropped"] == 1
+            assert kv.flush(timeout=WAIT) is True  # dropped here: nothing sent
+            assert kv.stats().get("saves_received", 0) == 0
+    finally:
+        rd.stop()
+    [warning] = [r.getMessage() for r in caplog.records if "save_dropped" in r.getMessage()]
+    if smaller == "daemon":
+        assert "reason=too_large" in warning, warning
+        said = re.search(f"a save of {nbytes} bytes exceeds the largest save the daemon takes "
+                         r"\(([0-9]+) bytes: its --max-pending-bytes less ZeroMQ's share\)",
+                         warning)
+        assert said is not None, warning
+        assert int(said.group(1)) < nbytes and int(said.group(1)) <= daemon_limit
+    else:
+        assert "reason=larger_than_inflight" in warning, warning
+        assert f"larger than max_inflight_bytes ({client_limit})" in warning
 
 
 def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(

@@ -336,9 +336,12 @@ class Client:
         # byte runs and the messages are built on the I/O thread (_messages).
         cap = _codec().capture_cache(layers)
         limit = self._max_save_bytes
-        if limit is not None and cap.nbytes > limit:
-            return self._drop("too_large", f"a save of {cap.nbytes} bytes exceeds the daemon's "
-                                           f"limit of {limit} (--max-pending-bytes)")
+        # Over both limits, the smaller is named (raising the other would not
+        # let it through): past max_inflight_bytes, reserve() says so below.
+        if limit is not None and cap.nbytes > limit <= self._channel.max_inflight_bytes:
+            return self._drop("too_large", f"a save of {cap.nbytes} bytes exceeds the largest "
+                                           f"save the daemon takes ({limit} bytes: its "
+                                           f"--max-pending-bytes less ZeroMQ's share)")
         # Messages are only known once built; the I/O thread then corrects the
         # reservation to the real count. Bytes are what bound a save here.
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
