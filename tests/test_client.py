@@ -456,9 +456,11 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     assert client.save(FP, "mlx", [c], mx.array([3, 4], dtype=mx.uint32))
     assert client.save(FP, "numpy-scalars", [c], [np.int32(9), np.uint64(10)])
     assert client.save(FP, "generator", [c], (i for i in (11, 12)))  # read once
+    # No vocabulary here (README): any integer is kept as given.
+    assert client.save(FP, "any-int", [c], [-5, 0, 2**64 - 1, 2**70])
     assert client.flush(timeout=WAIT)
     expect = {"list": [5, 6, 7], "numpy": [1, 2, 2**62], "mlx": [3, 4], "numpy-scalars": [9, 10],
-              "generator": [11, 12]}
+              "generator": [11, 12], "any-int": [-5, 0, 2**64 - 1, 2**70]}
     for cid, ids in expect.items():
         got = client.load(FP, cid)
         assert got is not None and got.token_ids == ids, cid
