@@ -122,6 +122,39 @@ def test_a_failed_directory_fsync_still_indexes_the_file_it_put_in_place(
         assert stop_process(proc) == 0
 
 
+def test_a_budget_pass_that_fails_after_the_commit_leaves_the_save_written(
+    short_dir: Path,
+) -> None:
+    """Applying the disk budget after a save's commit can fail (statvfs with
+    EIO, say): the save is durable and served, so its flush says True (before:
+    saves_failed +1 and flush False for a file in place). The next save
+    applies the budget."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    budget = int(2.5 * 2**20)  # room for two of the 1 MiB saves
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget),
+                         env={ENV: "io_error=budget"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for v, key in enumerate("abc", 1):
+                assert kv.save("fp", key, filled(1, v), [v])
+                assert kv.flush(timeout=WAIT) is True, key
+            stats = kv.stats()
+            assert stats["saves_written"] == 3 and stats.get("saves_failed", 0) == 0
+            for v, key in enumerate("abc", 1):  # over the budget: nothing evicted
+                assert version_of(entry_path(root, key, model="fp"), "fp") == v
+    finally:
+        assert stop_process(proc) == 0
+    assert proc.log_path.read_text().count("event=budget_failed") == 3  # type: ignore[attr-defined]
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget))
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "d", filled(1, 4), [4]) and kv.flush(timeout=WAIT) is True
+            kept = {e.cache_id for e in kv.entries("fp")}
+            assert "d" in kept and kv.stats()["disk_used_bytes"] <= budget
+    finally:
+        assert stop_process(proc) == 0
+
+
 @pytest.mark.parametrize("code", [22, 95], ids=["EINVAL", "ENOTSUP"])
 def test_a_file_system_that_cannot_sync_directories_still_keeps_saves(
     short_dir: Path, code: int

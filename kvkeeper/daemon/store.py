@@ -720,7 +720,15 @@ class Store:
                                   pending.final, "entry", now, *pending.identity))
 
         pending.commit(header, self._lock, index_it)
-        return self.enforce_budget(keep=pending.final)
+        try:
+            faults.io_error("budget")
+            return self.enforce_budget(keep=pending.final)
+        except OSError as exc:
+            # The save is durable and served: failing it would have its client
+            # count written bytes as lost. The next save applies the budget.
+            log.error("event=budget_failed path=%s error=%s: the save is written; the disk "
+                      "budget is applied again at the next save", pending.final, exc)
+            return []
 
     def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
         """The entry's file if it is a regular file (never through a symlink),
