@@ -1391,6 +1391,56 @@ def test_saves_and_closes_while_close_runs_on_another_thread(short_dir: Path) ->
         assert stop_process(proc) == 0
 
 
+@pytest.mark.parametrize("interval", [0, 0.25])
+def test_saves_made_while_close_runs_are_dropped_so_close_ends(
+    interval: float, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request thread saving in a loop while the server's main thread
+    closes the client: once close() has begun, its saves are dropped (reason
+    "closed"), so close() sends what was handed off before and ends (before:
+    they were taken while the daemon was up, close() waited out its timeout
+    for bytes that kept coming, and the last one was lost)."""
+    kv = Client(daemon.socket, timeout=WAIT, min_send_interval=interval)
+    assert kv.connected
+    answers: list[bool] = []
+    stop = threading.Event()
+    first_done = threading.Event()
+
+    def request_thread() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                answers.append(kv.save("fp", "loop", [kv_layer()], [1, 2, 3, i]))
+            except RuntimeError:  # close() has returned: documented
+                return
+            first_done.set()
+            i += 1
+            time.sleep(0.002)
+
+    saver = threading.Thread(target=request_thread)
+    saver.start()
+    try:
+        assert first_done.wait(WAIT)
+        time.sleep(0.2)
+        with caplog.at_level(logging.INFO, logger="kvkeeper"):
+            kv.close(timeout=WAIT)
+            time.sleep(0.05)  # a few saves after close() returned: those raise
+    finally:
+        stop.set()
+        saver.join(WAIT)
+    assert not saver.is_alive()
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("client_close_unconfirmed" in m or "saves_lost_at_close" in m
+                   for m in said), said
+    assert any("event=save_dropped reason=closed" in m for m in said), said
+    c = kv.client_stats()
+    assert c["client_saves_lost"] == 0
+    assert c["client_saves_sent"] + c["client_saves_coalesced"] == sum(answers), (c, answers)
+    assert c["client_saves_dropped"] == answers.count(False) >= 1
+    got = read_cache_file(naming.entry_path(daemon.root, "fp", "loop"))
+    assert got.token_ids[:3] == [1, 2, 3]
+
+
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:
     """Run ``script`` (argv: the socket, the daemon's pid, which it may
     SIGSTOP) against a daemon in its own process; it must exit 0."""

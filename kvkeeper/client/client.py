@@ -321,16 +321,20 @@ class Client:
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
         connected = self._channel.connected.is_set()
-        if not connected or self._channel.inflight_bytes >= self._channel.max_inflight_bytes:
+        closing = self._channel.closing
+        if (closing or not connected
+                or self._channel.inflight_bytes >= self._channel.max_inflight_bytes):
             _codec().check_cache(layers)
-            if connected:
-                return self._drop_inflight()
             if self._channel.forked:
                 return self._drop("forked", FORKED)
-            if self._channel.closing:
-                # E.g. a generator finished at interpreter exit, after the
-                # exit hook closed every client: the daemon may be up.
+            if closing:
+                # close() runs on another thread (a server's request threads at
+                # shutdown), or the exit hook closed every client: the daemon may
+                # be up. Taken, saves kept coming while close() waited for the
+                # bytes in flight, and it waited out its whole timeout.
                 return self._drop("closed", CLOSED_BY_OTHERS)
+            if connected:
+                return self._drop_inflight()
             return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
         # Only the capture (which checks the layers) runs here; the JSON, the
         # byte runs and the messages are built on the I/O thread (_messages).
