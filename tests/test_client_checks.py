@@ -1441,6 +1441,49 @@ def test_saves_made_while_close_runs_are_dropped_so_close_ends(
     assert got.token_ids[:3] == [1, 2, 3]
 
 
+def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A KeyboardInterrupt (or SystemExit from a SIGTERM handler) lands at a
+    Python function's entry. Raised at each function entry of save() in
+    turn, it leaves no in-flight room taken once a flush has run (before:
+    raised between the reservation and the queuing, the room was never given
+    back: the budget shrank for good, and close() waited out its timeout)."""
+    import sys as _sys
+
+    kv = Client(daemon.socket, timeout=WAIT, min_send_interval=0)
+    assert kv.connected
+    layers = [kv_layer(tokens=64)]
+    at = 0
+    while True:
+        at += 1
+        calls = 0
+
+        def interrupt(frame: Any, event: str, arg: Any, at: int = at) -> None:
+            nonlocal calls
+            if event == "call":
+                calls += 1
+                if calls == at:
+                    raise KeyboardInterrupt
+        _sys.settrace(interrupt)
+        try:
+            kv.save("fp", "k", layers, list(range(64)))
+            fired = False
+        except KeyboardInterrupt:
+            fired = True
+        finally:
+            _sys.settrace(None)
+        kv.flush(timeout=WAIT)
+        inflight = kv.client_stats()["client_inflight_bytes"]
+        assert inflight == 0, f"{inflight} bytes kept by an interrupt at call {at} of save()"
+        if not fired:
+            break
+    assert at > 10  # save() went through that many calls
+    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+        kv.close(timeout=WAIT)
+    assert not any("client_close_unconfirmed" in r.getMessage() for r in caplog.records)
+
+
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:
     """Run ``script`` (argv: the socket, the daemon's pid, which it may
     SIGSTOP) against a daemon in its own process; it must exit 0."""

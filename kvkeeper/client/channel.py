@@ -398,33 +398,30 @@ class Channel:
     def next_req_id(self) -> int:
         return next(self._req_ids)
 
-    def reserve(self, nbytes: int, nmessages: int) -> bool:
-        """Take room for one save in the in-flight budget, or return False."""
+    def send_save(self, key: Key, build: Callable[[], Messages], nbytes: int,
+                  nmessages: int) -> str | None:
+        """Take room for a save of ``key`` in the in-flight budget (``nbytes``,
+        and ``nmessages`` as estimated) and queue it; never blocks. The I/O
+        thread calls ``build`` for the messages, so the caller's thread does
+        not pay for them. Returns None when queued; "full" when the room is
+        not there; "closed" when a close() began (e.g. the exit hook beside a
+        worker thread): nothing queued then would be sent."""
+        item = _Save(build, nbytes, nmessages, key)
         with self._lock:
+            if self._stopped or self._closing.is_set():
+                return "closed"
             if (self._inflight_bytes + nbytes > self.max_inflight_bytes
                     or self._inflight_messages + nmessages > _MAX_INFLIGHT_MESSAGES):
-                return False
+                return "full"
+            # Taken and queued with no Python call between, where a signal
+            # handler's exception (Ctrl-C) could land: taken in one call and
+            # queued in the next, the room of a save interrupted between them
+            # was never given back.
             self._inflight_bytes += nbytes
             self._inflight_messages += nmessages
-            return True
-
-    def send_save(self, key: Key, build: Callable[[], Messages], nbytes: int,
-                  nmessages: int) -> bool:
-        """Queue a save of ``key`` whose room was reserved (``nbytes``, and
-        ``nmessages`` as estimated); never blocks. The I/O thread calls
-        ``build`` for the messages, so the caller's thread does not pay for
-        them. False (the room given back) when the I/O thread has stopped: a
-        ``close()`` ran meanwhile, e.g. the exit hook beside a worker thread."""
-        with self._lock:
-            # Once close() stops waiting, nothing queued is sent any more: a
-            # save then would return True only to be counted lost.
-            if self._stopped or self._closing.is_set():
-                self._inflight_bytes -= nbytes
-                self._inflight_messages -= nmessages
-                return False
-            self._outbox.append(_Save(build, nbytes, nmessages, key))
+            self._outbox.append(item)
             self._wake(hand_over=False)
-        return True
+        return None
 
     def request(self, make: Callable[[int], m.Request], timeout: float, *,
                 release: Key | None = None, closing: bool = False) -> m.Reply:

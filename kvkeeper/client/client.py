@@ -349,13 +349,14 @@ class Client:
         # Messages are only known once built; the I/O thread then corrects the
         # reservation to the real count. Bytes are what bound a save here.
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
-        if not self._channel.reserve(cap.nbytes, estimate):
-            return self._drop_inflight(cap.nbytes)
-        if not self._channel.send_save(
+        refused = self._channel.send_save(
             (model, cache_id),
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
             cap.nbytes, estimate,
-        ):
+        )
+        if refused == "full":
+            return self._drop_inflight(cap.nbytes)
+        if refused is not None:
             return self._drop("closed", "the client's connection was closed meanwhile")
         with self._lock:
             self._saves += 1
