@@ -285,6 +285,53 @@ def test_a_save_whose_start_is_read_after_its_client_died_is_cut_off(
 
 
 
+def test_a_save_whose_start_is_read_after_its_live_client_closed_is_cut_off(
+    short_dir: Path,
+) -> None:
+    """The daemon stopped (SIGSTOP) while a client hands it a 48 MiB save and
+    closes (close() gives up waiting), while other clients connect. On
+    resuming, the daemon reads the save's start after the close: the
+    connection's descriptor is closed, or already another connection's. The
+    save is cut off, and another client's load of its key is answered
+    (before: both waited for the 600 s stall timeout; with the default 10 s,
+    such a load waited out its own timeout)."""
+    import zmq
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--stall-timeout", "600")
+    ctx = zmq.Context()
+    others = []
+    try:
+        gone = Client(sock, timeout=WAIT)
+        assert gone.connected
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            assert gone.save(FP, "half", filled(48, 1), [1])
+            gone.close(1.0)  # gives up: the save is counted lost
+            assert gone.client_stats()["client_saves_lost"] == 1
+            for _ in range(3):  # likely given the closed one's number
+                s = ctx.socket(zmq.DEALER)
+                s.connect(f"ipc://{sock}")
+                others.append(s)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.load(FP, "half") is None
+            wait_for(lambda: kv.stats()["saves_failed"] == 1, "the closed save to fail")
+            assert kv.stats()["saves_cut_off"] == 1
+            assert kv.save(FP, "alive", filled(1, 3), [3])
+            assert kv.flush(timeout=WAIT) is True
+        assert tmp_files(root) == []
+        assert not entry_path(root, "half").exists()
+    finally:
+        for s in others:
+            s.close(linger=0)
+        ctx.term()
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "closed its connection after sending" in log
+
+
 def test_looking_for_dead_clients_never_stops_the_daemon_reading(short_dir: Path) -> None:
     """A connection closes while a live client streams a save in many small
     messages: the daemon starts looking for dead senders while that save

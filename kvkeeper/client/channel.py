@@ -668,7 +668,7 @@ class Channel:
             # One identity for this client's life: the daemon tallies saves per peer
             # (for flush), and a reconnect to the same daemon keeps the tally.
             # (A leading zero byte is reserved by ZeroMQ.)
-            sock.setsockopt(zmq.ROUTING_ID, b"kvk" + os.urandom(13))
+            sock.setsockopt(zmq.ROUTING_ID, m.new_client_id())
             # No daemon, no queueing: a send fails at once instead of piling up.
             sock.setsockopt(zmq.IMMEDIATE, 1)
             # The in-flight budget (bytes and messages) bounds what is queued.

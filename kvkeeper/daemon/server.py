@@ -97,6 +97,10 @@ class Stream:
     # that socket's inode (a descriptor number is reused; an inode is not
     # while the socket is open).
     conn: tuple[int, int] | None = None
+    # When ZeroMQ was last asked whether the sender is still connected, and
+    # whether it said not (see Server._reachable).
+    probed: float = -float("inf")
+    unreachable: bool = False
 
 
 class Server:
@@ -150,6 +154,9 @@ class Server:
         self._last_save_message = -float("inf")
         self._late_closed = False
         self._notice: m.Draining | None = None  # (announce_drain makes it)
+        self._probe = m.encode(m.Pong(v=m.PROTOCOL_VERSION, req=0, pid=os.getpid(),
+                                      root=str(store.root), version=__version__,
+                                      max_save_bytes=actor.max_pending_bytes))
 
     async def run(self) -> None:
         while True:
@@ -443,7 +450,7 @@ class Server:
                 for stream in arriving:
                     job, pid = stream.job, stream.pid
                     assert job is not None and pid is not None
-                    why = self._gone(stream)
+                    why = self._gone(stream, now)
                     if why is None:
                         self._dead.pop(job, None)  # one uncertain look is not a trend
                         continue
@@ -457,11 +464,13 @@ class Server:
         finally:
             self._reaping = False
 
-    def _gone(self, stream: Stream) -> str | None:
+    def _gone(self, stream: Stream, now: float) -> str | None:
         """Why ``stream``'s sender can send no more, or None if it may."""
-        assert stream.pid is not None
+        assert stream.pid is not None and stream.job is not None
         if not _alive(stream.pid):
             return "died"
+        if stream.unreachable:
+            return "closed its connection"
         if stream.conn is not None and stream.conn[0] in self._closed_fds:
             fd, ino = stream.conn
             try:
@@ -471,7 +480,30 @@ class Server:
                 return "closed its connection" if exc.errno == errno.EBADF else None
             if not stat.S_ISSOCK(st.st_mode) or st.st_ino != ino:
                 return "closed its connection"
+            # The same socket as when the save began, or another connection
+            # given the closed one's number before the save's start was read
+            # (then its inode was taken for the sender's, and the save waited
+            # out its stall timeout): ZeroMQ knows whether the sender's is
+            # there. Asked once a close, of a save idle for GONE_GRACE, and
+            # only of kvkeeper clients (a live one ignores the answer; another
+            # program's peer may not).
+            if (stream.probed < self._last_close and m.is_client_id(stream.job.peer)
+                    and now - stream.job.last_activity >= GONE_GRACE):
+                stream.probed = now
+                if not self._reachable(stream.job.peer):
+                    stream.unreachable = True
+                    return "closed its connection"
         return None
+
+    def _reachable(self, peer: bytes) -> bool:
+        """Whether ZeroMQ still has a connection to ``peer``, a kvkeeper
+        client. It is sent a Pong for request 0, which no client asks (they
+        ignore replies to requests they are not waiting for);
+        ROUTER_MANDATORY refuses it with EHOSTUNREACH when the peer has none.
+        A full pipe says nothing."""
+        fut = self.sock.send_multipart([peer, self._probe], flags=zmq.NOBLOCK)
+        exc = fut.exception() if fut.done() else None
+        return not (isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH)
 
     # ------------------------------------------------------------ other requests
 
@@ -744,13 +776,15 @@ def _peer_pid(header: zmq.Frame) -> int | None:
 
 
 def _connection(fd: int | None) -> tuple[int, int] | None:
-    """Descriptor and socket inode of a connection, while it is open."""
+    """Descriptor and socket inode of a connection; inode 0 (no socket's)
+    when it is closed already (a save's start read after its sender closed
+    the connection, e.g. while the daemon was stopped)."""
     if fd is None:
         return None
     try:
         st = os.fstat(fd)
-    except OSError:
-        return None
+    except OSError as exc:
+        return (fd, 0) if exc.errno == errno.EBADF else None
     return (fd, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
 
 

@@ -13,6 +13,7 @@ of one huge multipart message is what lets the daemon write as bytes arrive
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -146,6 +147,20 @@ class Flush(_Msg, tag="flush"):
 #: request numbers stay below it). Any daemon answers it as a flush; one
 #: that drains stops taking this client's saves once it reads it.
 DRAIN_ANSWER = 1 << 62
+
+#: A kvkeeper client's ZeroMQ routing id is this and 13 random bytes, for the
+#: client's life (a leading zero byte is reserved by ZeroMQ). Only such peers
+#: are sent a probe: a Pong for request 0, which no client asks, to be ignored.
+CLIENT_ID_PREFIX = b"kvk"
+
+
+def new_client_id() -> bytes:
+    return CLIENT_ID_PREFIX + os.urandom(13)
+
+
+def is_client_id(peer: bytes) -> bool:
+    """Whether ``peer`` is a kvkeeper client's routing id (see new_client_id)."""
+    return len(peer) == 16 and peer.startswith(CLIENT_ID_PREFIX)
 
 
 Request = (
