@@ -430,6 +430,37 @@ def test_a_daemon_dying_mid_request_fails_the_wait_at_once(
             assert "event=load_from_file" in caplog.text and "may be older" in caplog.text
 
 
+def test_reads_instead_of_a_daemon_that_is_down_are_logged_once_a_minute(
+    short_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the daemon down, every load of a key saved since the last flush
+    reads the file and says it may be older: one line at once, then one a
+    minute (here 0.5 s) with the count held back (before: a line per load,
+    4,800 in a few seconds of a helper's run with four threads)."""
+    import kvkeeper.client.client as client_module
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+        try:
+            assert kv.save(FP, "k", [kv_layer()], [1, 2, 3, 4]) and kv.flush(timeout=WAIT)
+            assert kv.save(FP, "k", [kv_layer()], [1, 2, 3, 4, 5])  # no flush after it
+        finally:
+            proc.kill()
+            proc.wait(WAIT)
+        wait_for(lambda: not kv.connected, "the client to see the daemon gone")
+        monkeypatch.setattr(client_module, "LOG_EVERY_SECONDS", 0.5)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+            for _ in range(20):
+                assert kv.load(FP, "k") is not None
+            time.sleep(0.6)
+            assert kv.load(FP, "k") is not None
+    lines = [r.getMessage() for r in caplog.records if "event=load_from_file" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "not_logged_since=0" in lines[0] and "may be older" in lines[0], lines
+    assert "not_logged_since=19" in lines[1], lines
+
+
 def test_a_load_the_daemon_does_not_answer_in_time_does_not_return_an_older_file(
     model, served: subprocess.Popen[bytes], short_dir: Path
 ) -> None:

@@ -405,7 +405,7 @@ def test_a_refusal_logged_after_quiet_ones_counts_them_in_a_field_of_its_own(
     not logfmt. Each key now appears once, with one well-formed value."""
     import kvkeeper.client.client as client_module
 
-    monkeypatch.setattr(client_module, "REFUSAL_LOG_SECONDS", 0.5)
+    monkeypatch.setattr(client_module, "LOG_EVERY_SECONDS", 0.5)
     with _refusing(short_dir, caplog) as (_, refuse):
         for j in range(3):
             refuse(j)

@@ -171,6 +171,7 @@ class Client:
         self._lost_seen = 0
         self._failed_seen = 0
         self._warned: set[str] = set()
+        self._throttle = _Throttle()
         self._closed = False
         self._close_done = threading.Event()
         # Keys this client saved whose saves no flush, load or delete has
@@ -619,9 +620,12 @@ class Client:
                       deadline: float) -> LoadedCache | None:
         """load()'s answer from the file itself, the daemon being gone;
         ``unwritten`` says why a save of ours may be missing from it."""
-        if unwritten:
-            log.warning("event=load_from_file model=%s id=%s reason=%s: the file may be "
-                        "older than this client's saves: %s", model, cache_id, why, unwritten)
+        # Throttled: with the daemon down a while, every load of a key saved
+        # since comes here (4,800 lines in a few seconds of a helper's run).
+        if unwritten and (quiet := self._throttle.let_through("load_from_file")) is not None:
+            log.warning("event=load_from_file model=%s id=%s reason=%s not_logged_since=%d: the "
+                        "file may be older than this client's saves: %s", model, cache_id, why,
+                        quiet, unwritten)
         if attempt.ident is None and not _holds_a_store(self.root):
             # Every load would be a silent miss: say once where it looked.
             with self._lock:
@@ -922,30 +926,40 @@ class Client:
         return reply
 
 
-class _RefusalLog:
-    """Logs the daemon's refusals of saves: the first of each code at once,
-    then at most one per REFUSAL_LOG_SECONDS with the count since (a daemon
-    shutting down or out of memory refuses every save; the counts are in
-    ``stats()``). Holds nothing of the client: the channel must not keep it
-    alive."""
+class _Throttle:
+    """Lets one log line per reason through at once, then at most one per
+    LOG_EVERY_SECONDS, with the count of those held back since (a daemon
+    shutting down refuses every save; a daemon down for a while makes every
+    load read the file: the counts are in ``stats()``)."""
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
         self._quiet: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, reply: m.SaveRefused) -> None:
+    def let_through(self, reason: str) -> int | None:
+        """The lines of ``reason`` held back since the last one, or None when
+        this one is held back too."""
         now = time.monotonic()
         with self._lock:
-            last = self._last.get(reply.code)
-            if last is not None and now - last < REFUSAL_LOG_SECONDS:
-                self._quiet[reply.code] = self._quiet.get(reply.code, 0) + 1
-                return
-            self._last[reply.code] = now
-            quiet = self._quiet.pop(reply.code, 0)
-        # A field of its own: appended to detail, it broke the line's logfmt.
-        log.warning("event=save_refused code=%s detail=%s not_logged_since=%d", reply.code,
-                    reply.message, quiet)
+            last = self._last.get(reason)
+            if last is not None and now - last < LOG_EVERY_SECONDS:
+                self._quiet[reason] = self._quiet.get(reason, 0) + 1
+                return None
+            self._last[reason] = now
+            return self._quiet.pop(reason, 0)
+
+
+class _RefusalLog(_Throttle):
+    """Logs the daemon's refusals of saves, throttled per code. Holds nothing
+    of the client: the channel must not keep it alive."""
+
+    def __call__(self, reply: m.SaveRefused) -> None:
+        quiet = self.let_through(reply.code)
+        if quiet is not None:
+            # A field of its own: appended to detail, it broke the line's logfmt.
+            log.warning("event=save_refused code=%s detail=%s not_logged_since=%d", reply.code,
+                        reply.message, quiet)
 
 
 def _number(name: str, value: float) -> float:
@@ -957,8 +971,8 @@ def _number(name: str, value: float) -> float:
     return int(value)
 
 
-#: At most one log line per refusal code in this many seconds.
-REFUSAL_LOG_SECONDS = 60.0
+#: At most one log line per refusal code (and per throttled event) in this many seconds.
+LOG_EVERY_SECONDS = 60.0
 
 
 def _close_dropped(channel: Channel) -> None:
