@@ -1472,6 +1472,42 @@ def test_saves_made_while_close_runs_are_dropped_so_close_ends(
     assert got.token_ids[:3] == [1, 2, 3]
 
 
+def test_a_save_from_a_signal_handler_inside_close_is_sent(short_dir: Path) -> None:
+    """A SIGTERM-like handler that makes a last save while close() on its own
+    thread waits for the daemon: that close() waits for it too, so it is sent
+    and written (a save while close() runs on another thread is dropped;
+    dropping this one too was a helper's find in this session's change)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    answer: list[bool] = []
+    try:
+        kv = Client(sock, timeout=WAIT)
+        assert kv.connected
+
+        def handler(signum: int, frame: Any) -> None:
+            answer.append(kv.save(FP, "final", [kv_layer()], [7, 7, 7, 7]))
+            proc.send_signal(signal.SIGCONT)
+
+        old = signal.signal(signal.SIGALRM, handler)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            assert kv.save(FP, "big", [kv_layer(tokens=1 << 16)], list(range(1 << 16)))
+            signal.setitimer(signal.ITIMER_REAL, 0.3)  # inside the close() below
+            kv.close(timeout=WAIT)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            proc.send_signal(signal.SIGCONT)
+        assert answer == [True]
+        c = kv.client_stats()
+        assert c["client_saves_dropped"] == 0 and c["client_saves_lost"] == 0, c
+        final = naming.entry_path(root, FP, "final")
+        wait_for(final.exists, "the final save to be written")  # close() saw it read
+        assert read_cache_file(final).token_ids == [7, 7, 7, 7]
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
     daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:

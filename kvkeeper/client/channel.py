@@ -459,6 +459,14 @@ class Channel:
         """Whether a close() began: the caller's, or the exit hook's."""
         return self._close_claimed
 
+    @property
+    def closing_elsewhere(self) -> bool:
+        """Whether a close() began on another thread than this one (or the
+        channel is a forked child's copy). A signal handler that interrupts
+        close() on its own thread still gets its save sent: that close()
+        waits for it."""
+        return self._close_claimed and self._closer != threading.get_ident()
+
     def notify(self, msg: m.Request) -> None:
         """Send a message that gets no reply, if the daemon is connected; never
         blocks, and keeps the GIL (the caller goes on at once)."""

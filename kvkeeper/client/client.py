@@ -322,7 +322,7 @@ class Client:
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
         connected = self._channel.connected.is_set()
-        closing = self._channel.closing
+        closing = self._channel.closing_elsewhere
         if (closing or not connected
                 or self._channel.inflight_bytes >= self._channel.max_inflight_bytes):
             _codec().check_cache(layers)
