@@ -15,7 +15,7 @@ lookup that finds nothing.
   it replaces the index, until PATH exists (at most 600 s; a drain's stop
   ends the wait); with ``scan_hold_after=N``, after reading N files instead.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename),
-  ``budget`` (applying the disk budget after a save's commit).
+  ``evicted`` (in a disk-budget pass, after each eviction).
 - ``dir_fsync_errno=N``: every directory fsync fails with errno N instead of
   syncing (a file system that cannot sync directories answers EINVAL).
 - ``renamed_delay=S``: sleep S seconds after a save's rename, before the

@@ -720,15 +720,15 @@ class Store:
                                   pending.final, "entry", now, *pending.identity))
 
         pending.commit(header, self._lock, index_it)
+        evicted: list[StoredEntry] = []
         try:
-            faults.io_error("budget")
-            return self.enforce_budget(keep=pending.final)
+            self.enforce_budget(keep=pending.final, into=evicted)
         except OSError as exc:
             # The save is durable and served: failing it would have its client
             # count written bytes as lost. The next save applies the budget.
             log.error("event=budget_failed path=%s error=%s: the save is written; the disk "
                       "budget is applied again at the next save", pending.final, exc)
-            return []
+        return evicted  # those that went before a failure too: they are gone
 
     def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
         """The entry's file if it is a regular file (never through a symlink),
@@ -938,7 +938,8 @@ class Store:
 
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
                        no_evictions: threading.Event | None = None,
-                       need_inode: bool = False) -> list[StoredEntry]:
+                       need_inode: bool = False,
+                       into: list[StoredEntry] | None = None) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
@@ -946,18 +947,21 @@ class Store:
         never deleted; ``keep`` is never evicted, and protected entries (a
         save of them on its way) go last; nothing is evicted for a file that
         would not fit with every entry gone, nor once ``no_evictions`` is set
-        (looked at before each one)."""
+        (looked at before each one). The entries evicted are appended to
+        ``into`` as they go, so that a caller still has them when this raises
+        part way (statvfs failing, say)."""
+        evicted = [] if into is None else into
         with self._evicting:
-            return self._enforce_budget(keep, writing, no_evictions, need_inode)
+            self._enforce_budget(keep, writing, no_evictions, need_inode, evicted)
+        return evicted
 
     def _enforce_budget(self, keep: Path | None, writing: int,
                         no_evictions: threading.Event | None,
-                        need_inode: bool = False) -> list[StoredEntry]:
+                        need_inode: bool, evicted: list[StoredEntry]) -> None:
         b = self.budget
-        evicted: list[StoredEntry] = []
         with self._lock:
             if not self._whole:
-                return evicted  # not from a part of the store: see rescan
+                return  # not from a part of the store: see rescan
             used = self._used
         for_free_space = True
 
@@ -975,7 +979,7 @@ class Store:
             return None
 
         if pressure() is None:
-            return evicted  # the common case after a write
+            return  # the common case after a write
         with self._lock:
             indexed = list(self._index.values())  # oldest use first
             quarantined = self._quarantined
@@ -1041,6 +1045,7 @@ class Store:
             # evict: if that save fails, the entry is gone (said in the log).
             log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s save_pending=%d",
                      victim.model, victim.cache_id, victim.nbytes, victim.kind, reason, saving)
+            faults.io_error("evicted")
         if stopped:
             log.warning("event=evictions_stopped used=%d reason=%s: the daemon is draining; "
                         "the budget is applied again by the next save written, or at the "
@@ -1056,7 +1061,6 @@ class Store:
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
-        return evicted
 
 
 def _unlisted(exc: OSError) -> None:
