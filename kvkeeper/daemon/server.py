@@ -330,11 +330,12 @@ class Server:
             self._refuse(peer, msg.save, "frames", reason, count=False, tally=False)
             return
         self.stats.inc("bytes_received", nbytes)
-        if stream.pid is not None:
+        if stream.pid is not None or stream.conn is not None:
             # A raw client that reconnected may go on on another connection
-            # (kvkeeper's own sets IMMEDIATE: its queued messages die with one).
+            # (kvkeeper's own sets IMMEDIATE: its queued messages die with one),
+            # which may have the number of one recorded closed (inode 0).
             fd = _source_fd(header)
-            if stream.conn is None or stream.conn[0] != fd:
+            if stream.conn is None or stream.conn[0] != fd or stream.conn[1] == 0:
                 stream.conn = _connection(fd)
         self.actor.add_data(job, [f.buffer for f in data], nbytes)
         if job.received == job.total:
@@ -369,7 +370,7 @@ class Server:
         if len(self._streams) >= _MAX_STREAMS:
             self._forget_a_stream()
         self._streams[peer] = Stream(save, job, pid, conn)
-        if pid is not None and self._closed_lately():
+        if (pid is not None or conn is not None) and self._closed_lately():
             self._reap_soon()  # its start may have been read after its sender died
 
     def _forget_a_stream(self) -> None:
@@ -431,7 +432,7 @@ class Server:
             while True:
                 await anyio.sleep(GONE_CHECK)
                 arriving = [s for s in self._streams.values()
-                            if s.pid is not None and s.job is not None
+                            if (s.pid is not None or s.conn is not None) and s.job is not None
                             and s.job.received < s.job.total and not s.job.done.is_set()]
                 still = {s.job for s in arriving}
                 self._dead = {job: t for job, t in self._dead.items() if job in still}
@@ -449,7 +450,7 @@ class Server:
                     continue  # their last messages may be among those queued
                 for stream in arriving:
                     job, pid = stream.job, stream.pid
-                    assert job is not None and pid is not None
+                    assert job is not None
                     why = self._gone(stream, now)
                     if why is None:
                         self._dead.pop(job, None)  # one uncertain look is not a trend
@@ -458,16 +459,18 @@ class Server:
                     if now - max(since, job.last_activity) >= GONE_GRACE:
                         del self._dead[job], self._streams[job.peer]
                         self.stats.inc("saves_cut_off")
+                        who = "its client" if pid is None else f"its client (pid {pid})"
                         self.actor.break_stream(
-                            job, f"its client (pid {pid}) {why} after sending "
-                                 f"{job.received} of {job.total} bytes")
+                            job, f"{who} {why} after sending {job.received} of {job.total} bytes")
         finally:
             self._reaping = False
 
     def _gone(self, stream: Stream, now: float) -> str | None:
         """Why ``stream``'s sender can send no more, or None if it may."""
-        assert stream.pid is not None and stream.job is not None
-        if not _alive(stream.pid):
+        # No pid: macOS asks it of the connection, which may be closed by
+        # the time the save's start is read; the connection still tells.
+        assert stream.job is not None
+        if stream.pid is not None and not _alive(stream.pid):
             return "died"
         if stream.unreachable:
             return "closed its connection"
