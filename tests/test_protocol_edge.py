@@ -449,3 +449,31 @@ def test_a_token_count_that_is_no_count_is_listed_as_none(short_dir: Path, count
                 assert_alive(b)
         finally:
             assert rd.stop() == 0
+
+
+def test_failures_kept_for_clients_are_bounded_together(
+    daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each client's refused or failed saves are kept until its flush reports
+    them (at most 4,096 a client, and 10,000 clients). Clients that never
+    flush again (gone for good) kept them all: 1.5 GB at those limits, in a
+    helper's measure. Past a bound on all of them together, the least
+    recently used clients' count as reported; a flush still reports every
+    failure. (Lowered here: 8 a client, 64 in all.)"""
+    from kvkeeper.daemon import actor as actor_module
+
+    monkeypatch.setattr(actor_module, "_MAX_UNREPORTED", 8)
+    monkeypatch.setattr(actor_module, "_MAX_UNREPORTED_ALL", 64)
+    writer = daemon.daemon.server.actor  # type: ignore[union-attr]
+    peers = 40
+    with dealers(daemon.socket, peers) as socks:
+        for s in socks:  # 7 refusals each: none of them folds its own
+            for save in range(1, 8):
+                reply = ask(s, begin(save=save, cache_id=""))
+                assert isinstance(reply, m.SaveRefused) and reply.code == "bad_id", reply
+        kept = sum(len(t.unreported) for t in writer._tally.values())
+        # 280 failures in all; looked at every 8th, folded down to 32.
+        assert kept <= 64 + 8, kept
+        for req, s in enumerate(socks, 1):
+            flushed = ask(s, m.encode(m.Flush(v=V, req=req)))
+            assert isinstance(flushed, m.Flushed) and flushed.failed == 7, flushed

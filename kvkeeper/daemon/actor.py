@@ -172,6 +172,10 @@ class GcJob(Job):
 #: Failures kept apart for the flushes to come (see Tally.fail): past this
 #: many, the older half is counted as reported.
 _MAX_UNREPORTED = 4096
+#: And of every client together: past this many (about 40 MB), the least
+#: recently used tallies count theirs as reported (clients gone for good
+#: never flush again: 10,000 tallies of 4,096 held 1.5 GB).
+_MAX_UNREPORTED_ALL = 1 << 20
 
 
 @dataclass
@@ -198,6 +202,13 @@ class Tally:
             half = len(self.unreported) // 2
             self.reported += half
             del self.unreported[:half]
+
+    def fold(self) -> int:
+        """Count every unreported failure as reported; returns how many."""
+        n = len(self.unreported)
+        self.reported += n
+        self.unreported = []
+        return n
 
     def failed_up_to(self, covered: int) -> int:
         """The running total of failures a flush reports: those of the saves
@@ -261,6 +272,7 @@ class WriterActor:
         #: started when it was N covers every request that came when it was
         #: at most N.
         self.jobs_taken = 0
+        self._fails_unchecked = 0  # failures since the last look at all tallies (_fail)
         self.finished = anyio.Event()
 
     # ------------------------------------------------------------ server side
@@ -848,13 +860,13 @@ class WriterActor:
             elif outcome is Outcome.SUPERSEDED:
                 tally.superseded += 1
             else:
-                tally.fail(job.own_stamp)
+                self._fail(job.peer, job.own_stamp)
         if outcome is Outcome.FAILED:
             for peer, stamp in job.heirs.items():  # their save was replaced by a job that failed
-                self._tally_of(peer).fail(stamp)
+                self._fail(peer, stamp)
             if job.replaced_own is not None and not isinstance(job, SaveJob):
                 # (A failed save counts itself.)
-                self._tally_of(job.peer).fail(job.own_stamp)
+                self._fail(job.peer, job.own_stamp)
         if self._latest.get(job.key) is job:
             # A held or parked save may still be waiting behind a job that
             # overtook it (moving a damaged file aside): it is the newest
@@ -881,7 +893,22 @@ class WriterActor:
         the peer's next flush says so even if the refusal's reply was lost."""
         # Stamped as a job: a flush that came before it does not report it.
         self.jobs_taken += 1
-        self._tally_of(peer).fail(self.jobs_taken)
+        self._fail(peer, self.jobs_taken)
+
+    def _fail(self, peer: bytes, stamp: int) -> None:
+        """A failure for ``peer``'s tally (see Tally.fail), the failures kept
+        for every client bounded together (looked at once in a while: the
+        sum walks every tally)."""
+        self._tally_of(peer).fail(stamp)
+        self._fails_unchecked += 1
+        if self._fails_unchecked < _MAX_UNREPORTED:
+            return
+        self._fails_unchecked = 0
+        kept = sum(len(t.unreported) for t in self._tally.values())
+        for tally in list(self._tally.values()):  # least recently used first
+            if kept <= _MAX_UNREPORTED_ALL // 2:
+                break
+            kept -= tally.fold()
 
     def peers(self) -> set[bytes]:
         """The clients whose saves the writer took: those with jobs, and
