@@ -342,7 +342,7 @@ class Client:
         cap = _codec().capture_cache(layers)
         limit = self._max_save_bytes
         # Over both limits, the smaller is named (raising the other would not
-        # let it through): past max_inflight_bytes, reserve() says so below.
+        # let it through): past max_inflight_bytes, send_save() says so below.
         if limit is not None and cap.nbytes > limit <= self._channel.max_inflight_bytes:
             return self._drop("too_large", f"a save of {cap.nbytes} bytes exceeds the largest "
                                            f"save the daemon takes ({limit} bytes: its "
