@@ -461,11 +461,14 @@ class Channel:
 
     @property
     def closing_elsewhere(self) -> bool:
-        """Whether a close() began on another thread than this one (or the
-        channel is a forked child's copy). A signal handler that interrupts
-        close() on its own thread still gets its save sent: that close()
-        waits for it."""
-        return self._close_claimed and self._closer != threading.get_ident()
+        """Whether a close() began on another thread than this one, or one
+        on this thread stopped waiting (the exit hook's, which with Python
+        3.12 runs on the main thread, before a later exit hook saves), or
+        the channel is a forked child's copy. A signal handler that
+        interrupts close() while it waits, on its own thread, still gets its
+        save sent: that close() waits for it."""
+        return self._close_claimed and (self._closer != threading.get_ident()
+                                        or self._closing.is_set())
 
     def notify(self, msg: m.Request) -> None:
         """Send a message that gets no reply, if the daemon is connected; never
