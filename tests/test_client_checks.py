@@ -1541,8 +1541,10 @@ def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
         finally:
             _sys.settrace(None)
         kv.flush(timeout=WAIT)
-        inflight = kv.client_stats()["client_inflight_bytes"]
-        assert inflight == 0, f"{inflight} bytes kept by an interrupt at call {at} of save()"
+        # Given back once ZeroMQ is done with the frames, which the I/O
+        # thread may learn a moment after the flush's answer.
+        wait_for(lambda: kv.client_stats()["client_inflight_bytes"] == 0,
+                 f"the room of a save interrupted at call {at} to come back")  # noqa: B023
         if not fired:
             break
     assert at > 10  # save() went through that many calls
