@@ -449,16 +449,20 @@ def test_reads_instead_of_a_daemon_that_is_down_are_logged_once_a_minute(
             proc.kill()
             proc.wait(WAIT)
         wait_for(lambda: not kv.connected, "the client to see the daemon gone")
-        monkeypatch.setattr(client_module, "LOG_EVERY_SECONDS", 0.5)
+        monkeypatch.setattr(client_module, "LOG_EVERY_SECONDS", 1.0)
         with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
             for _ in range(20):
                 assert kv.load(FP, "k") is not None
-            time.sleep(0.6)
+            time.sleep(1.1)
             assert kv.load(FP, "k") is not None
     lines = [r.getMessage() for r in caplog.records if "event=load_from_file" in r.getMessage()]
-    assert len(lines) == 2, lines
-    assert "not_logged_since=0" in lines[0] and "may be older" in lines[0], lines
-    assert "not_logged_since=19" in lines[1], lines
+    quiet = [int(re.search(r"not_logged_since=([0-9]+)", line).group(1))  # type: ignore[union-attr]
+             for line in lines]
+    # One line a second at most (20 loads take far less here), and every
+    # load either logged or counted in the next line.
+    assert 2 <= len(lines) <= 4 and quiet[0] == 0, lines
+    assert len(lines) + sum(quiet) == 21, lines
+    assert "may be older" in lines[0], lines
 
 
 def test_a_load_the_daemon_does_not_answer_in_time_does_not_return_an_older_file(
@@ -1424,52 +1428,71 @@ def test_saves_and_closes_while_close_runs_on_another_thread(short_dir: Path) ->
 
 @pytest.mark.parametrize("interval", [0, 0.25])
 def test_saves_made_while_close_runs_are_dropped_so_close_ends(
-    interval: float, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+    interval: float, short_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A request thread saving in a loop while the server's main thread
     closes the client: once close() has begun, its saves are dropped (reason
     "closed"), so close() sends what was handed off before and ends (before:
     they were taken while the daemon was up, close() waited out its timeout
-    for bytes that kept coming, and the last one was lost)."""
-    kv = Client(daemon.socket, timeout=WAIT, min_send_interval=interval)
-    assert kv.connected
+    for bytes that kept coming, and the last one was lost). The daemon is
+    stopped while close() begins, so that it waits until saves were made
+    meanwhile; it resumes once three were (or after WAIT)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
     answers: list[bool] = []
     stop = threading.Event()
     first_done = threading.Event()
-
-    def request_thread() -> None:
-        i = 0
-        while not stop.is_set():
-            try:
-                answers.append(kv.save("fp", "loop", [kv_layer()], [1, 2, 3, i]))
-            except RuntimeError:  # close() has returned: documented
-                return
-            first_done.set()
-            i += 1
-            time.sleep(0.002)
-
-    saver = threading.Thread(target=request_thread)
-    saver.start()
     try:
-        assert first_done.wait(WAIT)
-        time.sleep(0.2)
-        with caplog.at_level(logging.INFO, logger="kvkeeper"):
-            kv.close(timeout=WAIT)
-            time.sleep(0.05)  # a few saves after close() returned: those raise
+        kv = Client(sock, timeout=WAIT, min_send_interval=interval)
+        assert kv.connected
+
+        def request_thread() -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    answers.append(kv.save("fp", "loop", [kv_layer()], [1, 2, 3, i]))
+                except RuntimeError:  # close() has returned: documented
+                    return
+                first_done.set()
+                i += 1
+                time.sleep(0.002)
+
+        def resume_once_dropped() -> None:
+            deadline = time.monotonic() + WAIT
+            while answers.count(False) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGCONT)
+
+        saver = threading.Thread(target=request_thread)
+        saver.start()
+        resumer = threading.Thread(target=resume_once_dropped)
+        try:
+            assert first_done.wait(WAIT)
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGSTOP)
+            resumer.start()
+            with caplog.at_level(logging.INFO, logger="kvkeeper"):
+                kv.close(timeout=WAIT)
+        finally:
+            stop.set()
+            saver.join(WAIT)
+            if resumer.is_alive():
+                resumer.join(WAIT)
+            proc.send_signal(signal.SIGCONT)
+        assert not saver.is_alive()
+        said = [r.getMessage() for r in caplog.records]
+        assert not any("client_close_unconfirmed" in m or "saves_lost_at_close" in m
+                       for m in said), said
+        assert any("event=save_dropped reason=closed" in m for m in said), said
+        c = kv.client_stats()
+        assert c["client_saves_lost"] == 0
+        assert c["client_saves_sent"] + c["client_saves_coalesced"] == sum(answers), (c, answers)
+        assert c["client_saves_dropped"] == answers.count(False) >= 3
+        loop = naming.entry_path(root, "fp", "loop")
+        wait_for(loop.exists, "the last save taken to be written")
+        assert read_cache_file(loop).token_ids[:3] == [1, 2, 3]
     finally:
-        stop.set()
-        saver.join(WAIT)
-    assert not saver.is_alive()
-    said = [r.getMessage() for r in caplog.records]
-    assert not any("client_close_unconfirmed" in m or "saves_lost_at_close" in m
-                   for m in said), said
-    assert any("event=save_dropped reason=closed" in m for m in said), said
-    c = kv.client_stats()
-    assert c["client_saves_lost"] == 0
-    assert c["client_saves_sent"] + c["client_saves_coalesced"] == sum(answers), (c, answers)
-    assert c["client_saves_dropped"] == answers.count(False) >= 1
-    got = read_cache_file(naming.entry_path(daemon.root, "fp", "loop"))
-    assert got.token_ids[:3] == [1, 2, 3]
+        assert stop_process(proc) == 0
 
 
 def test_a_save_from_a_signal_handler_inside_close_is_sent(short_dir: Path) -> None:
