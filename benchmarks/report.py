@@ -246,7 +246,9 @@ def _slow_mode(d: dict[str, Any]) -> str:
     return (f"Runs that took more than twice the same writer's fastest: {counts[0]}, "
             f"{counts[1]}; when more than half of kvkeeper's fall there, its median is one of "
             f"them. Disk-only reruns of this code (`--cases disk`) on 2026-12-01, right after "
-            f"a run that measured 0.48×, gave 1.26×, 1.11× and 1.14×.")
+            f"a run that measured 0.48×, gave 1.26×, 1.11× and 1.14×; on 2026-12-05, right "
+            f"after a run that measured 0.53×, 0.83×, 0.78× and 0.88×, then alternated with "
+            f"the code of the day before (4d84b88): 0.97× and 0.64× against 0.68× and 0.95×.")
 
 
 def _steal_of(doc: dict[str, Any], case: str) -> tuple[float, float, int, float] | None:
