@@ -1531,6 +1531,50 @@ def test_a_save_from_a_signal_handler_inside_close_is_sent(short_dir: Path) -> N
         assert stop_process(proc) == 0
 
 
+def test_a_save_from_a_signal_handler_while_close_confirms_is_dropped(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() has sent every save and waits for the daemon to confirm it
+    read them (a ping); a signal handler's save then would not be waited
+    for: it is dropped, reason "closed" (before: True, then counted lost at
+    close, with the daemon up; a helper's find)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    answer: list[bool] = []
+    try:
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        assert kv.connected
+        assert kv.save(FP, "first", [kv_layer()], [1, 2, 3, 4])
+        wait_for(lambda: kv.client_stats()["client_inflight_bytes"] == 0, "the save to go")
+
+        def handler(signum: int, frame: Any) -> None:
+            answer.append(kv.save(FP, "final", [kv_layer(tokens=1 << 16)], list(range(1 << 16))))
+            proc.send_signal(signal.SIGCONT)
+
+        old = signal.signal(signal.SIGALRM, handler)
+        proc.send_signal(signal.SIGSTOP)  # the ping waits: close() is in its confirmation
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with caplog.at_level(logging.INFO, logger="kvkeeper"):
+                kv.close(timeout=WAIT)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            proc.send_signal(signal.SIGCONT)
+        assert answer == [False]
+        c = kv.client_stats()
+        assert c["client_saves_lost"] == 0 and c["client_saves_dropped"] == 1, c
+        said = [r.getMessage() for r in caplog.records]
+        assert any("event=save_dropped reason=closed" in m for m in said), said
+        assert not any("client_close_unconfirmed" in m or "saves_lost_at_close" in m
+                       for m in said), said
+        first = naming.entry_path(root, FP, "first")
+        wait_for(first.exists, "the first save to be written")
+        assert read_cache_file(first).token_ids == [1, 2, 3, 4]
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
     daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:

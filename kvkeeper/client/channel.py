@@ -354,6 +354,9 @@ class Channel:
         self._save_ids = itertools.count(1)
         self._closing = threading.Event()
         self._close_claimed = False  # under _lock: only the first close() closes
+        # Set once close() stops waiting for the saves in flight: a save after
+        # that (a signal handler's, on close()'s own thread) is not waited for.
+        self._saves_waited = False
         self._stopped = False  # under _lock: the I/O thread is gone, no request can be answered
         self._thread_closes_pipe = False  # under _lock: close() gave up waiting for the thread
         self._ended = threading.Event()  # the I/O thread has stopped and counted everything
@@ -462,13 +465,14 @@ class Channel:
     @property
     def closing_elsewhere(self) -> bool:
         """Whether a close() began on another thread than this one, or one
-        on this thread stopped waiting (the exit hook's, which with Python
-        3.12 runs on the main thread, before a later exit hook saves), or
-        the channel is a forked child's copy. A signal handler that
-        interrupts close() while it waits, on its own thread, still gets its
-        save sent: that close() waits for it."""
+        on this thread no longer waits for the saves in flight (it asks the
+        daemon to confirm them, or is done: the exit hook's, which with
+        Python 3.12 runs on the main thread, before a later exit hook
+        saves), or the channel is a forked child's copy. A signal handler
+        that interrupts close() on its own thread while that close() waits
+        for the saves in flight still gets its save sent."""
         return self._close_claimed and (self._closer != threading.get_ident()
-                                        or self._closing.is_set())
+                                        or self._saves_waited or self._closing.is_set())
 
     def notify(self, msg: m.Request) -> None:
         """Send a message that gets no reply, if the daemon is connected; never
@@ -560,9 +564,13 @@ class Channel:
         # Saves waiting (reserved bytes) are waited for with no daemon too:
         # the client reconnects by itself, and a daemon restarted by its
         # service manager within the timeout still gets them.
+        self._saves_waited = False  # (a close() interrupted by Ctrl-C may run again)
         while (((self._outbox and self.connected.is_set()) or self._inflight_bytes)
                and not self._ended.is_set() and time.monotonic() < end):
             pause.wait(0.01)
+        # From here a save of this thread's (a signal handler's) would be
+        # taken and then lost: it is dropped, reason "closed".
+        self._saves_waited = True
         warned = self._unconfirmed
         if warned:
             if self.connected.is_set():
