@@ -1495,17 +1495,26 @@ def test_saves_made_while_close_runs_are_dropped_so_close_ends(
         assert stop_process(proc) == 0
 
 
-def test_a_save_from_a_signal_handler_inside_close_is_sent(short_dir: Path) -> None:
-    """A SIGTERM-like handler that makes a last save while close() on its own
-    thread waits for the daemon: that close() waits for it too, so it is sent
-    and written (a save while close() runs on another thread is dropped;
-    dropping this one too was a helper's find in this session's change)."""
+@pytest.mark.parametrize("phase", ["saves-in-flight", "confirming"])
+def test_a_save_from_a_signal_handler_inside_close(
+    phase: str, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGTERM-like handler makes a last save while close() on its own
+    thread waits for the daemon (stopped). While close() waits for the saves
+    in flight, it waits for that one too: sent and written (dropping it was a
+    helper's find in e7a1fac). Once close() only waits for the daemon to
+    confirm it read them (a ping), nothing would wait for it: dropped, reason
+    "closed" (before: True, then counted lost at close; a helper's find in
+    7280723)."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
     answer: list[bool] = []
     try:
-        kv = Client(sock, timeout=WAIT)
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
         assert kv.connected
+        if phase == "confirming":
+            assert kv.save(FP, "first", [kv_layer()], [1, 2, 3, 4])
+            wait_for(lambda: kv.client_stats()["client_inflight_bytes"] == 0, "the save to go")
 
         def handler(signum: int, frame: Any) -> None:
             answer.append(kv.save(FP, "final", [kv_layer()], [7, 7, 7, 7]))
@@ -1514,63 +1523,30 @@ def test_a_save_from_a_signal_handler_inside_close_is_sent(short_dir: Path) -> N
         old = signal.signal(signal.SIGALRM, handler)
         proc.send_signal(signal.SIGSTOP)
         try:
-            assert kv.save(FP, "big", [kv_layer(tokens=1 << 16)], list(range(1 << 16)))
+            if phase == "saves-in-flight":  # 4 MiB: more than the socket's buffers take
+                assert kv.save(FP, "first", [kv_layer(tokens=1 << 16)], list(range(1 << 16)))
             signal.setitimer(signal.ITIMER_REAL, 0.3)  # inside the close() below
-            kv.close(timeout=WAIT)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-            proc.send_signal(signal.SIGCONT)
-        assert answer == [True]
-        c = kv.client_stats()
-        assert c["client_saves_dropped"] == 0 and c["client_saves_lost"] == 0, c
-        final = naming.entry_path(root, FP, "final")
-        wait_for(final.exists, "the final save to be written")  # close() saw it read
-        assert read_cache_file(final).token_ids == [7, 7, 7, 7]
-    finally:
-        assert stop_process(proc) == 0
-
-
-def test_a_save_from_a_signal_handler_while_close_confirms_is_dropped(
-    short_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """close() has sent every save and waits for the daemon to confirm it
-    read them (a ping); a signal handler's save then would not be waited
-    for: it is dropped, reason "closed" (before: True, then counted lost at
-    close, with the daemon up; a helper's find)."""
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock)
-    answer: list[bool] = []
-    try:
-        kv = Client(sock, timeout=WAIT, min_send_interval=0)
-        assert kv.connected
-        assert kv.save(FP, "first", [kv_layer()], [1, 2, 3, 4])
-        wait_for(lambda: kv.client_stats()["client_inflight_bytes"] == 0, "the save to go")
-
-        def handler(signum: int, frame: Any) -> None:
-            answer.append(kv.save(FP, "final", [kv_layer(tokens=1 << 16)], list(range(1 << 16))))
-            proc.send_signal(signal.SIGCONT)
-
-        old = signal.signal(signal.SIGALRM, handler)
-        proc.send_signal(signal.SIGSTOP)  # the ping waits: close() is in its confirmation
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
             with caplog.at_level(logging.INFO, logger="kvkeeper"):
                 kv.close(timeout=WAIT)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
             proc.send_signal(signal.SIGCONT)
-        assert answer == [False]
+        sent = phase == "saves-in-flight"
+        assert answer == [sent]
         c = kv.client_stats()
-        assert c["client_saves_lost"] == 0 and c["client_saves_dropped"] == 1, c
+        assert c["client_saves_lost"] == 0 and c["client_saves_dropped"] == (not sent), c
         said = [r.getMessage() for r in caplog.records]
-        assert any("event=save_dropped reason=closed" in m for m in said), said
         assert not any("client_close_unconfirmed" in m or "saves_lost_at_close" in m
                        for m in said), said
-        first = naming.entry_path(root, FP, "first")
-        wait_for(first.exists, "the first save to be written")
-        assert read_cache_file(first).token_ids == [1, 2, 3, 4]
+        assert any("event=save_dropped reason=closed" in m for m in said) == (not sent), said
+        first, final = (naming.entry_path(root, FP, key) for key in ("first", "final"))
+        wait_for(first.exists, "the first save to be written")  # close() saw it read
+        if sent:
+            wait_for(final.exists, "the final save to be written")
+            assert read_cache_file(final).token_ids == [7, 7, 7, 7]
+        else:
+            assert not final.exists()
     finally:
         assert stop_process(proc) == 0
 
