@@ -459,21 +459,42 @@ def test_failures_kept_for_clients_are_bounded_together(
     flush again (gone for good) kept them all: 1.5 GB at those limits, in a
     helper's measure. Past a bound on all of them together, the least
     recently used clients' count as reported; a flush still reports every
-    failure. (Lowered here: 8 a client, 64 in all.)"""
+    failure. A client with a flush waiting keeps its own: its refusals after
+    that flush's mark are the next flush's to report (a helper's find: the
+    waiting flush said failed=7 for sound saves). (Lowered here: 8 a client,
+    64 in all.)"""
     from kvkeeper.daemon import actor as actor_module
+    from kvkeeper.daemon import faults
 
     monkeypatch.setattr(actor_module, "_MAX_UNREPORTED", 8)
     monkeypatch.setattr(actor_module, "_MAX_UNREPORTED_ALL", 64)
+    monkeypatch.setitem(faults.ACTIVE, "write_delay", "8")  # 256 KiB: 2 s of writing
     writer = daemon.daemon.server.actor  # type: ignore[union-attr]
     peers = 40
-    with dealers(daemon.socket, peers) as socks:
+    data = np.zeros(1 << 16, dtype=np.float32).tobytes()
+    with dealers(daemon.socket, peers + 1) as (waiting, *socks):
+        # A save being written slowly, and a flush waiting for it; then 7 refusals.
+        waiting.send(begin(save=1, cache_id="slow",
+                           tensors=[m.TensorSpec("t0", "F32", [1 << 16])]))
+        waiting.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), data])
+        waiting.send(m.encode(m.Flush(v=V, req=1)))
+        for save in range(2, 9):
+            reply = ask(waiting, begin(save=save, cache_id=""))
+            assert isinstance(reply, m.SaveRefused) and reply.code == "bad_id", reply
         for s in socks:  # 7 refusals each: none of them folds its own
             for save in range(1, 8):
                 reply = ask(s, begin(save=save, cache_id=""))
                 assert isinstance(reply, m.SaveRefused) and reply.code == "bad_id", reply
         kept = sum(len(t.unreported) for t in writer._tally.values())
-        # 280 failures in all; looked at every 8th, folded down to 32.
+        # 287 failures in all; looked at every 8th, folded down to 32 (the
+        # waiting client's 7 kept).
         assert kept <= 64 + 8, kept
         for req, s in enumerate(socks, 1):
             flushed = ask(s, m.encode(m.Flush(v=V, req=req)))
             assert isinstance(flushed, m.Flushed) and flushed.failed == 7, flushed
+        # Once it is written: the waiting flush covers it and none of the 7.
+        flushed = m.decode_reply(waiting.recv())
+        assert isinstance(flushed, m.Flushed) and flushed.req == 1, flushed
+        assert (flushed.written, flushed.failed) == (1, 0), flushed
+        flushed = ask(waiting, m.encode(m.Flush(v=V, req=2)))
+        assert isinstance(flushed, m.Flushed) and flushed.failed == 7, flushed

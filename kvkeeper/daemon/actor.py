@@ -905,10 +905,15 @@ class WriterActor:
             return
         self._fails_unchecked = 0
         kept = sum(len(t.unreported) for t in self._tally.values())
-        for tally in list(self._tally.values()):  # least recently used first
+        for who, tally in list(self._tally.items()):  # least recently used first
             if kept <= _MAX_UNREPORTED_ALL // 2:
                 break
-            kept -= tally.fold()
+            # Not of a client with jobs: a flush of its may be waiting for
+            # them, and folded failures of saves after that flush's mark would
+            # go to it (False for sound saves, then True for the failed ones).
+            # A flush that comes later covers every stamp folded.
+            if who not in self._by_peer:
+                kept -= tally.fold()
 
     def peers(self) -> set[bytes]:
         """The clients whose saves the writer took: those with jobs, and

@@ -15,7 +15,8 @@ lookup that finds nothing.
   it replaces the index, until PATH exists (at most 600 s; a drain's stop
   ends the wait); with ``scan_hold_after=N``, after reading N files instead.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename),
-  ``evicted`` (in a disk-budget pass, after each eviction).
+  ``evicted`` (in any disk-budget pass, after each eviction: in one made
+  before a save's write, that save then fails).
 - ``dir_fsync_errno=N``: every directory fsync fails with errno N instead of
   syncing (a file system that cannot sync directories answers EINVAL).
 - ``renamed_delay=S``: sleep S seconds after a save's rename, before the
