@@ -458,11 +458,6 @@ class Channel:
         return item
 
     @property
-    def closing(self) -> bool:
-        """Whether a close() began: the caller's, or the exit hook's."""
-        return self._close_claimed
-
-    @property
     def closing_elsewhere(self) -> bool:
         """Whether a close() began on another thread than this one, or one
         on this thread no longer waits for the saves in flight (it asks the
