@@ -504,8 +504,7 @@ class Server:
         ignore replies to requests they are not waiting for);
         ROUTER_MANDATORY refuses it with EHOSTUNREACH when the peer has none.
         A full pipe says nothing."""
-        fut = self.sock.send_multipart([peer, self._probe], flags=zmq.NOBLOCK)
-        exc = fut.exception() if fut.done() else None
+        exc = self._send_now(peer, self._probe)
         return not (isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH)
 
     # ------------------------------------------------------------ other requests
@@ -753,14 +752,20 @@ class Server:
             data = m.encode(m.Error(v=m.PROTOCOL_VERSION, req=getattr(msg, "req", None),
                                     code="internal", message=f"the reply could not be "
                                     f"encoded: {exc}"[:1000]))
-        # With NOBLOCK the asyncio socket completes the future at once.
-        fut = self.sock.send_multipart([peer, data], flags=zmq.NOBLOCK)
-        exc = fut.exception() if fut.done() else None
+        exc = self._send_now(peer, data)
         if exc is not None:
             # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
             log.debug("event=reply_dropped error=%s", exc)
             return False
         return True
+
+    def _send_now(self, peer: bytes, data: bytes) -> BaseException | None:
+        """Send ``data`` to ``peer`` without waiting; the error when it could
+        not go (EHOSTUNREACH: no connection to the peer; EAGAIN: its pipe is
+        full)."""
+        # With NOBLOCK the asyncio socket completes the future at once.
+        fut = self.sock.send_multipart([peer, data], flags=zmq.NOBLOCK)
+        return fut.exception() if fut.done() else None
 
 
 def _peer_pid(header: zmq.Frame) -> int | None:
