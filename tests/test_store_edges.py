@@ -20,8 +20,23 @@ from kvkeeper.daemon.faults import ENV
 from kvkeeper.daemon.store import Budget, Store, StoredEntry
 from kvkeeper.protocol import safetensors as st
 
-from .conftest import WAIT, RunningDaemon, serve_process, start_daemon, stop_process
-from .faultkit import FP, entry_path, filled, version_of
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
+from .faultkit import (
+    FP,
+    MiB,
+    entry_path,
+    filled,
+    limit_file_size,
+    small_tmpfs,
+    version_of,
+)
 
 LONG_MODEL = "m-" + "0123456789abcdef" * 2  # the shape of model_fingerprint()
 
@@ -154,6 +169,46 @@ def test_a_budget_pass_that_fails_after_the_commit_leaves_the_save_written(
     finally:
         assert stop_process(proc) == 0
     assert proc.log_path.read_text().count("event=budget_failed") == 2  # type: ignore[attr-defined]
+
+
+def test_evictions_before_a_budget_pass_fails_are_counted(short_dir: Path) -> None:
+    """As above, for the other budget passes: the one that makes room before
+    a write (a full disk), the start-up scan's and a gc's. Entries they
+    evicted before failing are gone: they are counted now (they were not)."""
+    with small_tmpfs(short_dir, "8m") as mnt:
+        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
+        faulty = {ENV: "io_error=evicted"}
+        proc = serve_process(root, sock, "--min-free-bytes", "0", env=faulty)
+        try:
+            with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+                sizes = {}
+                for v, key in enumerate("abc", 1):
+                    assert kv.save(FP, key, filled(2, v), [v]) and kv.flush(timeout=WAIT) is True
+                    sizes[key] = entry_path(root, key).stat().st_size
+                # d needs room on the full disk: a goes, then the pass fails, and d with it.
+                assert kv.save(FP, "d", filled(2, 4), [4])
+                assert kv.flush(timeout=WAIT) is False
+                stats = kv.stats()
+                assert (stats["evictions"], stats["bytes_evicted"]) == (1, sizes["a"])
+                assert not entry_path(root, "a").exists()
+        finally:
+            assert stop_process(proc) == 0
+        # Over a budget of one entry at start: the scan evicts b, then fails.
+        proc = serve_process(root, sock, "--min-free-bytes", "0",
+                             "--max-disk-bytes", str(sizes["c"] + 4096), env=faulty)
+        try:
+            with Client(sock, timeout=WAIT) as kv:
+                stats = kv.stats()
+                assert (stats["evictions"], stats["bytes_evicted"]) == (1, sizes["b"])
+                (root / "notes.bin").write_bytes(b"n" * 8192)  # over it again: c goes
+                kv.gc()
+                stats = kv.stats()
+                assert (stats["evictions"], stats["bytes_evicted"]) == (2, sizes["b"] + sizes["c"])
+                assert kv.entries() == []
+        finally:
+            assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=scan_failed" in log and "event=gc_failed" in log
 
 
 @pytest.mark.parametrize("code", [22, 95], ids=["EINVAL", "ENOTSUP"])
@@ -641,5 +696,104 @@ def test_a_file_put_back_while_a_gc_reads_the_root_stays_indexed(short_dir: Path
             assert answer, "the gc was not answered"
             assert sorted(e.cache_id for e in kv.entries("fp")) == ["a", "b", "c"]
             assert kv.stats()["disk_used_bytes"] == 3 * a.stat().st_size
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_models_directory_goes_with_its_last_file(short_dir: Path) -> None:
+    """A model's directory stayed once its last file went (deleted, evicted,
+    moved aside, or a first save of the model that failed): a daemon that
+    saw 6,000 models kept 6,000 empty directories, and a path in memory for
+    each (a long-run review). Now it goes with its last file; a directory
+    holding anything else stays; a save of the model makes it again; and a
+    start removes those an earlier daemon left empty."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    sessions = root / "sessions"
+
+    def model_dir(model: str) -> Path:
+        return entry_path(root, "k", model=model).parent
+
+    budget = int(2.5 * MiB)  # the 1 MiB saves of c, d and e do not all fit
+    # Files over 2 MiB stop short (EFBIG): a first save of "f" fails.
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
+                         preexec_fn=limit_file_size(2 * MiB))
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for v, model in enumerate("ab", 1):
+                assert kv.save(model, "k", filled(0.25, v), [v])
+            assert kv.flush(timeout=WAIT)
+            assert kv.delete("a", "k")
+            assert not model_dir("a").exists() and model_dir("b").is_dir()
+            assert kv.save("a", "k", filled(0.25, 3), [3]) and kv.flush(timeout=WAIT)
+            assert version_of(entry_path(root, "k", model="a"), "a") == 3
+            path = entry_path(root, "k", model="a")
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0x01
+            path.write_bytes(bytes(data))
+            assert kv.load("a", "k") is None
+            wait_for(lambda: not model_dir("a").exists(), "a's directory gone with its file")
+            assert len(os.listdir(root / "quarantine")) == 1
+            # c is the least recently used when e comes: evicted, after the
+            # file moved aside (evicted first; its directory stays).
+            assert kv.save("c", "k", filled(1, 4), [4]) and kv.flush(timeout=WAIT)
+            assert kv.load("b", "k") is not None
+            for v, model in enumerate("de", 5):
+                assert kv.save(model, "k", filled(1, v), [v]) and kv.flush(timeout=WAIT)
+            assert kv.stats()["evictions"] == 2
+            assert not model_dir("c").exists() and (root / "quarantine").is_dir()
+            notes = model_dir("d") / "notes.txt"
+            notes.write_text("another program's")
+            assert kv.delete("d", "k")
+            assert notes.exists()
+            assert kv.save("f", "k", filled(2.2, 7), [7])
+            assert kv.flush(timeout=WAIT) is False
+            assert kv.stats()["saves_failed"] == 1
+            assert not model_dir("f").exists()
+    finally:
+        assert stop_process(proc) == 0
+    assert sorted(p.name for p in sessions.iterdir()) == sorted(
+        model_dir(m).name for m in "bde")
+    left_empty = sessions / "old-model"
+    left_empty.mkdir()
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert sorted((e.model, e.cache_id) for e in kv.entries()) == [("b", "k"), ("e", "k")]
+    finally:
+        assert stop_process(proc) == 0
+    assert sorted(p.name for p in sessions.iterdir()) == sorted(
+        model_dir(m).name for m in "bde")
+
+
+def test_a_save_whose_directory_the_start_up_scan_removes_is_written(short_dir: Path) -> None:
+    """The start-up scan evicts beside the writer: it can remove a model's
+    directory (its last file evicted) between the writer finding it there
+    and making the save's tmp file in it. The writer makes it again."""
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for model, key in (("x", "old"), ("y", "a"), ("y", "b")):
+                assert kv.save(model, key, filled(0.5, 1), [1])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        assert stop_process(proc) == 0
+    yesterday = time.time() - 86400
+    os.utime(entry_path(root, "old", model="x"), (yesterday, yesterday))  # the first to go
+    # The scan waits for go; the writer waits a second once it found x's directory.
+    proc = serve_process(root, sock, "--max-disk-bytes", str(int(1.2 * MiB)),
+                         "--min-free-bytes", "0", indexed=False,
+                         env={ENV: f"scan_hold={go},begin_delay=1"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("x", "new", filled(0.05, 2), [2])
+            wait_for(lambda: kv.stats().get("saves_received") == 1, "the save received")
+            time.sleep(0.1)
+            go.touch()
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.stats()["evictions"] == 1
+            assert sorted((e.model, e.cache_id) for e in kv.entries()) == [
+                ("x", "new"), ("y", "a"), ("y", "b")]
+        assert version_of(entry_path(root, "new", model="x"), "x") == 2
     finally:
         assert stop_process(proc) == 0

@@ -511,10 +511,8 @@ class WriterActor:
         try:
             # A drain cuts the scan short; one that begins after its last file
             # still ends its evictions (gc evicts nothing from the drain's start).
-            complete, evicted = await anyio.to_thread.run_sync(
-                self.store.rescan_and_enforce, self._stop_indexing)
-            self._count_evictions(evicted)
-            self._scan_evicted = evicted
+            complete = await anyio.to_thread.run_sync(
+                self.store.rescan_and_enforce, self._stop_indexing, self._scan_evicted)
             if not complete:
                 log.warning("event=scan_cut_short reason=draining: nothing is evicted "
                             "until the next start")
@@ -526,6 +524,8 @@ class WriterActor:
             self.stats.inc("internal_errors")
             log.exception("event=scan_crashed: nothing is evicted until a gc")
         finally:
+            # Those that went before a failure too: they are gone.
+            self._count_evictions(self._scan_evicted)
             self.indexed.set()
         log.info("event=indexed files=%d disk_used_bytes=%d seconds=%.2f", self.store.count(),
                  self.store.usage(), time.monotonic() - began)
@@ -643,13 +643,14 @@ class WriterActor:
             # A large store's rescan takes seconds, on the writer's turn: the
             # drain cuts it short (the saves queued behind it come first), and
             # from the drain's start nothing is evicted.
-            complete, job.evicted = await anyio.to_thread.run_sync(
-                self.store.rescan_and_enforce, self._stop_indexing)
-            self._count_evictions(job.evicted)
+            complete = await anyio.to_thread.run_sync(
+                self.store.rescan_and_enforce, self._stop_indexing, job.evicted)
             if not complete:
                 log.warning("event=gc_cut_short reason=draining: nothing was evicted")
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
+        finally:
+            self._count_evictions(job.evicted)  # those before a failure too
         job.done.set()
 
     async def _delete(self, job: DeleteJob) -> None:
@@ -1082,16 +1083,19 @@ class _FileWriter:
                                                     self.job.total)
                     break
                 except OSError as exc:
-                    if exc.errno != errno.ENOSPC or not tries_left:
+                    if exc.errno != errno.ENOSPC:
                         raise
-                    made = self.store.make_room(model, cache_id, size, need_inode=True)
-                    self.evicted += made
-                    if not made or self.store.out_of_inodes():
+                    before = len(self.evicted)
+                    if tries_left:  # (into: counted even if it fails part way)
+                        self.store.make_room(model, cache_id, size, need_inode=True,
+                                             into=self.evicted)
+                    if len(self.evicted) == before or self.store.out_of_inodes():
                         # Nothing went, or it freed no inode (a file open
                         # elsewhere): begin would fail alike.
+                        self.store.drop_model_dir(model)
                         raise
             # (Again after a retry: the new model's directory took a block.)
-            self.evicted += self.store.make_room(model, cache_id, size)
+            self.store.make_room(model, cache_id, size, into=self.evicted)
             self.pending.append([header])
         if hash_too:
             self._hash(batch)

@@ -68,7 +68,8 @@ def slow_abort() -> None:
 
 
 def slow_step(name: str) -> None:
-    """Sleep for the ``renamed_delay`` or ``evict_delay`` fault, if set."""
+    """Sleep for the ``renamed_delay``, ``evict_delay`` or ``begin_delay``
+    fault, if set."""
     if ACTIVE and name in ACTIVE:
         time.sleep(float(ACTIVE[name]))
 

@@ -393,9 +393,12 @@ class Store:
         return naming.entry_path(self.root, model, cache_id)
 
     def _model_dir(self, model: str) -> Path:
-        d = self.sessions / naming.encode_component(model, "model")
+        d = self._model_dir_path(model)
         self._own_dir(d, parent_gone=self._sessions_again)
         return d
+
+    def _model_dir_path(self, model: str) -> Path:
+        return self.sessions / naming.encode_component(model, "model")
 
     def _own_dir(self, d: Path, parent_gone: Callable[[], None] | None = None) -> None:
         """Make directory ``d`` (mode 0700) unless it is there, never
@@ -414,6 +417,23 @@ class Store:
             real_dir(d)
             made = False
         self._synced(d, made)
+
+    def _drop_dir_if_empty(self, d: Path) -> None:
+        """Remove model directory ``d`` if nothing is left in it (its last
+        entry deleted, evicted or quarantined, or a new model's first save
+        failed): a daemon that saw thousands of models kept a directory, and
+        a path in ``_synced_dirs``, for each. rmdir removes only an empty
+        directory, so a tmp file or another program's file keeps it. Its
+        removal is not fsynced: after a crash an empty directory may be back,
+        which costs nothing. (The writer making a tmp file in it meanwhile,
+        from the start-up scan's thread, tries again: see ``begin``.)"""
+        if d.parent != self.sessions:
+            return  # the quarantine directory, or a path outside the layout
+        try:
+            os.rmdir(d)
+        except OSError:
+            return  # not empty (the common case), gone, or not ours to remove
+        self._synced_dirs.discard(d)
 
     def _synced(self, d: Path, made: bool) -> None:
         """Make the entry of directory ``d`` in its parent durable, as the
@@ -481,6 +501,7 @@ class Store:
                         removed.append(f)
                     except OSError as exc:
                         log.warning("event=sweep_failed path=%s error=%s", f, exc)
+            self._drop_dir_if_empty(model_dir)  # left empty by an earlier run
         return removed
 
     def rescan(self, stop: threading.Event | None = None) -> bool:
@@ -543,15 +564,17 @@ class Store:
             self._whole = complete
         return complete
 
-    def rescan_and_enforce(self, stop: threading.Event | None = None
-                           ) -> tuple[bool, list[StoredEntry]]:
+    def rescan_and_enforce(self, stop: threading.Event | None = None,
+                           into: list[StoredEntry] | None = None) -> bool:
         """``rescan``, then apply the disk budget; returns whether the scan
-        was whole, and what went. ``stop`` (the drain's start) cuts the scan
+        was whole. What went is appended to ``into`` as it goes (see
+        ``enforce_budget``). ``stop`` (the drain's start) cuts the scan
         short, and then nothing is evicted; set after its last file, it stops
         the evictions (see ``enforce_budget``'s ``no_evictions``)."""
         if not self.rescan(stop):
-            return False, []
-        return True, self.enforce_budget(no_evictions=stop)
+            return False
+        self.enforce_budget(no_evictions=stop, into=into)
+        return True
 
     def _used_at(self, entry: StoredEntry, when: float) -> None:
         """Move ``entry`` last in the order of use (lock held). Not a _put:
@@ -664,14 +687,38 @@ class Store:
     def begin(self, model: str, cache_id: str, header_bytes: int, data_bytes: int
               ) -> PendingFile:
         """The tmp file of a new version of the entry, empty: the caller
-        makes room for it (``make_room``), then appends the header and data."""
-        self._model_dir(model)
-        return PendingFile(self.path_for(model, cache_id), header_bytes, data_bytes,
-                           (model, cache_id), on_gone=self._forget)
+        makes room for it (``make_room``), then appends the header and data.
+        A failure removes a new model's directory again, except ENOSPC: the
+        caller may make room and try again, and the directory then holds the
+        inode or block its evictions freed (``drop_model_dir`` if it gives up)."""
+        final = self.path_for(model, cache_id)
+        for last_try in (False, True):
+            self._model_dir(model)
+            if not last_try:
+                faults.slow_step("begin_delay")
+            try:
+                return PendingFile(final, header_bytes, data_bytes, (model, cache_id),
+                                   on_gone=self._forget)
+            except FileNotFoundError:
+                # The start-up scan evicted the directory's last entry, and
+                # removed it, after _model_dir: make it again, once.
+                if last_try:
+                    raise
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    self._drop_dir_if_empty(final.parent)
+                raise
+        raise AssertionError("unreachable")
+
+    def drop_model_dir(self, model: str) -> None:
+        """Remove the model's directory if it is empty (see ``begin``)."""
+        self._drop_dir_if_empty(self._model_dir_path(model))
 
     def _forget(self, path: Path) -> None:
+        """A tmp file renamed in or removed (``PendingFile``'s ``on_gone``)."""
         with self._lock:
             self._drop(path)
+        self._drop_dir_if_empty(path.parent)  # a failed first save of a model
 
     def protect(self, model: str, cache_id: str) -> Path:
         """Evict the entry's file only after every other entry, until
@@ -801,6 +848,7 @@ class Store:
         with self._lock:
             self._drop(path)
         fsync_dir(path.parent)
+        self._drop_dir_if_empty(path.parent)
         return True
 
     def quarantine(
@@ -851,6 +899,7 @@ class Store:
             fsync_dir(qdir)
         except OSError as exc:  # moved all the same; only its durability is in doubt
             log.error("event=quarantine_dir_fsync_failed path=%s error=%s", dest, exc)
+        self._drop_dir_if_empty(path.parent)
         return dest
 
     # -- listing and the budget
@@ -923,8 +972,8 @@ class Store:
         st = os.statvfs(self.root)
         return st.f_files > 0 and st.f_favail == 0
 
-    def make_room(self, model: str, cache_id: str, nbytes: int, *,
-                  need_inode: bool = False) -> list[StoredEntry]:
+    def make_room(self, model: str, cache_id: str, nbytes: int, *, need_inode: bool = False,
+                  into: list[StoredEntry] | None = None) -> list[StoredEntry]:
         """Before a file of ``nbytes`` is written for the entry: evict so that
         ``min_free_bytes`` stay free with it written. (Only a commit evicted:
         on a disk too full for the next save every save failed with ENOSPC,
@@ -932,9 +981,10 @@ class Store:
         an account, settled once the file is in (a save that never arrives
         whole must not have evicted entries for its declared size). The
         entry's current file is kept; it stays on disk meanwhile. ``need_inode``:
-        its tmp file could not be made (ENOSPC), so an inode is needed too."""
+        its tmp file could not be made (ENOSPC), so an inode is needed too;
+        ``into`` as for ``enforce_budget``."""
         return self.enforce_budget(keep=self.path_for(model, cache_id), writing=nbytes,
-                                   need_inode=need_inode)
+                                   need_inode=need_inode, into=into)
 
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
                        no_evictions: threading.Event | None = None,
@@ -947,12 +997,16 @@ class Store:
         never deleted; ``keep`` is never evicted, and protected entries (a
         save of them on its way) go last; nothing is evicted for a file that
         would not fit with every entry gone, nor once ``no_evictions`` is set
-        (looked at before each one). The entries evicted are appended to
-        ``into`` as they go, so that a caller still has them when this raises
-        part way (statvfs failing, say)."""
-        evicted = [] if into is None else into
-        with self._evicting:
-            self._enforce_budget(keep, writing, no_evictions, need_inode, evicted)
+        (looked at before each one). Returns the entries evicted; they are
+        appended to ``into`` too, also when this raises part way (statvfs
+        failing, say), so that a caller still has them."""
+        evicted: list[StoredEntry] = []
+        try:
+            with self._evicting:
+                self._enforce_budget(keep, writing, no_evictions, need_inode, evicted)
+        finally:
+            if into is not None:
+                into += evicted
         return evicted
 
     def _enforce_budget(self, keep: Path | None, writing: int,
@@ -1039,6 +1093,7 @@ class Store:
                 fsync_dir(victim.path.parent)
             except OSError as exc:  # gone all the same; only its durability is in doubt
                 log.error("event=evict_dir_fsync_failed path=%s error=%s", victim.path, exc)
+            self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
             evicted.append(victim)
             # A save of it on its way means the budget had nothing else left to
@@ -1065,6 +1120,8 @@ class Store:
 
 def _unlisted(exc: OSError) -> None:
     """A directory the scan cannot list: its files stay unindexed."""
+    if isinstance(exc, FileNotFoundError):
+        return  # a model's directory removed once empty, while the scan ran
     log.warning("event=unreadable_dir path=%s error=%s", exc.filename, exc)
 
 
