@@ -658,6 +658,25 @@ def test_llama_output_identical_across_a_256_step(llama: Any) -> None:
     _check_model(llama, _layers(L.KVCache), n_prompt=250, expect_drop=True)
 
 
+def test_a_cache_quantized_by_mlx_lms_kv_bits_saves_its_live_rows_only(llama: Any) -> None:
+    """mlx-lm's kv_bits path quantizes a KVCache with to_quantized, whose
+    keys and values are the lists mx.quantize returns, not tuples: their
+    whole allocation was saved (a 29-token cache: 256 rows a layer, 283,656
+    bytes against 36,808 for the same cache built as QuantizedKVCache)."""
+    cache = [L.KVCache() for _ in range(4)]
+    nxt = int(mx.argmax(prefill(llama, prompt(40), cache)).item())
+    cache = [c.to_quantized(group_size=64, bits=8) for c in cache]
+    assert type(cache[0].keys) is list and cache[0].keys[0].shape[-2] == 256
+    snap = snapshot_cache(cache)
+    assert {t.shape[-2] for t in snap.tensors} == {40}
+    restored = restore_cache(arrays_from_snapshot(snap), snap.layers)
+    assert [type(c) for c in restored] == [type(c) for c in cache]
+    a, b = prefill(llama, [nxt], cache), prefill(llama, [nxt], restored)
+    assert mx.array_equal(a, b).item(), "next-token logits differ after restore"
+    first = int(mx.argmax(a).item())
+    assert greedy_decode(llama, cache, first, 10) == greedy_decode(llama, restored, first, 10)
+
+
 def test_lfm2_hybrid_output_identical_after_restore(lfm2: Any) -> None:
     cache = lfm2.make_cache()
     assert {type(c).__name__ for c in cache} == {"ArraysCache", "KVCache"}

@@ -533,18 +533,21 @@ class _Pending:
 
 
 def _seq_len(x: Any) -> int | None:
-    """Rows on axis -2 of an array, or of a tuple of arrays that agree; else None."""
+    """Rows on axis -2 of an array, or of a tuple or list of arrays that agree
+    (mlx-lm's quantized keys: a tuple when built by QuantizedKVCache, the
+    list mx.quantize returns when KVCache.to_quantized made them); else None."""
     if type(x) is mx.array:
         shape = x.shape
         return shape[-2] if len(shape) >= 2 else None
-    if type(x) is tuple and x:
+    if (type(x) is tuple or type(x) is list) and x:
         lens = {_seq_len(p) if type(p) is mx.array else None for p in x}
         return lens.pop() if len(lens) == 1 else None
     return None
 
 
 def _cut(parts: tuple[Any, ...], valid: Any) -> tuple[Any, ...] | None:
-    """`parts` (arrays or tuples of arrays) cut to `valid` rows of axis -2, or None if that does not apply."""
+    """`parts` (arrays, or tuples or lists of arrays) cut to `valid` rows of
+    axis -2, or None if that does not apply."""
     if type(valid) is not int or valid < 0:
         return None
     cap = _seq_len(parts[0])
@@ -554,7 +557,8 @@ def _cut(parts: tuple[Any, ...], valid: Any) -> tuple[Any, ...] | None:
     for p in parts:
         if _seq_len(p) != cap:
             return None
-        out.append(tuple([_Prefix(a, valid) for a in p]) if type(p) is tuple else _Prefix(p, valid))
+        out.append(_Prefix(p, valid) if type(p) is mx.array
+                   else type(p)([_Prefix(a, valid) for a in p]))
     return tuple(out)
 
 
