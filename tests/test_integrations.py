@@ -29,7 +29,7 @@ from mlx_vlm.utils import StoppingCriteria
 
 from kvkeeper.client.client import Client
 from kvkeeper.demo import word_tokenizer
-from kvkeeper.integrations import common_prefix, plan_reuse
+from kvkeeper.integrations import common_prefix, layers_fit, plan_reuse
 from kvkeeper.integrations import mlx_lm as kv_lm
 from kvkeeper.integrations import mlx_vlm as kv_vlm
 from kvkeeper.writebehind import cache_length
@@ -1069,6 +1069,38 @@ def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(
     assert client.flush(timeout=WAIT)
     got = client.load("tiny-pg", "last")
     assert got is not None and got.token_ids == second + out
+
+
+def test_a_saved_cache_whose_layers_the_model_does_not_keep_starts_cold(
+        lm_tok: TokenizerWrapper, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One model id given to two models with as many layers (a helper's
+    resume review): a Session took the other model's cache, a KVCache where
+    lfm2 keeps an ArraysCache, and every request of the conversation raised
+    inside the model (TypeError from create_attention_mask), in new processes
+    too. Now the session starts cold and its first save replaces the entry.
+    What kv_bits and max_kv_size make of the model's own layers is still
+    restored (the test below); CacheLists are compared child by child."""
+    ids = prompt(30, seed=3)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        kv_lm.Session(kv, "model-x", "chat", tiny_llama(), lm_tok).generate(ids, max_tokens=8)
+        assert kv.flush(timeout=WAIT) is True
+    lfm = tiny_lfm2()
+    want = kv_lm.Session(None, "model-x", "mem", lfm, lm_tok).generate(ids, max_tokens=8)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        session = kv_lm.Session(kv, "model-x", "chat", lfm, lm_tok)
+        assert session.generate(ids, max_tokens=8) == want
+        assert session.last_plan is not None and session.last_plan.action == "cold"
+        assert kv.flush(timeout=WAIT) is True
+        got = kv.load("model-x", "chat")
+        assert got is not None
+        assert [type(c) for c in got.cache] == [ArraysCache, KVCache, ArraysCache, KVCache]
+    assert "event=restore_incompatible" in caplog.text
+    from mlx_lm.models.cache import CacheList, QuantizedKVCache
+
+    own = [CacheList(ArraysCache(2), KVCache())]
+    assert layers_fit([CacheList(ArraysCache(2), QuantizedKVCache())], own)
+    assert not layers_fit([CacheList(KVCache(), KVCache())], own)
 
 
 @pytest.mark.parametrize("kind", ["kv_bits", "max_kv_size"])

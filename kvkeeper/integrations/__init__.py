@@ -312,6 +312,7 @@ class SessionBase:
         return True
 
     def _compatible(self, cache: list[Any]) -> bool:
+        """Whether a restored cache fits the session's model (see ``layers_fit``)."""
         return True
 
     def _begin(self, prompt_ids: list[int]) -> int:
@@ -457,3 +458,33 @@ class SessionBase:
                       self.model_id, self.session_id, exc)
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
         self.media = media
+
+
+#: The classes a layer that a fresh cache holds as a KVCache or a
+#: RotatingKVCache may have in a saved conversation: what kv_bits (mlx-lm's
+#: to_quantized; mlx-vlm's TurboQuant and mixed policies) and max_kv_size make
+#: of it. By name: mlx-lm's and mlx-vlm's classes share their names.
+_BECOMES = {
+    "KVCache": frozenset({"KVCache", "QuantizedKVCache", "RotatingKVCache",
+                          "BufferedRotatingKVCache", "TurboQuantKVCache", "HybridQuantKVCache"}),
+    "RotatingKVCache": frozenset({"RotatingKVCache", "BufferedRotatingKVCache",
+                                  "QuantizedKVCache"}),
+}
+
+
+def layers_fit(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
+    """Whether the layers of a restored cache can stand in for ``fresh``, a
+    new cache of the session's model: as many, each of the fresh layer's
+    class or of one it may become (``_BECOMES``), CacheLists child by child.
+    A cache saved for another model under the same model id, with as many
+    layers, was taken, and every request of the conversation then raised
+    inside the model (a KVCache where lfm2 keeps an ArraysCache)."""
+    if len(restored) != len(fresh):
+        return False
+    for got, want in zip(restored, fresh, strict=True):
+        name = type(want).__name__
+        if type(got).__name__ not in _BECOMES.get(name, (name,)):
+            return False
+        if name == "CacheList" and not layers_fit(getattr(got, "caches", ()), want.caches):
+            return False
+    return True

@@ -31,7 +31,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from kvkeeper.integrations import Plan, SessionBase, hash_array, token_ids_of
+from kvkeeper.integrations import Plan, SessionBase, hash_array, layers_fit, token_ids_of
 from kvkeeper.writebehind import is_bytes
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Session(SessionBase):
     _media_room = "input_embeddings:9999999999:" + "0" * 32
 
     def _compatible(self, cache: list[Any]) -> bool:
-        return len(cache) == len(make_prompt_cache(self.model))
+        return layers_fit(cache, make_prompt_cache(self.model))
 
     def encode(self, prompt: str | list[int] | mx.array) -> list[int]:
         """The prompt's token ids, tokenized the way ``mlx_lm.stream_generate`` does."""

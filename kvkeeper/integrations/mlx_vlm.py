@@ -42,6 +42,7 @@ from kvkeeper.integrations import (
     SessionBase,
     cache_length,
     hash_array,
+    layers_fit,
     log,
     token_ids_of,
 )
@@ -83,7 +84,7 @@ class Session(SessionBase):
         return vlm_cache.make_prompt_cache(self.model.language_model, max_kv_size=max_kv_size)
 
     def _compatible(self, cache: list[Any]) -> bool:
-        return len(cache) == len(self._fresh_cache(None))
+        return layers_fit(cache, self._fresh_cache(None))
 
     @property
     def state(self) -> PromptCacheState:
