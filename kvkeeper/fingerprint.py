@@ -8,7 +8,13 @@ GiB) and independent of where the directory lives, so it covers:
 * ``config.json`` and the tokenizer files: their full content (small files);
 * weight files: relative name and size, and for ``*.safetensors`` the header
   (8-byte length plus the JSON header: names, dtypes, shapes, offsets,
-  metadata). The tensor bytes themselves are never read.
+  metadata) and the first and last 64 bytes of every tensor; other weight
+  files, 16 blocks of 4 KiB spread over the file. A fine-tune, a fused LoRA
+  or another revision keeps the layout and changes the values (of every
+  tensor it trains, densely), so the layout alone gave both models one
+  fingerprint; a few bytes of each tensor tell them apart without reading
+  the weights (a 70B model's few thousand tensors: a few thousand small
+  reads).
 
 Hidden files and directories (``.git``, ``.cache``) and anything else
 (READMEs, images) are ignored.
@@ -22,11 +28,12 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = ["model_fingerprint"]
 
 #: Bump when the set of inputs or their encoding changes.
-_FP_VERSION = "kvkeeper-model-fp-1"
+_FP_VERSION = "kvkeeper-model-fp-2"  # 2: samples of the weight values
 
 _TOKENIZER_FILES = frozenset(
     {
@@ -77,8 +84,16 @@ def _content_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _safetensors_header_digest(path: Path, size: int) -> str:
-    """sha256 of the length prefix and JSON header; reads nothing past the header."""
+#: Bytes read from each end of a tensor's data.
+_SAMPLE = 64
+#: Other weight files: this many blocks of _BLOCK bytes, spread evenly.
+_BLOCKS, _BLOCK = 16, 4096
+
+
+def _safetensors_digest(path: Path, size: int) -> str:
+    """sha256 of the length prefix, the JSON header, and the first and last
+    ``_SAMPLE`` bytes of each tensor's data, in the order of the data (a
+    body cut short gives what is there)."""
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -87,9 +102,61 @@ def _safetensors_header_digest(path: Path, size: int) -> str:
         if n > _MAX_HEADER or 8 + n > size:
             raise ValueError(f"{path}: bad safetensors header length {n} (file is {size} bytes)")
         header = f.read(n)
-    if len(header) != n:
-        raise ValueError(f"{path}: safetensors header is truncated")
-    return hashlib.sha256(prefix + header).hexdigest()
+        if len(header) != n:
+            raise ValueError(f"{path}: safetensors header is truncated")
+        h = hashlib.sha256(prefix + header)
+        spans = _tensor_spans(header)
+        if spans is None:  # not a table MLX would load either: sample it as any file
+            h.update(_blocks_digest(f, size).encode())
+        for begin, end in spans or ():
+            for at, length in _samples(8 + n + begin, 8 + n + end):
+                h.update(os.pread(f.fileno(), length, at))
+    return h.hexdigest()
+
+
+def _tensor_spans(header: bytes) -> list[tuple[int, int]] | None:
+    """The data offsets of each tensor a safetensors header lists, in order;
+    None for a header that is not such a table."""
+    try:
+        table = json.loads(header)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(table, dict):
+        return None
+    spans = []
+    for name, info in table.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(x) is int for x in offsets) and 0 <= offsets[0] <= offsets[1]):
+            return None
+        spans.append((offsets[0], offsets[1]))
+    return sorted(spans)
+
+
+def _samples(begin: int, end: int) -> list[tuple[int, int]]:
+    """(offset, length) of the first and last ``_SAMPLE`` bytes of a span
+    (the whole span when it is short)."""
+    if end - begin <= 2 * _SAMPLE:
+        return [(begin, end - begin)]
+    return [(begin, _SAMPLE), (end - _SAMPLE, _SAMPLE)]
+
+
+def _blocks_digest(f: BinaryIO, size: int) -> str:
+    """sha256 of ``_BLOCKS`` blocks spread evenly over a file of ``size`` bytes."""
+    h = hashlib.sha256()
+    last = max(0, size - _BLOCK)
+    for i in range(_BLOCKS):
+        h.update(os.pread(f.fileno(), _BLOCK, last * i // (_BLOCKS - 1)))
+    return h.hexdigest()
+
+
+def _weights_digest(path: Path, size: int) -> str:
+    if path.name.endswith(".safetensors"):
+        return _safetensors_digest(path, size)
+    with path.open("rb") as f:
+        return _blocks_digest(f, size)
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
@@ -97,8 +164,9 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
 
     Deterministic and independent of the directory's location and of file
     times: it changes when config.json, a tokenizer file, the set or size of
-    the weight files, or a safetensors header changes. Weight data is never
-    read. Raises FileNotFoundError when `path` does not exist and ValueError
+    the weight files, a safetensors header, or the values at either end of
+    a tensor (or in one of the blocks sampled from another weight file)
+    change. Weight data is read only there. Raises FileNotFoundError when `path` does not exist and ValueError
     when it is not a directory, has no config.json, holds a safetensors
     file with a broken header, or a file it lists is a broken symlink (a
     Hugging Face download left unfinished)."""
@@ -119,9 +187,7 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
                 entries.append(["content", rel, _content_digest(file)])
             elif name.endswith(_WEIGHT_SUFFIXES):
                 size = file.stat().st_size
-                header = (_safetensors_header_digest(file, size)
-                          if name.endswith(".safetensors") else "")
-                entries.append(["weights", rel, size, header])
+                entries.append(["weights", rel, size, _weights_digest(file, size)])
         except FileNotFoundError:
             # A FileNotFoundError would say the directory is missing.
             raise ValueError(f"{str(root)!r}: {rel} is a broken symlink (an unfinished "
