@@ -73,6 +73,27 @@ def test_sigkill_at_each_step_of_a_replace(short_dir: Path, point: str) -> None:
         assert stop_process(proc) == 0
 
 
+def test_an_eviction_is_logged_before_a_kill_can_hide_it(short_dir: Path) -> None:
+    """The log said ``event=evicted`` only after the directory's fsync: a
+    daemon killed between the unlink and that line left a file gone without
+    a word, which reads as a confirmed save lost (a helper's crash review,
+    14 of 14 kills in that gap). Here the daemon kills itself right after
+    the unlink (``crash_at=evicted``)."""
+    root, sock = paths(short_dir)
+    budget = int(2.5 * 2**20)  # room for two of the 1 MiB saves
+    proc = serve_process(root, sock, "--max-disk-bytes", str(budget), "--min-free-bytes", "0",
+                         env={ENV: "crash_at=evicted"})
+    with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+        for v, key in enumerate("abc", 1):
+            assert kv.save(FP, key, filled(1, v), [v])
+            if key != "c":
+                assert kv.flush(timeout=WAIT) is True
+        assert proc.wait(WAIT) == -signal.SIGKILL  # c's commit evicted a
+    assert not entry_path(root, "a").exists()
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert f"event=evicted model={FP} id=a " in log, log[-2000:]
+
+
 def test_random_kill_soak(short_dir: Path) -> None:
     """Saves of varied sizes to a few keys, SIGKILL at random moments, restart.
     KVKEEPER_SOAK_KILLS=30 (and KVKEEPER_SOAK_MAX_MIB=64) for the long run."""

@@ -1089,6 +1089,14 @@ class Store:
                     log.error("event=evict_failed path=%s error=%s", victim.path, exc)
                     continue
                 self._drop(victim.path)
+            # Logged as soon as it is gone: a daemon killed during the fsync
+            # below left a file gone without a word (a helper's crash review:
+            # 5 of 55 kills, up to 5 s after the unlink). A save of it on its
+            # way means the budget had nothing else left to evict: if that
+            # save fails, the entry is gone (said here).
+            log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s save_pending=%d",
+                     victim.model, victim.cache_id, victim.nbytes, victim.kind, reason, saving)
+            faults.crash_point("evicted")
             try:
                 fsync_dir(victim.path.parent)
             except OSError as exc:  # gone all the same; only its durability is in doubt
@@ -1096,10 +1104,6 @@ class Store:
             self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
             evicted.append(victim)
-            # A save of it on its way means the budget had nothing else left to
-            # evict: if that save fails, the entry is gone (said in the log).
-            log.info("event=evicted model=%s id=%s bytes=%d kind=%s reason=%s save_pending=%d",
-                     victim.model, victim.cache_id, victim.nbytes, victim.kind, reason, saving)
             faults.io_error("evicted")
         if stopped:
             log.warning("event=evictions_stopped used=%d reason=%s: the daemon is draining; "
