@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import threading
 import time
 from collections import deque
@@ -511,8 +512,9 @@ class WriterActor:
         try:
             # A drain cuts the scan short; one that begins after its last file
             # still ends its evictions (gc evicts nothing from the drain's start).
-            complete = await anyio.to_thread.run_sync(
-                self.store.rescan_and_enforce, self._stop_indexing, self._scan_evicted)
+            complete = await anyio.to_thread.run_sync(functools.partial(
+                self.store.rescan_and_enforce, self._stop_indexing, self._scan_evicted,
+                writers_turn=False))
             if not complete:
                 log.warning("event=scan_cut_short reason=draining: nothing is evicted "
                             "until the next start")
@@ -1086,12 +1088,17 @@ class _FileWriter:
                     if exc.errno != errno.ENOSPC:
                         raise
                     before = len(self.evicted)
-                    if tries_left:  # (into: counted even if it fails part way)
-                        self.store.make_room(model, cache_id, size, need_inode=True,
-                                             into=self.evicted)
-                    if len(self.evicted) == before or self.store.out_of_inodes():
+                    try:
+                        if tries_left:  # (into: counted even if it fails part way)
+                            self.store.make_room(model, cache_id, size, need_inode=True,
+                                                 into=self.evicted)
                         # Nothing went, or it freed no inode (a file open
                         # elsewhere): begin would fail alike.
+                        gave_up = len(self.evicted) == before or self.store.out_of_inodes()
+                    except BaseException:
+                        self.store.drop_model_dir(model)
+                        raise
+                    if gave_up:
                         self.store.drop_model_dir(model)
                         raise
             # (Again after a retry: the new model's directory took a block.)

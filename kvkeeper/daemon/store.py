@@ -425,8 +425,11 @@ class Store:
         a path in ``_synced_dirs``, for each. rmdir removes only an empty
         directory, so a tmp file or another program's file keeps it. Its
         removal is not fsynced: after a crash an empty directory may be back,
-        which costs nothing. (The writer making a tmp file in it meanwhile,
-        from the start-up scan's thread, tries again: see ``begin``.)"""
+        which costs nothing. Only on the writer's turn, which makes and
+        fills the directories: the start-up scan's evictions, in a thread of
+        their own, leave theirs to the next start (removed there, the
+        directory vanished between the writer finding it and making a file
+        in it, or fsyncing it after a delete)."""
         if d.parent != self.sessions:
             return  # the quarantine directory, or a path outside the layout
         try:
@@ -523,7 +526,7 @@ class Store:
         found: list[StoredEntry] = []
         complete = True
         try:
-            for dirpath, dirnames, filenames in os.walk(self.root, onerror=_unlisted):
+            for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._unlisted):
                 dirnames[:] = [d for d in dirnames
                                if not os.path.islink(os.path.join(dirpath, d))]
                 for name in filenames:
@@ -564,16 +567,26 @@ class Store:
             self._whole = complete
         return complete
 
+    def _unlisted(self, exc: OSError) -> None:
+        """A directory the scan cannot list: its files stay unindexed."""
+        if isinstance(exc, FileNotFoundError) and exc.filename is not None \
+                and Path(exc.filename).parent == self.sessions:
+            return  # a model's directory the writer removed once empty, while the scan ran
+        log.warning("event=unreadable_dir path=%s error=%s", exc.filename, exc)
+
     def rescan_and_enforce(self, stop: threading.Event | None = None,
-                           into: list[StoredEntry] | None = None) -> bool:
+                           into: list[StoredEntry] | None = None, *,
+                           writers_turn: bool = True) -> bool:
         """``rescan``, then apply the disk budget; returns whether the scan
         was whole. What went is appended to ``into`` as it goes (see
         ``enforce_budget``). ``stop`` (the drain's start) cuts the scan
         short, and then nothing is evicted; set after its last file, it stops
-        the evictions (see ``enforce_budget``'s ``no_evictions``)."""
+        the evictions (see ``enforce_budget``'s ``no_evictions``).
+        ``writers_turn`` False: run beside the writer (the start-up scan),
+        so model directories emptied are left (see ``_drop_dir_if_empty``)."""
         if not self.rescan(stop):
             return False
-        self.enforce_budget(no_evictions=stop, into=into)
+        self.enforce_budget(no_evictions=stop, into=into, writers_turn=writers_turn)
         return True
 
     def _used_at(self, entry: StoredEntry, when: float) -> None:
@@ -692,23 +705,15 @@ class Store:
         caller may make room and try again, and the directory then holds the
         inode or block its evictions freed (``drop_model_dir`` if it gives up)."""
         final = self.path_for(model, cache_id)
-        for last_try in (False, True):
-            self._model_dir(model)
-            if not last_try:
-                faults.slow_step("begin_delay")
-            try:
-                return PendingFile(final, header_bytes, data_bytes, (model, cache_id),
-                                   on_gone=self._forget)
-            except FileNotFoundError:
-                # The start-up scan evicted the directory's last entry, and
-                # removed it, after _model_dir: make it again, once.
-                if last_try:
-                    raise
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    self._drop_dir_if_empty(final.parent)
-                raise
-        raise AssertionError("unreachable")
+        self._model_dir(model)
+        faults.slow_step("begin_delay")
+        try:
+            return PendingFile(final, header_bytes, data_bytes, (model, cache_id),
+                               on_gone=self._forget)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                self._drop_dir_if_empty(final.parent)
+            raise
 
     def drop_model_dir(self, model: str) -> None:
         """Remove the model's directory if it is empty (see ``begin``)."""
@@ -989,7 +994,8 @@ class Store:
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
                        no_evictions: threading.Event | None = None,
                        need_inode: bool = False,
-                       into: list[StoredEntry] | None = None) -> list[StoredEntry]:
+                       into: list[StoredEntry] | None = None,
+                       writers_turn: bool = True) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
@@ -1003,7 +1009,8 @@ class Store:
         evicted: list[StoredEntry] = []
         try:
             with self._evicting:
-                self._enforce_budget(keep, writing, no_evictions, need_inode, evicted)
+                self._enforce_budget(keep, writing, no_evictions, need_inode, evicted,
+                                     writers_turn)
         finally:
             if into is not None:
                 into += evicted
@@ -1011,7 +1018,8 @@ class Store:
 
     def _enforce_budget(self, keep: Path | None, writing: int,
                         no_evictions: threading.Event | None,
-                        need_inode: bool, evicted: list[StoredEntry]) -> None:
+                        need_inode: bool, evicted: list[StoredEntry],
+                        writers_turn: bool) -> None:
         b = self.budget
         with self._lock:
             if not self._whole:
@@ -1099,9 +1107,12 @@ class Store:
             faults.crash_point("evicted")
             try:
                 fsync_dir(victim.path.parent)
+            except FileNotFoundError:
+                pass  # (the start-up scan's:) the writer removed it once empty, file and all
             except OSError as exc:  # gone all the same; only its durability is in doubt
                 log.error("event=evict_dir_fsync_failed path=%s error=%s", victim.path, exc)
-            self._drop_dir_if_empty(victim.path.parent)
+            if writers_turn:
+                self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
             evicted.append(victim)
             faults.io_error("evicted")
@@ -1120,13 +1131,6 @@ class Store:
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
-
-
-def _unlisted(exc: OSError) -> None:
-    """A directory the scan cannot list: its files stay unindexed."""
-    if isinstance(exc, FileNotFoundError):
-        return  # a model's directory removed once empty, while the scan ran
-    log.warning("event=unreadable_dir path=%s error=%s", exc.filename, exc)
 
 
 def _use_order(e: StoredEntry) -> tuple[float, str]:
