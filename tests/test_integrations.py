@@ -1102,6 +1102,19 @@ def test_a_saved_cache_whose_layers_the_model_does_not_keep_starts_cold(
     assert layers_fit([CacheList(ArraysCache(2), QuantizedKVCache())], own)
     assert not layers_fit([CacheList(KVCache(), KVCache())], own)
 
+    # mlx-vlm's model-specific caches subclass KVCache (qwen4_exp's QSAKVCache,
+    # quantized into a QSAQuantizedKVCache; unlimited_ocr's RingSlidingKVCache):
+    # what kv_bits makes of them fits too (a review found them refused).
+    class ModelKV(vlm_cache.KVCache):
+        pass
+
+    class ModelQuantized(vlm_cache.QuantizedKVCache):
+        pass
+
+    assert layers_fit([ModelQuantized()], [ModelKV()])
+    assert layers_fit([vlm_cache.QuantizedKVCache()], [ModelKV()])
+    assert not layers_fit([vlm_cache.KVCache()], [vlm_cache.RotatingKVCache(max_size=8)])
+
 
 @pytest.mark.parametrize("kind", ["kv_bits", "max_kv_size"])
 def test_mlx_lm_quantized_and_windowed_caches_continue_as_mlx_lm_reuse_does(

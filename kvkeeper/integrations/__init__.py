@@ -460,31 +460,35 @@ class SessionBase:
         self.media = media
 
 
-#: The classes a layer that a fresh cache holds as a KVCache or a
-#: RotatingKVCache may have in a saved conversation: what kv_bits (mlx-lm's
-#: to_quantized; mlx-vlm's TurboQuant and mixed policies) and max_kv_size make
-#: of it. By name: mlx-lm's and mlx-vlm's classes share their names.
-_BECOMES = {
-    "KVCache": frozenset({"KVCache", "QuantizedKVCache", "RotatingKVCache",
-                          "BufferedRotatingKVCache", "TurboQuantKVCache", "HybridQuantKVCache"}),
-    "RotatingKVCache": frozenset({"RotatingKVCache", "BufferedRotatingKVCache",
-                                  "QuantizedKVCache"}),
-}
+#: The classes a layer that a fresh cache holds as a KVCache (or a subclass
+#: of it: mlx-vlm's model-specific caches) may have in a saved conversation:
+#: what kv_bits (to_quantized; mlx-vlm's TurboQuant) and max_kv_size make of
+#: it, or their subclasses. By name: mlx-lm's and mlx-vlm's classes share
+#: their names.
+_BECOMES = {"KVCache": frozenset({"QuantizedKVCache", "TurboQuantKVCache", "RotatingKVCache"})}
+
+
+def _lineage(layer: Any) -> set[str]:
+    return {c.__name__ for c in type(layer).__mro__}
 
 
 def layers_fit(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
     """Whether the layers of a restored cache can stand in for ``fresh``, a
     new cache of the session's model: as many, each of the fresh layer's
-    class or of one it may become (``_BECOMES``), CacheLists child by child.
-    A cache saved for another model under the same model id, with as many
-    layers, was taken, and every request of the conversation then raised
-    inside the model (a KVCache where lfm2 keeps an ArraysCache)."""
+    class, or of one that class may become (``_BECOMES``), or a subclass of
+    either; CacheLists child by child. A cache saved for another model
+    under the same model id, with as many layers, was taken, and every
+    request of the conversation then raised inside the model (a KVCache
+    where lfm2 keeps an ArraysCache)."""
     if len(restored) != len(fresh):
         return False
     for got, want in zip(restored, fresh, strict=True):
-        name = type(want).__name__
-        if type(got).__name__ not in _BECOMES.get(name, (name,)):
+        allowed = {type(want).__name__}
+        for name in _lineage(want):
+            allowed |= _BECOMES.get(name, frozenset())
+        if not _lineage(got) & allowed:
             return False
-        if name == "CacheList" and not layers_fit(getattr(got, "caches", ()), want.caches):
+        if type(want).__name__ == "CacheList" and not layers_fit(
+                getattr(got, "caches", ()), want.caches):
             return False
     return True
