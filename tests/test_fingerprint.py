@@ -126,6 +126,43 @@ def test_other_weight_formats_are_sampled(model: Path) -> None:
     assert model_fingerprint(model) != with_bin
 
 
+def test_odd_weight_files_neither_hang_nor_raise(model: Path, tmp_path: Path) -> None:
+    """A review's finds, each a fingerprint before values were sampled: a
+    FIFO named like weights hung the read; offsets of 2**63 in a damaged
+    header raised OverflowError; a weight file this user may not read (a
+    root-owned training_args.bin) raised PermissionError. Now the FIFO is
+    left out, the offsets read what is there, and the unreadable file
+    counts by name and size."""
+    import subprocess
+    import sys
+    import threading
+
+    from .faultkit import NO_DAC, need_linux_root
+
+    fp = model_fingerprint(model)
+    os.mkfifo(model / "w.bin")
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(model_fingerprint(model)), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert got == [fp], "the FIFO hung the fingerprint (or changed it)"
+    (model / "w.bin").unlink()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1],
+                               "data_offsets": [2**63, 2**63 + 4]}}).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"x" * 8)
+    assert re.fullmatch(r"m-[0-9a-f]{32}", model_fingerprint(model))
+    need_linux_root()
+    secret = model / "training_args.bin"
+    secret.write_bytes(b"t" * 100)
+    secret.chmod(0o000)
+    # As root without the right to pass file permissions: an ordinary user.
+    code = "import sys; from kvkeeper import model_fingerprint as f; print(f(sys.argv[1]))"
+    r = subprocess.run([*NO_DAC, sys.executable, "-c", code, str(model)], capture_output=True,
+                       text=True, timeout=60, cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"m-[0-9a-f]{32}", r.stdout.strip())
+
+
 def test_reads_only_samples_of_weight_bodies(model: Path) -> None:
     """A 64 GiB sparse weight file (header valid, body a hole), a 64 GiB
     .gguf, and one whose body is cut off: each fingerprints after reading a
