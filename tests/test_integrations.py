@@ -17,7 +17,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate as lm_stream_generate
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_vlm.generate import PromptCacheState
 from mlx_vlm.generate import stream_generate as vlm_stream_generate
@@ -1102,18 +1108,35 @@ def test_a_saved_cache_whose_layers_the_model_does_not_keep_starts_cold(
     assert layers_fit([CacheList(ArraysCache(2), QuantizedKVCache())], own)
     assert not layers_fit([CacheList(KVCache(), KVCache())], own)
 
-    # mlx-vlm's model-specific caches subclass KVCache (qwen4_exp's QSAKVCache,
-    # quantized into a QSAQuantizedKVCache; unlimited_ocr's RingSlidingKVCache):
-    # what kv_bits makes of them fits too (a review found them refused).
-    class ModelKV(vlm_cache.KVCache):
-        pass
-
+    # mlx-vlm's model-specific caches subclass KVCache. qwen4_exp's QSAKVCache
+    # quantizes into its own QSAQuantizedKVCache (refused by name at first);
+    # a plain QuantizedKVCache in its place raised in its attention
+    # (update_indexer), and a subclass in place of a plain KVCache (a
+    # sliding window in a full-attention model) was taken (a review's finds).
     class ModelQuantized(vlm_cache.QuantizedKVCache):
         pass
 
+    class ModelKV(vlm_cache.KVCache):
+        preserve_auxiliary_kv_state = True
+
+        def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
+            return ModelQuantized(group_size=group_size, bits=bits)
+
+    class Ring(vlm_cache.KVCache):
+        pass
+
     assert layers_fit([ModelQuantized()], [ModelKV()])
-    assert layers_fit([vlm_cache.QuantizedKVCache()], [ModelKV()])
+    assert not layers_fit([vlm_cache.QuantizedKVCache()], [ModelKV()])
+    assert not layers_fit([vlm_cache.KVCache()], [ModelKV()])
+    assert layers_fit([vlm_cache.QuantizedKVCache()], [Ring()])  # its inherited to_quantized
+    assert not layers_fit([Ring()], [vlm_cache.KVCache()])
     assert not layers_fit([vlm_cache.KVCache()], [vlm_cache.RotatingKVCache(max_size=8)])
+    # A window (max_kv_size) only where the model makes one of it.
+    rotating = [KVCache(), RotatingKVCache(max_size=8)]
+    assert not layers_fit([RotatingKVCache(max_size=8)] * 2, [KVCache(), KVCache()])
+    assert layers_fit([RotatingKVCache(max_size=8)] * 2, [KVCache(), KVCache()],
+                      [RotatingKVCache(max_size=8)] * 2)
+    assert not layers_fit([RotatingKVCache(max_size=8)] * 2, rotating, rotating)
 
 
 @pytest.mark.parametrize("kind", ["kv_bits", "max_kv_size"])

@@ -460,33 +460,47 @@ class SessionBase:
         self.media = media
 
 
-#: The classes a layer that a fresh cache holds as a KVCache (or a subclass
-#: of it: mlx-vlm's model-specific caches) may have in a saved conversation:
-#: what kv_bits (to_quantized; mlx-vlm's TurboQuant) and max_kv_size make of
-#: it, or their subclasses. By name: mlx-lm's and mlx-vlm's classes share
-#: their names.
-_BECOMES = {"KVCache": frozenset({"QuantizedKVCache", "TurboQuantKVCache", "RotatingKVCache"})}
+def _becomes(layer: Any) -> set[str]:
+    """The names of the classes ``layer``, a layer of a fresh cache, may
+    have in a saved conversation: its own; what its to_quantized makes
+    (kv_bits: asked of the empty layer, so a model's own cache class gives
+    its own quantized class, as qwen4_exp's does); and for a KVCache or a
+    subclass that does not keep state of its own beside the keys
+    (``preserve_auxiliary_kv_state``), mlx-vlm's TurboQuant. By name:
+    mlx-lm's and mlx-vlm's classes share their names."""
+    names = {type(layer).__name__}
+    to_quantized = getattr(layer, "to_quantized", None)
+    if callable(to_quantized):
+        try:
+            names.add(type(to_quantized(group_size=64, bits=8)).__name__)
+        except Exception:  # noqa: BLE001 - RotatingKVCache's is not implemented: it has none
+            pass
+    if "KVCache" in {c.__name__ for c in type(layer).__mro__} \
+            and not getattr(layer, "preserve_auxiliary_kv_state", False):
+        names.add("TurboQuantKVCache")
+    if "RotatingKVCache" in names:
+        names.add("BufferedRotatingKVCache")  # what mlx-vlm's from_cache makes of one
+    return names
 
 
-def _lineage(layer: Any) -> set[str]:
-    return {c.__name__ for c in type(layer).__mro__}
-
-
-def layers_fit(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
+def layers_fit(restored: Sequence[Any], fresh: Sequence[Any],
+               windowed: Sequence[Any] | None = None) -> bool:
     """Whether the layers of a restored cache can stand in for ``fresh``, a
-    new cache of the session's model: as many, each of the fresh layer's
-    class, or of one that class may become (``_BECOMES``), or a subclass of
-    either; CacheLists child by child. A cache saved for another model
-    under the same model id, with as many layers, was taken, and every
-    request of the conversation then raised inside the model (a KVCache
-    where lfm2 keeps an ArraysCache)."""
-    if len(restored) != len(fresh):
+    new cache of the session's model (and ``windowed``, one made with
+    max_kv_size, where the model honours it): as many, each of a class the
+    fresh layer may become (see ``_becomes``), CacheLists child by child. A
+    cache saved for another model under the same model id, with as many
+    layers, was taken, and every request of the conversation then raised
+    inside the model (a KVCache where lfm2 keeps an ArraysCache; a plain
+    QuantizedKVCache where qwen4_exp's attention asks its own class for
+    more)."""
+    if len(restored) != len(fresh) or (windowed is not None and len(windowed) != len(fresh)):
         return False
-    for got, want in zip(restored, fresh, strict=True):
-        allowed = {type(want).__name__}
-        for name in _lineage(want):
-            allowed |= _BECOMES.get(name, frozenset())
-        if not _lineage(got) & allowed:
+    for i, (got, want) in enumerate(zip(restored, fresh, strict=True)):
+        allowed = _becomes(want)
+        if windowed is not None:
+            allowed |= _becomes(windowed[i])
+        if type(got).__name__ not in allowed:
             return False
         if type(want).__name__ == "CacheList" and not layers_fit(
                 getattr(got, "caches", ()), want.caches):

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["Plan", "Session", "stream_generate"]
 
 
+#: A max_kv_size to ask a model what it makes of one (see layers_fit).
+_WINDOW = 4096
+
+
 class Session(SessionBase):
     """One conversation with an mlx-lm model, its cache kept by kvkeeper.
 
@@ -77,7 +81,8 @@ class Session(SessionBase):
     _media_room = "input_embeddings:9999999999:" + "0" * 32
 
     def _compatible(self, cache: list[Any]) -> bool:
-        return layers_fit(cache, make_prompt_cache(self.model))
+        return layers_fit(cache, make_prompt_cache(self.model),
+                          make_prompt_cache(self.model, max_kv_size=_WINDOW))
 
     def encode(self, prompt: str | list[int] | mx.array) -> list[int]:
         """The prompt's token ids, tokenized the way ``mlx_lm.stream_generate`` does."""

@@ -84,7 +84,7 @@ class Session(SessionBase):
         return vlm_cache.make_prompt_cache(self.model.language_model, max_kv_size=max_kv_size)
 
     def _compatible(self, cache: list[Any]) -> bool:
-        return layers_fit(cache, self._fresh_cache(None))
+        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(4096))
 
     @property
     def state(self) -> PromptCacheState:
