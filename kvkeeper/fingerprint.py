@@ -69,7 +69,10 @@ def _files(root: Path) -> Iterator[tuple[str, Path]]:
             dirnames[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        # Sorted: which of two links to one directory is walked (the other is
+        # then skipped as seen) must not depend on the listing's order, which
+        # differs between two copies of a model (a review's find).
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in filenames:
             if not name.startswith("."):
                 path = Path(dirpath, name)
@@ -185,11 +188,13 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
     the weight files, a safetensors header, or the values at either end of
     a tensor (or in one of the blocks sampled from another weight file)
     change. Weight data is read only there (a weight file this user may not
-    read counts by name and size). Raises FileNotFoundError when `path` does
-    not exist and ValueError
-    when it is not a directory, has no config.json, holds a safetensors
-    file with a broken header, or a file it lists is a broken symlink (a
-    Hugging Face download left unfinished)."""
+    read counts by name and size, or by name alone when even its size is
+    hidden; files that are not regular files are left out). Raises
+    FileNotFoundError when `path` does not exist and ValueError when it is
+    not a directory, has no config.json, holds a safetensors file with a
+    broken header, or a file it reads is a broken symlink (a Hugging Face
+    download left unfinished), a symlink loop, a config or tokenizer file
+    this user may not read, or fails to read."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"model directory {str(root)!r} does not exist")
@@ -201,25 +206,35 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
     entries: list[list[object]] = []
     for rel, file in _files(root):
         name = file.name
+        content = rel == "config.json" or name in _TOKENIZER_FILES \
+            or name.endswith(_CONTENT_SUFFIXES)
+        if not content and not name.endswith(_WEIGHT_SUFFIXES):
+            continue
         try:
-            if rel == "config.json" or name in _TOKENIZER_FILES \
-                    or name.endswith(_CONTENT_SUFFIXES):
+            st = file.stat()
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a FIFO would hang the read, a link to /dev/zero never end
+            if content:
                 entries.append(["content", rel, _content_digest(file)])
-            elif name.endswith(_WEIGHT_SUFFIXES):
-                st = file.stat()
-                if not stat.S_ISREG(st.st_mode):
-                    continue  # a FIFO would hang the read; a directory has no weights
-                try:
-                    digest = _weights_digest(file, st.st_size)
-                except PermissionError:
-                    # Another user's file (a root-owned training_args.bin):
-                    # by name and size, as before values were sampled.
-                    digest = "unreadable"
-                entries.append(["weights", rel, st.st_size, digest])
+                continue
+            try:
+                digest = _weights_digest(file, st.st_size)
+            except PermissionError:
+                # Another user's file (a root-owned training_args.bin): by
+                # name and size (this model cannot load it either).
+                digest = "unreadable"
+            entries.append(["weights", rel, st.st_size, digest])
         except FileNotFoundError:
             # A FileNotFoundError would say the directory is missing.
             raise ValueError(f"{str(root)!r}: {rel} is a broken symlink (an unfinished "
                              f"download?) or was removed meanwhile") from None
+        except PermissionError:
+            if content:
+                raise ValueError(f"{str(root)!r}: cannot read {rel} (permission denied)") from None
+            # A link into a directory this user may not enter: by name.
+            entries.append(["weights", rel, "unreadable"])
+        except OSError as exc:  # a symlink loop (ELOOP), an I/O error
+            raise ValueError(f"{str(root)!r}: cannot read {rel}: {exc.strerror or exc}") from None
     h = hashlib.sha256(_FP_VERSION.encode())
     for entry in entries:
         h.update(b"\n" + json.dumps(entry, separators=(",", ":")).encode())

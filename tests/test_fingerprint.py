@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +141,19 @@ def test_odd_weight_files_neither_hang_nor_raise(model: Path, tmp_path: Path) ->
     from .faultkit import NO_DAC, need_linux_root
 
     fp = model_fingerprint(model)
-    os.mkfifo(model / "w.bin")
-    got: list[str] = []
-    reader = threading.Thread(target=lambda: got.append(model_fingerprint(model)), daemon=True)
-    reader.start()
-    reader.join(30)
-    assert got == [fp], "the FIFO hung the fingerprint (or changed it)"
-    (model / "w.bin").unlink()
+    for name in ("w.bin", "vocab.txt"):  # a weight file's name, a tokenizer file's
+        os.mkfifo(model / name)
+        got: list[str] = []
+        reader = threading.Thread(target=lambda out=got: out.append(model_fingerprint(model)),
+                                  daemon=True)
+        reader.start()
+        reader.join(30)
+        assert got == [fp], f"a FIFO named {name} hung the fingerprint (or changed it)"
+        (model / name).unlink()
+    (model / "loop.bin").symlink_to(model / "loop.bin")
+    with pytest.raises(ValueError, match="cannot read loop.bin: Too many levels"):
+        model_fingerprint(model)  # (it raised OSError)
+    (model / "loop.bin").unlink()
     header = json.dumps({"w": {"dtype": "F32", "shape": [1],
                                "data_offsets": [2**63, 2**63 + 4]}}).encode()
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"x" * 8)
@@ -155,12 +162,49 @@ def test_odd_weight_files_neither_hang_nor_raise(model: Path, tmp_path: Path) ->
     secret = model / "training_args.bin"
     secret.write_bytes(b"t" * 100)
     secret.chmod(0o000)
-    # As root without the right to pass file permissions: an ordinary user.
-    code = "import sys; from kvkeeper import model_fingerprint as f; print(f(sys.argv[1]))"
-    r = subprocess.run([*NO_DAC, sys.executable, "-c", code, str(model)], capture_output=True,
-                       text=True, timeout=60, cwd=Path(__file__).parents[1])
-    assert r.returncode == 0, r.stderr
+    hidden = tmp_path / "blobs"  # a link into a directory this user may not enter
+    hidden.mkdir()
+    (hidden / "w").write_bytes(safetensors_bytes([2, 2]))
+    hidden.chmod(0o000)
+    (model / "model-2.safetensors").symlink_to(hidden / "w")
+
+    def as_a_user() -> subprocess.CompletedProcess[str]:
+        # As root without the right to pass file permissions: an ordinary user.
+        code = "import sys; from kvkeeper import model_fingerprint as f; print(f(sys.argv[1]))"
+        return subprocess.run([*NO_DAC, sys.executable, "-c", code, str(model)],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parents[1])
+
+    r = as_a_user()
+    assert r.returncode == 0, r.stderr  # (PermissionError, both)
     assert re.fullmatch(r"m-[0-9a-f]{32}", r.stdout.strip())
+    (model / "tokenizer.json").chmod(0o000)  # the tokenizer cannot load either
+    r = as_a_user()
+    assert r.returncode == 1 and "ValueError" in r.stderr and "cannot read tokenizer.json" \
+        in r.stderr, r.stderr
+
+
+def test_links_to_one_directory_fingerprint_alike_in_any_listing_order(tmp_path: Path) -> None:
+    """Two copies of a model whose ``a`` and ``b`` link to one directory of
+    weights, made in opposite orders: whichever link the walk met first was
+    kept, and a directory's listing order follows its creation (tmpfs) or a
+    per-file-system hash (ext4), so the copies differed (a review's find)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path  # lists by creation
+    fps = []
+    for order in (("a", "b"), ("b", "a")):
+        d = Path(tempfile.mkdtemp(dir=base))
+        try:
+            (d / "shared").mkdir()
+            (d / "shared" / "model.safetensors").write_bytes(safetensors_bytes([4, 8]))
+            m = d / "model"
+            m.mkdir()
+            (m / "config.json").write_text("{}")
+            for name in order:
+                (m / name).symlink_to(d / "shared", target_is_directory=True)
+            fps.append(model_fingerprint(m))
+        finally:
+            shutil.rmtree(d)
+    assert fps[0] == fps[1]
 
 
 def test_reads_only_samples_of_weight_bodies(model: Path) -> None:

@@ -1108,7 +1108,9 @@ class Store:
             try:
                 fsync_dir(victim.path.parent)
             except FileNotFoundError:
-                pass  # (the start-up scan's:) the writer removed it once empty, file and all
+                # Gone, file and all: in the start-up scan's pass, the writer
+                # removed it once empty (on the writer's turn, someone else).
+                pass
             except OSError as exc:  # gone all the same; only its durability is in doubt
                 log.error("event=evict_dir_fsync_failed path=%s error=%s", victim.path, exc)
             if writers_turn:
