@@ -427,9 +427,9 @@ class Store:
         removal is not fsynced: after a crash an empty directory may be back,
         which costs nothing. Only on the writer's turn, which makes and
         fills the directories: the start-up scan's evictions, in a thread of
-        their own, leave theirs to the next start (removed there, the
-        directory vanished between the writer finding it and making a file
-        in it, or fsyncing it after a delete)."""
+        their own, leave theirs to the next start (removing them there
+        pulled a directory from under the writer, between its finding the
+        directory and making a file in it, or fsyncing it after a delete)."""
         if d.parent != self.sessions:
             return  # the quarantine directory, or a path outside the layout
         try:

@@ -483,6 +483,11 @@ def _becomes(layer: Any) -> set[str]:
     return names
 
 
+#: The max_kv_size sessions ask a model's cache for, to learn what it makes
+#: of one (``layers_fit``'s ``windowed``).
+WINDOW_PROBE = 4096
+
+
 def layers_fit(restored: Sequence[Any], fresh: Sequence[Any],
                windowed: Sequence[Any] | None = None) -> bool:
     """Whether the layers of a restored cache can stand in for ``fresh``, a

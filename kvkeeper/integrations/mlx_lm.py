@@ -31,17 +31,20 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from kvkeeper.integrations import Plan, SessionBase, hash_array, layers_fit, token_ids_of
+from kvkeeper.integrations import (
+    WINDOW_PROBE,
+    Plan,
+    SessionBase,
+    hash_array,
+    layers_fit,
+    token_ids_of,
+)
 from kvkeeper.writebehind import is_bytes
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
 
 __all__ = ["Plan", "Session", "stream_generate"]
-
-
-#: A max_kv_size to ask a model what it makes of one (see layers_fit).
-_WINDOW = 4096
 
 
 class Session(SessionBase):
@@ -82,7 +85,7 @@ class Session(SessionBase):
 
     def _compatible(self, cache: list[Any]) -> bool:
         return layers_fit(cache, make_prompt_cache(self.model),
-                          make_prompt_cache(self.model, max_kv_size=_WINDOW))
+                          make_prompt_cache(self.model, max_kv_size=WINDOW_PROBE))
 
     def encode(self, prompt: str | list[int] | mx.array) -> list[int]:
         """The prompt's token ids, tokenized the way ``mlx_lm.stream_generate`` does."""

@@ -38,6 +38,7 @@ from mlx_vlm.generate import stream_generate as _vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
 
 from kvkeeper.integrations import (
+    WINDOW_PROBE,
     Plan,
     SessionBase,
     cache_length,
@@ -84,7 +85,7 @@ class Session(SessionBase):
         return vlm_cache.make_prompt_cache(self.model.language_model, max_kv_size=max_kv_size)
 
     def _compatible(self, cache: list[Any]) -> bool:
-        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(4096))
+        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(WINDOW_PROBE))
 
     @property
     def state(self) -> PromptCacheState:
