@@ -94,6 +94,26 @@ def test_an_eviction_is_logged_before_a_kill_can_hide_it(short_dir: Path) -> Non
     assert f"event=evicted model={FP} id=a " in log, log[-2000:]
 
 
+def test_a_move_aside_is_logged_before_a_kill_can_hide_it(short_dir: Path) -> None:
+    """As for evictions: ``event=quarantined`` came after the two directory
+    fsyncs, so a kill between left a file moved aside without its line.
+    Here the daemon kills itself right after the move (``crash_at=quarantined``)."""
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock, env={ENV: "crash_at=quarantined"})
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save(FP, "k", filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
+        path = entry_path(root, "k")
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert kv.load(FP, "k") is None
+        assert proc.wait(WAIT) == -signal.SIGKILL
+    moved = list((root / "quarantine").iterdir())
+    assert len(moved) == 1 and not path.exists()
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert f"event=quarantined model={FP} id=k " in log and str(moved[0]) in log, log[-2000:]
+
+
 def test_random_kill_soak(short_dir: Path) -> None:
     """Saves of varied sizes to a few keys, SIGKILL at random moments, restart.
     KVKEEPER_SOAK_KILLS=30 (and KVKEEPER_SOAK_MAX_MIB=64) for the long run."""

@@ -862,18 +862,22 @@ class Store:
         """Move an entry's unusable file (or whatever non-file sits at its path) to
         ``<root>/quarantine/``, unless it was replaced since it was judged
         (``ino``/``mtime_ns`` differ). Returns where it went."""
-        dest = self.quarantine_path(self.path_for(model, cache_id), ino, mtime_ns)
-        if dest is not None:
+        def moved(dest: Path) -> None:
             log.warning("event=quarantined model=%s id=%s reason=%s moved_to=%s",
                         model, cache_id, reason, dest)
-        return dest
+
+        return self.quarantine_path(self.path_for(model, cache_id), ino, mtime_ns, moved)
 
     def quarantine_path(self, path: Path, ino: int | None = None,
-                        mtime_ns: int | None = None) -> Path | None:
+                        mtime_ns: int | None = None,
+                        on_moved: Callable[[Path], None] | None = None) -> Path | None:
         """Move ``path`` (under this root) to ``<root>/quarantine/``, unless it
         is not the inode/mtime given, or another program's file (see
         ``someone_elses``: quarantined files are the first the budget deletes,
-        and another program's must never be); returns where it went."""
+        and another program's must never be); returns where it went.
+        ``on_moved`` is told where as soon as it is there, before the fsyncs
+        (logged after them, a kill between left the move without its line,
+        as with evictions)."""
         try:
             real_dir(path.parent)
             st = os.lstat(path)
@@ -899,6 +903,9 @@ class Store:
             if stat.S_ISREG(st.st_mode):
                 self._put(StoredEntry(*_quarantined_key(name), 0, st.st_size, time.time(), dest,
                                       "quarantine", st.st_mtime, st.st_ino, st.st_mtime_ns))
+        if on_moved is not None:
+            on_moved(dest)
+        faults.crash_point("quarantined")
         try:
             fsync_dir(path.parent)
             fsync_dir(qdir)
