@@ -1092,13 +1092,11 @@ class _FileWriter:
                         if tries_left:  # (into: counted even if it fails part way)
                             self.store.make_room(model, cache_id, size, need_inode=True,
                                                  into=self.evicted)
-                        # Nothing went, or it freed no inode (a file open
-                        # elsewhere): begin would fail alike.
-                        gave_up = len(self.evicted) == before or self.store.out_of_inodes()
-                    except BaseException:
-                        self.store.drop_model_dir(model)
-                        raise
-                    if gave_up:
+                        if len(self.evicted) == before or self.store.out_of_inodes():
+                            # Nothing went, or it freed no inode (a file open
+                            # elsewhere): begin would fail alike.
+                            raise
+                    except BaseException:  # giving up: a new model's directory, left empty
                         self.store.drop_model_dir(model)
                         raise
             # (Again after a retry: the new model's directory took a block.)
