@@ -51,19 +51,28 @@ def shown(value: object) -> Text:
     table or drive the terminal), and in double quotes when escaped ("a\\nb"
     with a newline looked like the id a\\nb), when a space begins or ends it
     ("a " and "a" looked alike) or when it begins with one (so a name shown
-    in quotes is always one quoted)."""
+    in quotes is always one quoted). Inside quotes every backslash is
+    escaped too: " a\\t" with a tab and " a\\\\t" with a backslash looked alike."""
     s = str(value)
-    escaped = not s.isprintable()
-    if escaped:
-        # All of it, backslashes too: a real newline must not look like "\n".
-        s = s.encode("unicode_escape").decode("ascii")
-    elif not out.encoding.startswith("utf"):
-        # What the output cannot show, escaped before a table measures it.
-        shows = s.encode(out.encoding, "backslashreplace").decode(out.encoding)
-        escaped, s = shows != s, shows
-    if escaped or s != s.strip(" ") or s.startswith('"'):
-        s = f'"{s}"'
-    return Text(s)
+    utf = out.encoding.startswith("utf")
+
+    def plain(text: str) -> bool:
+        # What the output cannot show is escaped before a table measures it.
+        return text.isprintable() and (utf or _encodable(text, out.encoding))
+
+    if plain(s) and s == s.strip(" ") and not s.startswith('"'):
+        return Text(s)
+    return Text('"' + "".join(ch if ch != "\\" and plain(ch)
+                              else ch.encode("unicode_escape").decode("ascii")
+                              for ch in s) + '"')
+
+
+def _encodable(text: str, encoding: str) -> bool:
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def counted(n: int, one: str, many: str | None = None) -> str:

@@ -986,14 +986,16 @@ def test_names_are_printed_as_they_are(
     assert client.flush(timeout=WAIT)
     assert "back\\\\slash\\n" in cli("ls", "--socket", sock, env={"COLUMNS": "200"}).stdout
     # Ids a space begins or ends looked like the bare one (rm of it missed),
-    # and one with a newline like one with a backslash and an n.
-    for cache_id in ("sp", " sp", "sp ", '"sp"', "n\n", "n\\n"):
+    # and one with a newline like one with a backslash and an n; quoted,
+    # one with a tab looked like one with a backslash and a t.
+    for cache_id in ("sp", " sp", "sp ", '"sp"', "n\n", "n\\n", " t\t", " t\\t", '"q\\'):
         assert client.save("spaced", cache_id, small_cache(), [1])
     assert client.flush(timeout=WAIT)
     for env in ({"COLUMNS": "200"}, {"COLUMNS": "200", "FORCE_COLOR": "1"}):
         listed = cli("ls", "--socket", sock, "--model", "spaced", env=env).stdout
         assert all(f" {shown} " in listed
-                   for shown in ('" sp"', '"sp "', '""sp""', '"n\\n"')), listed
+                   for shown in ('" sp"', '"sp "', '""sp""', '"n\\n"', '" t\\t"',
+                                 '" t\\\\t"', '""q\\\\"')), listed
         assert re.search(r"│ sp +│", listed) and re.search(r"│ n\\n +│", listed), listed
     r = cli("rm", "--socket", sock, "spaced", "nothing ")
     assert r.returncode == 1 and 'no such entry: spaced / "nothing "' in r.stderr, r.stderr
