@@ -442,6 +442,17 @@ def test_mlx_vlm_prompt_cache_state_round_trips(model, client: Client) -> None:
     assert state.find_prefix_length(tokens) == got.find_prefix_length(tokens)
     np.testing.assert_array_equal(next_logits(model, got.cache, 3),
                                   next_logits(model, state.cache, 3))
+    # Ids of every kind save() takes: an MLX array was compared one element
+    # (an MLX op) at a time, a generator raised TypeError, a str matched 0.
+    longer = tokens + [5, 6]
+    for ids in (mx.array(longer), np.array(longer), tuple(longer),
+                iter(longer)):
+        assert got.find_prefix_length(ids) == len(tokens), type(ids)
+    for bad in ("abc", {1, 2}, [True, False], b"ab"):
+        with pytest.raises(ValueError):
+            got.find_prefix_length(bad)
+    got.update(mx.array(tokens[:5]), got.cache)
+    assert got.token_ids == tokens[:5] and type(got.token_ids[0]) is int
 
 
 def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:

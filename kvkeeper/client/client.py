@@ -19,7 +19,6 @@ import threading
 import time
 import warnings
 import weakref
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
@@ -44,7 +43,7 @@ from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
-from kvkeeper.writebehind import check_token_ids
+from kvkeeper.writebehind import token_id_list
 
 if TYPE_CHECKING:
     from kvkeeper.client.codec import CacheCapture
@@ -1162,34 +1161,5 @@ def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], lis
         raise ValueError("cache must be a list of cache layers or have a .cache attribute")
     if not layers:
         raise ValueError("cache has no layers")
-    ids: list[int] | None = None
-    if token_ids is not None:
-        check_token_ids(token_ids)
-        if hasattr(token_ids, "tolist"):
-            try:
-                token_ids = token_ids.tolist()
-            except RuntimeError as exc:
-                if "in current thread" not in str(exc):
-                    raise
-                # As for the cache's arrays (codec.capture_cache).
-                raise ValueError(
-                    f"token_ids is an MLX array still to be computed on another thread's "
-                    f"stream ({exc}): evaluate it there first (mx.eval), or pass a list"
-                ) from None
-        # A copy the caller cannot change afterwards, checked in C: a list of
-        # ints in ~3 ns a token (array('q') took 10); numpy integers and
-        # other whole numbers go the slower way.
-        try:
-            ids = msgspec.convert(token_ids, list[int])
-        except msgspec.ValidationError:
-            try:
-                items = list(token_ids)  # once: it may be an iterator
-                # array("q") takes True as 1: a mask passed by mistake would
-                # be saved as token ids that look real.
-                if any(isinstance(t, bool) for t in items):
-                    raise TypeError("bools are not token ids")
-                ids = array("q", items).tolist()
-            except (TypeError, OverflowError) as exc:
-                raise ValueError(f"token_ids must be integers: {exc}") from None
-    return layers, ids
+    return layers, None if token_ids is None else token_id_list(token_ids)
 

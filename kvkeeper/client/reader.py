@@ -21,6 +21,7 @@ from kvkeeper import config
 from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, restore_cache
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import safetensors as st
+from kvkeeper.writebehind import token_id_list
 
 log = get_logger("kvkeeper.client")
 
@@ -56,8 +57,10 @@ class LoadedCache:
     path: Path | None = None
     format: str = st.FORMAT
 
-    def find_prefix_length(self, new_ids: list[int]) -> int:
-        """Number of leading tokens of ``new_ids`` this cache already holds."""
+    def find_prefix_length(self, new_ids: Any) -> int:
+        """Number of leading tokens of ``new_ids`` (token ids of any kind
+        ``Client.save`` takes; ValueError for others) this cache already holds."""
+        new_ids = token_id_list(new_ids)
         if self.token_ids is None:
             return 0
         n = min(len(self.token_ids), len(new_ids))
@@ -66,8 +69,8 @@ class LoadedCache:
                 return i
         return n
 
-    def update(self, token_ids: list[int], kv_cache: list[Any]) -> None:
-        self.token_ids = list(token_ids)
+    def update(self, token_ids: Any, kv_cache: list[Any]) -> None:
+        self.token_ids = token_id_list(token_ids)
         self.cache = kv_cache
 
 
