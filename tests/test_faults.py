@@ -580,6 +580,28 @@ def test_a_full_disk_makes_room_for_the_next_save(short_dir: Path) -> None:
         assert [e.cache_id for e in kv.entries()][-1] == "c"
 
 
+def test_evictions_that_free_no_space_stop(short_dir: Path) -> None:
+    """An entry's unlink frees nothing while another link (a `cp -al` backup
+    of the root) or an open descriptor keeps its blocks: a save on a full
+    disk evicted every entry, one after the other, and still failed. Now an
+    entry linked elsewhere is passed over, and the first eviction that frees
+    nothing ends the pass: that save fails (its blocks may come back soon)."""
+    with _four_saves_on_a_small_disk(short_dir) as (mnt, kv):
+        root = mnt / "root"
+        for k in "ab":
+            os.link(entry_path(root, k), mnt / f"backup-{k}")
+        with open(entry_path(root, "c"), "rb"):  # a reader elsewhere keeps its blocks
+            assert kv.save(FP, "e", filled(10, 5), [5])
+            assert kv.flush(timeout=WAIT) is False
+            assert kv.stats()["evictions"] == 1
+            assert not entry_path(root, "c").exists()
+            assert [version_of(entry_path(root, k)) for k in "abd"] == [1, 2, 4]
+        # Closed, c's blocks are free: the save fits with a, b and d kept.
+        assert kv.save(FP, "e", filled(10, 5), [5]) and kv.flush(timeout=WAIT)
+        assert [version_of(entry_path(root, k)) for k in "abde"] == [1, 2, 4, 5]
+        assert kv.stats()["evictions"] == 1 and tmp_files(root) == []
+
+
 def test_a_save_whose_file_cannot_be_made_evicts_nothing(short_dir: Path) -> None:
     """Room was made for a save (entries evicted) before its tmp file was
     made: a model directory it could not be made in (a symlink planted for

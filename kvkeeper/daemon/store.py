@@ -1087,6 +1087,13 @@ class Store:
                 # Changed by hand since it was indexed: re-counted, not evicted.
                 used = self.usage()
                 continue
+            if reason != "max_disk_bytes" and _linked_elsewhere(victim.path):
+                # Its unlink would free no block: another link keeps them
+                # (a `cp -al` backup of the root). Only the account evicts it.
+                continue
+            # Blocks free, not those a user may take: near full, an unlink
+            # frees blocks into the reserve before any becomes available.
+            blocks = os.statvfs(self.root).f_bfree if reason == "min_free_bytes" else None
             faults.slow_step("evict_delay")
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
@@ -1124,6 +1131,15 @@ class Store:
                 self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
             evicted.append(victim)
+            if blocks is not None and os.statvfs(self.root).f_bfree <= blocks:
+                # It freed nothing now: a file open elsewhere (a lazy load),
+                # a snapshot holding it, a file system that frees later. The
+                # next would most likely free nothing either: a disk full of
+                # such files lost every entry, and the save still failed.
+                for_free_space = False
+                log.warning("event=eviction_freed_nothing model=%s id=%s bytes=%d: no more "
+                            "evicted for free space in this pass", victim.model,
+                            victim.cache_id, victim.nbytes)
             faults.io_error("evicted")
         if stopped:
             log.warning("event=evictions_stopped used=%d reason=%s: the daemon is draining; "
@@ -1140,6 +1156,13 @@ class Store:
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
+
+
+def _linked_elsewhere(path: Path) -> bool:
+    try:
+        return os.lstat(path).st_nlink > 1
+    except OSError:
+        return False  # the unlink tells
 
 
 def _use_order(e: StoredEntry) -> tuple[float, str]:
