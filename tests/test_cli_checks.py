@@ -899,6 +899,36 @@ def test_a_save_failing_in_a_directory_the_daemon_cannot_write_names_it(
     assert f"Permission denied (errno 13): {model_dir}" in failed[0], failed
 
 
+def test_a_listing_while_a_model_directory_is_unreadable_forgets_nothing(
+        short_dir: Path) -> None:
+    """A model's directory the daemon could not look into for a moment (its
+    mode changed by hand) during one `ls`: its entries were taken for files
+    removed by hand and forgotten until a gc (not listed, not counted
+    against --max-disk-bytes, never evicted; `rm --model` said "no entries")."""
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0", prefix=NO_DAC)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for k in ("a", "b"):
+                assert kv.save("m", k, small_cache(), [1, 2])
+            assert kv.flush(timeout=WAIT)
+            used = kv.stats()["disk_used_bytes"]
+            model_dir = entry_path(root, "a", model="m").parent
+            model_dir.chmod(0)
+            try:
+                r = cli("ls", "--socket", str(sock))
+            finally:
+                model_dir.chmod(0o700)
+            assert r.returncode == 0 and r.stdout.startswith("2 entries"), (r.stdout, r.stderr)
+            assert [e.cache_id for e in kv.entries("m")] == ["a", "b"]
+            assert kv.stats()["disk_used_bytes"] == used
+        r = cli("rm", "--socket", str(sock), "--model", "m")
+        assert r.returncode == 0 and "2 entries of model m" in r.stdout, (r.stdout, r.stderr)
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_print_config_says_when_a_daemon_holds_the_root_or_socket(
         daemon: RunningDaemon, short_dir: Path) -> None:
     """The README says --print-config exits 2 when serve would refuse its

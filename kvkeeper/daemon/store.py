@@ -382,7 +382,7 @@ class Store:
         would list and count it until a rescan). Looked at again under the
         lock: a save may have renamed its file in, and indexed it, since."""
         with self._lock:
-            if path in self._index and not os.path.lexists(path):
+            if path in self._index and _gone(path):
                 # Seen, not done by the daemon: a rescan running reads the
                 # file again (a file put back meanwhile stays indexed, and one
                 # still gone is forgotten at the next look).
@@ -931,10 +931,10 @@ class Store:
         gone. One lstat a file (20,000 entries: tens of ms; in a worker thread)."""
         listed = []
         for entry in self.entries(model, everything=everything):
-            if os.path.lexists(entry.path):
-                listed.append(entry)
-            else:
+            if _gone(entry.path):
                 self._forget_if_gone(entry.path)
+            else:
+                listed.append(entry)
         return listed
 
     def _still_indexed(self, entry: StoredEntry) -> bool:
@@ -1156,6 +1156,19 @@ class Store:
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
                         "disk stays short; lower --min-free-bytes or free space)",
                         free, b.min_free_bytes, len(evicted))
+
+
+def _gone(path: Path) -> bool:
+    """Whether nothing is at ``path``; not a file this user may not look at
+    now (a model directory's mode changed for a moment): os.path.lexists
+    said gone, and one listing forgot every entry there until a gc."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _linked_elsewhere(path: Path) -> bool:
