@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -267,17 +268,26 @@ def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: i
     assert tmp_files(root) == []
 
 
-def test_drain_timeout_logs_what_did_not_fit(short_dir: Path) -> None:
-    root, proc = serve_with_queued_saves(short_dir, "slow", 4, 0.25, "--drain-timeout", "0.5")
+@pytest.mark.parametrize(("n", "delay", "timeout"), [(4, 0.25, "0.5"), (12, 0.02, "0.2")])
+def test_drain_timeout_logs_what_did_not_fit(short_dir: Path, n: int, delay: float,
+                                             timeout: str) -> None:
+    """1 s a save, or 80 ms: the writer went on taking saves while the last
+    replies went out (0.25 s), so that the second case wrote saves the log
+    had named as lost."""
+    root, proc = serve_with_queued_saves(short_dir, "slow", n, delay, "--drain-timeout", timeout)
     assert stop_process(proc) == 1  # not everything was written: say so
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
-    unsaved = [f"slow{i}" for i in range(4) if not entry_path(root, f"slow{i}").exists()]
-    assert unsaved, "a 1 s-per-save disk cannot write 4 saves in 0.5 s"
+    unsaved = [f"slow{i}" for i in range(n) if not entry_path(root, f"slow{i}").exists()]
+    assert unsaved, f"a disk this slow cannot write {n} saves in {timeout} s"
     for cache_id in unsaved:
         assert f"event=not_saved_at_exit model={FP} id={cache_id}" in log
-    for i in range(4):
+    for i in range(n):
         if entry_path(root, f"slow{i}").exists():
             assert version_of(entry_path(root, f"slow{i}")) == i + 1
+    # The writer went on while the last replies went out: saves logged as
+    # lost were then written (the log was wrong), and the drain overran.
+    logged = re.findall(rf"event=not_saved_at_exit model={FP} id=(\S+)", log)
+    assert sorted(logged) == sorted(unsaved), log
 
 
 def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes],

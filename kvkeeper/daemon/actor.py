@@ -275,6 +275,7 @@ class WriterActor:
         self.jobs_taken = 0
         self._fails_unchecked = 0  # failures since the last look at all tallies (_fail)
         self.finished = anyio.Event()
+        self._writing = anyio.CancelScope()  # cancelled when the drain is cut short
 
     # ------------------------------------------------------------ server side
     # These never block: the server calls them from its receive loop.
@@ -451,18 +452,28 @@ class WriterActor:
         self._release_held()
         self._close_resend()
 
+    async def stop_writing(self) -> None:
+        """The drain is cut short: stop now. A write under way ends with its
+        current slice (a worker thread is not interrupted); no other job
+        starts. Returns once the writer is done, so that ``unfinished`` is
+        what was not written (it went on taking jobs while the last replies
+        went out, and wrote saves the log had named as lost)."""
+        self._writing.cancel()
+        await self.finished.wait()
+
     # ------------------------------------------------------------ the writer
 
     async def run(self) -> None:
         """Process jobs until the mailbox is closed and drained."""
         try:
-            async with self._recv, anyio.create_task_group() as away:
-                await self._sweep()
-                away.start_soon(self._index_store)
-                try:
-                    await self._work(away)
-                finally:
-                    self._stop_indexing.set()  # the scan must not hold up the exit
+            with self._writing:
+                async with self._recv, anyio.create_task_group() as away:
+                    await self._sweep()
+                    away.start_soon(self._index_store)
+                    try:
+                        await self._work(away)
+                    finally:
+                        self._stop_indexing.set()  # the scan must not hold up the exit
         finally:
             # The drain was cut short: no parked save's tmp file is left
             # behind (closing and unlinking cannot wait for a thread here).
@@ -752,6 +763,9 @@ class WriterActor:
             # cannot wait for a worker thread here.
             if file.pending is not None:
                 file.pending.abort()
+            elif file.committed is not None:
+                # Cancelled while its commit's thread ended: it is in.
+                self._resolve(job, Outcome.WRITTEN)
             raise
         done = file.committed
         assert done is not None

@@ -481,6 +481,7 @@ class Daemon:
         if actor.finished.is_set():
             log.info("event=drained")
             return True
+        await actor.stop_writing()
         for job in actor.unfinished():
             # A delete or a move aside can be the newest job of a key, having
             # replaced its save: the log must not call it a save.
