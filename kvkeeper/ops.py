@@ -842,11 +842,12 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
     path = naming.entry_path(root, model, cache_id)
     if not path.exists():
         return None
-    if path.parent.is_symlink():
-        # As the daemon and load(): a symlink planted for the model's
-        # directory leads out of the store, and is not followed.
-        raise CommandError(f"cannot export {model} / {cache_id}: {path.parent} is a symlink, "
-                           f"not followed")
+    for d in (path.parent.parent, path.parent):
+        if d.is_symlink():
+            # As the daemon and load(): a symlink planted for sessions/ or the
+            # model's directory leads out of the store, and is not followed.
+            raise CommandError(f"cannot export {model} / {cache_id}: {d} is a symlink, "
+                               f"not followed")
     try:
         return read_cache_file(path, model=model, cache_id=cache_id)
     except CacheFileError as exc:

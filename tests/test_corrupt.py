@@ -669,20 +669,26 @@ def test_a_file_where_the_model_directory_should_be_is_a_miss(
     assert place.parent.read_bytes() == b"not a directory"
 
 
+@pytest.mark.parametrize("moved", ["model", "sessions"])
 def test_a_symlink_planted_for_a_model_directory_is_not_followed(
-        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+        client: Client, daemon: RunningDaemon, short_dir: Path, moved: str) -> None:
     """A symlink where a model's directory goes (an operator moving one
     model to another disk) was followed by loads (served from outside the
     root), rm (the file outside deleted, then "delete failed") and the
     quarantine of a damaged file there (moved into the root, unindexed).
-    Saves already refused it; now all of them do."""
+    Saves already refused it; now all of them do. So for sessions/ replaced
+    by a symlink while the daemon runs (refused at start): saves, loads and
+    deletes went through it."""
     for key in ("good", "bad"):
         assert client.save("elsewhere", key, filled(0.1, 4), [4])
     assert client.flush(timeout=WAIT)
     model_dir = entry_path(daemon.root, "good", model="elsewhere").parent
+    link = model_dir if moved == "model" else model_dir.parent
     outside = short_dir / "outside"
-    model_dir.rename(outside)
-    model_dir.symlink_to(outside, target_is_directory=True)
+    link.rename(outside)
+    link.symlink_to(outside, target_is_directory=True)
+    if moved == "sessions":
+        outside = outside / model_dir.name
     flip_bit(outside / entry_path(daemon.root, "bad", model="elsewhere").name)
     before = {p.name: p.read_bytes() for p in outside.iterdir()}
     assert client.load("elsewhere", "good") is None

@@ -1030,17 +1030,18 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
     (at most ``_READ_ATTEMPTS`` reads)."""
     from kvkeeper.client.reader import CacheFileError, cannot_open, read_file
 
-    try:
-        parent = os.lstat(path.parent)
-    except FileNotFoundError:
-        return _Attempt(path)
-    except OSError as exc:
-        return _Attempt(path, error=cannot_open(path, exc))
-    if not stat.S_ISDIR(parent.st_mode):
-        # A symlink planted for the model's directory leads out of the store
-        # (the daemon refuses it too, and moves nothing out of it).
-        return _Attempt(path, error=CacheFileError(
-            f"{path.parent} is a symlink or not a directory: not followed", damaged=False))
+    for d in (path.parent.parent, path.parent):  # sessions/, the model's directory
+        try:
+            parent = os.lstat(d)
+        except FileNotFoundError:
+            return _Attempt(path)
+        except OSError as exc:
+            return _Attempt(path, error=cannot_open(path, exc))
+        if not stat.S_ISDIR(parent.st_mode):
+            # A symlink planted there leads out of the store (the daemon
+            # refuses it too, and moves nothing out of it).
+            return _Attempt(path, error=CacheFileError(
+                f"{d} is a symlink or not a directory: not followed", damaged=False))
     attempt = _Attempt(path)
     for _ in range(_READ_ATTEMPTS):
         try:

@@ -9,6 +9,7 @@ reader (or a crash) sees the complete old or the complete new version.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -394,8 +395,17 @@ class Store:
 
     def _model_dir(self, model: str) -> Path:
         d = self._model_dir_path(model)
+        with contextlib.suppress(FileNotFoundError):  # made again (_sessions_again)
+            real_dir(self.sessions)
         self._own_dir(d, parent_gone=self._sessions_again)
         return d
+
+    def _real_model_dir(self, d: Path) -> None:
+        """``real_dir`` for a model's directory and for ``sessions/`` above it:
+        ``sessions/`` replaced by a symlink while the daemon ran (it is looked
+        at only at start) took saves, loads and deletes out of the root."""
+        real_dir(self.sessions)
+        real_dir(d)
 
     def _model_dir_path(self, model: str) -> Path:
         return self.sessions / naming.encode_component(model, "model")
@@ -788,7 +798,7 @@ class Store:
         keeps that in the file's atime, so the order survives a restart."""
         path = self.path_for(model, cache_id)
         try:
-            real_dir(path.parent)
+            self._real_model_dir(path.parent)
             st = os.lstat(path)
         except FileNotFoundError:
             self._forget_if_gone(path)
@@ -837,7 +847,7 @@ class Store:
         ``someone_elses``), as a save of it does."""
         path = self.path_for(model, cache_id)
         try:
-            real_dir(path.parent)
+            self._real_model_dir(path.parent)
         except FileNotFoundError:
             self._forget_if_gone(path)
             return False
@@ -879,7 +889,7 @@ class Store:
         (logged after them, a kill between left the move without its line,
         as with evictions)."""
         try:
-            real_dir(path.parent)
+            self._real_model_dir(path.parent)
             st = os.lstat(path)
         except FileNotFoundError:
             return None
