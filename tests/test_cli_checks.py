@@ -942,6 +942,29 @@ def test_print_config_says_when_a_daemon_holds_the_root_or_socket(
     assert "or another daemon holds either" in " ".join(cli("serve", "--help").stdout.split())
 
 
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_a_sessions_directory_serve_refuses_is_refused_before_it_starts(
+        short_dir: Path, planted: str) -> None:
+    """sessions/ a symlink or a regular file: serve exits 2, but
+    --print-config and install-service said nothing (a unit that fails at
+    every start, and stays down: RestartPreventExitStatus=2); for a regular
+    file serve said only "cannot create ...: File exists"."""
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    root.mkdir(mode=0o700)
+    if planted == "symlink":
+        (short_dir / "out").mkdir(mode=0o700)
+        (root / "sessions").symlink_to(short_dir / "out", target_is_directory=True)
+    else:
+        (root / "sessions").write_text("x")
+    places = ("--root", str(root), "--socket", str(sock))
+    needle = f"{root / 'sessions'} is a symlink or not a directory"
+    for argv in (("serve", "--print-config", *places),
+                 ("install-service", "--print", "--platform", "linux", *places),
+                 ("serve", *places)):
+        r = cli(*argv, timeout=15)
+        assert r.returncode == 2 and needle in r.stderr, (argv, r.stdout, r.stderr)
+
+
 def test_serve_refused_for_a_socket_in_use_leaves_no_root_behind(
         daemon: RunningDaemon, short_dir: Path) -> None:
     """The root was made (and locked) before the socket's lock said another

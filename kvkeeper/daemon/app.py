@@ -34,7 +34,7 @@ from kvkeeper.daemon.actor import DeleteJob, SaveJob, WriterActor
 from kvkeeper.daemon.fdlimit import raise_fd_limit
 from kvkeeper.daemon.server import MONITOR_EVENTS, Server
 from kvkeeper.daemon.stats import Stats
-from kvkeeper.daemon.store import Budget, Store
+from kvkeeper.daemon.store import Budget, Store, check_sessions_dir
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
 from kvkeeper.protocol.naming import LOCK_NAME, SESSIONS_DIR
@@ -123,7 +123,8 @@ def check_places(cfg: DaemonConfig) -> None:
     config.check_private_dir(cfg.socket.parent, "socket directory")
     _check_socket_place(Path(os.path.abspath(cfg.socket)))
     sessions = Path(os.path.abspath(cfg.root)) / SESSIONS_DIR
-    if os.path.isdir(sessions) and not os.path.islink(sessions):
+    check_sessions_dir(sessions)
+    if os.path.isdir(sessions):
         config.check_writable(sessions, "store directory")
     for lock in lock_paths(cfg):
         if os.path.lexists(lock) and not os.access(lock, os.R_OK | os.W_OK):

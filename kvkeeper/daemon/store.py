@@ -136,6 +136,15 @@ def real_dir(path: Path) -> None:
         raise OSError(errno.ENOTDIR, f"{path} is not a directory (move it aside)")
 
 
+def check_sessions_dir(sessions: Path) -> None:
+    """Raise ConfigError if ``sessions`` is there and is a symlink or not a
+    directory (the daemon refuses to start on it)."""
+    if os.path.lexists(sessions) and (os.path.islink(sessions)
+                                      or not os.path.isdir(sessions)):
+        raise ConfigError(f"{sessions} is a symlink or not a directory; the store keeps "
+                          f"its entries there (move it aside)")
+
+
 def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -476,13 +485,12 @@ class Store:
         """Create the layout, or check the one there; ``sweep`` and
         ``rescan`` then deal with the files in it."""
         fresh = not os.path.lexists(self.sessions)
+        check_sessions_dir(self.sessions)  # (a regular file: makedirs said only "File exists")
         try:
             os.makedirs(self.sessions, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create {self.sessions}: {exc.strerror}") from None
-        if os.path.islink(self.sessions) or not os.path.isdir(self.sessions):
-            raise ConfigError(f"{self.sessions} is a symlink or not a directory; the store "
-                              f"keeps its entries there (move it aside)")
+        check_sessions_dir(self.sessions)  # made meanwhile by someone else
         try:
             self._synced(self.sessions, fresh)
         except OSError as exc:  # a disk failing at start: say so, not a traceback
