@@ -965,6 +965,24 @@ def test_a_sessions_directory_serve_refuses_is_refused_before_it_starts(
         assert r.returncode == 2 and needle in r.stderr, (argv, r.stdout, r.stderr)
 
 
+def test_a_live_socket_whose_lock_file_went_is_not_taken(
+        daemon: RunningDaemon, short_dir: Path) -> None:
+    """The socket's lock file removed (a /tmp cleaner) under a running
+    daemon: a second serve on the same socket and another root took the
+    lock, unlinked the live socket as a dead daemon's and bound its own;
+    the first daemon exited 1 and its clients went on with the other root."""
+    (daemon.socket.parent / f"{daemon.socket.name}.lock").unlink()
+    other = short_dir / "other" / "root"
+    r = cli("serve", "--root", str(other), "--socket", str(daemon.socket), timeout=15)
+    assert r.returncode == 2 and f"a process is listening on socket {daemon.socket}" in r.stderr, \
+        (r.stdout, r.stderr)
+    assert not (short_dir / "other").exists()
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        assert kv.ping().root == str(daemon.root)
+        assert kv.save("m", "a", small_cache(), [1, 2]) and kv.flush(timeout=WAIT)
+    assert entry_path(daemon.root, "a", model="m").exists()
+
+
 def test_serve_refused_for_a_socket_in_use_leaves_no_root_behind(
         daemon: RunningDaemon, short_dir: Path) -> None:
     """The root was made (and locked) before the socket's lock said another

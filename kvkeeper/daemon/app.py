@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import stat
 import threading
 import time
@@ -90,11 +91,30 @@ class SocketPathTaken(config.ConfigError):
 def _clear_stale_socket(path: Path) -> None:
     """Remove a socket a dead daemon left at ``path``; refuse anything else.
 
-    Called with the locks held, so no live daemon owns a socket there. A file,
-    directory or symlink there is someone's data or a wrong --socket: never
-    delete it."""
+    Called with the locks held, so no daemon that still has its lock file
+    owns a socket there; one whose lock file went (a /tmp cleaner) still
+    answers a connection, and is refused (its socket was taken from it,
+    its clients sent to another root). A file, directory or symlink there
+    is someone's data or a wrong --socket: never delete it."""
     if _check_socket_place(path):
+        _refuse_a_live_socket(path)
         path.unlink()
+
+
+def _refuse_a_live_socket(path: Path) -> None:
+    """Raise AlreadyRunning if a process accepts connections on the socket
+    at ``path`` (see ``_clear_stale_socket``)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:
+        pass  # refused: nobody listens (or cannot tell: the unlink says)
+    else:
+        raise AlreadyRunning(f"a process is listening on socket {path} (a kvkeeper daemon "
+                             f"whose lock file was removed?): stop it first")
+    finally:
+        probe.close()
 
 
 def _check_socket_place(path: Path) -> bool:
@@ -307,6 +327,8 @@ class Daemon:
             holder = f"pid {os.getpid()}, root {root}, socket {sock_path}"
             sock_lock_path, root_lock_path = lock_paths(cfg)
             locks.append(_Lock(sock_lock_path, holder))
+            if _check_socket_place(sock_path):
+                _refuse_a_live_socket(sock_path)  # before a new root is made for nothing
             root = config.private_dir(cfg.root, "root directory")
             root_lock = _Lock(root_lock_path, holder)
             locks.append(root_lock)
