@@ -130,11 +130,12 @@ def small_ext4(parent: Path, mib: int) -> Iterator[Path]:
 
 
 @contextmanager
-def small_tmpfs(parent: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+def small_tmpfs(parent: Path, size: str, inodes: int | None = None,
+                name: str = "small") -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. "6m"; and of ``inodes`` inodes) mounted at
-    ``parent/small``: a small disk."""
+    ``parent/name``: a small disk."""
     need_linux_root()
-    mnt = parent / "small"
+    mnt = parent / name
     mnt.mkdir(mode=0o700)
     more = "" if inodes is None else f",nr_inodes={inodes}"
     run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700{more}", "tmpfs", str(mnt))

@@ -612,6 +612,37 @@ def test_evictions_that_free_no_space_stop(short_dir: Path) -> None:
         assert kv.stats()["evictions"] == 1 and tmp_files(root) == []
 
 
+def test_a_model_on_a_disk_of_its_own_gets_room_there(short_dir: Path) -> None:
+    """The README says: to keep one model elsewhere, mount its disk at its
+    directory. Free space was read on the root's file system only: once the
+    model's disk was full every save of it failed (ENOSPC), nothing evicted
+    there. Now a save makes room on the disk it goes to, evicting that disk's
+    entries only; --min-free-bytes stays the root's (8 MiB here, more than
+    the whole 6 MiB model disk)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    model_dir = entry_path(root, "x", model="big").parent
+    model_dir.parent.mkdir(mode=0o700, parents=True)  # (small_tmpfs makes the model's)
+    root.chmod(0o700)
+    with small_tmpfs(model_dir.parent, "6m", name=model_dir.name):
+        rd = start_daemon(root, sock, min_free_bytes=8 * 2**20, min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for k in ("o1", "o2"):
+                    assert kv.save(FP, k, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+                for i in range(5):
+                    assert kv.save("big", f"s{i}", filled(2, i + 1), [i + 1])
+                    assert kv.flush(timeout=WAIT), i
+                s = kv.stats()
+                assert s["saves_failed"] == 0 and s["evictions"] == 3, s
+                assert sorted(p.name for p in model_dir.iterdir()) == \
+                    ["s3.safetensors", "s4.safetensors"]
+                assert [version_of(entry_path(root, f"s{i}", model="big"), "big")
+                        for i in (3, 4)] == [4, 5]
+                assert [version_of(entry_path(root, k)) for k in ("o1", "o2")] == [1, 1]
+        finally:
+            assert rd.stop() == 0
+
+
 def test_a_save_whose_file_cannot_be_made_evicts_nothing(short_dir: Path) -> None:
     """Room was made for a save (entries evicted) before its tmp file was
     made: a model directory it could not be made in (a symlink planted for

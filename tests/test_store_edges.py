@@ -335,7 +335,7 @@ def test_an_entry_loaded_while_eviction_runs_is_kept(short_dir: Path) -> None:
 
         checks = 0
 
-        def free_bytes(self) -> int:
+        def free_bytes(self, where: Path | None = None) -> int:
             self.checks += 1
             if self.checks == 2:
                 assert self.find("fp", "a") is not None

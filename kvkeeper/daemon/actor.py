@@ -1106,7 +1106,8 @@ class _FileWriter:
                         if tries_left:  # (into: counted even if it fails part way)
                             self.store.make_room(model, cache_id, size, need_inode=True,
                                                  into=self.evicted)
-                        if len(self.evicted) == before or self.store.out_of_inodes():
+                        if len(self.evicted) == before or self.store.out_of_inodes(
+                                self.store.path_for(model, cache_id)):
                             # Nothing went, or it freed no inode (a file open
                             # elsewhere): begin would fail alike.
                             raise

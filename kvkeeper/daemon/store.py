@@ -992,15 +992,33 @@ class Store:
         with self._lock:  # not half way through a _put or a rescan
             return self._used
 
-    def free_bytes(self) -> int:
-        st = os.statvfs(self.root)
+    def free_bytes(self, where: Path | None = None) -> int:
+        """Bytes free on the root's file system (or ``where``'s)."""
+        st = os.statvfs(where or self.root)
         return st.f_bavail * st.f_frsize
 
-    def out_of_inodes(self) -> bool:
-        """Whether the root's file system has no inode left for a new file
-        (one that counts them: f_files is 0 where there is no such limit)."""
-        st = os.statvfs(self.root)
+    def out_of_inodes(self, keep: Path | None = None) -> bool:
+        """Whether the file system a file at ``keep`` goes on (see ``_disk_of``)
+        has no inode left for a new file (one that counts them: f_files is 0
+        where there is no such limit)."""
+        st = os.statvfs(self._disk_of(keep)[0])
         return st.f_files > 0 and st.f_favail == 0
+
+    def _disk_of(self, keep: Path | None) -> tuple[Path, int, bool]:
+        """Where a pass for a file at ``keep`` frees space: the root's file
+        system, or a disk of its own mounted at the file's model directory
+        (as the README advises to keep a model elsewhere: only the root's was
+        ever looked at, and every save to a full model disk failed). Returns
+        a directory on it, its device, and whether it is such a disk."""
+        root_dev = os.stat(self.root).st_dev
+        if keep is not None:
+            try:
+                dev = os.stat(keep.parent).st_dev
+            except OSError:
+                dev = root_dev  # not made yet (a new model's): made on the root's
+            if dev != root_dev:
+                return keep.parent, dev, True
+        return self.root, root_dev, False
 
     def make_room(self, model: str, cache_id: str, nbytes: int, *, need_inode: bool = False,
                   into: list[StoredEntry] | None = None) -> list[StoredEntry]:
@@ -1051,17 +1069,33 @@ class Store:
                 return  # not from a part of the store: see rescan
             used = self._used
         for_free_space = True
+        # --min-free-bytes is the root's file system's; a model's own disk is
+        # only kept from failing a write (the default 5 GiB could be more
+        # than the whole disk, and every save would evict the rest).
+        where, dev, own_disk = self._disk_of(keep)
+        min_free = 0 if own_disk else b.min_free_bytes
+        devices: dict[Path, int | None] = {}
+
+        def on_disk(e: StoredEntry) -> bool:
+            """Whether ``e``'s file is on the disk this pass frees space on."""
+            d = e.path.parent
+            if d not in devices:
+                try:
+                    devices[d] = os.stat(d).st_dev
+                except OSError:
+                    devices[d] = None  # cannot tell: the unlink says
+            return devices[d] in (None, dev)
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
                 return "max_disk_bytes"
-            if for_free_space and (b.min_free_bytes > 0 or writing) \
-                    and self.free_bytes() - writing < b.min_free_bytes:
+            if for_free_space and (min_free > 0 or writing) \
+                    and self.free_bytes(where) - writing < min_free:
                 return "min_free_bytes"
             # The file about to be written could not be made: one entry, as
             # its unlink may free no inode (a file open elsewhere, a file
             # system that always says none are free).
-            if need_inode and for_free_space and not evicted and self.out_of_inodes():
+            if need_inode and for_free_space and not evicted and self.out_of_inodes(keep):
                 return "inodes"
             return None
 
@@ -1086,8 +1120,8 @@ class Store:
         # (Only a file about to be written needs the total.)
         evictable = sum(e.nbytes for e in indexed
                         if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
-                        ) if writing else 0
-        if writing and (free := self.free_bytes()) + evictable < writing:
+                        and on_disk(e)) if writing else 0
+        if writing and (free := self.free_bytes(where)) + evictable < writing:
             # Emptying the store would not make room for it: its write fails
             # with ENOSPC either way, and the entries are worth keeping.
             for_free_space = False
@@ -1105,13 +1139,15 @@ class Store:
                 # Changed by hand since it was indexed: re-counted, not evicted.
                 used = self.usage()
                 continue
-            if reason != "max_disk_bytes" and _linked_elsewhere(victim.path):
-                # Its unlink would free no block: another link keeps them
-                # (a `cp -al` backup of the root). Only the account evicts it.
+            if reason != "max_disk_bytes" and (not on_disk(victim)
+                                               or _linked_elsewhere(victim.path)):
+                # Its unlink would free no block there: it is on another disk,
+                # or another link keeps them (a `cp -al` backup of the root).
+                # Only the account evicts it.
                 continue
             # Blocks free, not those a user may take: near full, an unlink
             # frees blocks into the reserve before any becomes available.
-            blocks = os.statvfs(self.root).f_bfree if reason == "min_free_bytes" else None
+            blocks = os.statvfs(where).f_bfree if reason == "min_free_bytes" else None
             faults.slow_step("evict_delay")
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
@@ -1124,11 +1160,13 @@ class Store:
                 try:
                     os.unlink(victim.path)
                 except FileNotFoundError:
-                    pass
+                    blocks = None  # gone already (by hand): nothing to measure
                 except OSError as exc:
                     log.error("event=evict_failed path=%s error=%s", victim.path, exc)
                     continue
                 self._drop(victim.path)
+            # Read at once: another program writing meanwhile could hide what it freed.
+            freed_nothing = blocks is not None and os.statvfs(where).f_bfree <= blocks
             # Logged as soon as it is gone: a daemon killed during the fsync
             # below left a file gone without a word (a helper's crash review:
             # 5 of 55 kills, up to 5 s after the unlink). A save of it on its
@@ -1149,7 +1187,7 @@ class Store:
                 self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
             evicted.append(victim)
-            if blocks is not None and os.statvfs(self.root).f_bfree <= blocks:
+            if freed_nothing:
                 # It freed nothing now: a file open elsewhere (a lazy load),
                 # a snapshot holding it, a file system that frees later. The
                 # next would most likely free nothing either: a disk full of
@@ -1167,8 +1205,8 @@ class Store:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
         # Free space is read again only when entries went (a statvfs call).
-        if evicted and not stopped and b.min_free_bytes > 0 and (
-                free := self.free_bytes() - writing) < b.min_free_bytes:
+        if evicted and not stopped and min_free > 0 and (
+                free := self.free_bytes(where) - writing) < min_free:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
