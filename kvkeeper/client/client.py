@@ -39,11 +39,11 @@ from kvkeeper.client.channel import (
     PendingReply,
     SaveTooLarge,
 )
+from kvkeeper.client.tokens import token_id_list
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
-from kvkeeper.writebehind import token_id_list
 
 if TYPE_CHECKING:
     from kvkeeper.client.codec import CacheCapture

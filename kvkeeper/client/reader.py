@@ -19,9 +19,9 @@ import msgspec
 
 from kvkeeper import config
 from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, restore_cache
+from kvkeeper.client.tokens import token_id_list
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import safetensors as st
-from kvkeeper.writebehind import token_id_list
 
 log = get_logger("kvkeeper.client")
 
