@@ -110,15 +110,18 @@ def run(*cmd: str) -> None:
 
 
 @contextmanager
-def small_ext4(parent: Path, mib: int) -> Iterator[Path]:
+def small_ext4(parent: Path, mib: int, kind: str = "ext4") -> Iterator[Path]:
     """An ext4 image of ``mib`` MiB, no blocks reserved for root, loop-mounted
     at ``parent/ext4``: a small real disk (a tmpfs takes a new directory
-    with no free block; ext4 needs one)."""
+    with no free block; ext4 needs one). ``kind`` "xfs" (at least 300 MiB)
+    or "btrfs" makes one of those instead: both free an unlinked file's
+    blocks later (in the background; at the transaction's commit)."""
     need_linux_root()
-    img, mnt = parent / "ext4.img", parent / "ext4"
+    img, mnt = parent / f"{kind}.img", parent / kind
     with open(img, "wb") as f:
         f.truncate(mib * 2**20)
-    run("mkfs.ext4", "-q", "-F", "-m", "0", str(img))
+    run(*{"ext4": ("mkfs.ext4", "-q", "-F", "-m", "0"), "xfs": ("mkfs.xfs", "-q", "-f"),
+          "btrfs": ("mkfs.btrfs", "-q", "-f")}[kind], str(img))
     mnt.mkdir(mode=0o700)
     run("mount", "-o", "loop", str(img), str(mnt))
     try:

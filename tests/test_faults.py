@@ -33,6 +33,7 @@ from .faultkit import (
     filled,
     limit_file_size,
     need_linux_root,
+    run,
     small_ext4,
     small_tmpfs,
     tmp_files,
@@ -594,8 +595,9 @@ def test_evictions_that_free_no_space_stop(short_dir: Path) -> None:
     """An entry's unlink frees nothing while another link (a `cp -al` backup
     of the root) or an open descriptor keeps its blocks: a save on a full
     disk evicted every entry, one after the other, and still failed. Now an
-    entry linked elsewhere is passed over, and the first eviction that frees
-    nothing ends the pass: that save fails (its blocks may come back soon)."""
+    entry linked elsewhere is passed over, and a pass evicts the files whose
+    sizes make up the shortfall, without reading the free space again: c
+    goes, and that save fails (c's blocks come back once it is closed)."""
     with _four_saves_on_a_small_disk(short_dir) as (mnt, kv):
         root = mnt / "root"
         for k in "ab":
@@ -610,6 +612,63 @@ def test_evictions_that_free_no_space_stop(short_dir: Path) -> None:
         assert kv.save(FP, "e", filled(10, 5), [5]) and kv.flush(timeout=WAIT)
         assert [version_of(entry_path(root, k)) for k in "abde"] == [1, 2, 4, 5]
         assert kv.stats()["evictions"] == 1 and tmp_files(root) == []
+
+
+def test_a_disk_that_frees_blocks_later_loses_no_more_than_the_save_needs(
+        short_dir: Path) -> None:
+    """XFS frees an unlinked file's blocks in the background: free space read
+    again right after each eviction had not moved yet, so the budget went on
+    evicting (a review: 5 entries for a save that needed 2). The pass now
+    counts the sizes of the files it evicted."""
+    mib = 2**20
+    with small_ext4(short_dir, 320, "xfs") as mnt:
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=0,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+                with open(mnt / "other-program.bin", "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, free - 70 * mib)
+                for i, k in enumerate("abcd"):
+                    assert kv.save(FP, k, filled(15, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+                assert kv.stats()["evictions"] == 0
+                free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+                # Two of the 15 MiB entries make room; three or four were evicted.
+                size = (free + 20 * mib) // mib
+                assert kv.save(FP, "z", filled(size, 9), [9]) and kv.flush(timeout=WAIT)
+                assert kv.stats()["evictions"] == 2
+                assert [version_of(entry_path(root, k)) for k in "cdz"] == [3, 4, 9]
+        finally:
+            assert rd.stop() == 0
+
+
+def test_min_free_holds_on_a_btrfs_subvolume(short_dir: Path) -> None:
+    """sessions/ a btrfs subvolume (kept out of snapshots that way): it has
+    a device number of its own, and was taken for a model's own disk, where
+    --min-free-bytes does not apply: the disk filled past it, nothing
+    evicted. It shares the pool's free space, so the budget holds."""
+    mib = 2**20
+    with small_ext4(short_dir, 400, "btrfs") as mnt:
+        root = mnt / "root"
+        root.mkdir(mode=0o700)
+        run("btrfs", "subvolume", "create", str(root / "sessions"))
+        (root / "sessions").chmod(0o700)
+        assert os.stat(root).st_dev != os.stat(root / "sessions").st_dev
+        run("btrfs", "filesystem", "sync", str(mnt))
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        rd = start_daemon(root, short_dir / "run" / "kv.sock",
+                          min_free_bytes=free - 50 * mib, min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i in range(6):  # 120 MiB, where 50 MiB may be used
+                    assert kv.save(FP, f"k{i}", filled(20, i + 1), [i + 1])
+                    assert kv.flush(timeout=WAIT)
+                    run("btrfs", "filesystem", "sync", str(mnt))
+                assert kv.stats()["evictions"] >= 3
+                assert entry_path(root, "k5").exists() and not entry_path(root, "k0").exists()
+        finally:
+            assert rd.stop() == 0
 
 
 def test_a_model_on_a_disk_of_its_own_gets_room_there(short_dir: Path) -> None:

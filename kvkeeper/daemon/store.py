@@ -156,6 +156,7 @@ def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _sync_file_range = _libc_sync_file_range()
+
 _SYNC_FILE_RANGE_WRITE = 2
 #: Bytes written before the kernel is asked to start writing them back.
 WRITEBACK_BYTES = 8 * 1024 * 1024
@@ -1009,16 +1010,17 @@ class Store:
         system, or a disk of its own mounted at the file's model directory
         (as the README advises to keep a model elsewhere: only the root's was
         ever looked at, and every save to a full model disk failed). Returns
-        a directory on it, its device, and whether it is such a disk."""
-        root_dev = os.stat(self.root).st_dev
+        a directory on it, its size (see ``_disk_size``), and whether it is
+        such a disk."""
+        root_size = _disk_size(self.root)
         if keep is not None:
             try:
-                dev = os.stat(keep.parent).st_dev
+                size = _disk_size(keep.parent)
             except OSError:
-                dev = root_dev  # not made yet (a new model's): made on the root's
-            if dev != root_dev:
-                return keep.parent, dev, True
-        return self.root, root_dev, False
+                size = root_size  # not made yet (a new model's): made on the root's
+            if size != root_size:
+                return keep.parent, size, True
+        return self.root, root_size, False
 
     def make_room(self, model: str, cache_id: str, nbytes: int, *, need_inode: bool = False,
                   into: list[StoredEntry] | None = None) -> list[StoredEntry]:
@@ -1072,25 +1074,38 @@ class Store:
         # --min-free-bytes is the root's file system's; a model's own disk is
         # only kept from failing a write (the default 5 GiB could be more
         # than the whole disk, and every save would evict the rest).
-        where, dev, own_disk = self._disk_of(keep)
+        where, disk, own_disk = self._disk_of(keep)
         min_free = 0 if own_disk else b.min_free_bytes
-        devices: dict[Path, int | None] = {}
+        disks: dict[Path, int | None] = {}
 
         def on_disk(e: StoredEntry) -> bool:
             """Whether ``e``'s file is on the disk this pass frees space on."""
             d = e.path.parent
-            if d not in devices:
+            if d not in disks:
                 try:
-                    devices[d] = os.stat(d).st_dev
+                    disks[d] = _disk_size(d)
                 except OSError:
-                    devices[d] = None  # cannot tell: the unlink says
-            return devices[d] in (None, dev)
+                    disks[d] = None  # cannot tell: the unlink says
+            return disks[d] in (None, disk)
+
+        start_free: int | None = None
+        freed = 0  # bytes of the files this pass evicted from that disk
+
+        def free() -> int:
+            """Free space as the pass found it, plus the files it evicted:
+            counted, not read again. An unlink may free nothing (a file open
+            elsewhere, a snapshot holding it) or free it later (btrfs at its
+            next commit, XFS in the background): read after each eviction,
+            such a disk lost every entry, and the save still failed."""
+            nonlocal start_free
+            if start_free is None:
+                start_free = self.free_bytes(where)
+            return start_free + freed
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
                 return "max_disk_bytes"
-            if for_free_space and (min_free > 0 or writing) \
-                    and self.free_bytes(where) - writing < min_free:
+            if for_free_space and (min_free > 0 or writing) and free() - writing < min_free:
                 return "min_free_bytes"
             # The file about to be written could not be made: one entry, as
             # its unlink may free no inode (a file open elsewhere, a file
@@ -1121,12 +1136,12 @@ class Store:
         evictable = sum(e.nbytes for e in indexed
                         if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
                         and on_disk(e)) if writing else 0
-        if writing and (free := self.free_bytes(where)) + evictable < writing:
+        if writing and free() + evictable < writing:
             # Emptying the store would not make room for it: its write fails
             # with ENOSPC either way, and the entries are worth keeping.
             for_free_space = False
             log.warning("event=no_room bytes=%d free=%d evictable=%d: nothing evicted for "
-                        "it", writing, free, evictable)
+                        "it", writing, free(), evictable)
         stopped = False
         for victim, saving in candidates:
             reason = pressure()
@@ -1145,9 +1160,6 @@ class Store:
                 # or another link keeps them (a `cp -al` backup of the root).
                 # Only the account evicts it.
                 continue
-            # Blocks free, not those a user may take: near full, an unlink
-            # frees blocks into the reserve before any becomes available.
-            blocks = os.statvfs(where).f_bfree if reason == "min_free_bytes" else None
             faults.slow_step("evict_delay")
             with self._lock:
                 # A load answered since the sort made it the newest: keep it.
@@ -1160,13 +1172,11 @@ class Store:
                 try:
                     os.unlink(victim.path)
                 except FileNotFoundError:
-                    blocks = None  # gone already (by hand): nothing to measure
+                    pass
                 except OSError as exc:
                     log.error("event=evict_failed path=%s error=%s", victim.path, exc)
                     continue
                 self._drop(victim.path)
-            # Read at once: another program writing meanwhile could hide what it freed.
-            freed_nothing = blocks is not None and os.statvfs(where).f_bfree <= blocks
             # Logged as soon as it is gone: a daemon killed during the fsync
             # below left a file gone without a word (a helper's crash review:
             # 5 of 55 kills, up to 5 s after the unlink). A save of it on its
@@ -1186,16 +1196,9 @@ class Store:
             if writers_turn:
                 self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
+            if on_disk(victim):
+                freed += victim.nbytes
             evicted.append(victim)
-            if freed_nothing:
-                # It freed nothing now: a file open elsewhere (a lazy load),
-                # a snapshot holding it, a file system that frees later. The
-                # next would most likely free nothing either: a disk full of
-                # such files lost every entry, and the save still failed.
-                for_free_space = False
-                log.warning("event=eviction_freed_nothing model=%s id=%s bytes=%d: no more "
-                            "evicted for free space in this pass", victim.model,
-                            victim.cache_id, victim.nbytes)
             faults.io_error("evicted")
         if stopped:
             log.warning("event=evictions_stopped used=%d reason=%s: the daemon is draining; "
@@ -1204,14 +1207,12 @@ class Store:
         elif b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
                         "newest entry alone exceed it)", used, b.max_disk_bytes)
-        # Free space is read again only when entries went (a statvfs call).
-        if evicted and not stopped and min_free > 0 and (
-                free := self.free_bytes(where) - writing) < min_free:
+        if evicted and not stopped and min_free > 0 and free() - writing < min_free:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
             log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
                         "disk stays short; lower --min-free-bytes or free space)",
-                        free, b.min_free_bytes, len(evicted))
+                        free() - writing, b.min_free_bytes, len(evicted))
 
 
 def _gone(path: Path) -> bool:
@@ -1225,6 +1226,16 @@ def _gone(path: Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def _disk_size(d: Path) -> int:
+    """The size of the file system ``d`` is on: what tells a disk of its own
+    from the root's. Not st_dev: a btrfs subvolume has one of its own and
+    shares its pool's free space (--min-free-bytes went unenforced for a
+    store whose sessions/ was one). Two disks of exactly one size are taken
+    for one: a model's then gets no room made on its own."""
+    st = os.statvfs(d)
+    return st.f_blocks * st.f_frsize
 
 
 def _linked_elsewhere(path: Path) -> bool:
