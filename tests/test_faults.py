@@ -702,6 +702,96 @@ def test_a_model_on_a_disk_of_its_own_gets_room_there(short_dir: Path) -> None:
             assert rd.stop() == 0
 
 
+def test_disks_of_one_size_are_told_apart(short_dir: Path) -> None:
+    """Models A and B each on a 16 MiB tmpfs of their own: told apart by
+    their size alone, they were taken for one disk, and a save of A that
+    did not fit evicted B's oldest entry (which freed nothing on A's) and
+    failed with ENOSPC."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    dirs = {m: entry_path(root, "x", model=m).parent for m in "AB"}
+    dirs["A"].parent.mkdir(mode=0o700, parents=True)
+    root.chmod(0o700)
+    with small_tmpfs(dirs["A"].parent, "16m", name=dirs["A"].name), \
+            small_tmpfs(dirs["B"].parent, "16m", name=dirs["B"].name):
+        rd = start_daemon(root, sock, min_free_bytes=0, min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for m in "BA":
+                    for i in (1, 2, 3):
+                        assert kv.save(m, f"{m}{i}", filled(4, i), [i]) and kv.flush(timeout=WAIT)
+                assert kv.save("A", "A4", filled(6, 4), [4]) and kv.flush(timeout=WAIT)
+                assert [entry_path(root, f"A{i}", model="A").exists() for i in (1, 2, 3, 4)] \
+                    == [False, True, True, True]
+                assert all(entry_path(root, f"B{i}", model="B").exists() for i in (1, 2, 3))
+        finally:
+            assert rd.stop() == 0
+
+
+def test_a_new_model_on_a_sessions_disk_out_of_inodes_gets_room(short_dir: Path) -> None:
+    """sessions/ a disk of its own, out of inodes: a new model's directory,
+    not made yet, was taken to go on the root's disk, whose inodes were
+    looked at: nothing was evicted, and its save failed with ENOSPC."""
+    root = short_dir / "root"
+    root.mkdir(mode=0o700)
+    with small_tmpfs(root, "8m", inodes=16, name="sessions") as sessions:
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=0,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                saved = 0
+                while os.statvfs(sessions).f_favail > 0:
+                    assert saved < 16, "the tmpfs has more inodes than asked for"
+                    assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+                    saved += 1
+                assert kv.save("new-model", "x", filled(0.1, 3), [3]) and kv.flush(timeout=WAIT)
+                assert version_of(entry_path(root, "x", model="new-model"), "new-model") == 3
+                assert kv.stats()["evictions"] >= 2  # an inode for the directory, one for the file
+        finally:
+            assert rd.stop() == 0
+
+
+def test_a_save_that_cannot_fit_but_for_linked_files_evicts_nothing(short_dir: Path) -> None:
+    """a, b and c hard-linked elsewhere: their unlinks free nothing, but they
+    counted among what emptying the store would free, so a save that could
+    never fit evicted d (the one entry that would) and failed anyway."""
+    with _four_saves_on_a_small_disk(short_dir) as (mnt, kv):
+        root = mnt / "root"
+        for k in "abc":
+            os.link(entry_path(root, k), mnt / f"backup-{k}")
+        assert kv.save(FP, "e", filled(20, 5), [5])
+        assert kv.flush(timeout=WAIT) is False
+        assert kv.stats()["evictions"] == 0
+        assert [version_of(entry_path(root, k)) for k in "abcd"] == [1, 2, 3, 4]
+
+
+def test_a_pass_evicting_for_the_account_first_still_keeps_min_free(short_dir: Path) -> None:
+    """A start-up pass over both budgets: the entry evicted for
+    --max-disk-bytes was counted as freed before the free space was read,
+    which already showed it freed: counted twice, the pass stopped short of
+    --min-free-bytes, and said nothing."""
+    mib = 2**20
+    with small_tmpfs(short_dir, "64m") as mnt:
+        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
+        rd = start_daemon(root, sock, min_free_bytes=0, min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abcde"):
+                    assert kv.save(FP, k, filled(8, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+        finally:
+            assert rd.stop() == 0
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(mnt / "other-program.bin", "wb") as f:  # outside the root's account
+            f.write(b"\0" * (free - 4 * mib))
+        rd = start_daemon(root, sock, max_disk_bytes=33 * mib, min_free_bytes=16 * mib,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert [e.cache_id for e in kv.entries()] == ["c", "d", "e"]
+            assert os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize >= 16 * mib
+        finally:
+            assert rd.stop() == 0
+
+
 def test_a_save_whose_file_cannot_be_made_evicts_nothing(short_dir: Path) -> None:
     """Room was made for a save (entries evicted) before its tmp file was
     made: a model directory it could not be made in (a symlink planted for

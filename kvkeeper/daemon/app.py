@@ -149,8 +149,8 @@ def check_places(cfg: DaemonConfig) -> None:
     for lock in lock_paths(cfg):
         if os.path.lexists(lock) and not os.access(lock, os.R_OK | os.W_OK):
             raise _unusable_lock(lock, PermissionError(errno.EACCES, "Permission denied"))
-    # The file system the root is (or will be made) on.
-    where = Path(os.path.abspath(cfg.root))
+    # The file system the store is (or will be made) on: sessions/'s, the root's.
+    where = sessions
     while not where.exists():
         where = where.parent
     fs = os.statvfs(where)

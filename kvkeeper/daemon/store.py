@@ -1005,22 +1005,34 @@ class Store:
         st = os.statvfs(self._disk_of(keep)[0])
         return st.f_files > 0 and st.f_favail == 0
 
-    def _disk_of(self, keep: Path | None) -> tuple[Path, int, bool]:
-        """Where a pass for a file at ``keep`` frees space: the root's file
-        system, or a disk of its own mounted at the file's model directory
-        (as the README advises to keep a model elsewhere: only the root's was
-        ever looked at, and every save to a full model disk failed). Returns
-        a directory on it, its size (see ``_disk_size``), and whether it is
-        such a disk."""
-        root_size = _disk_size(self.root)
-        if keep is not None:
-            try:
-                size = _disk_size(keep.parent)
-            except OSError:
-                size = root_size  # not made yet (a new model's): made on the root's
-            if size != root_size:
-                return keep.parent, size, True
-        return self.root, root_size, False
+    def _disk_of(self, keep: Path | None) -> tuple[Path, bool]:
+        """Where a pass for a file at ``keep`` frees space: a directory on the
+        disk the file goes to (its model's, or the nearest one made: a new
+        model's directory is made on that of ``sessions/``), and whether that
+        is a disk of its own, other than the store's (``sessions/``'s), as the
+        README advises to keep a model elsewhere (only the root's disk was
+        ever looked at, and every save to a full model disk failed)."""
+        store_disk = _made(self.sessions, self.root)
+        if keep is None:
+            return store_disk, False
+        where = _made(keep.parent, self.sessions, self.root)
+        return where, not _same_disk(where, store_disk)
+
+    @staticmethod
+    def _evictable(indexed: list[StoredEntry], keep: Path | None,
+                   on_disk: Callable[[StoredEntry], bool], enough: int) -> int:
+        """Bytes a free-space pass could free for a file at ``keep``: the
+        entries, old caches and quarantined files on its disk, but those
+        another link keeps (counted, a save that could not fit cost them),
+        summed until ``enough`` (an lstat each)."""
+        total = 0
+        for e in indexed:
+            if total >= enough:
+                break
+            if e.kind in ("entry", "legacy", "quarantine") and e.path != keep \
+                    and on_disk(e) and not _linked_elsewhere(e.path):
+                total += e.nbytes
+        return total
 
     def make_room(self, model: str, cache_id: str, nbytes: int, *, need_inode: bool = False,
                   into: list[StoredEntry] | None = None) -> list[StoredEntry]:
@@ -1074,32 +1086,30 @@ class Store:
         # --min-free-bytes is the root's file system's; a model's own disk is
         # only kept from failing a write (the default 5 GiB could be more
         # than the whole disk, and every save would evict the rest).
-        where, disk, own_disk = self._disk_of(keep)
+        where, own_disk = self._disk_of(keep)
         min_free = 0 if own_disk else b.min_free_bytes
-        disks: dict[Path, int | None] = {}
+        disks: dict[Path, bool] = {}
 
         def on_disk(e: StoredEntry) -> bool:
             """Whether ``e``'s file is on the disk this pass frees space on."""
             d = e.path.parent
             if d not in disks:
                 try:
-                    disks[d] = _disk_size(d)
+                    disks[d] = _same_disk(d, where)
                 except OSError:
-                    disks[d] = None  # cannot tell: the unlink says
-            return disks[d] in (None, disk)
+                    disks[d] = True  # cannot tell: the unlink says
+            return disks[d]
 
-        start_free: int | None = None
-        freed = 0  # bytes of the files this pass evicted from that disk
+        # Free space as the pass found it (read before any eviction), plus
+        # the files it evicted from that disk: counted, not read again. An
+        # unlink may free nothing (a file open elsewhere, a snapshot holding
+        # it) or free it later (btrfs at its next commit, XFS in the
+        # background): read after each eviction, such a disk lost every
+        # entry, and the save still failed.
+        start_free = self.free_bytes(where) if min_free > 0 or writing else 0
+        freed = 0
 
         def free() -> int:
-            """Free space as the pass found it, plus the files it evicted:
-            counted, not read again. An unlink may free nothing (a file open
-            elsewhere, a snapshot holding it) or free it later (btrfs at its
-            next commit, XFS in the background): read after each eviction,
-            such a disk lost every entry, and the save still failed."""
-            nonlocal start_free
-            if start_free is None:
-                start_free = self.free_bytes(where)
             return start_free + freed
 
         def pressure() -> str | None:
@@ -1132,16 +1142,13 @@ class Store:
         candidates = itertools.chain(
             ((e, False) for e in (indexed if quarantined else ()) if e.kind == "quarantine"),
             entries(False), entries(True), ((e, True) for e in late))
-        # (Only a file about to be written needs the total.)
-        evictable = sum(e.nbytes for e in indexed
-                        if e.kind in ("entry", "legacy", "quarantine") and e.path != keep
-                        and on_disk(e)) if writing else 0
-        if writing and free() + evictable < writing:
+        if writing and free() + self._evictable(indexed, keep, on_disk,
+                                                writing - free()) < writing:
             # Emptying the store would not make room for it: its write fails
             # with ENOSPC either way, and the entries are worth keeping.
             for_free_space = False
-            log.warning("event=no_room bytes=%d free=%d evictable=%d: nothing evicted for "
-                        "it", writing, free(), evictable)
+            log.warning("event=no_room bytes=%d free=%d: emptying the store would not make "
+                        "room for it; nothing evicted", writing, free())
         stopped = False
         for victim, saving in candidates:
             reason = pressure()
@@ -1228,14 +1235,31 @@ def _gone(path: Path) -> bool:
     return False
 
 
-def _disk_size(d: Path) -> int:
-    """The size of the file system ``d`` is on: what tells a disk of its own
-    from the root's. Not st_dev: a btrfs subvolume has one of its own and
-    shares its pool's free space (--min-free-bytes went unenforced for a
-    store whose sessions/ was one). Two disks of exactly one size are taken
-    for one: a model's then gets no room made on its own."""
-    st = os.statvfs(d)
-    return st.f_blocks * st.f_frsize
+def _made(*dirs: Path) -> Path:
+    """The first of ``dirs`` that is there (the last one, if none is)."""
+    for d in dirs[:-1]:
+        if os.path.isdir(d):
+            return d
+    return dirs[-1]
+
+
+def _same_disk(a: Path, b: Path) -> bool:
+    """Whether directories ``a`` and ``b`` draw on one disk's free space: one
+    device, or one btrfs pool (a subvolume has a device number of its own;
+    taken for a disk of its own, --min-free-bytes went unenforced). Told by
+    equal file system figures, read one after the other: by size alone, two
+    disks of one size (identical drives, tmpfs mounts of one size) were
+    taken for one, and a save on one evicted the other's entries. Another
+    program writing between the two reads makes one pool look like two: its
+    entries are then passed over, this time. A ZFS dataset, whose figures
+    are its own, is taken for a disk of its own."""
+    if os.stat(a).st_dev == os.stat(b).st_dev:
+        return True
+    return _figures(os.statvfs(a)) == _figures(os.statvfs(b))
+
+
+def _figures(st: os.statvfs_result) -> tuple[int, ...]:
+    return (st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files, st.f_ffree)
 
 
 def _linked_elsewhere(path: Path) -> bool:
