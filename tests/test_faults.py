@@ -727,6 +727,16 @@ def test_disks_of_one_size_are_told_apart(short_dir: Path) -> None:
             assert rd.stop() == 0
 
 
+def _use_every_inode(kv: Client, mnt: Path) -> None:
+    """Save small entries k0, k1... until the 16-inode tmpfs at ``mnt`` has no inode left."""
+    saved = 0
+    while os.statvfs(mnt).f_favail > 0:
+        assert saved < 16, "the tmpfs has more inodes than asked for"
+        assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1])
+        assert kv.flush(timeout=WAIT) is True
+        saved += 1
+
+
 def test_a_new_model_on_a_sessions_disk_out_of_inodes_gets_room(short_dir: Path) -> None:
     """sessions/ a disk of its own, out of inodes: a new model's directory,
     not made yet, was taken to go on the root's disk, whose inodes were
@@ -738,11 +748,7 @@ def test_a_new_model_on_a_sessions_disk_out_of_inodes_gets_room(short_dir: Path)
                           min_write_interval=0)
         try:
             with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-                saved = 0
-                while os.statvfs(sessions).f_favail > 0:
-                    assert saved < 16, "the tmpfs has more inodes than asked for"
-                    assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
-                    saved += 1
+                _use_every_inode(kv, sessions)
                 assert kv.save("new-model", "x", filled(0.1, 3), [3]) and kv.flush(timeout=WAIT)
                 assert version_of(entry_path(root, "x", model="new-model"), "new-model") == 3
                 assert kv.stats()["evictions"] >= 2  # an inode for the directory, one for the file
@@ -851,12 +857,7 @@ def test_a_disk_out_of_inodes_makes_room_for_the_next_save(short_dir: Path) -> N
                           min_write_interval=0)
         try:
             with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-                saved = 0
-                while os.statvfs(mnt).f_favail > 0:
-                    assert saved < 16, "the tmpfs has more inodes than asked for"
-                    assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1])
-                    assert kv.flush(timeout=WAIT) is True
-                    saved += 1
+                _use_every_inode(kv, mnt)
                 root = mnt / "root"
                 assert kv.save(FP, "new", filled(0.1, 2), [2])
                 assert kv.flush(timeout=WAIT) is True
