@@ -339,7 +339,7 @@ def gc(args: argparse.Namespace) -> int:
                  [[shown(e.model), shown(e.cache_id), human(e.nbytes), e.kind]
                   for e in result.entries])
     out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
-              f"its file system")
+              f"the store's file system")
     return 0
 
 

@@ -136,12 +136,16 @@ def small_ext4(parent: Path, mib: int, kind: str = "ext4") -> Iterator[Path]:
 def small_tmpfs(parent: Path, size: str, inodes: int | None = None,
                 name: str = "small") -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. "6m"; and of ``inodes`` inodes) mounted at
-    ``parent/name``: a small disk."""
+    ``parent/name``: a small disk. ``size`` "ramfs" mounts a ramfs, which
+    has no size at all."""
     need_linux_root()
     mnt = parent / name
     mnt.mkdir(mode=0o700)
-    more = "" if inodes is None else f",nr_inodes={inodes}"
-    run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700{more}", "tmpfs", str(mnt))
+    if size == "ramfs":
+        run("mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(mnt))
+    else:
+        more = "" if inodes is None else f",nr_inodes={inodes}"
+        run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700{more}", "tmpfs", str(mnt))
     try:
         yield mnt
     finally:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvkeeper.client.client import Client
+from kvkeeper.daemon import faults
 from kvkeeper.daemon.faults import CRASH_POINTS, ENV
 
 from .conftest import WAIT, dealer, serve_process, start_daemon, stop_process, wait_for
@@ -735,6 +736,90 @@ def _use_every_inode(kv: Client, mnt: Path) -> None:
         assert kv.save(FP, f"k{saved}", filled(0.1, 1), [1])
         assert kv.flush(timeout=WAIT) is True
         saved += 1
+
+
+def test_two_tmpfs_disks_with_equal_figures_are_still_two(short_dir: Path) -> None:
+    """sessions/ a 16 MiB tmpfs holding B's entry, A on a 16 MiB tmpfs of its
+    own holding as many pages and (with the next save's tmp file) as many
+    inodes: equal statvfs figures made them one disk, and A's save evicted
+    B's entry (freeing nothing on A's) and failed."""
+    root = short_dir / "root"
+    root.mkdir(mode=0o700)
+    tok = 4096 / 2**20  # one token of one layer: 4 KiB
+    with small_tmpfs(root, "16m", name="sessions") as sessions:
+        a_dir = entry_path(root, "x", model="A").parent
+        with small_tmpfs(sessions, "16m", name=a_dir.name):
+            rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=0,
+                              min_write_interval=0)
+            try:
+                with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                    for model, key, tokens in (("B", "b1", 2049), ("A", "a1", 1024),
+                                               ("A", "a2", 1024), ("A", "a3", 2560)):
+                        assert kv.save(model, key, filled(tokens * tok, 1, layers=1), [1])
+                        assert kv.flush(timeout=WAIT), key
+                    assert [entry_path(root, k, model=m).exists() for m, k in
+                            (("B", "b1"), ("A", "a1"), ("A", "a2"), ("A", "a3"))] == \
+                        [True, False, True, True]
+            finally:
+                assert rd.stop() == 0
+
+
+def test_a_model_on_a_disk_with_no_size_keeps_every_entry(short_dir: Path) -> None:
+    """A model's directory on a ramfs (statvfs: 0 blocks, 0 free) was taken
+    for a disk of its own always short of room: each save evicted the rest."""
+    root = short_dir / "root"
+    a_dir = entry_path(root, "x", model="A").parent
+    a_dir.parent.mkdir(mode=0o700, parents=True)
+    root.chmod(0o700)
+    with small_tmpfs(a_dir.parent, "ramfs", name=a_dir.name):
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=0,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i in range(5):
+                    assert kv.save("A", f"a{i}", filled(1, i), [i]) and kv.flush(timeout=WAIT)
+                assert kv.stats()["evictions"] == 0
+                assert all(entry_path(root, f"a{i}", model="A").exists() for i in range(5))
+        finally:
+            assert rd.stop() == 0
+
+
+def test_inodes_the_start_up_pass_frees_meanwhile_let_the_save_in(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's tmp file could not be made (no inode); the writer's pass
+    waited for the start-up scan's, which freed inodes for --max-disk-bytes,
+    then evicted nothing itself: the save failed though its file could now
+    be made."""
+    mib = 2**20
+    root = short_dir / "root"
+    root.mkdir(mode=0o700)
+    with small_tmpfs(root, "32m", inodes=16, name="sessions") as sessions:
+        sock = short_dir / "run" / "kv.sock"
+        rd = start_daemon(root, sock, min_free_bytes=0, min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                n = 0
+                while os.statvfs(sessions).f_favail > 0:
+                    assert kv.save(FP, f"k{n}", filled(1, n), [n]) and kv.flush(timeout=WAIT)
+                    n += 1
+        finally:
+            assert rd.stop() == 0
+        used = sum(p.stat().st_size for p in sessions.rglob("*") if p.is_file())
+        hold = short_dir / "hold"
+        monkeypatch.setitem(faults.ACTIVE, "scan_hold", str(hold))
+        monkeypatch.setitem(faults.ACTIVE, "evict_delay", "2")
+        rd = start_daemon(root, sock, indexed=False, min_free_bytes=0, min_write_interval=0,
+                          max_disk_bytes=used - 3 * mib)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                hold.touch()  # the scan ends; its pass evicts, 2 s a file
+                time.sleep(0.5)
+                assert os.statvfs(sessions).f_favail == 0
+                assert kv.save(FP, "new", filled(0.1, 99), [99])
+                assert kv.flush(timeout=WAIT) is True
+                assert version_of(entry_path(root, "new")) == 99
+        finally:
+            assert rd.stop() == 0
 
 
 def test_a_new_model_on_a_sessions_disk_out_of_inodes_gets_room(short_dir: Path) -> None:

@@ -1106,10 +1106,12 @@ class _FileWriter:
                         if tries_left:  # (into: counted even if it fails part way)
                             self.store.make_room(model, cache_id, size, need_inode=True,
                                                  into=self.evicted)
-                        if len(self.evicted) == before or self.store.out_of_inodes(
-                                self.store.path_for(model, cache_id)):
-                            # Nothing went, or it freed no inode (a file open
-                            # elsewhere): begin would fail alike.
+                        if self.store.out_of_inodes(self.store.path_for(model, cache_id)) \
+                                or (len(self.evicted) == before and not tries_left):
+                            # No inode yet (an eviction of a file open
+                            # elsewhere frees none): begin would fail alike.
+                            # Nothing evicted here, but inodes free: the
+                            # start-up scan's pass freed them meanwhile.
                             raise
                     except BaseException:  # giving up: a new model's directory, left empty
                         self.store.drop_model_dir(model)

@@ -158,7 +158,7 @@ def check_places(cfg: DaemonConfig) -> None:
         # Evicting could never get there: every entry would go at start.
         raise config.ConfigError(
             f"min_free_bytes ({cfg.min_free_bytes}) is more than the whole file system "
-            f"of {cfg.root} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
+            f"of {where} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
 
 
 #: How often the daemon checks that its root and socket are still in place.

@@ -994,8 +994,9 @@ class Store:
             return self._used
 
     def free_bytes(self, where: Path | None = None) -> int:
-        """Bytes free on the root's file system (or ``where``'s)."""
-        st = os.statvfs(where or self.root)
+        """Bytes free on the store's file system (``sessions/``'s, the root's
+        unless a disk is mounted there), or ``where``'s."""
+        st = os.statvfs(where or _made(self.sessions, self.root))
         return st.f_bavail * st.f_frsize
 
     def out_of_inodes(self, keep: Path | None = None) -> bool:
@@ -1016,7 +1017,10 @@ class Store:
         if keep is None:
             return store_disk, False
         where = _made(keep.parent, self.sessions, self.root)
-        return where, not _same_disk(where, store_disk)
+        try:
+            return where, not _same_disk(where, store_disk)
+        except OSError:  # removed meanwhile (by hand): made again on the store's
+            return store_disk, False
 
     @staticmethod
     def _evictable(indexed: list[StoredEntry], keep: Path | None,
@@ -1108,6 +1112,8 @@ class Store:
         # entry, and the save still failed.
         start_free = self.free_bytes(where) if min_free > 0 or writing else 0
         freed = 0
+        if (min_free > 0 or writing) and _no_size(where):
+            for_free_space = False  # ramfs, a tmpfs of size 0: no limit to keep to
 
         def free() -> int:
             return start_free + freed
@@ -1157,15 +1163,15 @@ class Store:
             if no_evictions is not None and no_evictions.is_set():
                 stopped = True
                 break
-            if not self._still_indexed(victim):
-                # Changed by hand since it was indexed: re-counted, not evicted.
-                used = self.usage()
-                continue
             if reason != "max_disk_bytes" and (not on_disk(victim)
                                                or _linked_elsewhere(victim.path)):
                 # Its unlink would free no block there: it is on another disk,
                 # or another link keeps them (a `cp -al` backup of the root).
                 # Only the account evicts it.
+                continue
+            if not self._still_indexed(victim):
+                # Changed by hand since it was indexed: re-counted, not evicted.
+                used = self.usage()
                 continue
             faults.slow_step("evict_delay")
             with self._lock:
@@ -1255,11 +1261,24 @@ def _same_disk(a: Path, b: Path) -> bool:
     are its own, is taken for a disk of its own."""
     if os.stat(a).st_dev == os.stat(b).st_dev:
         return True
-    return _figures(os.statvfs(a)) == _figures(os.statvfs(b))
+    sa, sb = os.statvfs(a), os.statvfs(b)
+    # Only where inodes are not counted (f_files 0: btrfs): equal figures of
+    # two tmpfs mounts (of one size, as full) were taken for one disk.
+    return sa.f_files == 0 and sa.f_blocks > 0 and _figures(sa) == _figures(sb)
 
 
 def _figures(st: os.statvfs_result) -> tuple[int, ...]:
     return (st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files, st.f_ffree)
+
+
+def _no_size(d: Path) -> bool:
+    """Whether the file system of ``d`` has no size to fill (ramfs, a tmpfs of
+    size 0: statvfs says 0 blocks, 0 free): a model's directory on one kept
+    only its newest entry, each save evicting the rest."""
+    try:
+        return os.statvfs(d).f_blocks == 0
+    except OSError:
+        return False
 
 
 def _linked_elsewhere(path: Path) -> bool:
