@@ -241,7 +241,8 @@ SETTINGS: tuple[Setting, ...] = (
             "disk budget over everything under the root (0: none, else at least 1M); "
             "least recently used entries are evicted past it", "size"),
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
-            "free space kept on the root's file system; entries are evicted to keep it", "size"),
+            "free space kept on the store's file system (sessions/'s: the root's unless a "
+            "disk is mounted there); entries are evicted to keep it", "size"),
     Setting("min_write_interval", _seconds, lambda: 0.25,
             "seconds a cache's writes are kept apart: a save of up to 64 MiB that "
             "comes sooner after its cache's last write waits out the rest, and a newer "

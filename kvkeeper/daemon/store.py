@@ -318,7 +318,8 @@ class StoredEntry:
 
 @dataclass
 class Budget:
-    """Disk limits: bytes under the root, and free bytes kept on its file system."""
+    """Disk limits: bytes under the root, and free bytes kept on the store's
+    file system (that of ``sessions/``)."""
 
     max_disk_bytes: int | None = None
     min_free_bytes: int = 0
@@ -1087,9 +1088,9 @@ class Store:
                 return  # not from a part of the store: see rescan
             used = self._used
         for_free_space = True
-        # --min-free-bytes is the root's file system's; a model's own disk is
-        # only kept from failing a write (the default 5 GiB could be more
-        # than the whole disk, and every save would evict the rest).
+        # --min-free-bytes is the store's disk's (sessions/'s); a model's own
+        # disk is only kept from failing a write (the default 5 GiB could be
+        # more than the whole disk, and every save would evict the rest).
         where, own_disk = self._disk_of(keep)
         min_free = 0 if own_disk else b.min_free_bytes
         disks: dict[Path, bool] = {}
