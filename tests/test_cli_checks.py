@@ -983,6 +983,37 @@ def test_a_live_socket_whose_lock_file_went_is_not_taken(
     assert entry_path(daemon.root, "a", model="m").exists()
 
 
+def test_a_socket_whose_listener_does_not_accept_is_not_taken(short_dir: Path) -> None:
+    """A process listening on the socket path but not accepting (a stopped
+    daemon whose backlog is full): the probe's EAGAIN was taken for "nobody
+    listens", and serve unlinked the live socket and bound its own."""
+    import socket as sockets
+
+    sock = short_dir / "run" / "k.sock"
+    sock.parent.mkdir(mode=0o700)
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    queued = []
+    try:
+        listener.bind(str(sock))
+        listener.listen(0)
+        for _ in range(4):  # fill the backlog
+            c = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(str(sock))
+            except BlockingIOError:
+                break
+        r = cli("serve", "--root", str(short_dir / "root"), "--socket", str(sock), timeout=15)
+        assert r.returncode == 2 and "cannot tell whether a process listens on socket" \
+            in r.stderr, (r.stdout, r.stderr)
+        assert sock.exists() and not (short_dir / "root").exists()
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()
+
+
 def test_serve_refused_for_a_socket_in_use_leaves_no_root_behind(
         daemon: RunningDaemon, short_dir: Path) -> None:
     """The root was made (and locked) before the socket's lock said another

@@ -784,6 +784,34 @@ def test_a_model_on_a_disk_with_no_size_keeps_every_entry(short_dir: Path) -> No
             assert rd.stop() == 0
 
 
+def test_a_linked_file_evicted_for_the_account_frees_no_space(short_dir: Path) -> None:
+    """a hard-linked elsewhere, evicted for --max-disk-bytes: its size was
+    counted as freed, so the pass stopped short of --min-free-bytes (4 MiB
+    free of 10 kept) and said nothing."""
+    mib = 2**20
+    with small_tmpfs(short_dir, "64m") as mnt:
+        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
+        rd = start_daemon(root, sock, min_free_bytes=0, min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i, k in enumerate("abcd"):
+                    assert kv.save(FP, k, filled(8, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
+        finally:
+            assert rd.stop() == 0
+        os.link(entry_path(root, "a"), mnt / "backup-a")
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(mnt / "other-program.bin", "wb") as f:
+            f.write(b"\0" * (free - 4 * mib))
+        rd = start_daemon(root, sock, max_disk_bytes=30 * mib, min_free_bytes=10 * mib,
+                          min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert [e.cache_id for e in kv.entries()] == ["c", "d"]
+            assert os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize >= 10 * mib
+        finally:
+            assert rd.stop() == 0
+
+
 def test_inodes_the_start_up_pass_frees_meanwhile_let_the_save_in(
         short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save's tmp file could not be made (no inode); the writer's pass

@@ -108,13 +108,18 @@ def _refuse_a_live_socket(path: Path) -> None:
     try:
         probe.settimeout(1.0)
         probe.connect(str(path))
-    except OSError:
-        pass  # refused: nobody listens (or cannot tell: the unlink says)
-    else:
-        raise AlreadyRunning(f"a process is listening on socket {path} (a kvkeeper daemon "
-                             f"whose lock file was removed?): stop it first")
+    except (ConnectionRefusedError, FileNotFoundError):
+        return  # nobody listens: a dead daemon's socket
+    except OSError as exc:
+        # A listener whose backlog is full (a stopped daemon) says EAGAIN, or
+        # keeps the connect waiting: taken for dead, its socket was unlinked.
+        raise AlreadyRunning(f"cannot tell whether a process listens on socket {path} "
+                             f"({exc.strerror or exc}): stop it first, or remove the "
+                             f"socket if none does") from None
     finally:
         probe.close()
+    raise AlreadyRunning(f"a process is listening on socket {path} (a kvkeeper daemon "
+                         f"whose lock file was removed?): stop it first")
 
 
 def _check_socket_place(path: Path) -> bool:

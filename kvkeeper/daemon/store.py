@@ -1164,8 +1164,9 @@ class Store:
             if no_evictions is not None and no_evictions.is_set():
                 stopped = True
                 break
-            if reason != "max_disk_bytes" and (not on_disk(victim)
-                                               or _linked_elsewhere(victim.path)):
+            # (Its blocks: free for this pass's disk only if no other link keeps them.)
+            frees = on_disk(victim) and not _linked_elsewhere(victim.path)
+            if reason != "max_disk_bytes" and not frees:
                 # Its unlink would free no block there: it is on another disk,
                 # or another link keeps them (a `cp -al` backup of the root).
                 # Only the account evicts it.
@@ -1210,7 +1211,7 @@ class Store:
             if writers_turn:
                 self._drop_dir_if_empty(victim.path.parent)
             used -= victim.nbytes
-            if on_disk(victim):
+            if frees:
                 freed += victim.nbytes
             evicted.append(victim)
             faults.io_error("evicted")
