@@ -784,34 +784,6 @@ def test_a_model_on_a_disk_with_no_size_keeps_every_entry(short_dir: Path) -> No
             assert rd.stop() == 0
 
 
-def test_a_linked_file_evicted_for_the_account_frees_no_space(short_dir: Path) -> None:
-    """a hard-linked elsewhere, evicted for --max-disk-bytes: its size was
-    counted as freed, so the pass stopped short of --min-free-bytes (4 MiB
-    free of 10 kept) and said nothing."""
-    mib = 2**20
-    with small_tmpfs(short_dir, "64m") as mnt:
-        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
-        rd = start_daemon(root, sock, min_free_bytes=0, min_write_interval=0)
-        try:
-            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-                for i, k in enumerate("abcd"):
-                    assert kv.save(FP, k, filled(8, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
-        finally:
-            assert rd.stop() == 0
-        os.link(entry_path(root, "a"), mnt / "backup-a")
-        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
-        with open(mnt / "other-program.bin", "wb") as f:
-            f.write(b"\0" * (free - 4 * mib))
-        rd = start_daemon(root, sock, max_disk_bytes=30 * mib, min_free_bytes=10 * mib,
-                          min_write_interval=0)
-        try:
-            with Client(rd.socket, timeout=WAIT) as kv:
-                assert [e.cache_id for e in kv.entries()] == ["c", "d"]
-            assert os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize >= 10 * mib
-        finally:
-            assert rd.stop() == 0
-
-
 def test_inodes_the_start_up_pass_frees_meanwhile_let_the_save_in(
         short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save's tmp file could not be made (no inode); the writer's pass
@@ -883,30 +855,36 @@ def test_a_save_that_cannot_fit_but_for_linked_files_evicts_nothing(short_dir: P
         assert [version_of(entry_path(root, k)) for k in "abcd"] == [1, 2, 3, 4]
 
 
-def test_a_pass_evicting_for_the_account_first_still_keeps_min_free(short_dir: Path) -> None:
-    """A start-up pass over both budgets: the entry evicted for
-    --max-disk-bytes was counted as freed before the free space was read,
-    which already showed it freed: counted twice, the pass stopped short of
-    --min-free-bytes, and said nothing."""
+@pytest.mark.parametrize(("keys", "linked", "account", "kept_free"),
+                         [("abcde", "", 33, 16), ("abcd", "a", 30, 10)])
+def test_a_start_up_pass_over_both_budgets_keeps_min_free(
+        short_dir: Path, keys: str, linked: str, account: int, kept_free: int) -> None:
+    """A start-up pass over both budgets (4 MiB free, entries of 8 MiB):
+    the entry evicted for --max-disk-bytes was counted as freed before the
+    free space was read, which already showed it freed; or it was hard-linked
+    elsewhere, and its unlink freed nothing. Either way the pass stopped
+    short of --min-free-bytes, and said nothing."""
     mib = 2**20
     with small_tmpfs(short_dir, "64m") as mnt:
         root, sock = mnt / "root", short_dir / "run" / "kv.sock"
         rd = start_daemon(root, sock, min_free_bytes=0, min_write_interval=0)
         try:
             with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
-                for i, k in enumerate("abcde"):
+                for i, k in enumerate(keys):
                     assert kv.save(FP, k, filled(8, i + 1), [i + 1]) and kv.flush(timeout=WAIT)
         finally:
             assert rd.stop() == 0
+        for k in linked:
+            os.link(entry_path(root, k), mnt / f"backup-{k}")
         free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
         with open(mnt / "other-program.bin", "wb") as f:  # outside the root's account
             f.write(b"\0" * (free - 4 * mib))
-        rd = start_daemon(root, sock, max_disk_bytes=33 * mib, min_free_bytes=16 * mib,
-                          min_write_interval=0)
+        rd = start_daemon(root, sock, max_disk_bytes=account * mib,
+                          min_free_bytes=kept_free * mib, min_write_interval=0)
         try:
             with Client(rd.socket, timeout=WAIT) as kv:
-                assert [e.cache_id for e in kv.entries()] == ["c", "d", "e"]
-            assert os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize >= 16 * mib
+                assert [e.cache_id for e in kv.entries()] == list(keys[2:])
+            assert os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize >= kept_free * mib
         finally:
             assert rd.stop() == 0
 
