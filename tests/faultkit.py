@@ -110,7 +110,7 @@ def run(*cmd: str) -> None:
 
 
 @contextmanager
-def small_ext4(parent: Path, mib: int, kind: str = "ext4") -> Iterator[Path]:
+def small_disk(parent: Path, mib: int, kind: str = "ext4") -> Iterator[Path]:
     """An ext4 image of ``mib`` MiB, no blocks reserved for root, loop-mounted
     at ``parent/ext4``: a small real disk (a tmpfs takes a new directory
     with no free block; ext4 needs one). ``kind`` "xfs" (at least 300 MiB)

@@ -35,7 +35,7 @@ from .faultkit import (
     limit_file_size,
     need_linux_root,
     run,
-    small_ext4,
+    small_disk,
     small_tmpfs,
     tmp_files,
     version_of,
@@ -622,7 +622,7 @@ def test_a_disk_that_frees_blocks_later_loses_no_more_than_the_save_needs(
     evicting (a review: 5 entries for a save that needed 2). The pass now
     counts the sizes of the files it evicted."""
     mib = 2**20
-    with small_ext4(short_dir, 320, "xfs") as mnt:
+    with small_disk(short_dir, 320, "xfs") as mnt:
         root = mnt / "root"
         rd = start_daemon(root, short_dir / "run" / "kv.sock", min_free_bytes=0,
                           min_write_interval=0)
@@ -650,7 +650,7 @@ def test_min_free_holds_on_a_btrfs_subvolume(short_dir: Path) -> None:
     --min-free-bytes does not apply: the disk filled past it, nothing
     evicted. It shares the pool's free space, so the budget holds."""
     mib = 2**20
-    with small_ext4(short_dir, 400, "btrfs") as mnt:
+    with small_disk(short_dir, 400, "btrfs") as mnt:
         root = mnt / "root"
         root.mkdir(mode=0o700)
         run("btrfs", "subvolume", "create", str(root / "sessions"))
@@ -911,7 +911,7 @@ def test_a_full_ext4_makes_room_for_a_new_models_directory(short_dir: Path) -> N
     mkdir failed with ENOSPC before any room was made, so every save of a
     new model failed for good. Now room is made, the file begun again, and
     room made again for the block the directory took: the save is written."""
-    with small_ext4(short_dir, 64) as mnt:
+    with small_disk(short_dir, 64) as mnt:
         rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=0,
                           min_write_interval=0)
         try:

@@ -1004,8 +1004,7 @@ class Store:
         """Whether the file system a file at ``keep`` goes on (see ``_disk_of``)
         has no inode left for a new file (one that counts them: f_files is 0
         where there is no such limit)."""
-        st = os.statvfs(self._disk_of(keep)[0])
-        return st.f_files > 0 and st.f_favail == 0
+        return _no_inode(self._disk_of(keep)[0])
 
     def _disk_of(self, keep: Path | None) -> tuple[Path, bool]:
         """Where a pass for a file at ``keep`` frees space: a directory on the
@@ -1111,9 +1110,10 @@ class Store:
         # it) or free it later (btrfs at its next commit, XFS in the
         # background): read after each eviction, such a disk lost every
         # entry, and the save still failed.
-        start_free = self.free_bytes(where) if min_free > 0 or writing else 0
+        wants_space = min_free > 0 or writing > 0
+        start_free = self.free_bytes(where) if wants_space else 0
         freed = 0
-        if (min_free > 0 or writing) and _no_size(where):
+        if wants_space and _no_size(where):
             for_free_space = False  # ramfs, a tmpfs of size 0: no limit to keep to
 
         def free() -> int:
@@ -1122,12 +1122,12 @@ class Store:
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
                 return "max_disk_bytes"
-            if for_free_space and (min_free > 0 or writing) and free() - writing < min_free:
+            if for_free_space and wants_space and free() - writing < min_free:
                 return "min_free_bytes"
             # The file about to be written could not be made: one entry, as
             # its unlink may free no inode (a file open elsewhere, a file
             # system that always says none are free).
-            if need_inode and for_free_space and not evicted and self.out_of_inodes(keep):
+            if need_inode and for_free_space and not evicted and _no_inode(where):
                 return "inodes"
             return None
 
@@ -1281,6 +1281,13 @@ def _no_size(d: Path) -> bool:
         return os.statvfs(d).f_blocks == 0
     except OSError:
         return False
+
+
+def _no_inode(d: Path) -> bool:
+    """Whether the file system of ``d`` has no inode left for a new file (one
+    that counts them: f_files is 0 where there is no such limit)."""
+    st = os.statvfs(d)
+    return st.f_files > 0 and st.f_favail == 0
 
 
 def _linked_elsewhere(path: Path) -> bool:
