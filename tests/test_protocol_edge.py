@@ -269,20 +269,24 @@ def test_a_save_with_two_bad_ids_is_refused_once(raw: zmq.Socket) -> None:
     _counts_add_up(raw)
 
 
-def test_metadata_counts_against_the_memory_budget(short_dir: Path) -> None:
-    from .conftest import start_daemon
-
+@pytest.mark.parametrize("shape", ["one long value", "many short items"])
+def test_metadata_counts_against_the_memory_budget(short_dir: Path, shape: str) -> None:
     # Saves that begin, carry large metadata (token ids can be megabytes) and
     # never send their bytes: the metadata is held meanwhile, so the budget
-    # must see it, or such saves grow the daemon without bound.
+    # must see it, or such saves grow the daemon without bound. Many short
+    # items are small on the wire but not in memory (two str objects and a
+    # dict slot each): 140,000 of them are 1.2 MB of text and some 19 MB
+    # decoded (before, counted at their text, all three saves were taken).
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
                       max_pending_bytes=64 * 2**20, stall_timeout=2)
-    note = "x" * (20 * 2**20)  # the writer's share of the 64 MiB is 48 MiB
+    # The writer's share of the 64 MiB is 48 MiB: room for two such saves.
+    meta = ({"note": "x" * (20 * 2**20)} if shape == "one long value"
+            else {f"k{i}": "" for i in range(140_000)})
     try:
         # One stream per peer: a second begin from one peer would abandon its first.
         with dealers(rd.socket, 3) as peers:
             for i, s in enumerate(peers):
-                s.send(begin(save=1, cache_id=f"c{i}", metadata={"note": note}))
+                s.send(begin(save=1, cache_id=f"c{i}", metadata=meta))
             # The three connections reach the daemon in no set order: whichever
             # begin comes last finds the budget taken by the other two.
             poller = zmq.Poller()

@@ -73,6 +73,8 @@ PARK_BELOW_BYTES = 1024 * 1024
 
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
+#: Bytes in memory a metadata item takes beside its text (see metadata_memory).
+_METADATA_ITEM_BYTES = 144
 #: Save data arriving in messages smaller than this is copied into buffers of
 #: up to this size (kvkeeper's own client sends 8 MiB messages, and joins
 #: small frames itself).
@@ -153,6 +155,12 @@ class SaveJob(Job):
     def metadata_bytes(self) -> int:
         # Encoded: a character of a stored conversation may take 4 bytes.
         return sum(len(k.encode()) + len(v.encode()) for k, v in self.metadata.items())
+
+    @property
+    def metadata_memory(self) -> int:
+        """What the decoded metadata takes in memory beyond its encoded bytes:
+        two str objects and a dict slot an item (measured 65-136 bytes)."""
+        return _METADATA_ITEM_BYTES * len(self.metadata)
 
 
 @dataclass(eq=False)
@@ -286,11 +294,13 @@ class WriterActor:
             return "shutting_down", "the daemon is shutting down"
         # The metadata (token ids, up to 32 MiB) is held until the save is
         # done, like its data, and goes into the file's header: both count
-        # against the memory budget and the disk budget. So does the decoded
-        # tensor table, in memory only: 65,536 tensors of long names held
-        # 37 MB a save for its whole life, outside the budget.
+        # against the memory budget and the disk budget. So do the decoded
+        # tensor table and the metadata's Python objects, in memory only:
+        # 65,536 tensors of long names held 37 MB a save for its whole life,
+        # and 5M metadata items of 4 bytes 430 MB, outside the budget.
         on_disk = job.total + job.metadata_bytes
-        need = on_disk + (job.layout.table_bytes if job.layout is not None else 0)
+        need = on_disk + job.metadata_memory \
+            + (job.layout.table_bytes if job.layout is not None else 0)
         disk = self.store.budget.max_disk_bytes
         if disk is not None and on_disk > disk:
             return "too_large", (f"save of {on_disk} bytes (data and metadata) exceeds max "
