@@ -91,6 +91,10 @@ def socket_path(value: str | os.PathLike[str]) -> Path:
 
 
 def check_socket_path(socket_path: Path) -> None:
+    """Raise ConfigError for a socket path ZeroMQ cannot bind or connect:
+    over the platform's length once absolute, or not valid UTF-8."""
+    socket_path = Path(os.path.abspath(socket_path))
+    _check_utf8(socket_path, "socket path")
     n = len(os.fsencode(str(socket_path)))
     if n > MAX_SOCKET_PATH:
         raise ConfigError(

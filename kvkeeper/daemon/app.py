@@ -141,12 +141,17 @@ def check_places(cfg: DaemonConfig) -> None:
     """Refuse what ``Daemon.run`` would refuse about the root and the socket,
     making, locking and removing nothing: ``install-service`` must not
     write a service that fails at every start. Raises ConfigError."""
-    config.check_socket_path(cfg.socket)
+    sock = Path(os.path.abspath(cfg.socket))
+    config.check_socket_path(sock)
     # Both looked at before either is made: refused for one, the daemon
     # leaves no new directory behind for the other.
     config.check_private_dir(cfg.root, "root directory")
     config.check_private_dir(cfg.socket.parent, "socket directory")
-    _check_socket_place(Path(os.path.abspath(cfg.socket)))
+    if _check_socket_place(sock) and not _lock_held(lock_paths(cfg)[0]):
+        # A daemon whose lock file went (a /tmp cleaner) still answers: serve
+        # refuses to take its socket, so --print-config and install-service
+        # must too. (One that holds its lock is check_not_held's to name.)
+        _refuse_a_live_socket(sock)
     sessions = Path(os.path.abspath(cfg.root)) / SESSIONS_DIR
     check_sessions_dir(sessions)
     if os.path.isdir(sessions):
@@ -212,8 +217,13 @@ class _Lock:
                     f"another kvkeeper daemon is running ({other}); lock file {path}"
                 ) from None
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, holder.encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, holder.encode())
+        except OSError as exc:  # a full disk (ENOSPC): a line, not a traceback
+            os.close(fd)
+            raise LockUnusable(f"cannot write lock file {str(path)!r}: "
+                               f"{exc.strerror or exc}") from None
         self.fd = fd
 
     def release(self) -> None:
@@ -265,6 +275,15 @@ def check_not_held(cfg: DaemonConfig) -> None:
             raise _unusable_lock(path, exc) from None
         if holder is not None:
             raise AlreadyRunning(f"another kvkeeper daemon is running ({holder}); lock file {path}")
+
+
+def _lock_held(path: Path) -> bool:
+    """Whether a process holds the lock at ``path``; True when that cannot
+    be told (what then holds it is for `check_not_held` to say)."""
+    try:
+        return lock_holder(path) is not None
+    except OSError:
+        return True
 
 
 def holder_pid(holder: str) -> int | None:
