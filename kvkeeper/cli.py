@@ -38,6 +38,17 @@ def _size(text: str) -> int:
     return _flag_value(parse_size, text)
 
 
+def _number(text: str) -> float:
+    """A seconds flag's number; its range is checked with the other settings'."""
+    try:
+        return float(text)
+    except ValueError:
+        # As for the same value from the environment or the config file:
+        # argparse's "invalid float value: '5s'" did not say what was wrong.
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (a plain "
+                                         f"number: 5 or 0.5, no unit)") from None
+
+
 def _path(text: str) -> Path:
     from kvkeeper.settings import parse_path
 
@@ -72,7 +83,7 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
                         "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")
     flag_types: dict[str, Callable[[str], Any]] = {"path": _path, "socket": _socket,
-                                                   "size": _size, "seconds": float, "text": str}
+                                                   "size": _size, "seconds": _number, "text": str}
     for s in SETTINGS:
         default = s.default()
         if s.kind == "size":

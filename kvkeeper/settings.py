@@ -79,6 +79,10 @@ def parse_size(text: str | int | float) -> int:
             value = int(digits or "0") * _SIZE_UNITS[unit] if len(digits) <= 30 else MAX_SIZE + 1
             return _in_range(value, text)
         try:
+            # float() also takes "1_000" and digits of other scripts ("١٠٠"),
+            # which a size written by a person never means.
+            if not num.isascii() or "_" in num:
+                raise ValueError
             number = float(num) * _SIZE_UNITS[unit]
         except ValueError:
             raise ValueError(f"not a byte size: {_as_given(text)} (try 512M or 1G)") from None

@@ -99,14 +99,29 @@ def test_non_finite_settings_are_refused(argv: list[str], env: dict[str, str], t
     usage_error(r, "finite")
 
 
-@pytest.mark.parametrize(("env", "toml"), [({"KVKEEPER_DRAIN_TIMEOUT": "5s"}, ""),
-                                           ({}, 'min_write_interval = "1 s"\n')])
-def test_seconds_with_a_unit_say_so(env: dict[str, str], toml: str, short_dir: Path) -> None:
-    """"could not convert string to float: '5s'" was Python's, not ours."""
+@pytest.mark.parametrize(("argv", "env", "toml"), [
+    ([], {"KVKEEPER_DRAIN_TIMEOUT": "5s"}, ""),
+    ([], {}, 'min_write_interval = "1 s"\n'),
+    (["--drain-timeout", "5s"], {}, ""),
+])
+def test_seconds_with_a_unit_say_so(argv: list[str], env: dict[str, str], toml: str,
+                                    short_dir: Path) -> None:
+    """"could not convert string to float: '5s'" was Python's, not ours; a
+    flag got argparse's "invalid float value: '5s'"."""
     cfg = short_dir / "kv.toml"
     cfg.write_text(toml)
-    usage_error(cli("serve", "--config", str(cfg), "--print-config", env=env),
-                "not a number of seconds: ", "(a plain number: 5 or 0.5, no unit)")
+    r = cli("serve", "--config", str(cfg), "--print-config", *argv, env=env)
+    assert r.returncode == 2 and "not a number of seconds: " in r.stderr \
+        and "(a plain number: 5 or 0.5, no unit)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value", ["1_000M", "\u0661\u0660\u0660M", "1_0.5G"])
+def test_sizes_are_written_in_ascii_digits(value: str) -> None:
+    """float() took these: --max-disk-bytes 1_000M was a budget of 1000 MiB,
+    and Arabic-Indic digits read as 100."""
+    for flag in ("--max-disk-bytes", "--max-pending-bytes", "--min-free-bytes"):
+        r = cli("serve", "--print-config", flag, value)
+        assert r.returncode == 2 and f"argument {flag}: not a byte size" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("platform", ["linux", "macos"])
@@ -1224,3 +1239,27 @@ def test_print_config_shows_where_a_relative_path_leads(short_dir: Path) -> None
     assert f"rr (= {short_dir / 'rr'})" in rows["root"], r.stdout
     assert f"s/kv.sock (= {short_dir / 's' / 'kv.sock'})" in rows["socket"], r.stdout
     assert not (short_dir / "rr").exists()  # printing makes nothing
+
+
+def test_kvkeeper_debug_shows_the_client_library_log(short_dir: Path) -> None:
+    """The commands keep the library's log lines off stderr; KVKEEPER_DEBUG
+    (documented in the README) lets them through: here the refusal of an
+    import's save over the disk budget (event=save_refused)."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from .conftest import start_daemon
+
+    c = KVCache()
+    x = mx.zeros((1, 8, 512, 128))  # 2 MiB a layer in float32
+    c.update_and_fetch(x, x)
+    src = short_dir / "big.safetensors"
+    save_prompt_cache(str(src), [c])
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "k.sock", max_disk_bytes=2**20)
+    try:
+        argv = ("import", "--socket", str(rd.socket), "--model", "m", str(src))
+        quiet, loud = cli(*argv), cli(*argv, env={"KVKEEPER_DEBUG": "1"})
+    finally:
+        assert rd.stop() == 0
+    assert quiet.returncode == loud.returncode == 1, (quiet.stderr, loud.stderr)
+    assert "event=" not in quiet.stderr, quiet.stderr
+    assert "event=save_refused" in loud.stderr, loud.stderr
