@@ -1141,6 +1141,23 @@ def test_an_id_starting_with_a_dash_goes_after_double_dash(
     assert client.entries() == []
 
 
+def test_ls_shows_the_token_count_a_legacy_file_records(
+    daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """A cache_persist file (schema "3") records its token count; ls --all
+    listed it with 0 tokens, as an mlx-lm file, which records none."""
+    manifest = json.loads((LEGACY / "MANIFEST.json").read_text())
+    rel = "gezel-schema3/fp-demo/kv.safetensors"
+    for cache_id, src in (("gez", rel), ("mlx", "mlx-lm/kv.safetensors")):
+        place = entry_path(daemon.root, cache_id, model="model-l")
+        place.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(LEGACY / src, place)
+    assert cli("gc", "--socket", str(daemon.socket)).returncode == 0  # a rescan indexes them
+    r = cli("ls", "--socket", str(daemon.socket), "--all", "--json")
+    listed = {e["cache_id"]: (e["kind"], e["tokens"]) for e in json.loads(r.stdout)}
+    assert listed == {"gez": ("legacy", len(manifest[rel]["token_ids"])), "mlx": ("legacy", 0)}
+
+
 def test_a_legacy_cache_at_an_entrys_place_is_one_import_and_rm_see(
     daemon: RunningDaemon, short_dir: Path
 ) -> None:

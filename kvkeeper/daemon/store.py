@@ -28,6 +28,7 @@ from kvkeeper.config import ConfigError
 from kvkeeper.daemon import faults
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import naming
+from kvkeeper.protocol.legacy_formats import GEZEL_SCHEMA3, detect_legacy
 from kvkeeper.protocol.naming import QUARANTINE_DIR
 from kvkeeper.protocol.safetensors import (
     CACHE_ID_KEY,
@@ -692,7 +693,9 @@ class Store:
                                path, "entry", st.st_mtime, **ident)
         if not is_cache(meta):
             return foreign  # safetensors, but no cache of a known format: not ours to delete
-        return StoredEntry(model or "", cache_id or "", 0, st.st_size, last_used, path,
+        # cache_persist's files record their count; mlx-lm's record no token ids.
+        tokens = _int(meta.get("token_count")) if detect_legacy(meta) == GEZEL_SCHEMA3 else 0
+        return StoredEntry(model or "", cache_id or "", tokens, st.st_size, last_used, path,
                            "legacy", st.st_mtime, **ident)
 
     def someone_elses(self, path: Path) -> bool:
