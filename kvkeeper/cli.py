@@ -266,6 +266,10 @@ def _parser() -> argparse.ArgumentParser:
         "what the daemon wrote. Uses the daemon at --socket (exit 3 if none answers "
         "there), else the user's daemon if it is running, else a private one.",
     ))
+    for sp in sub.choices.values():
+        # For _main: an unknown argument is the command's mistake, shown
+        # with the command's usage (argparse names the top parser's).
+        sp.set_defaults(command_parser=sp)
     return p
 
 
@@ -354,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         return _serve(args)
     if args.command == "demo":

@@ -1263,3 +1263,21 @@ def test_kvkeeper_debug_shows_the_client_library_log(short_dir: Path) -> None:
     assert quiet.returncode == loud.returncode == 1, (quiet.stderr, loud.stderr)
     assert "event=" not in quiet.stderr, quiet.stderr
     assert "event=save_refused" in loud.stderr, loud.stderr
+
+
+@pytest.mark.parametrize(("argv", "unknown"), [
+    (("ls", "--sokcet", "x"), "--sokcet x"),
+    (("rm", "m", "c", "-x"), "-x"),
+    (("serve", "--max-disk", "1G", "--bogus"), "--bogus"),
+    (("gc", "extra"), "extra"),
+])
+def test_an_unknown_argument_shows_its_commands_usage(argv: tuple[str, ...],
+                                                      unknown: str) -> None:
+    """argparse reported arguments a command did not know with the top
+    parser's usage (``usage: kvkeeper [-h] [--version] COMMAND ...``), which
+    does not show the flag the user meant."""
+    r = cli(*argv)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"usage: kvkeeper {argv[0]} "), r.stderr
+    assert f"kvkeeper {argv[0]}: error: unrecognized arguments: {unknown}\n" in r.stderr, \
+        r.stderr
