@@ -166,6 +166,9 @@ class Server:
             except Exception:  # noqa: BLE001 - one bad message must not stop the daemon
                 self.stats.inc("internal_errors")
                 log.exception("event=internal_error")
+            # Let go before waiting for the next message: a refused one's
+            # frames (hundreds of MiB) were held until another came.
+            del frames
 
     # ------------------------------------------------------------ dispatch
 
