@@ -688,12 +688,16 @@ def import_files(args: argparse.Namespace) -> int:
             for f in files:
                 bar.advance(task)
                 current = f
-                if not _mlx_can_open(f):
+                # A symlink given or found is the user's own: its file is read
+                # (the reader never follows one: in the store, a symlink at an
+                # entry's place is not a cache).
+                src = Path(os.path.realpath(f)) if f.is_symlink() else f
+                if not _mlx_can_open(src):
                     # Not "damaged", which MLX's error made of it.
                     failed.append((f, f"{NOT_UTF8}: rename it, or copy it, to import it"))
                     continue
                 try:
-                    got = read_cache_file(f)
+                    got = read_cache_file(src)
                 except CacheFileError as exc:
                     failed.append((f, str(exc)))
                     continue

@@ -26,6 +26,7 @@ globals(). Classes are resolved with the codec's rules instead (only inside
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -75,21 +76,74 @@ class LegacyCache:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
+class LegacyDamage(CodecError):
+    """The file is damaged: what its writer always writes is missing or
+    malformed (a field that is not JSON, an array its state names, a count
+    out of range). Other CodecErrors may be this process's limits (a class
+    this mlx-lm or mlx-vlm does not have), with the file sound."""
+
+
 def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:
     """Rebuild the cache of a legacy file from its arrays and metadata (as `mx.load` returns them).
 
     Raises CodecError when the metadata is not a known legacy format or does
-    not describe a cache these arrays can rebuild.
+    not describe a cache these arrays can rebuild (LegacyDamage when the
+    file is damaged).
     """
     fmt = detect_legacy(metadata)
     try:
         if fmt == GEZEL_SCHEMA3:
-            return _decode_gezel(arrays, metadata)
-        if fmt == MLX_LM_PROMPT_CACHE:
-            return _decode_mlx_lm(arrays, metadata)
+            cache = _decode_gezel(arrays, metadata)
+        elif fmt == MLX_LM_PROMPT_CACHE:
+            cache = _decode_mlx_lm(arrays, metadata)
+        else:
+            raise CodecError("not a known legacy cache format (gezel schema 3 or mlx-lm "
+                             "prompt cache)")
     except RecursionError:
-        raise CodecError("legacy cache structure is nested too deeply") from None
-    raise CodecError("not a known legacy cache format (gezel schema 3 or mlx-lm prompt cache)")
+        raise LegacyDamage("legacy cache structure is nested too deeply") from None
+    for i, layer in enumerate(cache.layers):
+        _check_counts(layer, f"layer {i}")
+    return cache
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None  # not told: not checked
+
+
+_MEMORY = _physical_memory()
+
+
+def _check_counts(layer: Any, where: str) -> None:
+    """Refuse a layer whose offset no cache can have. These files carry no
+    checksums: a damaged offset (-5, 1000 over 256 rows, NaN) was restored
+    as it was, and kvkeeper's own file of it, after an import, then passed
+    every check; the cache's next update went wrong, or raised."""
+    children = getattr(layer, "caches", None)
+    if isinstance(children, (list, tuple)):  # CacheList
+        for i, child in enumerate(children):
+            _check_counts(child, f"{where}.{i}")
+    offset = getattr(layer, "offset", None)
+    if offset is None or isinstance(offset, mx.array):
+        return  # none, or a batch's offsets (one per sequence)
+    if type(offset) is not int or not 0 <= offset < 1 << 31:
+        raise LegacyDamage(f"{where}: offset {offset!r} is not a token count")
+    keys = getattr(layer, "keys", None)
+    # Rebuilding may pad the rows the file holds (mlx-vlm's
+    # StaticPrefixKVCache, to its max_size): a damaged max_size of 2**30 made
+    # 64 GiB of zeros, and evaluating them ended the process (SIGSEGV).
+    size = sum(a.nbytes for a in (keys, getattr(layer, "values", None))
+               if isinstance(a, mx.array))
+    if _MEMORY is not None and size > _MEMORY:
+        raise LegacyDamage(f"{where}: its keys and values would take {size} bytes, more than "
+                           f"this machine's memory ({_MEMORY})")
+    # A plain KVCache holds its tokens in its first offset rows (the others
+    # are spare); a rotating one holds fewer, so only these are checked.
+    if type(layer).__name__ == "KVCache" and isinstance(keys, mx.array) and keys.ndim == 4 \
+            and offset > keys.shape[-2]:
+        raise LegacyDamage(f"{where}: offset {offset} is past its {keys.shape[-2]} rows")
 
 
 # ---------------------------------------------------------------------------
@@ -118,11 +172,11 @@ def _json_field(metadata: Mapping[str, str], key: str, kind: type) -> Any:
     try:
         value = json.loads(metadata[key])
     except KeyError:
-        raise CodecError(f"metadata has no {key!r}") from None
+        raise LegacyDamage(f"metadata has no {key!r}") from None
     except (TypeError, ValueError) as exc:
-        raise CodecError(f"metadata {key!r} is not JSON: {exc}") from None
+        raise LegacyDamage(f"metadata {key!r} is not JSON: {exc}") from None
     if not isinstance(value, kind):
-        raise CodecError(f"metadata {key!r} is not a {kind.__name__}")
+        raise LegacyDamage(f"metadata {key!r} is not a {kind.__name__}")
     return value
 
 
@@ -135,8 +189,23 @@ def _unflatten_layers(flat: dict[str, Any], n_layers: int) -> list[Any]:
     except Exception as exc:  # malformed paths of any sort
         raise CodecError(f"cannot rebuild the state tree: {exc!r}") from exc
     if not isinstance(states, list) or len(states) != n_layers:
-        raise CodecError(f"state tree does not have one entry per layer ({n_layers} classes)")
+        raise LegacyDamage(f"state tree does not have one entry per layer ({n_layers} classes)")
+    _no_hole(states, "")
     return states
+
+
+def _no_hole(tree: Any, path: str) -> None:
+    """Refuse a state tree with an entry missing: tree_unflatten puts {} in
+    the place of an array the file lacks (one removed, or its name damaged),
+    and the layer came back with {} for its keys."""
+    if isinstance(tree, dict):
+        if not tree:
+            raise LegacyDamage(f"the file has no array for state entry {path.lstrip('.')!r}")
+        for k, v in tree.items():
+            _no_hole(v, f"{path}.{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _no_hole(v, f"{path}.{i}")
 
 
 def _class_named(name: Any, modules: list[str]) -> type:
@@ -234,7 +303,7 @@ def _decode_gezel(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
     if not classes or not len(classes) == len(modules) == len(metas):
         raise CodecError("gezel metadata: classes, class_modules and meta_state disagree")
     if not all(type(t) is int for t in token_ids):
-        raise CodecError("gezel metadata: token_ids are not all integers")
+        raise LegacyDamage("gezel metadata: token_ids are not all integers")
     for path, value in scalars.items():
         if not (value is None or isinstance(value, (bool, int, float, str))):
             raise CodecError(f"gezel metadata: state scalar {path!r} is not a scalar")

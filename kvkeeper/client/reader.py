@@ -7,6 +7,7 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -145,6 +146,7 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     from kvkeeper.client.legacy import (
         EXPORT_CACHE_ID_KEY,
         MLX_LM_PROMPT_CACHE,
+        LegacyDamage,
         decode_legacy,
         detect_legacy,
         entry_metadata,
@@ -156,7 +158,8 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     try:
         legacy = decode_legacy(arrays, meta)
     except CodecError as exc:
-        raise CacheFileError(f"{path}: {exc}", damaged=False) from None
+        # Damage, or what this process cannot rebuild (a class not installed).
+        raise CacheFileError(f"{path}: {exc}", damaged=isinstance(exc, LegacyDamage)) from None
     if model is not None and legacy.model_fingerprint not in (None, model):
         raise CacheFileError(
             f"{path}: saved for model {legacy.model_fingerprint!r}, not {model!r}"
@@ -193,7 +196,10 @@ MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 def cannot_open(path: Path, exc: OSError) -> CacheFileError:
     """The CacheFileError for a file that could not be opened (or looked at):
     damaged unless the error is this process's."""
-    return CacheFileError(f"{path}: cannot open: {exc.strerror}",
+    # O_NOFOLLOW's ELOOP: "Too many levels of symbolic links" for one link.
+    why = ("it is a symlink (never followed: give the file it points to)"
+           if exc.errno == errno.ELOOP else exc.strerror)
+    return CacheFileError(f"{path}: cannot open: {why}",
                           damaged=not st.says_nothing_of_the_file(exc))
 
 

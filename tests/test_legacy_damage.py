@@ -1,0 +1,168 @@
+"""Damaged files of the older formats (cache_persist schema 3, mlx-lm's
+save_prompt_cache), read through the public surface: ``read_cache_file``,
+a daemon's store and ``kvkeeper import``. These files carry no checksums,
+so what a cache cannot be is all that tells damage apart."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from kvkeeper.client.client import Client
+from kvkeeper.client.reader import CacheFileError, read_cache_file
+
+from .conftest import WAIT, RunningDaemon, wait_for
+from .faultkit import entry_path
+from .test_cli_checks import cli
+from .test_legacy import ROOT as LEGACY
+
+MLX_LM = LEGACY / "mlx-lm" / "kv.safetensors"
+ROTATING = LEGACY / "gezel-schema3" / "fp-demo" / "rotating.safetensors"
+
+
+def _rewritten(src: Path, dest: Path, arrays: dict[str, Any] | None = None,
+               **meta: str) -> Path:
+    """``src`` written again with some arrays and metadata values replaced
+    (an array given as None is left out)."""
+    have, metadata = mx.load(str(src), return_metadata=True)
+    for k, v in (arrays or {}).items():
+        if v is None:
+            del have[k]
+        else:
+            have[k] = v
+    mx.save_safetensors(str(dest), have, metadata={**metadata, **meta})
+    return dest
+
+
+def _with_meta_state(src: Path, dest: Path, edit: Any) -> Path:
+    _, metadata = mx.load(str(src), return_metadata=True)
+    state = json.loads(metadata["meta_state"])
+    edit(state)
+    return _rewritten(src, dest, meta_state=json.dumps(state))
+
+
+def _static_prefix(dest: Path, max_size: int) -> Path:
+    k = mx.ones((1, 2, 4, 8), dtype=mx.float16)
+    mx.save_safetensors(str(dest), {"0.0": k, "0.1": k}, metadata={
+        "schema_version": "3", "model_fingerprint": "fp",
+        "classes": '["StaticPrefixKVCache"]', "class_modules": '["mlx_vlm.models.cache"]',
+        "meta_state": json.dumps([[str(max_size), "256", "4", "0"]]),
+        "state_scalars": "{}", "token_ids": "[1, 2, 3, 4]"})
+    return dest
+
+
+def _overlapping(dest: Path) -> Path:
+    """The mlx-lm fixture with layer 0's values pointing at layer 1's keys
+    (same shape), leaving their own bytes to no tensor."""
+    raw = MLX_LM.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["0.1"]["data_offsets"] = header["1.0"]["data_offsets"]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    dest.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    return dest
+
+
+def _set_offset(state: list[Any]) -> None:
+    state[0][2] = "-7"  # keep, max_size, offset, _idx
+
+
+DAMAGED = {
+    # (what, how to make it, the reason's words)
+    "negative offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(-5, mx.int32)}),
+                        "offset -5 is not a token count"),
+    "offset past the rows": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(1000, mx.int32)}),
+                             "offset 1000 is past its 256 rows"),
+    "NaN offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(float("nan"))}),
+                   "offset nan is not a token count"),
+    "negative offset of a rotating cache": (lambda d: _with_meta_state(ROTATING, d, _set_offset),
+                                            "offset -7 is not a token count"),
+    "an array missing": (lambda d: _rewritten(ROTATING, d, {"0.0": None}),
+                         "no array for state entry '0.0'"),
+    "token ids not JSON": (lambda d: _rewritten(ROTATING, d, token_ids="[1, 2,, 3]"),
+                           "'token_ids' is not JSON"),
+    "max_size of 2**30 rows": (lambda d: _static_prefix(d, 2**30),
+                               "more than this machine's memory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_damaged_legacy_file_is_refused_as_damaged(case: str, verify: bool,
+                                                     tmp_path: Path) -> None:
+    """Before: the offsets were restored as they were (an update then gave
+    252 rows for -5, or raised for NaN), the missing array came back as
+    keys == {} (AttributeError at first use), bad JSON was a miss that left
+    the file in place for ever (damaged=False), and the 2**30-row
+    StaticPrefixKVCache was returned, 64 GiB of zeros its first evaluation
+    asked for (SIGSEGV under a 6 GB address-space limit)."""
+    make, reason = DAMAGED[case]
+    path = make(tmp_path / "c.safetensors")
+    with pytest.raises(CacheFileError) as caught:
+        read_cache_file(path, verify=verify)
+    assert caught.value.damaged and reason in str(caught.value), caught.value
+
+
+def test_a_sound_static_prefix_cache_still_loads(tmp_path: Path) -> None:
+    got = read_cache_file(_static_prefix(tmp_path / "c.safetensors", 64))
+    assert got.cache[0].keys.shape == (1, 2, 64, 8) and got.cache[0].offset == 4
+
+
+def test_tensors_over_the_same_bytes_are_refused(tmp_path: Path) -> None:
+    """A verified read checks that the tensors tile the file, as its
+    docstring says; it checked bounds and sizes only, and layer 0's values
+    came back as layer 1's keys."""
+    with pytest.raises(CacheFileError, match="overlap") as caught:
+        read_cache_file(_overlapping(tmp_path / "c.safetensors"))
+    assert caught.value.damaged
+
+
+def test_a_damaged_legacy_file_in_the_store_is_moved_aside(daemon: RunningDaemon,
+                                                           tmp_path: Path) -> None:
+    """Before: a miss at every load, the file left in place (not damaged)."""
+    place = entry_path(daemon.root, "tok", model="fp-demo")
+    place.parent.mkdir(parents=True)
+    shutil.copyfile(DAMAGED["token ids not JSON"][0](tmp_path / "c.safetensors"), place)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        kv.gc()  # a rescan indexes it
+        assert kv.load("fp-demo", "tok") is None
+        wait_for(lambda: not place.exists(), "the file moved aside")
+    moved = list((daemon.root / "quarantine").iterdir())
+    assert [p.name.split(".")[0] for p in moved] == ["fp-demo"], moved
+
+
+def test_import_reports_a_damaged_legacy_file_and_goes_on(daemon: RunningDaemon,
+                                                          tmp_path: Path) -> None:
+    """A file missing an array, beside a sound one: import ended in a
+    CodecError traceback, importing neither and reporting nothing."""
+    src = tmp_path / "in"
+    src.mkdir()
+    _rewritten(ROTATING, src / "a-broken.safetensors", {"0.0": None})
+    shutil.copyfile(ROTATING, src / "b-sound.safetensors")
+    r = cli("import", "--socket", str(daemon.socket), "--json", str(src))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    report = json.loads(r.stdout)
+    assert [Path(f["path"]).name for f in report["failed"]] == ["a-broken.safetensors"], report
+    assert [(e["model"], e["cache_id"]) for e in report["imported"]] == \
+        [("fp-demo", "b-sound")], report
+
+
+def test_import_reads_the_file_a_symlink_names(daemon: RunningDaemon, tmp_path: Path) -> None:
+    """A symlink named to import is the user's: it was refused as damaged
+    ("cannot open: Too many levels of symbolic links"). read_cache_file
+    itself never follows one, and now says so."""
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(ROTATING)
+    with pytest.raises(CacheFileError, match="it is a symlink"):
+        read_cache_file(link)
+    r = cli("import", "--socket", str(daemon.socket), "--json", str(link))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert [(e["model"], e["cache_id"]) for e in json.loads(r.stdout)["imported"]] == \
+        [("fp-demo", "link")]
