@@ -11,6 +11,7 @@ on an ``ipc://`` path silently takes the socket over from the first daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import os
@@ -21,6 +22,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +171,16 @@ def check_places(cfg: DaemonConfig) -> None:
         raise config.ConfigError(
             f"min_free_bytes ({cfg.min_free_bytes}) is more than the whole file system "
             f"of {where} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
+
+
+def _drain_signals() -> list[int]:
+    """The signals that make the daemon drain: SIGTERM, SIGINT, and SIGHUP
+    unless it was ignored when the daemon started (`nohup kvkeeper serve`
+    asks to outlive the terminal, and a handler would end that)."""
+    wanted = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        wanted.append(signal.SIGHUP)
+    return wanted
 
 
 #: How often the daemon checks that its root and socket are still in place.
@@ -412,6 +424,12 @@ class Daemon:
             except zmq.ZMQError:
                 pass  # libzmq built without it; the 0700 directory still guards
         bound: os.stat_result | None = None
+        # Open until the sockets are closed and the socket file removed: a
+        # second signal after the drain (while the last replies go out) found
+        # the default handlers back, and killed the daemon by that signal.
+        wanted = _drain_signals() if handle_signals else []
+        signals = contextlib.ExitStack()
+        receiver = signals.enter_context(anyio.open_signal_receiver(*wanted)) if wanted else None
         try:
             sock.bind(config.endpoint(sock_path))
             os.chmod(sock_path, 0o600)
@@ -424,8 +442,8 @@ class Daemon:
                 tg.start_soon(actor.run)
                 tg.start_soon(self.server.run)
                 tg.start_soon(self.server.watch_connections)
-                if handle_signals:
-                    tg.start_soon(self._signals)
+                if receiver is not None:
+                    tg.start_soon(self._signals, receiver)
                 assert bound is not None
                 tg.start_soon(self._watch_places, root_lock, sock_path, bound)
                 self.ready.set()
@@ -444,6 +462,11 @@ class Daemon:
                     sock_path.unlink()
             except OSError:
                 pass  # gone, or not ours to tell: left as it is
+            # Done: from here the process only exits. Closing the receiver
+            # restores the default handlers, under which a signal kills it.
+            signals.close()
+            for signum in wanted:
+                signal.signal(signum, signal.SIG_IGN)
         return 0 if drained and self._gone is None else 1
 
     async def _watch_places(self, root_lock: _Lock, sock_path: Path,
@@ -475,7 +498,7 @@ class Daemon:
                 self._gone = gone
                 self._stop.set()
 
-    async def _signals(self) -> None:
+    async def _signals(self, signals: AsyncIterator[int]) -> None:
         assert self._stop is not None
         # Listening goes on through the drain: a second Ctrl-C or SIGTERM (an
         # impatient user, a supervisor repeating itself) must not cut short
@@ -483,21 +506,16 @@ class Daemon:
         # SIGKILL remains the way to give up on them. SIGHUP (the terminal of a
         # daemon run from a shell closing) drains too: by default it killed
         # the daemon at once, losing every save received and not yet written.
-        # Unless it was ignored when we started: `nohup kvkeeper serve` asks
-        # to outlive the terminal, and a handler would end that.
-        wanted = [signal.SIGTERM, signal.SIGINT]
-        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-            wanted.append(signal.SIGHUP)
-        with anyio.open_signal_receiver(*wanted) as signals:
-            async for signum in signals:
-                name = signal.Signals(signum).name
-                if self._stop.is_set():
-                    log.warning("event=signal_ignored signal=%s reason=draining "
-                                "drain_timeout=%.1f (SIGKILL stops at once, losing what is "
-                                "not written yet)", name, self.cfg.drain_timeout)
-                    continue
-                log.info("event=signal signal=%s", name)
-                self._stop.set()
+        # (See _drain_signals for SIGHUP under nohup.)
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if self._stop.is_set():
+                log.warning("event=signal_ignored signal=%s reason=draining "
+                            "drain_timeout=%.1f (SIGKILL stops at once, losing what is "
+                            "not written yet)", name, self.cfg.drain_timeout)
+                continue
+            log.info("event=signal signal=%s", name)
+            self._stop.set()
 
     async def _drain(self, actor: WriterActor) -> bool:
         """Tell the clients, take the saves they sent before they knew
@@ -529,6 +547,13 @@ class Daemon:
             log.info("event=drained")
             return True
         await actor.stop_writing()
+        if not actor.unfinished():
+            # The timeout came while the last write was under way, which
+            # stop_writing lets finish: every save taken is written, and the
+            # drain did all it had to (it exited 1, logging drain_timeout
+            # and no key, on a slow disk with a single SIGTERM).
+            log.info("event=drained")
+            return True
         for job in actor.unfinished():
             # A delete or a move aside can be the newest job of a key, having
             # replaced its save: the log must not call it a save.
