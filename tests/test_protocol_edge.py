@@ -275,13 +275,13 @@ def test_metadata_counts_against_the_memory_budget(short_dir: Path, shape: str) 
     # never send their bytes: the metadata is held meanwhile, so the budget
     # must see it, or such saves grow the daemon without bound. Many short
     # items are small on the wire but not in memory (two str objects and a
-    # dict slot each): 140,000 of them are 1.2 MB of text and some 19 MB
-    # decoded (before, counted at their text, all three saves were taken).
+    # dict slot each): 80,000 of them are 0.6 MB of text, some 7 MB decoded,
+    # counted 21 MB (before, counted at their text, all three were taken).
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
                       max_pending_bytes=64 * 2**20, stall_timeout=2)
     # The writer's share of the 64 MiB is 48 MiB: room for two such saves.
     meta = ({"note": "x" * (20 * 2**20)} if shape == "one long value"
-            else {f"k{i}": "" for i in range(140_000)})
+            else {f"k{i}": "" for i in range(80_000)})
     try:
         # One stream per peer: a second begin from one peer would abandon its first.
         with dealers(rd.socket, 3) as peers:

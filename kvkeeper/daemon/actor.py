@@ -74,7 +74,7 @@ PARK_BELOW_BYTES = 1024 * 1024
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
 #: Bytes in memory a metadata item takes beside its text (see metadata_memory).
-_METADATA_ITEM_BYTES = 144
+_METADATA_ITEM_BYTES = 256
 #: Save data arriving in messages smaller than this is copied into buffers of
 #: up to this size (kvkeeper's own client sends 8 MiB messages, and joins
 #: small frames itself).
@@ -159,7 +159,9 @@ class SaveJob(Job):
     @property
     def metadata_memory(self) -> int:
         """What the decoded metadata takes in memory beyond its encoded bytes:
-        two str objects and a dict slot an item (measured 65-136 bytes)."""
+        two str objects and a dict slot an item (measured 65-136 bytes for
+        ASCII text, 205 for characters past U+FFFF, whose str objects hold
+        4 bytes a character and have the largest headers)."""
         return _METADATA_ITEM_BYTES * len(self.metadata)
 
 
