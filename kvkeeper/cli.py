@@ -40,8 +40,10 @@ def _size(text: str) -> int:
 
 def _number(text: str) -> float:
     """A seconds flag's number; its range is checked with the other settings'."""
+    from kvkeeper.settings import seconds_number
+
     try:
-        return float(text)
+        return seconds_number(text)
     except ValueError:
         # As for the same value from the environment or the config file:
         # argparse's "invalid float value: '5s'" did not say what was wrong.
@@ -358,9 +360,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args, unknown = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        given = list(sys.argv[1:] if argv is None else argv)
+        # Before the command, they are the top parser's: "kvkeeper --bogus ls".
+        before = (args.command in given and unknown[0] in given
+                  and given.index(unknown[0]) < given.index(args.command))
+        (parser if before else args.command_parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         return _serve(args)
     if args.command == "demo":

@@ -615,7 +615,7 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     """The files to import, and the directories that hold none."""
     files: list[Path] = []
     empty: list[Path] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # real path -> its place in files
     for p in paths:
         if p.is_dir():
             found = _cache_files_under(p)
@@ -629,9 +629,14 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
             # One file named twice (a.safetensors ./a.safetensors, or a file
             # and its directory) is one file: its second mention is no
             # duplicate key to refuse.
-            if (real := os.path.realpath(f)) not in seen:
-                seen.add(real)
+            real = os.path.realpath(f)
+            if real not in seen:
+                seen[real] = len(files)
                 files.append(f)
+            elif files[seen[real]].is_symlink() and not f.is_symlink():
+                # A file and a symlink to it: the file's own name is its id,
+                # not whichever of the two sorts first.
+                files[seen[real]] = f
     return files, empty
 
 

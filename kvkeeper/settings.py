@@ -190,11 +190,19 @@ def _cpu_policy(value: Any) -> str:
 MAX_SECONDS = 86_400
 
 
+def seconds_number(text: str) -> float:
+    """float() of a seconds value written as text, but not in "1_0" or
+    other scripts' digits ("١٥"), which float() takes; ValueError else."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(text)
+    return float(text)
+
+
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _not_a("seconds must be a number", value)
     try:
-        v = float(value)
+        v = seconds_number(value) if isinstance(value, str) else float(value)
     except ValueError:
         raise ValueError(f"not a number of seconds: {value!r} (a plain number: 5 or 0.5, "
                          f"no unit)") from None

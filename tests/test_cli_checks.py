@@ -124,6 +124,15 @@ def test_sizes_are_written_in_ascii_digits(value: str) -> None:
         assert r.returncode == 2 and f"argument {flag}: not a byte size" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("value", ["1_0", "\u0661\u0665"])
+def test_seconds_are_written_in_ascii_digits(value: str) -> None:
+    """--drain-timeout 1_0 was 10 s, and Arabic-Indic digits read as 15."""
+    r = cli("serve", "--print-config", "--drain-timeout", value)
+    assert r.returncode == 2 and "not a number of seconds" in r.stderr, r.stderr
+    r = cli("serve", "--print-config", env={"KVKEEPER_STALL_TIMEOUT": value})
+    usage_error(r, "KVKEEPER_STALL_TIMEOUT", "not a number of seconds")
+
+
 @pytest.mark.parametrize("platform", ["linux", "macos"])
 def test_a_drain_timeout_past_a_day_is_refused(platform: str) -> None:
     """1e300 seconds: the LaunchAgent's plist failed to encode (a traceback),
@@ -1270,14 +1279,17 @@ def test_kvkeeper_debug_shows_the_client_library_log(short_dir: Path) -> None:
     (("rm", "m", "c", "-x"), "-x"),
     (("serve", "--max-disk", "1G", "--bogus"), "--bogus"),
     (("gc", "extra"), "extra"),
+    (("--bogus", "ls"), "--bogus"),
 ])
 def test_an_unknown_argument_shows_its_commands_usage(argv: tuple[str, ...],
                                                       unknown: str) -> None:
     """argparse reported arguments a command did not know with the top
     parser's usage (``usage: kvkeeper [-h] [--version] COMMAND ...``), which
-    does not show the flag the user meant."""
+    does not show the flag the user meant; one given before the command is
+    the top parser's."""
     r = cli(*argv)
+    command = argv[0] if not argv[0].startswith("-") else ""
+    who = f"kvkeeper {command}".rstrip()
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith(f"usage: kvkeeper {argv[0]} "), r.stderr
-    assert f"kvkeeper {argv[0]}: error: unrecognized arguments: {unknown}\n" in r.stderr, \
-        r.stderr
+    assert r.stderr.startswith(f"usage: {who} "), r.stderr
+    assert f"{who}: error: unrecognized arguments: {unknown}\n" in r.stderr, r.stderr

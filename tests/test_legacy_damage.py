@@ -6,6 +6,7 @@ so what a cache cannot be is all that tells damage apart."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -47,14 +48,24 @@ def _with_meta_state(src: Path, dest: Path, edit: Any) -> Path:
     return _rewritten(src, dest, meta_state=json.dumps(state))
 
 
-def _static_prefix(dest: Path, max_size: int) -> Path:
-    k = mx.ones((1, 2, 4, 8), dtype=mx.float16)
-    mx.save_safetensors(str(dest), {"0.0": k, "0.1": k}, metadata={
+#: A StaticPrefixKVCache row of _static_prefix's: keys and values, 8 heads of 128 float16.
+_ROW_BYTES = 2 * 8 * 128 * 2
+
+
+def _static_prefix(dest: Path, max_size: int, layers: int = 1) -> Path:
+    k = mx.ones((1, 8, 4, 128), dtype=mx.float16)
+    arrays = {f"{i}.{j}": k for i in range(layers) for j in (0, 1)}
+    mx.save_safetensors(str(dest), arrays, metadata={
         "schema_version": "3", "model_fingerprint": "fp",
-        "classes": '["StaticPrefixKVCache"]', "class_modules": '["mlx_vlm.models.cache"]',
-        "meta_state": json.dumps([[str(max_size), "256", "4", "0"]]),
+        "classes": json.dumps(["StaticPrefixKVCache"] * layers),
+        "class_modules": json.dumps(["mlx_vlm.models.cache"] * layers),
+        "meta_state": json.dumps([[str(max_size), "256", "4", "0"]] * layers),
         "state_scalars": "{}", "token_ids": "[1, 2, 3, 4]"})
     return dest
+
+
+def _memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _overlapping(dest: Path) -> Path:
@@ -88,8 +99,16 @@ DAMAGED = {
                          "no array for state entry '0.0'"),
     "token ids not JSON": (lambda d: _rewritten(ROTATING, d, token_ids="[1, 2,, 3]"),
                            "'token_ids' is not JSON"),
-    "max_size of 2**30 rows": (lambda d: _static_prefix(d, 2**30),
+    "offset past the rows of a quantized cache": (
+        lambda d: _rewritten(LEGACY / "mlx-lm" / "quantized.safetensors", d,
+                             {"0.2": mx.array(1000, mx.int32)}),
+        "offset 1000 is past its 256 rows"),
+    "max_size of 2**30 rows": (lambda d: _static_prefix(d, 2**30),  # 4 TiB
                                "more than this machine's memory"),
+    # Each layer a quarter of this machine's memory: only the file's total is over.
+    "8 layers of a quarter of the memory": (
+        lambda d: _static_prefix(d, _memory() // 4 // _ROW_BYTES, layers=8),
+        "more than this machine's memory"),
 }
 
 
@@ -112,16 +131,27 @@ def test_a_damaged_legacy_file_is_refused_as_damaged(case: str, verify: bool,
 
 def test_a_sound_static_prefix_cache_still_loads(tmp_path: Path) -> None:
     got = read_cache_file(_static_prefix(tmp_path / "c.safetensors", 64))
-    assert got.cache[0].keys.shape == (1, 2, 64, 8) and got.cache[0].offset == 4
+    assert got.cache[0].keys.shape == (1, 8, 64, 128) and got.cache[0].offset == 4
 
 
-def test_tensors_over_the_same_bytes_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verify", [True, False])
+def test_tensors_over_the_same_bytes_are_refused(tmp_path: Path, verify: bool) -> None:
     """A verified read checks that the tensors tile the file, as its
     docstring says; it checked bounds and sizes only, and layer 0's values
-    came back as layer 1's keys."""
+    came back as layer 1's keys. A file of the older formats, which has no
+    checksums, is checked so lazily too."""
     with pytest.raises(CacheFileError, match="overlap") as caught:
-        read_cache_file(_overlapping(tmp_path / "c.safetensors"))
+        read_cache_file(_overlapping(tmp_path / "c.safetensors"), verify=verify)
     assert caught.value.damaged
+
+
+def test_a_loop_of_directories_is_not_called_a_symlink(tmp_path: Path) -> None:
+    """ELOOP also comes from a loop among the directories above the file,
+    which is no symlink to give the target of."""
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(CacheFileError) as caught:
+        read_cache_file(tmp_path / "loop" / "x.safetensors")
+    assert "it is a symlink" not in str(caught.value), caught.value
 
 
 def test_a_damaged_legacy_file_in_the_store_is_moved_aside(daemon: RunningDaemon,
@@ -152,6 +182,20 @@ def test_import_reports_a_damaged_legacy_file_and_goes_on(daemon: RunningDaemon,
     assert [Path(f["path"]).name for f in report["failed"]] == ["a-broken.safetensors"], report
     assert [(e["model"], e["cache_id"]) for e in report["imported"]] == \
         [("fp-demo", "b-sound")], report
+
+
+def test_a_file_and_a_symlink_to_it_import_under_the_files_name(
+        daemon: RunningDaemon, tmp_path: Path) -> None:
+    """The two are one file, imported once: under the name of whichever
+    sorted first (here the link's, a-latest)."""
+    src = tmp_path / "in"
+    src.mkdir()
+    shutil.copyfile(ROTATING, src / "z-conversation.safetensors")
+    (src / "a-latest.safetensors").symlink_to("z-conversation.safetensors")
+    r = cli("import", "--socket", str(daemon.socket), "--json", str(src))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert [(e["model"], e["cache_id"]) for e in json.loads(r.stdout)["imported"]] == \
+        [("fp-demo", "z-conversation")]
 
 
 def test_import_reads_the_file_a_symlink_names(daemon: RunningDaemon, tmp_path: Path) -> None:

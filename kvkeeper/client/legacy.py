@@ -101,8 +101,14 @@ def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
                              "prompt cache)")
     except RecursionError:
         raise LegacyDamage("legacy cache structure is nested too deeply") from None
-    for i, layer in enumerate(cache.layers):
-        _check_counts(layer, f"layer {i}")
+    size = sum(_check_counts(layer, f"layer {i}") for i, layer in enumerate(cache.layers))
+    # Rebuilding may pad the rows the file holds (mlx-vlm's
+    # StaticPrefixKVCache, to its max_size): a damaged max_size of 2**30 made
+    # 64 GiB of zeros from a 4 KB file, and evaluating them ended the
+    # process (SIGSEGV); so did 8 layers of 8 GiB each.
+    if _MEMORY is not None and size > _MEMORY:
+        raise LegacyDamage(f"its keys and values would take {size} bytes, more than this "
+                           f"machine's memory ({_MEMORY})")
     return cache
 
 
@@ -116,34 +122,35 @@ def _physical_memory() -> int | None:
 _MEMORY = _physical_memory()
 
 
-def _check_counts(layer: Any, where: str) -> None:
-    """Refuse a layer whose offset no cache can have. These files carry no
-    checksums: a damaged offset (-5, 1000 over 256 rows, NaN) was restored
-    as it was, and kvkeeper's own file of it, after an import, then passed
-    every check; the cache's next update went wrong, or raised."""
+#: Classes that hold their tokens in their first offset rows (the others are
+#: spare): an offset past the rows is damage. Rotating and chunked caches
+#: hold fewer rows than their offset.
+_ROWS_HOLD_OFFSET = frozenset({"KVCache", "QuantizedKVCache", "ConcatenateKVCache"})
+
+
+def _check_counts(layer: Any, where: str) -> int:
+    """Refuse a layer whose offset no cache can have; return the bytes its
+    keys and values take (its children's, for a CacheList). These files
+    carry no checksums: a damaged offset (-5, 1000 over 256 rows, NaN) was
+    restored as it was, and kvkeeper's own file of it, after an import, then
+    passed every check; the cache's next update went wrong, or raised."""
     children = getattr(layer, "caches", None)
     if isinstance(children, (list, tuple)):  # CacheList
-        for i, child in enumerate(children):
-            _check_counts(child, f"{where}.{i}")
+        return sum(_check_counts(child, f"{where}.{i}") for i, child in enumerate(children))
+    sides = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    arrays = [a for side in sides for a in (side if isinstance(side, (list, tuple)) else [side])
+              if isinstance(a, mx.array)]
+    size = sum(a.nbytes for a in arrays)
     offset = getattr(layer, "offset", None)
     if offset is None or isinstance(offset, mx.array):
-        return  # none, or a batch's offsets (one per sequence)
+        return size  # no offset, or a batch's offsets (one per sequence)
     if type(offset) is not int or not 0 <= offset < 1 << 31:
         raise LegacyDamage(f"{where}: offset {offset!r} is not a token count")
-    keys = getattr(layer, "keys", None)
-    # Rebuilding may pad the rows the file holds (mlx-vlm's
-    # StaticPrefixKVCache, to its max_size): a damaged max_size of 2**30 made
-    # 64 GiB of zeros, and evaluating them ended the process (SIGSEGV).
-    size = sum(a.nbytes for a in (keys, getattr(layer, "values", None))
-               if isinstance(a, mx.array))
-    if _MEMORY is not None and size > _MEMORY:
-        raise LegacyDamage(f"{where}: its keys and values would take {size} bytes, more than "
-                           f"this machine's memory ({_MEMORY})")
-    # A plain KVCache holds its tokens in its first offset rows (the others
-    # are spare); a rotating one holds fewer, so only these are checked.
-    if type(layer).__name__ == "KVCache" and isinstance(keys, mx.array) and keys.ndim == 4 \
-            and offset > keys.shape[-2]:
-        raise LegacyDamage(f"{where}: offset {offset} is past its {keys.shape[-2]} rows")
+    first = arrays[0] if arrays else None  # keys, or a quantized cache's packed keys
+    if type(layer).__name__ in _ROWS_HOLD_OFFSET and first is not None and first.ndim == 4 \
+            and offset > first.shape[-2]:
+        raise LegacyDamage(f"{where}: offset {offset} is past its {first.shape[-2]} rows")
+    return size
 
 
 # ---------------------------------------------------------------------------

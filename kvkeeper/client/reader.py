@@ -131,8 +131,7 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
         raise CacheFileError(f"{path}: MLX cannot read it: {exc}{why}",
                              damaged=not unreadable) from None
     if header is not None and meta != header.metadata:
-        raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
-                             replaced=True)
+        raise _replaced(path)
     if verify and header is not None:
         try:
             # The header's own checksum, before its model, format or token ids
@@ -143,6 +142,14 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
             raise CacheFileError(f"{path}: {exc}") from None
     if st.written_by_kvkeeper(meta):
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
+    if header is None:
+        # The older formats carry no checksums: our layout check (tensors
+        # tiling the file) is all that refuses two tensors over the same
+        # bytes, which MLX serves alike. They are rare: their lazy loads
+        # can pay for the header's second read.
+        header = _header(path)
+        if meta != header.metadata:
+            raise _replaced(path)
     from kvkeeper.client.legacy import (
         EXPORT_CACHE_ID_KEY,
         MLX_LM_PROMPT_CACHE,
@@ -196,9 +203,10 @@ MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 def cannot_open(path: Path, exc: OSError) -> CacheFileError:
     """The CacheFileError for a file that could not be opened (or looked at):
     damaged unless the error is this process's."""
-    # O_NOFOLLOW's ELOOP: "Too many levels of symbolic links" for one link.
+    # O_NOFOLLOW's ELOOP: "Too many levels of symbolic links" for one link
+    # (a loop among the directories above it says the same).
     why = ("it is a symlink (never followed: give the file it points to)"
-           if exc.errno == errno.ELOOP else exc.strerror)
+           if exc.errno == errno.ELOOP and os.path.islink(path) else exc.strerror)
     return CacheFileError(f"{path}: cannot open: {why}",
                           damaged=not st.says_nothing_of_the_file(exc))
 
@@ -212,6 +220,11 @@ def _regular_file(path: Path) -> None:
         raise cannot_open(path, exc) from None
     if not stat.S_ISREG(mode):
         raise CacheFileError(f"{path}: not a regular file")
+
+
+def _replaced(path: Path) -> CacheFileError:
+    return CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
+                          replaced=True)
 
 
 def _header(path: Path) -> st.FileHeader:
