@@ -57,3 +57,24 @@ def test_ids_and_reasons_stay_inside_their_field(short_dir: Path,
     assert fields["level"] == "WARNING" and fields["event"] == "quarantined"
     assert fields["id"] == NASTY.replace("\n", "\\n")
     assert Path(fields["moved_to"]).parent == root / "quarantine"
+
+
+def test_a_refused_save_is_logged_with_its_key(short_dir: Path) -> None:
+    """`event=save_refused` named the code and the reason only: a flush that
+    said False could be traced to its key only by the time of the line (a
+    chaos run's complaint)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--log-level", "info", "--max-disk-bytes", "1M")
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, NASTY, filled(2, 1), [1])  # over the disk budget
+            assert kv.flush(timeout=WAIT) is False
+    finally:
+        assert stop_process(proc) == 0
+    lines = [ln for ln in proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+             if "event=save_refused" in ln]
+    assert len(lines) == 1, lines
+    fields = _fields(lines[0])
+    assert set(fields) == {"ts", "level", "logger", "event", "code", "model", "id", "reason"}
+    assert (fields["code"], fields["model"], fields["id"]) == \
+        ("too_large", FP, NASTY.replace("\n", "\\n"))

@@ -281,7 +281,7 @@ class Server:
             layout = Layout.of(msg.tensors)
         except LayoutError as exc:
             code: m.ErrorCode = "dtype" if "dtype" in str(exc) else "malformed"
-            self._refuse(peer, msg.save, code, str(exc))
+            self._refuse(peer, msg.save, code, str(exc), key=key)
             return
         metadata = {k: v for k, v in msg.metadata.items() if k not in DAEMON_KEYS}
         metadata.update({
@@ -292,11 +292,12 @@ class Server:
         })
         job = SaveJob(key=key, peer=peer, save_id=msg.save, layout=layout, metadata=metadata)
         if self._late_until is not None and not self._late_save_taken(peer):
-            self._refuse(peer, msg.save, "shutting_down", "the daemon is shutting down")
+            self._refuse(peer, msg.save, "shutting_down", "the daemon is shutting down",
+                         key=key)
             return
         refusal = self.actor.submit_save(job)
         if refusal is not None:
-            self._refuse(peer, msg.save, *refusal)
+            self._refuse(peer, msg.save, *refusal, key=key)
             return
         if self._late_until is not None:
             # A flush that came before this save does not vouch for it: the
@@ -345,15 +346,21 @@ class Server:
             del self._streams[peer]
 
     def _refuse(self, peer: bytes, save: int, code: m.ErrorCode, message: str,
-                *, count: bool = True, tally: bool = True, track: bool = True) -> None:
+                *, count: bool = True, tally: bool = True, track: bool = True,
+                key: Key | None = None) -> None:
         """Turn a save away. ``count``: as a refused save in the stats (not for
         one this daemon never saw begin); ``tally``: in the client's flush
-        totals (not for one the writer already failed)."""
+        totals (not for one the writer already failed); ``key``: the save's,
+        when its header gave one (the log names it: a flush that said False
+        is traced to a key by it)."""
         if count:
             self.stats.inc("saves_refused")
         if tally:
             self.actor.note_refused(peer)
-        log.info("event=save_refused code=%s reason=%s", code, message)
+        if key is not None:
+            log.info("event=save_refused code=%s model=%s id=%s reason=%s", code, *key, message)
+        else:
+            log.info("event=save_refused code=%s reason=%s", code, message)
         if track:
             self._track(peer, save, None)
         self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code=code,
