@@ -86,8 +86,13 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
                         "~/.config/kvkeeper/config.toml, if it exists)")
     flag_types: dict[str, Callable[[str], Any]] = {"path": _path, "socket": _socket,
                                                    "size": _size, "seconds": _number, "text": str}
+    from kvkeeper.config import ConfigError
+
     for s in SETTINGS:
-        default = s.default()
+        try:
+            default = s.default()
+        except ConfigError:  # no home directory: serve --help must still answer
+            default = "none: this user has no home directory; give it"
         if s.kind == "size":
             # As a person would write it (1G, not 1073741824), and how.
             default = f"{format_size(default)}; bytes, or with a K, M, G or T suffix"
@@ -285,7 +290,7 @@ def _logging(level: str) -> None:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
     from kvkeeper import config
     from kvkeeper.daemon.app import (
         AlreadyRunning,
@@ -302,6 +307,16 @@ def _serve(args: argparse.Namespace) -> int:
     except config.ConfigError as exc:
         print(f"kvkeeper: {exc}", file=sys.stderr)
         return 2
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        # Removed under the shell that started us: a relative path means nothing.
+        relative = [f"{s.name} {values[s.name]}" for s in SETTINGS
+                    if isinstance(values[s.name], Path) and not values[s.name].is_absolute()]
+        if relative:
+            print(f"kvkeeper: the current directory was removed, and {', '.join(relative)} "
+                  f"is relative to it: give an absolute path", file=sys.stderr)
+            return 2
     cfg = config_from_settings(values)
     if args.print_config:
         width = max(len(s.name) for s in SETTINGS)
@@ -318,10 +333,16 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         return 0
     _logging(values["log_level"])
-    print(f"kvkeeper {__version__}: socket {os.path.abspath(cfg.socket)}, root "
-          f"{os.path.abspath(cfg.root)}", file=sys.stderr, flush=True)
     try:
-        return Daemon(cfg).run()
+        print(f"kvkeeper {__version__}: socket {os.path.abspath(cfg.socket)}, root "
+              f"{os.path.abspath(cfg.root)}", file=sys.stderr, flush=True)
+    except OSError:
+        # stderr on a full disk, or a pipe nobody reads: the daemon serves
+        # all the same, as it does when its log lines fail later (it exited
+        # 1 here, before binding its socket, and every save was dropped).
+        pass
+    try:
+        return Daemon(cfg).run(exiting=exiting)
     except (AlreadyRunning, config.ConfigError) as exc:
         # A root or socket that cannot be used (not a directory, open to
         # others, too long a path) is an invalid setting, as a bad value is.
@@ -364,13 +385,15 @@ def _main(argv: list[str] | None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         given = list(sys.argv[1:] if argv is None else argv)
-        # Before the command, they are the top parser's: "kvkeeper --bogus ls".
-        before = (args.command in given and unknown[0] in given
-                  and given.index(unknown[0]) < given.index(args.command))
+        # Those before the command are the top parser's: "kvkeeper --bogus ls".
+        at = given.index(args.command) if args.command in given else -1
+        before = [u for u in unknown if u in given and given.index(u) < at]
         (parser if before else args.command_parser).error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+            f"unrecognized arguments: {' '.join(before or unknown)}")
     if args.command == "serve":
-        return _serve(args)
+        # No argv given: this is the process's own command line (the
+        # kvkeeper script, python -m kvkeeper), and it exits on return.
+        return _serve(args, exiting=argv is None)
     if args.command == "demo":
         from kvkeeper import demo
 

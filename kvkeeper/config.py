@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV_ROOT = "KVKEEPER_ROOT"
@@ -41,14 +42,35 @@ def expand_user(text: str) -> Path:
         return Path(text)
 
 
+def home_dir() -> Path:
+    """The user's home directory; ConfigError when it cannot be told (HOME
+    unset, and no password entry for this uid: a container's)."""
+    try:
+        return Path.home()
+    except RuntimeError:
+        raise ConfigError(f"cannot tell this user's home directory (HOME is not set and uid "
+                          f"{os.getuid()} has no password entry), where the default root and "
+                          f"config file are: set HOME, or give --root and --socket") from None
+
+
+def xdg_dir(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """An XDG base directory variable's value, None unless it is an absolute
+    path: the spec says a relative one is to be ignored (each process would
+    take it from its own working directory: a daemon and its clients then
+    looked in different places)."""
+    value = (os.environ if environ is None else environ).get(name)
+    return value if value and os.path.isabs(value) else None
+
+
 def default_root() -> Path:
-    """Store root: $KVKEEPER_ROOT, else the user's cache dir + /kvkeeper."""
+    """Store root: $KVKEEPER_ROOT, else the user's cache dir + /kvkeeper.
+    Raises ConfigError when that needs a home directory there is none of."""
     env = os.environ.get(ENV_ROOT)
     if env:
         return expand_user(env)
     if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "kvkeeper"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return home_dir() / "Library" / "Caches" / "kvkeeper"
+    base = xdg_dir("XDG_CACHE_HOME") or str(home_dir() / ".cache")
     return Path(base) / "kvkeeper"
 
 
@@ -64,7 +86,7 @@ def default_socket() -> Path:
         # $TMPDIR is per user on macOS (/var/folders/...), and short enough.
         base = Path(os.environ.get("TMPDIR") or "/tmp") / f"kvkeeper-{os.getuid()}"
     else:
-        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        runtime = xdg_dir("XDG_RUNTIME_DIR")
         base = Path(runtime) / "kvkeeper" if runtime else Path(f"/tmp/kvkeeper-{os.getuid()}")
     return base / SOCKET_NAME
 
@@ -159,7 +181,7 @@ def _check_ours(path: Path, what: str) -> None:
         # store is to outlive restarts.
         own_place = (f"; keep the store in a directory of its own that outlives a reboot "
                      f"(the default root is {str(default_root())!r})")
-    elif shared or path == Path.home():
+    elif shared or path == Path(os.path.expanduser("~")):
         # Nor is a home directory to be chmod-ed for a socket.
         own_place = (f"; use a directory of its own inside it instead (e.g. "
                      f"{str(path / (f'kvkeeper-{os.getuid()}' if shared else '.kvkeeper'))!r}: "

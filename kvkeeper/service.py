@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvkeeper import config
 from kvkeeper.settings import MAX_SECONDS
 
 LABEL = "io.github.kvkeeper.daemon"
@@ -188,10 +189,10 @@ def service_file(serve_args: Sequence[str], drain_timeout: float,
     """The service file for this platform. ``background`` (the daemon's cpu
     policy is batch) marks a LaunchAgent as background work; on Linux the
     daemon sets its own policy from ``--cpu-policy`` on the command line."""
-    home = Path.home()
+    home = config.home_dir()
     if platform == "darwin":
         return launchd(serve_args, drain_timeout, home, background=background)
-    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    config_home = Path(config.xdg_dir("XDG_CONFIG_HOME") or home / ".config")
     return systemd(serve_args, drain_timeout, config_home)
 
 

@@ -281,11 +281,14 @@ BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    """$KVKEEPER_CONFIG, else $XDG_CONFIG_HOME/kvkeeper/config.toml (an
+    absolute one), else ~/.config/kvkeeper/config.toml; ConfigError when
+    that needs a home directory there is none of."""
     environ = os.environ if environ is None else environ
     env = environ.get(ENV_CONFIG)
     if env:
         return config.expand_user(env)
-    base = environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    base = config.xdg_dir("XDG_CONFIG_HOME", environ) or str(config.home_dir() / ".config")
     return Path(base) / "kvkeeper" / "config.toml"
 
 
@@ -295,7 +298,12 @@ def _config_values(config_file: Path | None,
     # A file named by $KVKEEPER_CONFIG is asked for as much as one given by
     # --config: its absence is an error, not a silent fallback to defaults.
     explicit = config_file is not None or bool(environ.get(ENV_CONFIG))
-    path = config_file or default_config_file(environ)
+    try:
+        path = config_file or default_config_file(environ)
+    except config.ConfigError:
+        # No home directory to hold one: no config file (a default that
+        # needs the home, such as the root's, says so if it is used).
+        return Path("~/.config/kvkeeper/config.toml"), {}
     if not path.exists():
         if explicit:
             raise SettingsError(f"config file {path} does not exist")

@@ -1280,6 +1280,7 @@ def test_kvkeeper_debug_shows_the_client_library_log(short_dir: Path) -> None:
     (("serve", "--max-disk", "1G", "--bogus"), "--bogus"),
     (("gc", "extra"), "extra"),
     (("--bogus", "ls"), "--bogus"),
+    (("--bogus", "ls", "--other"), "--bogus"),
 ])
 def test_an_unknown_argument_shows_its_commands_usage(argv: tuple[str, ...],
                                                       unknown: str) -> None:
@@ -1293,3 +1294,86 @@ def test_an_unknown_argument_shows_its_commands_usage(argv: tuple[str, ...],
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"usage: {who} "), r.stderr
     assert f"{who}: error: unrecognized arguments: {unknown}\n" in r.stderr, r.stderr
+
+
+def test_commands_work_without_a_home_directory(short_dir: Path) -> None:
+    """HOME unset and a uid with no password entry (a container's): every
+    command, `serve --help` included, ended in a RuntimeError traceback
+    (Path.home(), for the defaults in the help), even with --root and
+    --socket given."""
+    need_linux_root()
+    short_dir.chmod(0o711)  # for uid 12345 to pass through
+    base = short_dir / "nohome"
+    base.mkdir()
+    base.chmod(0o777)  # and to make its root and socket directory in
+    env = {k: v for k, v in os.environ.items() if k != "HOME"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    as_nobody = ("setpriv", "--reuid", "12345", "--regid", "12345", "--clear-groups",
+                 sys.executable, "-m", "kvkeeper.cli")
+
+    def run_(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*as_nobody, *argv], capture_output=True, text=True,
+                              timeout=WAIT, env=env)
+
+    places = ("--root", str(base / "r"), "--socket", str(base / "s" / "k.sock"))
+    r = run_("serve", "--help")
+    assert r.returncode == 0 and "no home directory" in " ".join(r.stdout.split()), r.stderr
+    r = run_("serve", "--print-config", *places)
+    assert r.returncode == 0, r.stderr
+    r = run_("stats", "--socket", places[3])
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    # The default root needs the home: said in one line, exit 2.
+    r = run_("serve", "--print-config", "--socket", places[3])
+    usage_error(r, "cannot tell this user's home directory")
+
+
+def test_relative_xdg_directories_are_ignored(short_dir: Path) -> None:
+    """The XDG base directory spec says a relative value is to be ignored:
+    taken from each process's own directory, the daemon and its clients
+    looked for each other in different places."""
+    env = {"XDG_RUNTIME_DIR": "relrun", "XDG_CACHE_HOME": "relcache",
+           "XDG_CONFIG_HOME": "relcfg"}
+    r = cli("serve", "--print-config", env=env, cwd=short_dir)
+    assert r.returncode in (0, 2), r.stderr
+    for name in ("relrun", "relcache"):
+        assert name not in r.stdout, r.stdout
+
+
+def test_serve_in_a_removed_directory_with_a_relative_path(short_dir: Path) -> None:
+    """A relative --root, the shell's directory removed: os.path.abspath
+    raised FileNotFoundError (a traceback, exit 1)."""
+    gone = short_dir / "gone"
+    gone.mkdir()
+    sock = short_dir / "run" / "k.sock"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for extra in ((), ("--print-config",)):
+        r = subprocess.run(
+            ["sh", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "$0" -m kvkeeper.cli serve '
+                         f'--root rel --socket "{sock}" {" ".join(extra)}; ', sys.executable],
+            capture_output=True, text=True, timeout=WAIT, env=env)
+        usage_error(r, "the current directory was removed", "root rel")
+        gone.mkdir()
+    assert not sock.exists()
+
+
+@pytest.mark.parametrize("stderr", ["/dev/full", "a pipe nobody reads"])
+def test_serve_with_an_unwritable_stderr_still_serves(short_dir: Path, stderr: str) -> None:
+    """The start-up banner's write failed (ENOSPC, EPIPE) and serve exited 1
+    before binding its socket: every client's saves were dropped. Log lines
+    failing later were already taken in stride."""
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    if stderr == "/dev/full":
+        err: Any = open("/dev/full", "w")  # noqa: SIM115 - handed to the child
+    else:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        err = write_end
+    proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root),
+                             "--socket", str(sock)], stdout=subprocess.DEVNULL, stderr=err)
+    os.close(err) if isinstance(err, int) else err.close()
+    try:
+        with Client(sock, timeout=WAIT, connect_timeout=WAIT) as kv:
+            assert kv.save("m", "c", small_cache(), [1, 2]) and kv.flush(timeout=WAIT)
+    finally:
+        assert stop_process(proc) == 0
+    assert entry_path(root, "c", model="m").exists()

@@ -14,6 +14,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -237,22 +238,26 @@ def test_sighup_drains_like_sigterm(short_dir: Path) -> None:
     assert tmp_files(root) == []
 
 
-def test_sighup_under_nohup_is_still_ignored(short_dir: Path) -> None:
+@pytest.mark.parametrize("ignored", [signal.SIGHUP, signal.SIGINT])
+def test_a_signal_ignored_at_start_stays_ignored(short_dir: Path, ignored: int) -> None:
     """`nohup kvkeeper serve` starts with SIGHUP ignored, to outlive the
-    terminal: the daemon's drain on SIGHUP must not undo that."""
+    terminal, and a shell script's `kvkeeper serve &` with SIGINT ignored
+    (Ctrl-C on the script is not for its background jobs): the daemon must
+    not undo that (it armed SIGINT again, and drained on it)."""
     root, sock = paths(short_dir)
-    proc = serve_process(root, sock, prefix=("nohup",))
+    proc = serve_process(root, sock, preexec_fn=lambda: signal.signal(ignored, signal.SIG_IGN))
     try:
         with Client(sock, timeout=WAIT) as kv:
             assert kv.save(FP, "n", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
-            proc.send_signal(signal.SIGHUP)
+            proc.send_signal(ignored)
             time.sleep(0.5)  # a drain, had it started, would have ended the daemon by now
             assert proc.poll() is None
             assert kv.save(FP, "n", filled(1, 2), [2]) and kv.flush(timeout=WAIT)
     finally:
         assert stop_process(proc) == 0
     assert version_of(entry_path(root, "n")) == 2
-    assert "signal=SIGHUP" not in proc.log_path.read_text()  # type: ignore[attr-defined]
+    name = signal.Signals(ignored).name
+    assert f"signal={name}" not in proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -1219,3 +1224,30 @@ def _entry_size(short_dir: Path) -> int:
     finally:
         assert rd.stop() == 0
     return entry_path(root, "x").stat().st_size
+
+
+def test_a_daemon_run_in_process_gives_the_signals_back(short_dir: Path) -> None:
+    """`kvkeeper.cli.main(["serve", ...])` from a program that goes on: the
+    drain signals stayed ignored after it returned (Ctrl-C dead in that
+    program, and a second run took SIGHUP for ignored, as under nohup)."""
+    root, sock = paths(short_dir)
+    script = f"""
+import os, signal, threading, time
+from kvkeeper.cli import main
+
+def stop_when_up():
+    while not os.path.exists({str(sock)!r}):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+for _ in range(2):
+    threading.Thread(target=stop_when_up, daemon=True).start()
+    code = main(["serve", "--root", {str(root)!r}, "--socket", {str(sock)!r}])
+    print(code, signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+          signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+          signal.getsignal(signal.SIGHUP) == signal.SIG_DFL, flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=WAIT * 2, cwd=Path(__file__).resolve().parents[1])
+    assert r.stdout.splitlines() == ["0 True True True"] * 2, (r.stdout, r.stderr[-800:])

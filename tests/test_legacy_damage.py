@@ -210,3 +210,31 @@ def test_import_reads_the_file_a_symlink_names(daemon: RunningDaemon, tmp_path: 
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert [(e["model"], e["cache_id"]) for e in json.loads(r.stdout)["imported"]] == \
         [("fp-demo", "link")]
+
+
+def test_a_sound_file_larger_than_the_memory_is_no_damage(tmp_path: Path) -> None:
+    """An mlx-lm file whose keys and values are more than this machine's
+    memory (sparse here), read lazily: the memory bound took it for damage
+    (and a daemon moved it to quarantine/). Only rows a file does not hold,
+    made by padding, are."""
+    _, metadata = mx.load(str(MLX_LM), return_metadata=True)
+    rows = _memory() // (4 * 8 * 128 * 2) + 1  # 2 layers of keys and values, float16
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name in ("0.0", "0.1", "1.0", "1.1"):
+        size = 8 * rows * 128 * 2
+        header[name] = {"dtype": "F16", "shape": [1, 8, rows, 128], "data_offsets": [at, at + size]}
+        at += size
+    for name in ("0.2", "1.2"):
+        header[name] = {"dtype": "I32", "shape": [], "data_offsets": [at, at + 4]}
+        at += 4
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.seek(8 + len(text) + at - 8)
+        f.write(struct.pack("<ii", rows, rows))  # the offsets; the rest is a hole
+    got = read_cache_file(path, verify=False)
+    assert [c.offset for c in got.cache] == [rows, rows]
+    assert sum(c.keys.nbytes + c.values.nbytes for c in got.cache) > _memory()

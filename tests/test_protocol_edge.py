@@ -269,19 +269,22 @@ def test_a_save_with_two_bad_ids_is_refused_once(raw: zmq.Socket) -> None:
     _counts_add_up(raw)
 
 
-@pytest.mark.parametrize("shape", ["one long value", "many short items"])
+@pytest.mark.parametrize("shape", ["one long value", "many short items", "an emoji in ASCII"])
 def test_metadata_counts_against_the_memory_budget(short_dir: Path, shape: str) -> None:
     # Saves that begin, carry large metadata (token ids can be megabytes) and
     # never send their bytes: the metadata is held meanwhile, so the budget
     # must see it, or such saves grow the daemon without bound. Many short
     # items are small on the wire but not in memory (two str objects and a
-    # dict slot each): 80,000 of them are 0.6 MB of text, some 7 MB decoded,
-    # counted 21 MB (before, counted at their text, all three were taken).
+    # dict slot each): 120,000 of them are 0.9 MB of text, 11 MB decoded,
+    # counted 20 MB (before, counted at their text, all three were taken).
+    # One emoji makes a str hold every character in 4 bytes: 5 MiB of text,
+    # 20 MiB held (before, counted 5 MiB: all three taken).
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
                       max_pending_bytes=64 * 2**20, stall_timeout=2)
     # The writer's share of the 64 MiB is 48 MiB: room for two such saves.
-    meta = ({"note": "x" * (20 * 2**20)} if shape == "one long value"
-            else {f"k{i}": "" for i in range(80_000)})
+    meta = {"one long value": {"note": "x" * (20 * 2**20)},
+            "many short items": {f"k{i}": "" for i in range(120_000)},
+            "an emoji in ASCII": {"note": "\U0001F600" + "x" * (5 * 2**20)}}[shape]
     try:
         # One stream per peer: a second begin from one peer would abandon its first.
         with dealers(rd.socket, 3) as peers:

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
@@ -151,7 +151,7 @@ class Client:
         # Resolved now when the socket came from the settings too (a config
         # file that cannot be used has just raised for it); with a socket
         # given, only when it is needed, and the config file cannot fail it.
-        self._configured_root = (settings.client_path("root")
+        self._configured_root = (_settings_root(settings.client_path)
                                  if root is None and socket is None else None)
         self._daemon_root: Path | None = None
         min_send_interval = _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
@@ -280,10 +280,10 @@ class Client:
         root = self._root_override or self._daemon_root or self._configured_root
         if root is None:
             try:
-                root = settings.client_path("root")
+                root = _settings_root(settings.client_path)
             except settings.SettingsError as exc:
                 log.warning("event=root_from_default reason=%s", exc)
-                root = Path(settings.BY_NAME["root"].default())
+                root = _settings_root(lambda _: Path(settings.BY_NAME["root"].default()))
             self._configured_root = root
         return root
 
@@ -1149,6 +1149,20 @@ _LOST_BECAUSE = {
     "connection_lost": "the connection to the daemon ended before it read the last saves",
     "daemon_restarted": "the connection to the daemon was lost (it may have been restarted)",
 }
+
+
+def _settings_root(find: Callable[[str], Path]) -> Path:
+    """The root ``find("root")`` gives; where the default root needs a home
+    directory there is none of (HOME unset, no password entry), the default
+    as written, unexpanded: no store is there, and loads that would read the
+    files miss (the daemon's own root is used while it is up)."""
+    try:
+        return find("root")
+    except config.ConfigError as exc:
+        if isinstance(exc, settings.SettingsError):
+            raise
+        log.warning("event=root_unknown reason=%s", exc)
+        return Path("~/.cache/kvkeeper")
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:

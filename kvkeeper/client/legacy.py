@@ -105,10 +105,12 @@ def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
     # Rebuilding may pad the rows the file holds (mlx-vlm's
     # StaticPrefixKVCache, to its max_size): a damaged max_size of 2**30 made
     # 64 GiB of zeros from a 4 KB file, and evaluating them ended the
-    # process (SIGSEGV); so did 8 layers of 8 GiB each.
-    if _MEMORY is not None and size > _MEMORY:
+    # process (SIGSEGV); so did 8 layers of 8 GiB each. A sound file larger
+    # than the memory (read lazily) is no damage: only padding is.
+    if _MEMORY is not None and size > _MEMORY \
+            and size > sum(a.nbytes for a in arrays.values()):
         raise LegacyDamage(f"its keys and values would take {size} bytes, more than this "
-                           f"machine's memory ({_MEMORY})")
+                           f"machine's memory ({_MEMORY}) and than the file holds")
     return cache
 
 

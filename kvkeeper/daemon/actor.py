@@ -38,6 +38,7 @@ import contextlib
 import enum
 import errno
 import functools
+import sys
 import threading
 import time
 from collections import deque
@@ -73,8 +74,8 @@ PARK_BELOW_BYTES = 1024 * 1024
 
 Key = tuple[str, str]  # (model, cache id)
 _MAX_TALLIES = 10_000
-#: Bytes in memory a metadata item takes beside its text (see metadata_memory).
-_METADATA_ITEM_BYTES = 256
+#: What a dict's slot for one item takes, its share of the table included.
+_DICT_SLOT_BYTES = 64
 #: Save data arriving in messages smaller than this is copied into buffers of
 #: up to this size (kvkeeper's own client sends 8 MiB messages, and joins
 #: small frames itself).
@@ -158,11 +159,12 @@ class SaveJob(Job):
 
     @property
     def metadata_memory(self) -> int:
-        """What the decoded metadata takes in memory beyond its encoded bytes:
-        two str objects and a dict slot an item (measured 65-136 bytes for
-        ASCII text, 205 for characters past U+FFFF, whose str objects hold
-        4 bytes a character and have the largest headers)."""
-        return _METADATA_ITEM_BYTES * len(self.metadata)
+        """What the decoded metadata takes in memory: its str objects, as
+        they are (a str holds every character in the width of its widest:
+        one emoji in 4 MiB of ASCII makes it 16 MiB), and a dict slot an
+        item."""
+        return sum(sys.getsizeof(k) + sys.getsizeof(v) + _DICT_SLOT_BYTES
+                   for k, v in self.metadata.items())
 
 
 @dataclass(eq=False)
@@ -295,13 +297,14 @@ class WriterActor:
         if not self.accepting:
             return "shutting_down", "the daemon is shutting down"
         # The metadata (token ids, up to 32 MiB) is held until the save is
-        # done, like its data, and goes into the file's header: both count
-        # against the memory budget and the disk budget. So do the decoded
-        # tensor table and the metadata's Python objects, in memory only:
-        # 65,536 tensors of long names held 37 MB a save for its whole life,
-        # and 5M metadata items of 4 bytes 430 MB, outside the budget.
+        # done, like its data, and goes into the file's header: the disk
+        # budget counts its text, the memory budget the objects that hold it
+        # (counted as text, 5M items of 4 bytes held 430 MB, and one emoji
+        # makes a str 4 bytes a character). The decoded tensor table counts
+        # in memory too: 65,536 tensors of long names held 37 MB a save for
+        # its whole life, outside the budget.
         on_disk = job.total + job.metadata_bytes
-        need = on_disk + job.metadata_memory \
+        need = job.total + job.metadata_memory \
             + (job.layout.table_bytes if job.layout is not None else 0)
         disk = self.store.budget.max_disk_bytes
         if disk is not None and on_disk > disk:

@@ -174,13 +174,13 @@ def check_places(cfg: DaemonConfig) -> None:
 
 
 def _drain_signals() -> list[int]:
-    """The signals that make the daemon drain: SIGTERM, SIGINT, and SIGHUP
-    unless it was ignored when the daemon started (`nohup kvkeeper serve`
-    asks to outlive the terminal, and a handler would end that)."""
-    wanted = [signal.SIGTERM, signal.SIGINT]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        wanted.append(signal.SIGHUP)
-    return wanted
+    """The signals that make the daemon drain: SIGTERM, and SIGINT and SIGHUP
+    unless they were ignored when the daemon started: `nohup kvkeeper serve`
+    asks to outlive the terminal, and a shell script's `kvkeeper serve &`
+    runs with SIGINT ignored (Ctrl-C on the script is not for it); a
+    handler would undo that."""
+    return [signal.SIGTERM, *(s for s in (signal.SIGINT, signal.SIGHUP)
+                              if signal.getsignal(s) is not signal.SIG_IGN)]
 
 
 #: How often the daemon checks that its root and socket are still in place.
@@ -346,12 +346,19 @@ class Daemon:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    def run(self, *, handle_signals: bool = True) -> int:
+    def run(self, *, handle_signals: bool = True, exiting: bool = False) -> int:
         cfg = self.cfg
         old_umask = os.umask(0o077)
         locks: list[_Lock] = []
         # Before any thread starts: the daemon's threads all inherit it.
         policy = batch_this_thread() if cfg.cpu_policy == "batch" else None
+        # _main ignores the drain signals from its cleanup on. A process that
+        # goes on after run() gets its own handlers back; one that exits
+        # (``exiting``: the kvkeeper command) keeps them ignored to the end,
+        # or a signal in its last milliseconds (an impatient user, a
+        # supervisor repeating itself) killed it.
+        handlers = ({s: signal.getsignal(s) for s in _drain_signals()}
+                    if handle_signals and not exiting else {})
         try:
             check_places(cfg)
             # The socket's lock first: a daemon already serving this socket
@@ -379,6 +386,8 @@ class Daemon:
                 lock.release()
             os.umask(old_umask)
             restore_this_thread(policy)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
     async def _main(self, store: Store, sock_path: Path, handle_signals: bool,
                     root_lock: _Lock) -> int:
@@ -462,8 +471,9 @@ class Daemon:
                     sock_path.unlink()
             except OSError:
                 pass  # gone, or not ours to tell: left as it is
-            # Done: from here the process only exits. Closing the receiver
-            # restores the default handlers, under which a signal kills it.
+            # Done: closing the receiver restores the default handlers, under
+            # which a signal kills the process; ignored until run() ends
+            # (it gives back the ones it found).
             signals.close()
             for signum in wanted:
                 signal.signal(signum, signal.SIG_IGN)
