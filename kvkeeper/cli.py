@@ -280,25 +280,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        # One field: "2026-12-01 21:40:00,123" would be two.
-        format="ts=%(asctime)s.%(msecs)03d level=%(levelname)s logger=%(name)s %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-    )
+def _logging(level: str) -> logging.Handler:
+    """The daemon's log on stderr, written by a thread of its own (see
+    BehindHandler); returns the handler, for the caller to close."""
+    from kvkeeper.logs import BehindHandler
+
+    handler = BehindHandler(sys.stderr)
+    # One field: "2026-12-01 21:40:00,123" would be two.
+    handler.setFormatter(logging.Formatter(
+        "ts=%(asctime)s.%(msecs)03d level=%(levelname)s logger=%(name)s %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
+    return handler
 
 
 def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
     from kvkeeper import config
-    from kvkeeper.daemon.app import (
-        AlreadyRunning,
-        Daemon,
-        check_not_held,
-        check_places,
-        config_from_settings,
-    )
+    from kvkeeper.daemon.app import check_not_held, check_places, config_from_settings
     from kvkeeper.settings import SETTINGS, resolve
 
     try:
@@ -332,7 +330,18 @@ def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
             print(f"kvkeeper: {exc}", file=sys.stderr)
             return 2
         return 0
-    _logging(values["log_level"])
+    handler = _logging(values["log_level"])
+    try:
+        return _run_daemon(cfg, exiting)
+    finally:
+        logging.root.removeHandler(handler)
+        handler.close()
+
+
+def _run_daemon(cfg: Any, exiting: bool) -> int:
+    from kvkeeper import config
+    from kvkeeper.daemon.app import AlreadyRunning, Daemon
+
     try:
         print(f"kvkeeper {__version__}: socket {os.path.abspath(cfg.socket)}, root "
               f"{os.path.abspath(cfg.root)}", file=sys.stderr, flush=True)

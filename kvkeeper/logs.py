@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import logging
 import numbers
+import queue
 import re
+import threading
+import time
+from typing import TextIO
 
-__all__ = ["get_logger", "logfmt_value"]
+__all__ = ["BehindHandler", "get_logger", "logfmt_value"]
 
 #: Characters escaped inside quotes: quotes, backslash, and every control
 #: character (C0, DEL, C1) and Unicode line or paragraph separator.
@@ -61,3 +65,60 @@ def get_logger(name: str) -> logging.Logger:
     if _FILTER not in log.filters:
         log.addFilter(_FILTER)
     return log
+
+
+class BehindHandler(logging.Handler):
+    """Hands each formatted line to a thread of its own that writes it to
+    ``stream``: the daemon never waits for its log. Written from the event
+    loop, a stderr pipe nobody read (``kvkeeper serve 2>&1 | less``, paused)
+    froze the daemon, SIGTERM included. Past ``limit`` lines waiting, lines
+    are dropped; how many is written once the writer catches up
+    (``event=log_lines_dropped``). A failing stream (a full disk, a pipe
+    whose reader is gone) loses its lines and nothing else."""
+
+    def __init__(self, stream: TextIO, limit: int = 10_000) -> None:
+        super().__init__()
+        self._stream = stream
+        self._lines: queue.Queue[str | None] = queue.Queue(limit)
+        self._dropped = 0
+        self._count_lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write, name="kvkeeper-log", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - as logging's own handlers do
+            self.handleError(record)
+            return
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            with self._count_lock:
+                self._dropped += 1
+
+    def _write(self) -> None:
+        while (line := self._lines.get()) is not None:
+            with self._count_lock:
+                dropped, self._dropped = self._dropped, 0
+            try:
+                if dropped:
+                    self._stream.write(self.format(logging.LogRecord(
+                        "kvkeeper.logs", logging.WARNING, __file__, 0,
+                        "event=log_lines_dropped count=%d (the log was not read fast enough)",
+                        (dropped,), None)) + "\n")
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
+                pass
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write what waits, for at most ``timeout`` seconds in all (a
+        stream that is not read keeps the rest), and stop the writer."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._lines.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._writer.join(max(0.0, deadline - time.monotonic()))
+        super().close()

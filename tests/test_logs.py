@@ -78,3 +78,36 @@ def test_a_refused_save_is_logged_with_its_key(short_dir: Path) -> None:
     assert set(fields) == {"ts", "level", "logger", "event", "code", "model", "id", "reason"}
     assert (fields["code"], fields["model"], fields["id"]) == \
         ("too_large", FP, NASTY.replace("\n", "\\n"))
+
+
+def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
+    """stderr a pipe whose reader stays but does not read (`kvkeeper serve
+    2>&1 | less`, the pager paused): once the pipe was full, each log line
+    blocked the daemon's event loop: flushes timed out and SIGTERM did
+    nothing until the pipe was read. Lines past those waiting are dropped."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # full after some 30 lines
+    proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "serve", "--root", str(root),
+                             "--socket", str(sock), "--log-level", "debug"],
+                            stdout=subprocess.DEVNULL, stderr=write_end)
+    os.close(write_end)
+    try:
+        with Client(sock, timeout=WAIT, connect_timeout=WAIT, min_send_interval=0) as kv:
+            for i in range(80):  # each written and logged: some 12 KB of log
+                assert kv.save(FP, f"k{i % 4}", filled(0.01, i + 1), [i])
+                assert kv.flush(timeout=10), i
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(read_end)
+    assert entry_path(root, "k3").exists()
