@@ -179,8 +179,11 @@ def _check_ours(path: Path, what: str) -> None:
     if shared and what == "root directory":
         # A shared directory is /tmp, or like it: emptied at boot, and a
         # store is to outlive restarts.
-        own_place = (f"; keep the store in a directory of its own that outlives a reboot "
-                     f"(the default root is {str(default_root())!r})")
+        try:
+            default = f" (the default root is {str(default_root())!r})"
+        except ConfigError:  # no home directory: no default to point to
+            default = ""
+        own_place = f"; keep the store in a directory of its own that outlives a reboot{default}"
     elif shared or path == Path(os.path.expanduser("~")):
         # Nor is a home directory to be chmod-ed for a socket.
         own_place = (f"; use a directory of its own inside it instead (e.g. "

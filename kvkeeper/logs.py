@@ -13,7 +13,6 @@ import numbers
 import queue
 import re
 import threading
-import time
 from typing import TextIO
 
 __all__ = ["BehindHandler", "get_logger", "logfmt_value"]
@@ -72,53 +71,66 @@ class BehindHandler(logging.Handler):
     ``stream``: the daemon never waits for its log. Written from the event
     loop, a stderr pipe nobody read (``kvkeeper serve 2>&1 | less``, paused)
     froze the daemon, SIGTERM included. Past ``limit`` lines waiting, lines
-    are dropped; how many is written once the writer catches up
-    (``event=log_lines_dropped``). A failing stream (a full disk, a pipe
-    whose reader is gone) loses its lines and nothing else."""
+    are dropped; a line saying how many (``event=log_lines_dropped``) takes
+    their place once there is room. A failing stream (a full disk, a pipe
+    whose reader is gone) loses its lines and nothing else. The thread
+    starts with the first line, from the thread that logs it: it inherits
+    that thread's scheduling policy (the daemon's are SCHED_BATCH)."""
 
     def __init__(self, stream: TextIO, limit: int = 10_000) -> None:
         super().__init__()
         self._stream = stream
-        self._lines: queue.Queue[str | None] = queue.Queue(limit)
+        self._limit = limit
+        self._lines: queue.Queue[str | None] = queue.Queue()
         self._dropped = 0
-        self._count_lock = threading.Lock()
-        self._writer = threading.Thread(target=self._write, name="kvkeeper-log", daemon=True)
-        self._writer.start()
+        self._writer: threading.Thread | None = None
+        self._closed = False
 
     def emit(self, record: logging.LogRecord) -> None:
+        # (Handler.handle holds self.lock: one emit at a time. Only emit and
+        # close put lines; the writer only takes them.)
+        if self._closed:
+            return
         try:
             line = self.format(record)
         except Exception:  # noqa: BLE001 - as logging's own handlers do
             self.handleError(record)
             return
-        try:
-            self._lines.put_nowait(line)
-        except queue.Full:
-            with self._count_lock:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="kvkeeper-log",
+                                            daemon=True)
+            self._writer.start()
+        if self._dropped:
+            if self._lines.qsize() + 2 > self._limit:
                 self._dropped += 1
+                return
+            self._lines.put(self.format(logging.LogRecord(
+                "kvkeeper.logs", logging.WARNING, __file__, 0,
+                "event=log_lines_dropped count=%d (lines here were not written: the log "
+                "was not read fast enough)", (self._dropped,), None)))
+            self._dropped = 0
+        if self._lines.qsize() >= self._limit:
+            self._dropped += 1
+            return
+        self._lines.put(line)
 
     def _write(self) -> None:
         while (line := self._lines.get()) is not None:
-            with self._count_lock:
-                dropped, self._dropped = self._dropped, 0
             try:
-                if dropped:
-                    self._stream.write(self.format(logging.LogRecord(
-                        "kvkeeper.logs", logging.WARNING, __file__, 0,
-                        "event=log_lines_dropped count=%d (the log was not read fast enough)",
-                        (dropped,), None)) + "\n")
                 self._stream.write(line + "\n")
                 self._stream.flush()
             except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
                 pass
 
     def close(self, timeout: float = 2.0) -> None:
-        """Write what waits, for at most ``timeout`` seconds in all (a
-        stream that is not read keeps the rest), and stop the writer."""
-        deadline = time.monotonic() + timeout
-        try:
-            self._lines.put(None, timeout=timeout)
-        except queue.Full:
-            pass
-        self._writer.join(max(0.0, deadline - time.monotonic()))
+        """Write what waits, for at most ``timeout`` seconds (a stream that
+        is not read keeps the rest), and stop the writer. Once: logging's
+        own shutdown at exit calls it again."""
+        with self.lock:  # type: ignore[union-attr]
+            if self._closed:
+                return
+            self._closed = True
+            self._lines.put(None)
+        if self._writer is not None:
+            self._writer.join(timeout)
         super().close()

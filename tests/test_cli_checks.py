@@ -1325,6 +1325,11 @@ def test_commands_work_without_a_home_directory(short_dir: Path) -> None:
     # The default root needs the home: said in one line, exit 2.
     r = run_("serve", "--print-config", "--socket", places[3])
     usage_error(r, "cannot tell this user's home directory")
+    # A shared root's advice names the default root, where there is one: here
+    # it said only that the home was unknown, not what was wrong with /tmp.
+    r = run_("serve", "--print-config", "--root", "/tmp", "--socket", places[3])
+    usage_error(r, "keep the store in a directory of its own")
+    assert "home directory" not in r.stderr, r.stderr
 
 
 def test_relative_xdg_directories_are_ignored(short_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,55 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
             proc.wait()
         os.close(read_end)
     assert entry_path(root, "k3").exists()
+
+
+def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
+    """A log read too slowly: the lines past those waiting are dropped, and
+    one line in their place says how many, so that every line is written
+    or counted. (The first version said so after the next line written,
+    before lines queued earlier: after nearly every line, in the wrong
+    place.)"""
+    import threading
+
+    from kvkeeper.logs import BehindHandler
+
+    gate = threading.Event()
+    out: list[str] = []
+
+    class Stuck:  # a reader that does not read until the gate opens
+        def write(self, text: str) -> int:
+            assert gate.wait(WAIT)
+            out.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    handler = BehindHandler(Stuck(), limit=5)  # type: ignore[arg-type]
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("kvkeeper.test_behind")
+    log.propagate, level = False, log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        for i in range(20):
+            log.info("line=%d", i)
+        gate.set()
+        deadline = time.monotonic() + WAIT
+        while len(out) < 5:  # what waited is written
+            assert time.monotonic() < deadline, out
+            time.sleep(0.01)
+        for i in range(20, 23):
+            log.info("line=%d", i)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        handler.close()
+        handler.close()  # logging's shutdown closes it again: once is enough
+    lines = "".join(out).splitlines()
+    written = [int(ln.split("=")[1]) for ln in lines if ln.startswith("line=")]
+    (notice,) = [ln for ln in lines if "event=log_lines_dropped" in ln]
+    kept = written.index(20)
+    assert written[:kept] == list(range(kept)) and written[kept:] == [20, 21, 22], lines
+    assert lines.index(notice) == kept  # just before the first line after the gap
+    assert int(notice.split("count=")[1].split()[0]) + kept == 20  # every line written or counted
