@@ -8,10 +8,12 @@ a line into its fields and a cache id holding a newline cannot forge a line.
 
 from __future__ import annotations
 
+import io
 import logging
 import numbers
 import queue
 import re
+import select
 import threading
 from typing import TextIO
 
@@ -66,16 +68,24 @@ def get_logger(name: str) -> logging.Logger:
     return log
 
 
+#: Lines up to this long are written at once when the stream can take them:
+#: a pipe with room takes a write of up to PIPE_BUF bytes whole, unblocked.
+_DIRECT_MAX = 4096
+
+
 class BehindHandler(logging.Handler):
-    """Hands each formatted line to a thread of its own that writes it to
-    ``stream``: the daemon never waits for its log. Written from the event
+    """Writes each line to ``stream`` at once when it can take it without
+    waiting (the line is out before the next step: a kill right after an
+    eviction must not hide its line), and otherwise hands it to a thread of
+    its own: the daemon never waits for its log. Written from the event
     loop, a stderr pipe nobody read (``kvkeeper serve 2>&1 | less``, paused)
     froze the daemon, SIGTERM included. Past ``limit`` lines waiting, lines
     are dropped; a line saying how many (``event=log_lines_dropped``) takes
     their place once there is room. A failing stream (a full disk, a pipe
     whose reader is gone) loses its lines and nothing else. The thread
-    starts with the first line, from the thread that logs it: it inherits
-    that thread's scheduling policy (the daemon's are SCHED_BATCH)."""
+    starts with the first line it is handed, from the thread that logs it:
+    it inherits that thread's scheduling policy (the daemon's are
+    SCHED_BATCH)."""
 
     def __init__(self, stream: TextIO, limit: int = 10_000) -> None:
         super().__init__()
@@ -85,6 +95,18 @@ class BehindHandler(logging.Handler):
         self._dropped = 0
         self._writer: threading.Thread | None = None
         self._closed = False
+        # Lines handed to the writer and not yet written: while there are
+        # any, a new line queues behind them (in order); while there are
+        # none, the writer is not writing, and a direct write cannot mix
+        # with one of its. (Never held during a write: a stuck one would
+        # hold up every line after it, the event loop's too.)
+        self._behind = 0
+        self._count = threading.Lock()
+        try:
+            self._poll: select.poll | None = select.poll()
+            self._poll.register(stream.fileno(), select.POLLOUT)
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            self._poll = None  # no descriptor to ask (or no poll): always behind
 
     def emit(self, record: logging.LogRecord) -> None:
         # (Handler.handle holds self.lock: one emit at a time. Only emit and
@@ -96,6 +118,11 @@ class BehindHandler(logging.Handler):
         except Exception:  # noqa: BLE001 - as logging's own handlers do
             self.handleError(record)
             return
+        with self._count:
+            idle = self._behind == 0
+        if idle and not self._dropped and self._can_take(line):
+            self._put_out(line)
+            return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write, name="kvkeeper-log",
                                             daemon=True)
@@ -104,7 +131,7 @@ class BehindHandler(logging.Handler):
             if self._lines.qsize() + 2 > self._limit:
                 self._dropped += 1
                 return
-            self._lines.put(self.format(logging.LogRecord(
+            self._hand(self.format(logging.LogRecord(
                 "kvkeeper.logs", logging.WARNING, __file__, 0,
                 "event=log_lines_dropped count=%d (lines here were not written: the log "
                 "was not read fast enough)", (self._dropped,), None)))
@@ -112,15 +139,29 @@ class BehindHandler(logging.Handler):
         if self._lines.qsize() >= self._limit:
             self._dropped += 1
             return
+        self._hand(line)
+
+    def _can_take(self, line: str) -> bool:
+        return (self._poll is not None and len(line) < _DIRECT_MAX // 4
+                and bool(self._poll.poll(0)))
+
+    def _hand(self, line: str) -> None:
+        with self._count:
+            self._behind += 1
         self._lines.put(line)
+
+    def _put_out(self, line: str) -> None:
+        try:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
+            pass
 
     def _write(self) -> None:
         while (line := self._lines.get()) is not None:
-            try:
-                self._stream.write(line + "\n")
-                self._stream.flush()
-            except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
-                pass
+            self._put_out(line)
+            with self._count:
+                self._behind -= 1
 
     def close(self, timeout: float = 2.0) -> None:
         """Write what waits, for at most ``timeout`` seconds (a stream that
