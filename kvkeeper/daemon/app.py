@@ -472,8 +472,8 @@ class Daemon:
             except OSError:
                 pass  # gone, or not ours to tell: left as it is
             # Done: closing the receiver restores the default handlers, under
-            # which a signal kills the process; ignored until run() ends
-            # (it gives back the ones it found).
+            # which a signal kills the process; ignored until run() ends,
+            # which gives back the ones it found (unless the process exits).
             signals.close()
             for signum in wanted:
                 signal.signal(signum, signal.SIG_IGN)
