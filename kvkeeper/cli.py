@@ -40,10 +40,10 @@ def _size(text: str) -> int:
 
 def _number(text: str) -> float:
     """A seconds flag's number; its range is checked with the other settings'."""
-    from kvkeeper.settings import seconds_number
+    from kvkeeper.settings import plain_float
 
     try:
-        return seconds_number(text)
+        return plain_float(text)
     except ValueError:
         # As for the same value from the environment or the config file:
         # argparse's "invalid float value: '5s'" did not say what was wrong.

@@ -57,6 +57,15 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+def plain_float(text: str) -> float:
+    """float() of a number a person wrote, a size's or a duration's: not
+    "1_000" or digits of other scripts ("١٠٠"), which float() takes too and
+    no one means; ValueError else."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(text)
+    return float(text)
+
+
 def parse_size(text: str | int | float) -> int:
     """Byte sizes: 1073741824, "512M", "1G", "1.5GiB", "0"."""
     if isinstance(text, bool) or not isinstance(text, (str, int, float)):
@@ -79,11 +88,7 @@ def parse_size(text: str | int | float) -> int:
             value = int(digits or "0") * _SIZE_UNITS[unit] if len(digits) <= 30 else MAX_SIZE + 1
             return _in_range(value, text)
         try:
-            # float() also takes "1_000" and digits of other scripts ("١٠٠"),
-            # which a size written by a person never means.
-            if not num.isascii() or "_" in num:
-                raise ValueError
-            number = float(num) * _SIZE_UNITS[unit]
+            number = plain_float(num) * _SIZE_UNITS[unit]
         except ValueError:
             raise ValueError(f"not a byte size: {_as_given(text)} (try 512M or 1G)") from None
         # float() takes "inf", "nan" and "1e400" (inf); int() of them fails
@@ -190,19 +195,13 @@ def _cpu_policy(value: Any) -> str:
 MAX_SECONDS = 86_400
 
 
-def seconds_number(text: str) -> float:
-    """float() of a seconds value written as text, but not in "1_0" or
-    other scripts' digits ("١٥"), which float() takes; ValueError else."""
-    if not text.isascii() or "_" in text:
-        raise ValueError(text)
-    return float(text)
 
 
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _not_a("seconds must be a number", value)
     try:
-        v = seconds_number(value) if isinstance(value, str) else float(value)
+        v = plain_float(value) if isinstance(value, str) else float(value)
     except ValueError:
         raise ValueError(f"not a number of seconds: {value!r} (a plain number: 5 or 0.5, "
                          f"no unit)") from None
