@@ -357,8 +357,8 @@ class Daemon:
         # (``exiting``: the kvkeeper command) keeps them ignored to the end,
         # or a signal in its last milliseconds (an impatient user, a
         # supervisor repeating itself) killed it.
-        handlers = ({s: signal.getsignal(s) for s in _drain_signals()}
-                    if handle_signals and not exiting else {})
+        wanted = _drain_signals() if handle_signals else []
+        handlers = {} if exiting else {s: signal.getsignal(s) for s in wanted}
         try:
             check_places(cfg)
             # The socket's lock first: a daemon already serving this socket
@@ -379,7 +379,7 @@ class Daemon:
             store = Store(root, Budget(cfg.max_disk_bytes, cfg.min_free_bytes),
                           own_files=(sock_lock_path,))
             store.open()  # its files are indexed once the socket is bound (WriterActor.run)
-            return anyio.run(self._main, store, sock_path, handle_signals, root_lock,
+            return anyio.run(self._main, store, sock_path, wanted, root_lock,
                              backend="asyncio")
         finally:
             for lock in reversed(locks):
@@ -389,7 +389,7 @@ class Daemon:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
 
-    async def _main(self, store: Store, sock_path: Path, handle_signals: bool,
+    async def _main(self, store: Store, sock_path: Path, wanted: list[int],
                     root_lock: _Lock) -> int:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()
@@ -436,7 +436,6 @@ class Daemon:
         # Open until the sockets are closed and the socket file removed: a
         # second signal after the drain (while the last replies go out) found
         # the default handlers back, and killed the daemon by that signal.
-        wanted = _drain_signals() if handle_signals else []
         signals = contextlib.ExitStack()
         receiver = signals.enter_context(anyio.open_signal_receiver(*wanted)) if wanted else None
         try:
