@@ -130,8 +130,15 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
         why = f" (it holds {', '.join(unreadable)} tensors)" if unreadable else ""
         raise CacheFileError(f"{path}: MLX cannot read it: {exc}{why}",
                              damaged=not unreadable) from None
+    if header is None and not st.written_by_kvkeeper(meta):
+        # The older formats carry no checksums: our layout check (tensors
+        # tiling the file) is all that refuses two tensors over the same
+        # bytes, which MLX serves alike. They are rare: their lazy loads
+        # can pay for the header's second read.
+        header = _header(path)
     if header is not None and meta != header.metadata:
-        raise _replaced(path)
+        raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
+                             replaced=True)
     if verify and header is not None:
         try:
             # The header's own checksum, before its model, format or token ids
@@ -142,14 +149,6 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
             raise CacheFileError(f"{path}: {exc}") from None
     if st.written_by_kvkeeper(meta):
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
-    if header is None:
-        # The older formats carry no checksums: our layout check (tensors
-        # tiling the file) is all that refuses two tensors over the same
-        # bytes, which MLX serves alike. They are rare: their lazy loads
-        # can pay for the header's second read.
-        header = _header(path)
-        if meta != header.metadata:
-            raise _replaced(path)
     from kvkeeper.client.legacy import (
         EXPORT_CACHE_ID_KEY,
         MLX_LM_PROMPT_CACHE,
@@ -220,11 +219,6 @@ def _regular_file(path: Path) -> None:
         raise cannot_open(path, exc) from None
     if not stat.S_ISREG(mode):
         raise CacheFileError(f"{path}: not a regular file")
-
-
-def _replaced(path: Path) -> CacheFileError:
-    return CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
-                          replaced=True)
 
 
 def _header(path: Path) -> st.FileHeader:
