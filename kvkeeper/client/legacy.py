@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from kvkeeper.client.codec import (
+from kvkeeper.client.cache_classes import (
     CodecError,
     is_composite_class,
     rebuild_composite,

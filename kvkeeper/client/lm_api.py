@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvkeeper.client.codec import CodecError, rebuild_layer
+from kvkeeper.client.cache_classes import CodecError, rebuild_layer
 
 __all__ = ["rebuild_from_new", "rebuild_from_old"]
 
