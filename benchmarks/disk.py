@@ -5,6 +5,7 @@ directory, the same durability kvkeeper gives), side by side."""
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,11 @@ def run(ctx: Any) -> dict[str, Any]:
         "kvkeeper_breakdown": breakdown,
         "kvkeeper_gib_per_s": nbytes / k["median"] / 2**30,
         "plain_gib_per_s": nbytes / p["median"] / 2**30,
-        "ratio": p["median"] / k["median"],
+        # Run r of each writer ran back to back (order alternated): judged on
+        # the median of those pairs' ratios, as case 2 is; this disk has slow
+        # spells lasting several runs, which a ratio of the medians mixes in.
+        "ratio": statistics.median(a / b for a, b in zip(plain, kvk, strict=True)),
+        "ratio_of_medians": p["median"] / k["median"],
         "all_ok": all(ok),
     }
 
@@ -112,9 +117,11 @@ def run(ctx: Any) -> dict[str, Any]:
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return [{
         "case": "3 disk throughput",
-        "target": "save() -> durable at >= 0.9x the speed of write+fsync+rename (same bytes)",
+        "target": "save() -> durable at >= 0.9x the speed of write+fsync+rename (same bytes; "
+                  "median of the runs' side-by-side ratios)",
         "size_bytes": res["bytes"],
-        "measured": {"ratio": res["ratio"], "kvkeeper_gib_per_s": res["kvkeeper_gib_per_s"],
+        "measured": {"ratio": res["ratio"], "ratio_of_medians": res.get("ratio_of_medians"),
+                     "kvkeeper_gib_per_s": res["kvkeeper_gib_per_s"],
                      "plain_gib_per_s": res["plain_gib_per_s"],
                      "ratio_of_minimums": (res["plain_write_fsync_rename"]["min"]
                                            / res["kvkeeper_save_to_durable"]["min"])},

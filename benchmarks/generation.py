@@ -58,6 +58,11 @@ def _daemon_cpu(ctx: Any) -> float:
     return t.user + t.system
 
 
+def _timed(runs: list[dict[str, Any]]) -> float:
+    """Seconds the runs took, each with its closing flush()."""
+    return sum(x["wall_s"] + x["flush_s"] for x in runs)
+
+
 def _tiny_model_case(ctx: Any) -> dict[str, Any]:
     prof, kv = ctx.profile, ctx.kv
     model = tiny_model()
@@ -72,16 +77,26 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         order = ("off", "save") if r % 2 == 0 else ("save", "off")
         for mode in order:
             c0 = _daemon_cpu(ctx)
-            runs[mode].append(_decode_run(model, prompt, prof.gen_decode,
-                                          kv if mode == "save" else None, prof.gen_save_every))
+            run = _decode_run(model, prompt, prof.gen_decode,
+                              kv if mode == "save" else None, prof.gen_save_every)
+            # The next run starts with the daemon idle. The last save of a
+            # run is sent, written and fsynced here, after the decode's
+            # clock stopped: timed too, so that the run's whole cost can
+            # be judged (with the fsync's wait in it: an upper bound).
+            f0 = time.perf_counter()
+            kv.flush(WAIT)
+            run["flush_s"] = time.perf_counter() - f0
+            run["tokens_per_s_through_flush"] = prof.gen_decode / (run["wall_s"] + run["flush_s"])
             daemon_cpu[mode] += _daemon_cpu(ctx) - c0
-            kv.flush(WAIT)  # the next run starts with the daemon idle
+            runs[mode].append(run)
     after = kv.stats()
     counters = {k: after.get(k, 0) - before.get(k, 0)
                 for k in ("saves_received", "saves_written", "saves_superseded", "saves_held")}
     same_tokens = all(x["tokens"] == runs["off"][0]["tokens"] for x in runs["off"] + runs["save"])
     off_tps = [x["tokens_per_s"] for x in runs["off"]]
     on_tps = [x["tokens_per_s"] for x in runs["save"]]
+    off_flushed = [x["tokens_per_s_through_flush"] for x in runs["off"]]
+    on_flushed = [x["tokens_per_s_through_flush"] for x in runs["save"]]
     res = {
         "model": "mlx-lm llama: 4 layers, hidden 256, 4 heads, 2 KV heads, bf16, random weights",
         "prompt_tokens": prof.gen_prompt,
@@ -95,6 +110,13 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         # spells (whole runs 20% slower) hit both sides of a pair alike.
         "ratio": float(np.median([b / a for a, b in zip(off_tps, on_tps, strict=True)])),
         "ratio_of_medians": summarize(on_tps)["median"] / summarize(off_tps)["median"],
+        # The same pairs with each run's closing flush() counted in.
+        "ratio_through_flush": float(np.median(
+            [b / a for a, b in zip(off_flushed, on_flushed, strict=True)])),
+        "tokens_per_s_through_flush_no_saves": summarize(off_flushed),
+        "tokens_per_s_through_flush_with_saves": summarize(on_flushed),
+        "flush_no_saves": summarize([x["flush_s"] for x in runs["off"]]),
+        "flush_with_saves": summarize([x["flush_s"] for x in runs["save"]]),
         "step_no_saves": summarize([s for x in runs["off"] for s in x["steps"]]),
         "step_with_saves_other": summarize([s for x in runs["save"] for s in x["steps"]]),
         "step_first_after_save": summarize([s for x in runs["save"] for s in x["after_save"]]),
@@ -109,8 +131,8 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         "client_saves_coalesced": after.get("client_saves_coalesced", 0)
         - before.get("client_saves_coalesced", 0),
         # CPU the daemon process used while the runs of each mode ran, as a share of one core.
-        "daemon_cpu_share_no_saves": daemon_cpu["off"] / sum(x["wall_s"] for x in runs["off"]),
-        "daemon_cpu_share_with_saves": daemon_cpu["save"] / sum(x["wall_s"] for x in runs["save"]),
+        "daemon_cpu_share_no_saves": daemon_cpu["off"] / _timed(runs["off"]),
+        "daemon_cpu_share_with_saves": daemon_cpu["save"] / _timed(runs["save"]),
     }
     kv.delete(MODEL, "generation")
     return res
@@ -198,9 +220,12 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return [{
         "case": "2 cost to generation",
         "target": "decode throughput with a save every 16 tokens >= 0.97x without "
-                  "(median of the runs' side-by-side ratios)",
+                  "(median of the runs' side-by-side ratios), also with each run's "
+                  "closing flush() counted in",
         "measured": {"ratio": t["ratio"], "ratio_of_medians": t.get("ratio_of_medians"),
+                     "ratio_through_flush": t.get("ratio_through_flush"),
                      "tokens_per_s_no_saves": t["tokens_per_s_no_saves"]["median"],
                      "tokens_per_s_with_saves": t["tokens_per_s_with_saves"]["median"]},
-        "met": bool(t["ratio"] >= 0.97),
+        # An older results.json has no flush figure: judged on the decode alone.
+        "met": bool(min(t["ratio"], t.get("ratio_through_flush", t["ratio"])) >= 0.97),
     }]

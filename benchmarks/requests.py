@@ -64,7 +64,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if not kv.flush(WAIT):
             raise RuntimeError("the entries to load were not written")
         kinds = _kinds(kv)
-        idle = _rounds(kinds, 0.0, 3)
+        idle = _rounds(kinds, 0.0, 5)
         stop = threading.Event()
         handed = [0, 0]  # save() True, False
 
