@@ -283,8 +283,8 @@ def test_a_saved_cache_without_token_ids_is_not_reused_and_says_why(
     lm_tok: TokenizerWrapper, client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An mlx-lm file brought in by `kvkeeper import` has no token ids: the
-    session started cold with nothing logged (its plan said "no cache for
-    this session"), and its first save replaced the entry."""
+    session started cold with nothing logged, and its first save replaced
+    the entry. Its plan says why."""
     model = tiny_llama()
     p = prompt(40, seed=21)
     cache = make_prompt_cache(model)
@@ -295,6 +295,8 @@ def test_a_saved_cache_without_token_ids_is_not_reused_and_says_why(
         gen = session.generate(p, max_tokens=GEN)
     assert "event=restore_no_token_ids model=tiny-lm-llama id=imported" in caplog.text
     assert session.last_plan is not None and session.last_plan.action == "cold"
+    # It said "no cache for this session", as if none had been found.
+    assert session.last_plan.reason == "the saved cache does not say which tokens it holds"
     assert client.flush(timeout=WAIT)
     got = client.load("tiny-lm-llama", "imported")
     assert got is not None and got.token_ids == p + gen
@@ -359,11 +361,11 @@ def vlm_processor(vocab: int) -> Any:
     return tok
 
 
-def tiny_vlm_llama() -> nn.Module:
+def tiny_vlm_llama(kv_heads: int = 2) -> nn.Module:
     mx.random.seed(6)
     cfg = vlm_llama.ModelConfig(
         model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        num_attention_heads=4, num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=VOCAB,
         max_position_embeddings=4096,
     )
     return _finish(vlm_llama.Model(cfg), mx.bfloat16)
@@ -857,6 +859,26 @@ def test_the_one_call_forms_check_their_arguments_at_the_call(
     with pytest.raises(ValueError, match="metadata"):
         kv_vlm.stream_generate(client, "tiny-vlm", "one", tiny_vlm_llama(), vlm_processor(VOCAB),
                                "hi", metadata={"kvkeeper.x": "y"})
+    # The prompt too (an adopter's review: these raised at the first next()),
+    # and so does a Session's own stream_generate.
+    vlm_model, processor = tiny_vlm_llama(), vlm_processor(VOCAB)
+    session = kv_lm.Session(client, "tiny-lm", "one", model, lm_tok)
+    for call in (lambda p, **kw: kv_lm.stream_generate(client, "tiny-lm", "one", model,
+                                                      lm_tok, p, **kw),
+                 session.stream_generate):
+        for bad, error in (([], "the prompt is empty"), ("", "the prompt is empty"),
+                           ([5, VOCAB + 5], "not in the model's vocabulary"),
+                           ([1.5], "token ids")):
+            with pytest.raises(ValueError, match=error):
+                call(bad)
+        with pytest.raises(TypeError, match="prompt_cache"):
+            call(prompt(5), prompt_cache=[])
+    for bad, error in (("", ValueError), ([1, 2], TypeError)):
+        with pytest.raises(error):
+            kv_vlm.stream_generate(client, "tiny-vlm", "one", vlm_model, processor, bad)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        kv_vlm.stream_generate(client, "tiny-vlm", "one", vlm_model, processor,
+                               input_ids=mx.array([[]], dtype=mx.int32))
     # Good arguments: a generator, as before.
     got = kv_lm.stream_generate(client, "tiny-lm", "one", model, lm_tok, prompt(5), 3)
     assert len([r.token for r in got]) == 3
@@ -1097,6 +1119,7 @@ def test_a_saved_cache_whose_layers_the_model_does_not_keep_starts_cold(
         session = kv_lm.Session(kv, "model-x", "chat", lfm, lm_tok)
         assert session.generate(ids, max_tokens=8) == want
         assert session.last_plan is not None and session.last_plan.action == "cold"
+        assert session.last_plan.reason == "the saved cache's layers do not fit this model"
         assert kv.flush(timeout=WAIT) is True
         got = kv.load("model-x", "chat")
         assert got is not None
@@ -1176,3 +1199,71 @@ def test_mlx_lm_quantized_and_windowed_caches_continue_as_mlx_lm_reuse_does(
             assert kv.flush(timeout=WAIT) is True
         assert gen == expected[turn], f"turn {turn}"
         held = held + new + gen
+
+
+@pytest.mark.parametrize("lib", ["mlx_lm", "mlx_vlm"])
+def test_a_saved_cache_of_another_head_count_starts_cold_once(
+        lib: str, lm_tok: TokenizerWrapper, daemon: RunningDaemon,
+        caplog: pytest.LogCaptureFixture
+) -> None:
+    """One model id given to two models whose layers are of the same classes
+    but other shapes (2 and 4 KV heads; an adopter's review): the session
+    took the other model's cache, and every request of the conversation
+    raised inside the model (a failed broadcast), in new processes too. Now
+    the request starts cold, says why, and its saves replace the entry. A
+    request's own error is still the request's: the saved cache is kept."""
+    if lib == "mlx_lm":
+        def session(kv: Client | None, model: nn.Module) -> Any:
+            return kv_lm.Session(kv, "model-y", "chat" if kv else "mem", model, lm_tok)
+
+        def ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
+            return s.generate(ids, max_tokens=8, **kw)
+
+        small, large = tiny_llama(seed=4), tiny_llama(seed=4, kv_heads=4)
+    else:
+        processor = vlm_processor(VOCAB)
+
+        def session(kv: Client | None, model: nn.Module) -> Any:
+            return kv_vlm.Session(kv, "model-y", "chat" if kv else "mem", model, processor)
+
+        def ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
+            return vlm_tokens(s.stream_generate(input_ids=mx.array([ids]), max_tokens=8, **kw))
+
+        small, large = tiny_vlm_llama(), tiny_vlm_llama(kv_heads=4)
+    ids = prompt(30, seed=3)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        said = ask(session(kv, small), ids)
+        assert kv.flush(timeout=WAIT) is True
+    more = ids + said + prompt(4, seed=5)  # extends the saved conversation
+    want = ask(session(None, large), more)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        s = session(kv, large)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            assert ask(s, more) == want
+        plan = s.last_plan
+        assert plan is not None and plan.action == "cold" and plan.source == "kvkeeper"
+        assert plan.reason.startswith("the saved cache failed in the model (ValueError")
+        assert plan.prefill == len(more)
+        assert "event=restore_unusable model=model-y id=chat" in caplog.text
+        assert kv.flush(timeout=WAIT) is True
+        caplog.clear()
+
+        # The entry is the large model's now: a new session extends it.
+        s = session(kv, large)
+        ask(s, more + want + [7])
+        assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
+        assert s.last_plan.action == "extend"
+
+        # A request that fails of itself, on a cache that fits: raised as
+        # before, nothing said of the cache, which the next session restores.
+        def refuse(tokens: mx.array, logits: mx.array) -> mx.array:
+            raise ValueError("the request's own error")
+
+        s = session(kv, large)
+        with pytest.raises(ValueError, match="the request's own error"):
+            ask(s, more + want + [7, 8], logits_processors=[refuse])
+        assert "restore_unusable" not in caplog.text
+        s = session(kv, large)
+        ask(s, more + want + [7, 8])
+        assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
+        assert s.last_plan.action != "cold"

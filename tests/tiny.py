@@ -40,7 +40,8 @@ def _finish(model: _M, dtype: mx.Dtype) -> _M:
     return model
 
 
-def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.bfloat16, layers: int = 4) -> llama.Model:
+def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.bfloat16, layers: int = 4,
+               kv_heads: int = 2) -> llama.Model:
     """A 4-layer llama (hidden 256, 4 heads, 2 kv heads, head dim 64) with random weights."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
@@ -49,7 +50,7 @@ def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.bfloat16, layers: int = 4) ->
         num_hidden_layers=layers,
         intermediate_size=512,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         rms_norm_eps=1e-5,
         vocab_size=VOCAB,
         max_position_embeddings=4096,

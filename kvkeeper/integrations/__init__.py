@@ -53,6 +53,9 @@ MEDIA_KEY = "kvkeeper_session.media"
 
 Action = Literal["extend", "trim", "cold"]
 
+#: A cold plan's reason when the session has no cache (none in memory, none saved).
+NO_CACHE = "no cache for this session"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -154,12 +157,14 @@ def plan_reuse(
     prompt_ids: Sequence[int],
     source: str | None = None,
     max_reuse: int | None = None,
+    none: str = NO_CACHE,
 ) -> Plan:
     """Decide how to use ``cache`` (holding ``cached_ids``) for ``prompt_ids``,
     and trim it in place when that is the decision. After an ``extend`` or
     ``trim`` plan the cache holds exactly ``prompt_ids[:plan.reused]``; after
     ``cold`` it must not be used. ``max_reuse``: at most that many of its
-    tokens are reused (the rest were computed from other inputs)."""
+    tokens are reused (the rest were computed from other inputs). ``none``:
+    the cold plan's reason when there is no cache."""
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -168,7 +173,7 @@ def plan_reuse(
         return Plan("cold", source, 0, 0, n, reason)
 
     if cache is None or cached_ids is None:
-        return cold("no cache for this session")
+        return cold(none)
     have = cache_length(cache)
     if have is not None and have != len(cached_ids):
         return cold(f"cache holds {have} tokens but {len(cached_ids)} ids")
@@ -272,44 +277,49 @@ class SessionBase:
     def restore(self) -> bool:
         """Make sure a cache is in memory: keep the one there, else load the
         session's from kvkeeper. False when there is none (or it is unusable)."""
+        return self._restore() is None
+
+    def _restore(self) -> str | None:
+        """``restore()``: None when a cache is in memory, else why not (a
+        cold plan's reason)."""
         if self.cache is not None:
-            return True
+            return None
         if self.client is None:
-            return False
+            return NO_CACHE
         from kvkeeper.client.channel import DaemonUnavailable
         from kvkeeper.client.client import DaemonError
 
         if self.client.closed:  # the server shut its client down: nothing to restore
             log.warning("event=restore_failed model=%s id=%s error=client_closed",
                         self.model_id, self.session_id)
-            return False
+            return "the client is closed: nothing was restored"
         try:
             got = self.client.load(self.model_id, self.session_id)
         except (DaemonError, DaemonUnavailable) as exc:  # must not stop generation
             log.warning("event=restore_failed model=%s id=%s error=%s",
                         self.model_id, self.session_id, exc)
-            return False
+            return f"the saved cache could not be loaded ({exc})"
         if got is None:
-            return False
+            return NO_CACHE
         if got.token_ids is None:
             # (An mlx-lm file brought in by `kvkeeper import` records none.)
             log.warning("event=restore_no_token_ids model=%s id=%s: the saved cache does not "
                         "say which tokens it holds, so it cannot be matched to the prompt; "
                         "starting cold, and the session's first save replaces it",
                         self.model_id, self.session_id)
-            return False
+            return "the saved cache does not say which tokens it holds"
         have = cache_length(got.cache)
         if have is not None and have != len(got.token_ids):
             log.warning("event=restore_mismatch model=%s id=%s cache_tokens=%d ids=%d",
                         self.model_id, self.session_id, have, len(got.token_ids))
-            return False
+            return f"the saved cache holds {have} tokens but {len(got.token_ids)} ids"
         if not self._compatible(got.cache):
             log.warning("event=restore_incompatible model=%s id=%s layers=%d",
                         self.model_id, self.session_id, len(got.cache))
-            return False
+            return "the saved cache's layers do not fit this model"
         self.cache, self.token_ids, self._source = got.cache, list(got.token_ids), "kvkeeper"
         self.media = got.metadata.get(MEDIA_KEY, "")
-        return True
+        return None
 
     def _compatible(self, cache: list[Any]) -> bool:
         """Whether a restored cache fits the session's model (see ``layers_fit``)."""
@@ -337,8 +347,7 @@ class SessionBase:
         request's images, audio and video; a cache made with others is not used.
         ``matched``, given the fingerprint the cache was made with, answers
         the request's instead, and how many tokens the two agree on (None: all)."""
-        if self.cache is None:
-            self.restore()
+        missing = self._restore()
         source = self._source if self.cache is not None else None
         if self.cache is not None and source is None:
             source = "memory"
@@ -351,7 +360,8 @@ class SessionBase:
                         "the cache was made with other images, audio or video"
                         if matched is None else "the cache was made from other inputs")
         else:
-            plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source, max_reuse)
+            plan = plan_reuse(self.cache, self.token_ids, prompt_ids, source, max_reuse,
+                              none=missing or NO_CACHE)
         if plan.action == "cold":
             self.forget()
         else:
@@ -361,6 +371,24 @@ class SessionBase:
                   self.model_id, self.session_id, plan.action, plan.source, plan.reused,
                   plan.prefill, plan.reason)
         return plan
+
+    def _restored_failed(self, exc: Exception, prompt_ids: list[int]) -> Plan:
+        """A cache just restored from kvkeeper failed in the model before the
+        first token: maybe saved for another model under this model id (other
+        head counts or sizes, which ``layers_fit`` cannot see in classes; each
+        request of the conversation raised). The request is run again cold:
+        this plan. Only when that run gives its first token was it the cache
+        (``_restored_unusable``); otherwise the request's own error is raised."""
+        plan = Plan("cold", "kvkeeper", 0, 0, len(prompt_ids),
+                    f"the saved cache failed in the model ({type(exc).__name__}: {exc})")
+        self.last_plan = plan
+        return plan
+
+    def _restored_unusable(self, plan: Plan) -> None:
+        """The cold run after ``_restored_failed`` works: say so (its first
+        save replaces the saved cache)."""
+        log.warning("event=restore_unusable model=%s id=%s: %s; started cold",
+                    self.model_id, self.session_id, plan.reason)
 
     def _write_behind(self, media: str = "") -> WriteBehind | None:
         if self.client is None:
@@ -458,6 +486,11 @@ class SessionBase:
                       self.model_id, self.session_id, exc)
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
         self.media = media
+
+
+#: What a model raises on a cache that does not fit it: MLX's shape checks
+#: (broadcast, reshape, matmul) raise ValueError, a few RuntimeError.
+MISFIT_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, IndexError)
 
 
 def _becomes(layer: Any) -> set[str]:

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvkeeper.integrations import (
+    MISFIT_ERRORS,
     WINDOW_PROBE,
     Plan,
     SessionBase,
@@ -137,12 +138,12 @@ class Session(SessionBase):
         just the new message: the session works out what its cache already
         holds. ``max_kv_size`` builds a fresh cache as mlx-lm would;
         ``prompt_cache`` and ``draft_model`` are not accepted. ``last_plan``
-        tells what was reused.
+        tells what was reused. The prompt and arguments are checked at the
+        call (ValueError, TypeError), before a server sends its headers.
         """
         for name in ("prompt_cache", "draft_model"):
             if name in kwargs:
                 raise TypeError(f"Session.stream_generate does not take {name}=")
-        max_kv_size = kwargs.pop("max_kv_size", None)
         ids = self.encode(prompt)
         if not ids and kwargs.get("input_embeddings") is not None:
             # mlx-lm takes embeddings alone; a session has nothing to match
@@ -151,6 +152,13 @@ class Session(SessionBase):
                              "an empty prompt cannot be matched against a cached "
                              "conversation (give the ids the embeddings stand for, or call "
                              "mlx_lm.stream_generate without a Session)")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return self._generate(ids, max_tokens, kwargs)
+
+    def _generate(self, ids: list[int], max_tokens: int,
+                  kwargs: dict[str, Any]) -> Iterator[GenerationResponse]:
+        max_kv_size = kwargs.pop("max_kv_size", None)
         embeddings = kwargs.get("input_embeddings")
         request = self._begin(ids)
         made_from = matched = None
@@ -177,15 +185,28 @@ class Session(SessionBase):
         self.forget()
         all_ids = list(ids)
         n_prompt = len(ids)
+        as_given = dict(kwargs)  # for a cold start after a restored cache failed
         if plan.reused:
             _feed_only_the_rest(kwargs, ids[:plan.reused])
         wb = self._write_behind(made_from or "")
         clean = started = False
         try:
-            responses = _mlx_stream_generate(
+            responses: Iterator[GenerationResponse] = _mlx_stream_generate(
                 self.model, self.tokenizer, mx.array(ids[plan.reused:]), max_tokens,
                 prompt_cache=cache, **kwargs,
             )
+            if plan.source == "kvkeeper" and plan.action != "cold":
+                try:
+                    first = list(itertools.islice(responses, 1))
+                except MISFIT_ERRORS as exc:
+                    plan = self._restored_failed(exc, ids)
+                    cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+                    responses = _mlx_stream_generate(
+                        self.model, self.tokenizer, mx.array(ids), max_tokens,
+                        prompt_cache=cache, **as_given)
+                    first = list(itertools.islice(responses, 1))  # or the request's error
+                    self._restored_unusable(plan)
+                responses = itertools.chain(first, responses)
             for r in responses:
                 started = True
                 # Every token mlx-lm yields has been fed to the cache already.

@@ -26,6 +26,7 @@ the state mlx-vlm hands back at the end.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from mlx_vlm.generate import stream_generate as _vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
 
 from kvkeeper.integrations import (
+    MISFIT_ERRORS,
     WINDOW_PROBE,
     Plan,
     SessionBase,
@@ -136,13 +138,21 @@ class Session(SessionBase):
         ``prompt`` is the whole formatted conversation so far; ``input_ids=``
         (ids of that prompt) may be given instead. ``prompt_cache_state`` and
         ``prompt_cache`` are not accepted (the session owns them), nor is
-        ``draft_model`` (TypeError).
+        ``draft_model`` (TypeError). The prompt and its inputs are prepared and
+        checked at the call (ValueError, TypeError), before a server sends
+        its headers.
         """
         for name in ("prompt_cache_state", "prompt_cache", "draft_model"):
             if name in kwargs:
                 raise TypeError(f"Session.stream_generate does not take {name}=")
         ids = self._inputs(prompt, image, audio, video, kwargs)
+        if not ids:
+            raise ValueError("the prompt is empty")
         media = media_fingerprint(kwargs, image=image, audio=audio, video=video)
+        return self._generate(prompt, image, audio, video, ids, media, kwargs)
+
+    def _generate(self, prompt: str, image: Any, audio: Any, video: Any, ids: list[int],
+                  media: str, kwargs: dict[str, Any]) -> Iterator[GenerationResult]:
         request = self._begin(ids)
         plan = self._prepare(ids, media)
         state = PromptCacheState()
@@ -161,10 +171,25 @@ class Session(SessionBase):
         self.tracked = None
         clean = finished = started = False
         try:
-            results = _vlm_stream_generate(
+            results: Iterator[GenerationResult] = _vlm_stream_generate(
                 self.model, self.processor, prompt, image=image, audio=audio, video=video,
                 prompt_cache_state=state, **kwargs,
             )
+            if plan.source == "kvkeeper" and plan.action != "cold":
+                try:
+                    first = list(itertools.islice(results, 1))
+                except MISFIT_ERRORS as exc:
+                    plan = self._restored_failed(exc, ids)
+                    expected = self._fresh_cache(kwargs.get("max_kv_size"))
+                    kwargs["prompt_cache"] = expected
+                    state = PromptCacheState()
+                    sentinel = state.token_ids
+                    results = _vlm_stream_generate(
+                        self.model, self.processor, prompt, image=image, audio=audio,
+                        video=video, prompt_cache_state=state, **kwargs)
+                    first = list(itertools.islice(results, 1))  # or the request's error
+                    self._restored_unusable(plan)
+                results = itertools.chain(first, results)
             for r in results:
                 started = True
                 if self.tracked is None:
