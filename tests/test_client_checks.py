@@ -1802,3 +1802,48 @@ def test_a_lazy_cache_handed_to_another_thread_is_a_clear_error(client: Client) 
     assert client.flush(timeout=WAIT)
     got = client.load(FP, "b")
     assert got is not None and mx.array_equal(got.cache[0].keys, lazy.cache[0].keys).item()
+
+
+def test_a_cache_over_a_gib_is_saved_with_the_default_limits(short_dir: Path) -> None:
+    """A fixed 1 GiB daemon budget (and 2 GiB client budget) left every
+    cache over 960 MiB unsaved on any machine: a Llama-3-8B conversation
+    past about 7,600 tokens, and every save of it dropped (an adopter's
+    review: flush() True each turn, the entry stuck at the first turn). The
+    defaults are now a quarter of the machine's memory, at least 1 and 2 GiB;
+    `kvkeeper serve` without the flag shows it, and a 1,152 MiB cache is saved
+    where a quarter of this machine's memory holds it (psutil's figure)."""
+    import json
+    import sys
+
+    import psutil
+
+    quarter = psutil.virtual_memory().total // 4 // 2**20 * 2**20
+    want = max(2**30, quarter)
+    # (--min-free-bytes 0: how full this machine's disk is must not decide it.)
+    proc = serve_process(short_dir / "root", short_dir / "run" / "kv.sock",
+                         "--min-free-bytes", "0")
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "stats", "--json",
+                            "--socket", str(short_dir / "run" / "kv.sock")],
+                           capture_output=True, text=True, timeout=WAIT)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["max_pending_bytes"] == want
+        c = KVCache()
+        x = mx.ones((1, 8, 36864, 1024), dtype=mx.bfloat16)  # 576 MiB
+        c.keys, c.values, c.offset = x, mx.array(x), 36864
+        nbytes = 2 * x.nbytes
+        assert nbytes == 1152 * 2**20
+        with Client(short_dir / "run" / "kv.sock", timeout=WAIT) as kv:
+            assert kv.connected and kv.ping()
+            fits = nbytes <= want - min(64 * 2**20, want // 4)  # less ZeroMQ's share
+            assert kv.save(FP, "big", [c], list(range(36864))) is fits
+            assert kv.flush(timeout=4 * WAIT) is True
+            got = kv.load(FP, "big", verify=False)
+            assert (got is not None) is fits
+        if fits:
+            [path] = (short_dir / "root").rglob("*.safetensors")
+            with safe_open(str(path), framework="numpy") as f:
+                shapes = {f.get_slice(k).get_shape() == [1, 8, 36864, 1024] for k in f.keys()}
+            assert shapes == {True} and path.stat().st_size > nbytes
+    finally:
+        assert stop_process(proc) == 0

@@ -110,8 +110,8 @@ class Client:
     found, cannot be used (another transport than a local socket, a path too
     long), or if the config file it is looked up in does not parse.
     ``max_inflight_bytes`` bounds what saves may hold before the daemon has
-    taken their bytes; a save that does not fit is dropped, never waited
-    for. A save (of up to 64 MiB) of a cache this
+    taken their bytes (default: a quarter of this machine's memory, at
+    least 2 GiB); a save that does not fit is dropped, never waited for. A save (of up to 64 MiB) of a cache this
     client sent less than ``min_send_interval`` seconds ago waits in the
     client until then, and a newer save of the cache replaces it: ``flush()``,
     a ``load()`` or ``delete()`` of the cache, ``close()`` (also at a normal
@@ -129,7 +129,7 @@ class Client:
         socket: str | os.PathLike[str] | None = None,
         *,
         root: str | os.PathLike[str] | None = None,
-        max_inflight_bytes: int = 2 * GiB,
+        max_inflight_bytes: int | None = None,
         min_send_interval: float = 0.25,
         timeout: float = 10.0,
         connect_timeout: float = 1.0,
@@ -157,6 +157,8 @@ class Client:
         min_send_interval = _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
         timeout = _check_seconds("timeout", timeout)
         connect_timeout = _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
+        if max_inflight_bytes is None:
+            max_inflight_bytes = settings.memory_share(2 * GiB)
         budget = max_inflight_bytes
         if (isinstance(budget, bool) or not isinstance(budget, Real)
                 or not math.isfinite(budget) or budget != int(budget) or budget <= 0):

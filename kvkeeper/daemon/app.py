@@ -41,7 +41,7 @@ from kvkeeper.daemon.store import Budget, Store, check_sessions_dir
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
 from kvkeeper.protocol.naming import LOCK_NAME, SESSIONS_DIR
-from kvkeeper.settings import MIN_PENDING_BYTES
+from kvkeeper.settings import MIN_PENDING_BYTES, memory_share
 
 log = get_logger("kvkeeper.daemon")
 
@@ -58,7 +58,7 @@ CHUNK_BYTES = 8 * 1024 * 1024
 class DaemonConfig:
     root: Path = field(default_factory=config.default_root)
     socket: Path = field(default_factory=config.default_socket)
-    max_pending_bytes: int = 1 * GiB
+    max_pending_bytes: int = field(default_factory=lambda: memory_share(1 * GiB))
     max_disk_bytes: int | None = 20 * GiB
     min_free_bytes: int = 5 * GiB
     drain_timeout: float = 20.0
