@@ -1217,7 +1217,7 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
             return kv_lm.Session(kv, "model-y", "chat" if kv else "mem", model, lm_tok)
 
         def ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
-            return s.generate(ids, max_tokens=8, **kw)
+            return s.generate(ids, **{"max_tokens": 8, **kw})
 
         small, large = tiny_llama(seed=4), tiny_llama(seed=4, kv_heads=4)
     else:
@@ -1255,14 +1255,29 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
         assert s.last_plan.action == "extend"
 
         # A request that fails of itself, on a cache that fits: raised as
-        # before, nothing said of the cache, which the next session restores.
+        # before, its processor called once (a review: twice, the error
+        # swallowed and the cache blamed), nothing said of the cache, and
+        # the plan is the restored cache's.
+        calls: list[int] = []
+
         def refuse(tokens: mx.array, logits: mx.array) -> mx.array:
+            calls.append(1)
             raise ValueError("the request's own error")
 
         s = session(kv, large)
         with pytest.raises(ValueError, match="the request's own error"):
             ask(s, more + want + [7, 8], logits_processors=[refuse])
-        assert "restore_unusable" not in caplog.text
+        assert calls == [1] and "restore_unusable" not in caplog.text
+        assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
+        assert s.last_plan.action != "cold"
+        # Refused before the model ran (mlx-lm: max_tokens=0), cold too: the
+        # plan is still the restored cache's, and it stays in memory.
+        if lib == "mlx_lm" and not MLX_LM_OLD_API:
+            s = session(kv, large)
+            with pytest.raises(ValueError):
+                ask(s, more + want + [7, 8], max_tokens=0)
+            assert s.last_plan is not None and s.last_plan.action != "cold"
+            assert s.cache is not None and "restore_unusable" not in caplog.text
         s = session(kv, large)
         ask(s, more + want + [7, 8])
         assert s.last_plan is not None and s.last_plan.source == "kvkeeper"

@@ -374,11 +374,13 @@ class SessionBase:
 
     def _restored_failed(self, exc: Exception, prompt_ids: list[int]) -> Plan:
         """A cache just restored from kvkeeper failed in the model before the
-        first token: maybe saved for another model under this model id (other
-        head counts or sizes, which ``layers_fit`` cannot see in classes; each
-        request of the conversation raised). The request is run again cold:
-        this plan. Only when that run gives its first token was it the cache
-        (``_restored_unusable``); otherwise the request's own error is raised."""
+        first token, and before any of the caller's logits processors ran:
+        maybe saved for another model under this model id (other head counts
+        or sizes, which ``layers_fit`` cannot see in classes; each request of
+        the conversation raised). The request is run again cold: this plan.
+        Only when that run gives its first token was it the cache
+        (``_restored_unusable``); otherwise the request's own error is
+        raised, and the plan goes back (``_restored_kept``)."""
         plan = Plan("cold", "kvkeeper", 0, 0, len(prompt_ids),
                     f"the saved cache failed in the model ({type(exc).__name__}: {exc})")
         self.last_plan = plan
@@ -389,6 +391,12 @@ class SessionBase:
         save replaces the saved cache)."""
         log.warning("event=restore_unusable model=%s id=%s: %s; started cold",
                     self.model_id, self.session_id, plan.reason)
+
+    def _restored_kept(self, plan: Plan) -> Plan:
+        """The cold run failed too: the request's own error, not the cache's.
+        Its plan is the restored cache's again (kept in memory if untouched)."""
+        self.last_plan = plan
+        return plan
 
     def _write_behind(self, media: str = "") -> WriteBehind | None:
         if self.client is None:
@@ -491,6 +499,24 @@ class SessionBase:
 #: What a model raises on a cache that does not fit it: MLX's shape checks
 #: (broadcast, reshape, matmul) raise ValueError, a few RuntimeError.
 MISFIT_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, IndexError)
+
+
+def watch_processors(kwargs: dict[str, Any]) -> list[bool]:
+    """Wrap the caller's ``logits_processors`` in ``kwargs`` so that the
+    returned flag's ``[0]`` turns True once any of them runs. They run after
+    the prefill's forward passes: an error after that is not the cache's,
+    and running the request again would call them twice."""
+    ran = [False]
+    processors = kwargs.get("logits_processors")
+    if processors:
+        def watched(proc: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kw: Any) -> Any:
+                ran[0] = True
+                return proc(*args, **kw)
+            return call
+
+        kwargs["logits_processors"] = [watched(p) for p in processors]
+    return ran
 
 
 def _becomes(layer: Any) -> set[str]:

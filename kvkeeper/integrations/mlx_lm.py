@@ -39,6 +39,7 @@ from kvkeeper.integrations import (
     hash_array,
     layers_fit,
     token_ids_of,
+    watch_processors,
 )
 from kvkeeper.writebehind import is_bytes
 
@@ -186,6 +187,8 @@ class Session(SessionBase):
         all_ids = list(ids)
         n_prompt = len(ids)
         as_given = dict(kwargs)  # for a cold start after a restored cache failed
+        restored = plan.source == "kvkeeper" and plan.action != "cold"
+        processors_ran = watch_processors(kwargs) if restored else [True]
         if plan.reused:
             _feed_only_the_rest(kwargs, ids[:plan.reused])
         wb = self._write_behind(made_from or "")
@@ -195,16 +198,24 @@ class Session(SessionBase):
                 self.model, self.tokenizer, mx.array(ids[plan.reused:]), max_tokens,
                 prompt_cache=cache, **kwargs,
             )
-            if plan.source == "kvkeeper" and plan.action != "cold":
+            if restored:
                 try:
                     first = list(itertools.islice(responses, 1))
                 except MISFIT_ERRORS as exc:
+                    if processors_ran[0]:
+                        raise
+                    tried = plan, cache
                     plan = self._restored_failed(exc, ids)
                     cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
                     responses = _mlx_stream_generate(
                         self.model, self.tokenizer, mx.array(ids), max_tokens,
                         prompt_cache=cache, **as_given)
-                    first = list(itertools.islice(responses, 1))  # or the request's error
+                    try:
+                        first = list(itertools.islice(responses, 1))
+                    except BaseException:
+                        plan, cache = tried
+                        self._restored_kept(plan)
+                        raise
                     self._restored_unusable(plan)
                 responses = itertools.chain(first, responses)
             for r in responses:

@@ -48,6 +48,7 @@ from kvkeeper.integrations import (
     layers_fit,
     log,
     token_ids_of,
+    watch_processors,
 )
 
 if TYPE_CHECKING:
@@ -168,6 +169,9 @@ class Session(SessionBase):
         all_ids = list(ids)
         n_prompt = len(ids)
         wb = self._write_behind(media)
+        as_given = dict(kwargs)  # for a cold start after a restored cache failed
+        restored = plan.source == "kvkeeper" and plan.action != "cold"
+        processors_ran = watch_processors(kwargs) if restored else [True]
         self.tracked = None
         clean = finished = started = False
         try:
@@ -175,19 +179,27 @@ class Session(SessionBase):
                 self.model, self.processor, prompt, image=image, audio=audio, video=video,
                 prompt_cache_state=state, **kwargs,
             )
-            if plan.source == "kvkeeper" and plan.action != "cold":
+            if restored:
                 try:
                     first = list(itertools.islice(results, 1))
                 except MISFIT_ERRORS as exc:
+                    if processors_ran[0]:
+                        raise
+                    tried = plan, expected, state, sentinel
                     plan = self._restored_failed(exc, ids)
                     expected = self._fresh_cache(kwargs.get("max_kv_size"))
-                    kwargs["prompt_cache"] = expected
                     state = PromptCacheState()
                     sentinel = state.token_ids
                     results = _vlm_stream_generate(
                         self.model, self.processor, prompt, image=image, audio=audio,
-                        video=video, prompt_cache_state=state, **kwargs)
-                    first = list(itertools.islice(results, 1))  # or the request's error
+                        video=video, prompt_cache_state=state,
+                        **{**as_given, "prompt_cache": expected})
+                    try:
+                        first = list(itertools.islice(results, 1))
+                    except BaseException:
+                        plan, expected, state, sentinel = tried
+                        self._restored_kept(plan)
+                        raise
                     self._restored_unusable(plan)
                 results = itertools.chain(first, results)
             for r in results:
