@@ -71,8 +71,10 @@ import numpy as np
 from kvkeeper.client import lm_api
 from kvkeeper.client.cache_classes import (
     BUILDERS,
+    BUILT_ONLY_MODULES,
     LOSSY_OLD_ENTRIES,
     MISSING,
+    TRUSTED_MODULE_PREFIXES,
     CodecError,
     Prefix,
     is_composite_class,
@@ -86,9 +88,11 @@ from kvkeeper.protocol.dtypes import DTYPE_SIZES
 from kvkeeper.protocol.pacing import CAPTURE_COPY_MAX_BYTES
 
 __all__ = [
+    "BUILT_ONLY_MODULES",
     "LAYERS_FORMAT",
     "LAYERS_VERSION",
     "MLX_UNREADABLE_DTYPES",
+    "TRUSTED_MODULE_PREFIXES",
     "CacheCapture",
     "CacheSnapshot",
     "CodecError",
