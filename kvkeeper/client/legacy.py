@@ -42,7 +42,7 @@ from kvkeeper.client.cache_classes import (
     rebuild_layer,
     resolve_cache_class,
 )
-from kvkeeper.client.lm_api import rebuild_from_new, rebuild_from_old
+from kvkeeper.client.lm_api import BadCounter, rebuild_from_new, rebuild_from_old
 from kvkeeper.protocol.legacy_formats import (
     GEZEL_SCHEMA3,
     MLX_LM_PROMPT_CACHE,
@@ -235,8 +235,18 @@ def _class_named(name: Any, modules: list[str]) -> type:
 def _rebuild(cls: type, state: Any, meta: Any, where: str) -> Any:
     if meta == {} and cls.__module__ == _LM_CACHE:
         # cache_persist's record of an mlx-lm 0.32 layer, which has no meta_state.
-        return rebuild_from_new(cls, state, where)
+        return _from_new(cls, state, where)
     return rebuild_layer(cls, state, meta, where=where)
+
+
+def _from_new(cls: type, state: Any, where: str) -> Any:
+    """``rebuild_from_new``; a counter that is no number is damage, as
+    ``_check_counts`` says of it where mlx-lm 0.32 rebuilds (these files
+    carry no checksums)."""
+    try:
+        return rebuild_from_new(cls, state, where)
+    except BadCounter as exc:
+        raise LegacyDamage(str(exc)) from None
 
 
 def _meta_layer(cls: type, state: Any, meta: Any, where: str,
@@ -371,7 +381,7 @@ def _mlx_lm_layer(cls: type, state: Any, where: str) -> Any:
             for i, (s, name) in enumerate(state)
         ]
         return rebuild_composite(cls, children, list)
-    return rebuild_from_new(cls, state, where)
+    return _from_new(cls, state, where)
 
 
 def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -> LegacyCache:

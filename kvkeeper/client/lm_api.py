@@ -16,7 +16,21 @@ from typing import Any
 
 from kvkeeper.client.cache_classes import CodecError, rebuild_layer
 
-__all__ = ["rebuild_from_new", "rebuild_from_old"]
+__all__ = ["BadCounter", "rebuild_from_new", "rebuild_from_old"]
+
+
+class BadCounter(CodecError):
+    """A counter of an mlx-lm 0.32 state (an offset, a size) that is no whole
+    number, such as NaN: mlx-lm 0.32 keeps it as it is, and a file's own
+    checks call it damage; turned into 0.31's strings it raised ValueError."""
+
+
+def _count(value: Any, where: str, name: str) -> int:
+    try:
+        return int(value)
+    except (ValueError, OverflowError):  # NaN, inf
+        what = "a whole number" if name in ("group_size", "bits") else "a token count"
+        raise BadCounter(f"{where}: {name} {value!r} is not {what}") from None
 
 _KV_LIKE = ("KVCache", "ConcatenateKVCache", "RotatingKVCache", "QuantizedKVCache",
             "ChunkedKVCache")
@@ -57,18 +71,24 @@ def _old_state(name: str, state: Any, where: str) -> tuple[Any, Any, dict[str, A
     if name == "KVCache":
         keys, values, offset = state
         # 0.32 keeps the spare capacity; 0.31's setter takes the offset from the rows.
-        return (keys, values), "", {"offset": int(offset)}
+        return (keys, values), "", {"offset": _count(offset, where, "offset")}
     if name == "ConcatenateKVCache":
         return tuple(state), "", {}
     if name == "RotatingKVCache":
         keys, values, offset, keep, max_size, idx = state
-        return (keys, values), [str(int(x)) for x in (keep, max_size, offset, idx)], {}
+        counters = {"keep": keep, "max_size": max_size, "offset": offset, "_idx": idx}
+        return (keys, values), [str(_count(x, where, n)) for n, x in counters.items()], {}
     if name == "QuantizedKVCache":
         keys, values, offset, group_size, bits = state
-        return (tuple(keys), tuple(values)), [str(int(x)) for x in (offset, group_size, bits)], {}
+        counters = {"offset": offset, "group_size": group_size, "bits": bits}
+        return ((tuple(keys), tuple(values)),
+                [str(_count(x, where, n)) for n, x in counters.items()], {})
     if name == "ChunkedKVCache":
         keys, values, offset, chunk_size, start = state
-        return (keys, values), [str(int(chunk_size)), str(int(start))], {"offset": int(offset)}
+        return ((keys, values),
+                [str(_count(chunk_size, where, "chunk_size")),
+                 str(_count(start, where, "start_position"))],
+                {"offset": _count(offset, where, "offset")})
     if name == "ArraysCache":
         cache, left_padding, lengths = state
         return list(cache), "", {"left_padding": left_padding, "lengths": lengths}
