@@ -81,6 +81,13 @@ def _overlapping(dest: Path) -> Path:
     return dest
 
 
+def _offset_of_no_value(dest: Path) -> Path:
+    """The mlx-lm fixture with layer 0's offset recorded as of kind "none"."""
+    _, metadata = mx.load(str(MLX_LM), return_metadata=True)
+    [path_key] = [k for k, v in metadata.items() if k.startswith("2.") and v == "0.2"]
+    return _rewritten(MLX_LM, dest, **{path_key[:-1] + "1": "none"})
+
+
 def _set_offset(state: list[Any]) -> None:
     state[0][2] = "-7"  # keep, max_size, offset, _idx
 
@@ -93,6 +100,14 @@ DAMAGED = {
                              "offset 1000 is past its 256 rows"),
     "NaN offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(float("nan"))}),
                    "offset nan is not a token count"),
+    # mlx-lm 0.31 (Python 3.10's) rebuilt these three with int(): offsets
+    # 200 and 1, loaded, where 0.32 called them damage (a review's finds).
+    "fractional offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(200.5)}),
+                          "offset 200.5 is not a token count"),
+    "bool offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(True)}),
+                    "offset True is not a token count"),
+    # Loaded under either mlx-lm, its first update raised TypeError.
+    "offset of no value": (_offset_of_no_value, "offset None is not a token count"),
     "negative offset of a rotating cache": (lambda d: _with_meta_state(ROTATING, d, _set_offset),
                                             "offset -7 is not a token count"),
     "an array missing": (lambda d: _rewritten(ROTATING, d, {"0.0": None}),

@@ -128,6 +128,8 @@ _MEMORY = _physical_memory()
 #: spare): an offset past the rows is damage. Rotating and chunked caches
 #: hold fewer rows than their offset.
 _ROWS_HOLD_OFFSET = frozenset({"KVCache", "QuantizedKVCache", "ConcatenateKVCache"})
+#: Classes whose offset is always a token count, never None.
+_COUNTS_TOKENS = _ROWS_HOLD_OFFSET | {"RotatingKVCache", "ChunkedKVCache"}
 
 
 def _check_counts(layer: Any, where: str) -> int:
@@ -144,6 +146,9 @@ def _check_counts(layer: Any, where: str) -> int:
               if isinstance(a, mx.array)]
     size = sum(a.nbytes for a in arrays)
     offset = getattr(layer, "offset", None)
+    if offset is None and type(layer).__name__ in _COUNTS_TOKENS:
+        # Its first update raised TypeError (None + the new tokens).
+        raise LegacyDamage(f"{where}: offset None is not a token count")
     if offset is None or isinstance(offset, mx.array):
         return size  # no offset, or a batch's offsets (one per sequence)
     if type(offset) is not int or not 0 <= offset < 1 << 31:

@@ -20,17 +20,20 @@ __all__ = ["BadCounter", "rebuild_from_new", "rebuild_from_old"]
 
 
 class BadCounter(CodecError):
-    """A counter of an mlx-lm 0.32 state (an offset, a size) that is no whole
-    number, such as NaN: mlx-lm 0.32 keeps it as it is, and a file's own
-    checks call it damage; turned into 0.31's strings it raised ValueError."""
+    """A counter of an mlx-lm 0.32 state (an offset, a size) that is not an
+    int (NaN, 200.5, None, a bool): mlx-lm 0.32 keeps it as it is, and a
+    legacy file's own checks call it damage; turned into 0.31's strings it
+    raised ValueError, or passed as int() made it."""
 
 
 def _count(value: Any, where: str, name: str) -> int:
-    try:
-        return int(value)
-    except (ValueError, OverflowError):  # NaN, inf
+    # Only an int, as mlx-lm 0.32 keeps its counters: int() made 200.5, True
+    # and "200" counters of 200, 1 and 200 here, where 0.32 kept them as
+    # given and the file's own checks called them damage.
+    if type(value) is not int:
         what = "a whole number" if name in ("group_size", "bits") else "a token count"
-        raise BadCounter(f"{where}: {name} {value!r} is not {what}") from None
+        raise BadCounter(f"{where}: {name} {value!r} is not {what}")
+    return value
 
 _KV_LIKE = ("KVCache", "ConcatenateKVCache", "RotatingKVCache", "QuantizedKVCache",
             "ChunkedKVCache")
