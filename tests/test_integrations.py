@@ -1273,15 +1273,54 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
         assert calls == [1] and "restore_unusable" not in caplog.text
         assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
         assert s.last_plan.action != "cold"
+        # So are the sampler's and the progress callback's (a second review:
+        # called twice, the error swallowed). mlx-vlm never calls the latter.
+        sampled: list[int] = []
+
+        def sampler(logprobs: mx.array) -> mx.array:
+            sampled.append(1)
+            raise ValueError("the sampler's own error")
+
+        s = session(kv, large)
+        with pytest.raises(ValueError, match="the sampler's own error"):
+            ask(s, more + want + [7, 8], sampler=sampler)
+        assert sampled == [1] and "restore_unusable" not in caplog.text
+        if lib == "mlx_lm":
+            progress: list[tuple[int, int]] = []
+
+            def report(done: int, total: int) -> None:
+                progress.append((done, total))
+                raise RuntimeError("the callback's own error")
+
+            s = session(kv, large)
+            with pytest.raises(RuntimeError, match="the callback's own error"):
+                ask(s, more + want + [7, 8], prompt_progress_callback=report)
+            assert len(progress) == 1 and "restore_unusable" not in caplog.text
         # Refused before the model ran (mlx-lm: max_tokens=0), cold too: the
-        # plan is still the restored cache's, and it stays in memory.
+        # plan is still the restored cache's; the cache is not kept in
+        # memory (it may be the one that failed), the next request restores it.
         if lib == "mlx_lm" and not MLX_LM_OLD_API:
             s = session(kv, large)
             with pytest.raises(ValueError):
                 ask(s, more + want + [7, 8], max_tokens=0)
             assert s.last_plan is not None and s.last_plan.action != "cold"
-            assert s.cache is not None and "restore_unusable" not in caplog.text
+            assert s.cache is None and "restore_unusable" not in caplog.text
+            ask(s, more + want + [7, 8])
+            assert s.last_plan.source == "kvkeeper" and s.last_plan.action != "cold"
         s = session(kv, large)
         ask(s, more + want + [7, 8])
         assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
         assert s.last_plan.action != "cold"
+
+    # A misfit whose cold rerun fails of itself: the misfit cache is not put
+    # back in memory (a review: kept as "memory", every later request of the
+    # session then raised inside the model); the next request runs cold.
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        ask(session(kv, small), ids)
+        assert kv.flush(timeout=WAIT) is True
+        s = session(kv, large)
+        with pytest.raises(ValueError, match="the request's own error"):
+            ask(s, more, logits_processors=[refuse])
+        assert s.cache is None
+        assert ask(s, more) == want
+        assert s.last_plan is not None and s.last_plan.action == "cold"

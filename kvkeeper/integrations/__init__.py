@@ -374,7 +374,7 @@ class SessionBase:
 
     def _restored_failed(self, exc: Exception, prompt_ids: list[int]) -> Plan:
         """A cache just restored from kvkeeper failed in the model before the
-        first token, and before any of the caller's logits processors ran:
+        first token, and before any of the caller's code could be its cause:
         maybe saved for another model under this model id (other head counts
         or sizes, which ``layers_fit`` cannot see in classes; each request of
         the conversation raised). The request is run again cold: this plan.
@@ -393,8 +393,10 @@ class SessionBase:
                     self.model_id, self.session_id, plan.reason)
 
     def _restored_kept(self, plan: Plan) -> Plan:
-        """The cold run failed too: the request's own error, not the cache's.
-        Its plan is the restored cache's again (kept in memory if untouched)."""
+        """The cold run failed too: maybe the request's own error, not the
+        cache's. Its plan is the restored cache's again; the cache itself is
+        not kept in memory (it may be the one that failed: kept there, it
+        would never be run again cold), and the next request restores it."""
         self.last_plan = plan
         return plan
 
@@ -501,22 +503,44 @@ class SessionBase:
 MISFIT_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, IndexError)
 
 
-def watch_processors(kwargs: dict[str, Any]) -> list[bool]:
-    """Wrap the caller's ``logits_processors`` in ``kwargs`` so that the
-    returned flag's ``[0]`` turns True once any of them runs. They run after
-    the prefill's forward passes: an error after that is not the cache's,
-    and running the request again would call them twice."""
-    ran = [False]
+class _Watched:
+    """A caller's callable, passed through (its attributes too: mlx-vlm asks
+    a sampler for ``sample_target``), that sets ``flag[0]`` when it is
+    called (``on_call``) or when it raises."""
+
+    def __init__(self, fn: Callable[..., Any], flag: list[bool], on_call: bool) -> None:
+        self._fn, self._flag, self._on_call = fn, flag, on_call
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        if self._on_call:
+            self._flag[0] = True
+        try:
+            return self._fn(*args, **kw)
+        except BaseException:
+            self._flag[0] = True
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+
+def watch_callers(kwargs: dict[str, Any]) -> list[bool]:
+    """Wrap the caller's callables in ``kwargs`` so that the returned flag's
+    ``[0]`` turns True once an error before the first token may be theirs,
+    and the request must not run again (it would call them twice): once a
+    logits processor or the sampler has run (they run after the prefill's
+    forward passes), or once the progress callback has raised (it is
+    called before the first forward pass too, and again by a rerun)."""
+    flag = [False]
     processors = kwargs.get("logits_processors")
     if processors:
-        def watched(proc: Callable[..., Any]) -> Callable[..., Any]:
-            def call(*args: Any, **kw: Any) -> Any:
-                ran[0] = True
-                return proc(*args, **kw)
-            return call
-
-        kwargs["logits_processors"] = [watched(p) for p in processors]
-    return ran
+        kwargs["logits_processors"] = [_Watched(p, flag, True) for p in processors]
+    if kwargs.get("sampler") is not None:
+        kwargs["sampler"] = _Watched(kwargs["sampler"], flag, True)
+    if kwargs.get("prompt_progress_callback") is not None:
+        kwargs["prompt_progress_callback"] = _Watched(kwargs["prompt_progress_callback"], flag,
+                                                      False)
+    return flag
 
 
 def _becomes(layer: Any) -> set[str]:

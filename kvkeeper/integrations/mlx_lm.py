@@ -39,7 +39,7 @@ from kvkeeper.integrations import (
     hash_array,
     layers_fit,
     token_ids_of,
-    watch_processors,
+    watch_callers,
 )
 from kvkeeper.writebehind import is_bytes
 
@@ -188,7 +188,8 @@ class Session(SessionBase):
         n_prompt = len(ids)
         as_given = dict(kwargs)  # for a cold start after a restored cache failed
         restored = plan.source == "kvkeeper" and plan.action != "cold"
-        processors_ran = watch_processors(kwargs) if restored else [True]
+        callers_ran = watch_callers(kwargs) if restored else [True]
+        rerun_failed = False
         if plan.reused:
             _feed_only_the_rest(kwargs, ids[:plan.reused])
         wb = self._write_behind(made_from or "")
@@ -202,7 +203,7 @@ class Session(SessionBase):
                 try:
                     first = list(itertools.islice(responses, 1))
                 except MISFIT_ERRORS as exc:
-                    if processors_ran[0]:
+                    if callers_ran[0]:
                         raise
                     tried = plan, cache
                     plan = self._restored_failed(exc, ids)
@@ -215,6 +216,7 @@ class Session(SessionBase):
                     except BaseException:
                         plan, cache = tried
                         self._restored_kept(plan)
+                        rerun_failed = True
                         raise
                     self._restored_unusable(plan)
                 responses = itertools.chain(first, responses)
@@ -231,9 +233,10 @@ class Session(SessionBase):
                     raise
             clean = True
         finally:
+            unused = None if started or rerun_failed else (
+                lambda: self._unused(cache, plan, ids, made_from or ""))
             self._end(request, wb, clean, lambda: self._keep(cache, all_ids, made_from or ""),
-                      None if started else lambda: self._unused(cache, plan, ids,
-                                                                made_from or ""))
+                      unused)
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:

@@ -48,7 +48,7 @@ from kvkeeper.integrations import (
     layers_fit,
     log,
     token_ids_of,
-    watch_processors,
+    watch_callers,
 )
 
 if TYPE_CHECKING:
@@ -171,7 +171,8 @@ class Session(SessionBase):
         wb = self._write_behind(media)
         as_given = dict(kwargs)  # for a cold start after a restored cache failed
         restored = plan.source == "kvkeeper" and plan.action != "cold"
-        processors_ran = watch_processors(kwargs) if restored else [True]
+        callers_ran = watch_callers(kwargs) if restored else [True]
+        rerun_failed = False
         self.tracked = None
         clean = finished = started = False
         try:
@@ -183,7 +184,7 @@ class Session(SessionBase):
                 try:
                     first = list(itertools.islice(results, 1))
                 except MISFIT_ERRORS as exc:
-                    if processors_ran[0]:
+                    if callers_ran[0]:
                         raise
                     tried = plan, expected, state, sentinel
                     plan = self._restored_failed(exc, ids)
@@ -199,6 +200,7 @@ class Session(SessionBase):
                     except BaseException:
                         plan, expected, state, sentinel = tried
                         self._restored_kept(plan)
+                        rerun_failed = True
                         raise
                     self._restored_unusable(plan)
                 results = itertools.chain(first, results)
@@ -232,8 +234,9 @@ class Session(SessionBase):
                 else:
                     self._keep(None, None, media)
 
-            self._end(request, wb, clean, keep,
-                      None if started else lambda: self._unused(expected, plan, ids, media))
+            unused = None if started or rerun_failed else (
+                lambda: self._unused(expected, plan, ids, media))
+            self._end(request, wb, clean, keep, unused)
 
     def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
         """Whether mlx-vlm is generating into the cache we prepared."""
