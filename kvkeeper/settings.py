@@ -133,8 +133,9 @@ MAX_SIZE = 2**63 - 1
 
 
 def memory_share(floor: int) -> int:
-    """A quarter of this machine's physical memory, at least ``floor`` (also
-    when the system does not tell). The default budget for saves in flight,
+    """A quarter of this machine's physical memory (or of its cgroup's
+    limit, when lower), at least ``floor`` (also when the system does not
+    tell). The default budget for saves in flight,
     on both sides of the socket: a conversation's cache is saved only if it
     fits whole, and a fixed 1 GiB left every Llama-3-8B conversation past
     about 7,600 tokens unsaved, on any machine."""
@@ -142,7 +143,54 @@ def memory_share(floor: int) -> int:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # no sysconf, or not these names
         return floor
+    # A container's memory is its cgroup's limit, not the machine's.
+    limit = cgroup_memory_limit()
+    if limit is not None:
+        total = min(total, limit)
     return max(floor, total // 4 // MiB * MiB)  # whole MiB: shown as 5885M, not 6170946K
+
+
+def cgroup_memory_limit() -> int | None:
+    """The smallest memory limit set on this process's cgroup or one above
+    it (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), as Linux
+    shows them under /proc/self; None when there is none (or no Linux)."""
+    try:
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    paths: dict[str, str] = {}  # file system type -> this process's cgroup
+    for line in groups:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            paths["cgroup2"] = path
+        elif "memory" in controllers.split(","):
+            paths["cgroup"] = path
+    limits: list[int] = []
+    for line in mounts:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3 or tail[0] not in paths:
+            continue
+        if tail[0] == "cgroup" and "memory" not in tail[2].split(","):
+            continue
+        root, top = fields[3], Path(fields[4])
+        rel = os.path.relpath(paths[tail[0]], root)
+        if rel.startswith(".."):
+            continue  # a cgroup outside what this mount shows
+        name = "memory.max" if tail[0] == "cgroup2" else "memory.limit_in_bytes"
+        d = Path(os.path.normpath(top / rel))
+        while True:
+            try:
+                text = (d / name).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit():  # v2 says "max" for none, v1 a number near 2**63
+                limits.append(int(text))
+            if d == top or d.parent == d:
+                break
+            d = d.parent
+    return min(limits) if limits else None
 
 
 #: The least --max-pending-bytes: a quarter goes to ZeroMQ's queue, and with
@@ -262,7 +310,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_pending_bytes", _pending_size, lambda: memory_share(1 * GiB),
             "memory for saves received but not yet written (at least 1M); a save that "
             "does not fit is refused and counted; the default is a quarter of this "
-            "machine's memory, at least 1G", "size"),
+            "machine's memory (of its cgroup's limit, in a container), at least 1G", "size"),
     Setting("max_disk_bytes", _disk_size, lambda: 20 * GiB,
             "disk budget over everything under the root (0: none, else at least 1M); "
             "least recently used entries are evicted past it", "size"),

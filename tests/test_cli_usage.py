@@ -1120,12 +1120,16 @@ def test_help_gives_sizes_as_written_and_python_m_kvkeeper_runs(daemon: RunningD
         # --max-pending-bytes: a quarter of this machine's memory, at least 1G.
         import psutil
 
-        pending = max(2**30, psutil.virtual_memory().total // 4 // 2**20 * 2**20)
+        from kvkeeper.settings import cgroup_memory_limit
+
+        memory = min(psutil.virtual_memory().total, cgroup_memory_limit() or 2**63)
+        pending = max(2**30, memory // 4 // 2**20 * 2**20)
         shown = f"{pending >> 30}G" if pending % 2**30 == 0 else f"{pending >> 20}M"
         for default in (shown, "20G", "5G"):
             assert f"(default: {default}; bytes, or with a K, M, G or T suffix)" in text, text
         assert "1073741824" not in text and "at least 1M" in text
-        assert "a quarter of this machine's memory, at least 1G" in text
+        assert ("a quarter of this machine's memory (of its cgroup's limit, in a "
+                "container), at least 1G") in text
     r = cli("--version", run=("-m", "kvkeeper"))
     assert r.returncode == 0 and r.stdout.startswith("kvkeeper "), (r.stdout, r.stderr)
     r = cli("stats", "--socket", str(daemon.socket), "--json", run=("-m", "kvkeeper"))

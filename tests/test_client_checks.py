@@ -1817,7 +1817,10 @@ def test_a_cache_over_a_gib_is_saved_with_the_default_limits(short_dir: Path) ->
 
     import psutil
 
-    quarter = psutil.virtual_memory().total // 4 // 2**20 * 2**20
+    from kvkeeper.settings import cgroup_memory_limit  # (tested apart, below)
+
+    memory = min(psutil.virtual_memory().total, cgroup_memory_limit() or 2**63)
+    quarter = memory // 4 // 2**20 * 2**20
     want = max(2**30, quarter)
     # (--min-free-bytes 0: how full this machine's disk is must not decide it.)
     proc = serve_process(short_dir / "root", short_dir / "run" / "kv.sock",
@@ -1847,3 +1850,47 @@ def test_a_cache_over_a_gib_is_saved_with_the_default_limits(short_dir: Path) ->
             assert shapes == {True} and path.stat().st_size > nbytes
     finally:
         assert stop_process(proc) == 0
+
+
+def _memory_cgroup(limit: int) -> Path:
+    """A new memory cgroup with ``limit`` bytes (cgroup v1 here; v2 where it
+    is the memory controller's), for a child to move into."""
+    from .faultkit import need_linux_root
+
+    need_linux_root()
+    for base, name in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                       (Path("/sys/fs/cgroup"), "memory.max")):
+        if (base / name).exists() or (base / "cgroup.subtree_control").exists():
+            group = base / f"kvkeeper-test-{os.getpid()}"
+            group.mkdir(exist_ok=True)
+            try:
+                (group / name).write_text(str(limit))
+            except OSError:  # v2 without the memory controller delegated here
+                group.rmdir()
+                continue
+            return group
+    pytest.skip("no memory cgroup controller to make a group in")
+
+
+def test_the_default_budgets_follow_a_containers_memory_limit(short_dir: Path) -> None:
+    """A quarter of the machine's memory is too much in a container given
+    less (a review: 6026M under a 2 GiB cgroup, which a slow disk could let
+    the daemon pass): the default takes the cgroup's limit. Under 8 GiB
+    here, --print-config says 2048M."""
+    import sys
+
+    group = _memory_cgroup(8 * 2**30)
+    try:
+        def enter() -> None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        r = subprocess.run(
+            [sys.executable, "-m", "kvkeeper.cli", "serve", "--print-config",
+             "--root", str(short_dir / "root"), "--socket", str(short_dir / "s.sock")],
+            capture_output=True, text=True, timeout=WAIT, preexec_fn=enter,
+            env={k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")})
+        assert r.returncode == 0, r.stderr
+        [line] = [x for x in r.stdout.splitlines() if x.startswith("max_pending_bytes")]
+        assert line.split()[1] == str(2 * 2**30), line
+    finally:
+        group.rmdir()
