@@ -111,8 +111,9 @@ class Client:
     long), or if the config file it is looked up in does not parse.
     ``max_inflight_bytes`` bounds what saves may hold before the daemon has
     taken their bytes (default: a quarter of this machine's memory, or of
-    its cgroup's limit in a container, at least 2 GiB); a save that does not fit is dropped, never waited for. A save (of up to 64 MiB) of a cache this
-    client sent less than ``min_send_interval`` seconds ago waits in the
+    its cgroup's limit in a container, at least 2 GiB); a save that does
+    not fit is dropped, never waited for. A save (of up to 64 MiB) of a
+    cache this client sent less than ``min_send_interval`` seconds ago waits in the
     client until then, and a newer save of the cache replaces it: ``flush()``,
     a ``load()`` or ``delete()`` of the cache, ``close()`` (also at a normal
     interpreter exit) and a save taking the in-flight budget past half send it
