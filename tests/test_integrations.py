@@ -1277,13 +1277,20 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
         # called twice, the error swallowed). mlx-vlm never calls the latter.
         sampled: list[int] = []
 
-        def sampler(logprobs: mx.array) -> mx.array:
-            sampled.append(1)
-            raise ValueError("the sampler's own error")
+        class Sampler:
+            def __call__(self, logprobs: mx.array) -> mx.array:
+                sampled.append(1)
+                raise ValueError("the sampler's own error")
+
+            # What mlx-vlm calls instead, where a sampler has it (a third
+            # review: not watched, as the sampler's attributes passed through).
+            def sample_target(self, *args: Any, **kw: Any) -> mx.array:
+                sampled.append(1)
+                raise ValueError("the sampler's own error")
 
         s = session(kv, large)
         with pytest.raises(ValueError, match="the sampler's own error"):
-            ask(s, more + want + [7, 8], sampler=sampler)
+            ask(s, more + want + [7, 8], sampler=Sampler())
         assert sampled == [1] and "restore_unusable" not in caplog.text
         if lib == "mlx_lm":
             progress: list[tuple[int, int]] = []
@@ -1324,3 +1331,18 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
         assert s.cache is None
         assert ask(s, more) == want
         assert s.last_plan is not None and s.last_plan.action == "cold"
+        if lib == "mlx_lm":
+            # Stopped before the model ran (its progress callback raised at
+            # once): the misfit cache, untouched, was kept as the session's
+            # own, and every later request raised inside the model.
+            ask(session(kv, small), ids)
+            assert kv.flush(timeout=WAIT) is True
+
+            def stop(done: int, total: int) -> None:
+                raise KeyboardInterrupt
+
+            s = session(kv, large)
+            with pytest.raises(KeyboardInterrupt):
+                ask(s, more, prompt_progress_callback=stop)
+            assert ask(s, more) == want
+            assert s.last_plan is not None and s.last_plan.action == "cold"

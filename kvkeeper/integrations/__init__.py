@@ -467,6 +467,10 @@ class SessionBase:
         prefix in memory when every layer shows it was not touched."""
         if plan.action != "cold" and plan.reused and _untouched(cache, plan.reused):
             self._keep(cache, list(prompt_ids[: plan.reused]), media)
+            if plan.source == "kvkeeper" and self.cache is cache:
+                # It never reached the model: the next request may still find
+                # that it does not fit, and run cold (see _restored_failed).
+                self._source = "kvkeeper"
 
     def _keep(self, cache: list[Any] | None, token_ids: list[int] | None,
               media: str = "") -> None:
@@ -521,7 +525,10 @@ class _Watched:
             raise
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._fn, name)
+        # Its methods watched too: mlx-vlm calls a sampler's sample_target
+        # instead of the sampler.
+        attr = getattr(self._fn, name)
+        return _Watched(attr, self._flag, self._on_call) if callable(attr) else attr
 
 
 def watch_callers(kwargs: dict[str, Any]) -> list[bool]:
