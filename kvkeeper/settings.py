@@ -6,8 +6,10 @@ Precedence: command-line flag > environment (``KVKEEPER_*``) > config file
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -152,11 +154,29 @@ def memory_share(floor: int) -> int:
 
 def cgroup_memory_limit() -> int | None:
     """The smallest memory limit set on this process's cgroup or one above
-    it (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), as Linux
-    shows them under /proc/self; None when there is none (or no Linux)."""
+    it (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes`` and
+    ``hierarchical_memory_limit``, which also counts ancestors a container
+    does not show), as Linux shows them under /proc/self; None when there is
+    none, or no Linux. Never raises: every Client() and ``serve --help`` ask."""
     try:
-        groups = Path("/proc/self/cgroup").read_text().splitlines()
-        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        return _cgroup_memory_limit()
+    except (OSError, ValueError):  # names are bytes: a cgroup "caf\xe9" is no UTF-8
+        return None
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", "surrogateescape")
+
+
+def _unescaped(field: str) -> str:
+    """A mountinfo field as the path it is: "\\040" is a space."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _cgroup_memory_limit() -> int | None:
+    try:
+        groups = _read(Path("/proc/self/cgroup")).splitlines()
+        mounts = _read(Path("/proc/self/mountinfo")).splitlines()
     except OSError:
         return None
     paths: dict[str, str] = {}  # file system type -> this process's cgroup
@@ -174,18 +194,24 @@ def cgroup_memory_limit() -> int | None:
             continue
         if tail[0] == "cgroup" and "memory" not in tail[2].split(","):
             continue
-        root, top = fields[3], Path(fields[4])
+        root, top = _unescaped(fields[3]), Path(_unescaped(fields[4]))
         rel = os.path.relpath(paths[tail[0]], root)
         if rel.startswith(".."):
             continue  # a cgroup outside what this mount shows
-        name = "memory.max" if tail[0] == "cgroup2" else "memory.limit_in_bytes"
+        v2 = tail[0] == "cgroup2"
         d = Path(os.path.normpath(top / rel))
+        if not v2:
+            with contextlib.suppress(OSError):
+                for stat in _read(d / "memory.stat").splitlines():
+                    key, _, value = stat.partition(" ")
+                    if key == "hierarchical_memory_limit" and value.strip().isdigit():
+                        limits.append(int(value))
         while True:
             try:
-                text = (d / name).read_text().strip()
+                text = _read(d / ("memory.max" if v2 else "memory.limit_in_bytes")).strip()
             except OSError:
                 text = ""
-            if text.isdigit():  # v2 says "max" for none, v1 a number near 2**63
+            if text.isascii() and text.isdigit():  # v2 says "max" for none, v1 ~2**63
                 limits.append(int(text))
             if d == top or d.parent == d:
                 break

@@ -1894,3 +1894,47 @@ def test_the_default_budgets_follow_a_containers_memory_limit(short_dir: Path) -
         assert line.split()[1] == str(2 * 2**30), line
     finally:
         group.rmdir()
+
+
+def test_the_cgroup_limit_is_found_under_any_name_mount_and_ancestor(short_dir: Path) -> None:
+    """A review's finds in the cgroup lookup: a cgroup named with a byte that
+    is no UTF-8 made `serve --help` and every Client() raise
+    UnicodeDecodeError; a mount point with a space (mountinfo writes
+    "\\040") was not found; and a limit set on an ancestor the container does
+    not show (only its own cgroup mounted) was missed. Each gives 2048M
+    under an 8 GiB limit set on the parent only."""
+    import sys
+
+    parent = _memory_cgroup(8 * 2**30)
+    if parent.parent != Path("/sys/fs/cgroup/memory"):
+        pytest.skip("these mount cases are written for cgroup v1's memory hierarchy")
+    child = Path(os.fsdecode(bytes(parent) + b"/caf\xe9"))
+    child.mkdir()
+    spaced = short_dir / "cg mem"
+    spaced.mkdir()
+    serve = [sys.executable, "-m", "kvkeeper.cli", "serve", "--print-config",
+             "--root", str(short_dir / "root"), "--socket", str(short_dir / "s.sock")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    # In a mount namespace of its own, /sys/fs/cgroup/memory gone: the
+    # hierarchy at a path with a space, or only the child, bind-mounted there.
+    mounts = {
+        "as it is": "",
+        "a space": 'umount /sys/fs/cgroup/memory && mount -t cgroup -o memory cgroup "$SPACED"',
+        "only the child": 'umount /sys/fs/cgroup/memory && mount -t cgroup -o memory cgroup '
+                          '"$SPACED" && mount --bind "$SPACED/$CHILDREL" '
+                          '/sys/fs/cgroup/memory && umount "$SPACED"',
+    }
+    try:
+        for case, setup in mounts.items():
+            script = (f'echo $$ > "$CHILD/cgroup.procs" && {setup or "true"} && exec "$@"')
+            r = subprocess.run(
+                ["unshare", "-m", "sh", "-c", script, "sh", *serve], capture_output=True,
+                text=True, timeout=WAIT,
+                env={**env, "CHILD": os.fsdecode(child), "SPACED": str(spaced),
+                     "CHILDREL": os.fsdecode(child.relative_to(parent.parent))})
+            assert r.returncode == 0, (case, r.stderr)
+            [line] = [x for x in r.stdout.splitlines() if x.startswith("max_pending_bytes")]
+            assert line.split()[1] == str(2 * 2**30), (case, line)
+    finally:
+        child.rmdir()
+        parent.rmdir()
