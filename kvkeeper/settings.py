@@ -137,10 +137,10 @@ MAX_SIZE = 2**63 - 1
 def memory_share(floor: int) -> int:
     """A quarter of this machine's physical memory (or of its cgroup's
     limit, when lower), at least ``floor`` (also when the system does not
-    tell). The default budget for saves in flight,
-    on both sides of the socket: a conversation's cache is saved only if it
-    fits whole, and a fixed 1 GiB left every Llama-3-8B conversation past
-    about 7,600 tokens unsaved, on any machine."""
+    tell). The default budget for saves in flight, on both sides of the
+    socket: a conversation's cache is saved only if it fits whole, and a
+    fixed 1 GiB left every Llama-3-8B conversation past about 7,600 tokens
+    unsaved, on any machine."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # no sysconf, or not these names
@@ -166,6 +166,10 @@ def cgroup_memory_limit() -> int | None:
 
 def _read(path: Path) -> str:
     return path.read_bytes().decode("utf-8", "surrogateescape")
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def _unescaped(field: str) -> str:
@@ -204,14 +208,14 @@ def _cgroup_memory_limit() -> int | None:
             with contextlib.suppress(OSError):
                 for stat in _read(d / "memory.stat").splitlines():
                     key, _, value = stat.partition(" ")
-                    if key == "hierarchical_memory_limit" and value.strip().isdigit():
+                    if key == "hierarchical_memory_limit" and _is_number(value.strip()):
                         limits.append(int(value))
         while True:
             try:
                 text = _read(d / ("memory.max" if v2 else "memory.limit_in_bytes")).strip()
             except OSError:
                 text = ""
-            if text.isascii() and text.isdigit():  # v2 says "max" for none, v1 ~2**63
+            if _is_number(text):  # v2 says "max" for none, v1 a number near 2**63
                 limits.append(int(text))
             if d == top or d.parent == d:
                 break
