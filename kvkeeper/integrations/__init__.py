@@ -31,7 +31,8 @@ This module imports neither MLX library.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -372,33 +373,40 @@ class SessionBase:
                   plan.prefill, plan.reason)
         return plan
 
-    def _restored_failed(self, exc: Exception, prompt_ids: list[int]) -> Plan:
-        """A cache just restored from kvkeeper failed in the model before the
-        first token, and before any of the caller's code could be its cause:
-        maybe saved for another model under this model id (other head counts
-        or sizes, which ``layers_fit`` cannot see in classes; each request of
-        the conversation raised). The request is run again cold: this plan.
-        Only when that run gives its first token was it the cache
-        (``_restored_unusable``); otherwise the request's own error is
-        raised, and the plan goes back (``_restored_kept``)."""
-        plan = Plan("cold", "kvkeeper", 0, 0, len(prompt_ids),
-                    f"the saved cache failed in the model ({type(exc).__name__}: {exc})")
-        self.last_plan = plan
-        return plan
-
-    def _restored_unusable(self, plan: Plan) -> None:
-        """The cold run after ``_restored_failed`` works: say so (its first
-        save replaces the saved cache)."""
-        log.warning("event=restore_unusable model=%s id=%s: %s; started cold",
-                    self.model_id, self.session_id, plan.reason)
-
-    def _restored_kept(self, plan: Plan) -> Plan:
-        """The cold run failed too: maybe the request's own error, not the
-        cache's. Its plan is the restored cache's again; the cache itself is
-        not kept in memory (it may be the one that failed: kept there, it
-        would never be run again cold), and the next request restores it."""
-        self.last_plan = plan
-        return plan
+    def _first_or_cold(self, results: Iterator[Any], prompt_ids: list[int],
+                       callers_ran: list[bool], cold: Callable[[Plan], Iterator[Any]],
+                       back: Callable[[], None]) -> Iterator[Any]:
+        """``results`` of a request on a cache just restored from kvkeeper,
+        the first one taken already. When that fails as a cache that does not
+        fit the model fails (``MISFIT_ERRORS``), before any of the caller's
+        code could be its cause (``callers_ran``, see ``watch_callers``), it
+        may have been saved for another model under this model id (other head
+        counts or sizes, which ``layers_fit`` cannot see in classes; each
+        request of the conversation raised). The request runs again cold:
+        ``cold(plan)`` makes the cold plan's state and returns its results.
+        Only when their first comes was it the cache (``restore_unusable``,
+        and the request's first save replaces it); otherwise the request's
+        own error is raised, after ``back()`` has put the restored state
+        back and ``last_plan`` is the restored plan again."""
+        try:
+            first = list(itertools.islice(results, 1))
+        except MISFIT_ERRORS as exc:
+            if callers_ran[0]:
+                raise
+            restored = self.last_plan
+            plan = Plan("cold", "kvkeeper", 0, 0, len(prompt_ids),
+                        f"the saved cache failed in the model ({type(exc).__name__}: {exc})")
+            self.last_plan = plan
+            results = cold(plan)
+            try:
+                first = list(itertools.islice(results, 1))
+            except BaseException:
+                back()
+                self.last_plan = restored
+                raise
+            log.warning("event=restore_unusable model=%s id=%s: %s; started cold",
+                        self.model_id, self.session_id, plan.reason)
+        return itertools.chain(first, results)
 
     def _write_behind(self, media: str = "") -> WriteBehind | None:
         if self.client is None:
@@ -469,7 +477,7 @@ class SessionBase:
             self._keep(cache, list(prompt_ids[: plan.reused]), media)
             if plan.source == "kvkeeper" and self.cache is cache:
                 # It never reached the model: the next request may still find
-                # that it does not fit, and run cold (see _restored_failed).
+                # that it does not fit, and run cold (see _first_or_cold).
                 self._source = "kvkeeper"
 
     def _keep(self, cache: list[Any] | None, token_ids: list[int] | None,

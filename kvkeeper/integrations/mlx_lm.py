@@ -32,7 +32,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvkeeper.integrations import (
-    MISFIT_ERRORS,
     WINDOW_PROBE,
     Plan,
     SessionBase,
@@ -200,26 +199,19 @@ class Session(SessionBase):
                 prompt_cache=cache, **kwargs,
             )
             if restored:
-                try:
-                    first = list(itertools.islice(responses, 1))
-                except MISFIT_ERRORS as exc:
-                    if callers_ran[0]:
-                        raise
-                    tried = plan, cache
-                    plan = self._restored_failed(exc, ids)
-                    cache = make_prompt_cache(self.model, max_kv_size=max_kv_size)
-                    responses = _mlx_stream_generate(
-                        self.model, self.tokenizer, mx.array(ids), max_tokens,
-                        prompt_cache=cache, **as_given)
-                    try:
-                        first = list(itertools.islice(responses, 1))
-                    except BaseException:
-                        plan, cache = tried
-                        self._restored_kept(plan)
-                        rerun_failed = True
-                        raise
-                    self._restored_unusable(plan)
-                responses = itertools.chain(first, responses)
+                tried = plan, cache
+
+                def cold(p: Plan) -> Iterator[GenerationResponse]:
+                    nonlocal plan, cache
+                    plan, cache = p, make_prompt_cache(self.model, max_kv_size=max_kv_size)
+                    return _mlx_stream_generate(self.model, self.tokenizer, mx.array(ids),
+                                                max_tokens, prompt_cache=cache, **as_given)
+
+                def back() -> None:
+                    nonlocal plan, cache, rerun_failed
+                    (plan, cache), rerun_failed = tried, True
+
+                responses = self._first_or_cold(responses, ids, callers_ran, cold, back)
             for r in responses:
                 started = True
                 # Every token mlx-lm yields has been fed to the cache already.

@@ -26,7 +26,6 @@ the state mlx-vlm hands back at the end.
 from __future__ import annotations
 
 import io
-import itertools
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,6 @@ from mlx_vlm.generate import stream_generate as _vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
 
 from kvkeeper.integrations import (
-    MISFIT_ERRORS,
     WINDOW_PROBE,
     Plan,
     SessionBase,
@@ -181,29 +179,23 @@ class Session(SessionBase):
                 prompt_cache_state=state, **kwargs,
             )
             if restored:
-                try:
-                    first = list(itertools.islice(results, 1))
-                except MISFIT_ERRORS as exc:
-                    if callers_ran[0]:
-                        raise
-                    tried = plan, expected, state, sentinel
-                    plan = self._restored_failed(exc, ids)
-                    expected = self._fresh_cache(kwargs.get("max_kv_size"))
+                tried = plan, expected, state, sentinel
+
+                def cold(p: Plan) -> Iterator[GenerationResult]:
+                    nonlocal plan, expected, state, sentinel
+                    plan, expected = p, self._fresh_cache(kwargs.get("max_kv_size"))
                     state = PromptCacheState()
                     sentinel = state.token_ids
-                    results = _vlm_stream_generate(
+                    return _vlm_stream_generate(
                         self.model, self.processor, prompt, image=image, audio=audio,
                         video=video, prompt_cache_state=state,
                         **{**as_given, "prompt_cache": expected})
-                    try:
-                        first = list(itertools.islice(results, 1))
-                    except BaseException:
-                        plan, expected, state, sentinel = tried
-                        self._restored_kept(plan)
-                        rerun_failed = True
-                        raise
-                    self._restored_unusable(plan)
-                results = itertools.chain(first, results)
+
+                def back() -> None:
+                    nonlocal plan, expected, state, sentinel, rerun_failed
+                    (plan, expected, state, sentinel), rerun_failed = tried, True
+
+                results = self._first_or_cold(results, ids, callers_ran, cold, back)
             for r in results:
                 started = True
                 if self.tracked is None:
