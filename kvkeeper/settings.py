@@ -134,6 +134,14 @@ def _as_given(text: object) -> str:
 MAX_SIZE = 2**63 - 1
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, or None when the system does not tell."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or not these names
+        return None
+
+
 def memory_share(floor: int) -> int:
     """A quarter of this machine's physical memory (or of its cgroup's
     limit, when lower), at least ``floor`` (also when the system does not
@@ -141,9 +149,8 @@ def memory_share(floor: int) -> int:
     socket: a conversation's cache is saved only if it fits whole, and a
     fixed 1 GiB left every Llama-3-8B conversation past about 7,600 tokens
     unsaved, on any machine."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # no sysconf, or not these names
+    total = physical_memory()
+    if total is None:
         return floor
     # A container's memory is its cgroup's limit, not the machine's.
     limit = cgroup_memory_limit()

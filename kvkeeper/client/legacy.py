@@ -26,7 +26,6 @@ globals(). Classes are resolved with the codec's rules instead (only inside
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from kvkeeper.protocol.legacy_formats import (
     detect_legacy,
     indexed,
 )
+from kvkeeper.settings import physical_memory
 
 __all__ = ["GEZEL_SCHEMA3", "MLX_LM_PROMPT_CACHE", "LegacyCache", "decode_legacy", "detect_legacy"]
 
@@ -114,14 +114,7 @@ def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
     return cache
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None  # not told: not checked
-
-
-_MEMORY = _physical_memory()
+_MEMORY = physical_memory()  # None, not told: not checked
 
 
 #: Classes that hold their tokens in their first offset rows (the others are
