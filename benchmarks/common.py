@@ -150,6 +150,11 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return xs[k - 1]
 
 
+def paired_median(base: list[float], other: list[float]) -> float:
+    """The median of ``other[r] / base[r]``: runs r of the two ran back to back."""
+    return float(np.median([b / a for a, b in zip(base, other, strict=True)]))
+
+
 def summarize(samples: Sequence[float]) -> dict[str, Any]:
     xs = [float(x) for x in samples]
     if not xs:

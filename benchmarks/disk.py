@@ -5,7 +5,6 @@ directory, the same durability kvkeeper gives), side by side."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from benchmarks.common import (
     free_memory,
     fsync_dir,
     kv_cache,
+    paired_median,
     state_arrays,
     summarize,
     token_ids,
@@ -108,7 +108,7 @@ def run(ctx: Any) -> dict[str, Any]:
         # Run r of each writer ran back to back (order alternated): judged on
         # the median of those pairs' ratios, as case 2 is; this disk has slow
         # spells lasting several runs, which a ratio of the medians mixes in.
-        "ratio": statistics.median(a / b for a, b in zip(plain, kvk, strict=True)),
+        "ratio": paired_median(kvk, plain),
         "ratio_of_medians": p["median"] / k["median"],
         "all_ok": all(ok),
     }

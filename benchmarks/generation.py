@@ -8,13 +8,13 @@ import time
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from benchmarks.common import (
     MODEL,
     WAIT,
     free_memory,
     kv_cache,
+    paired_median,
     summarize,
     tiny_model,
     token_ids,
@@ -108,11 +108,10 @@ def _tiny_model_case(ctx: Any) -> dict[str, Any]:
         # Run r of each mode ran back to back (order alternated): the ratio of
         # each such pair is measured side by side, and the machine's slow
         # spells (whole runs 20% slower) hit both sides of a pair alike.
-        "ratio": float(np.median([b / a for a, b in zip(off_tps, on_tps, strict=True)])),
+        "ratio": paired_median(off_tps, on_tps),
         "ratio_of_medians": summarize(on_tps)["median"] / summarize(off_tps)["median"],
         # The same pairs with each run's closing flush() counted in.
-        "ratio_through_flush": float(np.median(
-            [b / a for a, b in zip(off_flushed, on_flushed, strict=True)])),
+        "ratio_through_flush": paired_median(off_flushed, on_flushed),
         "tokens_per_s_through_flush_no_saves": summarize(off_flushed),
         "tokens_per_s_through_flush_with_saves": summarize(on_flushed),
         "flush_no_saves": summarize([x["flush_s"] for x in runs["off"]]),
