@@ -1,0 +1,171 @@
+"""The commands that read and trim the store through the daemon: stats, ls,
+rm, gc."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.table import Table
+from rich.text import Text
+
+from kvkeeper import plaintable
+from kvkeeper.ops.common import (
+    CommandError,
+    ago,
+    client,
+    counted,
+    entry_dict,
+    err,
+    human,
+    loadable,
+    out,
+    print_json,
+    print_table,
+    shown,
+)
+
+_GROUPS = [
+    ("Saves", ["saves_received", "saves_written", "saves_superseded", "saves_refused",
+               "saves_failed", "saves_cut_off", "bytes_received", "bytes_written"]),
+    ("Loads", ["loads_found", "loads_direct", "loads_missing", "files_quarantined"]),
+    ("Writer", ["pending_bytes", "writer_max_pending_bytes", "max_pending_bytes",
+                "queue_depth", "held_saves", "saves_held", "parked_saves",
+                "saves_parked", "write_seconds_p50",
+                "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
+    ("Disk", ["store_indexing", "disk_used_bytes", "max_disk_bytes", "min_free_bytes", "evictions",
+              "bytes_evicted", "deletes"]),
+    ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "requests_refused",
+                "internal_errors", "forbidden_peers"]),
+]
+
+
+def _fmt(name: str, v: float) -> str:
+    if name == "max_disk_bytes" and v == 0:
+        return "none"  # --max-disk-bytes 0: no limit
+    if name.endswith("bytes") or name.startswith("bytes_"):
+        return human(v)
+    if name.endswith("_seconds_p50") or name.endswith("_seconds_p99"):
+        return f"{v * 1000:.1f} ms"
+    if name == "uptime_s":
+        return f"{v:.0f} s"
+    if name == "boot_id":
+        # An identifier, not a quantity; as --json and Client.stats() give it.
+        return str(int(v))
+    return f"{v:g}"
+
+
+def stats(args: argparse.Namespace) -> int:
+    with client(args.socket) as kv:
+        counters = {k: v for k, v in kv.stats().items() if not k.startswith("client_")}
+    if args.json:
+        print_json(counters)  # counts and sizes ints, times floats (Client.stats)
+        return 0
+    table = Table(title="kvkeeper daemon", show_header=False, box=None, padding=(0, 2))
+    listed = set()
+    for group, names in _GROUPS:
+        table.add_row(f"[bold]{group}[/]", "")
+        for name in names:
+            if name in counters:
+                table.add_row(f"  {name}", _fmt(name, counters[name]))
+                listed.add(name)
+    rest = sorted(set(counters) - listed)
+    if rest:
+        table.add_row("[bold]Other[/]", "")
+        for name in rest:
+            table.add_row(f"  {name}", _fmt(name, counters[name]))
+    out.print(table)
+    return 0
+
+
+# ------------------------------------------------------------------ ls, rm, gc
+
+_SORTS = {
+    "last-used": (lambda e: e.last_used, True),
+    "saved": (lambda e: e.saved_at, True),
+    "size": (lambda e: e.nbytes, True),
+    "tokens": (lambda e: e.tokens, True),
+    "id": (lambda e: e.cache_id, False),
+    "model": (lambda e: (e.model, e.cache_id), False),
+}
+
+
+def ls(args: argparse.Namespace) -> int:
+    with client(args.socket) as kv:
+        entries = kv.entries(args.model, everything=args.all)
+    key, descending = _SORTS[args.sort]
+    entries.sort(key=key, reverse=descending != args.reverse)
+    if args.json:
+        print_json([entry_dict(e) for e in entries])
+        return 0
+    now = time.time()
+    n = sum(e.kind == "entry" for e in entries)
+    others = f", {counted(len(entries) - n, 'other file')}" if len(entries) > n else ""
+    columns: list[plaintable.Column] = [("model", "left"), ("id", "left"), ("tokens", "right"),
+                                        ("size", "right"), ("saved", "right"),
+                                        ("last used", "right")]
+    rows: list[list[str | Text]] = []
+    for e in entries:
+        row: list[str | Text] = [shown(e.model), shown(e.cache_id), str(e.tokens),
+                                 human(e.nbytes), ago(e.saved_at, now), ago(e.last_used, now)]
+        if args.all:
+            row.append(e.kind if e.kind == "entry"
+                       else Text.assemble((e.kind, "yellow"), " ", shown(e.path)))
+        rows.append(row)
+    if args.all:
+        columns.append(("kind", "left"))
+    print_table(f"{counted(n, 'entry', 'entries')}{others}, "
+                 f"{human(sum(e.nbytes for e in entries))}", columns, rows)
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    if args.all_of_model is not None and args.model is not None:
+        # Deleting all of a model when one entry was named would be the
+        # worst way to read it.
+        raise CommandError("give either MODEL ID (kvkeeper rm MODEL ID) for one entry, or "
+                           "only --model FP (kvkeeper rm --model FP) for all of a model",
+                           status=2)
+    if args.all_of_model is None and args.cache_id is None:
+        # Checked before looking for the daemon: a usage error is one with or
+        # without it.
+        raise CommandError(("rm MODEL ID needs the cache id too" if args.model is not None
+                            else "nothing to delete")
+                           + ": give MODEL ID (kvkeeper rm MODEL ID) for one entry, or "
+                           "--model FP (kvkeeper rm --model FP) for all of a model", status=2)
+    with client(args.socket) as kv:
+        if args.cache_id is not None:
+            if not kv.delete(args.model, args.cache_id):
+                # On stderr, as every other failure: "2>err" keeps the reason.
+                err.print(Text.assemble("kvkeeper: no such entry: ", shown(args.model), " / ",
+                                        shown(args.cache_id)))
+                return 1
+            out.print("deleted")
+            return 0
+        entries = loadable(kv, args.all_of_model)
+        deleted = sum(kv.delete(e.model, e.cache_id) for e in entries)
+    if not entries:  # as for one entry: a typo in the model must not read as done
+        err.print(Text.assemble("kvkeeper: no entries of model ", shown(args.all_of_model)))
+        return 1
+    # The count of deletes done: an entry evicted or deleted meanwhile was
+    # listed, but not deleted by this command.
+    gone = f" ({len(entries) - deleted} listed were gone already)" if deleted < len(entries) else ""
+    out.print(Text.assemble(f"deleted {counted(deleted, 'entry', 'entries')} of model ",
+                            shown(args.all_of_model), gone))
+    return 0
+
+
+def gc(args: argparse.Namespace) -> int:
+    with client(args.socket) as kv:
+        result = kv.gc()
+    if args.json:
+        print_json({"evicted": [entry_dict(e) for e in result.entries],
+                     "disk_used_bytes": result.disk_used_bytes, "free_bytes": result.free_bytes})
+        return 0
+    print_table(f"evicted {len(result.entries)}",
+                 [("model", "left"), ("id", "left"), ("size", "left"), ("kind", "left")],
+                 [[shown(e.model), shown(e.cache_id), human(e.nbytes), e.kind]
+                  for e in result.entries])
+    out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
+              f"the store's file system")
+    return 0

@@ -1,0 +1,253 @@
+"""``verify``: check every entry's checksums, and with ``--repair`` move the
+bad files aside (through the daemon, else holding its lock)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from kvkeeper.ops.common import (
+    CommandError,
+    client,
+    counted,
+    err,
+    out,
+    print_json,
+    shown,
+    store_root,
+)
+from kvkeeper.protocol import messages as m
+from kvkeeper.protocol import naming
+from kvkeeper.protocol import safetensors as st
+from kvkeeper.protocol.legacy_formats import detect_legacy
+
+
+def _store_files(root: Path, unlisted: list[tuple[Path, str]]) -> Iterator[Path]:
+    """The files at entries' places. Others (a copy under a name the daemon
+    does not give) are not the daemon's: moved aside as bad, they became
+    quarantined files, which the disk budget deletes first. A model's
+    directory this process cannot list goes to ``unlisted``, with why."""
+    sessions = root / naming.SESSIONS_DIR
+    if not sessions.is_dir():
+        return
+    try:
+        models = sorted(sessions.iterdir())
+    except OSError as exc:
+        raise CommandError(f"cannot list {sessions}: {exc.strerror or exc}") from None
+    for d in models:
+        if d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            names = sorted(d.iterdir())
+        except OSError as exc:
+            # One such directory stopped the whole check with a bare errno.
+            unlisted.append((d, exc.strerror or str(exc)))
+            continue
+        for f in names:
+            if not f.name.startswith(".") and naming.is_entry_place(f):
+                yield f
+
+
+def verify(args: argparse.Namespace) -> int:
+    kv = client(args.socket, required=False, root=args.root)
+    try:
+        root = store_root(args, kv)
+        unlisted: list[tuple[Path, str]] = []  # directories: reported as not checked
+        # Files the daemon deletes or evicts meanwhile are gone, not bad.
+        sizes = {f: n for f in _store_files(root, unlisted) if (n := _size(f)) is not None}
+        files: list[Path] = []
+        # With the file's identity when it was judged: the repair must move
+        # that file, never a newer version saved since (a check of a big store
+        # takes minutes, and a load that found it damaged may have had it
+        # moved aside and a new version saved meanwhile).
+        bad: list[tuple[Path, str, os.stat_result | None]] = []
+        legacy: list[Path] = []
+        others: list[Path] = []  # safetensors files that are not caches: not the daemon's
+        # Files this process could not read for reasons of its own (out of
+        # descriptors, no permission): not checked, and never moved aside.
+        unchecked: list[tuple[Path, str]] = []
+        with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                      console=err, disable=args.json or not err.is_terminal) as bar:
+            task = bar.add_task("verify", total=sum(sizes.values()))
+            for f, size in sizes.items():
+                files.append(f)
+                judged = None
+                try:
+                    # Before the open: if a newer file takes the place in
+                    # between, the repair finds another inode and leaves it.
+                    judged = f.lstat()
+                    # A check is not a use: the eviction order stays as it was.
+                    with st.open_file(f, keep_atime=True) as (fh, header):
+                        meta = header.metadata
+                        if not st.written_by_kvkeeper(meta):
+                            (legacy if detect_legacy(meta) else others).append(f)
+                            bar.advance(task, size)
+                            continue
+                        st.verify_data(fh, header, lambda n: bar.advance(task, n))
+                        # What load() refuses: another key's file at this place.
+                        if _header_key_here(f, meta) is None:
+                            bad.append((f, f"holds the entry {meta.get(st.MODEL_KEY)!r}/"
+                                           f"{meta.get(st.CACHE_ID_KEY)!r}, which belongs "
+                                           f"elsewhere", judged))
+                except FileNotFoundError:
+                    files.pop()  # gone meanwhile: not checked
+                    bar.advance(task, size)
+                except OSError as exc:
+                    if st.says_nothing_of_the_file(exc):
+                        unchecked.append((f, exc.strerror or str(exc)))
+                        bar.advance(task, size)
+                    else:
+                        bad.append((f, str(exc), judged))
+                except st.TableError as exc:
+                    if st.is_cache(exc.metadata):
+                        bad.append((f, str(exc), judged))
+                    else:  # another program's safetensors (FP8 weights, say), as the store says
+                        others.append(f)
+                        bar.advance(task, size)
+                except st.LayoutError as exc:
+                    bad.append((f, str(exc), judged))
+        repaired: list[Path] = []
+        refused: list[tuple[Path, str]] = []
+        repair_error: Exception | None = None
+        try:
+            if args.repair and bad:
+                _repair(root, bad, kv, repaired, refused)
+        except Exception as exc:  # noqa: BLE001 - raised again once the check is reported
+            # E.g. another daemon holds the root: what the check found is
+            # still worth reporting (and --json output still expected).
+            repair_error = exc
+    finally:
+        if kv is not None:
+            kv.close()
+    checked = len(files) - len(legacy) - len(others) - len(unchecked)
+    unchecked += unlisted
+    if args.json:
+        print_json({"root": str(root), "checked": checked,
+                     "legacy_unchecked": [str(p) for p in legacy],
+                     "not_caches": [str(p) for p in others],
+                     "bad": [{"path": str(p), "reason": r} for p, r, _ in bad],
+                     "could_not_read": [{"path": str(p), "reason": r} for p, r in unchecked],
+                     "moved_aside": [str(p) for p in repaired],
+                     "not_moved": [{"path": str(p), "reason": r} for p, r in refused],
+                     **({"repair_error": str(repair_error)} if repair_error else {})})
+    else:
+        out.print(Text.assemble(
+            f"{counted(checked, 'file')} checked under ", shown(root),
+            f", {counted(len(legacy), 'legacy file')} without checksums" if legacy else "",
+            f", {counted(len(others), 'safetensors file')} that are not caches (left alone)"
+            if others else ""))
+        not_moved = dict(refused)
+        for p, reason, _ in bad:
+            out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
+                                    (" (moved aside)", "green") if p in repaired else "",
+                                    *((" (not moved: ", shown(not_moved[p]), ")")
+                                      if p in not_moved else ())))
+        for p, reason in unchecked:
+            out.print(Text.assemble(("NOT CHECKED", "yellow"), " ", shown(p), ": ",
+                                    shown(reason), " (this process could not read it; "
+                                    "left in place)"))
+        out.print(Text.assemble(
+            (f"{len(bad)} bad", "red") if bad else
+            ("" if unchecked else ("all good", "green")),
+            ", " if bad and unchecked else "",
+            (f"{len(unchecked)} not checked", "yellow") if unchecked else ""))
+    if repair_error is not None:
+        raise repair_error  # its message and exit status, after the report
+    return 1 if bad or unchecked else 0
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.lstat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _key_of(path: Path) -> tuple[str | None, str | None]:
+    """The key a file's place stands for: from its name, or (a hashed name)
+    from its header, when that names this very place."""
+    model, cache_id = naming.key_of(path)
+    if model is not None and cache_id is not None:
+        return model, cache_id
+    try:
+        with st.open_file(path, keep_atime=True) as (_, header):
+            return _header_key_here(path, header.metadata) or (None, None)
+    except (OSError, st.LayoutError):
+        return None, None
+
+
+def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None:
+    """The key a file's header names, if an entry of that key lives at the
+    file's own place (``<sessions>/<model>/<id>.safetensors``); else None."""
+    return naming.placed_key(path, meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY))
+
+
+def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
+            moved: list[Path], refused: list[tuple[Path, str]]) -> None:
+    """Move bad files aside: through the daemon when it runs (it is the only
+    writer), else directly, holding its lock so that none starts meanwhile;
+    each only if it is still the file judged (same inode and mtime). Each
+    file moved is added to ``moved`` at once: if a later one fails, the
+    report still names those that went. A file that could not be moved
+    (the daemon refused, or moving it directly failed) goes to ``refused``
+    with the reason, and the others are still tried."""
+    # Only the daemon that serves this root may move its files; one serving
+    # another root would refuse (the files it knows are elsewhere).
+    if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
+        from kvkeeper.client.client import DaemonError, DaemonShuttingDown
+
+        for path, reason, ident in bad:
+            if ident is None:
+                continue  # not even its lstat worked: nothing to tell a newer file from
+            model, cache_id = _key_of(path)
+            if model is None or cache_id is None:
+                # The daemon moves files by key: a hashed name whose header
+                # names another entry gives it none. Without a daemon,
+                # --repair moves files by path.
+                err.print(Text.assemble("cannot repair ", shown(path), " through the daemon: "
+                                        "neither its name nor its header tells its id (stop "
+                                        "the daemon and run verify --repair again)"))
+                continue
+            try:
+                reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
+                                    reason=reason: m.Quarantine(
+                    v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id,
+                    ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]))
+            except DaemonError as exc:
+                # E.g. the daemon may not read the file, so cannot tell it from
+                # another program's: it left this one, the others may still go.
+                refused.append((path, exc.message))
+                continue
+            except DaemonShuttingDown:
+                refused.append((path, "the daemon is shutting down"))
+                continue
+            if isinstance(reply, m.Deleted) and reply.existed:
+                moved.append(path)
+        return
+    from kvkeeper.daemon.app import LOCK_NAME, LockUnusable, _Lock
+    from kvkeeper.daemon.store import Store
+
+    try:
+        lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
+    except LockUnusable as exc:
+        # A root this user cannot write: the repair failed (exit 1), as it did
+        # with the OSError; exit 2 is for usage and a root another holds.
+        raise CommandError(str(exc)) from None
+    try:
+        store = Store(root)
+        for path, _, ident in bad:
+            if ident is None:
+                continue
+            try:
+                if store.quarantine_path(path, ident.st_ino, ident.st_mtime_ns) is not None:
+                    moved.append(path)
+            except OSError as exc:
+                refused.append((path, exc.strerror or str(exc)))
+    finally:
+        lock.release()
