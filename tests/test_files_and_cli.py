@@ -126,15 +126,15 @@ def test_big_saves_are_whole_with_and_without_early_writeback(
     # Linux starts writing a big save back while the rest still arrives
     # (sync_file_range); elsewhere the final fsync does it all. Both ways the
     # file is the same whole, checksummed version, and no tmp file is left.
-    from kvkeeper.daemon import store
+    from kvkeeper.daemon import durable
 
     from .faultkit import FP as FAULT_FP
     from .faultkit import entry_path, filled, tmp_files, version_of
 
     if sys.platform == "linux":
-        assert store._sync_file_range is not None
+        assert durable._sync_file_range is not None
     if writeback != "early":
-        monkeypatch.setattr(store, "_sync_file_range", None)
+        monkeypatch.setattr(durable, "_sync_file_range", None)
     for v in (3, 4):  # a new file, then a replace
         assert client.save(FAULT_FP, "big", filled(40, v), [v])
         assert client.flush(timeout=WAIT)

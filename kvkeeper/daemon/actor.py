@@ -51,8 +51,9 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from kvkeeper.daemon.durable import PendingFile
 from kvkeeper.daemon.stats import Stats
-from kvkeeper.daemon.store import LeftInPlace, PendingFile, Store, StoredEntry
+from kvkeeper.daemon.store import LeftInPlace, Store, StoredEntry
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import ErrorCode
 from kvkeeper.protocol.pacing import HOLD_MAX_BYTES, Pacer

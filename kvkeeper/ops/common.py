@@ -183,7 +183,7 @@ def loadable(kv: Any, model: str) -> list[m.Entry]:
             if e.kind in ("entry", "legacy") and e.cache_id]
 
 def fsync_path(path: Path, flags: int) -> None:
-    from kvkeeper.daemon.store import full_fsync
+    from kvkeeper.daemon.durable import full_fsync
 
     fd = os.open(path, flags | os.O_CLOEXEC)
     try:

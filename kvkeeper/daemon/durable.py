@@ -1,0 +1,217 @@
+"""One file replaced atomically and durably: a tmp file beside the target is
+written (its writeback started early on Linux), fsynced (F_FULLFSYNC on
+macOS), renamed over the target, and the directory fsynced, so a reader (or
+a crash) sees the complete old or the complete new version.
+
+Plain synchronous code; the writer actor calls it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvkeeper.daemon import faults
+from kvkeeper.logs import get_logger
+
+# The store's logger: its events (dir_fsync_unsupported) keep the name they had.
+log = get_logger("kvkeeper.store")
+
+TMP_SUFFIX = ".tmp"
+
+_IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
+_F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
+_counter = itertools.count()
+
+
+def full_fsync(fd: int) -> None:
+    """Flush a file to stable storage. On macOS plain fsync leaves data in the
+    drive's cache; F_FULLFSYNC flushes that too. Where F_FULLFSYNC is missing or
+    refused (some file systems), fall back to fsync."""
+    if _F_FULLFSYNC is not None:
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, _F_FULLFSYNC)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOTTY):
+                raise
+    os.fsync(fd)
+
+
+#: A directory's fsync answers these on file systems that cannot sync
+#: directories (some network and FUSE ones). A rename there is as durable as
+#: the file system makes it, whatever kvkeeper does; failing every save on it
+#: instead would keep nothing at all. (PostgreSQL ignores the same answers.)
+_DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+_dir_fsync_warned: set[int] = set()  # st_dev of the file systems warned about
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (a rename, a new file, an
+    unlink) durable, where its file system can."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        faults.dir_fsync_refused()
+        full_fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+        dev = os.fstat(fd).st_dev
+        if dev not in _dir_fsync_warned:  # once per file system: it says so at every save
+            _dir_fsync_warned.add(dev)
+            log.warning("event=dir_fsync_unsupported path=%s error=%s: this file system "
+                        "cannot sync directories, so a power cut may undo the latest "
+                        "renames there; saves go on", path, exc.strerror or exc)
+    finally:
+        os.close(fd)
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None  # not Linux: the final fsync does all the writing back
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+_SYNC_FILE_RANGE_WRITE = 2
+#: Bytes written before the kernel is asked to start writing them back.
+WRITEBACK_BYTES = 8 * 1024 * 1024
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a range back now, without waiting:
+    the disk works while the rest of the save still arrives, and the final
+    fsync has less left to do. Where there is no way to ask, nothing."""
+    if _sync_file_range is not None:
+        # Advisory: an error here shows again, and counts, at the fsync.
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def write_all(fd: int, bufs: Sequence[memoryview | bytes]) -> int:
+    """writev every byte of ``bufs``. Loops on short writes (a full disk or
+    RLIMIT_FSIZE gives a short count first and an error on the next call)."""
+    pending = [memoryview(b).cast("B") for b in bufs if len(b)]
+    total = 0
+    i = 0  # the first buffer not wholly written (no pop(0): quadratic in the count)
+    while i < len(pending):
+        n = os.writev(fd, pending[i : i + _IOV_MAX])
+        total += n
+        while n and i < len(pending):
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            else:
+                pending[i] = pending[i][n:]
+                n = 0
+    return total
+
+
+class PendingFile:
+    """A new version of one entry, written to a tmp file beside the target."""
+
+    def __init__(self, final: Path, header_bytes: int, data_bytes: int = 0,
+                 key: tuple[str, str] = ("", ""),
+                 on_gone: Callable[[Path], None] | None = None) -> None:
+        self.final = final
+        self.key = key  # (model, cache id): a hashed file name does not give them back
+        # Told the tmp path once it is renamed or removed: a rescan meanwhile
+        # (gc) indexed it, and the index must not go on counting it.
+        self._on_gone = on_gone
+        self.renamed = False  # in place, and served, from then on
+        self.tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd: int | None = os.open(self.tmp, flags, 0o600)
+        faults.crash_point("tmp_created")
+        self.nbytes = 0
+        self.identity = (0, 0)  # (inode, mtime_ns) once fsynced: what the index records
+        self._written_back = 0
+        self.fsync_seconds = 0.0
+        self._half = header_bytes + data_bytes // 2
+
+    def append(self, bufs: Sequence[memoryview | bytes]) -> None:
+        assert self._fd is not None
+        if faults.ACTIVE:
+            bufs = self._faulty(bufs)
+        self.nbytes += write_all(self._fd, bufs)
+        if self.nbytes - self._written_back >= WRITEBACK_BYTES:
+            start_writeback(self._fd, self._written_back, self.nbytes - self._written_back)
+            self._written_back = self.nbytes
+
+    def _faulty(self, bufs: Sequence[memoryview | bytes]) -> Sequence[memoryview | bytes]:
+        n = sum(len(b) for b in bufs)
+        faults.slow_write(n)
+        if faults.ACTIVE.get("crash_at") == "half_written" and self.nbytes < self._half <= self.nbytes + n:
+            # Write exactly up to the middle of the data, then die.
+            flat = b"".join(bytes(b) for b in bufs)[: self._half - self.nbytes]
+            assert self._fd is not None
+            write_all(self._fd, [flat])
+            faults.crash_point("half_written")
+        return bufs
+
+    def commit(self, header: bytes, lock: threading.Lock,
+               on_renamed: Callable[[], None]) -> None:
+        """Put the final header in place, then fsync -> rename -> fsync(dir).
+        ``on_renamed`` runs right after the rename, both under ``lock``. A
+        failure before the rename removes the tmp file and leaves the old
+        version; once renamed (``renamed``), the new version is in place even
+        if the directory's fsync then fails."""
+        assert self._fd is not None
+        try:
+            view = memoryview(header)
+            off = 0
+            while off < len(view):
+                off += os.pwrite(self._fd, view[off:], off)
+            t0 = time.perf_counter()
+            if not faults.skip("no_fsync"):
+                full_fsync(self._fd)
+            self.fsync_seconds = time.perf_counter() - t0
+            faults.crash_point("fsynced")
+            st = os.fstat(self._fd)
+            self.identity = (st.st_ino, st.st_mtime_ns)
+            os.close(self._fd)
+            self._fd = None
+            with lock:
+                os.rename(self.tmp, self.final)
+                self.renamed = True
+                on_renamed()
+            if self._on_gone is not None:
+                self._on_gone(self.tmp)
+        except BaseException:
+            self.abort()
+            raise
+        faults.crash_point("renamed")
+        faults.slow_step("renamed_delay")
+        t0 = time.perf_counter()
+        if not faults.skip("no_dir_fsync"):
+            faults.io_error("dir_fsync")
+            fsync_dir(self.final.parent)
+        self.fsync_seconds += time.perf_counter() - t0
+        faults.crash_point("dir_fsynced")
+
+    def abort(self) -> None:
+        faults.slow_abort()
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+        if self._on_gone is not None:
+            self._on_gone(self.tmp)
