@@ -80,7 +80,7 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
 def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) -> None:
     from kvkeeper.settings import SETTINGS, format_size
 
-    p.add_argument("--config", type=Path, default=None,
+    p.add_argument("--config", type=_path, default=None,
                    help="TOML config file (default $KVKEEPER_CONFIG or "
                         "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")

@@ -221,6 +221,27 @@ def test_config_file_numbers_and_strings_still_work(short_dir: Path) -> None:
     assert got["max_disk_bytes"] == str(2 * 1024**3) and got["min_free_bytes"] == "0"
 
 
+def test_a_config_file_named_with_a_tilde_is_found_in_the_home(short_dir: Path) -> None:
+    # "--config=~/..." reaches kvkeeper unexpanded (the shell expands a "~"
+    # only at a word's start); --root and $KVKEEPER_CONFIG expanded it, --config
+    # said the file did not exist (serve and install-service, exit 2).
+    home = short_dir / "home"
+    home.mkdir()
+    (home / "kv.toml").write_text("drain_timeout = 3.5\n")
+    env = {"HOME": str(home)}
+    places = ("--root", str(short_dir / "root"), "--socket", str(short_dir / "k.sock"))
+    r = cli("serve", "--config=~/kv.toml", *places, "--print-config", env=env)
+    assert r.returncode == 0, r.stderr
+    assert re.search(rf"drain_timeout +3.5 +\(config file {re.escape(str(home))}/kv.toml\)",
+                     r.stdout), r.stdout
+    r = cli("install-service", "--print", "--platform", "linux", "--config=~/kv.toml", *places,
+            env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"--config {home}/kv.toml" in r.stdout, r.stdout
+    r = cli("serve", "--config=", "--print-config", env=env)
+    assert r.returncode == 2 and "the path is empty" in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------ 3. export --root
 
 
