@@ -81,6 +81,31 @@ def test_a_refused_save_is_logged_with_its_key(short_dir: Path) -> None:
         ("too_large", FP, NASTY.replace("\n", "\\n"))
 
 
+def test_a_delete_is_logged_with_its_key(short_dir: Path) -> None:
+    """A delete (rm, Client.delete) left no line at any level: the log could
+    not say why a conversation's cache was gone (an operator's review)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "30")
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, NASTY, filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
+            assert kv.delete(FP, NASTY)
+            assert not kv.delete(FP, "never-saved")  # nothing gone: nothing said
+            # Held by --min-write-interval (the first save of a key is written
+            # at once), the second save is discarded by the delete.
+            assert kv.save(FP, "held", filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
+            assert kv.save(FP, "held", filled(0.25, 2), [1, 2])
+            assert kv.delete(FP, "held")
+            assert kv.load(FP, "held") is None
+    finally:
+        assert stop_process(proc) == 0
+    lines = [_fields(ln) for ln in proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+             if "event=deleted" in ln]
+    assert [(f["level"], f["model"], f["id"], f["file_deleted"], f["pending_save_discarded"])
+            for f in lines] == [("INFO", FP, NASTY.replace("\n", "\\n"), "true", "false"),
+                                ("INFO", FP, "held", "true", "true")], lines
+
+
 def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     """stderr a pipe whose reader stays but does not read (`kvkeeper serve
     2>&1 | less`, the pager paused): once the pipe was full, each log line

@@ -689,8 +689,15 @@ class WriterActor:
                 deleted = await anyio.to_thread.run_sync(self.store.delete, model, cache_id)
                 # A save of the key it replaced counts: the delete comes "after
                 # any pending save", which would have made the entry.
-                job.existed = deleted or job.replaced_own is not None or bool(job.heirs)
+                discarded = job.replaced_own is not None or bool(job.heirs)
+                job.existed = deleted or discarded
                 self.stats.inc("deletes")
+                if job.existed:
+                    # The one trace of a conversation's cache gone by request
+                    # (rm, Client.delete), beside the evictions' own lines.
+                    log.info("event=deleted model=%s id=%s file_deleted=%s "
+                             "pending_save_discarded=%s", model, cache_id,
+                             str(deleted).lower(), str(discarded).lower())
             else:
                 moved = await anyio.to_thread.run_sync(
                     self.store.quarantine, model, cache_id, job.ino, job.mtime_ns, job.reason
