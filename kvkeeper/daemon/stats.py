@@ -29,6 +29,8 @@ COUNTERS = (
     "internal_errors",
     "forbidden_peers",
 )
+#: Every latency whose p50 and p99 are reported (0.0 until its first sample).
+LATENCIES = ("write_seconds", "fsync_seconds")
 
 
 class Stats:
@@ -36,20 +38,21 @@ class Stats:
         self.started = time.monotonic()
         self.counts: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.gauges: dict[str, float] = {}
-        self._samples: dict[str, deque[float]] = {}
+        self._samples: dict[str, deque[float]] = {k: deque(maxlen=1024) for k in LATENCIES}
 
     def inc(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
 
     def sample(self, name: str, value: float) -> None:
-        """Keep the last 1024 values of a latency for its percentiles."""
-        self._samples.setdefault(name, deque(maxlen=1024)).append(value)
+        """Keep the last 1024 values of a latency (one of ``LATENCIES``) for
+        its percentiles."""
+        self._samples[name].append(value)
 
     def snapshot(self) -> dict[str, float]:
         out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
         out.update(self.gauges)
         for name, values in self._samples.items():
-            ordered = sorted(values)
+            ordered = sorted(values) or [0.0]
             for p in (50, 99):
                 out[f"{name}_p{p}"] = ordered[min(len(ordered) - 1, len(ordered) * p // 100)]
         out["uptime_s"] = time.monotonic() - self.started
