@@ -283,13 +283,10 @@ def _parser() -> argparse.ArgumentParser:
 def _logging(level: str) -> logging.Handler:
     """The daemon's log on stderr, written by a thread of its own (see
     BehindHandler); returns the handler, for the caller to close."""
-    from kvkeeper.logs import BehindHandler
+    from kvkeeper.logs import BehindHandler, LogfmtFormatter
 
     handler = BehindHandler(sys.stderr)
-    # One field: "2026-12-01 21:40:00,123" would be two.
-    handler.setFormatter(logging.Formatter(
-        "ts=%(asctime)s.%(msecs)03d level=%(levelname)s logger=%(name)s %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S"))
+    handler.setFormatter(LogfmtFormatter())
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
     return handler
 
@@ -341,15 +338,14 @@ def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
 def _run_daemon(cfg: Any, exiting: bool) -> int:
     from kvkeeper import config
     from kvkeeper.daemon.app import AlreadyRunning, Daemon
+    from kvkeeper.logs import get_logger
 
-    try:
-        print(f"kvkeeper {__version__}: socket {os.path.abspath(cfg.socket)}, root "
-              f"{os.path.abspath(cfg.root)}", file=sys.stderr, flush=True)
-    except OSError:
-        # stderr on a full disk, or a pipe nobody reads: the daemon serves
-        # all the same, as it does when its log lines fail later (it exited
-        # 1 here, before binding its socket, and every save was dropped).
-        pass
+    # A log line like every other (a plain banner here was the one line of
+    # the log no logfmt reader could split); the log never stops the daemon,
+    # on a full disk or a pipe nobody reads.
+    get_logger("kvkeeper.cli").info("event=starting version=%s socket=%s root=%s pid=%d",
+                                    __version__, os.path.abspath(cfg.socket),
+                                    os.path.abspath(cfg.root), os.getpid())
     try:
         return Daemon(cfg).run(exiting=exiting)
     except (AlreadyRunning, config.ConfigError) as exc:

@@ -17,7 +17,7 @@ import select
 import threading
 from typing import TextIO
 
-__all__ = ["BehindHandler", "get_logger", "logfmt_value"]
+__all__ = ["BehindHandler", "LogfmtFormatter", "get_logger", "logfmt_value"]
 
 #: Characters escaped inside quotes: quotes, backslash, and every control
 #: character (C0, DEL, C1) and Unicode line or paragraph separator.
@@ -42,17 +42,32 @@ def _escape(match: re.Match[str]) -> str:
     return _ESCAPES.get(ch) or f"\\u{ord(ch):04x}"
 
 
+#: A conversion of a %-format ("%s", "%d", "%.1f"), or "%%".
+_CONVERSION = re.compile(r"%(?:%|[-#0 +]*[0-9]*(?:\.[0-9]+)?[diouxXeEfFgGcrsa])")
+
+
 class _Values(logging.Filter):
-    """Makes every argument of a record that is not a number a logfmt value."""
+    """Makes every argument of a record that is not a number a logfmt value,
+    and the sentence an event ends with after ": " a field of its own
+    (``msg="..."``): left as words after the fields, a logfmt reader took
+    them for keys, and the colon for the end of the last value."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and args:
-            record.args = tuple(
-                # Numbers of any kind (numpy's too) stay numbers for %d and %.1f.
-                a if a is None or isinstance(a, numbers.Number) else logfmt_value(str(a))
-                for a in args
-            )
+        raw = record.args if isinstance(record.args, tuple) else ()
+        # Numbers of any kind (numpy's too) stay numbers for %d and %.1f.
+        quoted = tuple(a if a is None or isinstance(a, numbers.Number) else logfmt_value(str(a))
+                       for a in raw)
+        if raw:
+            record.args = quoted
+        head, colon, sentence = str(record.msg).partition(": ")
+        if colon and head.startswith("event=") and "=" not in sentence.split(" ", 1)[0]:
+            n = sum(c != "%%" for c in _CONVERSION.findall(head))
+            try:
+                # Its own arguments as they are: the sentence is quoted whole.
+                text = sentence % raw[n:] if raw else sentence
+            except (TypeError, ValueError, KeyError):
+                return True  # a template that does not fit its arguments: as it came
+            record.msg, record.args = head + " msg=%s", (*quoted[:n], logfmt_value(text))
         return True
 
 
@@ -66,6 +81,36 @@ def get_logger(name: str) -> logging.Logger:
     if _FILTER not in log.filters:
         log.addFilter(_FILTER)
     return log
+
+
+class LogfmtFormatter(logging.Formatter):
+    """``ts=... level=... logger=... event=...``: one line per record, every
+    record's. A message that is no event (another library's: asyncio's
+    "Using selector" at debug) becomes ``event=message text="..."``, and a
+    traceback goes into a ``traceback`` field, its newlines escaped: appended
+    as lines of its own, it was text no logfmt reader could tell from the
+    next event."""
+
+    def __init__(self) -> None:
+        # One field: "2026-12-01 21:40:00,123" would be two.
+        super().__init__("ts=%(asctime)s.%(msecs)03d level=%(levelname)s logger=%(name)s "
+                         "%(message)s", datefmt="%Y-%m-%dT%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if not message.startswith("event="):
+            message = "event=message text=" + logfmt_value(message)
+        record.message = message
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        if record.exc_info:
+            record.exc_text = record.exc_text or self.formatException(record.exc_info)
+        extra = [text for text in (record.exc_text, record.stack_info and
+                                   self.formatStack(record.stack_info)) if text]
+        if extra:
+            line += " traceback=" + logfmt_value("\n".join(extra))
+        return line
 
 
 #: Lines up to this long are written at once when the stream can take them:
@@ -131,10 +176,12 @@ class BehindHandler(logging.Handler):
             if self._lines.qsize() + 2 > self._limit:
                 self._dropped += 1
                 return
-            self._hand(self.format(logging.LogRecord(
+            notice = logging.LogRecord(
                 "kvkeeper.logs", logging.WARNING, __file__, 0,
-                "event=log_lines_dropped count=%d (lines here were not written: the log "
-                "was not read fast enough)", (self._dropped,), None)))
+                "event=log_lines_dropped count=%d: lines here were not written, the log "
+                "was not read fast enough", (self._dropped,), None)
+            _FILTER.filter(notice)
+            self._hand(self.format(notice))
             self._dropped = 0
         if self._lines.qsize() >= self._limit:
             self._dropped += 1

@@ -507,5 +507,5 @@ def _warn_unknown(path: Path, values: Mapping[str, Any]) -> None:
     if unknown and (str(path), unknown) not in _WARNED_UNKNOWN:
         _WARNED_UNKNOWN.add((str(path), unknown))
         log.warning(
-            "event=config_unknown_settings file=%s unknown=%s known=%s (kvkeeper serve "
-            "refuses this file)", path, ",".join(unknown), ",".join(sorted(BY_NAME)))
+            "event=config_unknown_settings file=%s unknown=%s known=%s: kvkeeper serve "
+            "refuses this file", path, ",".join(unknown), ",".join(sorted(BY_NAME)))

@@ -630,7 +630,7 @@ def test_a_save_whose_header_passes_the_daemons_limit_is_lost_with_one_line(
     lost = [r for r in caplog.records if "event=save_lost" in r.getMessage()]
     assert len(lost) == 1 and lost[0].exc_info is None, [r.getMessage() for r in lost]
     said = lost[0].getMessage()
-    assert f"reason=header_too_large model={FP} id=huge:" in said, said
+    assert f"reason=header_too_large model={FP} id=huge msg=" in said, said
     assert "the save's header is" in said and "takes at most 33554432" in said, said
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -104,6 +105,80 @@ def test_a_delete_is_logged_with_its_key(short_dir: Path) -> None:
     assert [(f["level"], f["model"], f["id"], f["file_deleted"], f["pending_save_discarded"])
             for f in lines] == [("INFO", FP, NASTY.replace("\n", "\\n"), "true", "false"),
                                 ("INFO", FP, "held", "true", "true")], lines
+
+
+def test_every_line_of_the_daemons_log_is_one_event(short_dir: Path) -> None:
+    """The start-up banner was plain text, another library's lines (asyncio's
+    at debug) had no event, and a traceback was lines of its own: a logfmt
+    reader could not split them (an operator's review)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--log-level", "debug")
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "a", filled(0.25, 1), [1]) and kv.flush(timeout=WAIT)
+            shutil.rmtree(root / "sessions")  # an event that ends with a sentence
+            assert kv.save(FP, "a", filled(0.25, 2), [1]) and kv.flush(timeout=WAIT)
+            assert kv.delete(FP, "a")
+    finally:
+        assert stop_process(proc) == 0
+    lines = proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+    events = [_fields(ln) for ln in lines]
+    assert all(ln.startswith("ts=") and {"ts", "level", "logger", "event"} <= set(f)
+               for ln, f in zip(lines, events, strict=True)), lines
+    import kvkeeper
+
+    (start,) = [f for f in events if f["event"] == "starting"]
+    assert (start["version"], start["socket"], start["root"]) == (
+        kvkeeper.__version__, str(sock), str(root)), start
+    assert any(f["logger"] == "asyncio" and f["event"] == "message" and "selector" in f["text"]
+               for f in events), lines
+    # What an event says in words is a field of its own, after the others.
+    (cleared,) = [f for f in events if f["event"] == "sessions_recreated"]
+    assert cleared == {"ts": cleared["ts"], "level": "WARNING", "logger": "kvkeeper.store",
+                       "event": "sessions_recreated", "path": str(root / "sessions"),
+                       "msg": "the store was cleared while the daemon ran"}, cleared
+
+
+def test_a_traceback_stays_inside_its_line() -> None:
+    from kvkeeper.logs import LogfmtFormatter, get_logger
+
+    try:
+        1 / 0  # noqa: B018
+    except ZeroDivisionError:
+        import sys
+
+        record = get_logger("kvkeeper.test").makeRecord(
+            "kvkeeper.test", logging.ERROR, __file__, 1, "event=job_crashed key=%s",
+            ("a b",), sys.exc_info())
+    for f in get_logger("kvkeeper.test").filters:
+        f.filter(record)
+    line = LogfmtFormatter().format(record)
+    assert "\n" not in line, line
+    fields = _fields(line)
+    assert (fields["event"], fields["key"]) == ("job_crashed", "a b")
+    assert fields["traceback"].startswith("Traceback") and "ZeroDivisionError" in fields["traceback"]
+
+
+def test_every_log_template_is_an_event_with_fields() -> None:
+    """Each message kvkeeper logs is ``event=name key=%s ...``, with at most a
+    sentence after a colon: eight ended in text in parentheses or after a
+    semicolon, which a logfmt reader took for keys (an operator's review)."""
+    import ast
+
+    import kvkeeper
+
+    field = r"[a-z_0-9]+=(?:%[-.0-9]*[sdfg]|[a-z_0-9]+)"
+    form = re.compile(rf"event=(?:%s|[a-z_0-9]+)(?: {field})*(?:: .+)?", re.S)
+    bad = []
+    for path in Path(kvkeeper.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("debug", "info", "warning", "error", "exception")
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)
+                    and not form.fullmatch(node.args[0].value)):
+                bad.append(f"{path.name}:{node.lineno}: {node.args[0].value}")
+    assert not bad, bad
 
 
 def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:

@@ -474,7 +474,7 @@ class Client:
             first = reason not in self._warned
             self._warned.add(reason)
         if first:
-            log.warning("event=save_dropped reason=%s detail=%s (logged once per reason)",
+            log.warning("event=save_dropped reason=%s detail=%s: logged once per reason",
                         reason, message)
         return False
 

@@ -499,10 +499,10 @@ class Daemon:
                     gone = f"the socket {sock_path} was removed or replaced: no client can reach us"
             except OSError as exc:  # cannot tell (EIO, ESTALE): not a reason to stop
                 if not warned:
-                    log.warning("event=place_check_failed error=%s (logged once)", exc)
+                    log.warning("event=place_check_failed error=%s: logged once", exc)
                     warned = True
             if gone is not None:
-                log.error("event=place_gone reason=%s; draining and exiting 1 (a supervisor "
+                log.error("event=place_gone reason=%s: draining and exiting 1 (a supervisor "
                           "starts a new daemon)", gone)
                 self._gone = gone
                 self._stop.set()
@@ -520,8 +520,8 @@ class Daemon:
             name = signal.Signals(signum).name
             if self._stop.is_set():
                 log.warning("event=signal_ignored signal=%s reason=draining "
-                            "drain_timeout=%.1f (SIGKILL stops at once, losing what is "
-                            "not written yet)", name, self.cfg.drain_timeout)
+                            "drain_timeout=%.1f: SIGKILL stops at once, losing what is "
+                            "not written yet", name, self.cfg.drain_timeout)
                 continue
             log.info("event=signal signal=%s", name)
             self._stop.set()

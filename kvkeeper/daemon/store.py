@@ -786,8 +786,8 @@ class Store:
                     # file's times): a file dated back by hand goes first.
                     # Rare enough for a sort.
                     self._insert_in_order([*self._index.values(), fresh])
-        log.info("event=entry_changed path=%s now=%s (changed by hand since indexed: "
-                 "counted as it is now, not evicted)", entry.path,
+        log.info("event=entry_changed path=%s now=%s: changed by hand since indexed, "
+                 "counted as it is now, not evicted", entry.path,
                  "gone" if fresh is None else fresh.kind)
         return False
 
@@ -1027,13 +1027,13 @@ class Store:
                         "the budget is applied again by the next save written, or at the "
                         "next start", used, reason)
         elif b.max_disk_bytes is not None and used > b.max_disk_bytes:
-            log.warning("event=over_budget used=%d max_disk_bytes=%d (foreign files or the "
-                        "newest entry alone exceed it)", used, b.max_disk_bytes)
+            log.warning("event=over_budget used=%d max_disk_bytes=%d: foreign files or the "
+                        "newest entry alone exceed it", used, b.max_disk_bytes)
         if evicted and not stopped and min_free > 0 and free() - writing < min_free:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
-            log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d (the "
-                        "disk stays short; lower --min-free-bytes or free space)",
+            log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=%d: the "
+                        "disk stays short; lower --min-free-bytes or free space",
                         free() - writing, b.min_free_bytes, len(evicted))
 
 
