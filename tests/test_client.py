@@ -398,28 +398,55 @@ sys.stdin.readline()
 """
 
 
-def test_a_close_cut_short_by_ctrl_c_is_finished_at_exit(short_dir: Path) -> None:
+def _cut_close_short(child: subprocess.Popen[str], daemon: subprocess.Popen[bytes]) -> None:
+    """Have an INTERRUPTED_CLOSE child close its client while the daemon is
+    stopped (the 64 MiB cannot all leave), and Ctrl-C that close()."""
+    assert child.stdin is not None
+    daemon.send_signal(signal.SIGSTOP)
+    try:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert line_from(child) == "closing"
+        time.sleep(0.5)
+        child.send_signal(signal.SIGINT)
+        assert line_from(child) == "interrupted"
+    finally:
+        daemon.send_signal(signal.SIGCONT)
+
+
+CLOSED_AGAIN = INTERRUPTED_CLOSE + """
+import threading
+kv.close(timeout=60)
+print("io threads", sum(t.name == "kvkeeper-client-io" for t in threading.enumerate()),
+      flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("then", ["exit", "close again"])
+def test_a_close_cut_short_by_ctrl_c_is_finished(then: str, short_dir: Path) -> None:
     """A Ctrl-C inside close() left the channel out of the exit hook's
-    reach: the save it was sending was cut off at exit."""
+    reach: the save it was sending was cut off at exit. And close() again
+    returned at once and did nothing: the connection and its I/O thread
+    stayed until the process exited (a server that catches Ctrl-C and goes
+    on kept them)."""
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
     try:
-        with child_ready(INTERRUPTED_CLOSE, sock, 5) as child:
-            assert child.stdout is not None and child.stdin is not None
-            proc.send_signal(signal.SIGSTOP)  # the 64 MiB cannot all leave
-            try:
-                child.stdin.write("go\n")
+        with child_ready(INTERRUPTED_CLOSE if then == "exit" else CLOSED_AGAIN, sock,
+                         5) as child:
+            assert child.stdin is not None
+            _cut_close_short(child, proc)
+            if then == "close again":
+                child.stdin.write("again\n")
                 child.stdin.flush()
-                assert line_from(child) == "closing"
-                time.sleep(0.5)
-                child.send_signal(signal.SIGINT)
-                assert line_from(child) == "interrupted"
-            finally:
-                proc.send_signal(signal.SIGCONT)
+                assert line_from(child) == "io threads 0"
+                written_whole(sock, root, "cut", 5)  # the child still runs: its close sent it
             child.stdin.write("exit\n")
             child.stdin.flush()
             assert child.wait(WAIT) == 0
-        written_whole(sock, root, "cut", 5)
+        if then == "exit":
+            written_whole(sock, root, "cut", 5)
     finally:
         assert stop_process(proc) == 0
 

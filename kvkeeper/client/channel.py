@@ -544,11 +544,12 @@ class Channel:
             self._close(timeout)
         except BaseException:
             # Interrupted (Ctrl-C): unless the I/O thread was told to stop,
-            # a later close() (the exit hook's) starts over.
+            # a later close() (the exit hook's) starts over; if it was, a
+            # later close(), on this thread too, waits for it to end.
             with self._lock:
                 if not self._closing.is_set():
                     self._close_claimed = False
-                    self._closer = None
+                self._closer = None
             raise
         _open_channels.discard(self)  # last: the exit hook waits for a close under way
 

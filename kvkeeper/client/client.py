@@ -175,6 +175,7 @@ class Client:
         self._warned: set[str] = set()
         self._throttle = _Throttle()
         self._closed = False
+        self._close_cut_short = False
         self._close_done = threading.Event()
         # Keys this client saved whose saves no flush, load or delete has
         # waited for since: a load of one of them must ask the daemon first.
@@ -248,19 +249,25 @@ class Client:
         other calls raise RuntimeError (``client_stats()`` still answers). A
         normal interpreter exit does this for clients still open (their
         connections close; a ``save()`` after that is dropped), and so does
-        dropping a client, in the background."""
+        dropping a client, in the background. A close() cut short (Ctrl-C)
+        is finished by the next close(), else at exit."""
         # Checked first: a bad one found half way through left the client
         # marked closed with its I/O thread running.
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
-        if self._closed:
+        if self._closed and not self._close_cut_short:
             # Another thread's close() is under way: return once it is done,
             # as that thread's own call will (in its timeout).
             self._close_done.wait(timeout)
             return
-        self._closed = True
+        self._closed, self._close_cut_short = True, False
         try:
             self._finalizer.detach()
             self._channel.close(timeout)
+        except BaseException:
+            # Cut short (Ctrl-C): a later close() finishes it. (It returned at
+            # once, and the connection and its thread stayed until exit.)
+            self._close_cut_short = True
+            raise
         finally:
             self._close_done.set()
 
