@@ -282,9 +282,12 @@ def test_a_save_too_big_for_the_disk_evicts_nothing(short_dir: Path) -> None:
             rd.stop()
 
 
-def test_a_full_disk_makes_room_with_min_free_bytes_0(short_dir: Path) -> None:
+def test_a_full_disk_makes_room_with_min_free_bytes_0(short_dir: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     """--min-free-bytes 0 turned the check before a write off: on a full disk
-    a save failed with ENOSPC while older entries could have made room."""
+    a save failed with ENOSPC while older entries could have made room. The
+    evictions were logged with reason=min_free_bytes, a setting of 0."""
+    caplog.set_level(logging.INFO, logger="kvkeeper")
     with small_tmpfs(short_dir, "8m") as mnt:
         rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=0)
         try:
@@ -297,6 +300,9 @@ def test_a_full_disk_makes_room_with_min_free_bytes_0(short_dir: Path) -> None:
                 assert version_of(entry_path(rd.root, "d")) == 4
         finally:
             rd.stop()
+    reasons = {r.getMessage().split(" reason=")[1].split()[0] for r in caplog.records
+               if "event=evicted" in r.getMessage()}
+    assert reasons == {"room_for_save"}, caplog.text
 
 
 def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
@@ -304,6 +310,7 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
     """With --min-free-bytes beyond what evicting entries can free (another
     file fills the disk), every write evicts the entries before it: the log
     says so, as a warning. (More than the whole disk is refused at start.)"""
+    caplog.set_level(logging.INFO, logger="kvkeeper")
     with small_tmpfs(short_dir, "8m") as mnt:
         (mnt / "other").write_bytes(b"x" * (5 * MiB))
         rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_free_bytes=3 * MiB)
@@ -318,6 +325,8 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
     warned = [r for r in caplog.records if "event=below_min_free" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.text
     assert f"min_free_bytes={3 * MiB}" in warned[0].getMessage()
+    evicted = [r.getMessage() for r in caplog.records if "event=evicted" in r.getMessage()]
+    assert len(evicted) == 1 and " reason=min_free_bytes " in evicted[0], evicted
 
 
 def test_ls_piped_shows_long_ids_whole_and_stats_says_no_disk_limit(short_dir: Path) -> None:

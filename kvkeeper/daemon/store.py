@@ -930,7 +930,9 @@ class Store:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
                 return "max_disk_bytes"
             if for_free_space and wants_space and free() - writing < min_free:
-                return "min_free_bytes"
+                # The save's own file not fitting is no --min-free-bytes matter
+                # (it said so with --min-free-bytes 0).
+                return "min_free_bytes" if free() >= writing else "room_for_save"
             # The file about to be written could not be made: one entry, as
             # its unlink may free no inode (a file open elsewhere, a file
             # system that always says none are free).
