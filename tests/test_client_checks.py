@@ -34,6 +34,7 @@ from .conftest import (
     WAIT,
     RunningDaemon,
     drain_past_the_notice,
+    line_from,
     serve_process,
     start_daemon,
     stop_process,
@@ -1308,6 +1309,63 @@ def test_a_client_used_in_a_forked_child_drops_and_fails_at_once(daemon: Running
     assert proc.returncode == 0, proc.stderr
     assert naming.entry_path(daemon.root, "fp", "parent").exists()
     assert not naming.entry_path(daemon.root, "fp", "child").exists()
+
+
+_FORK_THEN_CLOSE = """
+import os, signal, sys
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+
+c = KVCache()
+x = mx.full((1, 2, 4, 8), 1.0)
+c.update_and_fetch(x, x)
+mx.eval(c.state)
+kv = Client(sys.argv[1], timeout=30)
+assert kv.save("fp", "a", [c], [1]) and kv.flush(timeout=30)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a worker forked without exec, that lives on
+    signal.alarm(60)
+    os.close(w)
+    os.read(r, 1)
+    os._exit(0)
+os.close(r)
+kv.close()
+print("closed", flush=True)
+sys.stdin.readline()
+os.close(w)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_child_forked_without_exec_keeps_no_connection_to_the_daemon(
+        short_dir: Path) -> None:
+    """The child kept its copy of libzmq's connection: once the parent's
+    client closed, the daemon still saw it connected while the child lived,
+    and at SIGTERM waited out its drain window for its answer
+    (reason=window_over, 3 s) instead of ending as every client had."""
+    import sys as _sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--log-level", "info")
+    try:
+        parent = subprocess.Popen([_sys.executable, "-c", _FORK_THEN_CLOSE, str(sock)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert parent.stdout is not None and parent.stdin is not None
+            assert line_from(parent) == "closed"
+            assert stop_process(proc) == 0  # while the child lives
+            parent.stdin.write("done\n")
+            parent.stdin.flush()
+            assert parent.wait(WAIT) == 0
+        finally:
+            parent.kill()
+            parent.wait(WAIT)
+    finally:
+        stop_process(proc)
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=drain_saves_closed reason=every_client_answered" in log, log
 
 
 def test_a_socket_path_too_long_fails_at_once(short_dir: Path,

@@ -49,6 +49,8 @@ import contextlib
 import ctypes
 import itertools
 import os
+import socket
+import stat
 import threading
 import time
 import weakref
@@ -139,6 +141,35 @@ def _orphan_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_orphan_in_child)
+
+
+def _fds_connected_to(path: str) -> list[int]:
+    """This process's descriptors of Unix sockets connected to the socket at
+    ``path``: in a forked child, its copies of libzmq's connections to the
+    daemon. Where descriptors cannot be listed, none."""
+    listing = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"  # Linux; macOS
+    try:
+        fds = [int(name) for name in os.listdir(listing)]
+    except (OSError, ValueError):
+        return []
+    want = os.path.realpath(path)
+    found = []
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue  # (the listing's own descriptor, closed since)
+        try:
+            peer = s.getpeername() if s.family == socket.AF_UNIX else None
+        except OSError:
+            peer = None  # not connected
+        finally:
+            s.detach()  # the descriptor stays open: it is only looked at here
+        if isinstance(peer, str) and peer and os.path.realpath(peer) == want:
+            found.append(fd)
+    return found
 
 
 # atexit runs its handlers last registered first, and once pyzmq's garbage
@@ -509,6 +540,12 @@ class Channel:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+        # So is libzmq's connection to the daemon: while the child lived, the
+        # daemon saw the parent's client connected after it closed, and
+        # waited for its answer at its drain. (No thread here uses them.)
+        for fd in _fds_connected_to(self.endpoint.removeprefix("ipc://")):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._fail_waiting(FORKED)
 
     def close(self, timeout: float = 5.0) -> None:
