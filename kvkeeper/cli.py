@@ -80,7 +80,7 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
 def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) -> None:
     from kvkeeper.settings import SETTINGS, format_size
 
-    p.add_argument("--config", type=_path, default=None,
+    p.add_argument("--config", type=_path, default=None, metavar="FILE",
                    help="TOML config file (default $KVKEEPER_CONFIG or "
                         "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
                         "~/.config/kvkeeper/config.toml, if it exists)")
@@ -254,7 +254,9 @@ def _parser() -> argparse.ArgumentParser:
                             "$XDG_CONFIG_HOME/systemd/user (by default ~/.config/systemd/user) "
                             "elsewhere.")
         sp.add_argument("--platform", choices=["macos", "linux"], default=None,
-                        help="the service manager to write for (default: this machine's)")
+                        help="the service manager to write for (default: this machine's); "
+                             "the paths in it (interpreter, root, socket) are still this "
+                             "machine's")
         sp.add_argument("--no-load", action="store_true",
                         help="only write (or remove) the file; do not start (or stop) it "
                              "(for a machine without the service manager running)")
