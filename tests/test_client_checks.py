@@ -5,6 +5,7 @@ daemon that is gone. Real daemons, real sockets, real MLX caches."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1609,6 +1610,30 @@ def test_a_save_from_a_signal_handler_inside_close(
         assert stop_process(proc) == 0
 
 
+def _interrupted_at_call(at: int, call: Callable[[], object], under: str = "") -> bool:
+    """Run ``call`` with a KeyboardInterrupt raised at the entry of its
+    ``at``-th Python function call on this thread (only calls of code whose
+    file is under ``under`` count); whether it was raised."""
+    import sys as _sys
+
+    calls = 0
+
+    def interrupt(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(under):
+            calls += 1
+            if calls == at:
+                raise KeyboardInterrupt
+    _sys.settrace(interrupt)
+    try:
+        call()
+        return False
+    except KeyboardInterrupt:
+        return True
+    finally:
+        _sys.settrace(None)
+
+
 def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
     daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1617,30 +1642,13 @@ def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
     turn, it leaves no in-flight room taken once a flush has run (before:
     raised between the reservation and the queuing, the room was never given
     back: the budget shrank for good, and close() waited out its timeout)."""
-    import sys as _sys
-
     kv = Client(daemon.socket, timeout=WAIT, min_send_interval=0)
     assert kv.connected
     layers = [kv_layer(tokens=64)]
     at = 0
     while True:
         at += 1
-        calls = 0
-
-        def interrupt(frame: Any, event: str, arg: Any, at: int = at) -> None:
-            nonlocal calls
-            if event == "call":
-                calls += 1
-                if calls == at:
-                    raise KeyboardInterrupt
-        _sys.settrace(interrupt)
-        try:
-            kv.save("fp", "k", layers, list(range(64)))
-            fired = False
-        except KeyboardInterrupt:
-            fired = True
-        finally:
-            _sys.settrace(None)
+        fired = _interrupted_at_call(at, lambda: kv.save("fp", "k", layers, list(range(64))))
         kv.flush(timeout=WAIT)
         # Given back once ZeroMQ is done with the frames, which the I/O
         # thread may learn a moment after the flush's answer.
@@ -1652,6 +1660,102 @@ def test_an_interrupt_at_any_call_in_save_gives_its_room_back(
     with caplog.at_level(logging.WARNING, logger="kvkeeper"):
         kv.close(timeout=WAIT)
     assert not any("client_close_unconfirmed" in r.getMessage() for r in caplog.records)
+
+
+def test_an_interrupt_at_any_call_in_close_is_finished_by_the_next_close(
+        short_dir: Path) -> None:
+    """A KeyboardInterrupt raised at each function entry of close() in turn,
+    then close() again: the save is written, and the client's I/O thread and
+    descriptors are gone (before: the second close() returned at once, its
+    thread and connection kept until exit; cut short once the I/O thread was
+    told to stop, its wake pipe was never closed)."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def io_threads() -> int:
+        return sum(t.name == "kvkeeper-client-io" for t in threading.enumerate())
+
+    package = str(Path(kvkeeper.__file__).parent)
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        layers = [kv_layer(tokens=64)]
+        with Client(sock, timeout=WAIT) as kv:  # what a first client sets up for good
+            assert kv.save("fp", "k0", layers, [0])
+        fds_before, threads_before = fds(), io_threads()
+        at = 0
+        while True:
+            at += 1
+            kv = Client(sock, timeout=WAIT, min_send_interval=0)
+            assert kv.save("fp", f"k{at}", layers, [at])
+            # At kvkeeper's own calls: one landing inside Python's threading
+            # module breaks that module's locks (Python's own hazard).
+            fired = _interrupted_at_call(at, lambda: kv.close(timeout=WAIT),  # noqa: B023
+                                         under=package)
+            kv.close(timeout=WAIT)
+            assert io_threads() == threads_before, f"the I/O thread left at call {at}"
+            del kv
+            gc.collect()
+            assert fds() == fds_before, f"descriptors left at call {at}"
+            if not fired:
+                break
+        assert at > 10  # close() went through that many calls
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.flush(timeout=WAIT)
+            got = kv.load("fp", f"k{at}")
+            assert got is not None and got.token_ids == [at]
+    finally:
+        assert stop_process(proc) == 0
+
+
+_CLOSES_AFTER_AN_INTERRUPTED_ONE = """
+import _thread, os, signal, sys, threading, time
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+
+layers = []
+for _ in range(4):
+    c = KVCache()
+    x = mx.full((1, 8, 8192, 128), 1.0, dtype=mx.bfloat16)
+    c.update_and_fetch(x, x)
+    layers.append(c)
+kv = Client(sys.argv[1], timeout=30)
+daemon = int(sys.argv[2])
+os.kill(daemon, signal.SIGSTOP)  # the 64 MiB cannot all leave
+try:
+    assert kv.save("fp", "cut", layers, [1])
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    try:
+        kv.close(timeout=60)
+        sys.exit("close() was not interrupted")
+    except KeyboardInterrupt:
+        pass
+    b = threading.Thread(target=kv.close, args=(60,))
+    b.start()
+    time.sleep(0.3)
+    c_done = threading.Event()
+    c = threading.Thread(target=lambda: (kv.close(60), c_done.set()))
+    c.start()
+    time.sleep(0.5)
+    if c_done.is_set():
+        sys.exit("a close() returned while another still closed the client")
+finally:
+    os.kill(daemon, signal.SIGCONT)
+b.join(60)
+c.join(60)
+assert c_done.is_set() and not b.is_alive()
+assert not any(t.name == "kvkeeper-client-io" for t in threading.enumerate())
+"""
+
+
+def test_closes_after_an_interrupted_one_wait_for_the_one_under_way(
+        short_dir: Path) -> None:
+    """After a close() cut short by Ctrl-C, a close() on another thread
+    finishes it; a third one, meanwhile, returned at once (its wait was for
+    the interrupted one, over already)."""
+    _run_with_a_daemon_it_may_stop(_CLOSES_AFTER_AN_INTERRUPTED_ONE, short_dir)
 
 
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:

@@ -582,10 +582,18 @@ class Channel:
         except BaseException:
             # Interrupted (Ctrl-C): unless the I/O thread was told to stop,
             # a later close() (the exit hook's) starts over; if it was, a
-            # later close(), on this thread too, waits for it to end.
+            # later close(), on this thread too, waits for it to end, and the
+            # pipe is closed here or by the thread as it ends (it was left
+            # open for good).
             with self._lock:
                 if not self._closing.is_set():
                     self._close_claimed = False
+                elif not self._ended.is_set():
+                    self._thread_closes_pipe = True
+                else:
+                    if self._wake_r >= 0:
+                        self._close_pipe()
+                    _open_channels.discard(self)
                 self._closer = None
             raise
         _open_channels.discard(self)  # last: the exit hook waits for a close under way

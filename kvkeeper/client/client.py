@@ -81,6 +81,7 @@ def _fresh_locks_in_child() -> None:
     for kv in list(_clients):
         kv._lock = threading.Lock()
         kv._flushing = threading.Lock()
+        kv._close_lock = threading.Lock()
         if kv._closed:
             # A close() the parent was making: no thread here will finish it,
             # and the child's channel is dead already.
@@ -175,8 +176,9 @@ class Client:
         self._warned: set[str] = set()
         self._throttle = _Throttle()
         self._closed = False
-        self._close_cut_short = False
-        self._close_done = threading.Event()
+        self._close_done = threading.Event()  # a close() returned or was cut short
+        self._close_lock = threading.Lock()  # held by the close() under way
+        self._close_finished = False  # the channel is closed: nothing left to do
         # Keys this client saved whose saves no flush, load or delete has
         # waited for since: a load of one of them must ask the daemon first.
         self._unsettled: dict[tuple[str, str], int] = {}
@@ -254,22 +256,23 @@ class Client:
         # Checked first: a bad one found half way through left the client
         # marked closed with its I/O thread running.
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
-        if self._closed and not self._close_cut_short:
-            # Another thread's close() is under way: return once it is done,
-            # as that thread's own call will (in its timeout).
-            self._close_done.wait(timeout)
+        self._closed = True
+        # Another thread's close() under way: return once it is done, as that
+        # thread's own call will (in its timeout).
+        if not self._close_lock.acquire(timeout=timeout):
             return
-        self._closed, self._close_cut_short = True, False
         try:
+            if self._close_finished:
+                return
             self._finalizer.detach()
+            # Cut short (Ctrl-C), it raises and the next close() runs it again
+            # (it returned at once, and the connection and its thread stayed
+            # until exit).
             self._channel.close(timeout)
-        except BaseException:
-            # Cut short (Ctrl-C): a later close() finishes it. (It returned at
-            # once, and the connection and its thread stayed until exit.)
-            self._close_cut_short = True
-            raise
+            self._close_finished = True
         finally:
             self._close_done.set()
+            self._close_lock.release()
 
     @property
     def closed(self) -> bool:
