@@ -59,7 +59,7 @@ def test_a_save_cut_short_by_close_counts_as_lost_not_also_sent(
     assert c["client_saves_sent"] == 0 and c["client_bytes_sent"] == 0, c
     # And said, with whose it was (it was counted without a word).
     lost = [r.getMessage() for r in caplog.records if "saves_lost_at_close" in r.getMessage()]
-    assert len(lost) == 1 and f"count=1 keys={FP}/big:" in lost[0], lost
+    assert len(lost) == 1 and f"count=1 keys={FP}/big msg=" in lost[0], lost
 
 
 def test_a_log_handler_that_raises_at_the_lost_saves_line_does_not_undo_close(
