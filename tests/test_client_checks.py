@@ -1709,8 +1709,10 @@ def test_an_interrupt_at_any_call_in_close_is_finished_by_the_next_close(
         assert stop_process(proc) == 0
 
 
-_CLOSES_AFTER_AN_INTERRUPTED_ONE = """
-import _thread, os, signal, sys, threading, time
+#: A child's start: 64 MiB of cache layers (more than leave a client at
+#: once while the daemon is stopped), and argv's socket and daemon pid.
+_WITH_64_MIB = """
+import _thread, gc, os, signal, sys, threading, time, warnings
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from kvkeeper import Client
@@ -1721,17 +1723,25 @@ for _ in range(4):
     x = mx.full((1, 8, 8192, 128), 1.0, dtype=mx.bfloat16)
     c.update_and_fetch(x, x)
     layers.append(c)
-kv = Client(sys.argv[1], timeout=30)
 daemon = int(sys.argv[2])
-os.kill(daemon, signal.SIGSTOP)  # the 64 MiB cannot all leave
-try:
-    assert kv.save("fp", "cut", layers, [1])
+
+def cut_close_short(kv, key):
+    # Stop the daemon (the 64 MiB cannot all leave), save them, and Ctrl-C
+    # the close() that waits for them; the daemon is left stopped.
+    os.kill(daemon, signal.SIGSTOP)
+    assert kv.save("fp", key, layers, [1])
     threading.Timer(0.5, _thread.interrupt_main).start()
     try:
         kv.close(timeout=60)
         sys.exit("close() was not interrupted")
     except KeyboardInterrupt:
         pass
+"""
+
+_CLOSES_AFTER_AN_INTERRUPTED_ONE = _WITH_64_MIB + """
+kv = Client(sys.argv[1], timeout=30)
+try:
+    cut_close_short(kv, "cut")
     b = threading.Thread(target=kv.close, args=(60,))
     b.start()
     time.sleep(0.3)
@@ -1756,6 +1766,55 @@ def test_closes_after_an_interrupted_one_wait_for_the_one_under_way(
     finishes it; a third one, meanwhile, returned at once (its wait was for
     the interrupted one, over already)."""
     _run_with_a_daemon_it_may_stop(_CLOSES_AFTER_AN_INTERRUPTED_ONE, short_dir)
+
+
+_CLOSE_IN_A_HANDLER_AND_DROP_AFTER_A_CUT = _WITH_64_MIB + """
+def io_threads():
+    return sum(t.name == "kvkeeper-client-io" for t in threading.enumerate())
+
+# A SIGALRM handler's close() inside the main thread's close(): it waited
+# its whole timeout for a close that could not go on meanwhile.
+kv = Client(sys.argv[1], timeout=30)
+took = []
+def on_alarm(*_):
+    t = time.monotonic()
+    kv.close(timeout=20)
+    took.append(time.monotonic() - t)
+signal.signal(signal.SIGALRM, on_alarm)
+os.kill(daemon, signal.SIGSTOP)  # the 64 MiB cannot all leave
+try:
+    assert kv.save("fp", "a", layers, [1])
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    threading.Timer(2.0, os.kill, (daemon, signal.SIGCONT)).start()
+    kv.close(timeout=30)
+finally:
+    os.kill(daemon, signal.SIGCONT)
+assert took and took[0] < 1.0, took
+assert io_threads() == 0, "the outer close() did not finish"
+
+# A client dropped after a close() cut short by Ctrl-C: never closed before exit.
+kv = Client(sys.argv[1], timeout=30)
+try:
+    cut_close_short(kv, "b")
+finally:
+    os.kill(daemon, signal.SIGCONT)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ResourceWarning)
+    del kv
+    gc.collect()
+deadline = time.monotonic() + 30
+while io_threads() and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert io_threads() == 0, "the dropped client's connection stayed"
+"""
+
+
+def test_a_close_in_a_signal_handler_and_a_drop_after_a_cut_close(short_dir: Path) -> None:
+    """A signal handler's close() inside its thread's own close() waited its
+    whole timeout (the close under way could not go on meanwhile); a client
+    dropped after a close() cut short by Ctrl-C kept its connection and I/O
+    thread until exit (its finalizer was gone)."""
+    _run_with_a_daemon_it_may_stop(_CLOSE_IN_A_HANDLER_AND_DROP_AFTER_A_CUT, short_dir)
 
 
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:

@@ -135,24 +135,33 @@ def _orphan_in_child() -> None:
     # A forked child inherits the channels but not their I/O threads: each
     # one is marked dead (its saves are dropped, its requests fail at once),
     # and its exit must not wait for a thread that is not there.
-    for channel in list(_open_channels):
+    channels = list(_open_channels)
+    for channel in channels:
         channel._orphan()
     _open_channels.clear()
+    if channels:
+        # So are libzmq's connections to the daemons: while the child lived,
+        # a daemon saw the parent's client connected after it closed, and
+        # waited for its answer at its drain. (No thread here uses them.)
+        # One pass over the descriptors for every channel.
+        for fd in _fds_connected_to({c.endpoint.removeprefix("ipc://") for c in channels}):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 os.register_at_fork(after_in_child=_orphan_in_child)
 
 
-def _fds_connected_to(path: str) -> list[int]:
-    """This process's descriptors of Unix sockets connected to the socket at
-    ``path``: in a forked child, its copies of libzmq's connections to the
-    daemon. Where descriptors cannot be listed, none."""
+def _fds_connected_to(paths: set[str]) -> list[int]:
+    """This process's descriptors of Unix sockets connected to a socket at
+    one of ``paths``: in a forked child, its copies of libzmq's connections
+    to the daemon. Where descriptors cannot be listed, none."""
     listing = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"  # Linux; macOS
     try:
         fds = [int(name) for name in os.listdir(listing)]
     except (OSError, ValueError):
         return []
-    want = os.path.realpath(path)
+    want = {os.path.realpath(path) for path in paths}
     found = []
     for fd in fds:
         try:
@@ -167,7 +176,7 @@ def _fds_connected_to(path: str) -> list[int]:
             peer = None  # not connected
         finally:
             s.detach()  # the descriptor stays open: it is only looked at here
-        if isinstance(peer, str) and peer and os.path.realpath(peer) == want:
+        if isinstance(peer, str) and peer and os.path.realpath(peer) in want:
             found.append(fd)
     return found
 
@@ -540,12 +549,6 @@ class Channel:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-        # So is libzmq's connection to the daemon: while the child lived, the
-        # daemon saw the parent's client connected after it closed, and
-        # waited for its answer at its drain. (No thread here uses them.)
-        for fd in _fds_connected_to(self.endpoint.removeprefix("ipc://")):
-            with contextlib.suppress(OSError):
-                os.close(fd)
         self._fail_waiting(FORKED)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -591,8 +594,7 @@ class Channel:
                 elif not self._ended.is_set():
                     self._thread_closes_pipe = True
                 else:
-                    if self._wake_r >= 0:
-                        self._close_pipe()
+                    self._close_pipe()
                     _open_channels.discard(self)
                 self._closer = None
             raise
@@ -681,10 +683,15 @@ class Channel:
 
     def _close_pipe(self) -> None:
         # Under the lock that _push wakes under: a save() racing close() must
-        # not write its byte to a descriptor number reused meanwhile.
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self._wake_r = self._wake_w = -1
+        # not write its byte to a descriptor number reused meanwhile. Each end
+        # marked closed before it is: a Ctrl-C right after a close() would
+        # have the next one close the number again (another file's by then).
+        fd, self._wake_r = self._wake_r, -1
+        if fd >= 0:
+            os.close(fd)
+        fd, self._wake_w = self._wake_w, -1
+        if fd >= 0:
+            os.close(fd)
 
     def _push(self, item: _Request, *, hand_over: bool) -> None:
         with self._lock:

@@ -81,7 +81,8 @@ def _fresh_locks_in_child() -> None:
     for kv in list(_clients):
         kv._lock = threading.Lock()
         kv._flushing = threading.Lock()
-        kv._close_lock = threading.Lock()
+        kv._close_lock = threading.RLock()
+        kv._close_running = False
         if kv._closed:
             # A close() the parent was making: no thread here will finish it,
             # and the child's channel is dead already.
@@ -177,7 +178,12 @@ class Client:
         self._throttle = _Throttle()
         self._closed = False
         self._close_done = threading.Event()  # a close() returned or was cut short
-        self._close_lock = threading.Lock()  # held by the close() under way
+        # Held by the close() under way; reentrant, and ``_close_running``
+        # while it runs, so that a signal handler's close() on its thread
+        # returns at once, and a close() after one cut short by Ctrl-C on
+        # this thread (where the lock may not have been let go) runs.
+        self._close_lock = threading.RLock()
+        self._close_running = False
         self._close_finished = False  # the channel is closed: nothing left to do
         # Keys this client saved whose saves no flush, load or delete has
         # waited for since: a load of one of them must ask the daemon first.
@@ -252,7 +258,9 @@ class Client:
         normal interpreter exit does this for clients still open (their
         connections close; a ``save()`` after that is dropped), and so does
         dropping a client, in the background. A close() cut short (Ctrl-C)
-        is finished by the next close(), else at exit."""
+        is finished by the next close(), or in the background once the
+        client is dropped, else at exit; one from a signal handler that
+        interrupted this thread's close() returns at once."""
         # Checked first: a bad one found half way through left the client
         # marked closed with its I/O thread running.
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
@@ -261,18 +269,25 @@ class Client:
         # thread's own call will (in its timeout).
         if not self._close_lock.acquire(timeout=timeout):
             return
+        nested = self._close_running  # a signal handler's, inside this thread's close()
         try:
-            if self._close_finished:
-                return
-            self._finalizer.detach()
-            # Cut short (Ctrl-C), it raises and the next close() runs it again
-            # (it returned at once, and the connection and its thread stayed
-            # until exit).
-            self._channel.close(timeout)
-            self._close_finished = True
+            if nested or self._close_finished:
+                return  # (waiting for the close under way could never end)
+            self._close_running = True
+            try:
+                # Cut short (Ctrl-C), it raises and the next close() runs it
+                # again (it returned at once, and the connection and its
+                # thread stayed until exit); the client dropped meanwhile is
+                # closed in the background.
+                self._channel.close(timeout)
+                self._finalizer.detach()
+                self._close_finished = True
+            finally:
+                self._close_running = False
         finally:
-            self._close_done.set()
             self._close_lock.release()
+            if not nested:
+                self._close_done.set()
 
     @property
     def closed(self) -> bool:
