@@ -1772,26 +1772,6 @@ _CLOSE_IN_A_HANDLER_AND_DROP_AFTER_A_CUT = _WITH_64_MIB + """
 def io_threads():
     return sum(t.name == "kvkeeper-client-io" for t in threading.enumerate())
 
-# A SIGALRM handler's close() inside the main thread's close(): it waited
-# its whole timeout for a close that could not go on meanwhile.
-kv = Client(sys.argv[1], timeout=30)
-took = []
-def on_alarm(*_):
-    t = time.monotonic()
-    kv.close(timeout=20)
-    took.append(time.monotonic() - t)
-signal.signal(signal.SIGALRM, on_alarm)
-os.kill(daemon, signal.SIGSTOP)  # the 64 MiB cannot all leave
-try:
-    assert kv.save("fp", "a", layers, [1])
-    signal.setitimer(signal.ITIMER_REAL, 0.5)
-    threading.Timer(2.0, os.kill, (daemon, signal.SIGCONT)).start()
-    kv.close(timeout=30)
-finally:
-    os.kill(daemon, signal.SIGCONT)
-assert took and took[0] < 1.0, took
-assert io_threads() == 0, "the outer close() did not finish"
-
 # A client dropped after a close() cut short by Ctrl-C: never closed before exit.
 kv = Client(sys.argv[1], timeout=30)
 try:
@@ -1806,20 +1786,88 @@ deadline = time.monotonic() + 30
 while io_threads() and time.monotonic() < deadline:
     time.sleep(0.05)
 assert io_threads() == 0, "the dropped client's connection stayed"
+
+# A SIGALRM handler's close() inside the main thread's close(), then an exit
+# with no exit hooks: it waited its whole timeout for a close that could not
+# go on meanwhile; then (returning at once) the save was lost.
+kv = Client(sys.argv[1], timeout=30)
+def on_alarm(*_):
+    t = time.monotonic()
+    kv.close(timeout=20)
+    took = time.monotonic() - t
+    os._exit(0 if 1.0 < took < 15.0 else 3)
+signal.signal(signal.SIGALRM, on_alarm)
+os.kill(daemon, signal.SIGSTOP)  # the 64 MiB cannot all leave
+try:
+    assert kv.save("fp", "a", layers, [1])
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    threading.Timer(2.0, os.kill, (daemon, signal.SIGCONT)).start()
+    kv.close(timeout=30)
+finally:
+    os.kill(daemon, signal.SIGCONT)
+sys.exit("the handler did not end the process")
 """
 
 
 def test_a_close_in_a_signal_handler_and_a_drop_after_a_cut_close(short_dir: Path) -> None:
     """A signal handler's close() inside its thread's own close() waited its
-    whole timeout (the close under way could not go on meanwhile); a client
-    dropped after a close() cut short by Ctrl-C kept its connection and I/O
-    thread until exit (its finalizer was gone)."""
-    _run_with_a_daemon_it_may_stop(_CLOSE_IN_A_HANDLER_AND_DROP_AFTER_A_CUT, short_dir)
+    whole timeout (the close under way could not go on meanwhile), then
+    returned at once, and a handler that exited next lost the save; a
+    client dropped after a close() cut short by Ctrl-C kept its connection
+    and I/O thread until exit (its finalizer was gone)."""
+    root = _run_with_a_daemon_it_may_stop(_CLOSE_IN_A_HANDLER_AND_DROP_AFTER_A_CUT, short_dir)
+    for key, tokens in (("b", [1]), ("a", [1])):
+        got = read_cache_file(naming.entry_path(root, "fp", key))
+        assert got.token_ids == tokens
 
 
-def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:
+_CLOSE_ON_THE_IO_THREAD = """
+import gc, sys, threading
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+
+c = KVCache()
+x = mx.full((1, 8, 1024, 128), 1.0, dtype=mx.bfloat16)
+c.update_and_fetch(x, x)
+kv = Client(sys.argv[1], timeout=30, min_send_interval=0)
+done, seen = threading.Event(), {}
+
+class Session:  # a cycle: freed by a collection, on whichever thread runs it
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        seen["thread"] = threading.current_thread().name
+        kv.close()
+        done.set()
+
+gc.set_threshold(50)
+assert kv.save("fp", "io", [c], [1])
+s = Session()
+del s
+# Nothing here allocates meanwhile: the I/O thread, sending the save, runs
+# the collection.
+assert done.wait(60)
+assert seen["thread"] == "kvkeeper-client-io", seen
+gc.set_threshold(700)
+kv.close(timeout=30)
+lost = kv.client_stats()["client_saves_lost"]
+assert lost == 0, lost
+"""
+
+
+def test_a_close_run_on_the_clients_io_thread(short_dir: Path) -> None:
+    """A __del__ that closes the client, run by a garbage collection on the
+    client's I/O thread: the close waited for that very thread (10 s, "did
+    not end within 5 s") and the save it was sending was lost."""
+    root = _run_with_a_daemon_it_may_stop(_CLOSE_ON_THE_IO_THREAD, short_dir)
+    assert read_cache_file(naming.entry_path(root, "fp", "io")).token_ids == [1]
+
+
+def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> Path:
     """Run ``script`` (argv: the socket, the daemon's pid, which it may
-    SIGSTOP) against a daemon in its own process; it must exit 0."""
+    SIGSTOP) against a daemon in its own process; it must exit 0. Returns
+    the daemon's root, once the daemon has stopped (its saves written)."""
     import sys as _sys
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -1831,6 +1879,7 @@ def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> None:
     finally:
         proc.send_signal(signal.SIGCONT)
         assert stop_process(proc) == 0
+    return root
 
 
 _FORK_WHILE_FLUSHING = """

@@ -559,6 +559,14 @@ class Channel:
         code (on the thread holding its lock), it only starts the close: the
         I/O thread ends it, without sending what is queued, once that code
         lets go."""
+        if threading.current_thread() is self._thread:
+            # On the I/O thread (a __del__ the garbage collector ran there):
+            # waiting here for that thread stalled it 10 s and lost what was
+            # queued. Another thread closes the channel once this one goes on.
+            with contextlib.suppress(RuntimeError):  # exiting: the exit hook closes it
+                threading.Thread(target=self.close, args=(timeout,), daemon=False,
+                                 name="kvkeeper-client-close").start()
+            return
         if self._lock._is_owned():  # type: ignore[attr-defined]
             # Waiting here would wait for this very thread (a save interrupted
             # by a SIGTERM handler that closes the client): it hung for ever.
@@ -574,11 +582,19 @@ class Channel:
             if not claimed:
                 self._close_timeout, self._closer = timeout, threading.get_ident()
         if claimed:
-            # E.g. the exit hook, while a dropped client's channel closes in
-            # the background: the process must not end under that close. (Not
-            # from inside it, e.g. a signal handler: it could never end.)
-            if not self.forked and self._closer != threading.get_ident():
+            if self.forked:
+                return
+            if self._closer != threading.get_ident():
+                # E.g. the exit hook, while a dropped client's channel closes
+                # in the background: the process must not end under that close.
                 self._ended.wait(max(timeout, self._close_timeout) + 5.0)
+            else:
+                # From inside this thread's own close() (a signal handler):
+                # waiting for that one could never end, but what was handed
+                # off still gets this call's timeout to leave (returning at
+                # once, a handler that exits next lost it).
+                self._push(_Request(None, 0, ALL_KEYS), hand_over=True)
+                self._wait_sent(time.monotonic() + timeout)
             return
         try:
             self._close(timeout)
@@ -603,14 +619,8 @@ class Channel:
     def _close(self, timeout: float) -> None:
         self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
         end = time.monotonic() + timeout
-        pause = threading.Event()
-        # Saves waiting (reserved bytes) are waited for with no daemon too:
-        # the client reconnects by itself, and a daemon restarted by its
-        # service manager within the timeout still gets them.
         self._saves_waited = False  # (a close() interrupted by Ctrl-C may run again)
-        while (((self._outbox and self.connected.is_set()) or self._inflight_bytes)
-               and not self._ended.is_set() and time.monotonic() < end):
-            pause.wait(0.01)
+        self._wait_sent(end)
         # From here a save of this thread's (a signal handler's) would be
         # taken and then lost: it is dropped, reason "closed".
         self._saves_waited = True
@@ -639,6 +649,16 @@ class Channel:
             # A save another thread made while the daemon answered.
             log.warning("event=client_close_unconfirmed reason=saved_meanwhile: saves were "
                         "sent after the daemon confirmed the others")
+
+    def _wait_sent(self, end: float) -> None:
+        """Until every save handed off has left (or the I/O thread ended, or
+        ``end``). Saves waiting (reserved bytes) are waited for with no daemon
+        too: the client reconnects by itself, and a daemon restarted by its
+        service manager within the timeout still gets them."""
+        pause = threading.Event()
+        while (((self._outbox and self.connected.is_set()) or self._inflight_bytes)
+               and not self._ended.is_set() and time.monotonic() < end):
+            pause.wait(0.01)
 
     def ended_with_saves(self, since: int, before: PendingReply) -> list[ConnectionEnd]:
         """The connections before ``before``'s (a request already sent) that

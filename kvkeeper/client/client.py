@@ -260,7 +260,8 @@ class Client:
         dropping a client, in the background. A close() cut short (Ctrl-C)
         is finished by the next close(), or in the background once the
         client is dropped, else at exit; one from a signal handler that
-        interrupted this thread's close() returns at once."""
+        interrupted this thread's close() returns once what was handed off
+        has left (or its timeout is over), leaving the rest to that close."""
         # Checked first: a bad one found half way through left the client
         # marked closed with its I/O thread running.
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
@@ -271,10 +272,15 @@ class Client:
             return
         nested = self._close_running  # a signal handler's, inside this thread's close()
         try:
-            if nested or self._close_finished:
-                return  # (waiting for the close under way could never end)
-            self._close_running = True
+            if self._close_finished:
+                return
+            if nested:
+                # Waiting for the close under way could never end: the
+                # channel gives what was handed off this call's timeout.
+                self._channel.close(timeout)
+                return
             try:
+                self._close_running = True
                 # Cut short (Ctrl-C), it raises and the next close() runs it
                 # again (it returned at once, and the connection and its
                 # thread stayed until exit); the client dropped meanwhile is
