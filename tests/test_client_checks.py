@@ -1822,13 +1822,13 @@ def test_a_close_in_a_signal_handler_and_a_drop_after_a_cut_close(short_dir: Pat
 
 
 _CLOSE_ON_THE_IO_THREAD = """
-import gc, sys, threading
+import gc, os, sys, threading
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from kvkeeper import Client
 
 c = KVCache()
-x = mx.full((1, 8, 1024, 128), 1.0, dtype=mx.bfloat16)
+x = mx.full((1, 8, 16384, 128), 1.0, dtype=mx.bfloat16)  # 64 MiB: not gone at once
 c.update_and_fetch(x, x)
 kv = Client(sys.argv[1], timeout=30, min_send_interval=0)
 done, seen = threading.Event(), {}
@@ -1850,16 +1850,21 @@ del s
 assert done.wait(60)
 assert seen["thread"] == "kvkeeper-client-io", seen
 gc.set_threshold(700)
+# Returns once the close handed off is done (it returned at once, the
+# client taken for closed): then no exit hook is needed.
 kv.close(timeout=30)
 lost = kv.client_stats()["client_saves_lost"]
 assert lost == 0, lost
+os._exit(0)
 """
 
 
 def test_a_close_run_on_the_clients_io_thread(short_dir: Path) -> None:
     """A __del__ that closes the client, run by a garbage collection on the
     client's I/O thread: the close waited for that very thread (10 s, "did
-    not end within 5 s") and the save it was sending was lost."""
+    not end within 5 s") and the save it was sending was lost; then, handed
+    off, the client was taken for closed at once, and a close() after it
+    returned before the save had left."""
     root = _run_with_a_daemon_it_may_stop(_CLOSE_ON_THE_IO_THREAD, short_dir)
     assert read_cache_file(naming.entry_path(root, "fp", "io")).token_ids == [1]
 

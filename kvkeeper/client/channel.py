@@ -497,6 +497,11 @@ class Channel:
         self._push(item, hand_over=True)
         return item
 
+    def on_io_thread(self) -> bool:
+        """Whether this is the channel's own I/O thread (a ``__del__`` that a
+        garbage collection runs there, say)."""
+        return threading.current_thread() is self._thread
+
     @property
     def closing_elsewhere(self) -> bool:
         """Whether a close() began on another thread than this one, or one
@@ -559,14 +564,6 @@ class Channel:
         code (on the thread holding its lock), it only starts the close: the
         I/O thread ends it, without sending what is queued, once that code
         lets go."""
-        if threading.current_thread() is self._thread:
-            # On the I/O thread (a __del__ the garbage collector ran there):
-            # waiting here for that thread stalled it 10 s and lost what was
-            # queued. Another thread closes the channel once this one goes on.
-            with contextlib.suppress(RuntimeError):  # exiting: the exit hook closes it
-                threading.Thread(target=self.close, args=(timeout,), daemon=False,
-                                 name="kvkeeper-client-close").start()
-            return
         if self._lock._is_owned():  # type: ignore[attr-defined]
             # Waiting here would wait for this very thread (a save interrupted
             # by a SIGTERM handler that closes the client): it hung for ever.

@@ -259,13 +259,24 @@ class Client:
         connections close; a ``save()`` after that is dropped), and so does
         dropping a client, in the background. A close() cut short (Ctrl-C)
         is finished by the next close(), or in the background once the
-        client is dropped, else at exit; one from a signal handler that
+        client is dropped, else at exit. One on the client's own I/O thread
+        (a ``__del__`` run by a garbage collection there) is handed to
+        another thread, as if under way. One from a signal handler that
         interrupted this thread's close() returns once what was handed off
         has left (or its timeout is over), leaving the rest to that close."""
         # Checked first: a bad one found half way through left the client
         # marked closed with its I/O thread running.
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
         self._closed = True
+        if self._channel.on_io_thread():
+            # A __del__ that a garbage collection ran on the client's I/O
+            # thread: waiting there, for that very thread or for a close under
+            # way, stalled it and lost the save it was sending. Another thread
+            # closes the client (later close() calls wait for it).
+            with contextlib.suppress(RuntimeError):  # exiting: the exit hook closes it
+                threading.Thread(target=self.close, args=(timeout,), daemon=False,
+                                 name="kvkeeper-client-close").start()
+            return
         # Another thread's close() under way: return once it is done, as that
         # thread's own call will (in its timeout).
         if not self._close_lock.acquire(timeout=timeout):
