@@ -1869,6 +1869,36 @@ def test_a_close_run_on_the_clients_io_thread(short_dir: Path) -> None:
     assert read_cache_file(naming.entry_path(root, "fp", "io")).token_ids == [1]
 
 
+_CLOSE_IN_A_DEL_OF_A_CYCLE = _WITH_64_MIB + """
+class Session:  # holds the only reference to its client, in a cycle
+    def __init__(self):
+        self.me = self
+        self.kv = Client(sys.argv[1], timeout=30)
+    def __del__(self):
+        self.kv.close(timeout=30)
+
+s = Session()
+os.kill(daemon, signal.SIGSTOP)  # the 64 MiB cannot all leave (the test resumes it too)
+assert s.kv.save("fp", "cycle", layers, [1])
+del s
+threading.Timer(7.0, os.kill, (daemon, signal.SIGCONT)).start()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ResourceWarning)
+    gc.collect()  # the client's finalizer runs first, then __del__
+os._exit(0)  # no exit hook: what __del__'s close() sent is all there is
+"""
+
+
+def test_a_close_given_more_time_lends_it_to_the_close_under_way(short_dir: Path) -> None:
+    """A client held only by an object in a reference cycle, whose __del__
+    closes it with a 30 s timeout: the collector runs the client's finalizer
+    first, whose close has the default 5 s, and the later close(timeout=30)
+    only waited for that one: with the daemon stopped for 7 s, the save was
+    lost."""
+    root = _run_with_a_daemon_it_may_stop(_CLOSE_IN_A_DEL_OF_A_CYCLE, short_dir)
+    assert read_cache_file(naming.entry_path(root, "fp", "cycle")).token_ids == [1]
+
+
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> Path:
     """Run ``script`` (argv: the socket, the daemon's pid, which it may
     SIGSTOP) against a daemon in its own process; it must exit 0. Returns

@@ -413,7 +413,7 @@ class Channel:
         # reading: for each, the number of the first message not confirmed
         # (under _lock; flush() takes those sent before its own request).
         self._unread_losses: list[int] = []
-        self._close_timeout = 0.0  # the close() under way: how long it gives
+        self._close_end = 0.0  # the close() under way: until when it gives
         self._closer: int | None = None  # and the thread it runs on
         self.forked = False  # this is a forked child's copy: it can never send
         self._wake_r, self._wake_w = os.pipe()
@@ -577,14 +577,21 @@ class Channel:
         with self._lock:
             claimed, self._close_claimed = self._close_claimed, True
             if not claimed:
-                self._close_timeout, self._closer = timeout, threading.get_ident()
+                self._close_end = time.monotonic() + timeout
+                self._closer = threading.get_ident()
         if claimed:
             if self.forked:
                 return
             if self._closer != threading.get_ident():
                 # E.g. the exit hook, while a dropped client's channel closes
                 # in the background: the process must not end under that close.
-                self._ended.wait(max(timeout, self._close_timeout) + 5.0)
+                # One with more time than the close under way lends it that
+                # time (a __del__'s close(timeout=30), after the client's
+                # finalizer began its own with the default: the save was lost
+                # at 5 s).
+                with self._lock:
+                    self._close_end = max(self._close_end, time.monotonic() + timeout)
+                self._ended.wait(max(0.0, self._close_end - time.monotonic()) + 5.0)
             else:
                 # From inside this thread's own close() (a signal handler):
                 # waiting for that one could never end, but what was handed
@@ -594,7 +601,7 @@ class Channel:
                 self._wait_sent(time.monotonic() + timeout)
             return
         try:
-            self._close(timeout)
+            self._close()
         except BaseException:
             # Interrupted (Ctrl-C): unless the I/O thread was told to stop,
             # a later close() (the exit hook's) starts over; if it was, a
@@ -613,18 +620,17 @@ class Channel:
             raise
         _open_channels.discard(self)  # last: the exit hook waits for a close under way
 
-    def _close(self, timeout: float) -> None:
+    def _close(self) -> None:
         self._push(_Request(None, 0, ALL_KEYS), hand_over=True)  # nothing waits out the interval
-        end = time.monotonic() + timeout
         self._saves_waited = False  # (a close() interrupted by Ctrl-C may run again)
-        self._wait_sent(end)
+        self._wait_sent()
         # From here a save of this thread's (a signal handler's) would be
         # taken and then lost: it is dropped, reason "closed".
         self._saves_waited = True
         warned = self._unconfirmed
         if warned:
             if self.connected.is_set():
-                warned = not self._confirm(end - time.monotonic())
+                warned = not self._confirm(self._close_end - time.monotonic())
             else:
                 log.warning("event=client_close_unconfirmed reason=no_daemon: no daemon is "
                             "connected to confirm it read the last saves sent")
@@ -647,14 +653,16 @@ class Channel:
             log.warning("event=client_close_unconfirmed reason=saved_meanwhile: saves were "
                         "sent after the daemon confirmed the others")
 
-    def _wait_sent(self, end: float) -> None:
+    def _wait_sent(self, end: float | None = None) -> None:
         """Until every save handed off has left (or the I/O thread ended, or
-        ``end``). Saves waiting (reserved bytes) are waited for with no daemon
-        too: the client reconnects by itself, and a daemon restarted by its
-        service manager within the timeout still gets them."""
+        ``end``; by default the close under way's end, as later close() calls
+        extend it). Saves waiting (reserved bytes) are waited for with no
+        daemon too: the client reconnects by itself, and a daemon restarted by
+        its service manager within the timeout still gets them."""
         pause = threading.Event()
         while (((self._outbox and self.connected.is_set()) or self._inflight_bytes)
-               and not self._ended.is_set() and time.monotonic() < end):
+               and not self._ended.is_set()
+               and time.monotonic() < (self._close_end if end is None else end)):
             pause.wait(0.01)
 
     def ended_with_saves(self, since: int, before: PendingReply) -> list[ConnectionEnd]:

@@ -278,7 +278,7 @@ class Client:
                                  name="kvkeeper-client-close").start()
             return
         # Another thread's close() under way: return once it is done, as that
-        # thread's own call will (in its timeout).
+        # thread's own call will (in its timeout, or this one's if longer).
         if not self._close_lock.acquire(timeout=timeout):
             return
         nested = self._close_running  # a signal handler's, inside this thread's close()
