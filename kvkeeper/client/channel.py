@@ -64,6 +64,7 @@ import zmq
 import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
 from zmq.utils.monitor import parse_monitor_message
 
+from kvkeeper.config import socket_path
 from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
@@ -144,7 +145,7 @@ def _orphan_in_child() -> None:
         # a daemon saw the parent's client connected after it closed, and
         # waited for its answer at its drain. (No thread here uses them.)
         # One pass over the descriptors for every channel.
-        for fd in _fds_connected_to({c.endpoint.removeprefix("ipc://") for c in channels}):
+        for fd in _fds_connected_to({os.fspath(socket_path(c.endpoint)) for c in channels}):
             with contextlib.suppress(OSError):
                 os.close(fd)
 

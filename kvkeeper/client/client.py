@@ -273,9 +273,7 @@ class Client:
             # thread: waiting there, for that very thread or for a close under
             # way, stalled it and lost the save it was sending. Another thread
             # closes the client (later close() calls wait for it).
-            with contextlib.suppress(RuntimeError):  # exiting: the exit hook closes it
-                threading.Thread(target=self.close, args=(timeout,), daemon=False,
-                                 name="kvkeeper-client-close").start()
+            _close_in_background(functools.partial(self.close, timeout))
             return
         # Another thread's close() under way: return once it is done, as that
         # thread's own call will (in its timeout, or this one's if longer).
@@ -1019,18 +1017,23 @@ def _number(name: str, value: float) -> float:
 LOG_EVERY_SECONDS = 60.0
 
 
+def _close_in_background(close: Callable[[], None]) -> None:
+    """Run ``close`` on a thread of its own. Not a daemon thread (said
+    outright: this often runs on the client's I/O thread, which is one): an
+    exit meanwhile waits for it, at most the close timeout and 5 s, as it
+    would for the exit hook's close."""
+    try:
+        threading.Thread(target=close, name="kvkeeper-client-close", daemon=False).start()
+    except RuntimeError:  # the interpreter is exiting: the exit hook closes the channel
+        pass
+
+
 def _close_dropped(channel: Channel) -> None:
     if channel.forked:
         return  # a forked child's copy: there is nothing of it to close
-    try:
-        # Not a daemon thread (said outright: this often runs on the client's
-        # I/O thread, which is one, as it lets go of the last save holding
-        # the client): an exit meanwhile waits for it, at most the close
-        # timeout and 5 s, as it would for the exit hook's close.
-        threading.Thread(target=channel.close, name="kvkeeper-client-close",
-                         daemon=False).start()
-    except RuntimeError:  # the interpreter is exiting: the exit hook closes the channel
-        pass
+    # (Often on the client's I/O thread, as it lets go of the last save
+    # holding the client.)
+    _close_in_background(channel.close)
     # After the close has started: under -W error the warning raises.
     warnings.warn("a kvkeeper Client was dropped without close(); closing it in the background",
                   ResourceWarning, stacklevel=1)
