@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     # written as an escape rather than ending the command with a traceback.
     escape = getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure")
     if escape:
-        sys.stdout.reconfigure(errors="backslashreplace")
+        sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # hasattr above
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logging.disable(disabled)
         if escape:
-            sys.stdout.reconfigure(errors="strict")
+            sys.stdout.reconfigure(errors="strict")  # type: ignore[union-attr]  # hasattr above
 
 
 def _main(argv: list[str] | None) -> int:

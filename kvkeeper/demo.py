@@ -276,9 +276,9 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
     # 1. Stream with write-behind: the plain helper inside mlx-lm's own loop.
     kv = Client(socket)
     before = kv.stats()
-    cache = make_prompt_cache(model)
+    cache: Any = make_prompt_cache(model)  # (Any: dropped below, at the crash)
     ids = list(prompt)
-    wb = kv.write_behind(MODEL_ID, sid, every_tokens=every, every_seconds=2.0)
+    wb: Any = kv.write_behind(MODEL_ID, sid, every_tokens=every, every_seconds=2.0)
 
     def step(r: Any) -> None:
         ids.append(int(r.token))
@@ -332,10 +332,10 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
         for mode in modes:
             trim_prompt_cache(base_cache, (cache_length(base_cache) or 0) - (len(base_ids) - 1))
             ids = base_ids[:-1]
-            wb = (kv.write_behind(MODEL_ID, sid, every_tokens=mode.every_tokens,
+            mode_wb = (kv.write_behind(MODEL_ID, sid, every_tokens=mode.every_tokens,
                                   every_seconds=None) if mode.every_tokens else None)
 
-            def step(r: Any, wb: Any = wb, ids: list[int] = ids) -> None:
+            def mode_step(r: Any, wb: Any = mode_wb, ids: list[int] = ids) -> None:
                 ids.append(int(r.token))
                 if wb is not None:
                     wb.step(base_cache, ids)
@@ -343,13 +343,13 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
             ids.append(base_ids[-1])
             phase = _stream(stream_generate(model, tok, mx.array(base_ids[-1:]),
                                             max_tokens=mode.tokens, prompt_cache=base_cache),
-                            step)
+                            mode_step)
             mode.tps.append(phase.decode_tps)
             outputs.setdefault(mode.tokens, set()).add(tuple(phase.tokens))
-            if wb is not None:
-                mode.saves_sent += wb.counters.sent
-                sent += wb.counters.sent
-                dropped += wb.counters.dropped
+            if mode_wb is not None:
+                mode.saves_sent += mode_wb.counters.sent
+                sent += mode_wb.counters.sent
+                dropped += mode_wb.counters.dropped
 
     kv.flush(timeout=60)
     after = kv.stats()

@@ -86,6 +86,8 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
 def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
             background: bool = True) -> ServiceFile:
     logs = home / "Library" / "Logs" / "kvkeeper"
+    # launchd sends SIGTERM, waits ExitTimeOut, then SIGKILL: give the drain its time.
+    exit_timeout = int(drain_timeout) + 10
     plist = {
         "Label": LABEL,
         "ProgramArguments": serve_command(serve_args),
@@ -94,8 +96,7 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # macOS's counterpart of SCHED_BATCH (--cpu-policy batch); "normal"
         # gets launchd's own default.
         "ProcessType": "Background" if background else "Standard",
-        # launchd sends SIGTERM, waits ExitTimeOut, then SIGKILL: give the drain its time.
-        "ExitTimeOut": int(drain_timeout) + 10,
+        "ExitTimeOut": exit_timeout,
         "StandardOutPath": str(logs / "kvkeeper.log"),
         "StandardErrorPath": str(logs / "kvkeeper.log"),
         # `python -m` puts the working directory first on sys.path: a file
@@ -113,7 +114,7 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # launchctl's "No such process" and "Could not find service": an
         # agent written with --no-load, or stopped by hand, is not running.
         not_loaded=frozenset({3, 113}),
-        stop_timeout=plist["ExitTimeOut"],
+        stop_timeout=exit_timeout,
         # Made with the file: launchd cannot open the log of an agent it
         # loads at the next login (--no-load) in a directory that is missing.
         dirs=[logs],

@@ -469,6 +469,7 @@ def client_path(name: str) -> Path:
     to the default would look for a daemon where none is."""
     s = BY_NAME[name]
     env = os.environ.get(s.env) or None
+    candidates: list[tuple[Any, str]]
     if env is not None:  # the config file is not even read
         candidates = [(env, f"environment {s.env}")]
     else:

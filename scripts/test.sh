@@ -14,4 +14,5 @@ python3 -m venv .venv
 .venv/bin/pip install -q -U pip
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

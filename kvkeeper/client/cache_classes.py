@@ -311,7 +311,7 @@ def _rebuild_layer(cls: type, state: Any, meta_state: Any) -> Any:
                 # Some mlx-vlm state setters read fields only meta_state sets
                 # (BufferedRotatingKVCache uses offset): try the other order.
                 try:
-                    obj = cls.__new__(cls)
+                    obj = cls.__new__(cls)  # type: ignore[call-overload]  # mypy takes cls for a metaclass
                     obj.meta_state = meta_state
                     obj.state = state
                     obj.meta_state = meta_state
@@ -319,7 +319,7 @@ def _rebuild_layer(cls: type, state: Any, meta_state: Any) -> Any:
                 except Exception:
                     raise first from None
         if arity is None:
-            obj = cls.__new__(cls)
+            obj = cls.__new__(cls)  # type: ignore[call-overload]  # mypy takes cls for a metaclass
             obj.state = state
         else:
             obj = cls.from_state(state)  # type: ignore[attr-defined]
@@ -347,7 +347,7 @@ def rebuild_composite(cls: type, children: Sequence[Any], children_type: type = 
     """
     if not is_composite_class(cls):
         raise CodecError(f"{cls.__module__}.{cls.__name__} is not a composite cache")
-    obj = cls.__new__(cls)
+    obj = cls.__new__(cls)  # type: ignore[call-overload]  # mypy takes cls for a metaclass
     obj.caches = children_type(children)
     return obj
 
@@ -618,7 +618,7 @@ def _tq_codec(codec: Any) -> tuple[int, Any, Any] | None:
 
 def _build_turboquant(cls: type, state: Any) -> Any:
     offset = _check_turboquant(state)
-    obj = cls.__new__(cls)
+    obj = cls.__new__(cls)  # type: ignore[call-overload]  # mypy takes cls for a metaclass
     obj.prefix_cache_restore(state)
     _known_fields(obj, _TQ_FIELDS)  # this mlx-vlm's TurboQuantKVCache is the one described
     _check_sides(((obj.keys, obj.key_codec), (obj.values, obj.value_codec)), offset)

@@ -58,7 +58,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import zmq
 import zmq.utils.garbage  # noqa: F401 - registers pyzmq's atexit handler before ours
@@ -69,9 +68,6 @@ from kvkeeper.cpupolicy import batch_this_thread, check_cpu_policy
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol.pacing import CAPTURE_COPY_MAX_BYTES, HOLD_MAX_BYTES, Pacer
-
-if TYPE_CHECKING:
-    import numpy as np
 
 log = get_logger("kvkeeper.client")
 
@@ -237,7 +233,7 @@ class _Save:
 DETACH_MAX_BYTES = 8 * 1024 * 1024
 
 
-def _copy(frame: bytes | memoryview) -> bytes | np.ndarray:
+def _copy(frame: bytes | memoryview) -> bytes | memoryview:
     """A frame's bytes in memory of their own. ``np.empty`` leaves the memory
     unwritten and numpy copies without the GIL, which the generation loop's
     thread may want meanwhile (``bytearray(n)`` zeroes n bytes holding it)."""
@@ -249,7 +245,7 @@ def _copy(frame: bytes | memoryview) -> bytes | np.ndarray:
 
     out = np.empty(len(frame), np.uint8)
     out[:] = np.frombuffer(frame, np.uint8)
-    return out
+    return out.data
 
 
 @dataclass(eq=False)
@@ -1054,7 +1050,8 @@ class Channel:
             self._send_request(sock, item)
             return
         # The held saves it releases go just before it, and stay its to see.
-        for i, entry in enumerate([*(_Slot(save) for save in held), item]):
+        entries: list[_Slot | _Request] = [*(_Slot(save) for save in held), item]
+        for i, entry in enumerate(entries):
             self._backlog.insert(at + i, entry)
 
     def _after(self, key: Key) -> int:
@@ -1182,6 +1179,7 @@ class Channel:
                 self._sends.went(save.key, time.monotonic())  # the interval runs from a save that went
             batch += nbytes
             if last or full:
+                assert tracker is not None  # asked for: track=True
                 self._piped.append((tracker, batch, save if last else None))
                 self._piped_bytes += batch
             if last:

@@ -168,39 +168,39 @@ class Client:
             raise ValueError(f"max_inflight_bytes must be a whole number of bytes > 0 (0 would "
                              f"drop every save), not {max_inflight_bytes!r}")
         max_inflight_bytes = int(max_inflight_bytes)
-        self.timeout = timeout
-        self._lock = threading.Lock()
+        self.timeout: float = timeout
+        self._lock: threading.Lock = threading.Lock()
         self._max_save_bytes: int | None = None
-        self._dropped = 0
-        self._lost_seen = 0
-        self._failed_seen = 0
+        self._dropped: int = 0
+        self._lost_seen: int = 0
+        self._failed_seen: int = 0
         self._warned: set[str] = set()
-        self._throttle = _Throttle()
-        self._closed = False
-        self._close_done = threading.Event()  # a close() returned or was cut short
+        self._throttle: _Throttle = _Throttle()
+        self._closed: bool = False
+        self._close_done: threading.Event = threading.Event()  # a close() returned or was cut short
         # Held by the close() under way; reentrant, and ``_close_running``
         # while it runs, so that a signal handler's close() on its thread
         # returns at once, and a close() after one cut short by Ctrl-C on
         # this thread (where the lock may not have been let go) runs.
-        self._close_lock = threading.RLock()
-        self._close_running = False
-        self._close_finished = False  # the channel is closed: nothing left to do
+        self._close_lock: threading.RLock = threading.RLock()
+        self._close_running: bool = False
+        self._close_finished: bool = False  # the channel is closed: nothing left to do
         # Keys this client saved whose saves no flush, load or delete has
         # waited for since: a load of one of them must ask the daemon first.
         self._unsettled: dict[tuple[str, str], int] = {}
-        self._saves = 0
-        self._root_seen_at = -1  # channel.connections when the daemon named its root
+        self._saves: int = 0
+        self._root_seen_at: int = -1  # channel.connections when the daemon named its root
         # The daemon run that answered the last flush that returned (its pid
         # and boot id, and channel.connections then).
         self._flush_daemon: tuple[int, float] | None = None  # (pid, boot id)
-        self._flush_conn = -1
+        self._flush_conn: int = -1
         # The number the channel gave the request of the last flush that
         # returned: the saves sent after it are the next flush's to answer for.
-        self._flushed_seq = 0
+        self._flushed_seq: int = 0
         # One flush at a time: each reply carries running totals, and a reply
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
-        self._flushing = threading.Lock()
+        self._flushing: threading.Lock = threading.Lock()
         self._daemon_version: str | None = None
         if "mlx.core" in sys.modules:
             # A program that uses MLX will save: import the codec now (8-9 ms
@@ -208,7 +208,7 @@ class Client:
             # loop. Without MLX loaded (the commands: ls, rm) it stays unloaded.
             with contextlib.suppress(ImportError):  # numpy missing: save() says so
                 _codec()
-        self._channel = Channel(
+        self._channel: Channel = Channel(
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
@@ -221,7 +221,7 @@ class Client:
         # client per request, never closed, ran a server out of descriptors):
         # once it is collected its channel closes in the background, after
         # sending what it holds. At exit the exit hook closes it instead.
-        self._finalizer = weakref.finalize(self, _close_dropped, self._channel)
+        self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(self, _close_dropped, self._channel)
         self._finalizer.atexit = False
         _clients.add(self)
         # With IMMEDIATE set, a save before the connection is up would be dropped:
@@ -467,7 +467,7 @@ class Client:
                                f"metadata, layers); the daemon takes at most "
                                f"{m.MAX_HEADER_BYTES}")
         messages: list[list[bytes | memoryview]] = [[header]]
-        frames: list[memoryview] = []
+        frames: list[memoryview | bytes] = []
         size = 0
 
         def cut() -> None:
@@ -1184,7 +1184,7 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
     # Real: numpy's numbers too. TIMEOUT_MAX: past it threading's waits raise
     # OverflowError, from the middle of a call.
     ok = (not isinstance(value, bool) and isinstance(value, Real)
-          and (0 <= value if zero_ok else 0 < value) and value <= threading.TIMEOUT_MAX)
+          and (0 <= value if zero_ok else 0 < value) and value <= threading.TIMEOUT_MAX)  # type: ignore[operator]  # the stubs give Real no order
     if not ok:
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'} "
                          f"and at most {threading.TIMEOUT_MAX:.0f}, not {value!r}")

@@ -319,7 +319,7 @@ class _Encoder:
                              f"KVCache, ...): the cache is a list of layers, not nested in "
                              f"another list")
         try:
-            module, name, read = layer_class(type(layer))
+            module, name, read = layer_class(type(layer))  # type: ignore[arg-type]  # a class is hashable
         except CodecError as exc:
             raise CodecError(f"{where}: {exc}") from None
         entry: dict[str, Any] = {"class": name, "module": module}
@@ -390,14 +390,14 @@ def _byte_runs(nd: np.ndarray) -> tuple[memoryview, ...]:
         starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
     if len(starts) > _MAX_RUNS and block < _MIN_AVG_RUN:
         # Pathological layout: one private copy (isolated by construction).
-        return (memoryview(np.ascontiguousarray(nd)).cast("B"),)
+        return (memoryview(np.ascontiguousarray(nd)).cast("B"),)  # type: ignore[arg-type]  # stubs lack the buffer protocol
     # One flat byte view from the first element to the last spans every block;
     # as_strided keeps `nd` (and through it the MLX handle) alive.
     extent = int(sum((n - 1) * s for n, s in zip(shape, strides, strict=True))) + itemsize
     span = np.lib.stride_tricks.as_strided(
         nd, shape=(extent // itemsize,), strides=(itemsize,), writeable=False
     )
-    flat = memoryview(span).cast("B")
+    flat = memoryview(span).cast("B")  # type: ignore[arg-type]  # stubs lack the buffer protocol
     runs: list[memoryview] = []
     run_start, run_end = -1, -1
     for start in starts.tolist():
@@ -434,7 +434,7 @@ def _export_contiguous(name: str, dtype: str, mv: memoryview, length: int | None
     """The common case without numpy: a C-contiguous buffer, whole or cut to
     its first ``length`` rows of axis -2 (one run per outer index): a slice of
     a memoryview costs next to nothing."""
-    shape = list(mv.shape)
+    shape = list(mv.shape or ())
     flat = mv.cast("B")  # keeps `mv`, and through it the MLX handle, alive
     if length is None or length == shape[-2]:
         runs: tuple[memoryview, ...] = (flat,) if len(flat) else ()
@@ -524,7 +524,7 @@ def _take_views(pending: Sequence[_Pending]) -> None:
     outlives it (one leaked thread per client)."""
     for p in pending:
         if p.handle is not None:
-            p.view = memoryview(p.handle)
+            p.view = memoryview(p.handle)  # type: ignore[arg-type]  # stubs lack the buffer protocol
 
 
 def encode_capture(capture: CacheCapture) -> CacheSnapshot:

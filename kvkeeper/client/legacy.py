@@ -29,7 +29,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
@@ -359,7 +359,7 @@ def _scalar_leaf(array: mx.array, kind: str, path: str) -> Any:
         if kind == "scalar":
             return array.item()
         if kind == "string":
-            return "".join(chr(c) for c in array.tolist())
+            return "".join(chr(c) for c in cast("list[int]", array.tolist()))
         if kind == "none":
             return None
     except (TypeError, ValueError, OverflowError) as exc:

@@ -13,7 +13,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
@@ -119,7 +119,9 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     try:
         # Every supported format is safetensors; MLX would otherwise go by the
         # name, and refuse a file moved aside (".safetensors.<ns>") or renamed.
-        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        # (The stubs' return type covers every format and flag.)
+        loaded = mx.load(str(path), format="safetensors", return_metadata=True)
+        arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         if header is None:
             header = _header(path)  # our own reason, when the layout is bad
@@ -190,7 +192,7 @@ def _mlx_checks_offsets() -> bool:
     it or do not match their shapes. 0.31.2 does; 0.29 to 0.31.1 load such
     a file and read past its end, or another tensor's bytes, when evaluated."""
     try:
-        version = tuple(int(x) for x in mx.__version__.split(".")[:3])
+        version = tuple(int(x) for x in mx.__version__.split(".")[:3])  # type: ignore[attr-defined]  # not in the stubs
     except ValueError:  # a development build: no way to tell
         return False
     return version >= (0, 31, 2)
@@ -324,7 +326,7 @@ def _checksums_of(arrays: dict[str, mx.array]) -> dict[str, str]:
     def hash_all(part: list[tuple[str, mx.array]]) -> None:
         try:
             for name, arr in part:
-                got[name] = st.checksum(memoryview(arr))
+                got[name] = st.checksum(memoryview(arr))  # type: ignore[arg-type]  # stubs lack the buffer protocol
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 

@@ -65,6 +65,8 @@ from kvkeeper.protocol.safetensors import (
 )
 
 log = get_logger("kvkeeper.actor")
+#: A piece of a save's data as held: a frame's buffer, or small frames copied together.
+Chunk = memoryview | bytearray
 
 #: How long a save being written may go without bytes before it makes way for
 #: other jobs waiting behind it (it is parked, not failed: see the docstring).
@@ -128,7 +130,7 @@ class SaveJob(Job):
     layout: Layout | None = None  # let go once the save is resolved
     metadata: dict[str, str] = field(default_factory=dict)
     total: int = 0  # data bytes (the layout's, kept past it)
-    chunks: deque[list[memoryview | bytearray]] = field(default_factory=deque)
+    chunks: deque[list[Chunk]] = field(default_factory=deque)
     received: int = 0
     reserved: int = 0  # bytes of the pending budget this save still holds
     broken: str | None = None  # why its stream ended early
@@ -343,7 +345,7 @@ class WriterActor:
             self._release_held()  # memory is getting short: write them now
         return None
 
-    def add_data(self, job: SaveJob, bufs: list[memoryview], nbytes: int) -> None:
+    def add_data(self, job: SaveJob, bufs: list[Chunk], nbytes: int) -> None:
         """Bytes for a queued save (dropped if it was superseded meanwhile)."""
         if nbytes == 0:
             return  # empty frames: no progress, not even for the stall timeout
@@ -1062,7 +1064,7 @@ class _FileWriter:
         self.written = 0
         self.began = time.monotonic()
 
-    async def write(self, batch: list[memoryview], nbytes: int, *, last: bool) -> None:
+    async def write(self, batch: list[Chunk], nbytes: int, *, last: bool) -> None:
         try:
             await self._write(batch, nbytes, last)
         finally:
@@ -1070,7 +1072,7 @@ class _FileWriter:
                 evicted, self.evicted = self.evicted, []
                 self._on_evicted(evicted)
 
-    async def _write(self, batch: list[memoryview], nbytes: int, last: bool) -> None:
+    async def _write(self, batch: list[Chunk], nbytes: int, last: bool) -> None:
         if nbytes < PARALLEL_HASH_BYTES:
             await anyio.to_thread.run_sync(self._step, batch, True, last)
             self.written += nbytes
@@ -1092,11 +1094,11 @@ class _FileWriter:
         if last:
             await anyio.to_thread.run_sync(self._commit)
 
-    def _hash(self, batch: list[memoryview]) -> None:
+    def _hash(self, batch: list[Chunk]) -> None:
         for buf in batch:
             self.hasher.update(buf)
 
-    def _step(self, batch: list[memoryview], hash_too: bool, last: bool) -> None:
+    def _step(self, batch: list[Chunk], hash_too: bool, last: bool) -> None:
         if self.pending is None:
             model, cache_id = self.job.key
             header = self.layout.header(self.job.metadata)
@@ -1141,6 +1143,7 @@ class _FileWriter:
                         raise
             # (Again after a retry: the new model's directory took a block.)
             self.store.make_room(model, cache_id, size, into=self.evicted)
+            assert self.pending is not None  # begin() made it, or the loop raised
             self.pending.append([header])
         if hash_too:
             self._hash(batch)

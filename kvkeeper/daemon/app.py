@@ -173,7 +173,7 @@ def check_places(cfg: DaemonConfig) -> None:
             f"of {where} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
 
 
-def _drain_signals() -> list[int]:
+def _drain_signals() -> list[signal.Signals]:
     """The signals that make the daemon drain: SIGTERM, and SIGINT and SIGHUP
     unless they were ignored when the daemon started: `nohup kvkeeper serve`
     asks to outlive the terminal, and a shell script's `kvkeeper serve &`
@@ -389,7 +389,7 @@ class Daemon:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
 
-    async def _main(self, store: Store, sock_path: Path, wanted: list[int],
+    async def _main(self, store: Store, sock_path: Path, wanted: list[signal.Signals],
                     root_lock: _Lock) -> int:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()

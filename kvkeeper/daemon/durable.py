@@ -100,7 +100,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def write_all(fd: int, bufs: Sequence[memoryview | bytes]) -> int:
+def write_all(fd: int, bufs: Sequence[memoryview | bytes | bytearray]) -> int:
     """writev every byte of ``bufs``. Loops on short writes (a full disk or
     RLIMIT_FSIZE gives a short count first and an error on the next call)."""
     pending = [memoryview(b).cast("B") for b in bufs if len(b)]
@@ -141,7 +141,7 @@ class PendingFile:
         self.fsync_seconds = 0.0
         self._half = header_bytes + data_bytes // 2
 
-    def append(self, bufs: Sequence[memoryview | bytes]) -> None:
+    def append(self, bufs: Sequence[memoryview | bytes | bytearray]) -> None:
         assert self._fd is not None
         if faults.ACTIVE:
             bufs = self._faulty(bufs)
@@ -150,7 +150,8 @@ class PendingFile:
             start_writeback(self._fd, self._written_back, self.nbytes - self._written_back)
             self._written_back = self.nbytes
 
-    def _faulty(self, bufs: Sequence[memoryview | bytes]) -> Sequence[memoryview | bytes]:
+    def _faulty(self, bufs: Sequence[memoryview | bytes | bytearray]
+                ) -> Sequence[memoryview | bytes | bytearray]:
         n = sum(len(b) for b in bufs)
         faults.slow_write(n)
         if faults.ACTIVE.get("crash_at") == "half_written" and self.nbytes < self._half <= self.nbytes + n:

@@ -8,6 +8,7 @@ small task of their own, so one slow answer never holds up the receive loop.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import os
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -407,10 +408,12 @@ class Server:
         if self.monitor is None:
             return
         while True:
-            await self.monitor.poll(flags=zmq.POLLIN)
+            await self.monitor.poll()  # for POLLIN, the default
             closed = False
             while True:
-                fut = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+                # (A Future, which the stubs do not say.)
+                fut = cast("asyncio.Future[list[bytes]]",
+                           self.monitor.recv_multipart(flags=zmq.NOBLOCK))
                 if fut.exception() is not None:
                     break  # zmq.Again: no more events for now
                 closed = True
@@ -456,7 +459,7 @@ class Server:
                 # .get, not .getsockopt: reading EVENTS consumes the socket's
                 # wake-up, and only pyzmq's asyncio .get schedules the pending
                 # receive again (getsockopt left the server deaf for seconds).
-                if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                if cast(int, self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
                     continue  # their last messages may be among those queued
                 for stream in arriving:
                     job, pid = stream.job, stream.pid
@@ -703,7 +706,7 @@ class Server:
                 if now >= self._late_until:
                     return "window_over"
                 if (not self._late and now - self._last_save_message >= LATE_SAVES_QUIET
-                        and not self.sock.get(zmq.EVENTS) & zmq.POLLIN):
+                        and not cast(int, self.sock.get(zmq.EVENTS)) & zmq.POLLIN):
                     return "every_client_answered"
                 await anyio.sleep(0.01)
         finally:
@@ -762,10 +765,10 @@ class Server:
             data = m.encode(m.Error(v=m.PROTOCOL_VERSION, req=getattr(msg, "req", None),
                                     code="internal", message=f"the reply could not be "
                                     f"encoded: {exc}"[:1000]))
-        exc = self._send_now(peer, data)
-        if exc is not None:
+        failure = self._send_now(peer, data)
+        if failure is not None:
             # The peer went away (ROUTER_MANDATORY) or its pipe is full: its loss.
-            log.debug("event=reply_dropped error=%s", exc)
+            log.debug("event=reply_dropped error=%s", failure)
             return False
         return True
 
@@ -774,7 +777,7 @@ class Server:
         not go (EHOSTUNREACH: no connection to the peer; EAGAIN: its pipe is
         full)."""
         # With NOBLOCK the asyncio socket completes the future at once.
-        fut = self.sock.send_multipart([peer, data], flags=zmq.NOBLOCK)
+        fut = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, data], flags=zmq.NOBLOCK))
         return fut.exception() if fut.done() else None
 
 

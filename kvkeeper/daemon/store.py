@@ -447,15 +447,15 @@ class Store:
                 path.name in self._own_names and os.path.realpath(path) in self._own):
             return None  # links, the lock files
         last_used = max(st.st_atime, st.st_mtime)
-        ident = {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+        ident = (st.st_ino, st.st_mtime_ns)  # StoredEntry.ino, .mtime_ns
         foreign = StoredEntry("", "", 0, st.st_size, last_used, path, "foreign", st.st_mtime,
-                              **ident)
+                              *ident)
         if path.parent == self.root / QUARANTINE_DIR:
             # Only names quarantine_path gives: another file put there is not ours.
             if not _QUARANTINED.fullmatch(path.name):
                 return foreign
             return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
-                               "quarantine", st.st_mtime, **ident)
+                               "quarantine", st.st_mtime, *ident)
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
@@ -476,7 +476,7 @@ class Store:
             # moves it aside, a save replaces it), not another program's
             # file kept forever.
             return StoredEntry(place[0], place[1], 0, st.st_size, last_used, path, "entry",
-                               st.st_mtime, **ident)
+                               st.st_mtime, *ident)
         if place is None:
             # A copy made by hand under a name the daemon does not give (say
             # "a_2Fb" beside "a_2fb"): not an entry of any key, not ours to delete.
@@ -494,13 +494,13 @@ class Store:
                 # entry (a load of it finds the mismatch and moves it aside).
                 here = (model, cache_id)
             return StoredEntry(*here, _int(meta.get(TOKEN_COUNT_KEY)), st.st_size, last_used,
-                               path, "entry", st.st_mtime, **ident)
+                               path, "entry", st.st_mtime, *ident)
         if not is_cache(meta):
             return foreign  # safetensors, but no cache of a known format: not ours to delete
         # cache_persist's files record their count; mlx-lm's record no token ids.
         tokens = _int(meta.get("token_count")) if detect_legacy(meta) == GEZEL_SCHEMA3 else 0
         return StoredEntry(model or "", cache_id or "", tokens, st.st_size, last_used, path,
-                           "legacy", st.st_mtime, **ident)
+                           "legacy", st.st_mtime, *ident)
 
     def someone_elses(self, path: Path) -> bool:
         """Whether ``path`` is a whole safetensors file of no cache format

@@ -98,7 +98,7 @@ def hash_array(h: Any, arr: Any) -> None:
     import numpy as np
 
     h.update(f"{arr.dtype}:{tuple(arr.shape)}:".encode())
-    h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)
+    h.update(memoryview(mx.contiguous(arr)) if isinstance(arr, mx.array)  # type: ignore[arg-type]  # stubs lack the buffer protocol
              else np.ascontiguousarray(arr).data)
 
 

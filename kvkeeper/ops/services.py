@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +111,17 @@ def _refuse_a_daemon_the_service_did_not_start(sf: Any, values: dict[str, Any]) 
             status=2)
 
 
+def _platform(args: argparse.Namespace) -> str:
+    """The platform whose service file --platform asks for: this one by default."""
+    return {"macos": "darwin", "linux": "linux", None: sys.platform}[args.platform]
+
+
 def install_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
-    platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
     serve_args, values = _service_settings(args)
     sf = service.service_file(serve_args, values["drain_timeout"],
-                              background=values["cpu_policy"] == "batch",
-                              **({"platform": platform} if platform else {}))
+                              _platform(args), background=values["cpu_policy"] == "batch")
     if args.print:
         print(sf.content.decode(), end="")
         return 0
@@ -135,8 +139,7 @@ def install_service(args: argparse.Namespace) -> int:
 def uninstall_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
-    platform = {"macos": "darwin", "linux": "linux", None: None}[args.platform]
-    sf = service.service_file([], 20.0, **({"platform": platform} if platform else {}))
+    sf = service.service_file([], 20.0, _platform(args))
     # A file deleted by hand leaves its service loaded, maybe running.
     orphan = None if args.no_load or sf.path.exists() else _service_pid(sf)
     try:

@@ -205,8 +205,8 @@ def import_files(args: argparse.Namespace) -> int:
         for p, mo, c, r in done:
             out.print(Text.assemble("imported ", shown(p), " as ", shown(mo), " / ", shown(c),
                                     " (replaced the stored entry)" if r else ""))
-        for p, r in failed:
-            out.print(Text.assemble(("not imported", "red"), " ", shown(p), ": ", shown(r)))
+        for p, why in failed:
+            out.print(Text.assemble(("not imported", "red"), " ", shown(p), ": ", shown(why)))
     if stopped:
         raise KeyboardInterrupt  # exit 130, once the report is out
     if gone is not None:

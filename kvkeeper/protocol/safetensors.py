@@ -208,7 +208,7 @@ def read_file_header(path: str | os.PathLike[str]) -> FileHeader:
             raise LayoutError("not a regular file")
         head = os.pread(fd, _FIRST_READ, 0)
         n = _header_length(head[:8], info.st_size)
-        raw = memoryview(head)[8 : 8 + n]
+        raw: memoryview | bytes = memoryview(head)[8 : 8 + n]
         if len(raw) < n:
             raw = head[8:] + os.pread(fd, n - len(raw), len(head))
             if len(raw) != n:
@@ -342,7 +342,8 @@ class TensorHasher:
                 return
             self._digests.append(xxhash.xxh3_64_hexdigest(b""))
 
-    def update(self, buf: memoryview) -> None:
+    def update(self, data: memoryview | bytes | bytearray) -> None:
+        buf = memoryview(data)  # slices of it copy nothing
         while len(buf):
             if self._idx >= len(self._sizes):
                 raise LayoutError("more bytes than the declared tensors hold")
