@@ -1204,6 +1204,31 @@ def test_mlx_lm_quantized_and_windowed_caches_continue_as_mlx_lm_reuse_does(
         held = held + new + gen
 
 
+def _kv_heads_kit(lib: str, lm_tok: TokenizerWrapper) -> tuple[
+        Callable[[Client | None, nn.Module], Any], Callable[..., list[int]],
+        Callable[[int], nn.Module]]:
+    """For the tests of one model id given to models of other KV head counts:
+    a session of ``lib`` ("chat" with a client, else "mem"), a request of 8
+    tokens on it, and a tiny model with a given number of KV heads."""
+    if lib == "mlx_lm":
+        def session(kv: Client | None, model: nn.Module) -> Any:
+            return kv_lm.Session(kv, "model-y", "chat" if kv else "mem", model, lm_tok)
+
+        def ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
+            return s.generate(ids, **{"max_tokens": 8, **kw})
+
+        return session, ask, lambda heads: tiny_llama(seed=4, kv_heads=heads)
+    processor = vlm_processor(VOCAB)
+
+    def vlm_session(kv: Client | None, model: nn.Module) -> Any:
+        return kv_vlm.Session(kv, "model-y", "chat" if kv else "mem", model, processor)
+
+    def vlm_ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
+        return vlm_tokens(s.stream_generate(input_ids=mx.array([ids]), max_tokens=8, **kw))
+
+    return vlm_session, vlm_ask, lambda heads: tiny_vlm_llama(kv_heads=heads)
+
+
 @pytest.mark.parametrize("lib", ["mlx_lm", "mlx_vlm"])
 def test_a_saved_cache_of_another_head_count_starts_cold_once(
         lib: str, lm_tok: TokenizerWrapper, daemon: RunningDaemon,
@@ -1215,24 +1240,8 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
     raised inside the model (a failed broadcast), in new processes too. Now
     the request starts cold, says why, and its saves replace the entry. A
     request's own error is still the request's: the saved cache is kept."""
-    if lib == "mlx_lm":
-        def session(kv: Client | None, model: nn.Module) -> Any:
-            return kv_lm.Session(kv, "model-y", "chat" if kv else "mem", model, lm_tok)
-
-        def ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
-            return s.generate(ids, **{"max_tokens": 8, **kw})
-
-        small, large = tiny_llama(seed=4), tiny_llama(seed=4, kv_heads=4)
-    else:
-        processor = vlm_processor(VOCAB)
-
-        def session(kv: Client | None, model: nn.Module) -> Any:
-            return kv_vlm.Session(kv, "model-y", "chat" if kv else "mem", model, processor)
-
-        def ask(s: Any, ids: list[int], **kw: Any) -> list[int]:
-            return vlm_tokens(s.stream_generate(input_ids=mx.array([ids]), max_tokens=8, **kw))
-
-        small, large = tiny_vlm_llama(), tiny_vlm_llama(kv_heads=4)
+    session, ask, model_with = _kv_heads_kit(lib, lm_tok)
+    small, large = model_with(2), model_with(4)
     ids = prompt(30, seed=3)
     with Client(daemon.socket, timeout=WAIT) as kv:
         said = ask(session(kv, small), ids)
@@ -1346,3 +1355,40 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
                 ask(s, more, prompt_progress_callback=stop)
             assert ask(s, more) == want
             assert s.last_plan is not None and s.last_plan.action == "cold"
+
+
+@pytest.mark.parametrize("lib", ["mlx_lm", "mlx_vlm"])
+def test_a_trimmed_cache_of_more_kv_heads_starts_cold(
+        lib: str, lm_tok: TokenizerWrapper, daemon: RunningDaemon,
+        caplog: pytest.LogCaptureFixture
+) -> None:
+    """A saved cache of a model with 2 KV heads, restored under the same
+    model id for one with 1, and trimmed (the prompt leaves the saved
+    conversation part way; a docs review): the one head's keys broadcast
+    into the rows the trim left spare, and the session streamed other tokens
+    than a cold run, with no error until the buffer grew. Now the request
+    runs cold, as one that extends the cache does."""
+    session, ask, model_with = _kv_heads_kit(lib, lm_tok)
+    ids = prompt(30, seed=3)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        ask(session(kv, model_with(2)), ids)
+        assert kv.flush(timeout=WAIT) is True
+    more = ids[:20] + prompt(5, seed=9)
+    assert more[20] != ids[20]
+    one = model_with(1)
+    want = ask(session(None, one), more)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        s = session(kv, one)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            got = ask(s, more)
+        plan = s.last_plan
+        assert plan is not None and plan.action == "cold" and plan.source == "kvkeeper"
+        assert plan.reason.startswith("the saved cache failed in the model (ValueError")
+        assert "event=restore_unusable model=model-y id=chat" in caplog.text
+        assert got == want
+        assert kv.flush(timeout=WAIT) is True
+        # The entry is the one-head model's now: a trim of it is used.
+        s = session(kv, one)
+        ask(s, more[:22] + [7, 8, 9])
+        assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
+        assert s.last_plan.action == "trim"

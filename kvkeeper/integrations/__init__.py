@@ -204,6 +204,43 @@ def plan_reuse(
                 f"trimmed {drop} cached tokens back to the common prefix")
 
 
+#: The classes whose trim leaves spare rows behind the offset and whose update
+#: grows a full buffer by concatenation, in mlx-lm and mlx-vlm alike.
+_CUT_CLASSES = frozenset({"KVCache", "QuantizedKVCache"})
+
+
+def cut_to_offsets(layers: Sequence[Any]) -> None:
+    """Cut the buffers of trimmed KVCache and QuantizedKVCache layers to the
+    rows they hold. A cache restored from kvkeeper is known to fit the model
+    only once the model has run on it: one saved under the same model id by
+    a model with more KV heads, trimmed, kept spare rows into which the keys
+    of a model with one KV head broadcast without an error (wrong tokens,
+    then a ValueError when the buffer grew). With no spare row the model's
+    first step concatenates, which fails for any other head count, head
+    size or batch before the first token, as on an extend plan, and the
+    request runs cold (``restore_unusable``). It costs that step a copy of
+    the cache, as an extend plan's first step pays."""
+    for layer in layers:
+        children = getattr(layer, "caches", None)
+        if children is not None:
+            cut_to_offsets(children)
+            continue
+        offset = getattr(layer, "offset", None)
+        if type(layer).__name__ not in _CUT_CLASSES or type(offset) is not int:
+            continue
+        for name in ("keys", "values"):
+            held = getattr(layer, name, None)
+            if held is not None:
+                setattr(layer, name, _first_rows(held, offset))
+
+
+def _first_rows(held: Any, n: int) -> Any:
+    """An array's (or a quantized tuple's arrays') first ``n`` rows of axis -2."""
+    if isinstance(held, (tuple, list)):
+        return type(held)(_first_rows(part, n) for part in held)
+    return held[..., :n, :] if held.shape[-2] > n else held
+
+
 def _untouched(layers: Sequence[Any], n: int) -> bool:
     """Whether every layer still holds exactly ``n`` tokens, as its offset
     tells. A layer without one (ArraysCache) cannot tell: a failure part way
@@ -367,6 +404,8 @@ class SessionBase:
             self.forget()
         else:
             self.token_ids = list(prompt_ids[: plan.reused])
+            if plan.action == "trim" and source == "kvkeeper" and self.cache is not None:
+                cut_to_offsets(self.cache)
         self.last_plan = plan
         log.debug("event=plan model=%s id=%s action=%s source=%s reused=%d prefill=%d reason=%s",
                   self.model_id, self.session_id, plan.action, plan.source, plan.reused,
