@@ -14,6 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvkeeper.client.client import Client
 from kvkeeper.demo import word_tokenizer
+from kvkeeper.integrations import plan_reuse
 from kvkeeper.integrations.mlx_lm import Session
 from kvkeeper.writebehind import WriteBehind, cache_length
 
@@ -106,6 +107,45 @@ def test_snapshots_while_streaming_restore_exactly(model, tok, client: Client,
         expected = [r.token for r in stream_generate(model, tok, mx.array(full[len(p) + 34:]),
                                                      max_tokens=12, prompt_cache=ref2)]
         assert out == expected
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["extends", "parts_way"])
+def test_the_readme_resume_loop_feeds_only_what_the_cache_lacks(
+        model, tok, client: Client, daemon: RunningDaemon, parts: bool) -> None:
+    """The README's raw loop after a restart: plan_reuse on the loaded cache,
+    the prompt's tokens past plan.reused fed. The tokens are a cold run's,
+    whether the new prompt extends the saved conversation or leaves it part
+    way (trimmed), and the final save holds the whole new conversation."""
+    p = prompt(30, seed=7)
+    cache, token_ids = make_prompt_cache(model), list(p)
+    wb = client.write_behind(FP, "resume")
+    for r in stream_generate(model, tok, mx.array(p), max_tokens=12, prompt_cache=cache):
+        token_ids.append(r.token)
+        wb.step(cache, token_ids)
+    wb.close()
+    assert client.flush(timeout=WAIT) is True
+    said = token_ids
+    prompt_ids = (said[:25] if parts else said) + prompt(8, seed=8)
+    cold = [r.token for r in stream_generate(model, tok, mx.array(prompt_ids), max_tokens=10,
+                                             prompt_cache=make_prompt_cache(model))]
+
+    with Client(daemon.socket, timeout=WAIT) as kv:  # the restarted process
+        got = kv.load(FP, "resume")
+        plan = plan_reuse(got.cache if got else None, got.token_ids if got else None,
+                          prompt_ids)
+        cache = make_prompt_cache(model) if plan.action == "cold" else got.cache
+        token_ids = list(prompt_ids)
+        wb = kv.write_behind(FP, "resume")
+        for r in stream_generate(model, tok, mx.array(prompt_ids[plan.reused:]),
+                                 max_tokens=10, prompt_cache=cache):
+            token_ids.append(r.token)
+            wb.step(cache, token_ids)
+        wb.close()
+        assert (plan.action, plan.reused) == (("trim", 25) if parts else ("extend", len(said)))
+        assert token_ids[len(prompt_ids):] == cold
+        assert kv.flush(timeout=WAIT) is True
+        again = kv.load(FP, "resume")
+        assert again is not None and again.token_ids == token_ids
 
 
 def test_triggers_and_final_save(model, client: Client) -> None:

@@ -31,7 +31,8 @@ class CacheFileError(Exception):
     """A file that cannot give back a usable cache; the message says why.
 
     ``damaged`` is True when the file itself is bad (unreadable, failed checksum,
-    another model's or another id's file) and can never be served for its key;
+    another model's or another id's file, not a regular file: a directory, or
+    a symlink, never followed) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
     class this process cannot import, a dtype this MLX cannot load, a file
     this process cannot open now, or the file was replaced mid-read).
