@@ -63,7 +63,9 @@ class Plan:
     """What one request did with the session's cache.
 
     ``source``: where the cache came from (``"memory"``, ``"kvkeeper"``, or
-    None when there was none). ``reused``: prompt tokens taken from the cache;
+    None when none was taken: a saved cache refused before the model ran on
+    it, as not matching its tokens or this model's layers, is None and the
+    reason says so; one that failed in the model is ``"kvkeeper"``). ``reused``: prompt tokens taken from the cache;
     ``trimmed``: cached tokens dropped to get back to the common prefix;
     ``prefill``: prompt tokens fed to the model.
     """
