@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import plistlib
+import re
 import shlex
 import shutil
 import signal
@@ -309,7 +310,9 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """With --min-free-bytes beyond what evicting entries can free (another
     file fills the disk), every write evicts the entries before it: the log
-    says so, as a warning. (More than the whole disk is refused at start.)"""
+    says so, as a warning, and stats says below_min_free 1 (two reviews: the
+    store kept one cache, and only the daemon's log told why) until space is
+    freed. (More than the whole disk is refused at start.)"""
     caplog.set_level(logging.INFO, logger="kvkeeper")
     with small_tmpfs(short_dir, "8m") as mnt:
         (mnt / "other").write_bytes(b"x" * (5 * MiB))
@@ -318,8 +321,15 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
             with Client(rd.socket, timeout=WAIT) as kv:
                 assert kv.save(FP, "a", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
                 assert "event=below_min_free" not in caplog.text  # nothing evicted yet
+                assert kv.stats()["below_min_free"] == 1.0
                 assert kv.save(FP, "b", filled(1, 2), [2]) and kv.flush(timeout=WAIT)
                 assert {e.cache_id for e in kv.entries()} == {"b"}
+                shown = cli("stats", "--socket", str(rd.socket)).stdout
+                assert re.search(r"below_min_free\s+1\b", shown), shown
+                (mnt / "other").unlink()
+                assert kv.save(FP, "c", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+                assert kv.stats()["below_min_free"] == 0.0
+                assert {e.cache_id for e in kv.entries()} == {"b", "c"}
         finally:
             rd.stop()
     warned = [r for r in caplog.records if "event=below_min_free" in r.getMessage()]

@@ -1008,6 +1008,7 @@ class WriterActor:
             "store_indexing": 0.0 if self.indexed.is_set() else 1.0,
             "max_disk_bytes": float(budget.max_disk_bytes or 0),
             "min_free_bytes": float(budget.min_free_bytes),
+            "below_min_free": 1.0 if self.store.short_of_min_free else 0.0,
         }
 
 

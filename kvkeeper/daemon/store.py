@@ -167,6 +167,10 @@ class Store:
         self._meanwhile: dict[Path, StoredEntry | None] | None = None
         self._uses_meanwhile: dict[Path, float] | None = None
         self._whole = False  # a rescan has read every file: the budget may evict
+        #: The last pass over the store's disk left it with less than
+        #: --min-free-bytes free (other files fill it: each save evicts the
+        #: entries before it); ``stats`` says so as below_min_free.
+        self.short_of_min_free = False
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
         self._synced_dirs: set[Path] = set()  # see _synced
         self._scanning = threading.Lock()
@@ -922,9 +926,14 @@ class Store:
         freed = 0
         if wants_space and _no_size(where):
             for_free_space = False  # ramfs, a tmpfs of size 0: no limit to keep to
+        sized = for_free_space
 
         def free() -> int:
             return start_free + freed
+
+        def note_shortage() -> None:
+            if not own_disk:
+                self.short_of_min_free = sized and min_free > 0 and free() - writing < min_free
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:
@@ -941,6 +950,7 @@ class Store:
             return None
 
         if pressure() is None:
+            note_shortage()
             return  # the common case after a write
         with self._lock:
             indexed = list(self._index.values())  # oldest use first
@@ -1031,6 +1041,7 @@ class Store:
         elif b.max_disk_bytes is not None and used > b.max_disk_bytes:
             log.warning("event=over_budget used=%d max_disk_bytes=%d: foreign files or the "
                         "newest entry alone exceed it", used, b.max_disk_bytes)
+        note_shortage()
         if evicted and not stopped and min_free > 0 and free() - writing < min_free:
             # Entries went and the disk is still short: other files (or the
             # newest entry) fill it, and every save evicts the ones before it.
