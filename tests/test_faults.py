@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import random
 import re
@@ -720,6 +721,78 @@ def test_min_free_holds_on_a_btrfs_subvolume(short_dir: Path) -> None:
                 assert entry_path(root, "k5").exists() and not entry_path(root, "k0").exists()
         finally:
             assert rd.stop() == 0
+
+
+def test_a_nearly_full_btrfs_keeps_its_entries_and_takes_every_save(short_dir: Path) -> None:
+    """btrfs hands an unlinked file's blocks back at its next commit, and near
+    full gives a few MiB less than it says is free (a durability review): the
+    pass before a write counted its evictions as free, the write met ENOSPC,
+    and the next save evicted another entry and failed alike, until the store
+    was empty (2 of 239 flushes True). A write that meets ENOSPC now commits
+    the file system, evicts as if nothing were free, and goes on."""
+    mib = 2**20
+    with small_disk(short_dir, 300, "btrfs") as mnt:
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(mnt / "other", "wb") as f:  # another program's: 30 MiB left free
+            for _ in range((free - 30 * mib) // mib):
+                f.write(b"x" * mib)
+            os.fsync(f.fileno())
+        run("btrfs", "filesystem", "sync", str(mnt))
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for i in range(1, 13):
+                    for k in ("a", "b", "c"):  # 3 x 8 MiB, and a new version's room
+                        assert kv.save(FP, k, filled(8, i), [i])
+                    assert kv.flush(timeout=WAIT), i
+                stats = kv.stats()
+                assert stats["saves_failed"] == 0 and stats["saves_written"] >= 12
+                # Room for three and a new version's tmp file: a save may
+                # evict the one before it, as on ext4.
+                kept = {e.cache_id for e in kv.entries()}
+                assert "c" in kept and len(kept) >= 2, kept
+            assert [version_of(entry_path(root, k)) for k in sorted(kept)] == [12] * len(kept)
+        finally:
+            assert rd.stop() == 0
+
+
+def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Another program fills the disk while a save is written, after the pass
+    before it found room: the write meets ENOSPC, evicts the least recently
+    used entry for the bytes it lacks (not for --min-free-bytes too: that is
+    the pass after the commit's) and goes on where it stopped (before: the
+    save failed). Without syncfs (no_syncfs: macOS has none), on a file
+    system that frees at the unlink, as APFS and tmpfs do."""
+    mib = 2**20
+    caplog.set_level(logging.INFO, logger="kvkeeper")
+    monkeypatch.setitem(faults.ACTIVE, "write_delay", "0.1")  # 0.8 s for the 8 MiB
+    monkeypatch.setitem(faults.ACTIVE, "no_syncfs", "1")
+    with small_tmpfs(short_dir, "24m") as mnt:
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_write_interval=0,
+                          min_free_bytes=5 * mib)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                for k in ("o1", "o2"):
+                    assert kv.save(FP, k, filled(4, 1), [1]) and kv.flush(timeout=WAIT)
+                assert kv.save(FP, "k", filled(8, 2), [2])
+                wait_for(lambda: tmp_files(root) != [], "the save's tmp file")
+                st = os.statvfs(mnt)
+                # 6 of its 8 MiB fit: the rest needs one entry evicted.
+                (mnt / "filler").write_bytes(b"x" * (st.f_bavail * st.f_frsize - 6 * mib))
+                assert kv.flush(timeout=WAIT) is True
+                # o1 for the write; o2 by the pass after it, for --min-free-bytes.
+                assert kv.stats()["evictions"] == 2
+                assert {e.cache_id for e in kv.entries()} == {"k"}
+            assert version_of(entry_path(root, "k")) == 2
+            assert tmp_files(root) == []
+        finally:
+            assert rd.stop() == 0
+    out = [r.getMessage() for r in caplog.records if "event=write_out_of_space" in r.getMessage()]
+    assert len(out) == 1 and out[0].endswith(" evicted=1"), out
 
 
 def test_a_model_on_a_disk_of_its_own_gets_room_there(short_dir: Path) -> None:

@@ -1143,8 +1143,11 @@ class _FileWriter:
                         self.store.drop_model_dir(model)
                         raise
             # (Again after a retry: the new model's directory took a block.)
-            self.store.make_room(model, cache_id, size, into=self.evicted)
+            made = self.store.make_room(model, cache_id, size, into=self.evicted)
             assert self.pending is not None  # begin() made it, or the loop raised
+            self.pending.on_full = functools.partial(
+                self.store.room_after_full, model, cache_id, may_evict=not made,
+                into=self.evicted)
             self.pending.append([header])
         if hash_too:
             self._hash(batch)

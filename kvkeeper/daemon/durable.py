@@ -100,14 +100,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def write_all(fd: int, bufs: Sequence[memoryview | bytes | bytearray]) -> int:
+def write_all(fd: int, bufs: Sequence[memoryview | bytes | bytearray],
+              on_full: Callable[[int], bool] | None = None) -> int:
     """writev every byte of ``bufs``. Loops on short writes (a full disk or
-    RLIMIT_FSIZE gives a short count first and an error on the next call)."""
+    RLIMIT_FSIZE gives a short count first and an error on the next call).
+    On ENOSPC, ``on_full(bytes written so far)`` may make room: the write
+    goes on where it stopped while it answers True."""
     pending = [memoryview(b).cast("B") for b in bufs if len(b)]
     total = 0
     i = 0  # the first buffer not wholly written (no pop(0): quadratic in the count)
     while i < len(pending):
-        n = os.writev(fd, pending[i : i + _IOV_MAX])
+        try:
+            n = os.writev(fd, pending[i : i + _IOV_MAX])
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC and on_full is not None and on_full(total):
+                continue
+            raise
         total += n
         while n and i < len(pending):
             if n >= len(pending[i]):
@@ -117,6 +125,37 @@ def write_all(fd: int, bufs: Sequence[memoryview | bytes | bytearray]) -> int:
                 pending[i] = pending[i][n:]
                 n = 0
     return total
+
+
+#: Times a file's write that met ENOSPC may make room and go on.
+ROOM_TRIES = 2
+
+
+def _libc_syncfs() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None  # not Linux
+    fn.argtypes = (ctypes.c_int,)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_syncfs = _libc_syncfs()
+
+
+def settle_frees(path: Path) -> None:
+    """Commit the file system of ``path``, where that is how it hands back the
+    blocks of files unlinked (btrfs frees them at its transaction's commit,
+    XFS in the background; the failed write's own tmp file, removed, too).
+    Linux's syncfs; elsewhere (APFS frees at the unlink) nothing."""
+    if _syncfs is None or faults.skip("no_syncfs"):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _syncfs(fd)  # advisory: a failure only leaves the frees for later
+    finally:
+        os.close(fd)
 
 
 class PendingFile:
@@ -140,12 +179,25 @@ class PendingFile:
         self._written_back = 0
         self.fsync_seconds = 0.0
         self._half = header_bytes + data_bytes // 2
+        self.size = header_bytes + data_bytes
+        #: Given the bytes still to write and whether it is the file's first
+        #: time, makes room after ENOSPC (see ``write_all``); at most
+        #: ``ROOM_TRIES`` times for the file.
+        self.on_full: Callable[[int, bool], bool] | None = None
+        self._room_tries = ROOM_TRIES
 
     def append(self, bufs: Sequence[memoryview | bytes | bytearray]) -> None:
         assert self._fd is not None
         if faults.ACTIVE:
             bufs = self._faulty(bufs)
-        self.nbytes += write_all(self._fd, bufs)
+        self.nbytes += write_all(self._fd, bufs, self._make_room)
+
+    def _make_room(self, written: int) -> bool:
+        if self.on_full is None or not self._room_tries:
+            return False
+        self._room_tries -= 1
+        return self.on_full(self.size - self.nbytes - written,
+                            self._room_tries == ROOM_TRIES - 1)
         if self.nbytes - self._written_back >= WRITEBACK_BYTES:
             start_writeback(self._fd, self._written_back, self.nbytes - self._written_back)
             self._written_back = self.nbytes

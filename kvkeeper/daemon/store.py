@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvkeeper.config import ConfigError
 from kvkeeper.daemon import faults
-from kvkeeper.daemon.durable import TMP_SUFFIX, PendingFile, fsync_dir
+from kvkeeper.daemon.durable import TMP_SUFFIX, PendingFile, fsync_dir, settle_frees
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import naming
 from kvkeeper.protocol.legacy_formats import GEZEL_SCHEMA3, detect_legacy
@@ -863,11 +863,41 @@ class Store:
         return self.enforce_budget(keep=self.path_for(model, cache_id), writing=nbytes,
                                    need_inode=need_inode, into=into)
 
+    def room_after_full(self, model: str, cache_id: str, left: int, first: bool, *,
+                        may_evict: bool, into: list[StoredEntry] | None = None) -> bool:
+        """A write of the entry's new version met ENOSPC with ``left`` bytes
+        still to write, though ``make_room`` found room: the file system hands
+        unlinked blocks back late (btrfs at its next commit, XFS in the
+        background) or gives less than it says is free (btrfs, by a few MiB
+        near full), or another program took the space meanwhile. On a nearly
+        full btrfs every save then evicted an entry and failed, until the
+        store was empty. Commit the file system's frees; the ``first`` time,
+        go on if the disk then says there is room. Else, when ``may_evict``
+        (the pass before the write evicted nothing: entries whose unlink
+        frees nothing, held open elsewhere, are not followed by more), evict
+        as if nothing were free, least recently used first, and commit again.
+        Whether the write may go on."""
+        keep = self.path_for(model, cache_id)
+        where = self._disk_of(keep)[0]
+        settle_frees(where)
+        if first and self.free_bytes(where) >= left:
+            evicted: list[StoredEntry] = []
+        elif may_evict:
+            evicted = self.enforce_budget(keep=keep, writing=left, into=into, none_free=True)
+            if not evicted:
+                return False
+            settle_frees(where)
+        else:
+            return False
+        log.info("event=write_out_of_space model=%s id=%s left=%d evicted=%d",
+                 model, cache_id, left, len(evicted))
+        return True
+
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
                        no_evictions: threading.Event | None = None,
                        need_inode: bool = False,
                        into: list[StoredEntry] | None = None,
-                       writers_turn: bool = True) -> list[StoredEntry]:
+                       writers_turn: bool = True, none_free: bool = False) -> list[StoredEntry]:
         """Evict least recently used entries (quarantined files first) until the
         root is within ``max_disk_bytes`` and ``min_free_bytes`` are free,
         counting ``writing`` bytes less free (a file about to be written; it
@@ -875,14 +905,16 @@ class Store:
         never deleted; ``keep`` is never evicted, and protected entries (a
         save of them on its way) go last; nothing is evicted for a file that
         would not fit with every entry gone, nor once ``no_evictions`` is set
-        (looked at before each one). Returns the entries evicted; they are
-        appended to ``into`` too, also when this raises part way (statvfs
-        failing, say), so that a caller still has them."""
+        (looked at before each one). ``none_free``: the disk is taken to have
+        no byte free, whatever it says, and only ``writing`` bytes are made
+        free, ``min_free_bytes`` aside (see ``room_after_full``). Returns the
+        entries evicted; they are appended to ``into`` too, also when this
+        raises part way (statvfs failing, say), so that a caller still has them."""
         evicted: list[StoredEntry] = []
         try:
             with self._evicting:
                 self._enforce_budget(keep, writing, no_evictions, need_inode, evicted,
-                                     writers_turn)
+                                     writers_turn, none_free)
         finally:
             if into is not None:
                 into += evicted
@@ -891,7 +923,7 @@ class Store:
     def _enforce_budget(self, keep: Path | None, writing: int,
                         no_evictions: threading.Event | None,
                         need_inode: bool, evicted: list[StoredEntry],
-                        writers_turn: bool) -> None:
+                        writers_turn: bool, none_free: bool = False) -> None:
         b = self.budget
         with self._lock:
             if not self._whole:
@@ -902,7 +934,8 @@ class Store:
         # disk is only kept from failing a write (the default 5 GiB could be
         # more than the whole disk, and every save would evict the rest).
         where, own_disk = self._disk_of(keep)
-        min_free = 0 if own_disk else b.min_free_bytes
+        # (A none_free pass is for the room a write lacks, nothing more.)
+        min_free = 0 if own_disk or none_free else b.min_free_bytes
         disks: dict[Path, bool] = {}
 
         def on_disk(e: StoredEntry) -> bool:
@@ -922,7 +955,7 @@ class Store:
         # background): read after each eviction, such a disk lost every
         # entry, and the save still failed.
         wants_space = min_free > 0 or writing > 0
-        start_free = self.free_bytes(where) if wants_space else 0
+        start_free = self.free_bytes(where) if wants_space and not none_free else 0
         freed = 0
         if wants_space and _no_size(where):
             for_free_space = False  # ramfs, a tmpfs of size 0: no limit to keep to
@@ -932,7 +965,7 @@ class Store:
             return start_free + freed
 
         def note_shortage() -> None:
-            if not own_disk:
+            if not own_disk and not none_free:
                 self.short_of_min_free = sized and min_free > 0 and free() - writing < min_free
 
         def pressure() -> str | None:
