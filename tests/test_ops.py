@@ -276,6 +276,9 @@ def test_a_save_too_big_for_the_disk_evicts_nothing(short_dir: Path) -> None:
                 assert kv.save(FP, "huge", filled(16, 2), [2])
                 assert kv.flush(timeout=WAIT) is False
                 assert kv.stats()["evictions"] == 0
+                # The disk is not short of --min-free-bytes: the save was too big
+                # (a review: the pass before its write said below_min_free 1).
+                assert kv.stats()["below_min_free"] == 0.0
                 assert {e.cache_id for e in kv.entries()} == {"a", "b"}
                 assert version_of(entry_path(rd.root, "a")) == 1
                 assert tmp_files(rd.root) == []

@@ -167,7 +167,8 @@ class Store:
         self._meanwhile: dict[Path, StoredEntry | None] | None = None
         self._uses_meanwhile: dict[Path, float] | None = None
         self._whole = False  # a rescan has read every file: the budget may evict
-        #: The last pass over the store's disk left it with less than
+        #: The last pass over the store's disk with no write to make room for
+        #: (the start's, a save's once written, a gc's) left it with less than
         #: --min-free-bytes free (other files fill it: each save evicts the
         #: entries before it); ``stats`` says so as below_min_free.
         self.short_of_min_free = False
@@ -965,8 +966,10 @@ class Store:
             return start_free + freed
 
         def note_shortage() -> None:
-            if not own_disk and not none_free:
-                self.short_of_min_free = sized and min_free > 0 and free() - writing < min_free
+            # Not before a write: the file is not there yet, and may never be
+            # (a save too big for the disk, which then fails).
+            if not own_disk and not none_free and not writing:
+                self.short_of_min_free = sized and min_free > 0 and free() < min_free
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:

@@ -62,10 +62,12 @@ NO_CACHE = "no cache for this session"
 class Plan:
     """What one request did with the session's cache.
 
-    ``source``: where the cache came from (``"memory"``, ``"kvkeeper"``, or
-    None when none was taken: a saved cache refused before the model ran on
-    it, as not matching its tokens or this model's layers, is None and the
-    reason says so; one that failed in the model is ``"kvkeeper"``). ``reused``: prompt tokens taken from the cache;
+    ``source``: where the cache came from (``"memory"`` or ``"kvkeeper"``;
+    a cold plan says so too when that cache was not reused: nothing in
+    common with the prompt, other media, or it failed in the model), or
+    None when there was none: none found, the load failed, or the saved
+    cache was refused as it was restored (its length against its token ids,
+    no token ids, layers this model does not keep). ``reused``: prompt tokens taken from the cache;
     ``trimmed``: cached tokens dropped to get back to the common prefix;
     ``prefill``: prompt tokens fed to the model.
     """
