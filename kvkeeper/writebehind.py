@@ -259,7 +259,7 @@ class WriteBehind:
         return ok
 
 
-def check_triggers(every_tokens: int | None, every_seconds: float | None) -> None:
+def check_triggers(every_tokens: Any, every_seconds: Any) -> None:
     """Raise ValueError for save triggers that could never fire as meant."""
     if every_tokens is not None and (isinstance(every_tokens, bool)
                                      or not isinstance(every_tokens, Integral) or every_tokens < 1):

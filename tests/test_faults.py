@@ -757,6 +757,16 @@ def test_a_nearly_full_btrfs_keeps_its_entries_and_takes_every_save(short_dir: P
             assert rd.stop() == 0
 
 
+def _save_8_mib_then_fill(kv: Client, root: Path, mnt: Path) -> None:
+    """Save k (8 MiB, version 2); once its tmp file is made (the pass before
+    its write is done), fill the disk with another file to 6 MiB free: the
+    rest of the write lacks 2 MiB. With write_delay set: written slowly."""
+    assert kv.save(FP, "k", filled(8, 2), [2])
+    wait_for(lambda: tmp_files(root) != [], "the save's tmp file")
+    st = os.statvfs(mnt)
+    (mnt / "filler").write_bytes(b"x" * (st.f_bavail * st.f_frsize - 6 * 2**20))
+
+
 def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
         short_dir: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -764,12 +774,11 @@ def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
     before it found room: the write meets ENOSPC, evicts the least recently
     used entry for the bytes it lacks (not for --min-free-bytes too: that is
     the pass after the commit's) and goes on where it stopped (before: the
-    save failed). Without syncfs (no_syncfs: macOS has none), on a file
-    system that frees at the unlink, as APFS and tmpfs do."""
+    save failed). tmpfs frees at the unlink, as APFS does: no syncfs there
+    (macOS has none)."""
     mib = 2**20
     caplog.set_level(logging.INFO, logger="kvkeeper")
     monkeypatch.setitem(faults.ACTIVE, "write_delay", "0.1")  # 0.8 s for the 8 MiB
-    monkeypatch.setitem(faults.ACTIVE, "no_syncfs", "1")
     with small_tmpfs(short_dir, "24m") as mnt:
         root = mnt / "root"
         rd = start_daemon(root, short_dir / "run" / "kv.sock", min_write_interval=0,
@@ -778,11 +787,7 @@ def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
             with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
                 for k in ("o1", "o2"):
                     assert kv.save(FP, k, filled(4, 1), [1]) and kv.flush(timeout=WAIT)
-                assert kv.save(FP, "k", filled(8, 2), [2])
-                wait_for(lambda: tmp_files(root) != [], "the save's tmp file")
-                st = os.statvfs(mnt)
-                # 6 of its 8 MiB fit: the rest needs one entry evicted.
-                (mnt / "filler").write_bytes(b"x" * (st.f_bavail * st.f_frsize - 6 * mib))
+                _save_8_mib_then_fill(kv, root, mnt)
                 assert kv.flush(timeout=WAIT) is True
                 # o1 for the write; o2 by the pass after it, for --min-free-bytes.
                 assert kv.stats()["evictions"] == 2
@@ -792,7 +797,32 @@ def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
         finally:
             assert rd.stop() == 0
     out = [r.getMessage() for r in caplog.records if "event=write_out_of_space" in r.getMessage()]
-    assert len(out) == 1 and out[0].endswith(" evicted=1"), out
+    assert len(out) == 1 and out[0].endswith(" evicted=1 freed=1"), out
+
+
+def test_a_write_that_meets_a_full_disk_stops_where_evictions_free_nothing(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, with every entry held open elsewhere (lazy loads; a btrfs
+    snapshot keeps blocks alike): the first eviction frees nothing, and the
+    write gives up there (a review: a second try evicted the next entry for
+    nothing too)."""
+    monkeypatch.setitem(faults.ACTIVE, "write_delay", "0.1")
+    with small_tmpfs(short_dir, "24m") as mnt:
+        root = mnt / "root"
+        rd = start_daemon(root, short_dir / "run" / "kv.sock", min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv, \
+                    contextlib.ExitStack() as held:
+                for k in ("o1", "o2", "o3"):
+                    assert kv.save(FP, k, filled(3, 1), [1]) and kv.flush(timeout=WAIT)
+                    held.enter_context(open(entry_path(root, k), "rb"))  # noqa: SIM115
+                _save_8_mib_then_fill(kv, root, mnt)
+                assert kv.flush(timeout=WAIT) is False
+                assert kv.stats()["evictions"] == 1
+                assert {e.cache_id for e in kv.entries()} == {"o2", "o3"}
+            assert tmp_files(root) == []
+        finally:
+            assert rd.stop() == 0
 
 
 def test_a_model_on_a_disk_of_its_own_gets_room_there(short_dir: Path) -> None:

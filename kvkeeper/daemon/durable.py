@@ -12,10 +12,12 @@ import ctypes
 import errno
 import itertools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvkeeper.daemon import faults
 from kvkeeper.logs import get_logger
@@ -74,17 +76,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+def _libc(name: str, *argtypes: Any) -> Any:
+    """A libc function, or None where there is none (not Linux)."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
-        return None  # not Linux: the final fsync does all the writing back
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return None
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_sync_file_range = _libc_sync_file_range()
+# Not Linux: the final fsync does all the writing back.
+_sync_file_range = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_uint)
 
 _SYNC_FILE_RANGE_WRITE = 2
 #: Bytes written before the kernel is asked to start writing them back.
@@ -131,25 +136,29 @@ def write_all(fd: int, bufs: Sequence[memoryview | bytes | bytearray],
 ROOM_TRIES = 2
 
 
-def _libc_syncfs() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None  # not Linux
-    fn.argtypes = (ctypes.c_int,)
-    fn.restype = ctypes.c_int
-    return fn
+# Linux's: elsewhere (macOS) there is no syncfs, and APFS frees at the unlink.
+_syncfs = _libc("syncfs", ctypes.c_int) if sys.platform == "linux" else None
+_statfs = _libc("statfs", ctypes.c_char_p, ctypes.c_void_p) if _syncfs is not None else None
+#: File systems that hand an unlinked file's blocks back later (linux/magic.h):
+#: btrfs at its transaction's commit, XFS in the background.
+_FREES_LATE = frozenset({0x9123683E, 0x58465342})
 
 
-_syncfs = _libc_syncfs()
+def _frees_late(path: Path) -> bool:
+    if _statfs is None:
+        return False
+    buf = ctypes.create_string_buffer(512)  # struct statfs: f_type is its first field, a long
+    if _statfs(os.fsencode(path), buf) != 0:
+        return False
+    return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in _FREES_LATE
 
 
 def settle_frees(path: Path) -> None:
-    """Commit the file system of ``path``, where that is how it hands back the
-    blocks of files unlinked (btrfs frees them at its transaction's commit,
-    XFS in the background; the failed write's own tmp file, removed, too).
-    Linux's syncfs; elsewhere (APFS frees at the unlink) nothing."""
-    if _syncfs is None or faults.skip("no_syncfs"):
+    """Commit the file system of ``path`` where that is how it hands back the
+    blocks of files unlinked (btrfs, XFS: see ``_FREES_LATE``; the failed
+    write's own tmp file's too). Only there: syncfs waits for every dirty page
+    of the file system, other programs' too, and elsewhere frees nothing."""
+    if _syncfs is None or not _frees_late(path):
         return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -191,6 +200,9 @@ class PendingFile:
         if faults.ACTIVE:
             bufs = self._faulty(bufs)
         self.nbytes += write_all(self._fd, bufs, self._make_room)
+        if self.nbytes - self._written_back >= WRITEBACK_BYTES:
+            start_writeback(self._fd, self._written_back, self.nbytes - self._written_back)
+            self._written_back = self.nbytes
 
     def _make_room(self, written: int) -> bool:
         if self.on_full is None or not self._room_tries:
@@ -198,9 +210,6 @@ class PendingFile:
         self._room_tries -= 1
         return self.on_full(self.size - self.nbytes - written,
                             self._room_tries == ROOM_TRIES - 1)
-        if self.nbytes - self._written_back >= WRITEBACK_BYTES:
-            start_writeback(self._fd, self._written_back, self.nbytes - self._written_back)
-            self._written_back = self.nbytes
 
     def _faulty(self, bufs: Sequence[memoryview | bytes | bytearray]
                 ) -> Sequence[memoryview | bytes | bytearray]:

@@ -10,9 +10,7 @@ lookup that finds nothing.
 - ``abort_delay=S``: sleep S seconds before removing a tmp file (widens the
   writer's wait on it, for the tests of what may happen meanwhile).
 - ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
-  power-cut test: they must show loss). ``no_syncfs=1``: no commit of the
-  file system before a write that met ENOSPC goes on (as where there is no
-  syncfs: macOS).
+  power-cut test: they must show loss).
 - ``scan_hold=PATH``: a rescan waits, after reading every file and before
   it replaces the index, until PATH exists (at most 600 s; a drain's stop
   ends the wait); with ``scan_hold_after=N``, after reading N files instead.

@@ -824,16 +824,16 @@ def _socket_peer_pid(fd: int) -> int | None:
     """On macOS, the pid of the process at the other end of the unix socket
     ``fd`` (LOCAL_PEERPID); None elsewhere, or if ``fd`` is not such a
     socket any more."""
-    if sys.platform != "darwin":
-        return None
-    try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            if s.family != socket.AF_UNIX:
-                return None
-            pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
-    except (OSError, ValueError):
-        return None
-    return pid or None
+    if sys.platform == "darwin":
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if s.family != socket.AF_UNIX:
+                    return None
+                pid = int.from_bytes(s.getsockopt(0, _LOCAL_PEERPID, 4), sys.byteorder)
+        except (OSError, ValueError):
+            return None
+        return pid or None
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -872,27 +872,30 @@ class Store:
         background) or gives less than it says is free (btrfs, by a few MiB
         near full), or another program took the space meanwhile. On a nearly
         full btrfs every save then evicted an entry and failed, until the
-        store was empty. Commit the file system's frees; the ``first`` time,
-        go on if the disk then says there is room. Else, when ``may_evict``
-        (the pass before the write evicted nothing: entries whose unlink
-        frees nothing, held open elsewhere, are not followed by more), evict
-        as if nothing were free, least recently used first, and commit again.
-        Whether the write may go on."""
+        store was empty. Commit the file system's frees (``settle_frees``);
+        the ``first`` time, go on if the disk then says there is room. Else,
+        when ``may_evict`` (the pass before the write evicted nothing), evict
+        as if nothing were free, least recently used first, for the bytes the
+        write lacks, and go on only if that freed space: an unlink that frees
+        nothing (a file held open, or kept by a btrfs snapshot or another
+        link) ends it there. Whether the write may go on."""
         keep = self.path_for(model, cache_id)
         where = self._disk_of(keep)[0]
         settle_frees(where)
-        if first and self.free_bytes(where) >= left:
-            evicted: list[StoredEntry] = []
-        elif may_evict:
-            evicted = self.enforce_budget(keep=keep, writing=left, into=into, none_free=True)
-            if not evicted:
-                return False
-            settle_frees(where)
-        else:
+        before = self.free_bytes(where)
+        if first and before >= left:
+            log.info("event=write_out_of_space model=%s id=%s left=%d evicted=0",
+                     model, cache_id, left)
+            return True
+        if not may_evict:
             return False
-        log.info("event=write_out_of_space model=%s id=%s left=%d evicted=%d",
-                 model, cache_id, left, len(evicted))
-        return True
+        evicted = self.enforce_budget(keep=keep, writing=left, into=into, none_free=True)
+        if evicted:
+            settle_frees(where)
+        freed = self.free_bytes(where) > before
+        log.info("event=write_out_of_space model=%s id=%s left=%d evicted=%d freed=%d",
+                 model, cache_id, left, len(evicted), freed)
+        return freed
 
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
                        no_evictions: threading.Event | None = None,
