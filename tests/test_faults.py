@@ -797,7 +797,7 @@ def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
         finally:
             assert rd.stop() == 0
     out = [r.getMessage() for r in caplog.records if "event=write_out_of_space" in r.getMessage()]
-    assert len(out) == 1 and out[0].endswith(" evicted=1 freed=1"), out
+    assert len(out) == 1 and out[0].endswith(" evicted=1 room=1"), out
 
 
 def test_a_write_that_meets_a_full_disk_stops_where_evictions_free_nothing(

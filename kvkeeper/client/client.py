@@ -164,7 +164,7 @@ class Client:
             max_inflight_bytes = settings.memory_share(2 * GiB)
         budget: Any = max_inflight_bytes  # as given: checked here
         if (isinstance(budget, bool) or not isinstance(budget, Real)
-                or not math.isfinite(budget) or not float(budget).is_integer() or budget <= 0):
+                or not math.isfinite(budget) or budget != math.floor(budget) or budget <= 0):
             raise ValueError(f"max_inflight_bytes must be a whole number of bytes > 0 (0 would "
                              f"drop every save), not {max_inflight_bytes!r}")
         max_inflight_bytes = int(max_inflight_bytes)

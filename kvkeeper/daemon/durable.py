@@ -138,27 +138,16 @@ ROOM_TRIES = 2
 
 # Linux's: elsewhere (macOS) there is no syncfs, and APFS frees at the unlink.
 _syncfs = _libc("syncfs", ctypes.c_int) if sys.platform == "linux" else None
-_statfs = _libc("statfs", ctypes.c_char_p, ctypes.c_void_p) if _syncfs is not None else None
-#: File systems that hand an unlinked file's blocks back later (linux/magic.h):
-#: btrfs at its transaction's commit, XFS in the background.
-_FREES_LATE = frozenset({0x9123683E, 0x58465342})
-
-
-def _frees_late(path: Path) -> bool:
-    if _statfs is None:
-        return False
-    buf = ctypes.create_string_buffer(512)  # struct statfs: f_type is its first field, a long
-    if _statfs(os.fsencode(path), buf) != 0:
-        return False
-    return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in _FREES_LATE
 
 
 def settle_frees(path: Path) -> None:
-    """Commit the file system of ``path`` where that is how it hands back the
-    blocks of files unlinked (btrfs, XFS: see ``_FREES_LATE``; the failed
-    write's own tmp file's too). Only there: syncfs waits for every dirty page
-    of the file system, other programs' too, and elsewhere frees nothing."""
-    if _syncfs is None or not _frees_late(path):
+    """Commit the file system of ``path``: btrfs hands an unlinked file's
+    blocks back at its transaction's commit, XFS in the background, ZFS at
+    its next transaction group, and the same under overlayfs (a container's
+    disk), which syncs the layer below. It waits for every dirty page of that
+    file system, other programs' too: called only when free space did not
+    show what an unlink freed. Linux's syncfs; elsewhere nothing."""
+    if _syncfs is None:
         return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

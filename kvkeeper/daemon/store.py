@@ -872,30 +872,31 @@ class Store:
         background) or gives less than it says is free (btrfs, by a few MiB
         near full), or another program took the space meanwhile. On a nearly
         full btrfs every save then evicted an entry and failed, until the
-        store was empty. Commit the file system's frees (``settle_frees``);
-        the ``first`` time, go on if the disk then says there is room. Else,
-        when ``may_evict`` (the pass before the write evicted nothing), evict
-        as if nothing were free, least recently used first, for the bytes the
-        write lacks, and go on only if that freed space: an unlink that frees
+        store was empty. The ``first`` time, go on if the disk has room for
+        the rest, once its frees are committed. Else, when ``may_evict`` (the
+        pass before the write evicted nothing), evict as if nothing were free,
+        least recently used first, for the bytes the write lacks, and go on
+        only if the disk then has room for them: an unlink that frees
         nothing (a file held open, or kept by a btrfs snapshot or another
         link) ends it there. Whether the write may go on."""
         keep = self.path_for(model, cache_id)
         where = self._disk_of(keep)[0]
-        settle_frees(where)
-        before = self.free_bytes(where)
-        if first and before >= left:
-            log.info("event=write_out_of_space model=%s id=%s left=%d evicted=0",
-                     model, cache_id, left)
+        evicted: list[StoredEntry] = []
+        room = first and self._room_for(where, left)
+        if not room and may_evict:
+            evicted = self.enforce_budget(keep=keep, writing=left, into=into, none_free=True)
+            room = bool(evicted) and self._room_for(where, left)
+        log.info("event=write_out_of_space model=%s id=%s left=%d evicted=%d room=%d",
+                 model, cache_id, left, len(evicted), room)
+        return room
+
+    def _room_for(self, where: Path, nbytes: int) -> bool:
+        """Whether the disk of ``where`` has ``nbytes`` free, its frees
+        committed first where they are not counted yet (``settle_frees``)."""
+        if self.free_bytes(where) >= nbytes:
             return True
-        if not may_evict:
-            return False
-        evicted = self.enforce_budget(keep=keep, writing=left, into=into, none_free=True)
-        if evicted:
-            settle_frees(where)
-        freed = self.free_bytes(where) > before
-        log.info("event=write_out_of_space model=%s id=%s left=%d evicted=%d freed=%d",
-                 model, cache_id, left, len(evicted), freed)
-        return freed
+        settle_frees(where)
+        return self.free_bytes(where) >= nbytes
 
     def enforce_budget(self, keep: Path | None = None, *, writing: int = 0,
                        no_evictions: threading.Event | None = None,
