@@ -649,21 +649,33 @@ def test_evictions_that_free_no_space_stop(short_dir: Path) -> None:
     disk evicted every entry, one after the other, and still failed. Now an
     entry linked elsewhere is passed over, and a pass evicts the files whose
     sizes make up the shortfall, without reading the free space again: c
-    goes, and that save fails (c's blocks come back once it is closed)."""
+    goes, and frees nothing. The write then meets ENOSPC and makes one round
+    of room for the bytes it lacks (room_after_full): d, which frees them,
+    and e is written. With d held open too, that round frees nothing and the
+    save fails there: c and d gone, a and b kept."""
     with _four_saves_on_a_small_disk(short_dir) as (mnt, kv):
         root = mnt / "root"
         for k in "ab":
             os.link(entry_path(root, k), mnt / f"backup-{k}")
         with open(entry_path(root, "c"), "rb"):  # a reader elsewhere keeps its blocks
             assert kv.save(FP, "e", filled(10, 5), [5])
+            assert kv.flush(timeout=WAIT) is True
+            assert kv.stats()["evictions"] == 2
+            assert not entry_path(root, "c").exists() and not entry_path(root, "d").exists()
+            assert [version_of(entry_path(root, k)) for k in "abe"] == [1, 2, 5]
+        assert tmp_files(root) == []
+    again = short_dir / "2"
+    again.mkdir(mode=0o700)
+    with _four_saves_on_a_small_disk(again) as (mnt, kv):
+        root = mnt / "root"
+        for k in "ab":
+            os.link(entry_path(root, k), mnt / f"backup-{k}")
+        with open(entry_path(root, "c"), "rb"), open(entry_path(root, "d"), "rb"):
+            assert kv.save(FP, "e", filled(10, 5), [5])
             assert kv.flush(timeout=WAIT) is False
-            assert kv.stats()["evictions"] == 1
-            assert not entry_path(root, "c").exists()
-            assert [version_of(entry_path(root, k)) for k in "abd"] == [1, 2, 4]
-        # Closed, c's blocks are free: the save fits with a, b and d kept.
-        assert kv.save(FP, "e", filled(10, 5), [5]) and kv.flush(timeout=WAIT)
-        assert [version_of(entry_path(root, k)) for k in "abde"] == [1, 2, 4, 5]
-        assert kv.stats()["evictions"] == 1 and tmp_files(root) == []
+            assert kv.stats()["evictions"] == 2
+            assert [version_of(entry_path(root, k)) for k in "ab"] == [1, 2]
+        assert tmp_files(root) == []
 
 
 def test_a_disk_that_frees_blocks_later_loses_no_more_than_the_save_needs(
@@ -774,8 +786,8 @@ def test_a_write_that_meets_a_full_disk_makes_room_and_goes_on(
     before it found room: the write meets ENOSPC, evicts the least recently
     used entry for the bytes it lacks (not for --min-free-bytes too: that is
     the pass after the commit's) and goes on where it stopped (before: the
-    save failed). tmpfs frees at the unlink, as APFS does: no syncfs there
-    (macOS has none)."""
+    save failed). tmpfs frees at the unlink, as APFS does (macOS has no
+    syncfs)."""
     mib = 2**20
     caplog.set_level(logging.INFO, logger="kvkeeper")
     monkeypatch.setitem(faults.ACTIVE, "write_delay", "0.1")  # 0.8 s for the 8 MiB

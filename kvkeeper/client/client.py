@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import stat
 import sys
@@ -162,12 +161,11 @@ class Client:
         connect_timeout = _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
         if max_inflight_bytes is None:
             max_inflight_bytes = settings.memory_share(2 * GiB)
-        budget: Any = max_inflight_bytes  # as given: checked here
-        if (isinstance(budget, bool) or not isinstance(budget, Real)
-                or not math.isfinite(budget) or budget != math.floor(budget) or budget <= 0):
+        budget = _whole_bytes(max_inflight_bytes)
+        if budget is None:
             raise ValueError(f"max_inflight_bytes must be a whole number of bytes > 0 (0 would "
                              f"drop every save), not {max_inflight_bytes!r}")
-        max_inflight_bytes = int(max_inflight_bytes)
+        max_inflight_bytes = budget
         self.timeout: float = timeout
         self._lock: threading.Lock = threading.Lock()
         self._max_save_bytes: int | None = None
@@ -1178,6 +1176,18 @@ def _added_since(total: int, seen: int) -> int:
 def _left(deadline: float) -> float:
     """Seconds until ``deadline`` (a ``time.monotonic()`` time), at least 0."""
     return max(0.0, deadline - time.monotonic())
+
+
+def _whole_bytes(value: Any) -> int | None:
+    """``value`` as a whole number > 0 (numpy's numbers, a Fraction, a
+    Decimal too, compared exactly), or None."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    try:
+        n = int(value)  # type: ignore[call-overload]  # every Real converts; the stubs say not
+    except (OverflowError, ValueError):  # inf, nan
+        return None
+    return n if n == value and n > 0 else None
 
 
 def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:

@@ -1061,7 +1061,7 @@ class _FileWriter:
         # parked and replaced, or be cut off by the drain; they are gone all
         # the same.
         self.evicted: list[StoredEntry] = []
-        self._may_evict = False  # see _room_after_full: the pass before the write evicted none
+        self._may_evict = True  # see _room_after_full: one round of evictions a file
         self._on_evicted = on_evicted
         self.written = 0
         self.began = time.monotonic()
@@ -1144,9 +1144,8 @@ class _FileWriter:
                         self.store.drop_model_dir(model)
                         raise
             # (Again after a retry: the new model's directory took a block.)
-            made = self.store.make_room(model, cache_id, size, into=self.evicted)
+            self.store.make_room(model, cache_id, size, into=self.evicted)
             assert self.pending is not None  # begin() made it, or the loop raised
-            self._may_evict = not made
             self.pending.on_full = self._room_after_full
             self.pending.append([header])
         if hash_too:
@@ -1158,11 +1157,16 @@ class _FileWriter:
 
     def _room_after_full(self, left: int, first: bool) -> bool:
         """``PendingFile.on_full``: room for the rest of a write that met
-        ENOSPC. Its evictions go to the batch's list (a new one each batch),
-        counted in the stats with the others."""
+        ENOSPC, with one round of evictions at most for the file. They go to
+        the batch's list (a new one each batch), counted in the stats with
+        the others."""
         model, cache_id = self.job.key
-        return self.store.room_after_full(model, cache_id, left, first,
+        before = len(self.evicted)
+        room = self.store.room_after_full(model, cache_id, left, first,
                                           may_evict=self._may_evict, into=self.evicted)
+        if len(self.evicted) > before:
+            self._may_evict = False
+        return room
 
     def _commit(self) -> None:
         assert self.pending is not None

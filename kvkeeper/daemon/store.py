@@ -874,11 +874,11 @@ class Store:
         full btrfs every save then evicted an entry and failed, until the
         store was empty. The ``first`` time, go on if the disk has room for
         the rest, once its frees are committed. Else, when ``may_evict`` (the
-        pass before the write evicted nothing), evict as if nothing were free,
+        caller allows one such round a file), evict as if nothing were free,
         least recently used first, for the bytes the write lacks, and go on
-        only if the disk then has room for them: an unlink that frees
-        nothing (a file held open, or kept by a btrfs snapshot or another
-        link) ends it there. Whether the write may go on."""
+        only if the disk then has room for them: an unlink that frees nothing
+        (a file held open, or kept by a btrfs snapshot or another link) ends
+        it there. Whether the write may go on."""
         keep = self.path_for(model, cache_id)
         where = self._disk_of(keep)[0]
         evicted: list[StoredEntry] = []
@@ -1013,8 +1013,9 @@ class Store:
             # Emptying the store would not make room for it: its write fails
             # with ENOSPC either way, and the entries are worth keeping.
             for_free_space = False
-            log.warning("event=no_room bytes=%d free=%d: emptying the store would not make "
-                        "room for it; nothing evicted", writing, free())
+            if not none_free:  # (there free is not read: room_after_full logs its own)
+                log.warning("event=no_room bytes=%d free=%d: emptying the store would not make "
+                            "room for it; nothing evicted", writing, free())
         stopped = False
         for victim, saving in candidates:
             reason = pressure()
