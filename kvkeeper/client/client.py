@@ -1179,8 +1179,8 @@ def _left(deadline: float) -> float:
 
 
 def _whole_bytes(value: Any) -> int | None:
-    """``value`` as a whole number > 0 (numpy's numbers, a Fraction, a
-    Decimal too, compared exactly), or None."""
+    """``value``, a Real (numpy's numbers and a Fraction too, compared
+    exactly), as a whole number > 0; else None."""
     if isinstance(value, bool) or not isinstance(value, Real):
         return None
     try:

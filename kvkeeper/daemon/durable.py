@@ -178,6 +178,7 @@ class PendingFile:
         self.fsync_seconds = 0.0
         self._half = header_bytes + data_bytes // 2
         self.size = header_bytes + data_bytes
+        self._header_bytes = header_bytes
         #: Given the bytes still to write and whether it is the file's first
         #: time, makes room after ENOSPC (see ``write_all``); at most
         #: ``ROOM_TRIES`` times for the file.
@@ -197,7 +198,9 @@ class PendingFile:
         if self.on_full is None or not self._room_tries:
             return False
         self._room_tries -= 1
-        return self.on_full(self.size - self.nbytes - written,
+        # And the header's again: the commit writes it over its first
+        # version, which a copy-on-write file system (btrfs) puts elsewhere.
+        return self.on_full(self.size - self.nbytes - written + self._header_bytes,
                             self._room_tries == ROOM_TRIES - 1)
 
     def _faulty(self, bufs: Sequence[memoryview | bytes | bytearray]
