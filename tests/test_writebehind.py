@@ -148,6 +148,32 @@ def test_the_readme_resume_loop_feeds_only_what_the_cache_lacks(
         assert again is not None and again.token_ids == token_ids
 
 
+def test_the_readme_resume_loop_on_a_model_of_fewer_kv_heads_raises(
+        tok, client: Client, daemon: RunningDaemon) -> None:
+    """The README's resume loop, the conversation saved by a model with 2 KV
+    heads and resumed under the same id by one with 1, the prompt leaving it
+    part way (a trim): the one head's keys broadcast into the rows the trim
+    left spare, and the loop streamed other tokens than a cold run with no
+    error. plan_reuse now cuts a loaded cache to its rows: the first step
+    raises."""
+    two, one = tiny_llama(seed=2), tiny_llama(seed=2, kv_heads=1)
+    p = prompt(30, seed=7)
+    cache, token_ids = make_prompt_cache(two), list(p)
+    for r in stream_generate(two, tok, mx.array(p), max_tokens=12, prompt_cache=cache):
+        token_ids.append(r.token)
+    assert client.save(FP, "heads", cache, token_ids) and client.flush(timeout=WAIT)
+    prompt_ids = token_ids[:25] + prompt(4, seed=8)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        got = kv.load(FP, "heads")
+        assert got is not None
+        plan = plan_reuse(got.cache, got.token_ids, prompt_ids)
+        assert plan.action == "trim"
+        with pytest.raises(ValueError):
+            for _ in stream_generate(one, tok, mx.array(prompt_ids[plan.reused:]),
+                                     max_tokens=4, prompt_cache=got.cache):
+                pass
+
+
 def test_triggers_and_final_save(model, client: Client) -> None:
     p = prompt(12, seed=7)
     cache = make_prompt_cache(model)

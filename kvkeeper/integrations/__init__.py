@@ -67,7 +67,8 @@ class Plan:
     common with the prompt, other media, or it failed in the model), or
     None when there was none: none found, the load failed, or the saved
     cache was refused as it was restored (its length against its token ids,
-    no token ids, layers this model does not keep). ``reused``: prompt tokens taken from the cache;
+    no token ids, layers this model does not keep). ``reused``: prompt
+    tokens taken from the cache;
     ``trimmed``: cached tokens dropped to get back to the common prefix;
     ``prefill``: prompt tokens fed to the model.
     """
@@ -169,7 +170,9 @@ def plan_reuse(
     ``trim`` plan the cache holds exactly ``prompt_ids[:plan.reused]``; after
     ``cold`` it must not be used. ``max_reuse``: at most that many of its
     tokens are reused (the rest were computed from other inputs). ``none``:
-    the cold plan's reason when there is no cache."""
+    the cold plan's reason when there is no cache. A cache not made in this
+    process (``source`` other than "memory": a ``load()``'s) is trimmed down
+    to the rows it keeps (see ``_cut_to_offsets``)."""
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -204,6 +207,8 @@ def plan_reuse(
     after = cache_length(cache)
     if after is not None and after != target:
         return cold(f"trimming left {after} tokens, not {target}")
+    if source != "memory":
+        _cut_to_offsets(cache)
     return Plan("trim", source, target, drop, n - target,
                 f"trimmed {drop} cached tokens back to the common prefix")
 
@@ -213,7 +218,7 @@ def plan_reuse(
 _CUT_CLASSES = frozenset({"KVCache", "QuantizedKVCache"})
 
 
-def cut_to_offsets(layers: Sequence[Any]) -> None:
+def _cut_to_offsets(layers: Sequence[Any]) -> None:
     """Cut the buffers of trimmed KVCache and QuantizedKVCache layers to the
     rows they hold. A cache restored from kvkeeper is known to fit the model
     only once the model has run on it: one saved under the same model id by
@@ -223,11 +228,13 @@ def cut_to_offsets(layers: Sequence[Any]) -> None:
     first step concatenates, which fails for any other head count, head
     size or batch before the first token, as on an extend plan, and the
     request runs cold (``restore_unusable``). It costs that step a copy of
-    the cache, as an extend plan's first step pays."""
+    the cache, as an extend plan's first step pays. In a caller's own loop
+    (``plan_reuse`` on a ``load()``), that step raises instead of streaming
+    other tokens."""
     for layer in layers:
         children = getattr(layer, "caches", None)
         if children is not None:
-            cut_to_offsets(children)
+            _cut_to_offsets(children)
             continue
         offset = getattr(layer, "offset", None)
         if type(layer).__name__ not in _CUT_CLASSES or type(offset) is not int:
@@ -408,8 +415,6 @@ class SessionBase:
             self.forget()
         else:
             self.token_ids = list(prompt_ids[: plan.reused])
-            if plan.action == "trim" and source == "kvkeeper" and self.cache is not None:
-                cut_to_offsets(self.cache)
         self.last_plan = plan
         log.debug("event=plan model=%s id=%s action=%s source=%s reused=%d prefill=%d reason=%s",
                   self.model_id, self.session_id, plan.action, plan.source, plan.reused,
