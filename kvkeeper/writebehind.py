@@ -38,7 +38,7 @@ log = get_logger("kvkeeper.writebehind")
 
 _TAIL = 64  # ids compared by close(cache, ids): see _tail
 
-__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_token_ids",
+__all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_token_ids", "one_row",
            "check_triggers", "is_bytes", "layer_offsets"]
 
 
@@ -116,6 +116,7 @@ class WriteBehind:
         """
         if self._closed:
             raise RuntimeError("write-behind is closed")
+        token_ids = one_row(token_ids)
         # At every step, not only those that save: an off-by-one would
         # otherwise show up only at the next save, up to every_tokens later.
         _checked_length(cache, token_ids)
@@ -151,6 +152,7 @@ class WriteBehind:
         """Save now, whatever the triggers say (still fire-and-forget)."""
         if self._closed:
             raise RuntimeError("write-behind is closed")
+        token_ids = one_row(token_ids)
         before, self._last = self._last, (cache, token_ids)
         try:
             return self._save(cache, token_ids)
@@ -175,6 +177,8 @@ class WriteBehind:
             token_ids = getattr(cache, "token_ids", None)
             if token_ids is None:
                 raise ValueError("close(cache) needs token_ids")
+        if token_ids is not None:
+            token_ids = one_row(token_ids)
         try:
             handed = self._final_save(cache, token_ids)
         except ValueError:
@@ -304,11 +308,21 @@ def is_bytes(raw: Any) -> bool:
     return isinstance(raw, (bytes, bytearray))
 
 
+def one_row(token_ids: Any) -> Any:
+    """``token_ids`` as one row: an array of shape (1, n) (a batch of one,
+    as mlx-vlm's ``input_ids`` and a ``Session`` prompt come) reshaped to
+    (n,); anything else as given."""
+    shape = getattr(token_ids, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[0] == 1:
+        return token_ids.reshape(-1)
+    return token_ids
+
+
 def check_token_ids(token_ids: Any) -> None:
     """Raise ValueError for token ids of a kind that cannot be one: unordered
     (a set, a dict's keys would be saved in some order and load back as ids
     that look real), bytes (their bytes would be taken for ids), or an array
-    of more than one row (a batch of one, ``mx.array([ids])``)."""
+    other than one row (give `one_row` a batch of one first)."""
     if isinstance(token_ids, (Set, Mapping)):
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
@@ -318,8 +332,8 @@ def check_token_ids(token_ids: Any) -> None:
         raise ValueError(f"token_ids must be integers, not {kind} "
                          f"(encode the text with the tokenizer)")
     if getattr(token_ids, "ndim", 1) != 1:
-        raise ValueError(f"token_ids must be one row of integers, not an array of shape "
-                         f"{tuple(token_ids.shape)}")
+        raise ValueError(f"token_ids must be one row of integers, shape (n,) or (1, n), "
+                         f"not an array of shape {tuple(token_ids.shape)}")
 
 
 def _checked_length(cache: Any, token_ids: Sequence[int]) -> int:

@@ -517,8 +517,19 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     for meta in ([("a", "b")], "ab"):
         with pytest.raises(ValueError, match="metadata must be a mapping of str to str"):
             client.save(FP, "bad", [c], [1, 2, 3], metadata=meta)  # type: ignore[arg-type]
-    for batch in (mx.array([[1, 2, 3]]), np.array([[1, 2, 3]])):
-        with pytest.raises(ValueError, match=r"one row of integers.*\(1, 3\)"):
+    # A batch of one (mlx-vlm's input_ids, a Session prompt) is its row
+    # (before: refused, where a Session took it); more rows are refused.
+    for cid, batch in (("mx-batch", mx.array([[1, 2, 3]])), ("np-batch", np.array([[1, 2, 3]]))):
+        assert client.save(FP, cid, [c], batch)
+    assert client.flush(timeout=WAIT)
+    for cid in ("mx-batch", "np-batch"):
+        got = client.load(FP, cid)
+        assert got is not None and got.token_ids == [1, 2, 3], cid
+        with safe_open(got.path, "np") as f:
+            assert json.loads(f.metadata()["kvkeeper.token_ids"]) == [1, 2, 3], cid
+        assert got.find_prefix_length(mx.array([[1, 2, 9]])) == 2
+    for batch in (mx.array([[1, 2, 3], [4, 5, 6]]), np.array([[[1, 2, 3]]]), np.array(7)):
+        with pytest.raises(ValueError, match=r"one row of integers, shape \(n,\) or \(1, n\)"):
             client.save(FP, "bad", [c], batch)
     # Before: saved as the ids 97, 98, 99.
     for raw in (b"abc", bytearray(b"abc"), memoryview(b"abc"), memoryview(bytearray(b"ab")),

@@ -227,8 +227,8 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
     quiet = client.write_behind(FP, "quiet-mismatch", every_tokens=100, save_first=False)
     for bad, says in (((cache, p[:9]), "holds 10 tokens but 9"), ((None, p), "NoneType"),
                       ((model, p), "Model"), ((cache, set(p)), "not a set"),
-                      # Before: "holds 10 tokens but 1 token ids were given".
-                      ((cache, mx.array([p])), r"one row of integers.*\(1, 10\)"),
+                      # Before: "holds 10 tokens but 2 token ids were given".
+                      ((cache, mx.array([p, p])), r"one row of integers.*\(2, 10\)"),
                       ((cache, bytes(range(10))), "not bytes")):
         with pytest.raises(ValueError, match=says):
             quiet.step(*bad)
@@ -373,6 +373,27 @@ def test_close_does_not_save_again_what_the_last_step_saved(model, client: Clien
     assert wb.step(cache, p) is True
     assert wb.close(cache, list(p)) is False
     assert wb.counters.sent == 1
+
+
+def test_a_batch_of_one_is_taken_as_its_row(model, client: Client) -> None:
+    """Ids of shape (1, n), as mlx-vlm's input_ids come, at every entry point:
+    before, step() refused them ("holds 10 tokens but 1 token ids")."""
+    p = prompt(10, seed=9)
+    cache = make_prompt_cache(model)
+    prefill(model, p, cache)
+    wb = client.write_behind(FP, "batch-of-one", every_tokens=1, every_seconds=None)
+    assert wb.step(cache, mx.array([p])) is True
+    assert wb.close(cache, np.array([p])) is False  # that step saved exactly this
+    assert wb.counters.sent == 1
+    wb = client.write_behind(FP, "batch-of-one-close", every_tokens=None, every_seconds=None,
+                             save_first=False)
+    assert wb.save(cache, np.array([p])) is True
+    with pytest.raises(ValueError, match="holds 10 tokens but 9"):
+        wb.close(cache, mx.array([p[:9]]))
+    assert client.flush(timeout=WAIT)
+    for cid in ("batch-of-one", "batch-of-one-close"):
+        got = client.load(FP, cid)
+        assert got is not None and got.token_ids == p, cid
 
 
 def test_close_after_a_step_that_saved_ids_in_a_deque(model, client: Client) -> None:

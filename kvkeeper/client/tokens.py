@@ -7,15 +7,17 @@ from typing import Any
 
 import msgspec
 
-from kvkeeper.writebehind import check_token_ids
+from kvkeeper.writebehind import check_token_ids, one_row
 
 __all__ = ["token_id_list"]
 
 
 def token_id_list(token_ids: Any) -> list[int]:
     """A list of ``token_ids`` (a sequence, iterable, numpy or MLX array of
-    integers) the caller cannot change afterwards; raises ValueError for
-    anything else (see `check_token_ids`; bools are refused)."""
+    integers; an array of shape (1, n) too) the caller cannot change
+    afterwards; raises ValueError for anything else (see `check_token_ids`;
+    bools are refused)."""
+    token_ids = one_row(token_ids)
     check_token_ids(token_ids)
     if hasattr(token_ids, "tolist"):
         try:
