@@ -441,6 +441,110 @@ def test_a_hybrid_cache_kept_in_memory_serves_the_next_request_on_another_thread
     assert len(said[1]) == 6
 
 
+def _on_a_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on a thread of its own (a server's worker), its error
+    raised here; the wait capped."""
+    import threading
+
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(WAIT)
+    assert not worker.is_alive(), "the worker hangs"
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+Request = Callable[[Any, list[int], int], Any]
+
+
+def _session_kit(lm_tok: TokenizerWrapper, library: str, hybrid: bool, **kw: Any) -> tuple[
+        Callable[[], Any], Request, Callable[[Any], list[int]]]:
+    """For ``library``: a maker of memory-only Sessions of one tiny model
+    (lfm2 when ``hybrid``, else llama), a greedy request (session, ids,
+    max_tokens) giving its generator, and the tokens of its results."""
+    if library == "mlx-lm":
+        model = tiny_lfm2(seed=3) if hybrid else tiny_llama(seed=3)
+
+        def session() -> Any:
+            return kv_lm.Session(None, "tiny-lm", "kit", model, lm_tok, **kw)
+
+        def request(s: Any, ids: list[int], n: int) -> Any:
+            return s.stream_generate(ids, max_tokens=n)
+
+        def tokens(results: Any) -> list[int]:
+            return [int(r.token) for r in results]
+
+        return session, request, tokens
+    vlm_model = tiny_vlm_lfm2() if hybrid else tiny_vlm_llama()
+    processor = vlm_processor(VOCAB)
+
+    def vlm_session() -> Any:
+        return kv_vlm.Session(None, "tiny-vlm", "kit", vlm_model, processor, **kw)
+
+    def vlm_request(s: Any, ids: list[int], n: int) -> Any:
+        return s.stream_generate(input_ids=ids, max_tokens=n, temperature=0.0)
+
+    return vlm_session, vlm_request, vlm_tokens
+
+
+@pytest.mark.parametrize("form", ["mlx-lm", "mlx-vlm ids", "mlx-vlm text"])
+def test_a_generator_made_on_one_thread_runs_on_another(lm_tok: TokenizerWrapper,
+                                                          form: str) -> None:
+    """A server checks a request on its request thread (the call raises
+    there, before headers go out) and generates on a worker. mlx-vlm's
+    Session left the prompt's ids lazy on the calling thread: the worker
+    failed with "There is no Stream(cpu, 0) in current thread"."""
+    ids = prompt(30, seed=1)
+    session, request, tokens = _session_kit(lm_tok, form.split()[0], hybrid=False)
+    if form == "mlx-vlm text":
+        words = " ".join(vlm_processor(VOCAB).convert_ids_to_tokens(ids))
+
+        def request(s: Any, ids: list[int], n: int) -> Any:
+            return s.stream_generate(words, max_tokens=n, temperature=0.0)
+
+    here = tokens(request(session(), ids, 5))
+    made_here = request(session(), ids, 5)
+    assert _on_a_thread(lambda: tokens(made_here)) == here and len(here) == 5
+
+
+# mlx-lm's own generate_step, closed on another thread, reports "[StreamContext]
+# Destroyed in a different thread than it was constructed in" (as an
+# exception ignored: plain mlx_lm.stream_generate does the same).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])
+def test_a_hybrid_request_closed_from_another_thread_leaves_no_cache_to_fail_on(
+    lm_tok: TokenizerWrapper, library: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request's generator closed on a thread other than the one running
+    it (a server's event loop dropping the generator of a client gone): the
+    hybrid model's last state is lazy on the worker's stream. It was kept,
+    and the next request failed inside the model ("There is no Stream(cpu,
+    N) in current thread"); now nothing is kept and the next runs cold."""
+    first = prompt(30, seed=2)
+    session, request, tokens = _session_kit(lm_tok, library, hybrid=True,
+                                            every_tokens=None, every_seconds=None)
+    s = session()
+    gen = request(s, first, 20)
+    said = _on_a_thread(lambda: [int(next(gen).token) for _ in range(5)])
+    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+        gen.close()  # here, not on the worker
+    assert "event=state_not_kept" in caplog.text
+    follow = first + said + [5, 6, 7]
+    got = _on_a_thread(lambda: tokens(request(s, follow, 5)))
+    assert s.last_plan is not None and s.last_plan.action == "cold"
+    assert got == tokens(request(session(), follow, 5))
+
+
 def vlm_tokens(results: Any) -> list[int]:
     out: list[int] = []
     for r in results:

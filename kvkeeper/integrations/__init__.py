@@ -551,9 +551,21 @@ class SessionBase:
             # on another worker failed ("There is no Stream(cpu, 2) in current
             # thread") unless a save had happened to evaluate it.
             mx.eval([layer.state for layer in cache])
-        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        except (AttributeError, TypeError, ValueError) as exc:
+            # A layer without a state as mlx-lm's: kept, as it is.
             log.debug("event=state_not_evaluated model=%s id=%s error=%s",
                       self.model_id, self.session_id, exc)
+        except RuntimeError as exc:
+            # A request closed from a thread other than the generating one
+            # (a server's event loop dropping the generator of a client gone)
+            # cannot evaluate what that thread left lazy: kept, the next
+            # request failed with it ("There is no Stream(cpu, 10) in current
+            # thread"). It restores the last save instead, or runs cold.
+            log.warning("event=state_not_kept model=%s id=%s error=%s: the cache is not "
+                        "kept in memory, nor saved at the end of this request",
+                        self.model_id, self.session_id, exc)
+            self.forget()
+            return
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
         self.media = media
 

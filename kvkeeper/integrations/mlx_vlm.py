@@ -121,6 +121,11 @@ class Session(SessionBase):
             input_ids = mx.array(input_ids)
         ids = token_ids_of(input_ids)  # one prompt of integers, or ValueError
         kwargs["input_ids"] = input_ids.reshape(1, -1)
+        # Here, on the calling thread: MLX evaluates on a stream of the
+        # thread's own, and a generator made on a server's request thread and
+        # run on a worker failed ("There is no Stream(cpu, 0) in current
+        # thread") where mlx-vlm's own runs.
+        mx.eval([v for v in kwargs.values() if isinstance(v, mx.array)])
         return ids
 
     def stream_generate(
