@@ -15,12 +15,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
+import kvkeeper
 from kvkeeper.client.client import Client, DaemonError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
@@ -797,20 +799,87 @@ def test_import_refuses_a_second_file_for_the_same_key(
     assert got is not None and mx.all(got.cache[0].state[0] == 1).item()
 
 
+def test_import_reports_files_it_cannot_store_and_goes_on(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """A file named just ".safetensors" (no cache id), one recording a model
+    name over 1024 bytes, and one with 9 MiB of metadata, among sound files:
+    the first two ended the run as a usage error (exit 2, nothing reported,
+    the files after them never tried), the third with a traceback."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    src = short_dir / "odd"
+    src.mkdir()
+    save_prompt_cache(str(src / "-x.safetensors"), filled(0.1, 1))
+    save_prompt_cache(str(src / ".safetensors"), filled(0.1, 2))
+    save_prompt_cache(str(src / "b-long-model.safetensors"), filled(0.1, 3),
+                      metadata={"kvkeeper_model": "M" * 2000})
+    save_prompt_cache(str(src / "c-big-meta.safetensors"), filled(0.1, 4),
+                      metadata={"note": "x" * (9 << 20)})
+    save_prompt_cache(str(src / "z.safetensors"), filled(0.1, 5))
+    r = cli("import", "--socket", str(daemon.socket), "--model", "modd", str(src), "--json")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert sorted(i["cache_id"] for i in report["imported"]) == ["-x", "z"], report
+    why = {Path(f["path"]).name: f["reason"] for f in report["failed"]}
+    assert "its name gives no cache id (cache id is empty): import it alone, with --id" \
+        in why.pop(".safetensors")
+    assert "the file records model 'MMM" in why.pop("b-long-model.safetensors")
+    assert "metadata is" in why.pop("c-big-meta.safetensors") and not why
+    assert sorted(e.cache_id for e in client.entries("modd")) == ["-x", "z"]
+    # Without --model, the model the file records is the one refused.
+    (src / "z.safetensors").unlink()
+    r = cli("import", "--socket", str(daemon.socket), str(src / "b-long-model.safetensors"),
+            "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "the model the file records cannot be stored: model is 2000 bytes" in \
+        json.loads(r.stdout)["failed"][0]["reason"]
+
+
+def _import_six(short_dir: Path, mib: float, model: str, **daemon: Any) -> tuple[
+        RunningDaemon, subprocess.CompletedProcess[str]]:
+    """Six mlx-lm files of ``mib`` MiB each (c1 to c6) imported with --json as
+    ``model`` into a daemon of their own (settings ``daemon``), left running."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    (short_dir / "six").mkdir()
+    for v in range(1, 7):
+        save_prompt_cache(str(short_dir / "six" / f"c{v}.safetensors"), filled(mib, v))
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", **daemon)
+    try:
+        return rd, cli("import", "--socket", str(rd.socket), "--model", model,
+                       str(short_dir / "six"), "--json")
+    except BaseException:
+        rd.stop()
+        raise
+
+
+def test_import_reports_entries_the_disk_budget_evicted_during_the_run(
+        short_dir: Path) -> None:
+    """Six 0.5 MiB files into a store of 2 MiB: import said "imported" of all
+    six, exit 0, while the budget had evicted the first ones for the later."""
+    rd, r = _import_six(short_dir, 0.5, "mv", max_disk_bytes=2 * MiB)
+    try:
+        assert r.returncode == 1, r.stdout + r.stderr
+        report = json.loads(r.stdout)
+        with Client(rd.socket, timeout=WAIT) as kv:
+            stored = sorted(e.cache_id for e in kv.entries("mv"))
+        assert 0 < len(stored) < 6
+        assert sorted(i["cache_id"] for i in report["imported"]) == stored
+        evicted = {Path(f["path"]).name.removesuffix(".safetensors"): f["reason"]
+                   for f in report["failed"]}
+        assert sorted(evicted) == sorted(set(f"c{v}" for v in range(1, 7)) - set(stored))
+        assert all("evicted by the disk budget" in why for why in evicted.values()), evicted
+    finally:
+        assert rd.stop() == 0
+
+
 def test_import_of_more_than_the_daemons_pending_budget(short_dir: Path) -> None:
     """Six 8 MiB files into a daemon with a 12 MiB pending budget: every file
     was handed off at once, the daemon refused most as busy, and import said
     only 'could not write every imported entry' (no report, even with --json)."""
-    from mlx_lm.models.cache import save_prompt_cache
-
-    (short_dir / "big").mkdir()
-    for v in range(1, 7):
-        save_prompt_cache(str(short_dir / "big" / f"c{v}.safetensors"), filled(8, v))
-    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
-                      max_pending_bytes=12 * MiB)
+    rd, r = _import_six(short_dir, 8, "mb", max_pending_bytes=12 * MiB)
     try:
-        r = cli("import", "--socket", str(rd.socket), "--model", "mb", str(short_dir / "big"),
-                "--json")
         assert r.returncode == 0, r.stdout + r.stderr
         assert len(json.loads(r.stdout)["imported"]) == 6
         with Client(rd.socket, timeout=WAIT) as kv:
@@ -989,6 +1058,11 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     got = client.load("fp-demo", "kv")
     want = MANIFEST["gezel-schema3/fp-demo/kv.safetensors"]
     assert got is not None and got.token_ids == want["token_ids"]
+    # The writer's bookkeeping is restored as such, not copied into the
+    # metadata (before: every token id twice, the classes, the schema).
+    assert got.metadata == {"saved_at": "1796031182.5660653"}
+    assert kvkeeper.read_cache_file(
+        ROOT / "gezel-schema3" / "fp-demo" / "kv.safetensors").metadata == got.metadata
 
     # Export a real model's cache; mlx-lm's own loader opens it and the model
     # continues bit-identically.
@@ -1010,8 +1084,6 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     mx.eval(a, b)
     np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
     # It records its key: opened as another's, it is refused (it was not).
-    import kvkeeper
-
     assert kvkeeper.read_cache_file(out, model="tiny", cache_id="conv").cache_id == "conv"
     for other in ({"cache_id": "other"}, {"model": "other"}):
         with pytest.raises(kvkeeper.CacheFileError, match="not 'other'"):

@@ -157,11 +157,21 @@ def _check_counts(layer: Any, where: str) -> int:
 # helpers
 
 
+#: What ``cache_persist.py`` writes to rebuild its cache: restored as such
+#: (the token ids, the model), or of no use once restored. ``saved_at`` and
+#: keys of other writers stay.
+_SCHEMA3_OWN = frozenset({"schema_version", "classes", "class_modules", "meta_state",
+                          "state_scalars", "token_ids", "model_fingerprint", "token_count"})
+
+
 def entry_metadata(format: str, metadata: Mapping[str, str]) -> dict[str, str]:
-    """The metadata an entry restored from a legacy file carries: for a file
-    ``kvkeeper export`` wrote, the exported entry's own (its bookkeeping keys
-    are gone: the model, id and tokens are restored as such); otherwise the
-    file's metadata as it is."""
+    """The metadata an entry restored from a legacy file carries: its writer's
+    bookkeeping keys are gone (the model, id and tokens are restored as such;
+    before, ``kvkeeper import`` copied every token id of a ``cache_persist.py``
+    file into the entry's metadata); for a file ``kvkeeper export`` wrote,
+    the exported entry's own; otherwise the file's metadata as it is."""
+    if format == GEZEL_SCHEMA3:
+        return {k: v for k, v in metadata.items() if k not in _SCHEMA3_OWN}
     if format != MLX_LM_PROMPT_CACHE or EXPORT_MODEL_KEY not in metadata:
         return dict(metadata)
     own = (EXPORT_MODEL_KEY, EXPORT_CACHE_ID_KEY, EXPORT_TOKENS_KEY, EXPORT_METADATA_KEY)

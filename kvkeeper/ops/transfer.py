@@ -137,6 +137,13 @@ def import_files(args: argparse.Namespace) -> int:
                                       f"{model!r} (leave --model out to keep its own)"))
                     continue
                 cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
+                try:
+                    naming.check_key(model, cache_id)
+                except ValueError as exc:
+                    # Before: the run ended there, as a usage error (exit 2),
+                    # with nothing reported of the files before it.
+                    failed.append((f, _no_key(exc, args, got, model)))
+                    continue
                 first = taken.get((model, cache_id))
                 if first is not None:
                     # Two files named alike in different directories: the second
@@ -163,13 +170,21 @@ def import_files(args: argparse.Namespace) -> int:
                 meta = {k: v for k, v in got.metadata.items()
                         if isinstance(v, str) and not k.startswith("kvkeeper.")} \
                     if got.format != st.FORMAT else got.metadata
-                if not kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta):
+                try:
+                    handed = kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta)
+                except ValueError as exc:
+                    # A cache or metadata save() refuses (its metadata over
+                    # 8 MiB as JSON): before, a traceback ended the run.
+                    failed.append((f, str(exc)))
+                    continue
+                if not handed:
                     if not kv.connected:  # gone between two files
                         gone = f"the daemon at {kv.socket_path} went away"
                         failed.append((f, f"not imported: {gone}"))
                         break
-                    failed.append((f, "the client did not hand it to the daemon (over the "
-                                      "client's in-flight budget, or the daemon's size limit)"))
+                    failed.append((f, "the client did not hand it to the daemon: it is larger "
+                                      "than the daemon takes (raise its --max-pending-bytes) "
+                                      "or than the client's in-flight budget"))
                     continue
                 del got
                 # One file at a time: each gets its own answer, and the files
@@ -180,13 +195,16 @@ def import_files(args: argparse.Namespace) -> int:
                 except DaemonUnavailable as exc:
                     # What is imported so far is still reported.
                     gone = str(exc)
-                    failed.append((f, f"not known to be written: {exc}"))
+                    failed.append((f, f"not known to be written: {exc} (see kvkeeper ls; "
+                                      f"import it again with --replace)"))
                     break
                 if not written:
                     failed.append((f, "the daemon could not write it (see its log)"))
                     continue
                 taken[(model, cache_id)] = f
                 done.append((f, model, cache_id, replaced))
+            if gone is None:
+                done = _still_stored(kv, done, failed)
     except KeyboardInterrupt:
         # What was imported is still reported (also after a second Ctrl-C
         # as the client closed, waiting for the daemon to confirm what it
@@ -214,6 +232,40 @@ def import_files(args: argparse.Namespace) -> int:
                   markup=False)
         return 3
     return 1 if failed else 0
+
+
+def _no_key(exc: ValueError, args: argparse.Namespace, got: Any, model: str) -> str:
+    """Why a file's key cannot be stored, and what to do."""
+    if args.model is None and got.model == model:
+        return f"the model the file records cannot be stored: {exc}"
+    if args.id is None and not got.cache_id:
+        return f"its name gives no cache id ({exc}): import it alone, with --id"
+    return str(exc)
+
+
+def _still_stored(kv: Any, done: list[tuple[Path, str, str, bool]],
+                  failed: list[tuple[Path, str]]) -> list[tuple[Path, str, str, bool]]:
+    """The imports still in the store at the end of the run; the others go to
+    ``failed``: the disk budget evicted them for later files (an import said
+    "imported" of entries already gone, exit 0)."""
+    from kvkeeper.client.channel import DaemonUnavailable
+
+    kept: list[tuple[Path, str, str, bool]] = []
+    listed: dict[str, set[str]] = {}
+    for item in done:
+        f, model, cache_id, _ = item
+        try:
+            if model not in listed:
+                listed[model] = {e.cache_id for e in loadable(kv, model)}
+        except DaemonUnavailable:
+            return done  # nothing more to tell: as imported
+        if cache_id in listed[model]:
+            kept.append(item)
+        else:
+            failed.append((f, f"imported as {model} / {cache_id}, then evicted by the disk "
+                              f"budget (--max-disk-bytes, --min-free-bytes) before the run "
+                              f"ended: the store cannot hold every file imported"))
+    return kept
 
 
 #: Why a path MLX is given fails (std::bad_cast, from its loader and writer).
