@@ -637,6 +637,20 @@ def test_verify_counts_a_file_whose_header_is_damaged(short_dir: Path) -> None:
     assert r.returncode == 1 and report["checked"] == 1 and len(report["bad"]) == 1, r.stdout
 
 
+def test_verify_says_what_a_directory_or_symlink_at_an_entrys_place_is(short_dir: Path) -> None:
+    """Before: "[Errno 21] Is a directory: 14" (a descriptor's number) and
+    "Too many levels of symbolic links" for one link."""
+    model_dir = short_dir / "root" / "sessions" / "m"
+    (model_dir / "d.safetensors").mkdir(parents=True)
+    (model_dir / "s.safetensors").symlink_to(short_dir / "elsewhere.safetensors")
+    r = cli("verify", "--root", str(short_dir / "root"), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    why = {Path(b["path"]).name: b["reason"] for b in json.loads(r.stdout)["bad"]}
+    assert why == {"d.safetensors": "Is a directory",
+                   "s.safetensors": "it is a symlink (never followed: give the file it "
+                                    "points to)"}
+
+
 def test_verify_while_the_daemon_deletes_reports_no_bad_file(
     client: Client, daemon: RunningDaemon
 ) -> None:

@@ -7,7 +7,6 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
@@ -205,11 +204,7 @@ MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 def cannot_open(path: Path, exc: OSError) -> CacheFileError:
     """The CacheFileError for a file that could not be opened (or looked at):
     damaged unless the error is this process's."""
-    # O_NOFOLLOW's ELOOP: "Too many levels of symbolic links" for one link
-    # (a loop among the directories above it says the same).
-    why = ("it is a symlink (never followed: give the file it points to)"
-           if exc.errno == errno.ELOOP and os.path.islink(path) else exc.strerror)
-    return CacheFileError(f"{path}: cannot open: {why}",
+    return CacheFileError(f"{path}: cannot open: {st.why_not_opened(path, exc)}",
                           damaged=not st.says_nothing_of_the_file(exc))
 
 

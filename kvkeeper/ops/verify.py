@@ -103,7 +103,7 @@ def verify(args: argparse.Namespace) -> int:
                         unchecked.append((f, exc.strerror or str(exc)))
                         bar.advance(task, size)
                     else:
-                        bad.append((f, str(exc), judged))
+                        bad.append((f, st.why_not_opened(f, exc), judged))
                 except st.TableError as exc:
                     if st.is_cache(exc.metadata):
                         bad.append((f, str(exc), judged))

@@ -379,6 +379,16 @@ def says_nothing_of_the_file(exc: OSError) -> bool:
     return exc.errno in _NOT_THE_FILES
 
 
+def why_not_opened(path: str | os.PathLike[str], exc: OSError) -> str:
+    """What an OSError met opening or reading the file at ``path`` says, for
+    people: its reason alone (a directory's, from fdopen, named the
+    descriptor: "Is a directory: 14"), a symlink named as one (O_NOFOLLOW's
+    ELOOP reads "Too many levels of symbolic links" for one link)."""
+    if exc.errno == errno.ELOOP and os.path.islink(path):
+        return "it is a symlink (never followed: give the file it points to)"
+    return exc.strerror or str(exc)
+
+
 @contextmanager
 def open_file(path: str | os.PathLike[str], *,
               keep_atime: bool = False) -> Iterator[tuple[BinaryIO, FileHeader]]:
