@@ -482,13 +482,14 @@ def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> No
 
 
 def test_a_daemon_starting_while_install_service_looks_at_its_lock_starts(
-        short_dir: Path) -> None:
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """install-service's look at a lock takes it, shared, for microseconds:
     a daemon taking it then exited 2 ("another kvkeeper daemon is running",
-    naming whoever held it last). It now tries again for 50 ms. (The look is
-    stretched to 20 ms here.)"""
+    naming whoever held it last). It now tries again for 50 ms. (The look
+    is stretched here until the daemon's first wait: a timer of 20 ms fired
+    after the 50 ms on a loaded machine.)"""
     import fcntl
-    import threading
+    import time
 
     from kvkeeper.daemon.app import AlreadyRunning, _Lock
 
@@ -496,8 +497,19 @@ def test_a_daemon_starting_while_install_service_looks_at_its_lock_starts(
     path.write_text("pid 1, root /gone, socket /gone.sock")
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    threading.Timer(0.02, os.close, (fd,)).start()
+    waits: list[float] = []
+    real_sleep = time.sleep
+
+    def look_ends(seconds: float) -> None:
+        if not waits:
+            os.close(fd)
+        waits.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", look_ends)
     lock = _Lock(path, "pid 2")
+    monkeypatch.undo()
+    assert waits == [0.01]
     assert path.read_text() == "pid 2"
     lock.release()
     # Held for good, it is refused as before.
