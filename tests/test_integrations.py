@@ -521,28 +521,41 @@ def test_a_generator_made_on_one_thread_runs_on_another(lm_tok: TokenizerWrapper
 # Destroyed in a different thread than it was constructed in" (as an
 # exception ignored: plain mlx_lm.stream_generate does the same).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("next_on", ["the same worker", "another thread"])
 @pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])
-def test_a_hybrid_request_closed_from_another_thread_leaves_no_cache_to_fail_on(
-    lm_tok: TokenizerWrapper, library: str, caplog: pytest.LogCaptureFixture
+def test_a_hybrid_request_closed_from_another_thread(
+    lm_tok: TokenizerWrapper, library: str, next_on: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A request's generator closed on a thread other than the one running
     it (a server's event loop dropping the generator of a client gone): the
     hybrid model's last state is lazy on the worker's stream. It was kept,
-    and the next request failed inside the model ("There is no Stream(cpu,
-    N) in current thread"); now nothing is kept and the next runs cold."""
+    and a next request on another thread failed inside the model ("There is
+    no Stream(cpu, N) in current thread"): that one now runs cold. One on
+    the same worker still extends the cache in memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
     first = prompt(30, seed=2)
     session, request, tokens = _session_kit(lm_tok, library, hybrid=True,
                                             every_tokens=None, every_seconds=None)
     s = session()
-    gen = request(s, first, 20)
-    said = _on_a_thread(lambda: [int(next(gen).token) for _ in range(5)])
-    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+    with ThreadPoolExecutor(1) as worker:
+        gen = request(s, first, 20)
+        said = worker.submit(lambda: [int(next(gen).token) for _ in range(5)]).result(WAIT)
         gen.close()  # here, not on the worker
-    assert "event=state_not_kept" in caplog.text
-    follow = first + said + [5, 6, 7]
-    got = _on_a_thread(lambda: tokens(request(s, follow, 5)))
-    assert s.last_plan is not None and s.last_plan.action == "cold"
-    assert got == tokens(request(session(), follow, 5))
+        follow = first + said + [5, 6, 7]
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            if next_on == "the same worker":
+                got = worker.submit(lambda: tokens(request(s, follow, 5))).result(WAIT)
+            else:
+                got = _on_a_thread(lambda: tokens(request(s, follow, 5)))
+    assert s.last_plan is not None and len(got) == 5
+    if next_on == "the same worker":
+        assert (s.last_plan.action, s.last_plan.source, s.last_plan.reused) == \
+            ("extend", "memory", len(first) + 5), s.last_plan
+        assert "event=state_not_kept" not in caplog.text
+    else:
+        assert s.last_plan.action == "cold" and "event=state_not_kept" in caplog.text
+        assert got == tokens(request(session(), follow, 5))
 
 
 def vlm_tokens(results: Any) -> list[int]:

@@ -309,6 +309,8 @@ class SessionBase:
         #: The media fingerprint of the cache (see MEDIA_KEY; "" for none).
         self.media = ""
         self._source: str | None = None
+        # The cache kept holds state its request's thread left lazy (_keep).
+        self._lazy_state = False
         # Requests begun on this session: only the latest one's state is kept.
         self._requests = 0
         #: The decision of the last request.
@@ -322,6 +324,7 @@ class SessionBase:
         self.token_ids = None
         self.media = ""
         self._source = None
+        self._lazy_state = False
 
     def restore(self) -> bool:
         """Make sure a cache is in memory: keep the one there, else load the
@@ -331,6 +334,17 @@ class SessionBase:
     def _restore(self) -> str | None:
         """``restore()``: None when a cache is in memory, else why not (a
         cold plan's reason)."""
+        if self.cache is not None and self._lazy_state:
+            self._lazy_state = False
+            import mlx.core as mx
+
+            try:
+                mx.eval([layer.state for layer in self.cache])
+            except RuntimeError as exc:  # lazy on another thread's stream: unusable here
+                log.warning("event=state_not_kept model=%s id=%s error=%s: the cache the "
+                            "last request left was computed on another thread and cannot be "
+                            "used on this one", self.model_id, self.session_id, exc)
+                self.forget()
         if self.cache is not None:
             return None
         if self.client is None:
@@ -543,6 +557,7 @@ class SessionBase:
             return
         import mlx.core as mx
 
+        lazy = False
         try:
             # On the generating thread: mlx-lm and mlx-vlm generate on a
             # stream of the thread's own, and a state left lazy there (a
@@ -558,15 +573,15 @@ class SessionBase:
         except RuntimeError as exc:
             # A request closed from a thread other than the generating one
             # (a server's event loop dropping the generator of a client gone)
-            # cannot evaluate what that thread left lazy: kept, the next
-            # request failed with it ("There is no Stream(cpu, 10) in current
-            # thread"). It restores the last save instead, or runs cold.
-            log.warning("event=state_not_kept model=%s id=%s error=%s: the cache is not "
-                        "kept in memory, nor saved at the end of this request",
-                        self.model_id, self.session_id, exc)
-            self.forget()
-            return
+            # cannot evaluate what that thread left lazy. Kept: a next request
+            # on that thread uses it; on another one, _restore drops it (it
+            # failed inside the model: "There is no Stream(cpu, 10) in
+            # current thread").
+            log.debug("event=state_not_evaluated model=%s id=%s error=%s",
+                      self.model_id, self.session_id, exc)
+            lazy = True
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
+        self._lazy_state = lazy
         self.media = media
 
 

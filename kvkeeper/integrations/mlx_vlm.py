@@ -125,7 +125,8 @@ class Session(SessionBase):
         # thread's own, and a generator made on a server's request thread and
         # run on a worker failed ("There is no Stream(cpu, 0) in current
         # thread") where mlx-vlm's own runs.
-        mx.eval([v for v in kwargs.values() if isinstance(v, mx.array)])
+        # (Arrays in lists and dicts too; other values are passed over.)
+        mx.eval(list(kwargs.values()))
         return ids
 
     def stream_generate(
