@@ -19,6 +19,7 @@ is fed to a model, and a wrong one would silently produce wrong tokens.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -313,9 +314,19 @@ def one_row(token_ids: Any) -> Any:
     as mlx-vlm's ``input_ids`` and a ``Session`` prompt come) reshaped to
     (n,); anything else as given."""
     shape = getattr(token_ids, "shape", None)
-    if shape is not None and len(shape) == 2 and shape[0] == 1:
-        return token_ids.reshape(-1)
-    return token_ids
+    if shape is None or len(shape) != 2 or shape[0] != 1:
+        return token_ids
+    row = token_ids.reshape(-1)
+    if type(row).__module__.partition(".")[0] == "mlx":
+        # MLX's reshape is lazy, on this thread's stream: a close() on
+        # another thread could not read the ids the last step kept. (Ids
+        # still to be computed on another thread stay so: saving them
+        # raises ValueError, as it does for a row.)
+        import mlx.core as mx
+
+        with contextlib.suppress(RuntimeError):
+            mx.eval(row)
+    return row
 
 
 def check_token_ids(token_ids: Any) -> None:

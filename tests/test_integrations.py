@@ -351,6 +351,13 @@ def test_plan_never_reuses_a_wrong_cache() -> None:
     assert plan_reuse(cache, p, p + [4]).action == "extend"
     with pytest.raises(ValueError):
         plan_reuse(cache, p, [])
+    # Ids as arrays, (n,) or a batch of one, like lists (before: MLX's
+    # "[convert] Only length-1 arrays", numpy's "truth value ... ambiguous").
+    for ids in (mx.array([p + [4]]), np.array([p + [4]]), mx.array(p + [4])):
+        plan = plan_reuse(cache, mx.array([p]), ids)
+        assert (plan.action, plan.reused, plan.prefill) == ("extend", 20, 1)
+    with pytest.raises(ValueError, match="one prompt"):
+        plan_reuse(cache, p, np.array([p, p]))
 
 
 # --------------------------------------------------------------------------- mlx-vlm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import mlx.core as mx
@@ -390,8 +391,20 @@ def test_a_batch_of_one_is_taken_as_its_row(model, client: Client) -> None:
     assert wb.save(cache, np.array([p])) is True
     with pytest.raises(ValueError, match="holds 10 tokens but 9"):
         wb.close(cache, mx.array([p[:9]]))
+    # The last step's ids, saved by a close() on another thread (before: the
+    # row, lazy on the stepping thread's stream, could not be read there).
+    ids = mx.array([p])
+    mx.eval(ids)
+    late = client.write_behind(FP, "batch-of-one-late", every_tokens=None, every_seconds=None,
+                               save_first=False)
+    assert late.step(cache, ids) is False
+    closing = threading.Thread(target=lambda: closed.append(late.close()))
+    closed: list[bool] = []
+    closing.start()
+    closing.join(WAIT)
+    assert closed == [True]
     assert client.flush(timeout=WAIT)
-    for cid in ("batch-of-one", "batch-of-one-close"):
+    for cid in ("batch-of-one", "batch-of-one-close", "batch-of-one-late"):
         got = client.load(FP, cid)
         assert got is not None and got.token_ids == p, cid
 

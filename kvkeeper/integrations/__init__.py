@@ -172,7 +172,12 @@ def plan_reuse(
     tokens are reused (the rest were computed from other inputs). ``none``:
     the cold plan's reason when there is no cache. A cache not made in this
     process (``source`` other than "memory": a ``load()``'s) is trimmed down
-    to the rows it keeps (see ``_cut_to_offsets``)."""
+    to the rows it keeps (see ``_cut_to_offsets``). Ids come as sequences of
+    integers, or arrays of shape (n,) or (1, n) (ValueError for others)."""
+    if hasattr(prompt_ids, "shape"):
+        prompt_ids = token_ids_of(prompt_ids)
+    if cached_ids is not None and hasattr(cached_ids, "shape"):
+        cached_ids = token_ids_of(cached_ids)
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
