@@ -841,13 +841,20 @@ def test_import_reports_files_it_cannot_store_and_goes_on(
     assert "the file records model 'MMM" in why.pop("b-long-model.safetensors")
     assert "metadata is" in why.pop("c-big-meta.safetensors") and not why
     assert sorted(e.cache_id for e in client.entries("modd")) == ["-x", "z"]
-    # Without --model, the model the file records is the one refused.
-    (src / "z.safetensors").unlink()
-    r = cli("import", "--socket", str(daemon.socket), str(src / "b-long-model.safetensors"),
-            "--json")
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "the model the file records cannot be stored: model is 2000 bytes" in \
-        json.loads(r.stdout)["failed"][0]["reason"]
+    # Without --model: the model the file records, or the name, is the one
+    # refused (before: the model was blamed for the name of a file that
+    # records one).
+    shutil.copyfile(ROOT / "gezel-schema3" / "fp-demo" / "kv.safetensors",
+                    short_dir / ".safetensors")
+    for path, says in ((src / "b-long-model.safetensors",
+                        "the model the file records cannot be stored: model is 2000 bytes; "
+                        "the limit is 1024"),
+                       (short_dir / ".safetensors",
+                        "its name gives no cache id (cache id is empty): import it alone, "
+                        "with --id")):
+        r = cli("import", "--socket", str(daemon.socket), str(path), "--json")
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert json.loads(r.stdout)["failed"][0]["reason"] == says
 
 
 def _import_six(short_dir: Path, mib: float, model: str, **daemon: Any) -> tuple[

@@ -102,6 +102,7 @@ def import_files(args: argparse.Namespace) -> int:
     taken: dict[tuple[str, str], Path] = {}
     stored: dict[str, set[str]] = {}  # model -> ids in the store when first asked
     gone: str | None = None
+    unchecked: str | None = None  # the daemon went away as the run checked its imports
     stopped = False
     current: Path | None = None
     try:
@@ -137,12 +138,11 @@ def import_files(args: argparse.Namespace) -> int:
                                       f"{model!r} (leave --model out to keep its own)"))
                     continue
                 cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
-                try:
-                    naming.check_key(model, cache_id)
-                except ValueError as exc:
+                why = _no_key(model, cache_id, args, got)
+                if why is not None:
                     # Before: the run ended there, as a usage error (exit 2),
                     # with nothing reported of the files before it.
-                    failed.append((f, _no_key(exc, args, got, model)))
+                    failed.append((f, why))
                     continue
                 first = taken.get((model, cache_id))
                 if first is not None:
@@ -204,7 +204,11 @@ def import_files(args: argparse.Namespace) -> int:
                 taken[(model, cache_id)] = f
                 done.append((f, model, cache_id, replaced))
             if gone is None:
-                done = _still_stored(kv, done, failed)
+                try:
+                    done, lost = _still_stored(kv, done)
+                    failed += lost
+                except DaemonUnavailable as exc:
+                    unchecked = str(exc)
     except KeyboardInterrupt:
         # What was imported is still reported (also after a second Ctrl-C
         # as the client closed, waiting for the daemon to confirm what it
@@ -231,41 +235,52 @@ def import_files(args: argparse.Namespace) -> int:
         err.print("kvkeeper: the daemon went away; the files after it were not imported",
                   markup=False)
         return 3
+    if unchecked is not None:
+        err.print(f"kvkeeper: the daemon went away as the run ended ({unchecked}): whether "
+                  f"every import is still in the store was not checked (see kvkeeper ls)",
+                  markup=False)
+        return 3
     return 1 if failed else 0
 
 
-def _no_key(exc: ValueError, args: argparse.Namespace, got: Any, model: str) -> str:
-    """Why a file's key cannot be stored, and what to do."""
-    if args.model is None and got.model == model:
+def _no_key(model: str, cache_id: str, args: argparse.Namespace, got: Any) -> str | None:
+    """Why the key ``model`` / ``cache_id`` a file is imported under cannot
+    be stored, and what to do; None when it can. (``--model`` and ``--id``
+    were checked at the start.)"""
+    try:
+        naming.check_id(model, "model")
+    except ValueError as exc:
         return f"the model the file records cannot be stored: {exc}"
-    if args.id is None and not got.cache_id:
+    try:
+        naming.check_id(cache_id, "cache id")
+    except ValueError as exc:
+        if got.cache_id:
+            return f"the cache id the file records cannot be stored ({exc}): import it " \
+                   f"alone, with --id"
         return f"its name gives no cache id ({exc}): import it alone, with --id"
-    return str(exc)
+    return None
 
 
-def _still_stored(kv: Any, done: list[tuple[Path, str, str, bool]],
-                  failed: list[tuple[Path, str]]) -> list[tuple[Path, str, str, bool]]:
-    """The imports still in the store at the end of the run; the others go to
-    ``failed``: the disk budget evicted them for later files (an import said
-    "imported" of entries already gone, exit 0)."""
-    from kvkeeper.client.channel import DaemonUnavailable
-
+def _still_stored(kv: Any, done: list[tuple[Path, str, str, bool]]) -> tuple[
+        list[tuple[Path, str, str, bool]], list[tuple[Path, str]]]:
+    """The imports still in the store at the end of the run, and the others
+    with why: the disk budget evicted them for later files, or another
+    client deleted them (an import said "imported" of entries already gone,
+    exit 0). Raises DaemonUnavailable (nothing is then told)."""
     kept: list[tuple[Path, str, str, bool]] = []
+    lost: list[tuple[Path, str]] = []
     listed: dict[str, set[str]] = {}
     for item in done:
         f, model, cache_id, _ = item
-        try:
-            if model not in listed:
-                listed[model] = {e.cache_id for e in loadable(kv, model)}
-        except DaemonUnavailable:
-            return done  # nothing more to tell: as imported
+        if model not in listed:
+            listed[model] = {e.cache_id for e in loadable(kv, model)}
         if cache_id in listed[model]:
             kept.append(item)
         else:
-            failed.append((f, f"imported as {model} / {cache_id}, then evicted by the disk "
-                              f"budget (--max-disk-bytes, --min-free-bytes) before the run "
-                              f"ended: the store cannot hold every file imported"))
-    return kept
+            lost.append((f, f"imported as {model} / {cache_id}, but no longer in the store "
+                            f"when the run ended: evicted by the disk budget (--max-disk-bytes, "
+                            f"--min-free-bytes) for the files after it, or deleted meanwhile"))
+    return kept, lost
 
 
 #: Why a path MLX is given fails (std::bad_cast, from its loader and writer).
