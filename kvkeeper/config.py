@@ -15,8 +15,8 @@ from pathlib import Path
 ENV_ROOT = "KVKEEPER_ROOT"
 ENV_SOCKET = "KVKEEPER_SOCKET"
 SOCKET_NAME = "kvkeeper.sock"
-#: sun_path is 104 bytes on macOS and 108 on Linux, NUL included.
-MAX_SOCKET_PATH = 103 if sys.platform == "darwin" else 107
+#: sun_path is 108 bytes on Linux and 104 on macOS and the BSDs, NUL included.
+MAX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
 
 
 class ConfigError(Exception):
@@ -83,12 +83,29 @@ def default_socket() -> Path:
         except ValueError:  # serve's settings report it; a client finds no daemon there
             return expand_user(env)
     if sys.platform == "darwin":
-        # $TMPDIR is per user on macOS (/var/folders/...), and short enough.
-        base = Path(os.environ.get("TMPDIR") or "/tmp") / f"kvkeeper-{os.getuid()}"
+        # The user's own temp directory (/var/folders/...), short enough, as
+        # the system tells it: $TMPDIR, which launchd sets to it, is unset
+        # under sudo and cron and another under nix-shell, where clients
+        # then looked for the daemon elsewhere and dropped every save.
+        tmp = darwin_user_temp_dir() or os.environ.get("TMPDIR") or "/tmp"
+        base = Path(tmp) / f"kvkeeper-{os.getuid()}"
     else:
         runtime = xdg_dir("XDG_RUNTIME_DIR")
         base = Path(runtime) / "kvkeeper" if runtime else Path(f"/tmp/kvkeeper-{os.getuid()}")
     return base / SOCKET_NAME
+
+
+#: confstr(3)'s _CS_DARWIN_USER_TEMP_DIR (os.confstr takes the number).
+_CS_DARWIN_USER_TEMP_DIR = 65537
+
+
+def darwin_user_temp_dir() -> str | None:
+    """macOS's per-user temp directory, from the system rather than the
+    environment; None where there is none (other systems)."""
+    try:
+        return os.confstr(_CS_DARWIN_USER_TEMP_DIR) or None
+    except (OSError, ValueError):  # EINVAL elsewhere
+        return None
 
 
 IPC_SCHEME = "ipc://"

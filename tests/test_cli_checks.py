@@ -769,6 +769,39 @@ def test_install_service_pins_the_default_socket_without_xdg_runtime_dir(
     assert cmd[cmd.index("--socket") + 1] in printed
 
 
+def test_the_macos_default_socket_does_not_follow_tmpdir(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On macOS the default socket lay under $TMPDIR, which is unset under
+    sudo and cron and another one in a nix-shell: such a client looked for
+    the daemon elsewhere and dropped every save. It is the user's temp
+    directory as confstr(3) tells it (simulated here: Linux has none), and
+    $TMPDIR only where the system tells none."""
+    from kvkeeper import config
+
+    told: list[str | None] = ["/var/folders/zz/abc123/T/"]
+
+    def confstr(name: int | str) -> str | None:
+        if name != 65537 or told[0] is None:  # _CS_DARWIN_USER_TEMP_DIR
+            raise OSError(22, "Invalid argument")
+        return told[0]
+
+    monkeypatch.delenv("KVKEEPER_SOCKET", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(os, "confstr", confstr)
+    want = Path(f"/var/folders/zz/abc123/T/kvkeeper-{os.getuid()}/kvkeeper.sock")
+    for tmpdir in ("/var/folders/zz/abc123/T/", "/nix/shell/tmp", None):
+        if tmpdir is None:
+            monkeypatch.delenv("TMPDIR", raising=False)
+        else:
+            monkeypatch.setenv("TMPDIR", tmpdir)
+        assert config.default_socket() == want, tmpdir
+    told[0] = None
+    monkeypatch.setenv("TMPDIR", "/private/tmp/x")
+    assert config.default_socket() == Path(f"/private/tmp/x/kvkeeper-{os.getuid()}/kvkeeper.sock")
+    monkeypatch.undo()
+    assert config.darwin_user_temp_dir() is None  # Linux: no such directory
+
+
 @pytest.mark.parametrize(("argv", "process_type"), [
     ([], "Background"),
     (["--cpu-policy", "normal"], "Standard"),
