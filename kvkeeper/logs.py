@@ -189,8 +189,11 @@ class BehindHandler(logging.Handler):
         self._hand(line)
 
     def _can_take(self, line: str) -> bool:
+        # POLLOUT itself: macOS's poll answers POLLNVAL for a terminal (it
+        # "does not support devices"), which, taken for room, had a stalled
+        # terminal freeze the daemon.
         return (self._poll is not None and len(line) < _DIRECT_MAX // 4
-                and bool(self._poll.poll(0)))
+                and any(events & select.POLLOUT for _, events in self._poll.poll(0)))
 
     def _hand(self, line: str) -> None:
         with self._count:

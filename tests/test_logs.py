@@ -214,6 +214,52 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     assert entry_path(root, "k3").exists()
 
 
+@pytest.mark.parametrize(("answer", "direct"), [("POLLOUT", True), ("POLLNVAL", False)])
+def test_a_line_is_written_at_once_only_where_poll_says_there_is_room(
+        answer: str, direct: bool) -> None:
+    """macOS's poll answers POLLNVAL for a terminal (it "does not support
+    devices"): any answer was taken for room, and every line was written
+    from the logging thread, which a stalled terminal froze. (macOS's answer
+    is simulated: Linux polls a terminal.)"""
+    import os
+    import select
+    import threading
+
+    from kvkeeper.logs import BehindHandler
+
+    read_end, write_end = os.pipe()
+    by: list[str] = []
+    written = threading.Event()
+
+    class Stream:
+        def fileno(self) -> int:
+            return write_end
+
+        def write(self, text: str) -> int:
+            by.append(threading.current_thread().name)
+            written.set()
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    class Polled:
+        def poll(self, timeout: int) -> list[tuple[int, int]]:
+            return [(write_end, getattr(select, answer))]
+
+    handler = BehindHandler(Stream())  # type: ignore[arg-type]
+    handler._poll = Polled()  # type: ignore[assignment]
+    try:
+        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0, "event=x",
+                                       (), None))
+        assert written.wait(WAIT)
+        assert (by == [threading.current_thread().name]) is direct, by
+    finally:
+        handler.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
     """A log read too slowly: the lines past those waiting are dropped, and
     one line in their place says how many, so that every line is written

@@ -29,6 +29,9 @@ TMP_SUFFIX = ".tmp"
 
 _IOV_MAX = min(getattr(os, "sysconf", lambda _n: 1024)("SC_IOV_MAX") or 1024, 1024)
 _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
+#: F_FULLFSYNC refused by the file system: fsync instead. (ENOTSUP and
+#: EOPNOTSUPP are one number on Linux, 45 and 102 on macOS.)
+_FULLFSYNC_REFUSED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOTTY})
 _counter = itertools.count()
 
 
@@ -43,7 +46,7 @@ def full_fsync(fd: int) -> None:
             fcntl.fcntl(fd, _F_FULLFSYNC)
             return
         except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOTTY):
+            if exc.errno not in _FULLFSYNC_REFUSED:
                 raise
     os.fsync(fd)
 
