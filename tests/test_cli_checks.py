@@ -645,6 +645,28 @@ def test_export_into_the_store_is_refused(client: Client, daemon: RunningDaemon,
     assert loaded is not None and loaded.token_ids == [6, 7]
 
 
+def test_export_into_the_store_by_another_name_is_refused(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """The guard compared spellings: on case-insensitive APFS,
+    ~/library/caches/kvkeeper is the store too, and an export there replaced
+    an entry behind the daemon's back. It compares the directories
+    themselves now; a bind mount stands for the other spelling here."""
+    need_linux_root()
+    assert client.save("m2", "b", small_cache(), [6, 7]) and client.flush(timeout=WAIT)
+    before = entry_path(daemon.root, "b", model="m2").read_bytes()
+    alias = short_dir / "alias"
+    alias.mkdir(mode=0o700)
+    run("mount", "--bind", str(daemon.root), str(alias))
+    try:
+        aliased = alias / entry_path(daemon.root, "b", model="m2").relative_to(daemon.root)
+        for argv in (["--socket", str(daemon.socket)],
+                     ["--socket", str(short_dir / "none.sock"), "--root", str(daemon.root)]):
+            usage_error(cli("export", *argv, "m2", "b", str(aliased)), "inside the store")
+    finally:
+        run("umount", "-l", str(alias))
+    assert entry_path(daemon.root, "b", model="m2").read_bytes() == before
+
+
 def test_export_of_a_damaged_entry_says_why(client: Client, daemon: RunningDaemon,
                                             short_dir: Path) -> None:
     """With the daemon up, the load moved the damaged file aside and export

@@ -182,6 +182,32 @@ def loadable(kv: Any, model: str) -> list[m.Entry]:
     return [e for e in kv.entries(model, everything=True)
             if e.kind in ("entry", "legacy") and e.cache_id]
 
+def same_dir(a: Path, b: Path) -> bool:
+    """Whether two paths name one directory, by its identity, not its
+    spelling: APFS is case-insensitive, and ``resolve()`` keeps the case it
+    is given (``~/library/caches/kvkeeper`` is the store too)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def within(path: Path, root: Path) -> bool:
+    """Whether directory ``path`` is ``root`` or below it, by identity (see
+    ``same_dir``). Raises OSError when ``root`` cannot be looked at."""
+    info = os.stat(root)
+    own = (info.st_dev, info.st_ino)
+    here = path.resolve()
+    for d in (here, *here.parents):
+        try:
+            seen = os.stat(d)
+        except OSError:
+            continue
+        if (seen.st_dev, seen.st_ino) == own:
+            return True
+    return False
+
+
 def fsync_path(path: Path, flags: int) -> None:
     from kvkeeper.daemon.durable import full_fsync
 

@@ -24,8 +24,10 @@ from kvkeeper.ops.common import (
     loadable,
     out,
     print_json,
+    same_dir,
     shown,
     store_root,
+    within,
 )
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
@@ -379,8 +381,7 @@ def export(args: argparse.Namespace) -> int:
     try:
         # No daemon to ask: the default root is read, and must be a store.
         root = store_root(args, kv) if args.root is not None or not kv.connected else None
-        if root is None or (kv is not None and kv.connected
-                            and kv.root.resolve() == root.resolve()):
+        if root is None or (kv is not None and kv.connected and same_dir(kv.root, root)):
             root = kv.root
             _not_inside(dest, root)
             with _load_misses() as misses:
@@ -495,7 +496,7 @@ def _not_inside(dest: Path, root: Path) -> None:
     """Refuse an export into the store: its files are the daemon's (one put at
     another entry's place replaced that entry behind the daemon's back)."""
     try:
-        inside = dest.parent.resolve().is_relative_to(root.resolve())
+        inside = within(dest.parent, root)
     except OSError:
         return  # the write reports what is wrong with the place
     if inside:

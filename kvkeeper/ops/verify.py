@@ -19,6 +19,7 @@ from kvkeeper.ops.common import (
     err,
     out,
     print_json,
+    same_dir,
     shown,
     store_root,
 )
@@ -199,7 +200,7 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     with the reason, and the others are still tried."""
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
-    if kv is not None and kv.connected and kv.root.resolve() == root.resolve():
+    if kv is not None and kv.connected and same_dir(kv.root, root):
         from kvkeeper.client.client import DaemonError, DaemonShuttingDown
 
         for path, reason, ident in bad:
