@@ -875,6 +875,23 @@ def _import_six(short_dir: Path, mib: float, model: str, **daemon: Any) -> tuple
         raise
 
 
+def test_import_composes_an_id_taken_from_a_decomposed_file_name(
+    client: Client, daemon: RunningDaemon, short_dir: Path
+) -> None:
+    """HFS+ and SMB shares give names decomposed (NFD): "cafe\u0301" was
+    imported as that id, and the server's load of "caf\u00e9" (NFC, as
+    text usually comes) missed, while ls showed the same-looking id."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    save_prompt_cache(str(short_dir / "cafe\u0301.safetensors"), filled(0.1, 3))
+    r = cli("import", "--socket", str(daemon.socket), "--model", "mn",
+            str(short_dir / "cafe\u0301.safetensors"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [i["cache_id"] for i in json.loads(r.stdout)["imported"]] == ["caf\u00e9"]
+    got = client.load("mn", "caf\u00e9")
+    assert got is not None and mx.all(got.cache[0].state[0] == 3).item()
+
+
 def test_import_reports_entries_the_disk_budget_evicted_during_the_run(
         short_dir: Path) -> None:
     """Six 0.5 MiB files into a store of 2 MiB: import said "imported" of all

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,7 +140,11 @@ def import_files(args: argparse.Namespace) -> int:
                     failed.append((f, f"the file records model {got.model!r}, not --model "
                                       f"{model!r} (leave --model out to keep its own)"))
                     continue
-                cache_id = args.id or got.cache_id or f.name.removesuffix(naming.SUFFIX)
+                # A name as the file system gives it: decomposed (NFD) from
+                # HFS+ and SMB shares, where the server's ids are composed
+                # (NFC), and the two are different ids: "café" missed.
+                cache_id = args.id or got.cache_id or unicodedata.normalize(
+                    "NFC", f.name.removesuffix(naming.SUFFIX))
                 why = _no_key(model, cache_id, args, got)
                 if why is not None:
                     # Before: the run ended there, as a usage error (exit 2),
