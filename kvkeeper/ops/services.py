@@ -71,7 +71,8 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
     # The default socket always: it comes from the environment whether a
     # variable is set here or not (systemd gives a user service
     # $XDG_RUNTIME_DIR even when this shell has none, and this shell's
-    # clients then use /tmp/kvkeeper-UID; on macOS it follows $TMPDIR).
+    # clients then use /tmp/kvkeeper-UID; on macOS it is the per-user temp
+    # directory, the same for launchd, unless the system tells none).
     if sources["socket"] == "default":
         pinned.socket = values["socket"]
     return serve_args_for_service(pinned), values
