@@ -571,20 +571,17 @@ class SessionBase:
             # on another worker failed ("There is no Stream(cpu, 2) in current
             # thread") unless a save had happened to evaluate it.
             mx.eval([layer.state for layer in cache])
-        except (AttributeError, TypeError, ValueError) as exc:
-            # A layer without a state as mlx-lm's: kept, as it is.
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+            # A layer without a state as mlx-lm's: kept as it is. RuntimeError:
+            # a request closed from a thread other than the generating one (a
+            # server's event loop dropping the generator of a client gone)
+            # cannot evaluate what that thread left lazy. Kept too: a next
+            # request on that thread uses it; on another one, _restore drops
+            # it (it failed inside the model: "There is no Stream(cpu, 10)
+            # in current thread").
             log.debug("event=state_not_evaluated model=%s id=%s error=%s",
                       self.model_id, self.session_id, exc)
-        except RuntimeError as exc:
-            # A request closed from a thread other than the generating one
-            # (a server's event loop dropping the generator of a client gone)
-            # cannot evaluate what that thread left lazy. Kept: a next request
-            # on that thread uses it; on another one, _restore drops it (it
-            # failed inside the model: "There is no Stream(cpu, 10) in
-            # current thread").
-            log.debug("event=state_not_evaluated model=%s id=%s error=%s",
-                      self.model_id, self.session_id, exc)
-            lazy = True
+            lazy = isinstance(exc, RuntimeError)
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
         self._lazy_state = lazy
         self.media = media
