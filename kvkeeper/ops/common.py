@@ -182,6 +182,7 @@ def loadable(kv: Any, model: str) -> list[m.Entry]:
     return [e for e in kv.entries(model, everything=True)
             if e.kind in ("entry", "legacy") and e.cache_id]
 
+
 def same_dir(a: Path, b: Path) -> bool:
     """Whether two paths name one directory, by its identity, not its
     spelling: APFS is case-insensitive, and ``resolve()`` keeps the case it
