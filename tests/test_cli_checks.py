@@ -654,17 +654,21 @@ def test_export_into_the_store_by_another_name_is_refused(
     need_linux_root()
     assert client.save("m2", "b", small_cache(), [6, 7]) and client.flush(timeout=WAIT)
     before = entry_path(daemon.root, "b", model="m2").read_bytes()
-    alias = short_dir / "alias"
-    alias.mkdir(mode=0o700)
-    run("mount", "--bind", str(daemon.root), str(alias))
-    try:
-        aliased = alias / entry_path(daemon.root, "b", model="m2").relative_to(daemon.root)
-        for argv in (["--socket", str(daemon.socket)],
-                     ["--socket", str(short_dir / "none.sock"), "--root", str(daemon.root)]):
-            usage_error(cli("export", *argv, "m2", "b", str(aliased)), "inside the store")
-    finally:
-        run("umount", "-l", str(alias))
-    assert entry_path(daemon.root, "b", model="m2").read_bytes() == before
+    entry = entry_path(daemon.root, "b", model="m2")
+    # The root, and a directory below it (the guard looked for the root
+    # among the place's parents, which a mount of sessions/ has not).
+    for i, mounted in enumerate((daemon.root, daemon.root / "sessions")):
+        alias = short_dir / f"alias{i}"
+        alias.mkdir(mode=0o700)
+        run("mount", "--bind", str(mounted), str(alias))
+        try:
+            aliased = alias / entry.relative_to(mounted)
+            for argv in (["--socket", str(daemon.socket)],
+                         ["--socket", str(short_dir / "none.sock"), "--root", str(daemon.root)]):
+                usage_error(cli("export", *argv, "m2", "b", str(aliased)), "inside the store")
+        finally:
+            run("umount", "-l", str(alias))
+    assert entry.read_bytes() == before
 
 
 def test_export_of_a_damaged_entry_says_why(client: Client, daemon: RunningDaemon,

@@ -521,6 +521,33 @@ def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
     assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
 
 
+def test_verify_repair_of_the_daemons_root_by_another_name_goes_through_it(
+        client: Client, daemon: RunningDaemon, short_dir: Path) -> None:
+    """--root naming the running daemon's store another way (a case of its
+    name on APFS; a bind mount here) was taken for another store: the repair
+    tried the direct way and was refused, the daemon holding the root."""
+    from .faultkit import need_linux_root, run
+
+    need_linux_root()
+    assert client.save(FP, "bad", filled(0.5, 3), [3]) and client.flush(timeout=WAIT)
+    bad = entry_path(daemon.root, "bad")
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    alias = short_dir / "alias"
+    alias.mkdir(mode=0o700)
+    run("mount", "--bind", str(daemon.root), str(alias))
+    try:
+        r = cli("verify", "--socket", str(daemon.socket), "--root", str(alias), "--repair",
+                "--json")
+    finally:
+        run("umount", "-l", str(alias))
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert len(report["moved_aside"]) == 1 and "repair_error" not in report, report
+    assert not bad.exists()
+
+
 def test_verify_finds_damage_in_the_header_and_repairs_it(
     client: Client, daemon: RunningDaemon
 ) -> None:

@@ -194,18 +194,23 @@ def same_dir(a: Path, b: Path) -> bool:
 
 
 def within(path: Path, root: Path) -> bool:
-    """Whether directory ``path`` is ``root`` or below it, by identity (see
-    ``same_dir``). Raises OSError when ``root`` cannot be looked at."""
-    info = os.stat(root)
-    own = (info.st_dev, info.st_ino)
-    here = path.resolve()
-    for d in (here, *here.parents):
-        try:
-            seen = os.stat(d)
-        except OSError:
-            continue
-        if (seen.st_dev, seen.st_ino) == own:
-            return True
+    """Whether directory ``path`` is ``root`` or a directory below it, by
+    identity (see ``same_dir``): any way to reach the store's directories (a
+    bind mount of ``sessions/``, another spelling) is the store. Raises
+    OSError when ``root`` cannot be looked at."""
+    info = os.stat(path)
+    here = (info.st_dev, info.st_ino)
+    top = os.stat(root)
+    if (top.st_dev, top.st_ino) == here:
+        return True
+    for parent, dirs, _ in os.walk(root):
+        for name in dirs:
+            try:
+                seen = os.stat(os.path.join(parent, name), follow_symlinks=False)
+            except OSError:
+                continue
+            if (seen.st_dev, seen.st_ino) == here:
+                return True
     return False
 
 
