@@ -189,11 +189,19 @@ class BehindHandler(logging.Handler):
         self._hand(line)
 
     def _can_take(self, line: str) -> bool:
-        # POLLOUT itself: macOS's poll answers POLLNVAL for a terminal (it
-        # "does not support devices"), which, taken for room, had a stalled
-        # terminal freeze the daemon.
-        return (self._poll is not None and len(line) < _DIRECT_MAX // 4
-                and any(events & select.POLLOUT for _, events in self._poll.poll(0)))
+        if self._poll is None or len(line) >= _DIRECT_MAX // 4:
+            return False
+        answer = self._poll.poll(0)
+        if any(events & select.POLLNVAL for _, events in answer):
+            # macOS's poll "does not support devices": a terminal, /dev/null.
+            # Taken for room, a stalled terminal froze the daemon; taken for
+            # none, every line went behind, after what serve prints itself.
+            # select asks such a device.
+            try:
+                return bool(select.select([], [self._stream.fileno()], [], 0)[1])
+            except (OSError, ValueError):  # past FD_SETSIZE, say
+                return False
+        return any(events & select.POLLOUT for _, events in answer)
 
     def _hand(self, line: str) -> None:
         with self._count:

@@ -2,6 +2,7 @@
 reasons it carries."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shlex
@@ -214,13 +215,17 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     assert entry_path(root, "k3").exists()
 
 
-@pytest.mark.parametrize(("answer", "direct"), [("POLLOUT", True), ("POLLNVAL", False)])
-def test_a_line_is_written_at_once_only_where_poll_says_there_is_room(
-        answer: str, direct: bool) -> None:
+@pytest.mark.parametrize(("answer", "full", "direct"), [
+    ("POLLOUT", False, True), ("POLLNVAL", False, True), ("POLLNVAL", True, False)])
+def test_a_line_is_written_at_once_only_where_there_is_room(
+        answer: str, full: bool, direct: bool) -> None:
     """macOS's poll answers POLLNVAL for a terminal (it "does not support
     devices"): any answer was taken for room, and every line was written
-    from the logging thread, which a stalled terminal froze. (macOS's answer
-    is simulated: Linux polls a terminal.)"""
+    from the logging thread, which a stalled terminal froze. select is asked
+    then: room, the line goes out at once (in order with what serve prints
+    itself); none (a full pipe here), it goes behind. (macOS's answer is
+    simulated: Linux polls a terminal.)"""
+    import fcntl
     import os
     import select
     import threading
@@ -228,6 +233,11 @@ def test_a_line_is_written_at_once_only_where_poll_says_there_is_room(
     from kvkeeper.logs import BehindHandler
 
     read_end, write_end = os.pipe()
+    if full:
+        fcntl.fcntl(write_end, fcntl.F_SETFL, os.O_NONBLOCK)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_end, b"x" * 65536)
     by: list[str] = []
     written = threading.Event()
 
