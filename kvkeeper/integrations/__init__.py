@@ -581,7 +581,7 @@ class SessionBase:
             # in current thread").
             log.debug("event=state_not_evaluated model=%s id=%s error=%s",
                       self.model_id, self.session_id, exc)
-            lazy = isinstance(exc, RuntimeError)
+            lazy = isinstance(exc, RuntimeError) and "in current thread" in str(exc)
         self.cache, self.token_ids, self._source = cache, token_ids, "memory"
         self._lazy_state = lazy
         self.media = media
