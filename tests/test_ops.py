@@ -917,6 +917,19 @@ def test_import_composes_an_id_taken_from_a_decomposed_file_name(
     assert [i["cache_id"] for i in json.loads(r.stdout)["imported"]] == ["caf\u00e9"]
     got = client.load("mn", "caf\u00e9")
     assert got is not None and mx.all(got.cache[0].state[0] == 3).item()
+    # Both forms in one directory: the file named "caf\u00e9" is the one
+    # imported (the decomposed name sorts first, and was).
+    both = short_dir / "both"
+    both.mkdir()
+    for name, v in (("caf\u00e9", 4), ("cafe\u0301", 5)):
+        save_prompt_cache(str(both / f"{name}.safetensors"), filled(0.1, v))
+    r = cli("import", "--socket", str(daemon.socket), "--model", "mn2", str(both), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert [Path(i["path"]).name for i in report["imported"]] == ["caf\u00e9.safetensors"]
+    assert [Path(f["path"]).name for f in report["failed"]] == ["cafe\u0301.safetensors"]
+    got = client.load("mn2", "caf\u00e9")
+    assert got is not None and mx.all(got.cache[0].state[0] == 4).item()
 
 
 def test_import_reports_entries_the_disk_budget_evicted_during_the_run(

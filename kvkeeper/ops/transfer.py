@@ -65,14 +65,20 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
 
 def _cache_files_under(directory: Path) -> list[Path]:
     """Every ``*.safetensors`` under ``directory`` (not through links to
-    directories), sorted. A subdirectory removed while this walks it is
-    skipped, one it cannot list is reported: neither fails the import."""
+    directories), sorted as composed text, a name already composed before its
+    decomposed twin (both give one id: the file of that very name is the one
+    imported). A subdirectory removed while this walks it is skipped, one it
+    cannot list is reported: neither fails the import."""
     def unlisted(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):
             err.print(f"cannot list {exc.filename}: {exc.strerror}", markup=False)
 
-    return sorted(Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
-                  for name in names if name.endswith(naming.SUFFIX))
+    def composed_first(path: Path) -> tuple[str, bool, str]:
+        text = unicodedata.normalize("NFC", str(path))
+        return text, text != str(path), str(path)
+
+    return sorted((Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
+                   for name in names if name.endswith(naming.SUFFIX)), key=composed_first)
 
 
 def import_files(args: argparse.Namespace) -> int:
