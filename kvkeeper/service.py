@@ -35,6 +35,9 @@ class ServiceFile:
     stop_first: list[list[str]] = field(default_factory=list)
     # Exit statuses of an unload command that mean "was not loaded": done.
     not_loaded: frozenset[int] = frozenset()
+    # What a load command's exit status means, and what to do, where its
+    # own message does not say.
+    load_hints: dict[int, str] = field(default_factory=dict)
     # Seconds this file lets the service manager wait for the daemon to stop.
     stop_timeout: int = 30
     # Directories the service needs before it is loaded, made with the file.
@@ -112,8 +115,16 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         unload=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
         stop_first=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
         # launchctl's "No such process" and "Could not find service": an
-        # agent written with --no-load, or stopped by hand, is not running.
-        not_loaded=frozenset({3, 113}),
+        # agent written with --no-load, or stopped by hand, is not running;
+        # "Domain does not support specified action": no gui/<uid> domain in
+        # this session (ssh into a Mac nobody is logged into at its screen),
+        # so nothing of this user's is loaded there (uninstall refused to
+        # remove the file).
+        not_loaded=frozenset({3, 113, 125}),
+        load_hints={125: "launchd's gui/<uid> domain exists only while this user is logged "
+                         "in at the Mac's screen, which an ssh session is not: the agent "
+                         "file is written and starts at this user's next login there "
+                         "(log in once, or turn on automatic login)"},
         stop_timeout=exit_timeout,
         # Made with the file: launchd cannot open the log of an agent it
         # loads at the next login (--no-load) in a directory that is missing.
@@ -197,7 +208,8 @@ def service_file(serve_args: Sequence[str], drain_timeout: float,
     return systemd(serve_args, drain_timeout, config_home)
 
 
-def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset()) -> None:
+def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset(),
+         hints: dict[int, str] | None = None) -> None:
     for cmd in commands:
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds)
@@ -207,8 +219,10 @@ def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozens
         except subprocess.TimeoutExpired:
             raise ServiceError(f"{shlex.join(cmd)} did not finish within {seconds:g} s") from None
         if r.returncode != 0 and r.returncode not in ok:
+            hint = (hints or {}).get(r.returncode)
             raise ServiceError(f"{shlex.join(cmd)} failed ({r.returncode}): "
-                               f"{(r.stderr or r.stdout).strip()}")
+                               f"{(r.stderr or r.stdout).strip()}"
+                               + (f" ({hint})" if hint else ""))
 
 
 def _try(commands: list[list[str]], seconds: float) -> None:
@@ -234,7 +248,7 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # stops (the one installed before, if any), then answers.
         seconds = COMMAND_SECONDS + max(sf.stop_timeout, before or 0)
         _try(sf.stop_first, seconds)  # nothing loaded, or no service manager: load says which
-        _run(sf.load, seconds)
+        _run(sf.load, seconds, hints=sf.load_hints)
 
 
 def running_pid(sf: ServiceFile) -> int | None:

@@ -371,6 +371,9 @@ _FAKE_MANAGERS = {
     # one not loaded fails (3). The running daemon's pid is in $MAINPID's file.
     "launchctl": """#!/bin/sh
 echo "launchctl $*" >> "$CALLS"
+if [ -n "$NOGUI" ]; then  # ssh into a Mac nobody is logged into at its screen
+  echo "Bootstrap failed: 125: Domain does not support specified action" >&2; exit 125
+fi
 case "$1" in
   bootstrap) [ -e "$STATE" ] && exit 5; touch "$STATE" ;;
   bootout) [ -e "$STATE" ] || exit 3; rm "$STATE"; rm -f "$MAINPID" ;;
@@ -424,6 +427,25 @@ def _fake_managers(short_dir: Path) -> dict[str, str]:
             "XDG_CONFIG_HOME": str(short_dir / "home" / ".cfg"),
             "CALLS": str(short_dir / "calls"), "STATE": str(short_dir / "loaded"),
             "MAINPID": str(short_dir / "mainpid")}
+
+
+def test_a_launch_agent_over_ssh_alone_is_written_and_said_when_it_starts(
+        short_dir: Path) -> None:
+    """Over ssh into a Mac nobody is logged into at its screen there is no
+    gui/<uid> domain: launchctl answers 125 to everything. install-service
+    said only launchctl's "Domain does not support specified action", and
+    uninstall-service refused to remove the file ('stopping the service
+    failed'). (launchctl is a stand-in answering as the real one does.)"""
+    env = {**_fake_managers(short_dir), "NOGUI": "1"}
+    plist = short_dir / "home" / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
+    r = cli("install-service", "--platform", "macos", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Domain does not support specified action" in r.stderr
+    assert "starts at this user's next login there" in r.stderr
+    assert plist.exists()
+    r = cli("uninstall-service", "--platform", "macos", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "removed" in r.stdout and not plist.exists()
 
 
 def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> None:
