@@ -9,7 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,7 +87,7 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
 
 
 def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
-            background: bool = True) -> ServiceFile:
+            background: bool = True, python_path: str | None = None) -> ServiceFile:
     logs = home / "Library" / "Logs" / "kvkeeper"
     # launchd sends SIGTERM, waits ExitTimeOut, then SIGKILL: give the drain its time.
     exit_timeout = int(drain_timeout) + 10
@@ -106,6 +106,8 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # named like a module the daemon imports must not replace it.
         "WorkingDirectory": "/",
     }
+    if python_path:
+        plist["EnvironmentVariables"] = {"PYTHONPATH": python_path}
     path = home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
     domain = f"gui/{os.getuid()}"
     return ServiceFile(
@@ -153,14 +155,19 @@ def _systemd_command(words: Sequence[str]) -> str:
     return " ".join(_systemd_word(w, command=i == 0) for i, w in enumerate(words))
 
 
-def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) -> ServiceFile:
+def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path, *,
+            python_path: str | None = None) -> ServiceFile:
     stop_timeout = int(drain_timeout) + 10
+    # (No $ expansion in Environment=: the word is quoted as a command's.)
+    environment = ([f"Environment={_systemd_word(f'PYTHONPATH={python_path}', command=True)}"]
+                   if python_path else [])
     unit = "\n".join([
         "[Unit]",
         "Description=kvkeeper: keeps MLX prompt caches across restarts",
         "",
         "[Service]",
         "Type=simple",
+        *environment,
         f"ExecStart={_systemd_command(serve_command(serve_args))}",
         # `python -m` puts the working directory (for a user service: the
         # home directory) first on sys.path: a ~/msgspec.py replaced the module.
@@ -197,15 +204,29 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path) 
 
 
 def service_file(serve_args: Sequence[str], drain_timeout: float,
-                 platform: str = sys.platform, *, background: bool = True) -> ServiceFile:
+                 platform: str = sys.platform, *, background: bool = True,
+                 python_path: str | None = None) -> ServiceFile:
     """The service file for this platform. ``background`` (the daemon's cpu
     policy is batch) marks a LaunchAgent as background work; on Linux the
-    daemon sets its own policy from ``--cpu-policy`` on the command line."""
+    daemon sets its own policy from ``--cpu-policy`` on the command line.
+    ``python_path``: the service's PYTHONPATH (see ``pinned_python_path``)."""
     home = config.home_dir()
     if platform == "darwin":
-        return launchd(serve_args, drain_timeout, home, background=background)
+        return launchd(serve_args, drain_timeout, home, background=background,
+                       python_path=python_path)
     config_home = Path(config.xdg_dir("XDG_CONFIG_HOME") or home / ".config")
-    return systemd(serve_args, drain_timeout, config_home)
+    return systemd(serve_args, drain_timeout, config_home, python_path=python_path)
+
+
+def pinned_python_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """This shell's PYTHONPATH as the service must have it (None for none):
+    the service manager does not pass it on, and a kvkeeper run from a
+    source tree through it had the service import another copy, or none.
+    Relative entries are made absolute (the service runs from /); empty
+    ones, the working directory, are left out (the service's is /)."""
+    value = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+    entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
+    return os.pathsep.join(entries) or None
 
 
 def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset(),

@@ -710,6 +710,36 @@ def _exec_start(unit: str) -> list[str]:
     return shlex.split(line.removeprefix("ExecStart="))
 
 
+def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path) -> None:
+    """kvkeeper run from a source tree through PYTHONPATH: the service
+    manager passes no environment on, and the service (run from /) imported
+    another installed copy, or failed with no module named kvkeeper. The
+    PYTHONPATH goes into the service file, its relative entries made
+    absolute; the service's interpreter then imports this shell's copy."""
+    src = short_dir / "src"
+    shutil.copytree(Path(kvkeeper.__file__).parent, src / "kvkeeper",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {"PYTHONPATH": f"src{os.pathsep}{os.pathsep}/opt/a b%"}
+    want = f"{src}{os.pathsep}/opt/a b%"
+    r = cli("install-service", "--print", "--platform", "linux", env=env, cwd=short_dir)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("Environment="))
+    assert shlex.split(line.removeprefix("Environment=")) == [
+        f"PYTHONPATH={want}".replace("%", "%%")], line
+    r = cli("install-service", "--print", "--platform", "macos", env=env, cwd=short_dir)
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads(r.stdout.encode())
+    assert plist["EnvironmentVariables"] == {"PYTHONPATH": want}
+    # The service's interpreter, from /, with that environment alone.
+    found = subprocess.run(
+        [plist["ProgramArguments"][0], "-c", "import kvkeeper; print(kvkeeper.__file__)"],
+        cwd="/", env={"PYTHONPATH": want}, capture_output=True, text=True, timeout=120)
+    assert found.stdout.strip() == str(src / "kvkeeper" / "__init__.py"), found
+    # None set: nothing pinned.
+    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""})
+    assert r.returncode == 0 and "Environment=" not in r.stdout, r.stdout
+
+
 def test_install_service_stop_timeout_follows_the_resolved_drain_timeout(
         short_dir: Path) -> None:
     cfg = short_dir / "kv.toml"

@@ -122,7 +122,8 @@ def install_service(args: argparse.Namespace) -> int:
 
     serve_args, values = _service_settings(args)
     sf = service.service_file(serve_args, values["drain_timeout"],
-                              _platform(args), background=values["cpu_policy"] == "batch")
+                              _platform(args), background=values["cpu_policy"] == "batch",
+                              python_path=service.pinned_python_path())
     if args.print:
         print(sf.content.decode(), end="")
         return 0
