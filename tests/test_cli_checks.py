@@ -668,6 +668,14 @@ def test_export_into_the_store_by_another_name_is_refused(
                 usage_error(cli("export", *argv, "m2", "b", str(aliased)), "inside the store")
         finally:
             run("umount", "-l", str(alias))
+    # A store directory this user cannot list (sessions/ at 0311): the place
+    # is still found inside it (d05585b's walk alone missed it).
+    (daemon.root / "sessions").chmod(0o311)
+    try:
+        usage_error(cli("export", "--socket", str(daemon.socket), "m2", "b", str(entry),
+                        prefix=NO_DAC), "inside the store")
+    finally:
+        (daemon.root / "sessions").chmod(0o700)
     assert entry.read_bytes() == before
 
 

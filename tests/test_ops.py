@@ -930,6 +930,20 @@ def test_import_composes_an_id_taken_from_a_decomposed_file_name(
     assert [Path(f["path"]).name for f in report["failed"]] == ["cafe\u0301.safetensors"]
     got = client.load("mn2", "caf\u00e9")
     assert got is not None and mx.all(got.cache[0].state[0] == 4).item()
+    # Given as PATH arguments in that order (a shell's glob gives it): the same.
+    r = cli("import", "--socket", str(daemon.socket), "--model", "mn3", "--json",
+            str(both / "cafe\u0301.safetensors"), str(both / "caf\u00e9.safetensors"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert [Path(i["path"]).name for i in json.loads(r.stdout)["imported"]] == \
+        ["caf\u00e9.safetensors"]
+    # Other files keep the order of their paths, directory by directory
+    # (x/ before x.old/: the first version of this sorted whole paths as text).
+    for sub, v in (("x", 6), ("x.old", 7)):
+        (short_dir / "dirs" / sub).mkdir(parents=True)
+        save_prompt_cache(str(short_dir / "dirs" / sub / "foo.safetensors"), filled(0.1, v))
+    r = cli("import", "--socket", str(daemon.socket), "--model", "mn4", "--json",
+            str(short_dir / "dirs"))
+    assert [Path(i["path"]).parent.name for i in json.loads(r.stdout)["imported"]] == ["x"]
 
 
 def test_import_reports_entries_the_disk_budget_evicted_during_the_run(

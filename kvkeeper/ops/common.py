@@ -198,18 +198,27 @@ def within(path: Path, root: Path) -> bool:
     identity (see ``same_dir``): any way to reach the store's directories (a
     bind mount of ``sessions/``, another spelling) is the store. Raises
     OSError when ``root`` cannot be looked at."""
-    info = os.stat(path)
-    here = (info.st_dev, info.st_ino)
     top = os.stat(root)
-    if (top.st_dev, top.st_ino) == here:
-        return True
+    own = (top.st_dev, top.st_ino)
+    here = path.resolve()
+    # Its parents first: a store directory this process cannot list is
+    # still found above a place inside it.
+    for d in (here, *here.parents):
+        try:
+            seen = os.stat(d)
+        except OSError:
+            continue
+        if (seen.st_dev, seen.st_ino) == own:
+            return True
+    info = os.stat(here)
+    target = (info.st_dev, info.st_ino)
     for parent, dirs, _ in os.walk(root):
         for name in dirs:
             try:
                 seen = os.stat(os.path.join(parent, name), follow_symlinks=False)
             except OSError:
                 continue
-            if (seen.st_dev, seen.st_ino) == here:
+            if (seen.st_dev, seen.st_ino) == target:
                 return True
     return False
 

@@ -60,25 +60,34 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
                 # A file and a symlink to it: the file's own name is its id,
                 # not whichever of the two sorts first.
                 files[seen[real]] = f
-    return files, empty
+    return _composed_first(files), empty
 
 
 def _cache_files_under(directory: Path) -> list[Path]:
     """Every ``*.safetensors`` under ``directory`` (not through links to
-    directories), sorted as composed text, a name already composed before its
-    decomposed twin (both give one id: the file of that very name is the one
-    imported). A subdirectory removed while this walks it is skipped, one it
-    cannot list is reported: neither fails the import."""
+    directories), sorted. A subdirectory removed while this walks it is
+    skipped, one it cannot list is reported: neither fails the import."""
     def unlisted(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):
             err.print(f"cannot list {exc.filename}: {exc.strerror}", markup=False)
 
-    def composed_first(path: Path) -> tuple[str, bool, str]:
-        text = unicodedata.normalize("NFC", str(path))
-        return text, text != str(path), str(path)
+    return sorted(Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
+                  for name in names if name.endswith(naming.SUFFIX))
 
-    return sorted((Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
-                   for name in names if name.endswith(naming.SUFFIX)), key=composed_first)
+
+def _composed_first(files: list[Path]) -> list[Path]:
+    """``files`` in their order, but for paths that are one text composed
+    (NFC) and decomposed: those twins together, where the first of them
+    was, the composed one first. They give one id, and the file of that
+    very name is the one imported (a decomposed name sorts first, and a
+    shell's glob gives it first too)."""
+    def composed(f: Path) -> str:
+        return unicodedata.normalize("NFC", str(f))
+
+    first_at: dict[str, int] = {}
+    for i, f in enumerate(files):
+        first_at.setdefault(composed(f), i)
+    return sorted(files, key=lambda f: (first_at[composed(f)], composed(f) != str(f)))
 
 
 def import_files(args: argparse.Namespace) -> int:
