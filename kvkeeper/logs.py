@@ -118,6 +118,12 @@ class LogfmtFormatter(logging.Formatter):
 _DIRECT_MAX = 4096
 
 
+#: The longest line written at once where select, not poll, says there is
+#: room (see BehindHandler._can_take): below the ~1 KiB a BSD terminal's
+#: queue takes between its two water marks.
+_TTY_DIRECT_MAX = 512
+
+
 class BehindHandler(logging.Handler):
     """Writes each line to ``stream`` at once when it can take it without
     waiting (the line is out before the next step: a kill right after an
@@ -196,7 +202,11 @@ class BehindHandler(logging.Handler):
             # macOS's poll "does not support devices": a terminal, /dev/null.
             # Taken for room, a stalled terminal froze the daemon; taken for
             # none, every line went behind, after what serve prints itself.
-            # select asks such a device.
+            # select asks such a device; for a terminal it says "room" from
+            # its low-water mark on, and a write blocks past the high one
+            # (about 1 KiB apart): longer lines go behind.
+            if len(line.encode(errors="replace")) > _TTY_DIRECT_MAX:
+                return False
             try:
                 return bool(select.select([], [self._stream.fileno()], [], 0)[1])
             except (OSError, ValueError):  # past FD_SETSIZE, say

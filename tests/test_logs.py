@@ -215,16 +215,18 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     assert entry_path(root, "k3").exists()
 
 
-@pytest.mark.parametrize(("answer", "full", "direct"), [
-    ("POLLOUT", False, True), ("POLLNVAL", False, True), ("POLLNVAL", True, False)])
+@pytest.mark.parametrize(("answer", "full", "size", "direct"), [
+    ("POLLOUT", False, 8, True), ("POLLNVAL", False, 8, True), ("POLLNVAL", True, 8, False),
+    ("POLLOUT", False, 900, True), ("POLLNVAL", False, 900, False)])
 def test_a_line_is_written_at_once_only_where_there_is_room(
-        answer: str, full: bool, direct: bool) -> None:
+        answer: str, full: bool, size: int, direct: bool) -> None:
     """macOS's poll answers POLLNVAL for a terminal (it "does not support
     devices"): any answer was taken for room, and every line was written
     from the logging thread, which a stalled terminal froze. select is asked
-    then: room, the line goes out at once (in order with what serve prints
-    itself); none (a full pipe here), it goes behind. (macOS's answer is
-    simulated: Linux polls a terminal.)"""
+    then: room, a line goes out at once (in order with what serve prints
+    itself) unless it is longer than a terminal takes between the water
+    marks select goes by; none (a full pipe here), it goes behind. (macOS's
+    answer is simulated: Linux polls a terminal.)"""
     import fcntl
     import os
     import select
@@ -260,8 +262,8 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
     handler = BehindHandler(Stream())  # type: ignore[arg-type]
     handler._poll = Polled()  # type: ignore[assignment]
     try:
-        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0, "event=x",
-                                       (), None))
+        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
+                                       "event=x " + "y" * size, (), None))
         assert written.wait(WAIT)
         assert (by == [threading.current_thread().name]) is direct, by
     finally:
