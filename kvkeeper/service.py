@@ -110,6 +110,7 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         plist["EnvironmentVariables"] = {"PYTHONPATH": python_path}
     path = home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
     domain = f"gui/{os.getuid()}"
+    user = os.getuid() != 0
     return ServiceFile(
         path,
         plistlib.dumps(plist),
@@ -121,12 +122,15 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # "Domain does not support specified action": no gui/<uid> domain in
         # this session (ssh into a Mac nobody is logged into at its screen),
         # so nothing of this user's is loaded there (uninstall refused to
-        # remove the file).
-        not_loaded=frozenset({3, 113, 125}),
+        # remove the file). Not for root: sudo keeps HOME, and gui/0 is not
+        # the domain of the user's agent, which may well be running.
+        not_loaded=frozenset({3, 113} | ({125} if user else set())),
         load_hints={125: "launchd's gui/<uid> domain exists only while this user is logged "
                          "in at the Mac's screen, which an ssh session is not: the agent "
                          "file is written and starts at this user's next login there "
-                         "(log in once, or turn on automatic login)"},
+                         "(log in once, or turn on automatic login)" if user else
+                         "run install-service as the user whose agent it is, not as root "
+                         "(gui/0 is no user's login)"},
         stop_timeout=exit_timeout,
         # Made with the file: launchd cannot open the log of an agent it
         # loads at the next login (--no-load) in a directory that is missing.

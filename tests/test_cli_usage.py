@@ -429,23 +429,42 @@ def _fake_managers(short_dir: Path) -> dict[str, str]:
             "MAINPID": str(short_dir / "mainpid")}
 
 
+@pytest.mark.parametrize("who", ["a user", "root"])
 def test_a_launch_agent_over_ssh_alone_is_written_and_said_when_it_starts(
-        short_dir: Path) -> None:
+        short_dir: Path, who: str) -> None:
     """Over ssh into a Mac nobody is logged into at its screen there is no
     gui/<uid> domain: launchctl answers 125 to everything. install-service
     said only launchctl's "Domain does not support specified action", and
     uninstall-service refused to remove the file ('stopping the service
-    failed'). (launchctl is a stand-in answering as the real one does.)"""
-    env = {**_fake_managers(short_dir), "NOGUI": "1"}
-    plist = short_dir / "home" / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
-    r = cli("install-service", "--platform", "macos", env=env)
+    failed'). For root (sudo keeps HOME: gui/0 is not the domain of the
+    user's agent, which may run) 125 is still a failure, said as such.
+    (launchctl is a stand-in answering as the real one does; "a user" runs
+    the CLI as uid 12345.)"""
+    need_linux_root()
+    short_dir.chmod(0o711)  # for uid 12345 to pass through
+    base = short_dir / "shared"
+    base.mkdir()
+    base.chmod(0o777)
+    env = {**_fake_managers(base), "NOGUI": "1"}
+    prefix: tuple[str, ...] = ()
+    if who == "a user":
+        prefix = ("setpriv", "--reuid", "12345", "--regid", "12345", "--clear-groups")
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        (base / "home").mkdir()
+        (base / "home").chmod(0o777)
+    plist = base / "home" / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
+    r = cli("install-service", "--platform", "macos", env=env, prefix=prefix)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "Domain does not support specified action" in r.stderr
-    assert "starts at this user's next login there" in r.stderr
-    assert plist.exists()
-    r = cli("uninstall-service", "--platform", "macos", env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "removed" in r.stdout and not plist.exists()
+    assert "Domain does not support specified action" in r.stderr and plist.exists()
+    assert ("starts at this user's next login there" if who == "a user"
+            else "as the user whose agent it is, not as root") in r.stderr, r.stderr
+    r = cli("uninstall-service", "--platform", "macos", env=env, prefix=prefix)
+    if who == "a user":
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "removed" in r.stdout and not plist.exists()
+    else:
+        assert r.returncode == 1 and plist.exists(), r.stdout + r.stderr
+        assert "stopping the service failed" in r.stderr
 
 
 def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> None:
