@@ -205,13 +205,23 @@ class BehindHandler(logging.Handler):
             # select asks such a device; for a terminal it says "room" from
             # its low-water mark on, and a write blocks past the high one
             # (about 1 KiB apart): longer lines go behind.
-            if len(line.encode(errors="replace")) > _TTY_DIRECT_MAX:
+            if self._bytes_out(line) > _TTY_DIRECT_MAX:
                 return False
             try:
                 return bool(select.select([], [self._stream.fileno()], [], 0)[1])
             except (OSError, ValueError):  # past FD_SETSIZE, say
                 return False
         return any(events & select.POLLOUT for _, events in answer)
+
+    def _bytes_out(self, line: str) -> int:
+        """How many bytes ``line`` becomes on the stream (its own encoding
+        and error handler: an undecodable character of a path, one here,
+        goes out as a 6-byte escape)."""
+        try:
+            return len(line.encode(getattr(self._stream, "encoding", None) or "utf-8",
+                                   getattr(self._stream, "errors", None) or "strict"))
+        except (LookupError, UnicodeError):
+            return len(line) * 6  # what it becomes cannot be told: as long as it can be
 
     def _hand(self, line: str) -> None:
         with self._count:

@@ -119,12 +119,13 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         stop_first=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
         # launchctl's "No such process" and "Could not find service": an
         # agent written with --no-load, or stopped by hand, is not running;
-        # "Domain does not support specified action": no gui/<uid> domain in
-        # this session (ssh into a Mac nobody is logged into at its screen),
+        # "Domain does not support specified action" (and 112, "Could not
+        # find specified domain"): no gui/<uid> domain in this session (ssh
+        # into a Mac nobody is logged into at its screen),
         # so nothing of this user's is loaded there (uninstall refused to
         # remove the file). Not for root: sudo keeps HOME, and gui/0 is not
         # the domain of the user's agent, which may well be running.
-        not_loaded=frozenset({3, 113} | ({125} if user else set())),
+        not_loaded=frozenset({3, 113} | ({112, 125} if user else set())),
         load_hints={125: "launchd's gui/<uid> domain exists only while this user is logged "
                          "in at the Mac's screen, which an ssh session is not: the agent "
                          "file is written and starts at this user's next login there "
@@ -151,7 +152,8 @@ def _systemd_word(word: str, *, command: bool = False) -> str:
         w = w.replace("$", "$$")
     if w and all(c.isalnum() or c in "/._-=+:,@" for c in w):
         return w
-    w = w.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    w = (w.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+         .replace("\r", "\\r").replace("\t", "\\t"))
     return '"' + w + '"'
 
 
@@ -227,10 +229,25 @@ def pinned_python_path(environ: Mapping[str, str] | None = None) -> str | None:
     the service manager does not pass it on, and a kvkeeper run from a
     source tree through it had the service import another copy, or none.
     Relative entries are made absolute (the service runs from /); empty
-    ones, the working directory, are left out (the service's is /)."""
+    ones, the working directory, are left out (the service's is /).
+    ValueError for a value a service file cannot carry."""
+    if environ is None and sys.flags.ignore_environment:
+        return None  # python -E or -I: this process did not use it either
     value = (os.environ if environ is None else environ).get("PYTHONPATH", "")
     entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
-    return os.pathsep.join(entries) or None
+    joined = os.pathsep.join(entries)
+    # What a service file cannot carry as it is: bytes not UTF-8 (a
+    # traceback in the unit's or plist's encoding), control characters (a
+    # CR ends a unit's line; XML has no place for most of them).
+    try:
+        joined.encode()
+    except UnicodeEncodeError:
+        raise ValueError("PYTHONPATH is not valid UTF-8, which a service file cannot "
+                         "carry: set it to paths that are, or leave it unset") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in joined):
+        raise ValueError("PYTHONPATH holds a control character, which a service file "
+                         "cannot carry: set it to paths without one, or leave it unset")
+    return joined or None
 
 
 def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset(),

@@ -743,9 +743,24 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
         [plist["ProgramArguments"][0], "-c", "import kvkeeper; print(kvkeeper.__file__)"],
         cwd="/", env={"PYTHONPATH": want}, capture_output=True, text=True, timeout=120)
     assert found.stdout.strip() == str(src / "kvkeeper" / "__init__.py"), found
-    # None set: nothing pinned.
+    # None set, or python -E (this process did not use it): nothing pinned.
     r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""})
     assert r.returncode == 0 and "Environment=" not in r.stdout, r.stdout
+    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": "/x"},
+            run=("-E", "-m", "kvkeeper.cli"))
+    assert r.returncode == 0 and "Environment=" not in r.stdout, r.stdout
+    # What a service file cannot carry: exit 2 saying so (before: tracebacks,
+    # and a CR cut the unit's line, which systemd then ignored).
+    for value, says in (("/src:/tmp/caf\udce9", "not valid UTF-8"),
+                        ("/src\r/x", "control character"), ("/a\x01", "control character")):
+        for platform in ("linux", "macos"):
+            usage_error(cli("install-service", "--print", "--platform", platform,
+                            env={"PYTHONPATH": value}), says)
+    # A CR in a word of ExecStart is escaped too.
+    cr = short_dir / "a\rb.sock"
+    r = cli("install-service", "--print", "--platform", "linux", "--socket", str(cr))
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stdout and f'"{short_dir}/a\\rb.sock"' in r.stdout, r.stdout
 
 
 def test_install_service_stop_timeout_follows_the_resolved_drain_timeout(

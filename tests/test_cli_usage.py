@@ -467,6 +467,27 @@ def test_a_launch_agent_over_ssh_alone_is_written_and_said_when_it_starts(
         assert "stopping the service failed" in r.stderr
 
 
+def test_root_does_not_install_or_remove_another_users_launch_agent(short_dir: Path) -> None:
+    """sudo keeps HOME: root wrote root-owned files (the plist, the log
+    directory) into the user's home, and launchctl's gui/0 is not the
+    domain the user's agent runs in. Refused before anything is touched;
+    --print still shows the file. (launchctl is a stand-in.)"""
+    need_linux_root()
+    env = _fake_managers(short_dir)
+    home = Path(env["HOME"])
+    plist = home / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
+    plist.parent.mkdir(parents=True)
+    plist.write_text("the user's own")
+    os.chown(home, 12345, 12345)
+    for argv in (["install-service"], ["install-service", "--no-load"], ["uninstall-service"]):
+        usage_error(cli(*argv, "--platform", "macos", env=env),
+                    "is another user's home (uid 12345)", "not as root")
+    assert plist.read_text() == "the user's own"
+    assert not (home / "Library" / "Logs").exists() and not Path(env["CALLS"]).exists()
+    r = cli("install-service", "--print", "--platform", "macos", env=env)
+    assert r.returncode == 0 and "<plist" in r.stdout, r.stderr
+
+
 def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> None:
     """A daemon started by hand on the service's socket or root made the
     service exit 2 at every start (systemd gives up, launchd retries every

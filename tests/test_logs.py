@@ -217,7 +217,10 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
 
 @pytest.mark.parametrize(("answer", "full", "size", "direct"), [
     ("POLLOUT", False, 8, True), ("POLLNVAL", False, 8, True), ("POLLNVAL", True, 8, False),
-    ("POLLOUT", False, 900, True), ("POLLNVAL", False, 900, False)])
+    ("POLLOUT", False, 900, True), ("POLLNVAL", False, 900, False),
+    # 150 characters no encoding has: 900 bytes as the stream writes them
+    # (backslashreplace), counted as 150 before.
+    ("POLLNVAL", False, -150, False)])
 def test_a_line_is_written_at_once_only_where_there_is_room(
         answer: str, full: bool, size: int, direct: bool) -> None:
     """macOS's poll answers POLLNVAL for a terminal (it "does not support
@@ -244,6 +247,8 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
     written = threading.Event()
 
     class Stream:
+        encoding, errors = "utf-8", "backslashreplace"
+
         def fileno(self) -> int:
             return write_end
 
@@ -263,7 +268,8 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
     handler._poll = Polled()  # type: ignore[assignment]
     try:
         handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
-                                       "event=x " + "y" * size, (), None))
+                                       "event=x " + ("y" * size if size > 0
+                                                     else "\udce9" * -size), (), None))
         assert written.wait(WAIT)
         assert (by == [threading.current_thread().name]) is direct, by
     finally:

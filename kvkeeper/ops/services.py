@@ -117,16 +117,41 @@ def _platform(args: argparse.Namespace) -> str:
     return {"macos": "darwin", "linux": "linux", None: sys.platform}[args.platform]
 
 
+def _not_another_users_home(platform: str) -> None:
+    """Refuse root working on another user's LaunchAgent (sudo keeps HOME):
+    it wrote root-owned files into that user's home, and launchctl's gui/0
+    is not the domain the user's agent runs in (its 125 was taken for
+    "nothing loaded", and the agent ran on)."""
+    if platform != "darwin" or os.getuid() != 0:
+        return
+    from kvkeeper.config import home_dir
+
+    home = home_dir()
+    try:
+        owner = home.stat().st_uid
+    except OSError:
+        return  # no home yet: the agent would be root's own
+    if owner != 0:
+        raise CommandError(f"{home} is another user's home (uid {owner}), and launchd runs a "
+                           f"user's agents as that user: run this as that user, not as root "
+                           f"(sudo)", status=2)
+
+
 def install_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
     serve_args, values = _service_settings(args)
+    try:
+        python_path = service.pinned_python_path()
+    except ValueError as exc:
+        raise CommandError(str(exc), status=2) from None
     sf = service.service_file(serve_args, values["drain_timeout"],
                               _platform(args), background=values["cpu_policy"] == "batch",
-                              python_path=service.pinned_python_path())
+                              python_path=python_path)
     if args.print:
         print(sf.content.decode(), end="")
         return 0
+    _not_another_users_home(_platform(args))
     if not args.no_load:
         _refuse_a_daemon_the_service_did_not_start(sf, values)
     try:
@@ -141,6 +166,7 @@ def install_service(args: argparse.Namespace) -> int:
 def uninstall_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
+    _not_another_users_home(_platform(args))
     sf = service.service_file([], 20.0, _platform(args))
     # A file deleted by hand leaves its service loaded, maybe running.
     orphan = None if args.no_load or sf.path.exists() else _service_pid(sf)
