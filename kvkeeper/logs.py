@@ -195,7 +195,9 @@ class BehindHandler(logging.Handler):
         self._hand(line)
 
     def _can_take(self, line: str) -> bool:
-        if self._poll is None or len(line) >= _DIRECT_MAX // 4:
+        # In bytes as written: an undecodable character of a path is one
+        # character and a 6-byte escape (len*4 let a 6 KB line block).
+        if self._poll is None or self._bytes_out(line) >= _DIRECT_MAX:
             return False
         answer = self._poll.poll(0)
         if any(events & select.POLLNVAL for _, events in answer):

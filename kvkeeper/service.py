@@ -86,6 +86,13 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
     return [os.path.abspath(sys.executable), "-m", "kvkeeper.cli", "serve", *serve_args]
 
 
+#: Why launchctl refuses gui/<uid> (112, 125) to a user, and what to do.
+NO_GUI_DOMAIN = ("launchd's gui/<uid> domain exists only while this user is logged in at the "
+                 "Mac's screen, which an ssh session is not: the agent file is written and "
+                 "starts at this user's next login there (log in once, or turn on automatic "
+                 "login)")
+
+
 def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
             background: bool = True, python_path: str | None = None) -> ServiceFile:
     logs = home / "Library" / "Logs" / "kvkeeper"
@@ -126,12 +133,9 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # remove the file). Not for root: sudo keeps HOME, and gui/0 is not
         # the domain of the user's agent, which may well be running.
         not_loaded=frozenset({3, 113} | ({112, 125} if user else set())),
-        load_hints={125: "launchd's gui/<uid> domain exists only while this user is logged "
-                         "in at the Mac's screen, which an ssh session is not: the agent "
-                         "file is written and starts at this user's next login there "
-                         "(log in once, or turn on automatic login)" if user else
-                         "run install-service as the user whose agent it is, not as root "
-                         "(gui/0 is no user's login)"},
+        load_hints=dict.fromkeys((112, 125), NO_GUI_DOMAIN if user else
+                                 "run install-service as the user whose agent it is, not "
+                                 "as root (gui/0 is no user's login)"),
         stop_timeout=exit_timeout,
         # Made with the file: launchd cannot open the log of an agent it
         # loads at the next login (--no-load) in a directory that is missing.

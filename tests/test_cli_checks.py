@@ -756,6 +756,11 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
         for platform in ("linux", "macos"):
             usage_error(cli("install-service", "--print", "--platform", platform,
                             env={"PYTHONPATH": value}), says)
+    # A control character in a path given: a unit escapes it, a plist cannot
+    # carry it (before: plistlib's ValueError traceback).
+    odd = short_dir / "a\x01b.sock"
+    usage_error(cli("install-service", "--print", "--platform", "macos", "--socket", str(odd)),
+                "cannot go into the service file")
     # A CR in a word of ExecStart is escaped too.
     cr = short_dir / "a\rb.sock"
     r = cli("install-service", "--print", "--platform", "linux", "--socket", str(cr))

@@ -467,25 +467,45 @@ def test_a_launch_agent_over_ssh_alone_is_written_and_said_when_it_starts(
         assert "stopping the service failed" in r.stderr
 
 
-def test_root_does_not_install_or_remove_another_users_launch_agent(short_dir: Path) -> None:
-    """sudo keeps HOME: root wrote root-owned files (the plist, the log
-    directory) into the user's home, and launchctl's gui/0 is not the
-    domain the user's agent runs in. Refused before anything is touched;
-    --print still shows the file. (launchctl is a stand-in.)"""
+@pytest.mark.parametrize("whose", ["the home", "its directory", "the home, not made yet"])
+@pytest.mark.parametrize("platform", ["macos", "linux"])
+def test_root_does_not_install_or_remove_another_users_service(
+        short_dir: Path, platform: str, whose: str) -> None:
+    """sudo keeps HOME: root wrote root-owned files and directories (the
+    plist and its log directory; ~/.config/systemd/user) into the user's
+    home, and launchctl's gui/0 is not the domain the user's agent runs in.
+    Refused before anything is touched, wherever the user's own directory
+    begins; --print still shows the file. (The service managers are
+    stand-ins.)"""
     need_linux_root()
     env = _fake_managers(short_dir)
     home = Path(env["HOME"])
-    plist = home / "Library" / "LaunchAgents" / "io.github.kvkeeper.daemon.plist"
-    plist.parent.mkdir(parents=True)
-    plist.write_text("the user's own")
-    os.chown(home, 12345, 12345)
-    for argv in (["install-service"], ["install-service", "--no-load"], ["uninstall-service"]):
-        usage_error(cli(*argv, "--platform", "macos", env=env),
-                    "is another user's home (uid 12345)", "not as root")
-    assert plist.read_text() == "the user's own"
-    assert not (home / "Library" / "Logs").exists() and not Path(env["CALLS"]).exists()
-    r = cli("install-service", "--print", "--platform", "macos", env=env)
-    assert r.returncode == 0 and "<plist" in r.stdout, r.stderr
+    if platform == "macos":
+        service_dir = home / "Library" / "LaunchAgents"
+        name = "io.github.kvkeeper.daemon.plist"
+    else:
+        service_dir = home / ".cfg" / "systemd" / "user"
+        name = "kvkeeper.service"
+    service_dir.mkdir(parents=True)
+    (service_dir / name).write_text("the user's own")
+    users = {"the home": home, "its directory": service_dir,
+             "the home, not made yet": short_dir}[whose]
+    if whose == "the home, not made yet":  # HOME names a directory inside another's
+        env["HOME"] = str(short_dir / "not-yet")
+        env["XDG_CONFIG_HOME"] = str(short_dir / "not-yet" / ".cfg")
+    os.chown(users, 12345, 12345)
+    try:
+        for argv in (["install-service"], ["install-service", "--no-load"],
+                     ["uninstall-service"]):
+            usage_error(cli(*argv, "--platform", platform, env=env),
+                        f"{users} is uid 12345's, another user's", "not as root")
+        r = cli("install-service", "--print", "--platform", platform, env=env)
+        assert r.returncode == 0, r.stderr
+    finally:
+        os.chown(users, 0, 0)
+    assert (service_dir / name).read_text() == "the user's own"
+    assert not Path(env["CALLS"]).exists() and not (short_dir / "not-yet").exists()
+    assert not (home / "Library" / "Logs").exists()
 
 
 def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> None:

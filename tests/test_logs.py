@@ -220,7 +220,10 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     ("POLLOUT", False, 900, True), ("POLLNVAL", False, 900, False),
     # 150 characters no encoding has: 900 bytes as the stream writes them
     # (backslashreplace), counted as 150 before.
-    ("POLLNVAL", False, -150, False)])
+    ("POLLNVAL", False, -150, False),
+    # And past a pipe's PIPE_BUF where poll says there is room: 6078 bytes,
+    # counted as 1021 characters (at most 4 bytes each) before.
+    ("POLLOUT", False, -1013, False)])
 def test_a_line_is_written_at_once_only_where_there_is_room(
         answer: str, full: bool, size: int, direct: bool) -> None:
     """macOS's poll answers POLLNVAL for a terminal (it "does not support

@@ -118,40 +118,60 @@ def _platform(args: argparse.Namespace) -> str:
 
 
 def _not_another_users_home(platform: str) -> None:
-    """Refuse root working on another user's LaunchAgent (sudo keeps HOME):
-    it wrote root-owned files into that user's home, and launchctl's gui/0
-    is not the domain the user's agent runs in (its 125 was taken for
-    "nothing loaded", and the agent ran on)."""
-    if platform != "darwin" or os.getuid() != 0:
+    """Refuse root working in another user's home (sudo keeps HOME): it made
+    root-owned files and directories there (the service file, its log
+    directory, ~/.config/systemd), and launchctl's gui/0 is not the domain
+    the user's agent runs in (its 125 was taken for "nothing loaded", and
+    the agent ran on). Looked at for the home and each place written: the
+    nearest directory of it that exists."""
+    if os.getuid() != 0:
         return
+    from kvkeeper import service
     from kvkeeper.config import home_dir
 
-    home = home_dir()
-    try:
-        owner = home.stat().st_uid
-    except OSError:
-        return  # no home yet: the agent would be root's own
-    if owner != 0:
-        raise CommandError(f"{home} is another user's home (uid {owner}), and launchd runs a "
-                           f"user's agents as that user: run this as that user, not as root "
-                           f"(sudo)", status=2)
+    sf = service.service_file([], 20.0, platform)
+    for place in (home_dir(), sf.path.parent, *sf.dirs):
+        here = place
+        while True:
+            try:
+                owner = here.stat().st_uid
+                break
+            except FileNotFoundError:
+                if here.parent == here:
+                    return
+                here = here.parent
+            except OSError:
+                owner = -1  # cannot tell whose: not written either
+                break
+        if owner != 0:
+            whose = f"uid {owner}'s" if owner >= 0 else "a directory root cannot look at, maybe"
+            raise CommandError(f"{here} is {whose}, another user's: run this as that user, not "
+                               f"as root (sudo keeps HOME, and the service manager runs a "
+                               f"user's services as that user)", status=2)
 
 
 def install_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
+    if not args.print:
+        # First: the settings' own checks would refuse the user's store as
+        # another uid's, and not say why (sudo).
+        _not_another_users_home(_platform(args))
     serve_args, values = _service_settings(args)
     try:
         python_path = service.pinned_python_path()
     except ValueError as exc:
         raise CommandError(str(exc), status=2) from None
-    sf = service.service_file(serve_args, values["drain_timeout"],
-                              _platform(args), background=values["cpu_policy"] == "batch",
-                              python_path=python_path)
+    try:
+        sf = service.service_file(serve_args, values["drain_timeout"],
+                                  _platform(args), background=values["cpu_policy"] == "batch",
+                                  python_path=python_path)
+    except ValueError as exc:  # plistlib: a control character in a path
+        raise CommandError(f"a setting cannot go into the service file: {exc}",
+                           status=2) from None
     if args.print:
         print(sf.content.decode(), end="")
         return 0
-    _not_another_users_home(_platform(args))
     if not args.no_load:
         _refuse_a_daemon_the_service_did_not_start(sf, values)
     try:
