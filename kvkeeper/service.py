@@ -128,10 +128,9 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # agent written with --no-load, or stopped by hand, is not running;
         # "Domain does not support specified action" (and 112, "Could not
         # find specified domain"): no gui/<uid> domain in this session (ssh
-        # into a Mac nobody is logged into at its screen),
-        # so nothing of this user's is loaded there (uninstall refused to
-        # remove the file). Not for root: sudo keeps HOME, and gui/0 is not
-        # the domain of the user's agent, which may well be running.
+        # into a Mac nobody is logged into at its screen), so nothing of
+        # this user's is loaded there (uninstall refused to remove the
+        # file). Not for root, whose gui/0 is no user's login.
         not_loaded=frozenset({3, 113} | ({112, 125} if user else set())),
         load_hints=dict.fromkeys((112, 125), NO_GUI_DOMAIN if user else
                                  "run install-service as the user whose agent it is, not "

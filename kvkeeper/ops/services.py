@@ -144,10 +144,11 @@ def _not_another_users_home(platform: str) -> None:
                 owner = -1  # cannot tell whose: not written either
                 break
         if owner != 0:
-            whose = f"uid {owner}'s" if owner >= 0 else "a directory root cannot look at, maybe"
-            raise CommandError(f"{here} is {whose}, another user's: run this as that user, not "
-                               f"as root (sudo keeps HOME, and the service manager runs a "
-                               f"user's services as that user)", status=2)
+            whose = (f"uid {owner}'s, another user's" if owner >= 0
+                     else "not to be looked at by root: another user's, maybe")
+            raise CommandError(f"{here} is {whose}: run this as that user, not as root (sudo "
+                               f"keeps HOME, and the service manager runs a user's services "
+                               f"as that user)", status=2)
 
 
 def install_service(args: argparse.Namespace) -> int:
