@@ -11,9 +11,11 @@ from __future__ import annotations
 import io
 import logging
 import numbers
+import os
 import queue
 import re
 import select
+import stat
 import threading
 from typing import TextIO
 
@@ -113,15 +115,26 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
-#: Lines up to this long are written at once when the stream can take them:
-#: a pipe with room takes a write of up to PIPE_BUF bytes whole, unblocked.
-_DIRECT_MAX = 4096
+#: The longest line (in bytes, its newline included) written at once when
+#: poll or select says the stream has room, by what that room guarantees: a
+#: file takes any write; a pipe one of PIPE_BUF whole, unblocked (512 bytes
+#: on macOS and the BSDs, whose poll says "room" from there; 4096 on
+#: Linux); a terminal only what lies under its high-water mark (a Linux pty
+#: said "room" with about 257 bytes left; a BSD terminal's select, from its
+#: low-water mark, about 1 KiB under). Longer lines go behind.
+_DIRECT_MAX = {"file": 4096, "pipe": select.PIPE_BUF, "terminal": 256}
 
 
-#: The longest line written at once where select, not poll, says there is
-#: room (see BehindHandler._can_take): below the ~1 KiB a BSD terminal's
-#: queue takes between its two water marks.
-_TTY_DIRECT_MAX = 512
+def _room_kind(stream: TextIO) -> str:
+    """What ``stream``'s descriptor is, for ``_DIRECT_MAX``: a regular file,
+    a terminal, or (a pipe, a socket) a pipe."""
+    try:
+        fd = stream.fileno()
+        if os.isatty(fd):
+            return "terminal"
+        return "file" if stat.S_ISREG(os.fstat(fd).st_mode) else "pipe"
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return "pipe"
 
 
 class BehindHandler(logging.Handler):
@@ -153,6 +166,7 @@ class BehindHandler(logging.Handler):
         # hold up every line after it, the event loop's too.)
         self._behind = 0
         self._count = threading.Lock()
+        self._direct_max = _DIRECT_MAX[_room_kind(stream)]
         try:
             self._poll: select.poll | None = select.poll()
             self._poll.register(stream.fileno(), select.POLLOUT)
@@ -197,18 +211,15 @@ class BehindHandler(logging.Handler):
     def _can_take(self, line: str) -> bool:
         # In bytes as written: an undecodable character of a path is one
         # character and a 6-byte escape (len*4 let a 6 KB line block).
-        if self._poll is None or self._bytes_out(line) >= _DIRECT_MAX:
+        if self._poll is None or self._bytes_out(line) >= self._direct_max:
             return False
         answer = self._poll.poll(0)
         if any(events & select.POLLNVAL for _, events in answer):
             # macOS's poll "does not support devices": a terminal, /dev/null.
             # Taken for room, a stalled terminal froze the daemon; taken for
             # none, every line went behind, after what serve prints itself.
-            # select asks such a device; for a terminal it says "room" from
-            # its low-water mark on, and a write blocks past the high one
-            # (about 1 KiB apart): longer lines go behind.
-            if self._bytes_out(line) > _TTY_DIRECT_MAX:
-                return False
+            # select asks such a device (see _DIRECT_MAX for how much its
+            # "room" holds).
             try:
                 return bool(select.select([], [self._stream.fileno()], [], 0)[1])
             except (OSError, ValueError):  # past FD_SETSIZE, say

@@ -215,32 +215,41 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     assert entry_path(root, "k3").exists()
 
 
-@pytest.mark.parametrize(("answer", "full", "size", "direct"), [
-    ("POLLOUT", False, 8, True), ("POLLNVAL", False, 8, True), ("POLLNVAL", True, 8, False),
-    ("POLLOUT", False, 900, True), ("POLLNVAL", False, 900, False),
-    # 150 characters no encoding has: 900 bytes as the stream writes them
-    # (backslashreplace), counted as 150 before.
-    ("POLLNVAL", False, -150, False),
-    # And past a pipe's PIPE_BUF where poll says there is room: 6078 bytes,
-    # counted as 1021 characters (at most 4 bytes each) before.
-    ("POLLOUT", False, -1013, False)])
+@pytest.mark.parametrize(("device", "answer", "full", "size", "direct"), [
+    ("pipe", "POLLOUT", False, 8, True),
+    ("pipe", "POLLOUT", False, 900, True),  # under Linux's PIPE_BUF
+    # 1013 characters no encoding has: 6078 bytes as the stream writes them
+    # (backslashreplace), counted as at most 4 bytes a character before.
+    ("pipe", "POLLOUT", False, -1013, False),
+    ("pipe", "POLLNVAL", True, 8, False),  # select: no room
+    ("terminal", "POLLNVAL", False, 8, True),
+    ("terminal", "POLLNVAL", False, 900, False),
+    ("terminal", "POLLNVAL", False, -150, False),  # 900 bytes, counted as 150 before
+    # A Linux pty's poll says "room" with about 257 bytes left (a 2 KB
+    # line written at once blocked on a stalled terminal).
+    ("terminal", "POLLOUT", False, 300, False),
+])
 def test_a_line_is_written_at_once_only_where_there_is_room(
-        answer: str, full: bool, size: int, direct: bool) -> None:
-    """macOS's poll answers POLLNVAL for a terminal (it "does not support
-    devices"): any answer was taken for room, and every line was written
-    from the logging thread, which a stalled terminal froze. select is asked
-    then: room, a line goes out at once (in order with what serve prints
-    itself) unless it is longer than a terminal takes between the water
-    marks select goes by; none (a full pipe here), it goes behind. (macOS's
-    answer is simulated: Linux polls a terminal.)"""
+        device: str, answer: str, full: bool, size: int, direct: bool) -> None:
+    """A line goes out at once only when the stream is sure to take all of
+    it; otherwise it goes behind (to the log's thread), so a reader that
+    stalls never holds up the daemon. macOS's poll answers POLLNVAL for a
+    terminal (it "does not support devices"): any answer was taken for
+    room, and a stalled terminal froze the daemon; select is asked then.
+    How much "room" holds depends on the device (see logs._DIRECT_MAX).
+    (macOS's answers are simulated: Linux polls a terminal.)"""
     import fcntl
     import os
+    import pty
     import select
     import threading
 
     from kvkeeper.logs import BehindHandler
 
-    read_end, write_end = os.pipe()
+    if device == "pipe":
+        read_end, write_end = os.pipe()
+    else:
+        read_end, write_end = pty.openpty()
     if full:
         fcntl.fcntl(write_end, fcntl.F_SETFL, os.O_NONBLOCK)
         with contextlib.suppress(BlockingIOError):
