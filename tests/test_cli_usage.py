@@ -508,6 +508,23 @@ def test_root_does_not_install_or_remove_another_users_service(
     assert not (home / "Library" / "Logs").exists()
 
 
+def test_service_places_root_cannot_use_are_said_plainly(short_dir: Path) -> None:
+    """As root: a HOME a plist cannot carry (a control character) ended in
+    plistlib's traceback before the refusal's own check; a place under a
+    regular file was called "another user's"."""
+    need_linux_root()
+    env = _fake_managers(short_dir)
+    odd = {**env, "HOME": str(short_dir / "a\x01b")}
+    for argv in (["install-service", "--no-load"], ["uninstall-service"]):
+        usage_error(cli(*argv, "--platform", "macos", env=odd),
+                    "a setting cannot go into the service file")
+    (short_dir / "afile").write_text("")
+    under_a_file = {**env, "XDG_CONFIG_HOME": str(short_dir / "afile" / "cfg")}
+    usage_error(cli("install-service", "--no-load", "--platform", "linux", env=under_a_file),
+                f"cannot look at {short_dir / 'afile' / 'cfg'}", "Not a directory")
+    assert not Path(env["CALLS"]).exists()
+
+
 def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> None:
     """A daemon started by hand on the service's socket or root made the
     service exit 2 at every start (systemd gives up, launchd retries every

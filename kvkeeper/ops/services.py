@@ -129,7 +129,7 @@ def _not_another_users_home(platform: str) -> None:
     from kvkeeper import service
     from kvkeeper.config import home_dir
 
-    sf = service.service_file([], 20.0, platform)
+    sf = _service_file(service, [], 20.0, platform)
     for place in (home_dir(), sf.path.parent, *sf.dirs):
         here = place
         while True:
@@ -140,15 +140,23 @@ def _not_another_users_home(platform: str) -> None:
                 if here.parent == here:
                     return
                 here = here.parent
-            except OSError:
-                owner = -1  # cannot tell whose: not written either
-                break
+            except OSError as exc:  # a file on the way, a directory root may not search
+                raise CommandError(f"cannot look at {here}, where the service's files go: "
+                                   f"{exc.strerror}", status=2) from None
         if owner != 0:
-            whose = (f"uid {owner}'s, another user's" if owner >= 0
-                     else "not to be looked at by root: another user's, maybe")
-            raise CommandError(f"{here} is {whose}: run this as that user, not as root (sudo "
-                               f"keeps HOME, and the service manager runs a user's services "
-                               f"as that user)", status=2)
+            raise CommandError(f"{here} is uid {owner}'s, another user's: run this as that "
+                               f"user, not as root (sudo keeps HOME, and the service manager "
+                               f"runs a user's services as that user)", status=2)
+
+
+def _service_file(service: Any, *args: Any, **kw: Any) -> Any:
+    """``service.service_file(*args, **kw)``; exit 2 for a setting (a path)
+    a service file cannot carry: plistlib refuses control characters."""
+    try:
+        return service.service_file(*args, **kw)
+    except ValueError as exc:
+        raise CommandError(f"a setting cannot go into the service file: {exc}",
+                           status=2) from None
 
 
 def install_service(args: argparse.Namespace) -> int:
@@ -163,13 +171,8 @@ def install_service(args: argparse.Namespace) -> int:
         python_path = service.pinned_python_path()
     except ValueError as exc:
         raise CommandError(str(exc), status=2) from None
-    try:
-        sf = service.service_file(serve_args, values["drain_timeout"],
-                                  _platform(args), background=values["cpu_policy"] == "batch",
-                                  python_path=python_path)
-    except ValueError as exc:  # plistlib: a control character in a path
-        raise CommandError(f"a setting cannot go into the service file: {exc}",
-                           status=2) from None
+    sf = _service_file(service, serve_args, values["drain_timeout"], _platform(args),
+                       background=values["cpu_policy"] == "batch", python_path=python_path)
     if args.print:
         print(sf.content.decode(), end="")
         return 0
@@ -188,7 +191,7 @@ def uninstall_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
     _not_another_users_home(_platform(args))
-    sf = service.service_file([], 20.0, _platform(args))
+    sf = _service_file(service, [], 20.0, _platform(args))
     # A file deleted by hand leaves its service loaded, maybe running.
     orphan = None if args.no_load or sf.path.exists() else _service_pid(sf)
     try:
