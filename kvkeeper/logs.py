@@ -16,6 +16,7 @@ import queue
 import re
 import select
 import stat
+import sys
 import threading
 from typing import TextIO
 
@@ -122,7 +123,8 @@ class LogfmtFormatter(logging.Formatter):
 #: Linux); a terminal only what lies under its high-water mark (a Linux pty
 #: said "room" with about 257 bytes left; a BSD terminal's select, from its
 #: low-water mark, about 1 KiB under). Longer lines go behind.
-_DIRECT_MAX = {"file": 4096, "pipe": select.PIPE_BUF, "terminal": 256}
+_DIRECT_MAX = {"file": 4096, "pipe": select.PIPE_BUF,
+               "terminal": 256 if sys.platform.startswith("linux") else 512}
 
 
 def _room_kind(stream: TextIO) -> str:
@@ -166,7 +168,6 @@ class BehindHandler(logging.Handler):
         # hold up every line after it, the event loop's too.)
         self._behind = 0
         self._count = threading.Lock()
-        self._direct_max = _DIRECT_MAX[_room_kind(stream)]
         try:
             self._poll: select.poll | None = select.poll()
             self._poll.register(stream.fileno(), select.POLLOUT)
@@ -211,7 +212,9 @@ class BehindHandler(logging.Handler):
     def _can_take(self, line: str) -> bool:
         # In bytes as written: an undecodable character of a path is one
         # character and a 6-byte escape (len*4 let a 6 KB line block).
-        if self._poll is None or self._bytes_out(line) >= self._direct_max:
+        # The kind asked each time: the descriptor may have been pointed
+        # elsewhere since (dup2), and poll asks what it is now.
+        if self._poll is None or self._bytes_out(line) >= _DIRECT_MAX[_room_kind(self._stream)]:
             return False
         answer = self._poll.poll(0)
         if any(events & select.POLLNVAL for _, events in answer):

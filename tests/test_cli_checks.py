@@ -760,7 +760,7 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
     # carry it (before: plistlib's ValueError traceback).
     odd = short_dir / "a\x01b.sock"
     usage_error(cli("install-service", "--print", "--platform", "macos", "--socket", str(odd)),
-                "cannot go into the service file")
+                "cannot go into it")
     # A CR in a word of ExecStart is escaped too.
     cr = short_dir / "a\rb.sock"
     r = cli("install-service", "--print", "--platform", "linux", "--socket", str(cr))

@@ -517,7 +517,7 @@ def test_service_places_root_cannot_use_are_said_plainly(short_dir: Path) -> Non
     odd = {**env, "HOME": str(short_dir / "a\x01b")}
     for argv in (["install-service", "--no-load"], ["uninstall-service"]):
         usage_error(cli(*argv, "--platform", "macos", env=odd),
-                    "a setting cannot go into the service file")
+                    "cannot go into it")
     (short_dir / "afile").write_text("")
     under_a_file = {**env, "XDG_CONFIG_HOME": str(short_dir / "afile" / "cfg")}
     usage_error(cli("install-service", "--no-load", "--platform", "linux", env=under_a_file),

@@ -217,7 +217,8 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
 
 @pytest.mark.parametrize(("device", "answer", "full", "size", "direct"), [
     ("pipe", "POLLOUT", False, 8, True),
-    ("pipe", "POLLOUT", False, 900, True),  # under Linux's PIPE_BUF
+    ("pipe", "POLLOUT", False, "PIPE_BUF-100", True),
+    ("pipe", "POLLOUT", False, "PIPE_BUF+100", False),
     # 1013 characters no encoding has: 6078 bytes as the stream writes them
     # (backslashreplace), counted as at most 4 bytes a character before.
     ("pipe", "POLLOUT", False, -1013, False),
@@ -230,7 +231,7 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     ("terminal", "POLLOUT", False, 300, False),
 ])
 def test_a_line_is_written_at_once_only_where_there_is_room(
-        device: str, answer: str, full: bool, size: int, direct: bool) -> None:
+        device: str, answer: str, full: bool, size: int | str, direct: bool) -> None:
     """A line goes out at once only when the stream is sure to take all of
     it; otherwise it goes behind (to the log's thread), so a reader that
     stalls never holds up the daemon. macOS's poll answers POLLNVAL for a
@@ -246,6 +247,8 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
 
     from kvkeeper.logs import BehindHandler
 
+    if isinstance(size, str):  # this system's PIPE_BUF (4096 on Linux, 512 on macOS)
+        size = select.PIPE_BUF + int(size.removeprefix("PIPE_BUF"))
     if device == "pipe":
         read_end, write_end = os.pipe()
     else:
@@ -288,6 +291,55 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
         handler.close()
         os.close(read_end)
         os.close(write_end)
+
+
+def test_the_room_a_line_needs_follows_the_descriptor_where_it_points_now(
+        tmp_path: Path) -> None:
+    """The device's kind was fixed when the handler was made: stderr a file
+    then (4 KiB at once), pointed at a terminal later (dup2), a 2000-byte
+    line was written at once and blocked on a stalled terminal."""
+    import os
+    import pty
+    import select
+    import threading
+
+    from kvkeeper.logs import BehindHandler
+
+    fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT, 0o600)
+    master, slave = pty.openpty()
+    by: list[str] = []
+    written = threading.Event()
+
+    class Stream:
+        encoding, errors = "utf-8", "backslashreplace"
+
+        def fileno(self) -> int:
+            return fd
+
+        def write(self, text: str) -> int:
+            by.append(threading.current_thread().name)
+            written.set()
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    class Polled:  # room, as a pty's poll says with 257 bytes left
+        def poll(self, timeout: int) -> list[tuple[int, int]]:
+            return [(fd, select.POLLOUT)]
+
+    handler = BehindHandler(Stream())  # type: ignore[arg-type]
+    handler._poll = Polled()  # type: ignore[assignment]
+    try:
+        os.dup2(slave, fd)
+        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
+                                       "event=x " + "y" * 2000, (), None))
+        assert written.wait(WAIT)
+        assert by == ["kvkeeper-log"], by
+    finally:
+        handler.close()
+        for d in (fd, master, slave):
+            os.close(d)
 
 
 def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:

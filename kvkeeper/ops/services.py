@@ -155,8 +155,8 @@ def _service_file(service: Any, *args: Any, **kw: Any) -> Any:
     try:
         return service.service_file(*args, **kw)
     except ValueError as exc:
-        raise CommandError(f"a setting cannot go into the service file: {exc}",
-                           status=2) from None
+        raise CommandError(f"a path the service file names (the home, --root, --socket) "
+                           f"cannot go into it: {exc}", status=2) from None
 
 
 def install_service(args: argparse.Namespace) -> int:
