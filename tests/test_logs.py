@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,51 @@ def test_a_log_nobody_reads_does_not_stop_the_daemon(short_dir: Path) -> None:
     assert entry_path(root, "k3").exists()
 
 
+def _who_writes(fd: int, answer: str, text: str, before: Callable[[], None] = lambda: None
+                ) -> str:
+    """Which thread writes the log line ``text`` of a BehindHandler on a
+    stream of descriptor ``fd`` whose poll answers ``answer`` (macOS's
+    answers are simulated: Linux polls a terminal); ``before`` runs once the
+    handler is made."""
+    import select
+    import threading
+
+    from kvkeeper.logs import BehindHandler
+
+    by: list[str] = []
+    written = threading.Event()
+
+    class Stream:
+        encoding, errors = "utf-8", "backslashreplace"
+
+        def fileno(self) -> int:
+            return fd
+
+        def write(self, line: str) -> int:
+            by.append(threading.current_thread().name)
+            written.set()
+            return len(line)
+
+        def flush(self) -> None:
+            pass
+
+    class Polled:
+        def poll(self, timeout: int) -> list[tuple[int, int]]:
+            return [(fd, getattr(select, answer))]
+
+    handler = BehindHandler(Stream())  # type: ignore[arg-type]
+    handler._poll = Polled()  # type: ignore[assignment]
+    try:
+        before()
+        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0, text, (),
+                                       None))
+        assert written.wait(WAIT)
+    finally:
+        handler.close()
+    assert len(by) == 1, by
+    return "direct" if by[0] == threading.current_thread().name else "behind"
+
+
 @pytest.mark.parametrize(("device", "answer", "full", "size", "direct"), [
     ("pipe", "POLLOUT", False, 8, True),
     ("pipe", "POLLOUT", False, "PIPE_BUF-100", True),
@@ -243,9 +289,6 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
     import os
     import pty
     import select
-    import threading
-
-    from kvkeeper.logs import BehindHandler
 
     if isinstance(size, str):  # this system's PIPE_BUF (4096 on Linux, 512 on macOS)
         size = select.PIPE_BUF + int(size.removeprefix("PIPE_BUF"))
@@ -258,37 +301,10 @@ def test_a_line_is_written_at_once_only_where_there_is_room(
         with contextlib.suppress(BlockingIOError):
             while True:
                 os.write(write_end, b"x" * 65536)
-    by: list[str] = []
-    written = threading.Event()
-
-    class Stream:
-        encoding, errors = "utf-8", "backslashreplace"
-
-        def fileno(self) -> int:
-            return write_end
-
-        def write(self, text: str) -> int:
-            by.append(threading.current_thread().name)
-            written.set()
-            return len(text)
-
-        def flush(self) -> None:
-            pass
-
-    class Polled:
-        def poll(self, timeout: int) -> list[tuple[int, int]]:
-            return [(write_end, getattr(select, answer))]
-
-    handler = BehindHandler(Stream())  # type: ignore[arg-type]
-    handler._poll = Polled()  # type: ignore[assignment]
+    text = "event=x " + ("y" * size if size > 0 else "\udce9" * -size)
     try:
-        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
-                                       "event=x " + ("y" * size if size > 0
-                                                     else "\udce9" * -size), (), None))
-        assert written.wait(WAIT)
-        assert (by == [threading.current_thread().name]) is direct, by
+        assert _who_writes(write_end, answer, text) == ("direct" if direct else "behind")
     finally:
-        handler.close()
         os.close(read_end)
         os.close(write_end)
 
@@ -300,44 +316,14 @@ def test_the_room_a_line_needs_follows_the_descriptor_where_it_points_now(
     line was written at once and blocked on a stalled terminal."""
     import os
     import pty
-    import select
-    import threading
-
-    from kvkeeper.logs import BehindHandler
 
     fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT, 0o600)
     master, slave = pty.openpty()
-    by: list[str] = []
-    written = threading.Event()
-
-    class Stream:
-        encoding, errors = "utf-8", "backslashreplace"
-
-        def fileno(self) -> int:
-            return fd
-
-        def write(self, text: str) -> int:
-            by.append(threading.current_thread().name)
-            written.set()
-            return len(text)
-
-        def flush(self) -> None:
-            pass
-
-    class Polled:  # room, as a pty's poll says with 257 bytes left
-        def poll(self, timeout: int) -> list[tuple[int, int]]:
-            return [(fd, select.POLLOUT)]
-
-    handler = BehindHandler(Stream())  # type: ignore[arg-type]
-    handler._poll = Polled()  # type: ignore[assignment]
     try:
-        os.dup2(slave, fd)
-        handler.emit(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
-                                       "event=x " + "y" * 2000, (), None))
-        assert written.wait(WAIT)
-        assert by == ["kvkeeper-log"], by
+        # Room, as a pty's poll says with 257 bytes left.
+        assert _who_writes(fd, "POLLOUT", "event=x " + "y" * 2000,
+                           before=lambda: os.dup2(slave, fd)) == "behind"
     finally:
-        handler.close()
         for d in (fd, master, slave):
             os.close(d)
 
