@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvkeeper.logs import get_logger
-from kvkeeper.writebehind import WriteBehind, cache_length, check_triggers, layer_offsets
+from kvkeeper.writebehind import (
+    WriteBehind,
+    cache_length,
+    check_triggers,
+    layer_offsets,
+    one_row,
+)
 
 if TYPE_CHECKING:
     from kvkeeper.client.client import Client
@@ -84,12 +90,10 @@ class Plan:
 def token_ids_of(ids: Any) -> list[int]:
     """The token ids of one prompt given as an array (MLX's or numpy's): shape
     (n,) or (1, n), integers. Raises ValueError for a batch or other values."""
-    shape = tuple(ids.shape)
-    if len(shape) == 2 and shape[0] == 1:
-        ids = ids.reshape(-1)
-    elif len(shape) != 1:
+    ids = one_row(ids)
+    if len(ids.shape) != 1:
         raise ValueError(f"the prompt's ids must be one prompt, shape (n,) or (1, n), "
-                         f"not {shape}")
+                         f"not {tuple(ids.shape)}")
     values = ids.tolist()
     if not all(type(v) is int for v in values):
         raise ValueError(f"the prompt's ids must be integers, not {ids.dtype}")

@@ -117,19 +117,17 @@ def _platform(args: argparse.Namespace) -> str:
     return {"macos": "darwin", "linux": "linux", None: sys.platform}[args.platform]
 
 
-def _not_another_users_home(platform: str) -> None:
+def _not_another_users_home(sf: Any) -> None:
     """Refuse root working in another user's home (sudo keeps HOME): it made
     root-owned files and directories there (the service file, its log
     directory, ~/.config/systemd), and launchctl's gui/0 is not the domain
     the user's agent runs in (its 125 was taken for "nothing loaded", and
-    the agent ran on). Looked at for the home and each place written: the
-    nearest directory of it that exists."""
+    the agent ran on). Looked at for the home and each place ``sf``, the
+    service file, is written to: the nearest directory of it that exists."""
     if os.getuid() != 0:
         return
-    from kvkeeper import service
     from kvkeeper.config import home_dir
 
-    sf = _service_file(service, [], 20.0, platform)
     for place in (home_dir(), sf.path.parent, *sf.dirs):
         here = place
         while True:
@@ -165,7 +163,8 @@ def install_service(args: argparse.Namespace) -> int:
     if not args.print:
         # First: the settings' own checks would refuse the user's store as
         # another uid's, and not say why (sudo).
-        _not_another_users_home(_platform(args))
+        # (Where the files go does not depend on the settings.)
+        _not_another_users_home(_service_file(service, [], 20.0, _platform(args)))
     serve_args, values = _service_settings(args)
     try:
         python_path = service.pinned_python_path()
@@ -190,8 +189,8 @@ def install_service(args: argparse.Namespace) -> int:
 def uninstall_service(args: argparse.Namespace) -> int:
     from kvkeeper import service
 
-    _not_another_users_home(_platform(args))
     sf = _service_file(service, [], 20.0, _platform(args))
+    _not_another_users_home(sf)
     # A file deleted by hand leaves its service loaded, maybe running.
     orphan = None if args.no_load or sf.path.exists() else _service_pid(sf)
     try:
