@@ -215,9 +215,11 @@ def serve_process(
     prefix: tuple[str, ...] = (),
     preexec_fn: object = None,
     indexed: bool = True,
+    answering: bool = True,
 ) -> subprocess.Popen[bytes]:
     """``kvkeeper serve`` as a real subprocess; returns once it has indexed
-    the store (``indexed``), or as soon as it answers a ping.
+    the store (``indexed``), or as soon as it answers a ping, or at once
+    (not ``answering``).
 
     Its log goes to ``<socket dir>/../serve-<n>.log`` (``proc.log_path``), never
     to a pipe nobody reads."""
@@ -234,7 +236,7 @@ def serve_process(
     log.close()
     proc.log_path = log_path  # type: ignore[attr-defined]
     deadline = time.monotonic() + WAIT
-    while not (socket.exists() and (scan_done(socket, 0.5) if indexed else ping(socket, 0.5))):
+    while answering and not (socket.exists() and (scan_done(socket, 0.5) if indexed else ping(socket, 0.5))):
         if proc.poll() is not None:
             raise AssertionError(f"kvkeeper serve exited {proc.returncode}: "
                                  f"{log_path.read_text(errors='replace')}")

@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -1240,6 +1241,7 @@ def test_what_flush_raises_is_importable_from_the_package(short_dir: Path) -> No
 _FORK_AND_USE = """
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -2243,3 +2245,96 @@ def test_the_cgroup_limit_is_found_under_any_name_mount_and_ancestor(short_dir: 
     finally:
         child.rmdir()
         parent.rmdir()
+
+
+# --------------------------------------------------------------------------- a daemon coming back
+
+
+def _appears(path: Path) -> None:
+    """Returns within a millisecond of a file appearing at ``path``."""
+    deadline = time.monotonic() + WAIT
+    while not path.exists():
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.001)
+
+
+def test_a_save_just_after_a_restart_waits_for_the_new_daemon(short_dir: Path) -> None:
+    """A daemon restarted under a running client: ZeroMQ connects to it up to
+    0.2 s after its socket appears. A save made then was dropped (daemon_down)
+    and a flush raised DaemonUnavailable, the daemon up: a turn's final
+    save was lost. Both now wait for the connection."""
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "a", filled(0.05, 1), [1]) and kv.flush(timeout=WAIT) is True
+            unconnected = 0
+            for version in (2, 3, 4):
+                stop_process(proc)
+                wait_for(lambda: not kv.connected, "the client to see the daemon go")
+                proc = serve_process(root, sock, "--min-write-interval", "0", answering=False)
+                _appears(sock)
+                unconnected += not kv.connected
+                assert kv.save("fp", "a", filled(0.05, version), [version]) is True
+                assert kv.flush(timeout=WAIT) is True
+                assert version_of(entry_path(root, "a", model="fp"), "fp") == version
+            assert unconnected > 0  # the window was met: saves made before the connection
+            assert kv.client_stats()["client_saves_dropped"] == 0
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
+def _dead_socket(path: Path) -> socket.socket:
+    """A socket file at ``path`` nobody listens on (connections are refused)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(os.fspath(path))
+    return s
+
+
+def test_saves_are_not_held_for_a_daemon_that_is_not_coming_back(short_dir: Path) -> None:
+    """Only a socket new since the connection ended counts as a daemon coming
+    back, and only for RETURN_GRACE: the socket a killed daemon left, or one
+    nobody answered on when the client was made, drops saves and fails a
+    flush at once, as before; a new one nobody answers on drops them once the
+    grace is over."""
+    from kvkeeper.client.channel import RETURN_GRACE
+
+    from .faultkit import filled
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        assert kv.save("fp", "a", filled(0.05, 1), [1]) and kv.flush(timeout=WAIT) is True
+        stop_process(proc, signal.SIGKILL)
+        wait_for(lambda: not kv.connected, "the client to see the daemon go")
+        assert sock.exists()  # left by the killed daemon
+        assert kv.save("fp", "a", filled(0.05, 2), [2]) is False
+        with pytest.raises(DaemonUnavailable) as raised:
+            kv.flush(timeout=WAIT)
+        assert not isinstance(raised.value, kvkeeper.DaemonTimedOut)
+
+        sock.unlink()
+        dead = _dead_socket(sock)  # a new socket, nobody behind it
+        assert kv.save("fp", "a", filled(0.05, 3), [3]) is True  # waits for the connection
+        time.sleep(RETURN_GRACE + 0.2)
+        assert kv.save("fp", "b", filled(0.05, 4), [4]) is False
+        with pytest.raises(DaemonUnavailable) as raised:
+            kv.flush(timeout=WAIT)
+        assert not isinstance(raised.value, kvkeeper.DaemonTimedOut)
+        kv.close(timeout=0.5)
+        assert kv.client_stats()["client_saves_lost"] == 1  # the save that waited
+        dead.close()
+        sock.unlink()
+
+        dead = _dead_socket(sock)
+        with Client(sock, timeout=WAIT, connect_timeout=0.3, min_send_interval=0) as kv:
+            assert kv.save("fp", "c", filled(0.05, 5), [5]) is False
+            with pytest.raises(DaemonUnavailable) as raised:
+                kv.flush(timeout=WAIT)
+            assert not isinstance(raised.value, kvkeeper.DaemonTimedOut)
+        dead.close()
+    finally:
+        stop_process(proc, signal.SIGKILL)

@@ -38,7 +38,9 @@ waiting or held, stay for the next connection: a daemon restarted by its
 service manager writes them. So do the saves made once a daemon told to
 stop said it drains, or refused one (it refuses every save that comes while
 it drains); told so, the client asks it for a flush, whose answer vouches
-for the saves it drained (``ConnectionEnd``).
+for the saves it drained (``ConnectionEnd``). With no connection, a save is
+dropped by the client unless a daemon is coming back (``daemon_returning``):
+a new socket at its path, which ZeroMQ connects to within 0.2 s.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ _MAX_INFLIGHT_MESSAGES = _SNDHWM // 2
 #: when it is under). A request sent now waits behind these alone: 32 MiB at
 #: the 0.3 GiB/s this disk took them is about 0.1 s.
 PIPE_BYTES = 32 * 1024 * 1024
+#: How long a socket new at the daemon's path (a daemon restarted since the
+#: connection ended) is taken for a daemon about to be connected to. ZeroMQ
+#: tries the path again every 0.2 s at most (RECONNECT_IVL_MAX), and until it
+#: does, saves were dropped and requests failed with the daemon up: a final
+#: save of a turn made just after a restart was lost. A socket that has not
+#: answered by then is left for dead, as its dead predecessor is.
+RETURN_GRACE = 1.0
+
+
+def _socket_at(path: str) -> tuple[int, int, int] | None:
+    """Which socket file is at ``path`` (device, inode, change time: a daemon
+    that binds makes a new one, and a freed inode may be handed out again),
+    or None when none is."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _libc_write() -> Callable[[int, bytes, int], int] | None:
@@ -354,6 +376,13 @@ class Channel:
         self.counters = ChannelCounters()
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
+        self._path = os.fspath(socket_path(endpoint))
+        # The socket file of the daemon connected to (the I/O thread's), the
+        # one of the last that went away or never answered, and a new one
+        # seen at the path since, with when it was first seen (under _lock).
+        self._live_socket: tuple[int, int, int] | None = None
+        self._gone_socket: tuple[int, int, int] | None = None
+        self._new_socket: tuple[tuple[int, int, int], float] | None = None
         # The I/O thread's: the daemon said it drains (then exits), or refused
         # a save as shutting down. Saves sent to it from then on would be
         # refused: they wait for the next daemon, as without a connection.
@@ -432,6 +461,27 @@ class Channel:
         """Saves waiting out ``min_send_interval`` (their bytes count in flight)."""
         return len(self._held)
 
+    def daemon_returning(self) -> bool:
+        """Whether a daemon is about to be connected to although none is: a
+        socket file is at the daemon's path that is not the one the last
+        connection ended with (nor the one nobody answered on when the
+        client was made), first seen here less than ``RETURN_GRACE`` ago.
+        A stat of the path (microseconds), on the caller's thread."""
+        found = _socket_at(self._path)
+        if found is None or found == self._gone_socket:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            if self._new_socket is None or self._new_socket[0] != found:
+                self._new_socket = (found, now)
+            return now - self._new_socket[1] < RETURN_GRACE
+
+    def unanswered(self) -> None:
+        """The client gave up waiting for its first connection: the socket
+        file there now (a dead daemon's) is not taken for one returning."""
+        if not self.connected.is_set():
+            self._gone_socket = _socket_at(self._path)
+
     def next_save_id(self) -> int:
         return next(self._save_ids)
 
@@ -466,24 +516,31 @@ class Channel:
     def request(self, make: Callable[[int], m.Request], timeout: float, *,
                 release: Key | None = None, closing: bool = False) -> m.Reply:
         """Send a request and wait for its reply; raises DaemonUnavailable.
-        ``release`` and ``closing`` as for ``send_request``."""
-        return self.wait(self.send_request(make, release=release, closing=closing), timeout)
+        ``release`` and ``closing`` as for ``send_request``; a daemon coming
+        back is waited for within ``timeout``."""
+        t0 = time.monotonic()
+        pending = self.send_request(make, release=release, closing=closing, wait=timeout)
+        return self.wait(pending, max(0.0, timeout - (time.monotonic() - t0)))
 
-    def send_request(self, make: Callable[[int], m.Request], *,
-                     release: Key | None = None, closing: bool = False) -> PendingReply:
+    def send_request(self, make: Callable[[int], m.Request], *, release: Key | None = None,
+                     closing: bool = False, wait: float = 0.0) -> PendingReply:
         """Send a request without waiting; ``wait`` collects the reply, so the
         caller can work while the daemon answers. Every save of ``release``
         made before it (``ALL_KEYS``: every save) reaches the daemon first,
         one waiting out the send interval included; with ``release`` None it
         may pass saves still waiting for room. ``closing``: close()'s own
-        request. Raises DaemonUnavailable when the daemon is not connected."""
+        request. Raises DaemonUnavailable when the daemon is not connected,
+        after waiting up to ``wait`` seconds (at most ``RETURN_GRACE``) for
+        one coming back (``daemon_returning``)."""
         if not self.connected.is_set():
             if self.forked:
                 raise DaemonUnavailable(FORKED)
             if self._close_claimed and not closing:
                 # The daemon may well be up: say what happened to this client.
                 raise DaemonUnavailable(CLOSED_BY_OTHERS)
-            raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
+            if not (wait > 0 and self.daemon_returning()
+                    and self.connected.wait(min(wait, RETURN_GRACE))):
+                raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
         req = self.next_req_id()
         item = _Request(m.encode(make(req)), req, release)
         with self._lock:
@@ -894,6 +951,7 @@ class Channel:
             except zmq.Again:
                 return lost
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._live_socket = _socket_at(self._path)
                 self._connection_began = self._sent
                 self._daemon_leaving = False
                 self._drain = None
@@ -910,6 +968,7 @@ class Channel:
                         with self._lock:
                             self._ends.append(ConnectionEnd(
                                 self.connections, self._sent_unanswered, self._drain))
+                    self._gone_socket = self._live_socket
                 self.connected.clear()
                 lost = True
                 if self._unconfirmed:

@@ -236,6 +236,8 @@ class Client:
                 self._flush_conn = conn
             except DaemonUnavailable:
                 pass
+        elif connect_timeout > 0:
+            self._channel.unanswered()
 
     # ------------------------------------------------------------ context manager
 
@@ -361,7 +363,9 @@ class Client:
         # A save about to be dropped (daemon down, or no room for any save)
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
-        connected = self._channel.connected.is_set()
+        # With no connection, a daemon restarted since has its saves wait
+        # for the connection ZeroMQ makes within 0.2 s, rather than dropped.
+        connected = self._channel.connected.is_set() or self._channel.daemon_returning()
         closing = self._channel.closing_elsewhere
         if (closing or not connected
                 or self._channel.inflight_bytes >= self._channel.max_inflight_bytes):
@@ -582,7 +586,7 @@ class Client:
         try:
             pending = self._channel.send_request(
                 lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
-                release=key,
+                release=key, wait=_left(deadline),
             )
         except DaemonUnavailable as exc:
             return self._read_instead(model, cache_id, exc, unwritten,
@@ -780,8 +784,8 @@ class Client:
         if self._closed:
             raise RuntimeError("client is closed")
         pending = self._channel.send_request(
-            lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), release=ALL_KEYS)
-        reply = self._reply(self._channel.wait(pending, timeout))
+            lambda req: m.Flush(v=m.PROTOCOL_VERSION, req=req), release=ALL_KEYS, wait=timeout)
+        reply = self._reply(self._channel.wait(pending, _left(deadline)))
         assert isinstance(reply, m.Flushed)
         restarted = False
         # The connection the flush went on: the channel may be on a later one
