@@ -111,9 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     for p in paths.values():
         p.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json is not None:
-        doc = json.loads(args.from_json.read_text())
-        report.write(doc, paths, write_json=False)
-        print(report.summary_text(doc))
+        try:
+            doc = json.loads(args.from_json.read_text())
+            report.write(doc, paths, write_json=False)
+            summary = report.summary_text(doc)
+        except OSError as exc:
+            print(f"--from-json {args.from_json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # JSONDecodeError is a ValueError; the others: not a run's results.json.
+            print(f"--from-json {args.from_json}: not a results.json written by a run "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
+            return 2
+        print(summary)
         print(f"\nwrote {paths['md']}, {paths['png']}")
         return 0
 

@@ -43,9 +43,9 @@ def __getattr__(name: str) -> Any:
 
         return DaemonTimedOut
     if name in ("CacheFileError", "LoadedCache", "read_cache_file"):
-        from kvkeeper.client import reader
+        from kvkeeper.client import mlx_part
 
-        return getattr(reader, name)
+        return getattr(mlx_part("reader"), name)
     if name == "model_fingerprint":
         from kvkeeper.fingerprint import model_fingerprint
 

@@ -19,7 +19,8 @@ config file ($KVKEEPER_CONFIG or $XDG_CONFIG_HOME/kvkeeper/config.toml, by
 default ~/.config/kvkeeper/config.toml), then defaults;
 `kvkeeper serve --print-config` shows the result. The other commands, given
 no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
-(1.5G); without one they are whole bytes.
+(1.5G), binary (1K is 1024; KB and KiB mean the same); without one they are
+whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running, 130 interrupted (Ctrl-C; serve drains instead)."""
 
@@ -95,7 +96,7 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
             default = "none: this user has no home directory; give it"
         if s.kind == "size":
             # As a person would write it (1G, not 1073741824), and how.
-            default = f"{format_size(default)}; bytes, or with a K, M, G or T suffix"
+            default = f"{format_size(default)}; bytes, or with a K, M, G or T suffix (1K = 1024)"
         p.add_argument(f"--{s.name.replace('_', '-')}", type=flag_types[s.kind], default=None,
                        metavar="PATH" if s.kind in ("path", "socket")
                        else s.name.split("_")[-1].upper(),
@@ -253,14 +254,18 @@ def _parser() -> argparse.ArgumentParser:
                             "in ~/Library/LaunchAgents on macOS, a systemd user unit in "
                             "$XDG_CONFIG_HOME/systemd/user (by default ~/.config/systemd/user) "
                             "elsewhere.")
+        installing = name == "install-service"
         sp.add_argument("--platform", choices=["macos", "linux"], default=None,
                         help="the service manager to write for (default: this machine's); "
                              "the paths in it (interpreter, root, socket) are still this "
-                             "machine's")
+                             "machine's" if installing else
+                             "the service manager whose file to remove (default: this "
+                             "machine's)")
         sp.add_argument("--no-load", action="store_true",
-                        help="only write (or remove) the file; do not start (or stop) it "
-                             "(for a machine without the service manager running)")
-        if name == "install-service":
+                        help=("only write the file; do not start it" if installing else
+                              "only remove the file; do not stop the service first")
+                             + " (for a machine without the service manager running)")
+        if installing:
             sp.add_argument("--print", action="store_true",
                             help="print the service file instead of installing it")
             _serve_settings(sp, for_service=True)

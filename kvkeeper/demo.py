@@ -456,7 +456,7 @@ def print_report(rep: Report) -> None:
     con.print(dec)
 
     wbt = table("Write-behind: what the daemon did")
-    wbt.add_row("saves sent by the loops", f"{rep.saves_sent}",
+    wbt.add_row("saves handed off by the loops", f"{rep.saves_sent}",
                 f"{rep.saves_dropped} dropped by the client")
     wbt.add_row("written to disk", f"{rep.saves_written}", f"{rep.saves_failed} failed")
     wbt.add_row("coalesced in the client", f"{rep.saves_coalesced}",
@@ -503,6 +503,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write the measurements to PATH as JSON")
 
 
+def _cannot_write(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (None: it can), tried by
+    opening it for appending; a file made for the try is removed. (Asking
+    access() is not enough: it answers yes to root for /proc.)"""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     from kvkeeper import config
 
@@ -512,16 +527,20 @@ def main(args: argparse.Namespace) -> int:
         ("--prompt-tokens", args.prompt_tokens, args.prompt_tokens >= 64, "at least 64"),
         ("--every-tokens", args.every_tokens, args.every_tokens >= 1, "at least 1"),
         ("--layers", args.layers, args.layers >= 1, "at least 1"),
+        ("--seed", args.seed, args.seed >= 0, "at least 0"),
         ("--hidden", args.hidden, args.hidden >= 8 and args.hidden % 8 == 0,
          "a multiple of 8, at least 8"),
     ) if not ok]
     if wrong:  # only the flags that are wrong (all were listed, so which was not said)
         print(f"kvkeeper demo: need {', '.join(wrong)}", file=sys.stderr)
         return 2
+    # Found out after the run, it would cost the measurements.
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        # Found out after the run, it would cost the measurements.
         print(f"kvkeeper demo: --json {args.json}: not a file in an existing directory",
               file=sys.stderr)
+        return 2
+    if args.json is not None and (why := _cannot_write(args.json)) is not None:
+        print(f"kvkeeper demo: --json {args.json}: cannot be written: {why}", file=sys.stderr)
         return 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
@@ -553,5 +572,10 @@ def main(args: argparse.Namespace) -> int:
         data = asdict(rep)
         for phase in ("stream", "restored", "cold"):
             data[phase].pop("tokens", None)
-        args.json.write_text(json.dumps(data, indent=1))
+        try:
+            args.json.write_text(json.dumps(data, indent=1))
+        except OSError as exc:  # checked above, but a file system may still refuse
+            print(f"kvkeeper demo: cannot write --json {args.json}: {exc.strerror or exc} "
+                  f"(the report above has the measurements)", file=sys.stderr)
+            return 1
     return 0

@@ -197,7 +197,10 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
     this user may not read, or fails to read."""
     root = Path(path)
     if not root.exists():
-        raise FileNotFoundError(f"model directory {str(root)!r} does not exist")
+        hint = ("; for a Hugging Face model name, give its local snapshot directory "
+                "(huggingface_hub.snapshot_download(name, local_files_only=True))"
+                if not root.is_absolute() and len(root.parts) == 2 else "")
+        raise FileNotFoundError(f"model directory {str(root)!r} does not exist{hint}")
     if not root.is_dir():
         raise ValueError(f"model path {str(root)!r} is not a directory")
     if not (root / "config.json").is_file():

@@ -45,9 +45,11 @@ __all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_token_id
 
 @dataclass
 class WriteBehindCounters:
-    """What one helper did. ``sent``: saves handed to the daemon; ``dropped``:
-    saves the client dropped (daemon down, too much in flight). Whether the
-    daemon wrote or superseded them shows in ``Client.stats()``."""
+    """What one helper did. ``sent``: saves handed off (``Client.save()``
+    returned True; the client may still replace one with a newer save of the
+    key before sending it, ``client_saves_coalesced``); ``dropped``: saves
+    the client dropped (daemon down, too much in flight). Whether the daemon
+    wrote or superseded them shows in ``Client.stats()``."""
 
     steps: int = 0
     sent: int = 0

@@ -89,6 +89,25 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
     assert (out / "save_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_from_json_refuses_what_is_not_a_run_s_results(tmp_path: Path) -> None:
+    """--from-json of a missing file, of text that is not JSON, or of JSON
+    that is not a run's results: exit 2 with the reason (before: a
+    traceback), and no report written."""
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "empty.json").write_text("{}")
+    for name, needle in (("missing.json", "No such file"), ("text.json", "not a results.json"),
+                         ("empty.json", "not a results.json")):
+        out = tmp_path / f"out-{name}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks", "--from-json", str(tmp_path / name),
+             "--out", str(out)],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 2, (name, proc.stderr[-3000:])
+        assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (out / "BENCHMARKS.md").exists()
+
+
 def test_call_clock_tells_a_wait_for_the_core_from_a_block() -> None:
     """The hot path's per-call clock: a call sharing its core with a busy
     process waits on the run queue (and did not block); a sleeping call

@@ -1063,6 +1063,32 @@ def test_the_commands_that_only_talk_to_the_daemon_run_without_mlx(
     assert run("ls", "--socket", sock, "--json").stdout.strip() == "[]"
 
 
+def test_the_library_without_mlx_says_what_to_install(daemon: RunningDaemon) -> None:
+    """Without the mlx extra, Client.save, Client.load and read_cache_file
+    raise ModuleNotFoundError naming the extra (before: a bare "No module
+    named 'mlx'"); the client still connects, and ping answers."""
+    code = _WITHOUT_MLX.replace("from kvkeeper.cli import main\nsys.exit(main(sys.argv[1:]))", f"""
+import kvkeeper
+kv = kvkeeper.Client({str(daemon.socket)!r}, timeout=30)
+print("pong", kv.ping().pid > 0)
+for call in (lambda: kv.save("m", "c", [object()], [1]), lambda: kv.load("m", "c"),
+             lambda: kvkeeper.read_cache_file("/nonexistent")):
+    try:
+        call()
+    except ModuleNotFoundError as exc:
+        print("raised:", exc)
+kv.close()
+""")
+    assert "import kvkeeper" in code
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "pong True", r.stdout
+    assert len(lines) == 4 and all(
+        ln.startswith("raised: ") and "pip install 'kvkeeper[mlx]'" in ln for ln in lines[1:]), \
+        r.stdout
+
+
 def test_a_client_takes_its_socket_from_the_config_file_whatever_else_is_in_it(
     daemon: RunningDaemon, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1232,6 +1258,9 @@ def test_a_stopped_daemon_is_told_apart_from_none(short_dir: Path) -> None:
         assert sock.exists()  # left behind by the killed daemon
         r = cli("stats", "--socket", str(sock), timeout=30)
         assert r.returncode == 3 and "no kvkeeper daemon at" in r.stderr, r.stderr
+        # The hint starts a daemon on that socket (before: "kvkeeper serve",
+        # the default socket's).
+        assert f"(start it: kvkeeper serve --socket {sock})" in r.stderr, r.stderr
         r = cli("verify", "--socket", str(sock), timeout=30)
         assert r.returncode == 3 and "no kvkeeper daemon at " in r.stderr, r.stderr
         assert "to name its root: give --root" in r.stderr, r.stderr
@@ -1240,6 +1269,15 @@ def test_a_stopped_daemon_is_told_apart_from_none(short_dir: Path) -> None:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def test_uninstall_service_help_speaks_of_removing() -> None:
+    """uninstall-service's --platform and --no-load spoke of writing a file
+    (install-service's words)."""
+    text = " ".join(cli("uninstall-service", "--help").stdout.split())
+    assert "the service manager whose file to remove" in text, text
+    assert "only remove the file; do not stop the service first" in text, text
+    assert "write" not in text, text
 
 
 def test_help_gives_sizes_as_written_and_python_m_kvkeeper_runs(daemon: RunningDaemon) -> None:
@@ -1258,7 +1296,8 @@ def test_help_gives_sizes_as_written_and_python_m_kvkeeper_runs(daemon: RunningD
         pending = max(2**30, memory // 4 // 2**20 * 2**20)
         shown = f"{pending >> 30}G" if pending % 2**30 == 0 else f"{pending >> 20}M"
         for default in (shown, "20G", "5G"):
-            assert f"(default: {default}; bytes, or with a K, M, G or T suffix)" in text, text
+            assert (f"(default: {default}; bytes, or with a K, M, G or T suffix (1K = 1024))"
+                    in text), text
         assert "1073741824" not in text and "at least 1M" in text
         assert ("a quarter of this machine's memory (of its cgroup's limit, in a "
                 "container), at least 1G") in text

@@ -108,8 +108,8 @@ def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
 
 
 def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
-    """A model the settings cannot build, or a --json path that cannot be
-    written, is a usage error at once (before: a traceback, or a crash after
+    """A model the settings cannot build, a negative seed, or a --json path
+    that cannot be written, is a usage error at once (before: a traceback, or a crash after
     the whole run, its measurements lost)."""
     for args, needle in ((("--layers", "0"), "need --layers at least 1 (got 0)\n"),
                          (("--hidden", "7"), "need --hidden a multiple of 8, at least 8 (got 7)\n"),
@@ -118,7 +118,12 @@ def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
                          (("--hidden", "0", "--layers", "0"),
                           "need --layers at least 1 (got 0), --hidden a multiple of 8, at least 8 "
                           "(got 0)\n"),
+                         # (numpy's traceback before)
+                         (("--seed", "-5"), "need --seed at least 0 (got -5)\n"),
                          (("--json", str(short_dir / "nope" / "x.json")), "existing directory"),
+                         # No file can be made there, root or not (before: a
+                         # traceback after the whole run).
+                         (("--json", "/proc/kvkeeper-demo.json"), "cannot be written"),
                          (("--json", str(short_dir)), "existing directory")):
         r = run_demo("--private", "--tokens", "2", "--prompt-tokens", "64", *args)
         assert r.returncode == 2, (args, r.stderr[-2000:])

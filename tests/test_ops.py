@@ -317,7 +317,8 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
     file fills the disk), every write evicts the entries before it: the log
     says so, as a warning, and stats says below_min_free 1 (two reviews: the
     store kept one cache, and only the daemon's log told why) until space is
-    freed. (More than the whole disk is refused at start.)"""
+    freed. The first pass that finds the disk short says so too, before any
+    eviction. (More than the whole disk is refused at start.)"""
     caplog.set_level(logging.INFO, logger="kvkeeper")
     with small_tmpfs(short_dir, "8m") as mnt:
         (mnt / "other").write_bytes(b"x" * (5 * MiB))
@@ -325,7 +326,11 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
         try:
             with Client(rd.socket, timeout=WAIT) as kv:
                 assert kv.save(FP, "a", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
-                assert "event=below_min_free" not in caplog.text  # nothing evicted yet
+                # Nothing evicted yet, and said all the same (before: nothing
+                # until the first eviction).
+                [first] = [r.getMessage() for r in caplog.records
+                           if "event=below_min_free" in r.getMessage()]
+                assert " evicted=0 " in first, first
                 assert kv.stats()["below_min_free"] == 1.0
                 assert kv.save(FP, "b", filled(1, 2), [2]) and kv.flush(timeout=WAIT)
                 assert {e.cache_id for e in kv.entries()} == {"b"}
@@ -338,8 +343,10 @@ def test_a_disk_filled_by_other_files_is_warned_of(short_dir: Path,
         finally:
             rd.stop()
     warned = [r for r in caplog.records if "event=below_min_free" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.text
+    assert len(warned) == 2, caplog.text  # as it began, and with b's eviction of a
+    assert all(r.levelname == "WARNING" for r in warned), caplog.text
     assert f"min_free_bytes={3 * MiB}" in warned[0].getMessage()
+    assert " evicted=1 " in warned[1].getMessage()
     evicted = [r.getMessage() for r in caplog.records if "event=evicted" in r.getMessage()]
     assert len(evicted) == 1 and " reason=min_free_bytes " in evicted[0], evicted
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvkeeper import __version__, config, settings
+from kvkeeper.client import mlx_part
 from kvkeeper.client.channel import (
     ALL_KEYS,
     CLOSED_BY_OTHERS,
@@ -95,9 +96,7 @@ def _codec():  # type: ignore[no-untyped-def]
     # MLX is imported on a first save or load, not with this module: the
     # commands that only talk to the daemon (stats, ls, rm, gc) work in an
     # install without the mlx extra.
-    from kvkeeper.client import codec
-
-    return codec
+    return mlx_part("codec")
 
 
 class Client:
@@ -1078,6 +1077,7 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
     """Read the cache file at ``path``, again while it was replaced mid-read
     (at most ``_READ_ATTEMPTS`` reads)."""
+    mlx_part("reader")  # without MLX, says which extra is missing
     from kvkeeper.client.reader import CacheFileError, cannot_open, read_file
 
     for d in (path.parent.parent, path.parent):  # sessions/, the model's directory

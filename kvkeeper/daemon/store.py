@@ -973,7 +973,16 @@ class Store:
             # Not before a write: the file is not there yet, and may never be
             # (a save too big for the disk, which then fails).
             if not own_disk and not none_free and not writing:
+                was = self.short_of_min_free
                 self.short_of_min_free = sized and min_free > 0 and free() < min_free
+                if self.short_of_min_free and not was and not evicted:
+                    # Said as it begins, before any save evicts (the warning
+                    # below comes with evictions): a daemon started on a disk
+                    # short of the default 5 GiB said nothing until then.
+                    log.warning("event=below_min_free free=%d min_free_bytes=%d evicted=0: "
+                                "the disk has less free than --min-free-bytes, so each save "
+                                "written evicts the entries saved before it; lower "
+                                "--min-free-bytes or free space", free(), b.min_free_bytes)
 
         def pressure() -> str | None:
             if b.max_disk_bytes is not None and used > b.max_disk_bytes:

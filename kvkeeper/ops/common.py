@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,10 @@ def client(socket: Path | None, *, required: bool = True,  # type: ignore[no-unt
         raise CommandError(str(exc), status=2) from None
     if required and not kv.connected:
         kv.close()
-        raise CommandError(_no_daemon(kv.socket_path, " (start it: kvkeeper serve)"),
-                           status=3)
+        # serve on the same socket: without --socket it would take the default.
+        serve = ("kvkeeper serve" if socket is None
+                 else f"kvkeeper serve --socket {shlex.quote(os.fspath(kv.socket_path))}")
+        raise CommandError(_no_daemon(kv.socket_path, f" (start it: {serve})"), status=3)
     return kv
 
 

@@ -141,7 +141,8 @@ def verify(args: argparse.Namespace) -> int:
         out.print(Text.assemble(
             f"{counted(checked, 'file')} checked under ", shown(root),
             f", {counted(len(legacy), 'legacy file')} without checksums" if legacy else "",
-            f", {counted(len(others), 'safetensors file')} that are not caches (left alone)"
+            f", {counted(len(others), 'safetensors file')} "
+            f"{'that is not a cache' if len(others) == 1 else 'that are not caches'} (left alone)"
             if others else ""))
         not_moved = dict(refused)
         for p, reason, _ in bad:

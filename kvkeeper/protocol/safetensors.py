@@ -223,7 +223,8 @@ def _header_length(prefix: bytes, file_size: int) -> int:
         raise LayoutError("file shorter than a safetensors header")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_FILE_HEADER or 8 + n > file_size:
-        raise LayoutError(f"header length {n} does not fit a file of {file_size} bytes")
+        raise LayoutError(f"header length {n} does not fit a file of {file_size} bytes "
+                          f"(not a safetensors file, or a truncated one)")
     return int(n)
 
 
