@@ -167,6 +167,7 @@ class Store:
         self._meanwhile: dict[Path, StoredEntry | None] | None = None
         self._uses_meanwhile: dict[Path, float] | None = None
         self._whole = False  # a rescan has read every file: the budget may evict
+        self._out_of_order = False  # see _still_indexed (under _lock)
         #: The last pass over the store's disk with no write to make room for
         #: (the start's, a save's once written, a gc's) left it with less than
         #: --min-free-bytes free (other files fill it: each save evicts the
@@ -787,10 +788,13 @@ class Store:
             if self._index.get(entry.path) is entry:
                 self._drop(entry.path)
                 if fresh is not None:
-                    # Counted anew, at its place in the order of use (its
-                    # file's times): a file dated back by hand goes first.
-                    # Rare enough for a sort.
-                    self._insert_in_order([*self._index.values(), fresh])
+                    # Counted anew, and put at its place in the order of use
+                    # (its file's times: a file dated back by hand goes
+                    # first) once the pass is over, by one sort for all: a
+                    # sort for each made a pass over 10,000 files changed by
+                    # hand (a backup put back with cp -a) take 4 minutes.
+                    self._put(fresh)
+                    self._out_of_order = True
         log.info("event=entry_changed path=%s now=%s: changed by hand since indexed, "
                  "counted as it is now, not evicted", entry.path,
                  "gone" if fresh is None else fresh.kind)
@@ -918,8 +922,15 @@ class Store:
         evicted: list[StoredEntry] = []
         try:
             with self._evicting:
-                self._enforce_budget(keep, writing, no_evictions, need_inode, evicted,
-                                     writers_turn, none_free)
+                try:
+                    self._enforce_budget(keep, writing, no_evictions, need_inode, evicted,
+                                         writers_turn, none_free)
+                finally:
+                    with self._lock:
+                        if self._out_of_order:
+                            self._out_of_order = False
+                            self._index = dict(sorted(self._index.items(),
+                                                      key=lambda item: _use_order(item[1])))
         finally:
             if into is not None:
                 into += evicted
