@@ -642,3 +642,49 @@ def test_a_live_saves_tensor_table_counts_against_the_memory_budget(short_dir: P
     finally:
         ctx.destroy(linger=0)
         stop_process(proc)
+
+
+def test_a_peer_that_keeps_the_socket_busy_holds_up_no_other_client(short_dir: Path) -> None:
+    """One peer sending costly headers (65,536 tensors, refused for a
+    duplicate name) as fast as the daemon reads them: pyzmq handed over each
+    waiting message without going back to the event loop, so no task ran (the
+    writer, the flush answers, SIGTERM's drain) and another client's flush
+    waited for the flood to end."""
+    import threading
+
+    sock = short_dir / "run" / "s"
+    proc = serve_process(short_dir / "root", sock, "--min-write-interval", "0")
+    stop, sent = threading.Event(), [0]
+
+    def flood() -> None:
+        ctx = zmq.Context()
+        s = dealer(ctx, sock)
+        s.setsockopt(zmq.SNDHWM, 4)
+        specs = [m.TensorSpec(f"t{i}", "F32", [0]) for i in range(65535)]
+        header = zmq.Frame(m.encode(m.SaveBegin(v=V, save=1, model="fp", cache_id="x",
+                                                tensors=[*specs, specs[0]])))
+        try:
+            while not stop.is_set():
+                if s.poll(100, zmq.POLLOUT):
+                    s.send(header, copy=False)
+                    sent[0] += 1
+                while s.poll(0):
+                    s.recv()
+        finally:
+            ctx.destroy(linger=0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        deadline = time.monotonic() + WAIT
+        while sent[0] < 20:
+            assert time.monotonic() < deadline and flooder.is_alive(), "the flood did not begin"
+            time.sleep(0.02)
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("fp", "a", filled(0.05, 1), [1])
+            assert kv.flush(timeout=WAIT) is True  # before: DaemonTimedOut, the flood on
+            assert flooder.is_alive() and not stop.is_set()
+    finally:
+        stop.set()
+        flooder.join(WAIT)
+        stop_process(proc)

@@ -170,6 +170,11 @@ class Server:
             # Let go before waiting for the next message: a refused one's
             # frames (hundreds of MiB) were held until another came.
             del frames
+            # pyzmq hands over a message already waiting without going back
+            # to the event loop: while one peer kept the socket readable
+            # (a flood of costly headers) no other task ran, and another
+            # client's flush waited 10.6 s, the flood's whole length.
+            await anyio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------ dispatch
 
