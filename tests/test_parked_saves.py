@@ -119,6 +119,22 @@ def test_a_stalled_save_lets_others_by_and_is_written_whole_when_it_resumes(
     assert tmp_files(patient.root) == []
 
 
+def test_saves_silent_since_before_the_writer_took_them_do_not_each_hold_it(
+    patient: RunningDaemon,
+) -> None:
+    """80 saves begun and then silent, already queued: each was given a
+    whole PARK_AFTER (0.5 s) from when the writer took it, so a save behind
+    them waited 40 s (20 of them: 9.9 s). Those silent for that long by
+    then are parked at once."""
+    with dealers(patient.socket, 81) as socks:
+        *silent, good = socks
+        for i, s in enumerate(silent):
+            s.send(begin(save=1, cache_id=f"silent{i}", tensors=[m.TensorSpec("t0", "U8", [16])]))
+        assert save_whole(good, "good", b"g") == m.Flushed(  # within WAIT (30 s)
+            v=V, req=1, written=1, superseded=0, failed=0)
+        assert content(entry(patient, "good")) == b"g" * 1000
+
+
 def test_a_newer_save_of_the_key_replaces_the_stalled_one(patient: RunningDaemon) -> None:
     with dealers(patient.socket, 2) as (slow, other):
         start_stalled(patient.root, slow, "k")

@@ -821,13 +821,19 @@ class WriterActor:
         if job.starved_since is None:
             job.starved_since = now
         if job.pace_since is None:
-            job.pace_since, job.pace_from = now, job.received
+            # From its last bytes, not from now: each save silent since long
+            # before the writer took it held the writer a whole PARK_AFTER
+            # (20 begun and silent: a save behind them waited 9.9 s).
+            job.pace_since, job.pace_from = min(now, job.last_activity), job.received
         deadline = job.starved_since + self.stall_timeout
         if now >= deadline:
             raise StreamBroken(f"no bytes for {self.stall_timeout:g} s "
                                f"({job.received} of {job.total} received)")
         job.arrived = anyio.Event()
-        with anyio.move_on_after(min(deadline, now + PARK_AFTER) - now):
+        until = min(deadline, now + PARK_AFTER)
+        if self._queued():
+            until = min(until, max(now, job.pace_since + PARK_AFTER))
+        with anyio.move_on_after(until - now):
             await job.arrived.wait()
         now = time.monotonic()
         if not self._queued() or now - job.pace_since < PARK_AFTER:
