@@ -192,7 +192,9 @@ class Ledger:
         except m.DecodeFailure as exc:
             code = exc.code  # the decoder's verdict is the error the daemon must give
             take(got, lambda r: isinstance(r, m.Error) and r.req is None and r.code == code)
-            return "undecodable"
+            # A map whose op says save is a save refused: its sender's flush
+            # must say so.
+            return "SaveBegin undecodable" if _says_save(frames[0]) else "undecodable"
         name = type(msg).__name__
         if len(frames) > 1 and not isinstance(msg, m.SaveData):
             if isinstance(msg, m.SaveBegin):
@@ -238,6 +240,14 @@ class Ledger:
             assert time.monotonic() < deadline, f"never answered: {self.owed}"
             self._settle(self.replies())
             time.sleep(0.05)
+
+
+def _says_save(header: bytes) -> bool:
+    try:
+        doc = msgspec.msgpack.decode(header)
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
+        return False
+    return isinstance(doc, dict) and doc.get("op") == "save"
 
 
 def take(got: list[m.Reply], want: Callable[[m.Reply], bool], *, optional: bool = False) -> bool:
@@ -312,7 +322,8 @@ def test_fuzz_ten_thousand_malformed_messages(short_dir: Path) -> None:
         assert stats["saves_refused"] == begins - kinds["SaveBegin taken"], (stats, kinds)
         assert stats["loads_direct"] == kinds["Used taken"], (stats, kinds)
         # Each protocol error counted had its typed answer.
-        assert stats["protocol_errors"] == (kinds["undecodable"] + codes["bad_id"]
+        assert stats["protocol_errors"] == (kinds["undecodable"] + kinds["SaveBegin undecodable"]
+                                            + codes["bad_id"]
                                             + kinds["SaveData refused"]), (stats, kinds, codes)
         assert stats["internal_errors"] == 0 and stats["forbidden_peers"] == 0, stats
         assert stats["saves_received"] == (stats["saves_written"] + stats["saves_superseded"]

@@ -117,6 +117,66 @@ def test_frame_count_and_size_must_match_the_header(raw: zmq.Socket,
     assert files_under(daemon.root / "sessions") == []
 
 
+def test_a_save_number_begun_again_is_refused(raw: zmq.Socket, daemon: RunningDaemon) -> None:
+    """A raw client that begins save 1 again, the first one's tail still on
+    its way: the tail went into the second save's file (AAAAAAAABBBBBBBB),
+    its checksum taken from what came, and the flush said written."""
+    spec = [m.TensorSpec("t0", "U8", [16])]
+    raw.send(begin(save=1, cache_id="k", tensors=spec))
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"A" * 8])
+    raw.send(begin(save=1, cache_id="k", tensors=spec))
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"A" * 8])  # the tail
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"B" * 8])
+    raw.send(m.encode(m.Flush(v=V, req=1)))
+    replies = []
+    while not replies or not isinstance(replies[-1], m.Flushed):
+        replies.append(m.decode_reply(raw.recv()))
+    refused = [r for r in replies if isinstance(r, m.SaveRefused)]
+    assert [(r.code, "begun again" in r.message) for r in refused] == [("malformed", True)], \
+        replies
+    assert replies[-1].written == 0 and replies[-1].failed == 2, replies  # both saves
+    assert files_under(daemon.root / "sessions") == []
+
+
+def test_a_save_header_that_does_not_decode_fails_the_flush(raw: zmq.Socket) -> None:
+    """A save's header refused as malformed (a metadata value that is not a
+    string) was answered with an error and left out of the flush, which
+    said every save was written."""
+    bad = msgspec.msgpack.encode({"op": "save", "v": V, "save": 1, "model": "fp",
+                                  "cache_id": "k", "tensors": [], "metadata": {"a": 1}})
+    reply = ask(raw, bad)
+    assert isinstance(reply, m.Error) and reply.code == "malformed"
+    flushed = ask(raw, m.encode(m.Flush(v=V, req=1)))
+    assert isinstance(flushed, m.Flushed) and (flushed.written, flushed.failed) == (0, 1)
+    stats = ask(raw, m.encode(m.GetStats(v=V, req=2)))
+    assert isinstance(stats, m.Stats)
+    assert stats.counters["saves_received"] == stats.counters["saves_refused"] == 1
+
+
+def test_metadata_entries_are_capped_alike_in_the_client_and_the_daemon(
+    raw: zmq.Socket, daemon: RunningDaemon
+) -> None:
+    """The daemon decoded any number of metadata entries before a budget
+    could refuse them (3.5 million in a 25 MiB header: 5.9 s, 634 MiB). It
+    refuses more than it may get from a client, which refuses more than
+    MAX_USER_METADATA_ENTRIES itself."""
+    from kvkeeper.client.client import Client
+
+    from .faultkit import filled
+
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        most = {f"{i:x}": "" for i in range(m.MAX_USER_METADATA_ENTRIES)}
+        with pytest.raises(ValueError, match="the limit is 65536"):
+            kv.save("fp", "k", filled(0.01, 1), [1], metadata={**most, "one more": ""})
+        assert kv.save("fp", "k", filled(0.01, 1), [1], metadata=most)
+        assert kv.flush(timeout=WAIT) is True
+    too_many = {f"{i:x}": "" for i in range(m.MAX_METADATA_ENTRIES + 1)}
+    reply = ask(raw, msgspec.msgpack.encode({"op": "save", "v": V, "save": 1, "model": "fp",
+                                             "cache_id": "j", "tensors": [],
+                                             "metadata": too_many}))
+    assert isinstance(reply, m.Error) and reply.code == "malformed", reply
+
+
 def test_a_save_sent_one_byte_per_frame_is_written_whole(raw: zmq.Socket,
                                                          daemon: RunningDaemon) -> None:
     """The protocol allows frames of one byte. The writer dropped each written
@@ -275,15 +335,18 @@ def test_metadata_counts_against_the_memory_budget(short_dir: Path, shape: str) 
     # never send their bytes: the metadata is held meanwhile, so the budget
     # must see it, or such saves grow the daemon without bound. Many short
     # items are small on the wire but not in memory (two str objects and a
-    # dict slot each): 120,000 of them are 0.9 MB of text, 11 MB decoded,
-    # counted 20 MB (before, counted at their text, all three were taken).
+    # dict slot each): 60,000 of them (fewer than a header may carry) are
+    # 0.4 MB of text, counted 10 MB (before, counted at their text, all three
+    # were taken; with 120,000, 20 MB, under a 64 MiB budget).
     # One emoji makes a str hold every character in 4 bytes: 5 MiB of text,
     # 20 MiB held (before, counted 5 MiB: all three taken).
+    # The writer's share of 64 MiB is 48 MiB, of 32 MiB 24 MiB: room for
+    # two such saves.
+    budget = 32 if shape == "many short items" else 64
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
-                      max_pending_bytes=64 * 2**20, stall_timeout=2)
-    # The writer's share of the 64 MiB is 48 MiB: room for two such saves.
+                      max_pending_bytes=budget * 2**20, stall_timeout=2)
     meta = {"one long value": {"note": "x" * (20 * 2**20)},
-            "many short items": {f"k{i}": "" for i in range(120_000)},
+            "many short items": {f"k{i}": "" for i in range(60_000)},
             "an emoji in ASCII": {"note": "\U0001F600" + "x" * (5 * 2**20)}}[shape]
     try:
         # One stream per peer: a second begin from one peer would abandon its first.

@@ -846,3 +846,37 @@ def test_the_start_up_scan_leaves_the_directories_it_empties_to_a_restart(
     proc = serve_process(root, sock)
     assert stop_process(proc) == 0
     assert not w_dir.exists()
+
+
+def test_a_listing_larger_than_a_request_may_be_still_arrives(short_dir: Path) -> None:
+    """A listing passing the 32 MiB a request may be (about 100,000 entries
+    with ids of a usual length) was
+    dropped by the client, and `ls` waited out its timeout and said the
+    daemon did not answer (exit 3). Here 70,000 other files with long paths."""
+    from kvkeeper.protocol.messages import MAX_HEADER_BYTES
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("m1", "a", filled(0.05, 3), [3]) and kv.flush(timeout=WAIT)
+            stem = "x" * 240
+            for d in range(4):
+                other = root / "other" / f"{d}{stem}"
+                other.mkdir(parents=True)
+                for i in range(17_500):
+                    (other / f"{stem}{i:06d}").touch()
+            kv.gc()
+            r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "ls", "--all", "--json",
+                                "--socket", str(sock)], capture_output=True, text=True,
+                               timeout=WAIT * 4)
+            assert r.returncode == 0, r.stderr[-2000:]
+            import json
+
+            listed = json.loads(r.stdout)
+            assert len(listed) == 70_001
+            # The paths alone, in the reply, pass what a request may be.
+            assert sum(len(e["path"]) for e in listed) > MAX_HEADER_BYTES
+            assert sum(e["cache_id"] == "a" for e in listed) == 1
+    finally:
+        assert stop_process(proc) == 0

@@ -192,6 +192,12 @@ class Server:
             msg = m.decode_request(header.buffer)
         except m.DecodeFailure as exc:
             self.stats.inc("protocol_errors")
+            if m.begins_a_save(header.buffer):
+                # Refused like any save: the sender's next flush says False
+                # (it said every save was written).
+                self.stats.inc("saves_received")
+                self.stats.inc("saves_refused")
+                self.actor.note_refused(peer)
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code=exc.code,
                                       message=str(exc)))
             return
@@ -277,11 +283,19 @@ class Server:
     # ------------------------------------------------------------ saves
 
     def _save_begin(self, peer: bytes, msg: m.SaveBegin, header: zmq.Frame) -> None:
+        prev = self._streams.get(peer)
         self._end_stream(peer)
         self.stats.inc("saves_received")
         key = self._key(peer, msg)
         if key is None:
             self._track(peer, msg.save, None)
+            return
+        if prev is not None and prev.save == msg.save:
+            # Its bytes could not be told from the last save's still on their
+            # way: a raw client's tail of the one went into the other's file,
+            # checksummed as received, and the flush said written.
+            self._refuse(peer, msg.save, "malformed", f"save {msg.save} begun again: each "
+                         f"save needs a number of its own", key=key)
             return
         try:
             layout = Layout.of(msg.tensors)
