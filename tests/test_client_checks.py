@@ -2294,11 +2294,12 @@ def _dead_socket(path: Path) -> socket.socket:
 
 
 def test_saves_are_not_held_for_a_daemon_that_is_not_coming_back(short_dir: Path) -> None:
-    """Only a socket new since the connection ended counts as a daemon coming
-    back, and only for RETURN_GRACE: the socket a killed daemon left, or one
-    nobody answered on when the client was made, drops saves and fails a
-    flush at once, as before; a new one nobody answers on drops them once the
-    grace is over."""
+    """Only a socket made less than RETURN_GRACE ago counts as a daemon
+    coming back: the socket a killed daemon left drops saves and fails a
+    flush at once, as before, and so does one nobody answers on once it is
+    that old, for a client made then too (with connect_timeout 0, a review
+    found it taken for a daemon coming back, every save held and lost at
+    close(), which waited its whole timeout)."""
     from kvkeeper.client.channel import RETURN_GRACE
 
     from .faultkit import filled
@@ -2330,11 +2331,13 @@ def test_saves_are_not_held_for_a_daemon_that_is_not_coming_back(short_dir: Path
         sock.unlink()
 
         dead = _dead_socket(sock)
-        with Client(sock, timeout=WAIT, connect_timeout=0.3, min_send_interval=0) as kv:
+        time.sleep(RETURN_GRACE + 0.2)
+        with Client(sock, timeout=WAIT, connect_timeout=0, min_send_interval=0) as kv:
             assert kv.save("fp", "c", filled(0.05, 5), [5]) is False
             with pytest.raises(DaemonUnavailable) as raised:
                 kv.flush(timeout=WAIT)
             assert not isinstance(raised.value, kvkeeper.DaemonTimedOut)
+        assert kv.client_stats()["client_saves_lost"] == 0  # none held for close() to lose
         dead.close()
     finally:
         stop_process(proc, signal.SIGKILL)

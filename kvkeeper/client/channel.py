@@ -40,7 +40,8 @@ stop said it drains, or refused one (it refuses every save that comes while
 it drains); told so, the client asks it for a flush, whose answer vouches
 for the saves it drained (``ConnectionEnd``). With no connection, a save is
 dropped by the client unless a daemon is coming back (``daemon_returning``):
-a new socket at its path, which ZeroMQ connects to within 0.2 s.
+a socket made less than a second ago at its path, which ZeroMQ connects to
+within 0.2 s.
 """
 
 from __future__ import annotations
@@ -85,19 +86,19 @@ _MAX_INFLIGHT_MESSAGES = _SNDHWM // 2
 #: when it is under). A request sent now waits behind these alone: 32 MiB at
 #: the 0.3 GiB/s this disk took them is about 0.1 s.
 PIPE_BYTES = 32 * 1024 * 1024
-#: How long a socket new at the daemon's path (a daemon restarted since the
-#: connection ended) is taken for a daemon about to be connected to. ZeroMQ
-#: tries the path again every 0.2 s at most (RECONNECT_IVL_MAX), and until it
-#: does, saves were dropped and requests failed with the daemon up: a final
-#: save of a turn made just after a restart was lost. A socket that has not
-#: answered by then is left for dead, as its dead predecessor is.
+#: How long after it was made a socket at the daemon's path (a daemon
+#: restarted since the connection ended) is taken for a daemon about to be
+#: connected to. ZeroMQ tries the path again every 0.2 s at most
+#: (RECONNECT_IVL_MAX), and until it does, saves were dropped and requests
+#: failed with the daemon up: a final save of a turn made just after a
+#: restart was lost. An older socket nobody answered on is a dead daemon's.
 RETURN_GRACE = 1.0
 
 
 def _socket_at(path: str) -> tuple[int, int, int] | None:
-    """Which socket file is at ``path`` (device, inode, change time: a daemon
-    that binds makes a new one, and a freed inode may be handed out again),
-    or None when none is."""
+    """Which socket file is at ``path`` (device, inode, change time in ns: a
+    daemon that binds makes a new one, and a freed inode may be handed out
+    again), or None when none is."""
     try:
         st = os.stat(path)
     except OSError:
@@ -377,12 +378,10 @@ class Channel:
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
         self._path = os.fspath(socket_path(endpoint))
-        # The socket file of the daemon connected to (the I/O thread's), the
-        # one of the last that went away or never answered, and a new one
-        # seen at the path since, with when it was first seen (under _lock).
+        # The socket file of the daemon connected to, and of the last one
+        # that went away (the I/O thread's).
         self._live_socket: tuple[int, int, int] | None = None
         self._gone_socket: tuple[int, int, int] | None = None
-        self._new_socket: tuple[tuple[int, int, int], float] | None = None
         # The I/O thread's: the daemon said it drains (then exits), or refused
         # a save as shutting down. Saves sent to it from then on would be
         # refused: they wait for the next daemon, as without a connection.
@@ -463,24 +462,16 @@ class Channel:
 
     def daemon_returning(self) -> bool:
         """Whether a daemon is about to be connected to although none is: a
-        socket file is at the daemon's path that is not the one the last
-        connection ended with (nor the one nobody answered on when the
-        client was made), first seen here less than ``RETURN_GRACE`` ago.
-        A stat of the path (microseconds), on the caller's thread."""
+        socket file made less than ``RETURN_GRACE`` ago is at the daemon's
+        path, and not the one the last connection ended with. Judged by the
+        socket's age, not by when this client first looked: a socket a
+        daemon killed minutes ago left (its last restart's) was taken for
+        one coming back, and every save for a second after. A stat of the
+        path (microseconds), on the caller's thread."""
         found = _socket_at(self._path)
         if found is None or found == self._gone_socket:
             return False
-        now = time.monotonic()
-        with self._lock:
-            if self._new_socket is None or self._new_socket[0] != found:
-                self._new_socket = (found, now)
-            return now - self._new_socket[1] < RETURN_GRACE
-
-    def unanswered(self) -> None:
-        """The client gave up waiting for its first connection: the socket
-        file there now (a dead daemon's) is not taken for one returning."""
-        if not self.connected.is_set():
-            self._gone_socket = _socket_at(self._path)
+        return 0 <= time.time_ns() - found[2] < RETURN_GRACE * 1e9
 
     def next_save_id(self) -> int:
         return next(self._save_ids)

@@ -235,8 +235,6 @@ class Client:
                 self._flush_conn = conn
             except DaemonUnavailable:
                 pass
-        elif connect_timeout > 0:
-            self._channel.unanswered()
 
     # ------------------------------------------------------------ context manager
 
