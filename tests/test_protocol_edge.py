@@ -141,11 +141,13 @@ def test_a_save_number_begun_again_is_refused(raw: zmq.Socket, daemon: RunningDa
 def test_a_save_header_that_does_not_decode_fails_the_flush(raw: zmq.Socket) -> None:
     """A save's header refused as malformed (a metadata value that is not a
     string) was answered with an error and left out of the flush, which
-    said every save was written."""
+    said every save was written. Its data, which follows, is dropped as a
+    refused save's, not counted again."""
     bad = msgspec.msgpack.encode({"op": "save", "v": V, "save": 1, "model": "fp",
                                   "cache_id": "k", "tensors": [], "metadata": {"a": 1}})
     reply = ask(raw, bad)
     assert isinstance(reply, m.Error) and reply.code == "malformed"
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 16])
     flushed = ask(raw, m.encode(m.Flush(v=V, req=1)))
     assert isinstance(flushed, m.Flushed) and (flushed.written, flushed.failed) == (0, 1)
     stats = ask(raw, m.encode(m.GetStats(v=V, req=2)))

@@ -192,12 +192,18 @@ class Server:
             msg = m.decode_request(header.buffer)
         except m.DecodeFailure as exc:
             self.stats.inc("protocol_errors")
-            if m.begins_a_save(header.buffer):
+            begun = m.begun_save(header.buffer)
+            if begun is not None:
                 # Refused like any save: the sender's next flush says False
-                # (it said every save was written).
+                # (it said every save was written), once: its data, if its
+                # number can be told, is dropped as a refused save's.
                 self.stats.inc("saves_received")
                 self.stats.inc("saves_refused")
                 self.actor.note_refused(peer)
+                if type(begun.save) is int:
+                    self._track(peer, begun.save, None)
+                else:
+                    self._end_stream(peer)
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code=exc.code,
                                       message=str(exc)))
             return

@@ -287,15 +287,18 @@ class _VersionOnly(msgspec.Struct):
     v: int
 
 
-class _OpOnly(msgspec.Struct):
+class SaveOnly(msgspec.Struct):
+    """What ``begun_save`` reads of a header that did not decode."""
+
     op: str = ""
+    save: object = None
 
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
-_op_decoder = msgspec.msgpack.Decoder(_OpOnly)
+_op_decoder = msgspec.msgpack.Decoder(SaveOnly)
 
 
 class DecodeFailure(Exception):
@@ -341,15 +344,17 @@ def decode_request(buf: bytes | memoryview) -> Request:
     return msg
 
 
-def begins_a_save(buf: bytes | memoryview) -> bool:
-    """Whether a header ``decode_request`` refused says it begins a save (a
-    map whose op is "save"): its sender counts it among its saves."""
+def begun_save(buf: bytes | memoryview) -> SaveOnly | None:
+    """For a header ``decode_request`` refused: its op and save number if it
+    says it begins a save (a map whose op is "save": its sender counts it
+    among its saves, and sends its data next), else None."""
     if len(buf) > MAX_HEADER_BYTES:
-        return False
+        return None
     try:
-        return _op_decoder.decode(buf).op == SaveBegin.__struct_config__.tag
+        begun = _op_decoder.decode(buf)
     except Exception:  # noqa: BLE001 - anything else: not a save's header
-        return False
+        return None
+    return begun if begun.op == SaveBegin.__struct_config__.tag else None
 
 
 def decode_reply(buf: bytes | memoryview) -> Reply:
