@@ -505,9 +505,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cannot_write(path: Path) -> str | None:
     """Why a file cannot be written at ``path`` (None: it can), tried by
-    opening it for appending; a file made for the try is removed. (Asking
-    access() is not enough: it answers yes to root for /proc.)"""
-    existed = path.exists()
+    opening it for appending; a file made for the try is removed, but not
+    a symlink there, even one to nothing. (Asking access() is not enough:
+    it answers yes to root for /proc.)"""
+    existed = os.path.lexists(path)
     try:
         with open(path, "a"):
             pass

@@ -107,6 +107,17 @@ def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
         assert kv.entries(MODEL_ID) == []  # the demo cleans up after itself
 
 
+def test_the_demo_s_try_of_its_json_path_leaves_a_symlink_there(short_dir: Path) -> None:
+    """--json through a symlink to no file yet: the try of the path before
+    the run removed the link (it saw nothing there), and the report then
+    went to a plain file in its place."""
+    link = short_dir / "report.json"
+    link.symlink_to(short_dir / "target.json")
+    r = run_demo("--socket", str(short_dir / "none.sock"), "--json", str(link))
+    assert r.returncode == 3, r.stderr[-2000:]  # no daemon there: after the try
+    assert link.is_symlink() and os.readlink(link) == str(short_dir / "target.json")
+
+
 def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
     """A model the settings cannot build, a negative seed, or a --json path
     that cannot be written, is a usage error at once (before: a traceback, or a crash after
