@@ -2046,8 +2046,8 @@ def test_the_constructor_waits_connect_timeout_for_a_busy_daemon(short_dir: Path
     """README: the constructor waits up to connect_timeout for the daemon.
     Once connected it asked which daemon answers (a ping, then the stats)
     with the whole ``timeout`` each: a daemon whose receive loop was busy
-    (here decoding headers of 3 million metadata entries, as a raw client may
-    send) held an app's start up to twice ``timeout``."""
+    (here with headers of 65,536 tensors, refused for a duplicate name, as a
+    raw client may send) held an app's start up to twice ``timeout``."""
     import zmq
 
     from kvkeeper.protocol import messages as m
@@ -2056,16 +2056,15 @@ def test_the_constructor_waits_connect_timeout_for_a_busy_daemon(short_dir: Path
     proc = serve_process(short_dir / "root", sock)
     ctx = zmq.Context()
     try:
-        heavy = m.encode(m.SaveBegin(
-            v=m.PROTOCOL_VERSION, save=1, model="fp", cache_id="c",
-            tensors=[m.TensorSpec("t", "U8", [1])],
-            metadata={f"k{i}": "" for i in range(3_000_000)}))
+        specs = [m.TensorSpec(f"t{i}", "U8", [1]) for i in range(m.MAX_TENSORS - 1)]
+        heavy = m.encode(m.SaveBegin(v=m.PROTOCOL_VERSION, save=1, model="fp", cache_id="c",
+                                     tensors=[*specs, specs[0]]))
         busy = ctx.socket(zmq.DEALER)
         busy.setsockopt(zmq.LINGER, 0)
         busy.setsockopt(zmq.RCVTIMEO, int(4 * WAIT * 1000))
         busy.connect(f"ipc://{sock}")
         t0 = time.monotonic()
-        for _ in range(4):  # about 2 s of the receive loop each, here
+        for _ in range(150):  # 60-100 ms of the receive loop each, here
             busy.send(heavy)
         busy.send(m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=1)))
         time.sleep(0.5)  # the loop is on the first of them
