@@ -200,8 +200,8 @@ class Server:
                 self.stats.inc("saves_received")
                 self.stats.inc("saves_refused")
                 self.actor.note_refused(peer)
-                if type(begun.save) is int:
-                    self._track(peer, begun.save, None)
+                if (number := begun.number) is not None:
+                    self._track(peer, number, None)
                 else:
                     self._end_stream(peer)
             self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=None, code=exc.code,
