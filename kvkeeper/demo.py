@@ -505,17 +505,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cannot_write(path: Path) -> str | None:
     """Why a file cannot be written at ``path`` (None: it can), tried by
-    opening it for appending; a file made for the try is removed, but not
-    a symlink there, even one to nothing. (Asking access() is not enough:
-    it answers yes to root for /proc.)"""
-    existed = os.path.lexists(path)
+    opening it for appending; a file made for the try is removed (through
+    a symlink to nothing, the file made, not the link). (Asking access() is
+    not enough: it answers yes to root for /proc.)"""
+    existed = path.exists()  # through a symlink
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
         return exc.strerror or str(exc)
     if not existed:
-        path.unlink(missing_ok=True)
+        Path(os.path.realpath(path)).unlink(missing_ok=True)
     return None
 
 

@@ -110,12 +110,13 @@ def test_demo_uses_a_running_daemon(daemon: RunningDaemon) -> None:
 def test_the_demo_s_try_of_its_json_path_leaves_a_symlink_there(short_dir: Path) -> None:
     """--json through a symlink to no file yet: the try of the path before
     the run removed the link (it saw nothing there), and the report then
-    went to a plain file in its place."""
+    went to a plain file in its place; nor is the file the try made left."""
     link = short_dir / "report.json"
     link.symlink_to(short_dir / "target.json")
     r = run_demo("--socket", str(short_dir / "none.sock"), "--json", str(link))
     assert r.returncode == 3, r.stderr[-2000:]  # no daemon there: after the try
     assert link.is_symlink() and os.readlink(link) == str(short_dir / "target.json")
+    assert not (short_dir / "target.json").exists()
 
 
 def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
