@@ -508,12 +508,14 @@ def _cannot_write(path: Path) -> str | None:
     opening it for appending; a file made for the try is removed (through
     a symlink to nothing, the file made, not the link). (Asking access() is
     not enough: it answers yes to root for /proc.)"""
-    existed = path.exists()  # through a symlink
     try:
+        if path.is_dir() or not path.parent.is_dir():
+            return "not a file in an existing directory"
+        existed = path.exists()  # through a symlink
         with open(path, "a"):
             pass
-    except OSError as exc:
-        return exc.strerror or str(exc)
+    except OSError as exc:  # (pathlib lets EACCES through: a directory not searchable)
+        return f"cannot be written: {exc.strerror or exc}"
     if not existed:
         Path(os.path.realpath(path)).unlink(missing_ok=True)
     return None
@@ -536,12 +538,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvkeeper demo: need {', '.join(wrong)}", file=sys.stderr)
         return 2
     # Found out after the run, it would cost the measurements.
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        print(f"kvkeeper demo: --json {args.json}: not a file in an existing directory",
-              file=sys.stderr)
-        return 2
     if args.json is not None and (why := _cannot_write(args.json)) is not None:
-        print(f"kvkeeper demo: --json {args.json}: cannot be written: {why}", file=sys.stderr)
+        print(f"kvkeeper demo: --json {args.json}: {why}", file=sys.stderr)
         return 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:

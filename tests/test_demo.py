@@ -17,9 +17,10 @@ from .conftest import WAIT, RunningDaemon
 DEMO_TIMEOUT = 180.0  # a cap, not a timing assertion: the demo takes seconds
 
 
-def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_demo(*args: str, env: dict[str, str] | None = None,
+             prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvkeeper.cli", "demo", *args],
+        [*prefix, sys.executable, "-m", "kvkeeper.cli", "demo", *args],
         capture_output=True, text=True, timeout=DEMO_TIMEOUT,
         env={**os.environ, **(env or {})},
     )
@@ -117,6 +118,20 @@ def test_the_demo_s_try_of_its_json_path_leaves_a_symlink_there(short_dir: Path)
     assert r.returncode == 3, r.stderr[-2000:]  # no daemon there: after the try
     assert link.is_symlink() and os.readlink(link) == str(short_dir / "target.json")
     assert not (short_dir / "target.json").exists()
+
+
+def test_a_json_path_in_a_directory_not_searchable_is_a_usage_error(short_dir: Path) -> None:
+    """pathlib's is_dir() lets EACCES through: --json in a directory this
+    user may not search ended in a PermissionError traceback (exit 1)."""
+    from .faultkit import NO_DAC, need_linux_root
+
+    need_linux_root()
+    shut = short_dir / "shut"
+    shut.mkdir(mode=0o600)  # no search (x) for anyone without the right to pass it
+    r = run_demo("--private", "--json", str(shut / "sub" / "x.json"), prefix=NO_DAC)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "cannot be written: Permission denied" in r.stderr and "Traceback" not in r.stderr, \
+        r.stderr
 
 
 def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:

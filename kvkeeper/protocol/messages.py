@@ -356,7 +356,8 @@ def decode_request(buf: bytes | memoryview) -> Request:
 def begun_save(buf: bytes | memoryview) -> SaveOnly | None:
     """For a header ``decode_request`` refused: its op and save number if it
     says it begins a save (a map whose op is "save": its sender counts it
-    among its saves, and sends its data next), else None."""
+    among its saves, and sends its data next), else None; None too for one
+    nested too deep to be read past (msgspec's RecursionError)."""
     if len(buf) > MAX_HEADER_BYTES:
         return None
     try:
