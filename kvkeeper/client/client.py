@@ -1146,16 +1146,12 @@ class DaemonError(Exception):
 def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     """A copy of a save's user metadata; raises ValueError for what ``save()``
     refuses: a key or value that is not a str, a ``kvkeeper.*`` key, text that
-    is not valid Unicode, more than MAX_METADATA_BYTES as JSON, or more than
-    MAX_USER_METADATA_ENTRIES entries."""
+    is not valid Unicode, or more than MAX_METADATA_BYTES as JSON."""
     if metadata is not None and not isinstance(metadata, Mapping):
         # dict() would take pairs, and fail on a str with a puzzling message.
         raise ValueError(f"metadata must be a mapping of str to str, not "
                          f"{type(metadata).__name__}")
     meta = dict(metadata or {})
-    if len(meta) > m.MAX_USER_METADATA_ENTRIES:
-        raise ValueError(f"metadata has {len(meta)} entries; the limit is "
-                         f"{m.MAX_USER_METADATA_ENTRIES}")
     bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
            or not isinstance(meta[k], str)]
     if bad:
