@@ -28,12 +28,13 @@ from kvkeeper.daemon.app import Daemon, DaemonConfig
 WAIT = 30.0  # cap on every wait in the tests
 
 
-def wait_for(cond: Callable[[], bool], what: str) -> None:
-    """Poll ``cond`` until it holds; fail after WAIT seconds, naming ``what``."""
+def wait_for(cond: Callable[[], bool], what: str, *, every: float = 0.02) -> None:
+    """Poll ``cond`` every ``every`` seconds until it holds; fail after WAIT
+    seconds, naming ``what``."""
     deadline = time.monotonic() + WAIT
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(every)
 
 
 def line_from(proc: subprocess.Popen[str]) -> str:
