@@ -271,10 +271,12 @@ class WriterActor:
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
-        # A gc queued and not begun yet: later requests share it (each one
-        # rescanned the whole root on the writer's turn: a flood of them
-        # held every save up for minutes).
+        # A gc whose scan has not begun yet: later requests share it (each
+        # one rescanning the whole root: a flood of them held every save up
+        # for minutes, when the scans ran on the writer's turn).
         self._next_gc: GcJob | None = None
+        self._gc_scan = anyio.Lock()  # one gc reads the root at a time
+        self._aside: TaskGroup | None = None  # run()'s group, for the gcs' scans
         self.current: Job | None = None
         #: Set once the start-up scan is done (beside the writer's first
         #: jobs): a listing waits for it, where it would show a part of the
@@ -433,8 +435,8 @@ class WriterActor:
 
     async def collect(self) -> list[StoredEntry]:
         """Re-read the root and apply the disk budget now (``kvkeeper gc``).
-        Runs on the writer's turn, between two writes."""
-        if self.draining:
+        The root is read beside the writer; the evictions wait for its turn."""
+        if self.draining or self._aside is None:
             return []
         if not self.indexed.is_set():
             # Asked during the start-up scan: it reads the root anyway, and
@@ -444,12 +446,8 @@ class WriterActor:
             return self._scan_evicted
         job = self._next_gc
         if job is None:
-            job = GcJob(key=("", ""), peer=b"")
-            try:
-                self._send.send_nowait(job)
-            except (anyio.WouldBlock, anyio.ClosedResourceError):
-                return []
-            self._next_gc = job
+            job = self._next_gc = GcJob(key=("", ""), peer=b"")
+            self._aside.start_soon(self._scan_for, job)
         await job.done.wait()
         return job.evicted
 
@@ -486,6 +484,7 @@ class WriterActor:
         try:
             with self._writing:
                 async with self._recv, anyio.create_task_group() as away:
+                    self._aside = away
                     await self._sweep()
                     away.start_soon(self._index_store)
                     try:
@@ -662,22 +661,51 @@ class WriterActor:
         for job in self._held.values():
             job.hurry.set()
 
+    async def _scan_for(self, job: GcJob) -> None:
+        """A gc's first half, beside the writer: re-read the root. On the
+        writer's turn, a rescan of 10,000 entries held every save up for
+        about a second; the store takes in what the writer changes meanwhile
+        (see Store.rescan). Then the evictions queue for the writer's turn."""
+        queued = False
+        try:
+            async with self._gc_scan:
+                if self._next_gc is job:
+                    self._next_gc = None  # begun: a request from now on needs a scan of its own
+                # The drain cuts it short, and from its start nothing is evicted.
+                complete = await anyio.to_thread.run_sync(self.store.rescan,
+                                                          self._stop_indexing)
+            if not complete or self.draining:
+                log.warning("event=gc_cut_short reason=draining: nothing was evicted")
+            else:
+                # A full mailbox holds saves, each of which applies the
+                # budget once written: the scan's index is in place for them.
+                with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                    self._send.send_nowait(job)
+                    queued = True  # its evictions: _gc, on the writer's turn
+        except OSError as exc:
+            log.error("event=gc_failed error=%s", exc)
+        except Exception:  # noqa: BLE001 - as for a job: the writer goes on
+            self.stats.inc("internal_errors")
+            log.exception("event=gc_crashed")
+        finally:
+            if self._next_gc is job:
+                self._next_gc = None  # cut off before it began: not to be shared
+            if not queued:
+                job.done.set()
+
     async def _gc(self, job: GcJob) -> None:
-        if self._next_gc is job:
-            self._next_gc = None  # begun: a request from now on needs a rescan of its own
+        """A gc's second half, on the writer's turn: apply the disk budget
+        over the index its scan rebuilt."""
         if self.draining:
             # Asked before the drain began, its turn came during it: as one
             # asked during the drain, it evicts nothing (collect's check).
+            log.warning("event=gc_cut_short reason=draining: nothing was evicted")
             job.done.set()
             return
         try:
-            # A large store's rescan takes seconds, on the writer's turn: the
-            # drain cuts it short (the saves queued behind it come first), and
-            # from the drain's start nothing is evicted.
-            complete = await anyio.to_thread.run_sync(
-                self.store.rescan_and_enforce, self._stop_indexing, job.evicted)
-            if not complete:
-                log.warning("event=gc_cut_short reason=draining: nothing was evicted")
+            await anyio.to_thread.run_sync(functools.partial(
+                self.store.enforce_budget, no_evictions=self._stop_indexing,
+                into=job.evicted))
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
         finally:
