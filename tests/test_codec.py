@@ -847,6 +847,28 @@ def test_a_small_cache_is_captured_as_a_copy() -> None:
     assert joined(snap) == [raw(lm.keys[..., :37, :]), raw(lm.values[..., :37, :])]
 
 
+def test_a_small_cache_in_big_buffers_copies_only_its_rows() -> None:
+    """A cache small enough to be copied, in buffers with much spare capacity
+    (a short prompt, or a cache trimmed back): the copy holds its rows alone.
+    It copied the whole buffers, on the generation loop's thread."""
+    big = L.KVCache()
+    big.keys = mx.random.normal((1, 8, 4096, 128)).astype(mx.bfloat16)  # 8 MiB each
+    big.values = -big.keys
+    big.offset = 9
+    mx.eval(big.keys, big.values)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    snap = snapshot_cache([big])
+    live = 2 * 8 * 9 * 128 * 2
+    assert snap.nbytes == live
+    # (The peak also holds MLX's own small allocations.)
+    assert mx.get_peak_memory() - before < live + 2**20
+    for t, a in zip(snap.tensors, [big.keys, big.values], strict=True):
+        lo, hi = buffer_addr(a), buffer_addr(a) + a.nbytes
+        assert not any(lo <= addr(r) < hi for r in t.runs)
+    assert joined(snap) == [raw(big.keys[..., :9, :]), raw(big.values[..., :9, :])]
+
+
 def test_snapshot_of_a_big_cache_copies_nothing() -> None:
     # 16 layers of (1, 8, 4096, 128) bf16 keys + values: 256 MiB of buffers.
     cache = []

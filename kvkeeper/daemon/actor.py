@@ -492,6 +492,7 @@ class WriterActor:
                     finally:
                         self._stop_indexing.set()  # the scan must not hold up the exit
         finally:
+            self._aside = None  # a gc asked from now on starts nothing (see collect)
             # The drain was cut short: no parked save's tmp file is left
             # behind (closing and unlinking cannot wait for a thread here).
             for job in self._parked.values():
