@@ -1901,6 +1901,70 @@ def test_a_close_given_more_time_lends_it_to_the_close_under_way(short_dir: Path
     assert read_cache_file(naming.entry_path(root, "fp", "cycle")).token_ids == [1]
 
 
+_SIGNAL_HANDLERS_INSIDE_THE_CLIENT = """
+import faulthandler, os, signal, sys, time
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+
+faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, with its stack
+c = KVCache()
+c.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))
+kv = Client(sys.argv[1], timeout=30)  # (its min_send_interval sends the newest of a burst)
+for i in range(3000):  # so that the flush's bookkeeping takes a while
+    assert kv.save("fp", f"k{i}", [c], [i])
+# A handler's save at every 0.3 ms, inside whatever the flush is doing: one
+# inside its bookkeeping waited for ever for the lock the flush held.
+busy, answers = [], []
+def save_now(*_):
+    if not busy:
+        busy.append(1)
+        answers.append(kv.save("fp", "from-handler", [c], [1, 2]))
+        busy.clear()
+signal.signal(signal.SIGALRM, save_now)
+signal.setitimer(signal.ITIMER_REAL, 0.0003, 0.0003)
+try:
+    assert kv.flush(30)
+finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+assert answers and all(answers), answers
+assert kv.flush(30)
+# A handler's flush inside this thread's own flush: it waited its whole
+# timeout for the turn the interrupted flush held, and held that one up.
+daemon = int(sys.argv[2])
+said = []
+def flush_now(*_):
+    t = time.monotonic()
+    try:
+        kv.flush(5)
+    except RuntimeError as exc:
+        said.append((str(exc), time.monotonic() - t))
+    os.kill(daemon, signal.SIGCONT)
+signal.signal(signal.SIGALRM, flush_now)
+assert kv.save("fp", "last", [c], [3])
+os.kill(daemon, signal.SIGSTOP)  # the flush below waits for its answer
+signal.setitimer(signal.ITIMER_REAL, 0.3)
+t = time.monotonic()
+assert kv.flush(30)
+assert said and "signal handler" in said[0][0] and said[0][1] < 1.0, said
+assert time.monotonic() - t < 4.0
+kv.close()
+"""
+
+
+def test_signal_handlers_that_save_or_flush_inside_the_clients_own_calls(
+        short_dir: Path) -> None:
+    """A signal handler's save() (a SIGTERM handler's last save) that came
+    while its thread's flush() held the client's lock waited for ever; a
+    handler's flush() inside its thread's own flush() waited out its
+    timeout, and held that flush up as long. Now the saves go, and the
+    nested flush raises RuntimeError at once."""
+    root = _run_with_a_daemon_it_may_stop(_SIGNAL_HANDLERS_INSIDE_THE_CLIENT, short_dir)
+    got = read_cache_file(naming.entry_path(root, "fp", "from-handler"))
+    assert got.token_ids == [1, 2]
+    assert read_cache_file(naming.entry_path(root, "fp", "last")).token_ids == [3]
+
+
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> Path:
     """Run ``script`` (argv: the socket, the daemon's pid, which it may
     SIGSTOP) against a daemon in its own process; it must exit 0. Returns

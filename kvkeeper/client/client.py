@@ -79,7 +79,8 @@ def _fresh_locks_in_child() -> None:
     # drop (it takes the lock) or a flush would wait for ever instead of
     # failing at once as the child's channel does.
     for kv in list(_clients):
-        kv._lock = threading.Lock()
+        kv._lock = threading.RLock()
+        kv._flushing_thread = None
         kv._flushing = threading.Lock()
         kv._close_lock = threading.RLock()
         kv._close_running = False
@@ -166,7 +167,11 @@ class Client:
                              f"drop every save), not {max_inflight_bytes!r}")
         max_inflight_bytes = budget
         self.timeout: float = timeout
-        self._lock: threading.Lock = threading.Lock()
+        # Reentrant: a signal handler's save() (a SIGTERM handler's last
+        # save) may interrupt this thread inside a section that holds it, and
+        # waited for ever with a plain lock. The sections are short and leave
+        # the counts consistent between any two steps (see _flush).
+        self._lock: threading.RLock = threading.RLock()
         self._max_save_bytes: int | None = None
         self._dropped: int = 0
         self._lost_seen: int = 0
@@ -198,6 +203,7 @@ class Client:
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
         self._flushing: threading.Lock = threading.Lock()
+        self._flushing_thread: int | None = None  # the thread whose flush holds it
         self._daemon_version: str | None = None
         if "mlx.core" in sys.modules:
             # A program that uses MLX will save: import the codec now (8-9 ms
@@ -766,12 +772,20 @@ class Client:
             # The parent's flush may have held the turn at the fork: the
             # child's requests fail at once, and so does this one.
             raise DaemonUnavailable(FORKED)
+        if self._flushing_thread == threading.get_ident():
+            # A signal handler's flush() on the thread whose flush() it
+            # interrupted: it would wait out its timeout for the turn that
+            # flush holds, and hold that one up as long.
+            raise RuntimeError("flush() from a signal handler that interrupted this thread's "
+                               "own flush(): it cannot end before that one does")
         if not self._flushing.acquire(timeout=timeout):
             raise DaemonTimedOut(f"another flush of this client did not end within "
                                  f"{timeout} s")
         try:
+            self._flushing_thread = threading.get_ident()
             return self._flush(max(0.0, timeout - (time.monotonic() - t0)))
         finally:
+            self._flushing_thread = None
             self._flushing.release()
 
     def _flush(self, timeout: float) -> bool:
@@ -846,8 +860,13 @@ class Client:
                         "the connection ended before the daemon read the last saves")
         answer = failed == 0 and lost == 0 and not unconfirmed
         with self._lock:
-            # The answer settled these keys, whatever comes next.
-            self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
+            # The answer settled these keys, whatever comes next. Over a copy
+            # taken in one call: a signal handler's save may add a key
+            # meanwhile (the lock is reentrant), which must not stop the
+            # iteration. (One added between the copy and the assignment is
+            # then not tracked: a load of it may read the file before it is
+            # written.)
+            self._unsettled = {k: n for k, n in list(self._unsettled.items()) if n > mark}
         # Stored last, by plain assignments with no call between them
         # (Python raises a pending KeyboardInterrupt at calls, the end of a
         # with block included): a flush cut short before (Ctrl-C, even in
@@ -976,7 +995,7 @@ class _Throttle:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
         self._quiet: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (as Client._lock: a signal handler may log too)
 
     def let_through(self, reason: str) -> int | None:
         """The lines of ``reason`` held back since the last one, or None when
