@@ -40,7 +40,7 @@ log = get_logger("kvkeeper.writebehind")
 _TAIL = 64  # ids compared by close(cache, ids): see _tail
 
 __all__ = ["WriteBehind", "WriteBehindCounters", "cache_length", "check_token_ids", "one_row",
-           "check_triggers", "is_bytes", "layer_offsets"]
+           "check_triggers", "is_bytes", "layer_offsets", "length_mismatch"]
 
 
 @dataclass
@@ -364,12 +364,9 @@ def _checked_length(cache: Any, token_ids: Sequence[int]) -> int:
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
     n = len(token_ids)
-    have = cache_length(layers)
-    if have is not None and have != n:
-        raise ValueError(
-            f"the cache holds {have} tokens but {n} token ids were given; "
-            "refusing to save a cache that does not match its tokens"
-        )
+    why = length_mismatch(layers, n)
+    if why is not None:
+        raise ValueError(f"{why}; refusing to save a cache that does not match its tokens")
     return n
 
 
@@ -379,6 +376,21 @@ def cache_length(layers: Sequence[Any] | None) -> int | None:
     (e.g. only ArraysCache layers)."""
     known = [n for n in layer_offsets(layers) if n is not None]
     return max(known) if known else None
+
+
+def length_mismatch(layers: Sequence[Any] | None, n: int) -> str | None:
+    """Why ``layers`` do not hold ``n`` tokens as their offsets tell (looking
+    inside CacheList), or None when every layer with an integer offset holds
+    ``n``. The largest offset alone passed a cache of layers that disagree
+    (one part way through a forward pass, or layers of two caches mixed),
+    and a session restoring it generated wrong tokens."""
+    known = {off for off in layer_offsets(layers) if off is not None}
+    if not known or known == {n}:
+        return None
+    if len(known) == 1:
+        return f"the cache holds {known.pop()} tokens but {n} token ids were given"
+    return (f"the cache's layers hold different numbers of tokens ({min(known)} to "
+            f"{max(known)}) for {n} token ids")
 
 
 def layer_offsets(layers: Sequence[Any] | None) -> list[int | None]:

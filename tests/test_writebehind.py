@@ -206,6 +206,34 @@ def test_triggers_and_final_save(model, client: Client) -> None:
     assert got is not None and got.token_ids == p
 
 
+def test_a_cache_whose_layers_disagree_is_refused_and_never_restored(
+        model, tok: TokenizerWrapper, client: Client) -> None:
+    """Layers of two caches mixed (or a forward pass cut short), offsets 8,
+    12, 8, 12: only the largest offset was compared with the ids, so step()
+    saved it, and a Session restored it and generated other tokens than a
+    cold run, without a word (the API review's find)."""
+    p = prompt(12, seed=9)
+    short, full = make_prompt_cache(model), make_prompt_cache(model)
+    prefill(model, p[:8], short)
+    prefill(model, p, full)
+    mixed = [short[0], full[1], short[2], full[3]]
+    wb = client.write_behind(FP, "mixed")
+    for ids in (p, p[:8]):
+        with pytest.raises(ValueError, match=r"layers hold different numbers of tokens \(8 to 12\)"):
+            wb.step(mixed, ids)
+    assert wb.counters.sent == 0
+    plan = plan_reuse(mixed, p, p + [5, 6])
+    assert plan.action == "cold" and "different numbers of tokens" in plan.reason
+    # Saved all the same through save(), which does not compare: a session
+    # finds it out, and runs cold.
+    assert client.save(FP, "mixed", mixed, p) and client.flush(timeout=WAIT)
+    cold = Session(client, FP, "never-saved", model, tok).generate(p + [5, 6], max_tokens=4)
+    session = Session(client, FP, "mixed", model, tok)
+    assert session.generate(p + [5, 6], max_tokens=4) == cold
+    assert session.last_plan is not None and session.last_plan.action == "cold"
+    assert "different numbers of tokens" in session.last_plan.reason
+
+
 def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -> None:
     p = prompt(10, seed=8)
     cache = make_prompt_cache(model)

@@ -42,6 +42,7 @@ from kvkeeper.writebehind import (
     cache_length,
     check_triggers,
     layer_offsets,
+    length_mismatch,
     one_row,
 )
 
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
 
 log = get_logger("kvkeeper.integrations")
 
-__all__ = ["MEDIA_KEY", "Plan", "SessionBase", "cache_length", "common_prefix", "plan_reuse",
-           "token_ids_of"]
+__all__ = ["MEDIA_KEY", "Plan", "SessionBase", "cache_length", "common_prefix",
+           "length_mismatch", "plan_reuse", "token_ids_of"]
 
 #: Saved with a session's cache: a fingerprint of the images, audio and video
 #: its prompt was given with ("" or absent: none). The token ids alone cannot
@@ -191,9 +192,9 @@ def plan_reuse(
 
     if cache is None or cached_ids is None:
         return cold(none)
-    have = cache_length(cache)
-    if have is not None and have != len(cached_ids):
-        return cold(f"cache holds {have} tokens but {len(cached_ids)} ids")
+    why = length_mismatch(cache, len(cached_ids))
+    if why is not None:
+        return cold(why)
     p = common_prefix(cached_ids, prompt_ids)
     target = min(p, n - 1)  # the model needs at least one token to read
     if max_reuse is not None and max_reuse < target:
@@ -213,9 +214,8 @@ def plan_reuse(
         return cold(f"cache diverges at token {p} and its layers cannot be trimmed")
     for layer in cache:
         layer.trim(drop)
-    after = cache_length(cache)
-    if after is not None and after != target:
-        return cold(f"trimming left {after} tokens, not {target}")
+    if (why := length_mismatch(cache, target)) is not None:
+        return cold(f"after trimming, {why}")
     if source != "memory":
         _cut_to_offsets(cache)
     return Plan("trim", source, target, drop, n - target,
@@ -259,6 +259,14 @@ def _first_rows(held: Any, n: int) -> Any:
     if isinstance(held, (tuple, list)):
         return type(held)(_first_rows(part, n) for part in held)
     return held[..., :n, :] if held.shape[-2] > n else held
+
+
+def _offsets_said(layers: Sequence[Any]) -> str:
+    """The layers' token counts for a log line: one number when they agree,
+    the least and the most ("8-12") when they do not."""
+    known = [off for off in layer_offsets(layers) if off is not None]
+    low, high = min(known), max(known)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def _untouched(layers: Sequence[Any], n: int) -> bool:
@@ -380,11 +388,12 @@ class SessionBase:
                         "starting cold, and the session's first save replaces it",
                         self.model_id, self.session_id)
             return "the saved cache does not say which tokens it holds"
-        have = cache_length(got.cache)
-        if have is not None and have != len(got.token_ids):
-            log.warning("event=restore_mismatch model=%s id=%s cache_tokens=%d ids=%d",
-                        self.model_id, self.session_id, have, len(got.token_ids))
-            return f"the saved cache holds {have} tokens but {len(got.token_ids)} ids"
+        why = length_mismatch(got.cache, len(got.token_ids))
+        if why is not None:
+            log.warning("event=restore_mismatch model=%s id=%s cache_tokens=%s ids=%d",
+                        self.model_id, self.session_id, _offsets_said(got.cache),
+                        len(got.token_ids))
+            return f"saved: {why}"
         if not self._compatible(got.cache):
             log.warning("event=restore_incompatible model=%s id=%s layers=%d",
                         self.model_id, self.session_id, len(got.cache))
@@ -558,10 +567,9 @@ class SessionBase:
         if cache is None or token_ids is None:
             self.forget()
             return
-        have = cache_length(cache)
-        if have is not None and have != len(token_ids):
-            log.warning("event=state_mismatch model=%s id=%s cache_tokens=%d ids=%d",
-                        self.model_id, self.session_id, have, len(token_ids))
+        if length_mismatch(cache, len(token_ids)) is not None:
+            log.warning("event=state_mismatch model=%s id=%s cache_tokens=%s ids=%d",
+                        self.model_id, self.session_id, _offsets_said(cache), len(token_ids))
             self.forget()
             return
         import mlx.core as mx

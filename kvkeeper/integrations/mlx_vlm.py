@@ -41,9 +41,9 @@ from kvkeeper.integrations import (
     WINDOW_PROBE,
     Plan,
     SessionBase,
-    cache_length,
     hash_array,
     layers_fit,
+    length_mismatch,
     log,
     token_ids_of,
     watch_callers,
@@ -242,8 +242,7 @@ class Session(SessionBase):
             log.info("event=vlm_declined_prefix model=%s id=%s planned=%d used=%d",
                      self.model_id, self.session_id, plan.reused, r.cached_tokens)
             return False
-        have = cache_length(expected)
-        return have is None or have == r.total_tokens
+        return length_mismatch(expected, r.total_tokens) is None
 
 
 #: Keyword arguments that are the prompt itself, not media: its ids and
