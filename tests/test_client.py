@@ -497,15 +497,19 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
     assert client.save(FP, "generator", [c], (i for i in (11, 12)))  # read once
     # No vocabulary here (README): any integer is kept as given.
     assert client.save(FP, "any-int", [c], [-5, 0, 2**64 - 1, 2**70])
+    # The same beside numpy integers (refused before: "int too big to convert").
+    assert client.save(FP, "mixed-ints", [c], [2**70, np.int64(1), np.uint64(2**64 - 1)])
     assert client.flush(timeout=WAIT)
     expect = {"list": [5, 6, 7], "numpy": [1, 2, 2**62], "mlx": [3, 4], "numpy-scalars": [9, 10],
-              "generator": [11, 12], "any-int": [-5, 0, 2**64 - 1, 2**70]}
+              "generator": [11, 12], "any-int": [-5, 0, 2**64 - 1, 2**70],
+              "mixed-ints": [2**70, 1, 2**64 - 1]}
     for cid, ids in expect.items():
         got = client.load(FP, cid)
         assert got is not None and got.token_ids == ids, cid
         with safe_open(got.path, "np") as f:
             assert json.loads(f.metadata()["kvkeeper.token_ids"]) == ids, cid
-    for bad in ([1, 2.5], ["1"], [None], [np.float32(1)], 7, [1, True],
+    for bad in ([1, 2.5], ["1"], [None], [np.float32(1)], 7, [1, True], [2**70, 1.0],
+                [2**70, np.int64(1), np.True_],
                 np.array([True, False]), mx.array([False, True])):
         with pytest.raises(ValueError, match="token_ids must be integers"):
             client.save(FP, "bad", [c], bad)

@@ -1146,11 +1146,15 @@ def _holds_a_store(root: Path) -> bool:
 
 def _check_path_argument(name: str, value: object) -> None:
     """A socket or root given to Client() is a path of text (or None)."""
-    if value is None or (isinstance(value, (str, os.PathLike))
-                         and isinstance(os.fspath(value), str)):
+    if value is None:
         return
-    raise TypeError(f"{name} must be a path (str or os.PathLike of str) or None, not "
-                    f"{type(value).__name__}")
+    if not (isinstance(value, (str, os.PathLike)) and isinstance(os.fspath(value), str)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike of str) or None, not "
+                        f"{type(value).__name__}")
+    if "\0" in os.fspath(value):
+        # No file can have it: every later save and load raised os.stat's
+        # "embedded null byte" from inside the client.
+        raise ValueError(f"{name} {os.fspath(value)!r} holds a NUL character")
 
 
 class DaemonError(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from array import array
 from typing import Any
 
@@ -42,7 +43,13 @@ def token_id_list(token_ids: Any) -> list[int]:
             # be saved as token ids that look real.
             if any(isinstance(t, bool) for t in items):
                 raise TypeError("bools are not token ids")
-            ids = array("q", items).tolist()
+            try:
+                ids = array("q", items).tolist()
+            except OverflowError:
+                # Past 64 signed bits beside another kind of integer (a numpy
+                # uint64 of 2**64 - 1, a Python int of 2**70 beside a numpy
+                # one): any integer is an id, as it is alone.
+                ids = [operator.index(t) for t in items]
         except (TypeError, OverflowError) as exc:
             raise ValueError(f"token_ids must be integers: {exc}") from None
     return ids
