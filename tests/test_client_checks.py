@@ -2334,6 +2334,34 @@ def test_a_save_just_after_a_restart_waits_for_the_new_daemon(short_dir: Path) -
         stop_process(proc, signal.SIGKILL)
 
 
+def test_a_client_that_does_not_wait_to_connect_keeps_its_first_saves(
+        short_dir: Path) -> None:
+    """Client(connect_timeout=0) with the daemon up: saves made before
+    ZeroMQ's connection (a few milliseconds) were dropped as "no kvkeeper
+    daemon", 10 of 10 times (the API review's find). They now wait for it,
+    as for a daemon coming back; a dead daemon's socket still drops them
+    (the test below)."""
+    from kvkeeper.client.channel import RETURN_GRACE
+
+    from .faultkit import entry_path, filled, version_of
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "0")
+    try:
+        time.sleep(RETURN_GRACE + 0.2)  # not a daemon coming back: one up for a while
+        unconnected = 0
+        for version in range(1, 6):
+            with Client(sock, timeout=WAIT, connect_timeout=0, min_send_interval=0) as kv:
+                unconnected += not kv.connected
+                assert kv.save("fp", "a", filled(0.05, version), [version]) is True
+                assert kv.flush(timeout=WAIT) is True
+                assert kv.client_stats()["client_saves_dropped"] == 0
+            assert version_of(entry_path(root, "a", model="fp"), "fp") == version
+        assert unconnected > 0  # the saves were made before the connection
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def _dead_socket(path: Path) -> socket.socket:
     """A socket file at ``path`` nobody listens on (connections are refused)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -108,6 +108,24 @@ def _socket_at(path: str) -> tuple[int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
+def _listened_on(path: str) -> bool:
+    """Whether something listens at the socket file ``path``: a connection to
+    it is taken, or waits for room (a dead daemon's file refuses it). One
+    socket() and connect(), closed at once (the daemon's ZeroMQ drops a
+    connection that never says hello)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.setblocking(False)
+        probe.connect(path)
+    except BlockingIOError:  # a full backlog (Linux): a listener all the same
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 def _libc_write() -> Callable[[int, bytes, int], int] | None:
     """write(2) called without releasing the GIL (ctypes.PyDLL), or None."""
     try:
@@ -377,6 +395,8 @@ class Channel:
         self.counters = ChannelCounters()
         self.connected = threading.Event()
         self.connections = 0  # handshakes so far: a change means maybe another daemon
+        self._made = time.monotonic()
+        self._listened: bool | None = None  # see daemon_returning (a first connection)
         self._path = os.fspath(socket_path(endpoint))
         # The socket file of the daemon connected to, and of the last one
         # that went away (the I/O thread's).
@@ -463,7 +483,9 @@ class Channel:
     def daemon_returning(self) -> bool:
         """Whether a daemon is about to be connected to although none is: a
         socket file made less than ``RETURN_GRACE`` ago is at the daemon's
-        path, and not the one the last connection ended with. Judged by the
+        path, and not the one the last connection ended with (or, for
+        ``RETURN_GRACE`` after the channel was made and before its first
+        connection, a socket file something listens on). Judged by the
         socket's age, not by when this client first looked: a socket a
         daemon killed minutes ago left (its last restart's) was taken for
         one coming back, and every save for a second after. A stat of the
@@ -471,6 +493,16 @@ class Channel:
         found = _socket_at(self._path)
         if found is None or found == self._gone_socket:
             return False
+        if self.connections == 0 and time.monotonic() - self._made < RETURN_GRACE:
+            # A new client's first connection, which ZeroMQ makes within
+            # milliseconds: with connect_timeout=0, the first saves were
+            # dropped as "no kvkeeper daemon" with the daemon up. Looked at
+            # once: a dead daemon's socket must still drop them (held, they
+            # were lost at close(), which waited its whole timeout).
+            if self._listened is None:
+                self._listened = _listened_on(self._path)
+            if self._listened:
+                return True
         return 0 <= time.time_ns() - found[2] < RETURN_GRACE * 1e9
 
     def next_save_id(self) -> int:
