@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import operator
 import time
 from array import array
 from collections.abc import Mapping, Sequence, Set
@@ -364,10 +365,36 @@ def _checked_length(cache: Any, token_ids: Sequence[int]) -> int:
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
     n = len(token_ids)
+    if n:
+        _check_newest_id(token_ids)
     why = length_mismatch(layers, n)
     if why is not None:
         raise ValueError(f"{why}; refusing to save a cache that does not match its tokens")
     return n
+
+
+def _check_newest_id(token_ids: Sequence[int]) -> None:
+    """Raise ValueError when the ids' dtype, or else their last one, is no
+    integer: a step that does not save checked no id, so floats went
+    through every such step and raised only at the next save, or at close()
+    (which then never made its final save). One id, not all: every step
+    checking every id cost a generation time quadratic in its length."""
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is not None:  # a numpy or MLX array: one kind for all
+        kind = str(dtype).rsplit(".", 1)[-1]
+        if not kind.startswith(("int", "uint")):
+            raise ValueError(f"token_ids must be integers, not an array of {kind}")
+        return
+    try:
+        last = token_ids[-1]
+    except (TypeError, KeyError, IndexError):
+        return  # a sized iterable without indexing: left to the save
+    try:
+        if isinstance(last, bool):
+            raise TypeError("bools are not token ids")
+        operator.index(last)
+    except TypeError as exc:
+        raise ValueError(f"token_ids must be integers: {exc}") from None
 
 
 def cache_length(layers: Sequence[Any] | None) -> int | None:

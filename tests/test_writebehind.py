@@ -258,7 +258,12 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
                       ((model, p), "Model"), ((cache, set(p)), "not a set"),
                       # Before: "holds 10 tokens but 2 token ids were given".
                       ((cache, mx.array([p, p])), r"one row of integers.*\(2, 10\)"),
-                      ((cache, bytes(range(10))), "not bytes")):
+                      ((cache, bytes(range(10))), "not bytes"),
+                      # Before: no error until the next save, or close().
+                      ((cache, [float(t) for t in p]), "must be integers"),
+                      ((cache, [*p[:9], True]), "must be integers"),
+                      ((cache, np.array(p, dtype=np.float32)), "not an array of float32"),
+                      ((cache, mx.array(p).astype(mx.float16)), "not an array of float16")):
         with pytest.raises(ValueError, match=says):
             quiet.step(*bad)
     assert quiet.counters.steps == 0
