@@ -1960,6 +1960,30 @@ kv.close()
 """
 
 
+def test_an_exception_of_the_callers_inside_save_is_not_taken_for_a_bad_cache(
+        client: Client) -> None:
+    """A signal handler's exception (a request's deadline, TimeoutError)
+    raised while save() read a layer's state came back as CodecError "cannot
+    read the state of KVCache", a ValueError: a bad cache, to the caller.
+    Raised here as a handler would, at the state property's first line."""
+    import sys
+
+    def deadline(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "state" \
+                and "mlx_lm" in frame.f_code.co_filename:
+            sys.settrace(None)
+            raise TimeoutError("the request's deadline")
+
+    layer = kv_layer()
+    sys.settrace(deadline)
+    try:
+        with pytest.raises(TimeoutError, match="the request's deadline"):
+            client.save(FP, "deadline", [layer], [1, 2, 3, 4])
+    finally:
+        sys.settrace(None)
+    assert client.save(FP, "deadline", [layer], [1, 2, 3, 4])  # the cache is fine
+
+
 def test_signal_handlers_that_save_or_flush_inside_the_clients_own_calls(
         short_dir: Path) -> None:
     """A signal handler's save() (a SIGTERM handler's last save) that came

@@ -336,7 +336,11 @@ class _Encoder:
             meta = MISSING if built else getattr(layer, "meta_state", MISSING)
         except CodecError as exc:  # a reader of ours
             raise CodecError(f"{where}: {exc}") from None
-        except Exception as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
+        except (AttributeError, TypeError, ValueError, LookupError, RuntimeError,
+                ArithmeticError) as exc:  # e.g. an empty mlx-vlm QuantizedKVCache
+            # (What a broken state property raises. Others, a signal
+            # handler's TimeoutError say, are the caller's: taken for a bad
+            # cache, a request's deadline read as a ValueError.)
             if _says_empty(layer):
                 # The class's own state property fails on its None rows: say
                 # what the caller can do rather than pass on the AttributeError.
