@@ -405,30 +405,48 @@ def cache_length(layers: Sequence[Any] | None) -> int | None:
     return max(known) if known else None
 
 
+#: Classes whose ``offset`` counts every token the cache was fed, in mlx-lm
+#: and mlx-vlm alike (the class itself, not a subclass, which may count
+#: otherwise). mlx-vlm's PoolingCache counts the pooled tokens, beside a
+#: layer counting them all in a CacheList (DeepSeek V4, GLM-5 Next).
+_COUNTS_EVERY_TOKEN = frozenset(
+    f"{module}.{name}" for module in ("mlx_lm.models.cache", "mlx_vlm.models.cache")
+    for name in ("KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache",
+                 "ConcatenateKVCache"))
+
+
 def length_mismatch(layers: Sequence[Any] | None, n: int) -> str | None:
     """Why ``layers`` do not hold ``n`` tokens as their offsets tell (looking
-    inside CacheList), or None when every layer with an integer offset holds
-    ``n``. The largest offset alone passed a cache of layers that disagree
-    (one part way through a forward pass, or layers of two caches mixed),
-    and a session restoring it generated wrong tokens."""
-    known = {off for off in layer_offsets(layers) if off is not None}
-    if not known or known == {n}:
-        return None
-    if len(known) == 1:
-        return f"the cache holds {known.pop()} tokens but {n} token ids were given"
-    return (f"the cache's layers hold different numbers of tokens ({min(known)} to "
-            f"{max(known)}) for {n} token ids")
+    inside CacheList), or None when they do: the largest offset is ``n``,
+    and the layers of the classes whose offset counts every token agree.
+    The largest alone passed a cache of such layers that disagree (one part
+    way through a forward pass, or layers of two caches mixed), and a
+    session restoring it generated wrong tokens."""
+    counted = {off for layer, off in _leaf_offsets(layers) if off is not None
+               and f"{type(layer).__module__}.{type(layer).__qualname__}" in _COUNTS_EVERY_TOKEN}
+    if len(counted) > 1:
+        return (f"the cache's layers hold different numbers of tokens ({min(counted)} to "
+                f"{max(counted)}) for {n} token ids")
+    have = cache_length(layers)
+    if have is not None and have != n:
+        return f"the cache holds {have} tokens but {n} token ids were given"
+    return None
 
 
 def layer_offsets(layers: Sequence[Any] | None) -> list[int | None]:
     """Each leaf layer's ``offset`` (looking inside CacheList), None for a
     layer without an integer one (e.g. ArraysCache)."""
-    out: list[int | None] = []
+    return [off for _, off in _leaf_offsets(layers)]
+
+
+def _leaf_offsets(layers: Sequence[Any] | None) -> list[tuple[Any, int | None]]:
+    out: list[tuple[Any, int | None]] = []
     for layer in layers or ():
         children = getattr(layer, "caches", None)
         if children is not None and not isinstance(layer, (list, tuple)):
-            out.extend(layer_offsets(list(children)))
+            out.extend(_leaf_offsets(list(children)))
         else:
             off = getattr(layer, "offset", None)
-            out.append(off if isinstance(off, int) and not isinstance(off, bool) else None)
+            out.append((layer, off if isinstance(off, int) and not isinstance(off, bool)
+                        else None))
     return out

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kvkeeper.client import codec
 from kvkeeper.client.codec import capture_cache, encode_capture, restore_cache, snapshot_cache
+from kvkeeper.integrations import length_mismatch, plan_reuse
 
 from .tiny import arrays_from_snapshot
 
@@ -192,6 +193,26 @@ def test_a_restored_cache_gives_the_same_logits(family: str,
     later = _restored(encode_capture(captured))
     for step in ([7, 3, 11, 5, 2], [9]):
         assert mx.array_equal(_logits(model, step, later), _logits(model, step, as_captured)).item()
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_each_familys_cache_is_taken_for_the_tokens_it_was_fed(family: str) -> None:
+    """DeepSeek V4's and GLM-5 Next's PoolingCache counts pooled tokens
+    (offsets 0, 4 and 18 for 18 tokens): comparing every layer's offset
+    refused both caches at every write-behind step and ran every session
+    cold (a review of 839399c). Only the classes whose offset counts every
+    token are compared with one another."""
+    model = _randomized(MODELS[family]())
+    cache = model.make_cache()
+    ids: list[int] = []
+    for i, n in enumerate((6, 7, 3, 1, 1)):
+        step = _ids(n, i)
+        _logits(model, step, cache)
+        ids += step
+    assert length_mismatch(cache, len(ids)) is None
+    assert length_mismatch(cache, len(ids) - 1) is not None
+    plan = plan_reuse(cache, ids, [*ids, 1, 2])
+    assert (plan.action, plan.reused) == ("extend", len(ids))
 
 
 def _diffusion_gemma() -> Any:
