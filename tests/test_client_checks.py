@@ -1997,6 +1997,110 @@ def test_signal_handlers_that_save_or_flush_inside_the_clients_own_calls(
     assert read_cache_file(naming.entry_path(root, "fp", "last")).token_ids == [3]
 
 
+_SIGNAL_HANDLERS_INSIDE_THE_CLIENTS_LOCKS = """
+import faulthandler, signal, sys, time
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvkeeper import Client
+from kvkeeper.client import codec
+
+faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, with its stack
+c = KVCache()
+c.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))
+kv = Client(sys.argv[1], timeout=30, min_send_interval=0)
+assert kv.save("fp", "h", [c], [0]) and kv.flush(30)
+assert kv.load("fp", "h").token_ids == [0]  # on disk: [0]
+
+# 1. A handler's saves of h whenever it interrupts the client inside its own
+# lock, during a flush whose bookkeeping has 3000 keys to settle. The daemon
+# holds saves for 60 s (--min-write-interval), so the file keeps [0] until a
+# load asks it: a save whose key the flush's pruning dropped was read from
+# the file, [0] (read-your-writes broken).
+for i in range(3000):
+    assert kv.save("fp", f"k{i}", [c], [i])
+last, busy = [], []
+def save_h(*_):
+    if kv._lock._is_owned() and not busy:
+        busy.append(1)
+        last[:] = [last[0] + 1 if last else 1]
+        assert kv.save("fp", "h", [c], list(last))
+        busy.clear()
+signal.signal(signal.SIGALRM, save_h)
+signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+try:
+    kv.flush(30)
+finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+assert last, "no handler came inside the client's lock"
+assert kv.load("fp", "h").token_ids == last, last
+
+# 2. A handler's flush() or load() that interrupts this thread inside the
+# channel's lock (a save queuing) or the codec's (a load's layer list): the
+# I/O thread needs the first, and it waited out its timeout (a load of the
+# second waited for ever).
+said = []
+def ask(*_):
+    if said or busy:
+        return
+    if kv._channel._lock._is_owned():
+        what, call = "flush", lambda: kv.flush(5)
+    elif codec._LAYER_LISTS_LOCK._is_owned():
+        what, call = "load", lambda: kv.load("fp", "k7", verify=False)
+    else:
+        return
+    busy.append(1)
+    t = time.monotonic()
+    try:
+        call()
+        said.append((what, "answered", time.monotonic() - t))
+    except RuntimeError as exc:
+        said.append((what, str(exc), time.monotonic() - t))
+    busy.clear()
+for lock in ("channel", "codec"):
+    said.clear()
+    signal.signal(signal.SIGALRM, ask)
+    signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+    t0 = time.monotonic()
+    try:
+        n = 0
+        while not said and time.monotonic() - t0 < 20:
+            n += 1
+            if lock == "channel":
+                kv.save("fp", f"k{n % 50}", [c], [n])
+            else:
+                codec._LAYER_LISTS.clear()  # every load decodes its layer list again
+                kv.load("fp", f"k{n % 50}", verify=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    assert said, f"no handler came inside the {lock} lock"
+    what, outcome, took = said[0]
+    assert took < 1.0, said
+    assert outcome == "answered" or "signal handler" in outcome, said
+assert kv.flush(30)
+kv.close()
+"""
+
+
+def test_signal_handlers_inside_the_clients_locks_neither_wait_nor_lose_track(
+        short_dir: Path) -> None:
+    """From the review of ca94734: a handler's save that came during a
+    flush's bookkeeping was dropped from the keys a load must ask the daemon
+    about (the next load read the older file); a handler's flush inside the
+    channel's lock waited out its whole timeout, and a load inside the
+    codec's lock waited for ever. Saves now only queue their key (no lock),
+    and a request that cannot be answered raises RuntimeError at once."""
+    import sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-write-interval", "60")
+    try:
+        r = subprocess.run([sys.executable, "-c", _SIGNAL_HANDLERS_INSIDE_THE_CLIENTS_LOCKS,
+                            str(sock)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    finally:
+        assert stop_process(proc) == 0
+
+
 def _run_with_a_daemon_it_may_stop(script: str, short_dir: Path) -> Path:
     """Run ``script`` (argv: the socket, the daemon's pid, which it may
     SIGSTOP) against a daemon in its own process; it must exit 0. Returns

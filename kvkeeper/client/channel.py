@@ -316,6 +316,11 @@ def _some_keys(keys: list[Key], shown: int = 20) -> str:
 #: Why a request of a client whose close() began elsewhere fails.
 CLOSED_BY_OTHERS = ("the client's connection was closed (by close() on another thread, or at "
                     "interpreter exit)")
+#: Why a signal handler's request fails at once when its thread was
+#: interrupted inside this client's own call (see send_request).
+INTERRUPTED_OWN_CALL = ("a request from a signal handler that interrupted this thread inside "
+                        "the same client's own call: it cannot be answered before that call "
+                        "goes on")
 #: Why a request of a client made before a fork fails in the child.
 FORKED = "this Client was made before the process forked; make a new one in the child"
 
@@ -564,6 +569,11 @@ class Channel:
             if not (wait > 0 and self.daemon_returning()
                     and self.connected.wait(min(wait, RETURN_GRACE))):
                 raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            # A signal handler that interrupted this thread inside the
+            # channel's lock: the I/O thread needs that lock to send the
+            # request and take in its reply, and waited out the timeout.
+            raise RuntimeError(INTERRUPTED_OWN_CALL)
         req = self.next_req_id()
         item = _Request(m.encode(make(req)), req, release)
         with self._lock:

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import itertools
 import os
 import stat
 import sys
@@ -80,8 +82,7 @@ def _fresh_locks_in_child() -> None:
     # failing at once as the child's channel does.
     for kv in list(_clients):
         kv._lock = threading.RLock()
-        kv._flushing_thread = None
-        kv._flushing = threading.Lock()
+        kv._flushing = threading.RLock()
         kv._close_lock = threading.RLock()
         kv._close_running = False
         if kv._closed:
@@ -188,9 +189,16 @@ class Client:
         self._close_running: bool = False
         self._close_finished: bool = False  # the channel is closed: nothing left to do
         # Keys this client saved whose saves no flush, load or delete has
-        # waited for since: a load of one of them must ask the daemon first.
+        # waited for since, with the number of the last: a load of one of
+        # them must ask the daemon first. A save only numbers itself and
+        # queues its key (one call each, no lock): a signal handler's save
+        # that interrupted this thread's bookkeeping would otherwise change
+        # the table under it (a flush's pruning dropped the handler's key,
+        # and a load then read the file before that save was written).
+        # The readers take the queue in, under the lock (_take_in_saves).
         self._unsettled: dict[tuple[str, str], int] = {}
-        self._saves: int = 0
+        self._save_numbers = itertools.count(1)
+        self._saves_made: collections.deque[tuple[tuple[str, str], int]] = collections.deque()
         self._root_seen_at: int = -1  # channel.connections when the daemon named its root
         # The daemon run that answered the last flush that returned (its pid
         # and boot id, and channel.connections then).
@@ -202,8 +210,9 @@ class Client:
         # One flush at a time: each reply carries running totals, and a reply
         # taken in after a later one would set them back (a failure would be
         # reported twice, or by the wrong flush).
-        self._flushing: threading.Lock = threading.Lock()
-        self._flushing_thread: int | None = None  # the thread whose flush holds it
+        # (Reentrant only to tell a signal handler's flush() inside this
+        # thread's own: see flush.)
+        self._flushing: threading.RLock = threading.RLock()
         self._daemon_version: str | None = None
         if "mlx.core" in sys.modules:
             # A program that uses MLX will save: import the codec now (8-9 ms
@@ -406,12 +415,7 @@ class Client:
             return self._drop_inflight(cap.nbytes)
         if refused is not None:
             return self._drop("closed", "the client's connection was closed meanwhile")
-        with self._lock:
-            self._saves += 1
-            if len(self._unsettled) >= _MAX_UNSETTLED:
-                # Past this many keys, every load asks the daemon until a flush.
-                self._unsettled = {ALL_KEYS: self._saves}
-            self._unsettled[(model, cache_id)] = self._saves
+        self._saves_made.append(((model, cache_id), next(self._save_numbers)))
         return True
 
     def write_behind(
@@ -576,6 +580,7 @@ class Client:
                                             cache_id=cache_id, ino=direct.ident.st_ino))
                 return self._conclude(model, cache_id, direct, deadline)
         with self._lock:
+            self._take_in_saves()
             mark = self._unsettled.get(key)
             if mark is not None:
                 unwritten = (f"a save of {model}/{cache_id} made through this client may not "
@@ -690,8 +695,10 @@ class Client:
         """Whether a load of ``key`` may skip the daemon: it is connected, this
         client has no save of the key it has not waited for, and the root was
         named by the daemon on this very connection (not an older daemon's)."""
-        if (not self._channel.connected.is_set() or key in self._unsettled
-                or ALL_KEYS in self._unsettled):
+        with self._lock:
+            self._take_in_saves()
+            unsettled = key in self._unsettled or ALL_KEYS in self._unsettled
+        if not self._channel.connected.is_set() or unsettled:
             return False
         if self._root_seen_at != self._channel.connections:
             try:
@@ -704,8 +711,28 @@ class Client:
     def _settled(self, key: tuple[str, str], mark: int | None) -> None:
         """The daemon answered for every save of ``key`` up to ``mark``."""
         with self._lock:
+            self._take_in_saves()
             if mark is not None and self._unsettled.get(key) == mark:
-                del self._unsettled[key]
+                self._unsettled.pop(key, None)
+
+    def _take_in_saves(self) -> None:
+        """Enter the saves made since into ``_unsettled`` (lock held)."""
+        made = self._saves_made
+        while made:
+            try:
+                entry = made[0]
+            except IndexError:
+                return  # (taken in by a signal handler's call meanwhile)
+            key, n = entry
+            if len(self._unsettled) >= _MAX_UNSETTLED:
+                # Past this many keys, every load asks the daemon until a flush.
+                self._unsettled = {ALL_KEYS: n}
+            # The largest: numbers are taken, then queued, in two steps.
+            self._unsettled[key] = max(n, self._unsettled.get(key, 0))
+            # Let go of only once entered: a Ctrl-C in between leaves it to
+            # the next call (entering it twice changes nothing).
+            if made and made[0] is entry:
+                made.popleft()
 
     def _conclude(self, model: str, cache_id: str, attempt: _Attempt,
                   deadline: float) -> LoadedCache | None:
@@ -772,7 +799,7 @@ class Client:
             # The parent's flush may have held the turn at the fork: the
             # child's requests fail at once, and so does this one.
             raise DaemonUnavailable(FORKED)
-        if self._flushing_thread == threading.get_ident():
+        if self._flushing._is_owned():  # type: ignore[attr-defined]
             # A signal handler's flush() on the thread whose flush() it
             # interrupted: it would wait out its timeout for the turn that
             # flush holds, and hold that one up as long.
@@ -782,16 +809,15 @@ class Client:
             raise DaemonTimedOut(f"another flush of this client did not end within "
                                  f"{timeout} s")
         try:
-            self._flushing_thread = threading.get_ident()
             return self._flush(max(0.0, timeout - (time.monotonic() - t0)))
         finally:
-            self._flushing_thread = None
             self._flushing.release()
 
     def _flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        with self._lock:
-            mark = self._saves
+        # Every save handed off so far has a smaller number, every later one
+        # a larger.
+        mark = next(self._save_numbers)
         if self._closed:
             raise RuntimeError("client is closed")
         pending = self._channel.send_request(
@@ -860,12 +886,10 @@ class Client:
                         "the connection ended before the daemon read the last saves")
         answer = failed == 0 and lost == 0 and not unconfirmed
         with self._lock:
-            # The answer settled these keys, whatever comes next. Over a copy
-            # taken in one call: a signal handler's save may add a key
-            # meanwhile (the lock is reentrant), which must not stop the
-            # iteration. (One added between the copy and the assignment is
-            # then not tracked: a load of it may read the file before it is
-            # written.)
+            # The answer settled these keys, whatever comes next. (Over a copy
+            # taken in one call: a signal handler's load may take saves in
+            # meanwhile, the lock being reentrant.)
+            self._take_in_saves()
             self._unsettled = {k: n for k, n in list(self._unsettled.items()) if n > mark}
         # Stored last, by plain assignments with no call between them
         # (Python raises a pending KeyboardInterrupt at calls, the end of a
@@ -886,6 +910,7 @@ class Client:
         or a save of it was on its way (which the delete replaces)."""
         model, cache_id = naming.check_key(model, cache_id)
         with self._lock:
+            self._take_in_saves()
             mark = self._unsettled.get((model, cache_id))
         reply = self._request(
             lambda req: m.Delete(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),

@@ -721,7 +721,8 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
         if type(layers) is str:
             with _LAYER_LISTS_LOCK:
                 if len(_LAYER_LISTS) >= _MAX_LAYER_LISTS:
-                    del _LAYER_LISTS[next(iter(_LAYER_LISTS))]  # the oldest
+                    # The oldest (a signal handler's load may take it first).
+                    _LAYER_LISTS.pop(next(iter(_LAYER_LISTS)), None)
                 _LAYER_LISTS[layers] = entries
     dec = _Decoder(arrays, table)
     try:
@@ -736,7 +737,9 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
 #: load. Only ever read once decoded (the decoder builds new containers).
 _LAYER_LISTS: dict[str, list[Any]] = {}
 _MAX_LAYER_LISTS = 32
-_LAYER_LISTS_LOCK = threading.Lock()
+# Reentrant: a signal handler's load() may come while its thread holds it
+# (with a plain lock, it waited for ever).
+_LAYER_LISTS_LOCK = threading.RLock()
 
 
 def _layer_list(layers: str | bytes) -> list[Any]:
