@@ -542,6 +542,23 @@ def test_a_load_past_the_tracked_keys_says_it_cannot_tell(
     assert stop_process(proc) == 0
 
 
+def test_a_client_that_never_loads_or_flushes_keeps_one_entry_per_key(
+        client: Client) -> None:
+    """Saves queue their keys for the bookkeeping without a lock (for signal
+    handlers); with no load or flush to take them in, a save does past
+    _SAVES_TAKEN_IN_AT, so 5,000 saves of 10 keys keep 10 entries, not one
+    per save (a write-behind server saving for hours grew without bound)."""
+    from kvkeeper.client import client as client_module
+
+    layer = kv_layer()
+    for i in range(5000):
+        assert client.save(FP, f"k{i % 10}", [layer], [i, i, i, i])
+    assert len(client._saves_made) <= client_module._SAVES_TAKEN_IN_AT
+    assert len(client._unsettled) == 10
+    got = client.load(FP, "k9")
+    assert got is not None and got.token_ids == [4999] * 4
+
+
 def test_a_flush_after_a_daemon_restart_does_not_vouch_for_lost_saves(short_dir: Path) -> None:
     """A save the old daemon held (a 60 s write interval) and never wrote dies
     with it; the new daemon knows nothing of it, so the flush must say False.

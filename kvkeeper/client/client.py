@@ -73,6 +73,9 @@ _MAX_UNSETTLED = 100_000
 __all__ = ["Client", "DaemonError", "DaemonShuttingDown", "DaemonTimedOut", "DaemonUnavailable"]
 
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
+#: Saves queued for the bookkeeping (see Client._saves_made) past which a
+#: save takes them in itself.
+_SAVES_TAKEN_IN_AT = 1024
 
 
 def _fresh_locks_in_child() -> None:
@@ -168,10 +171,10 @@ class Client:
                              f"drop every save), not {max_inflight_bytes!r}")
         max_inflight_bytes = budget
         self.timeout: float = timeout
-        # Reentrant: a signal handler's save() (a SIGTERM handler's last
-        # save) may interrupt this thread inside a section that holds it, and
-        # waited for ever with a plain lock. The sections are short and leave
-        # the counts consistent between any two steps (see _flush).
+        # Reentrant: a signal handler's call may interrupt this thread inside
+        # a section that holds it (a SIGTERM handler's last save waited for
+        # ever with a plain lock; saves now queue their keys without it, see
+        # _saves_made).
         self._lock: threading.RLock = threading.RLock()
         self._max_save_bytes: int | None = None
         self._dropped: int = 0
@@ -416,6 +419,17 @@ class Client:
         if refused is not None:
             return self._drop("closed", "the client's connection was closed meanwhile")
         self._saves_made.append(((model, cache_id), next(self._save_numbers)))
+        if len(self._saves_made) > _SAVES_TAKEN_IN_AT:
+            # A client that never loads or flushes would keep every save's
+            # entry: taken in here, each key's newest only stays. (Never from
+            # a signal handler inside the lock, nor waiting for another
+            # thread's turn.)
+            owned = self._lock._is_owned()  # type: ignore[attr-defined]
+            if not owned and self._lock.acquire(blocking=False):
+                try:
+                    self._take_in_saves()
+                finally:
+                    self._lock.release()
         return True
 
     def write_behind(
