@@ -215,6 +215,30 @@ def test_each_familys_cache_is_taken_for_the_tokens_it_was_fed(family: str) -> N
     assert (plan.action, plan.reused) == ("extend", len(ids))
 
 
+def test_mllamas_unfed_cross_attention_layers_do_not_disagree() -> None:
+    """Llama 3.2 Vision has no make_cache: its cross-attention layers are
+    plain KVCaches never fed, at offset 0 beside 10 (the review of
+    250fc71): compared with the others, every step refused the cache and
+    every session ran cold. Layers that hold nothing are left out."""
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.models.mllama.config import TextConfig
+    from mlx_vlm.models.mllama.language import LanguageModel
+
+    lm = _randomized(LanguageModel(TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1, 3])))
+    cache = make_prompt_cache(lm)
+    ids = _ids(8, 0)
+    lm(mx.array([ids]), cache=cache, cross_attention_states=mx.random.normal((1, 10, 64)))
+    for t in (5, 6):
+        lm(mx.array([[t]]), cache=cache)
+        ids.append(t)
+    assert [c.offset for c in cache] == [10, 0, 10, 0]
+    assert length_mismatch(cache, len(ids)) is None
+    plan = plan_reuse(cache, ids, [*ids, 1, 2])
+    assert (plan.action, plan.reused) == ("extend", len(ids))
+
+
 def _diffusion_gemma() -> Any:
     from mlx_vlm.models.diffusion_gemma.config import TextConfig
     from mlx_vlm.models.diffusion_gemma.language import LanguageModel

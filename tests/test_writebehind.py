@@ -267,6 +267,9 @@ def test_refuses_a_cache_that_does_not_match_its_tokens(model, client: Client) -
         with pytest.raises(ValueError, match=says):
             quiet.step(*bad)
     assert quiet.counters.steps == 0
+    # Ids save() takes, in an array of Python ints (dtype object): a step too.
+    assert quiet.step(cache, np.array(p, dtype=object)) is False
+    assert quiet.counters.steps == 1
     quiet.discard()
     assert wb.close() is True and client.flush(timeout=WAIT)
     got = client.load(FP, "mismatch")
