@@ -316,11 +316,11 @@ def _some_keys(keys: list[Key], shown: int = 20) -> str:
 #: Why a request of a client whose close() began elsewhere fails.
 CLOSED_BY_OTHERS = ("the client's connection was closed (by close() on another thread, or at "
                     "interpreter exit)")
-#: Why a signal handler's request fails at once when its thread was
-#: interrupted inside this client's own call (see send_request).
-INTERRUPTED_OWN_CALL = ("a request from a signal handler that interrupted this thread inside "
-                        "the same client's own call: it cannot be answered before that call "
-                        "goes on")
+#: Why a request fails at once when its thread is inside this client's own
+#: call, holding its lock (see send_request).
+INTERRUPTED_OWN_CALL = ("a request made while this thread is inside the same client's own "
+                        "call (from a signal handler, or a finalizer the garbage collector "
+                        "ran there): it cannot be answered before that call goes on")
 #: Why a request of a client made before a fork fails in the child.
 FORKED = "this Client was made before the process forked; make a new one in the child"
 

@@ -739,8 +739,11 @@ class Client:
                 return  # (taken in by a signal handler's call meanwhile)
             key, n = entry
             if len(self._unsettled) >= _MAX_UNSETTLED:
-                # Past this many keys, every load asks the daemon until a flush.
-                self._unsettled = {ALL_KEYS: n}
+                # Past this many keys, every load asks the daemon until a flush
+                # covering them all: the largest number entered, or this one
+                # (numbers may be queued out of order: a smaller one here let a
+                # flush settle a newer save of another thread's).
+                self._unsettled = {ALL_KEYS: max(n, *self._unsettled.values())}
             # The largest: numbers are taken, then queued, in two steps.
             self._unsettled[key] = max(n, self._unsettled.get(key, 0))
             # Let go of only once entered: a Ctrl-C in between leaves it to
@@ -902,9 +905,14 @@ class Client:
         with self._lock:
             # The answer settled these keys, whatever comes next. (Over a copy
             # taken in one call: a signal handler's load may take saves in
-            # meanwhile, the lock being reentrant.)
+            # meanwhile, the lock being reentrant, into the table replaced
+            # here: those are taken over after it.)
             self._take_in_saves()
-            self._unsettled = {k: n for k, n in list(self._unsettled.items()) if n > mark}
+            before = self._unsettled
+            kept = self._unsettled = {k: n for k, n in list(before.items()) if n > mark}
+            for k, n in list(before.items()):
+                if n > mark and kept.get(k, 0) < n:
+                    kept[k] = n
         # Stored last, by plain assignments with no call between them
         # (Python raises a pending KeyboardInterrupt at calls, the end of a
         # with block included): a flush cut short before (Ctrl-C, even in
