@@ -436,12 +436,12 @@ def length_mismatch(layers: Sequence[Any] | None, n: int) -> str | None:
     session restoring it generated wrong tokens."""
     # Those that hold nothing are left out: mllama's cross-attention layers
     # (plain KVCache) are never fed, at offset 0 beside the others.
-    counted = {off for layer, off in _leaf_offsets(layers)
-               if off and _counts_every_token(type(layer))}
+    leaves = _leaf_offsets(layers)
+    counted = {off for layer, off in leaves if off and _counts_every_token(type(layer))}
     if len(counted) > 1:
         return (f"the cache's layers hold different numbers of tokens ({min(counted)} to "
                 f"{max(counted)}) for {n} token ids")
-    have = cache_length(layers)
+    have = max((off for _, off in leaves if off is not None), default=None)
     if have is not None and have != n:
         return f"the cache holds {have} tokens but {n} token ids were given"
     return None
