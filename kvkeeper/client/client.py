@@ -593,18 +593,16 @@ class Client:
                 self._channel.notify(m.Used(v=m.PROTOCOL_VERSION, model=model,
                                             cache_id=cache_id, ino=direct.ident.st_ino))
                 return self._conclude(model, cache_id, direct, deadline)
-        with self._lock:
-            self._take_in_saves()
-            mark = self._unsettled.get(key)
-            if mark is not None:
-                unwritten = (f"a save of {model}/{cache_id} made through this client may not "
-                             f"be written yet")
-            elif ALL_KEYS in self._unsettled:
-                unwritten = (f"this client has saves of over {_MAX_UNSETTLED} keys no flush() "
-                             f"has waited for, and no longer tracks which keys: one of "
-                             f"{model}/{cache_id} may be among them, unwritten")
-            else:
-                unwritten = None
+        mark, untracked = self._unsettled_mark(key)
+        if mark is not None:
+            unwritten = (f"a save of {model}/{cache_id} made through this client may not "
+                         f"be written yet")
+        elif untracked:
+            unwritten = (f"this client has saves of over {_MAX_UNSETTLED} keys no flush() "
+                         f"has waited for, and no longer tracks which keys: one of "
+                         f"{model}/{cache_id} may be among them, unwritten")
+        else:
+            unwritten = None
         try:
             pending = self._channel.send_request(
                 lambda req: m.Load(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
@@ -709,10 +707,8 @@ class Client:
         """Whether a load of ``key`` may skip the daemon: it is connected, this
         client has no save of the key it has not waited for, and the root was
         named by the daemon on this very connection (not an older daemon's)."""
-        with self._lock:
-            self._take_in_saves()
-            unsettled = key in self._unsettled or ALL_KEYS in self._unsettled
-        if not self._channel.connected.is_set() or unsettled:
+        mark, untracked = self._unsettled_mark(key)
+        if not self._channel.connected.is_set() or mark is not None or untracked:
             return False
         if self._root_seen_at != self._channel.connections:
             try:
@@ -724,13 +720,36 @@ class Client:
 
     def _settled(self, key: tuple[str, str], mark: int | None) -> None:
         """The daemon answered for every save of ``key`` up to ``mark``."""
+        nested = self._lock._is_owned()  # type: ignore[attr-defined]
         with self._lock:
+            if nested or mark is None:
+                return  # (see _unsettled_mark: left for the next call)
             self._take_in_saves()
-            if mark is not None and self._unsettled.get(key) == mark:
+            if self._unsettled.get(key) == mark:
                 self._unsettled.pop(key, None)
 
+    def _unsettled_mark(self, key: tuple[str, str]) -> tuple[int | None, bool]:
+        """The number of this client's last save of ``key`` that no flush,
+        load or delete has waited for (None: none), and whether the client no
+        longer tells keys apart (past _MAX_UNSETTLED). The saves queued since
+        are entered first, but by a call made inside the client's lock on
+        the same thread (a signal handler's, a finalizer's): the table is the
+        interrupted section's to change (a handler's change was lost with
+        the table a flush was replacing), so such a call reads the queue too."""
+        nested = self._lock._is_owned()  # type: ignore[attr-defined]
+        with self._lock:
+            if not nested:
+                self._take_in_saves()
+            mark = self._unsettled.get(key)
+            if nested:
+                queued = [n for k, n in list(self._saves_made) if k == key]
+                if queued:
+                    mark = max([mark or 0, *queued])
+            return mark, ALL_KEYS in self._unsettled
+
     def _take_in_saves(self) -> None:
-        """Enter the saves made since into ``_unsettled`` (lock held)."""
+        """Enter the saves made since into ``_unsettled`` (lock held, and not
+        by a call nested in a section holding it: see _unsettled_mark)."""
         made = self._saves_made
         while made:
             try:
@@ -743,7 +762,9 @@ class Client:
                 # covering them all: the largest number entered, or this one
                 # (numbers may be queued out of order: a smaller one here let a
                 # flush settle a newer save of another thread's).
-                self._unsettled = {ALL_KEYS: max(n, *self._unsettled.values())}
+                top = max([n, *self._unsettled.values()])
+                self._unsettled.clear()
+                self._unsettled[ALL_KEYS] = top
             # The largest: numbers are taken, then queued, in two steps.
             self._unsettled[key] = max(n, self._unsettled.get(key, 0))
             # Let go of only once entered: a Ctrl-C in between leaves it to
@@ -902,17 +923,15 @@ class Client:
                         "it was restarted" if restarted else
                         "the connection ended before the daemon read the last saves")
         answer = failed == 0 and lost == 0 and not unconfirmed
+        nested = self._lock._is_owned()  # type: ignore[attr-defined]
         with self._lock:
-            # The answer settled these keys, whatever comes next. (Over a copy
-            # taken in one call: a signal handler's load may take saves in
-            # meanwhile, the lock being reentrant, into the table replaced
-            # here: those are taken over after it.)
-            self._take_in_saves()
-            before = self._unsettled
-            kept = self._unsettled = {k: n for k, n in list(before.items()) if n > mark}
-            for k, n in list(before.items()):
-                if n > mark and kept.get(k, 0) < n:
-                    kept[k] = n
+            # The answer settled these keys, whatever comes next; but for a
+            # flush nested in a section holding the lock (a signal handler's
+            # inside a load's): the table is that section's (they stay, and
+            # their loads ask the daemon until the next flush).
+            if not nested:
+                self._take_in_saves()
+                self._unsettled = {k: n for k, n in self._unsettled.items() if n > mark}
         # Stored last, by plain assignments with no call between them
         # (Python raises a pending KeyboardInterrupt at calls, the end of a
         # with block included): a flush cut short before (Ctrl-C, even in
@@ -931,9 +950,7 @@ class Client:
         """Delete an entry (after any pending save of it); True if it existed,
         or a save of it was on its way (which the delete replaces)."""
         model, cache_id = naming.check_key(model, cache_id)
-        with self._lock:
-            self._take_in_saves()
-            mark = self._unsettled.get((model, cache_id))
+        mark, _ = self._unsettled_mark((model, cache_id))
         reply = self._request(
             lambda req: m.Delete(v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
             release=(model, cache_id),
