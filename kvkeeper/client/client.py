@@ -751,12 +751,8 @@ class Client:
         """Enter the saves made since into ``_unsettled`` (lock held, and not
         by a call nested in a section holding it: see _unsettled_mark)."""
         made = self._saves_made
-        while made:
-            try:
-                entry = made[0]
-            except IndexError:
-                return  # (taken in by a signal handler's call meanwhile)
-            key, n = entry
+        while made:  # (only the lock's first holder takes them out)
+            key, n = made[0]
             if len(self._unsettled) >= _MAX_UNSETTLED:
                 # Past this many keys, every load asks the daemon until a flush
                 # covering them all: the largest number entered, or this one
@@ -769,8 +765,7 @@ class Client:
             self._unsettled[key] = max(n, self._unsettled.get(key, 0))
             # Let go of only once entered: a Ctrl-C in between leaves it to
             # the next call (entering it twice changes nothing).
-            if made and made[0] is entry:
-                made.popleft()
+            made.popleft()
 
     def _conclude(self, model: str, cache_id: str, attempt: _Attempt,
                   deadline: float) -> LoadedCache | None:
