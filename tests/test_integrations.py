@@ -1516,3 +1516,64 @@ def test_a_trimmed_cache_of_more_kv_heads_starts_cold(
         ask(s, more[:22] + [7, 8, 9])
         assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
         assert s.last_plan.action == "trim"
+
+
+@pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_a_request_read_to_its_last_response_and_left_open_is_kept_and_saved(
+        lm_tok: TokenizerWrapper, client: Client, library: str, finish: str) -> None:
+    """A server that reads responses with next() until finish_reason and
+    keeps the generator (closing it later, or never) had the session keep
+    nothing and save nothing past the last write-behind save: the request
+    ended only at close(), and the next request restored the older save."""
+    model_id = f"tiny-open-{library}-{finish}"
+    if library == "mlx-lm":
+        model = tiny_llama(seed=3)
+
+        def session(stop: list[int] | None = None) -> Any:
+            tok = lm_tok if stop is None else TokenizerWrapper(word_tokenizer(VOCAB),
+                                                               eos_token_ids=stop)
+            return kv_lm.Session(client, model_id, "chat", model, tok, every_tokens=4)
+
+        def request(s: Any, ids: list[int]) -> Any:
+            return s.stream_generate(ids, max_tokens=GEN)
+    else:
+        vlm_model = tiny_vlm_llama()
+
+        def session(stop: list[int] | None = None) -> Any:
+            proc = vlm_processor(VOCAB)
+            if stop is not None:
+                proc.stopping_criteria = StoppingCriteria(stop, proc)
+            return kv_vlm.Session(client, model_id, "chat", vlm_model, proc, every_tokens=4)
+
+        def request(s: Any, ids: list[int]) -> Any:
+            return s.stream_generate(input_ids=ids, max_tokens=GEN, temperature=0.0)
+
+    p = prompt(30, seed=70)
+    free = vlm_tokens(request(session(), p))
+    assert len(free) == GEN
+    stop = None
+    if finish == "stop":
+        k = next(i for i in range(5, GEN) if free[i] not in free[:i])
+        stop = [free[k]]
+        free = free[:k + 1]
+    s = session(stop)
+    gen = request(s, p)
+    got: list[int] = []
+    while True:
+        r = next(gen)
+        if r.token is not None and r.generation_tokens > len(got):
+            got.append(int(r.token))
+        if r.finish_reason is not None:
+            break
+    assert r.finish_reason == finish and got == free
+    # The generator is still open, and referenced: the request is over all the same.
+    assert s.token_ids == p + free and s.cache is not None
+    assert cache_length(s.cache) == len(p + free)
+    assert client.flush(timeout=WAIT) is True
+    saved = client.load(model_id, "chat")
+    assert saved is not None and saved.token_ids == p + free
+    with pytest.raises(StopIteration):
+        next(gen)
+    gen.close()
+    assert s.token_ids == p + free

@@ -628,6 +628,22 @@ class _Watched:
         return _Watched(attr, self._flag, self._on_call) if callable(attr) else attr
 
 
+def run_out(results: Iterator[Any]) -> Exception | None:
+    """Run a library's generator on from its last result, which a Session
+    hands on only after the request has ended: a caller may stop reading
+    there and keep the generator open, and the request's state must not wait
+    for its close(). What the library does past that result (mlx-lm leaves
+    its wired-memory limit, mlx-vlm records its cache) happens first. Returns
+    what it raised there, for the caller to get after the last result, as it
+    would have."""
+    try:
+        for _ in results:
+            pass
+    except Exception as exc:
+        return exc
+    return None
+
+
 def watch_callers(kwargs: dict[str, Any]) -> list[bool]:
     """Wrap the caller's callables in ``kwargs`` so that the returned flag's
     ``[0]`` turns True once an error before the first token may be theirs,

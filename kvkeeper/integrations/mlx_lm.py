@@ -37,6 +37,7 @@ from kvkeeper.integrations import (
     SessionBase,
     hash_array,
     layers_fit,
+    run_out,
     token_ids_of,
     watch_callers,
 )
@@ -193,6 +194,8 @@ class Session(SessionBase):
             _feed_only_the_rest(kwargs, ids[:plan.reused])
         wb = self._write_behind(made_from or "")
         clean = started = False
+        last: GenerationResponse | None = None
+        late: Exception | None = None
         try:
             responses: Iterator[GenerationResponse] = _mlx_stream_generate(
                 self.model, self.tokenizer, mx.array(ids[plan.reused:]), max_tokens,
@@ -218,6 +221,9 @@ class Session(SessionBase):
                 if r.generation_tokens > len(all_ids) - n_prompt:
                     all_ids.append(int(r.token))
                 wb = self._step(wb, cache, all_ids, request)
+                if r.finish_reason is not None:
+                    last, late = r, run_out(responses)
+                    break
                 try:
                     yield r
                 except GeneratorExit:
@@ -229,6 +235,10 @@ class Session(SessionBase):
                 lambda: self._unused(cache, plan, ids, made_from or ""))
             self._end(request, wb, clean, lambda: self._keep(cache, all_ids, made_from or ""),
                       unused)
+        if last is not None:
+            yield last
+        if late is not None:
+            raise late
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:

@@ -45,6 +45,7 @@ from kvkeeper.integrations import (
     layers_fit,
     length_mismatch,
     log,
+    run_out,
     token_ids_of,
     watch_callers,
 )
@@ -179,6 +180,8 @@ class Session(SessionBase):
         rerun_failed = False
         self.tracked = None
         clean = finished = started = False
+        last: GenerationResult | None = None
+        late: Exception | None = None
         try:
             results: Iterator[GenerationResult] = _vlm_stream_generate(
                 self.model, self.processor, prompt, image=image, audio=audio, video=video,
@@ -210,18 +213,20 @@ class Session(SessionBase):
                     all_ids.append(int(r.token))
                 if self.tracked:
                     wb = self._step(wb, expected, all_ids, request)
+                if r.finish_reason is not None:
+                    # mlx-vlm records its cache only after yielding its last
+                    # result, the one a caller stops at.
+                    last, late = r, run_out(results)
+                    finished = late is None
+                    break
                 try:
                     yield r
                 except GeneratorExit:
                     clean = True
-                    if r.finish_reason is not None:
-                        # The caller stopped at the last result: mlx-vlm records
-                        # its cache only after yielding it. Let it, no tokens more.
-                        for _ in results:
-                            pass
-                        finished = True
                     raise
-            clean = finished = True
+            else:
+                finished = True  # mlx-vlm ran to its end
+            clean = True
         finally:
             def keep() -> None:
                 if finished and state.token_ids is not sentinel and state.cache is not None:
@@ -235,6 +240,10 @@ class Session(SessionBase):
             unused = None if started or rerun_failed else (
                 lambda: self._unused(expected, plan, ids, media))
             self._end(request, wb, clean, keep, unused)
+        if last is not None:
+            yield last
+        if late is not None:
+            raise late
 
     def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
         """Whether mlx-vlm is generating into the cache we prepared."""
