@@ -42,9 +42,9 @@ def reply(s: zmq.Socket, timeout: float = WAIT) -> m.Reply:
     return m.decode_reply(s.recv_multipart()[0])
 
 
-def ask(s: zmq.Socket, msg: m.Request) -> m.Reply:
+def ask(s: zmq.Socket, msg: m.Request, timeout: float = WAIT) -> m.Reply:
     s.send(m.encode(msg))
-    return reply(s)
+    return reply(s, timeout)
 
 
 def held(path: Path) -> bytes:
@@ -208,3 +208,31 @@ def test_a_delete_that_replaces_a_waiting_save_says_the_entry_existed(short_dir:
     finally:
         assert stop_process(proc) == 0
 
+
+
+def test_a_flood_of_saves_of_one_key_leaves_room_for_other_clients(short_dir: Path) -> None:
+    """Saves of one key, each replacing the last while the writer is busy,
+    took a mailbox slot each until the writer came to skip them: 4,096 of
+    them filled the daemon's mailbox, and another client's save was refused
+    as "busy". A save that replaces one still waiting takes its place."""
+    proc = slow_daemon(short_dir)
+    path = naming.entry_path(short_dir / "root", "fp", "k")
+    n = 5000
+    try:
+        with dealers(short_dir / "run" / "kv.sock", 3) as (busy, a, b):
+            save(busy, 1, "busy", b"x" * (8 * 2**20))  # 4 s at 0.5 s per MiB
+            time.sleep(0.2)
+            for i in range(1, n + 1):
+                save(a, i, "k", i.to_bytes(4, "little") * 4)
+            # The daemon has read the flood once it would have refused a save of it.
+            refused = a.poll(1000)
+            save(b, 1, "other", V1)
+            flushed = ask(b, m.Flush(v=V, req=1), timeout=30)
+            assert flushed == m.Flushed(v=V, req=1, written=1, superseded=0, failed=0)
+            assert held(naming.entry_path(short_dir / "root", "fp", "other")) == V1
+            flushed = ask(a, m.Flush(v=V, req=1), timeout=30)
+            assert flushed == m.Flushed(v=V, req=1, written=1, superseded=n - 1, failed=0)
+            assert held(path) == n.to_bytes(4, "little") * 4
+            assert not refused
+    finally:
+        assert stop_process(proc) == 0

@@ -3,7 +3,9 @@
 The server hands it jobs through a bounded mailbox and never waits for it.
 Jobs for one key run in the order they arrived; a newer save of a key replaces
 an older one that has not started writing (write-behind during streaming makes
-many, only the newest matters). A save starts writing as soon as it reaches
+many, only the newest matters), and takes its place in the mailbox when it
+waits there with no job of its key behind it: a key saved faster than it is
+written holds one place in line, not one per save. A save starts writing as soon as it reaches
 the head of the mailbox, while its bytes are still arriving, so receiving and
 writing overlap. Blocking disk work runs in a worker thread, so the event loop
 keeps answering loads and stats while a large file is written.
@@ -146,6 +148,9 @@ class SaveJob(Job):
     pace_from: int = 0
     parked_at: int = -1  # job.received when it was last parked
     protected: Path | None = None  # its key's file, kept from eviction until it is resolved
+    # Its place in the mailbox while it waits there (its own, or that of the
+    # save it replaced): a newer save of its key may take it over.
+    place: Place | None = None
 
     def __post_init__(self) -> None:
         if self.layout is not None:
@@ -168,6 +173,16 @@ class SaveJob(Job):
         item."""
         return sum(sys.getsizeof(k) + sys.getsizeof(v) + _DICT_SLOT_BYTES
                    for k, v in self.metadata.items())
+
+
+@dataclass(eq=False)
+class Place:
+    """A place in the writer's mailbox, and the job in it. A newer save of the
+    key takes over a waiting save's place (see WriterActor.submit_save): the
+    save replaced is let go at once, where a flood of saves each held on to
+    its own place, and the next, until the writer came to skip them."""
+
+    job: Job
 
 
 @dataclass(eq=False)
@@ -256,13 +271,13 @@ class WriterActor:
         self.pending_bytes = 0
         self.accepting = True
         self.draining = False  # set before accepting ends: saves are no longer held
-        send, recv = anyio.create_memory_object_stream[Job](mailbox_size)
-        self._send: MemoryObjectSendStream[Job] = send
-        self._recv: MemoryObjectReceiveStream[Job] = recv
+        send, recv = anyio.create_memory_object_stream[Place](mailbox_size)
+        self._send: MemoryObjectSendStream[Place] = send
+        self._recv: MemoryObjectReceiveStream[Place] = recv
         # Held and parked saves go back into the mailbox through their own
         # sender, which stays open after stop_accepting() until the last one
         # is back (see _close_resend).
-        self._resend: MemoryObjectSendStream[Job] = send.clone()
+        self._resend: MemoryObjectSendStream[Place] = send.clone()
         self._waiting: dict[Key, SaveJob] = {}  # saves that have not started writing
         self._held: dict[Key, SaveJob] = {}  # of those, the ones waiting out their interval
         self._parked: dict[Key, SaveJob] = {}  # started saves waiting for their bytes
@@ -327,10 +342,23 @@ class WriterActor:
             return "busy", (
                 f"{self.pending_bytes} bytes already pending of {self.max_pending_bytes}"
             )
-        try:
-            self._send.send_nowait(job)
-        except anyio.WouldBlock:
-            return "busy", "the writer's mailbox is full"
+        # Replacing a save that waits in the mailbox with no job of its key
+        # behind it (a move aside must still run first), it takes that save's
+        # place: each save of a key written slower than it is saved took a
+        # place until the writer came to skip it, and a flood of them filled
+        # the mailbox (other clients' saves were refused as busy).
+        place = old.place if old is not None and self._latest.get(job.key) is old else None
+        if place is None:
+            place = Place(job)
+            try:
+                self._send.send_nowait(place)
+            except anyio.WouldBlock:
+                return "busy", "the writer's mailbox is full"
+        else:
+            assert old is not None
+            old.place = None
+            place.job = job
+        job.place = place
         # From here until it is resolved (queued, held, written, parked): if
         # it fails, the key's file is all the key has. Before the save it
         # replaces lets go, so that the key is never unprotected between.
@@ -387,7 +415,7 @@ class WriterActor:
             # (The mailbox stays open to late saves for a while: not to these.)
             return "shutting_down", "the daemon is shutting down"
         try:
-            self._send.send_nowait(job)
+            self._send.send_nowait(Place(job))
         except anyio.WouldBlock:
             return "busy", "the writer's mailbox is full"
         except anyio.ClosedResourceError:
@@ -505,9 +533,11 @@ class WriterActor:
         while True:
             self._close_resend()
             try:
-                job = await self._recv.receive()
+                job = (await self._recv.receive()).job
             except anyio.EndOfStream:
                 return
+            if isinstance(job, SaveJob):
+                job.place = None
             if job.done.is_set():
                 continue  # superseded while it waited
             self.current = job
@@ -613,10 +643,14 @@ class WriterActor:
 
     async def _put_back(self, job: SaveJob) -> None:
         """Return a held or parked save to the mailbox, unless it is done."""
+        place = None
         try:
             if not job.done.is_set():
                 job.hurry.set()  # its turn has come: it is not held again
-                await self._resend.send(job)
+                # Before it is in: a newer save may take its place while it
+                # waits for room.
+                place = job.place = Place(job)
+                await self._resend.send(place)
         except anyio.ClosedResourceError:
             # A bug (see _close_resend), but not one to lose a save silently
             # over or to stop the writer with: the save fails, and says so.
@@ -627,7 +661,9 @@ class WriterActor:
             if (tmp := job.tmp_file()) is not None:
                 with contextlib.suppress(OSError):
                     tmp.abort()
-            self._resolve(job, Outcome.FAILED, "internal error: the writer had closed its mailbox")
+            # (Or the save that took its place, if one did.)
+            self._resolve(job if place is None else place.job, Outcome.FAILED,
+                          "internal error: the writer had closed its mailbox")
         finally:
             self._away -= 1
             self._close_resend()
@@ -681,7 +717,7 @@ class WriterActor:
                 # A full mailbox holds saves, each of which applies the
                 # budget once written: the scan's index is in place for them.
                 with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
-                    self._send.send_nowait(job)
+                    self._send.send_nowait(Place(job))
                     queued = True  # its evictions: _gc, on the writer's turn
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
