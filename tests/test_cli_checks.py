@@ -702,6 +702,12 @@ def test_export_of_a_damaged_entry_says_why(client: Client, daemon: RunningDaemo
         lines
     r = cli("export", "--socket", sock, "m1", "a", str(out))  # now it is gone
     assert r.returncode == 1 and "no entry m1 / a" in r.stderr, r.stderr
+    # An id with a newline or a trailing space is quoted, as rm quotes it
+    # (printed raw, the newline made a second line that looked like output).
+    for model, cache_id, said in (("m1", "zz\nfake line", 'no entry m1 / "zz\\nfake line"'),
+                                  ("m 1 ", "b", 'no entry "m 1 " / b')):
+        r = cli("export", "--socket", sock, model, cache_id, str(out))
+        assert r.returncode == 1 and r.stderr == f"kvkeeper: {said}\n", r.stderr
 
 
 def test_export_help_claims_only_what_works() -> None:

@@ -364,6 +364,18 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
         assert path.exists()
         r = cli("uninstall-service", "--platform", platform, "--no-load", env=env)
         assert r.returncode == 0 and not path.exists(), r.stderr
+        # Written only: what starts it is said, and for systemd that the unit
+        # is not enabled (it would not start at the next login).
+        r = cli("install-service", "--platform", platform, "--no-load", env=env)
+        assert r.returncode == 0 and path.exists(), r.stderr
+        said = " ".join(r.stdout.split())
+        if platform == "linux":
+            assert "systemctl --user enable kvkeeper.service" in said, said
+            assert "nor at login until enabled" in said, said
+        else:
+            assert "starts at the next login" in said and "launchctl" in said, said
+        r = cli("uninstall-service", "--platform", platform, "--no-load", env=env)
+        assert r.returncode == 0 and not path.exists(), r.stderr
 
 
 _FAKE_MANAGERS = {

@@ -599,6 +599,31 @@ def test_an_import_the_daemon_could_not_write_fails(client: Client, daemon: Runn
     assert client.entries() == []
 
 
+def test_an_import_the_daemon_refused_says_why(short_dir: Path) -> None:
+    """A file over the daemon's disk budget: import said only "the daemon
+    could not write it (see its log)", and the client's line with the reason
+    shows only with KVKEEPER_DEBUG, once a minute per code."""
+    from .test_legacy import ROOT as LEGACY
+
+    files = []
+    for name in ("kv.safetensors", "rotating.safetensors"):
+        files.append(short_dir / name)
+        shutil.copy(LEGACY / "mlx-lm" / name, files[-1])
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock",
+                      max_disk_bytes=10_000)  # under either file
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "import", "--socket",
+                            str(rd.socket), "--model", "lm", *map(str, files)],
+                           capture_output=True, text=True, timeout=WAIT)
+    finally:
+        assert rd.stop() == 0
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    for f in files:
+        assert f"not imported {f}: the daemon refused it: save of " in said, said
+    assert said.count("exceeds max disk bytes (10000)") == 2, said
+
+
 def test_evictions_at_start_are_counted(short_dir: Path) -> None:
     """A daemon restarted with a smaller disk budget evicts at start: its
     counters must say so."""

@@ -56,7 +56,7 @@ log = get_logger("kvkeeper.client")
 
 GiB = 1024**3
 #: Frames and messages of a save stream stay around this size: many messages
-#: of a few MiB let the daemon write while it receives (DESIGN.md).
+#: of a few MiB let the daemon write while it receives (see protocol.messages).
 CHUNK_BYTES = 8 * 1024 * 1024
 #: A message carrying at most this many bytes in several frames sends them as
 #: one copied frame: each zero-copy frame costs pyzmq a tracker and a trip
@@ -223,11 +223,13 @@ class Client:
             # loop. Without MLX loaded (the commands: ls, rm) it stays unloaded.
             with contextlib.suppress(ImportError):  # numpy missing: save() says so
                 _codec()
+        # The daemon's latest refusal of a save (kvkeeper import says it).
+        self._refusals = _RefusalLog()
         self._channel: Channel = Channel(
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
-            on_refused=_RefusalLog(),  # not a method: the channel must not keep this client alive
+            on_refused=self._refusals,  # not a method: the channel must not keep this client alive
             # As serve's --cpu-policy and KVKEEPER_CPU_POLICY take it.
             cpu_policy=cpu_policy.lower() if isinstance(cpu_policy, str) else cpu_policy,
         )
@@ -1070,10 +1072,13 @@ class _Throttle:
 
 
 class _RefusalLog(_Throttle):
-    """Logs the daemon's refusals of saves, throttled per code. Holds nothing
-    of the client: the channel must not keep it alive."""
+    """Logs the daemon's refusals of saves, throttled per code, and keeps the
+    latest. Holds nothing of the client: the channel must not keep it alive."""
+
+    last: m.SaveRefused | None = None
 
     def __call__(self, reply: m.SaveRefused) -> None:
+        self.last = reply
         quiet = self.let_through(reply.code)
         if quiet is not None:
             # A field of its own: appended to detail, it broke the line's logfmt.

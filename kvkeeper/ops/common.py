@@ -58,6 +58,12 @@ def shown(value: object) -> Text:
                               for ch in s) + '"')
 
 
+def key_shown(model: str, cache_id: str) -> str:
+    """"model / id" for a message, each part as ``shown`` gives it (an id
+    with a newline printed raw made a second line that looked like output)."""
+    return f"{shown(model).plain} / {shown(cache_id).plain}"
+
+
 def _encodable(text: str, encoding: str) -> bool:
     try:
         text.encode(encoding)

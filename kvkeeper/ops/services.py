@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -182,7 +183,17 @@ def install_service(args: argparse.Namespace) -> int:
     except service.ServiceError as exc:
         raise CommandError(f"wrote {sf.path}, but loading it failed: {exc} (with --no-load, "
                            f"install-service only writes the file)") from None
-    out.print(Text.assemble("installed ", shown(sf.path), "" if args.no_load else " and started it"))
+    if not args.no_load:
+        out.print(Text.assemble("installed ", shown(sf.path), " and started it"))
+        return 0
+    start = " && ".join(shlex.join(command) for command in sf.load)
+    # systemd starts a unit at login only once it is enabled (the link its
+    # enable makes); launchd loads every agent in LaunchAgents at login.
+    out.print(Text.assemble(
+        "installed ", shown(sf.path),
+        ", not started (nor at login until enabled). To start it:" if sf.links else
+        ", not started (it starts at the next login). To start it now:"))
+    out.print(Text.assemble("  ", shown(start)), soft_wrap=True)
     return 0
 
 

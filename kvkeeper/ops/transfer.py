@@ -22,6 +22,7 @@ from kvkeeper.ops.common import (
     err,
     fsync_path,
     human,
+    key_shown,
     loadable,
     out,
     print_json,
@@ -192,6 +193,7 @@ def import_files(args: argparse.Namespace) -> int:
                 meta = {k: v for k, v in got.metadata.items()
                         if isinstance(v, str) and not k.startswith("kvkeeper.")} \
                     if got.format != st.FORMAT else got.metadata
+                refused_before = kv._refusals.last
                 try:
                     handed = kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta)
                 except ValueError as exc:
@@ -221,7 +223,11 @@ def import_files(args: argparse.Namespace) -> int:
                                       f"import it again with --replace)"))
                     break
                 if not written:
-                    failed.append((f, "the daemon could not write it (see its log)"))
+                    # Its refusal comes before the flush's answer, on the same connection.
+                    refused = kv._refusals.last
+                    failed.append((f, "the daemon could not write it (see its log)"
+                                   if refused is None or refused is refused_before else
+                                   f"the daemon refused it: {refused.message}"))
                     continue
                 taken[(model, cache_id)] = f
                 done.append((f, model, cache_id, replaced))
@@ -364,12 +370,12 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
         if d.is_symlink():
             # As the daemon and load(): a symlink planted for sessions/ or the
             # model's directory leads out of the store, and is not followed.
-            raise CommandError(f"cannot export {model} / {cache_id}: {d} is a symlink, "
+            raise CommandError(f"cannot export {key_shown(model, cache_id)}: {d} is a symlink, "
                                f"not followed")
     try:
         return read_cache_file(path, model=model, cache_id=cache_id)
     except CacheFileError as exc:
-        raise CommandError(f"cannot export {model} / {cache_id}: {exc}") from None
+        raise CommandError(f"cannot export {key_shown(model, cache_id)}: {exc}") from None
 
 
 def export(args: argparse.Namespace) -> int:
@@ -421,9 +427,9 @@ def export(args: argparse.Namespace) -> int:
     if got is None and misses:
         # The file was there but could not be used (a damaged one has just
         # been moved to quarantine/): "no entry" misled.
-        raise CommandError(f"{args.model} / {args.cache_id} cannot be read: {misses[-1]}")
+        raise CommandError(f"{key_shown(args.model, args.cache_id)} cannot be read: {misses[-1]}")
     if got is None:
-        raise CommandError(f"no entry {args.model} / {args.cache_id}{where}")
+        raise CommandError(f"no entry {key_shown(args.model, args.cache_id)}{where}")
     foreign = _mlx_lm_classes_only(got.cache)
     if foreign:
         raise CommandError(f"mlx-lm's loader cannot rebuild {sorted(set(foreign))}; only caches "
