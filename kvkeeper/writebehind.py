@@ -335,13 +335,13 @@ def one_row(token_ids: Any) -> Any:
 def check_token_ids(token_ids: Any) -> None:
     """Raise ValueError for token ids of a kind that cannot be one: unordered
     (a set, a dict's keys would be saved in some order and load back as ids
-    that look real), bytes (their bytes would be taken for ids), or an array
+    that look real), bytes (their bytes would be taken for ids), text, or an array
     other than one row (give `one_row` a batch of one first)."""
     if isinstance(token_ids, (Set, Mapping)):
         raise ValueError(f"token_ids must be an ordered sequence of integers, not a "
                          f"{type(token_ids).__name__}")
-    if is_bytes(token_ids):
-        kind = type(token_ids).__name__ if isinstance(token_ids, (bytes, bytearray)) \
+    if is_bytes(token_ids) or isinstance(token_ids, str):
+        kind = type(token_ids).__name__ if isinstance(token_ids, (bytes, bytearray, str)) \
             else "bytes"
         raise ValueError(f"token_ids must be integers, not {kind} "
                          f"(encode the text with the tokenizer)")

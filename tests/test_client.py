@@ -540,6 +540,9 @@ def test_token_ids_are_taken_as_they_are_at_save_time(client: Client) -> None:
                 array("B", b"abc"), memoryview((ctypes.c_ubyte * 3)())):
         with pytest.raises(ValueError, match="token_ids must be integers, not byte"):
             client.save(FP, "bad", [c], raw)
+    # Before: "'str' object cannot be interpreted as an integer", with no hint.
+    with pytest.raises(ValueError, match=r"must be integers, not str \(encode the text"):
+        client.save(FP, "bad", [c], "hello")  # type: ignore[arg-type]
     # Before: MLX's RuntimeError "There is no Stream(cpu, 0) in current thread".
     lazy: list[Any] = []
     maker = threading.Thread(target=lambda: lazy.append(mx.arange(3) + 1))
