@@ -456,7 +456,7 @@ def print_report(rep: Report) -> None:
     con.print(dec)
 
     wbt = table("Write-behind: what the daemon did")
-    wbt.add_row("saves handed off by the loops", f"{rep.saves_sent}",
+    wbt.add_row("saves the loops handed off", f"{rep.saves_sent}",
                 f"{rep.saves_dropped} dropped by the client")
     wbt.add_row("written to disk", f"{rep.saves_written}", f"{rep.saves_failed} failed")
     wbt.add_row("coalesced in the client", f"{rep.saves_coalesced}",
@@ -489,10 +489,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length of the first prompt (default 1500, at least 64)")
     p.add_argument("--every-tokens", type=int, default=64, metavar="N",
                    help="save behind every N tokens (default 64, at least 1)")
-    p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    p.add_argument("--hidden", type=int, default=256,
+    p.add_argument("--layers", type=int, default=4, metavar="N",
+                   help="model layers (default 4, at least 1)")
+    p.add_argument("--hidden", type=int, default=256, metavar="N",
                    help="model width, a multiple of 8 (default 256)")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="prompt seed (default 0, at least 0)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", type=_socket, default=None,
                        help="use the daemon at this socket; if none answers there, exit 3 "
