@@ -62,10 +62,11 @@ def xdg_dir(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return value if value and os.path.isabs(value) else None
 
 
-def default_root() -> Path:
-    """Store root: $KVKEEPER_ROOT, else the user's cache dir + /kvkeeper.
-    Raises ConfigError when that needs a home directory there is none of."""
-    env = os.environ.get(ENV_ROOT)
+def default_root(*, environment: bool = True) -> Path:
+    """Store root: $KVKEEPER_ROOT (unless not ``environment``), else the
+    user's cache dir + /kvkeeper. Raises ConfigError when that needs a home
+    directory there is none of."""
+    env = os.environ.get(ENV_ROOT) if environment else None
     if env:
         return expand_user(env)
     if sys.platform == "darwin":
@@ -74,9 +75,10 @@ def default_root() -> Path:
     return Path(base) / "kvkeeper"
 
 
-def default_socket() -> Path:
-    """Socket path: $KVKEEPER_SOCKET, else a per-user 0700 runtime dir."""
-    env = os.environ.get(ENV_SOCKET)
+def default_socket(*, environment: bool = True) -> Path:
+    """Socket path: $KVKEEPER_SOCKET (unless not ``environment``), else a
+    per-user 0700 runtime dir."""
+    env = os.environ.get(ENV_SOCKET) if environment else None
     if env:
         try:
             return socket_path(env)
@@ -197,7 +199,8 @@ def _check_ours(path: Path, what: str) -> None:
         # A shared directory is /tmp, or like it: emptied at boot, and a
         # store is to outlive restarts.
         try:
-            default = f" (the default root is {str(default_root())!r})"
+            # (Not $KVKEEPER_ROOT's: that may be the directory refused.)
+            default = f" (the default root is {str(default_root(environment=False))!r})"
         except ConfigError:  # no home directory: no default to point to
             default = ""
         own_place = f"; keep the store in a directory of its own that outlives a reboot{default}"

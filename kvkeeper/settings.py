@@ -7,6 +7,7 @@ Precedence: command-line flag > environment (``KVKEEPER_*``) > config file
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -342,8 +343,13 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("root", parse_path, config.default_root, "store directory", "path"),
-    Setting("socket", _socket, config.default_socket, "ipc socket path", "socket"),
+    # The built-in defaults: the environment is a layer of its own (serve
+    # --help showed $KVKEEPER_ROOT as the default, and the other settings'
+    # variables not).
+    Setting("root", parse_path, functools.partial(config.default_root, environment=False),
+            "store directory", "path"),
+    Setting("socket", _socket, functools.partial(config.default_socket, environment=False),
+            "ipc socket path", "socket"),
     Setting("max_pending_bytes", _pending_size, lambda: memory_share(1 * GiB),
             "memory for saves received but not yet written (at least 1M); a save that "
             "does not fit is refused and counted; the default is a quarter of this "

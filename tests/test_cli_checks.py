@@ -1521,3 +1521,27 @@ def test_serve_with_an_unwritable_stderr_still_serves(short_dir: Path, stderr: s
     finally:
         assert stop_process(proc) == 0
     assert entry_path(root, "c", model="m").exists()
+
+
+def test_the_environment_is_not_shown_as_the_built_in_default(short_dir: Path) -> None:
+    """With $KVKEEPER_ROOT set, serve --help gave its value as the default
+    root (and $KVKEEPER_MAX_DISK_BYTES's not as the default budget), and a
+    root refused as shared with everyone pointed at "the default root",
+    that very directory."""
+    home = short_dir / "home"
+    shared = short_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    env = {"HOME": str(home), "XDG_CACHE_HOME": "", "KVKEEPER_ROOT": str(shared),
+           "KVKEEPER_SOCKET": str(short_dir / "run" / "kv.sock")}
+    built_in = home / ".cache" / "kvkeeper"
+    r = cli("serve", "--help", env=env)
+    assert r.returncode == 0, r.stderr
+    said = "".join(r.stdout.split())  # argparse folds the paths, at hyphens too
+    assert "".join(f"store directory (default: {built_in})".split()) in said, r.stdout
+    assert str(shared) not in said and str(short_dir / "run") not in said, r.stdout
+    r = cli("serve", "--print-config", env=env)
+    assert f"root {shared} (environment KVKEEPER_ROOT)" in " ".join(r.stdout.split()), r.stdout
+    r = cli("serve", env=env)
+    assert r.returncode == 2 and "outlives a reboot" in r.stderr, r.stderr
+    assert f"(the default root is '{built_in}')" in r.stderr, r.stderr
