@@ -1577,3 +1577,66 @@ def test_a_request_read_to_its_last_response_and_left_open_is_kept_and_saved(
         next(gen)
     gen.close()
     assert s.token_ids == p + free
+
+
+@pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])
+@pytest.mark.parametrize("failure", ["the library past its last result", "the final save"])
+@pytest.mark.parametrize("caller", ["reads on", "closes at the last result"])
+def test_a_failure_after_the_last_result_still_hands_it_over(
+        lm_tok: TokenizerWrapper, client: Client, monkeypatch: pytest.MonkeyPatch,
+        library: str, failure: str, caller: str) -> None:
+    """The request now ends before its last result is handed over: an error
+    there (the library's, past that result; or the final save's) must still
+    come after the last result, at the caller's next call or at its close(),
+    and one of the library's leaves nothing kept, as before. (The first
+    version kept and saved that state, lost the last result to an error of
+    the final save, and let close() return quietly.)"""
+    model_id = f"tiny-late-{library}-{failure[4:11]}-{caller[:5]}"
+    boom = RuntimeError("simulated failure")
+    if failure == "the final save":
+        real_save = client.save
+
+        def save(model: str, cache_id: str, cache: Any, ids: Any, **kw: Any) -> bool:
+            if len(ids) == 30 + GEN:  # the final one
+                raise boom
+            return real_save(model, cache_id, cache, ids, **kw)
+
+        monkeypatch.setattr(client, "save", save)
+    if library == "mlx-lm":
+        s: Any = kv_lm.Session(client, model_id, "chat", tiny_llama(seed=3), lm_tok,
+                               every_tokens=None, every_seconds=None)
+        where, name = kv_lm, "_mlx_stream_generate"
+        gen = s.stream_generate(prompt(30, seed=70), max_tokens=GEN)
+    else:
+        s = kv_vlm.Session(client, model_id, "chat", tiny_vlm_llama(), vlm_processor(VOCAB),
+                           every_tokens=None, every_seconds=None)
+        where, name = kv_vlm, "_vlm_stream_generate"
+        gen = s.stream_generate(input_ids=prompt(30, seed=70), max_tokens=GEN, temperature=0.0)
+    if failure != "the final save":
+        real = getattr(where, name)
+
+        def failing(*a: Any, **kw: Any) -> Any:
+            yield from real(*a, **kw)
+            raise boom
+
+        monkeypatch.setattr(where, name, failing)
+    seen = []
+    while True:
+        r = next(gen)
+        seen.append(r.finish_reason)
+        if r.finish_reason is not None:
+            break
+    assert seen[-1] == "length" and len(seen) >= GEN
+    with pytest.raises(RuntimeError) as raised:
+        if caller == "reads on":
+            next(gen)
+        else:
+            gen.close()
+    assert raised.value is boom
+    if failure == "the final save":
+        assert len(s.token_ids) == 30 + GEN  # kept: only the save failed
+    else:
+        assert s.token_ids is None and s.cache is None  # the request did not end cleanly
+    assert client.flush(timeout=WAIT)
+    got = client.load(model_id, "chat")  # the first step's save at most, not the final one
+    assert got is None or len(got.token_ids) < 30 + GEN

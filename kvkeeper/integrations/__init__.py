@@ -630,18 +630,33 @@ class _Watched:
 
 def run_out(results: Iterator[Any]) -> Exception | None:
     """Run a library's generator on from its last result, which a Session
-    hands on only after the request has ended: a caller may stop reading
-    there and keep the generator open, and the request's state must not wait
-    for its close(). What the library does past that result (mlx-lm leaves
-    its wired-memory limit, mlx-vlm records its cache) happens first. Returns
-    what it raised there, for the caller to get after the last result, as it
-    would have."""
+    hands on only after the request has ended (see ``hand_over``): a caller
+    may stop reading there and keep the generator open, and the request's
+    state must not wait for its close(). What the library does past that
+    result (mlx-lm leaves its wired-memory limit, mlx-vlm records its cache)
+    happens first. Returns what it raised there: the request did not end
+    cleanly."""
     try:
         for _ in results:
             pass
     except Exception as exc:
         return exc
     return None
+
+
+def hand_over(last: Any, late: Exception | None) -> Iterator[Any]:
+    """Yield a library's last result once the request has ended, then raise
+    ``late`` (what the library raised past that result, or what ending the
+    request raised), where the caller met it before: at its next call, or at
+    close() when it stopped at that result."""
+    try:
+        yield last
+    except GeneratorExit:
+        if late is not None:
+            raise late from None
+        raise
+    if late is not None:
+        raise late
 
 
 def watch_callers(kwargs: dict[str, Any]) -> list[bool]:

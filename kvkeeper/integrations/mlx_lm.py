@@ -35,6 +35,7 @@ from kvkeeper.integrations import (
     WINDOW_PROBE,
     Plan,
     SessionBase,
+    hand_over,
     hash_array,
     layers_fit,
     run_out,
@@ -229,16 +230,19 @@ class Session(SessionBase):
                 except GeneratorExit:
                     clean = True  # the caller stopped early: the cache is consistent
                     raise
-            clean = True
+            clean = late is None
         finally:
             unused = None if started or rerun_failed else (
                 lambda: self._unused(cache, plan, ids, made_from or ""))
-            self._end(request, wb, clean, lambda: self._keep(cache, all_ids, made_from or ""),
-                      unused)
+            try:
+                self._end(request, wb, clean,
+                          lambda: self._keep(cache, all_ids, made_from or ""), unused)
+            except Exception as exc:
+                if last is None:
+                    raise
+                late = late or exc  # after the last result, as before it came first
         if last is not None:
-            yield last
-        if late is not None:
-            raise late
+            yield from hand_over(last, late)
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:

@@ -41,6 +41,7 @@ from kvkeeper.integrations import (
     WINDOW_PROBE,
     Plan,
     SessionBase,
+    hand_over,
     hash_array,
     layers_fit,
     length_mismatch,
@@ -226,7 +227,7 @@ class Session(SessionBase):
                     raise
             else:
                 finished = True  # mlx-vlm ran to its end
-            clean = True
+            clean = late is None
         finally:
             def keep() -> None:
                 if finished and state.token_ids is not sentinel and state.cache is not None:
@@ -239,11 +240,14 @@ class Session(SessionBase):
 
             unused = None if started or rerun_failed else (
                 lambda: self._unused(expected, plan, ids, media))
-            self._end(request, wb, clean, keep, unused)
+            try:
+                self._end(request, wb, clean, keep, unused)
+            except Exception as exc:
+                if last is None:
+                    raise
+                late = late or exc  # after the last result, as before it came first
         if last is not None:
-            yield last
-        if late is not None:
-            raise late
+            yield from hand_over(last, late)
 
     def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
         """Whether mlx-vlm is generating into the cache we prepared."""
