@@ -1734,10 +1734,15 @@ def test_an_interrupt_at_any_call_in_close_is_finished_by_the_next_close(
             fired = _interrupted_at_call(at, lambda: kv.close(timeout=WAIT),  # noqa: B023
                                          under=package)
             kv.close(timeout=WAIT)
-            assert io_threads() == threads_before, f"the I/O thread left at call {at}"
+            # The I/O thread's last steps (letting go of the saves it did not
+            # send) run after close() returns, longer on a loaded machine:
+            # gone within WAIT, not kept until exit.
+            wait_for(lambda: io_threads() == threads_before,
+                     f"the I/O thread to end (interrupted at call {at})")  # noqa: B023
             del kv
             gc.collect()
-            assert fds() == fds_before, f"descriptors left at call {at}"
+            wait_for(lambda: fds() == fds_before,
+                     f"the descriptors to close (interrupted at call {at})")  # noqa: B023
             if not fired:
                 break
         assert at > 10  # close() went through that many calls
