@@ -644,16 +644,28 @@ def run_out(results: Iterator[Any]) -> Exception | None:
     return None
 
 
+def ended_too(late: Exception | None, exc: Exception) -> Exception:
+    """What to raise after the last result when ending the request raised
+    ``exc``: ``late``, the library's own error, if any (``exc`` is logged)."""
+    if late is None:
+        return exc
+    log.warning("event=error_after_last_result error=%s: ending the request failed too", exc)
+    return late
+
+
 def hand_over(last: Any, late: Exception | None) -> Iterator[Any]:
     """Yield a library's last result once the request has ended, then raise
     ``late`` (what the library raised past that result, or what ending the
-    request raised), where the caller met it before: at its next call, or at
-    close() when it stopped at that result."""
+    request raised) at the caller's next call, where it met it before. A
+    caller that stops at the last result (close(), or the generator dropped)
+    has its answer: ``late`` is logged instead (raised from close(), it
+    printed "Exception ignored" for every generator the collector closed)."""
     try:
         yield last
-    except GeneratorExit:
+    except BaseException:
         if late is not None:
-            raise late from None
+            log.warning("event=error_after_last_result error=%s: the caller stopped at the "
+                        "last result", late)
         raise
     if late is not None:
         raise late

@@ -35,6 +35,7 @@ from kvkeeper.integrations import (
     WINDOW_PROBE,
     Plan,
     SessionBase,
+    ended_too,
     hand_over,
     hash_array,
     layers_fit,
@@ -240,7 +241,7 @@ class Session(SessionBase):
             except Exception as exc:
                 if last is None:
                     raise
-                late = late or exc  # after the last result, as before it came first
+                late = ended_too(late, exc)  # after the last result, as before it came first
         if last is not None:
             yield from hand_over(last, late)
 

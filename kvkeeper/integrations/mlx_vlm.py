@@ -41,6 +41,7 @@ from kvkeeper.integrations import (
     WINDOW_PROBE,
     Plan,
     SessionBase,
+    ended_too,
     hand_over,
     hash_array,
     layers_fit,
@@ -245,7 +246,7 @@ class Session(SessionBase):
             except Exception as exc:
                 if last is None:
                     raise
-                late = late or exc  # after the last result, as before it came first
+                late = ended_too(late, exc)  # after the last result, as before it came first
         if last is not None:
             yield from hand_over(last, late)
 
