@@ -1545,3 +1545,27 @@ def test_the_environment_is_not_shown_as_the_built_in_default(short_dir: Path) -
     r = cli("serve", env=env)
     assert r.returncode == 2 and "outlives a reboot" in r.stderr, r.stderr
     assert f"(the default root is '{built_in}')" in r.stderr, r.stderr
+
+
+def test_a_client_with_an_unusable_root_setting_keeps_it_and_reads_no_other_store(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$KVKEEPER_ROOT naming a user that does not exist: the client logs it
+    and keeps the value as given, where no store is, so that a load with the
+    daemon down misses. (When the built-in default became the settings'
+    default, the client read the built-in store instead: another daemon's.)"""
+    monkeypatch.setenv("KVKEEPER_ROOT", "~nosuchuser-kvk/x")
+    monkeypatch.setenv("HOME", str(short_dir / "home"))
+    with Client(short_dir / "none.sock", connect_timeout=0) as kv:
+        assert kv.root == Path("~nosuchuser-kvk/x")
+
+
+def test_the_built_in_root_refused_as_shared_is_not_offered_as_the_way_out(
+        short_dir: Path) -> None:
+    home = short_dir / "home"
+    built_in = home / ".cache" / "kvkeeper"
+    built_in.mkdir(parents=True)
+    built_in.chmod(0o1777)
+    r = cli("serve", "--print-config", env={"HOME": str(home), "XDG_CACHE_HOME": "",
+                                             "KVKEEPER_SOCKET": str(short_dir / "run" / "s")})
+    assert r.returncode == 2 and "has mode 1777" in r.stderr, r.stderr
+    assert "the default root is" not in r.stderr, r.stderr

@@ -372,8 +372,19 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
         if platform == "linux":
             assert "systemctl --user enable kvkeeper.service" in said, said
             assert "nor at login until enabled" in said, said
+            # Installed again over an enabled unit: it is not said to be off.
+            wants = path.parent / "default.target.wants"
+            wants.mkdir()
+            (wants / path.name).symlink_to(path)
+            r = cli("install-service", "--platform", platform, "--no-load", env=env)
+            said = " ".join(r.stdout.split())
+            assert r.returncode == 0 and "not restarted" in said and "enabled" not in said, said
+            (wants / path.name).unlink()
         else:
-            assert "starts at the next login" in said and "launchctl" in said, said
+            # An agent still loaded from an earlier install is booted out
+            # first: launchd refuses to bootstrap a label that is loaded.
+            assert "starts at the next login" in said, said
+            assert "launchctl bootout gui/" in said and "; launchctl bootstrap gui/" in said, said
         r = cli("uninstall-service", "--platform", platform, "--no-load", env=env)
         assert r.returncode == 0 and not path.exists(), r.stderr
 

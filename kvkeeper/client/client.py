@@ -343,7 +343,9 @@ class Client:
                 root = _settings_root(settings.client_path)
             except settings.SettingsError as exc:
                 log.warning("event=root_from_default reason=%s", exc)
-                root = _settings_root(lambda _: Path(settings.BY_NAME["root"].default()))
+                # ($KVKEEPER_ROOT as given: where serve would fail too, a load
+                # misses, where the built-in store may be another daemon's.)
+                root = _settings_root(lambda _: config.default_root())
             self._configured_root = root
         return root
 

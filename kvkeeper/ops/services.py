@@ -186,13 +186,21 @@ def install_service(args: argparse.Namespace) -> int:
     if not args.no_load:
         out.print(Text.assemble("installed ", shown(sf.path), " and started it"))
         return 0
-    start = " && ".join(shlex.join(command) for command in sf.load)
+    # What install() runs: launchd refuses to bootstrap a label still loaded
+    # (an earlier install's), hence its bootout first, whose failure when
+    # nothing is loaded does not matter.
+    start = "; ".join([*map(shlex.join, sf.stop_first),
+                       " && ".join(map(shlex.join, sf.load))])
     # systemd starts a unit at login only once it is enabled (the link its
     # enable makes); launchd loads every agent in LaunchAgents at login.
-    out.print(Text.assemble(
-        "installed ", shown(sf.path),
-        ", not started (nor at login until enabled). To start it:" if sf.links else
-        ", not started (it starts at the next login). To start it now:"))
+    if sf.links and not any(os.path.lexists(link) for link in sf.links):
+        how = ", not started (nor at login until enabled). To start it:"
+    elif sf.links:
+        how = (", not restarted: a daemon an earlier install started keeps its command line "
+               "until then. To restart it:")
+    else:
+        how = ", not (re)started (it starts at the next login). To start it now:"
+    out.print(Text.assemble("installed ", shown(sf.path), how))
     out.print(Text.assemble("  ", shown(start)), soft_wrap=True)
     return 0
 
