@@ -325,7 +325,10 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
     # The every-token stress rounds are a quarter as long: each save writes
     # the whole cache, and they are there to show the daemon coalescing.
     modes = [Decode("no write-behind", None, n_cont),
-             Decode(f"write-behind every {every} tokens", every, n_cont),
+             # (At most 29 columns: the table's first; "1 tokens" read badly.)
+             Decode("write-behind every token" if every == 1 else
+                    f"write-behind every {every} tok" if every >= 1000 else
+                    f"write-behind every {every} tokens", every, n_cont),
              Decode("stress: saving every token", 1, max(8, n_cont // 4))]
     outputs: dict[int, set[tuple[int, ...]]] = {}
     for _round in range(ROUNDS):
@@ -492,7 +495,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, metavar="N",
                    help="model layers (default 4, at least 1)")
     p.add_argument("--hidden", type=int, default=256, metavar="N",
-                   help="model width, a multiple of 8 (default 256)")
+                   help="model width, a multiple of 8 (default 256, at least 8)")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="prompt seed (default 0, at least 0)")
     where = p.add_mutually_exclusive_group()
