@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1645,8 +1646,9 @@ def test_a_failure_after_the_last_result_still_hands_it_over(
             else:
                 gen.close()
         assert unraisable == []
-        assert "event=error_after_last_result error=\"simulated failure\"" in caplog.text, \
-            caplog.text
+        state = "kept" if failure == "the final save" else "dropped"
+        assert "event=error_after_last_result" in caplog.text and f" state={state} " \
+            f"error_type=RuntimeError error=\"simulated failure\"" in caplog.text, caplog.text
     if failure == "the final save":
         assert len(s.token_ids) == 30 + GEN  # kept: only the save failed
     else:
@@ -1654,3 +1656,56 @@ def test_a_failure_after_the_last_result_still_hands_it_over(
     assert client.flush(timeout=WAIT)
     got = client.load(model_id, "chat")  # the first step's save at most, not the final one
     assert got is None or len(got.token_ids) < 30 + GEN
+
+
+@pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])
+@pytest.mark.parametrize("caller", ["reads on", "closes at the last result"])
+def test_a_request_failed_past_its_last_result_lets_go_of_its_cache(
+        lm_tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch, library: str,
+        caller: str) -> None:
+    """The error past the last result, kept by the request's frames while
+    its traceback led back to them, made a cycle that held the request's
+    cache (a whole KV cache) until a full collection."""
+    made: list[Any] = []
+
+    def watched(factory: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def make(*a: Any, **kw: Any) -> list[Any]:
+            cache = factory(*a, **kw)
+            made.extend(weakref.ref(layer) for layer in cache)
+            return cache
+        return make
+
+    if library == "mlx-lm":
+        s: Any = kv_lm.Session(None, "tiny", "chat", tiny_llama(seed=3), lm_tok)
+        monkeypatch.setattr(kv_lm, "make_prompt_cache", watched(kv_lm.make_prompt_cache))
+        where, name = kv_lm, "_mlx_stream_generate"
+    else:
+        s = kv_vlm.Session(None, "tiny", "chat", tiny_vlm_llama(), vlm_processor(VOCAB))
+        monkeypatch.setattr(s, "_fresh_cache", watched(s._fresh_cache))
+        where, name = kv_vlm, "_vlm_stream_generate"
+    real = getattr(where, name)
+
+    def failing(*a: Any, **kw: Any) -> Any:
+        yield from real(*a, **kw)
+        raise RuntimeError("simulated failure")  # a new one: the test holds none
+
+    monkeypatch.setattr(where, name, failing)
+    gc.collect()
+    gc.disable()  # what a cycle holds stays held
+    try:
+        gen = (s.stream_generate(prompt(30, seed=70), max_tokens=4) if library == "mlx-lm"
+               else s.stream_generate(input_ids=prompt(30, seed=70), max_tokens=4,
+                                      temperature=0.0))
+        for r in gen:
+            if r.finish_reason is not None:
+                break
+        if caller == "reads on":
+            with pytest.raises(RuntimeError, match="simulated failure"):
+                next(gen)
+        else:
+            gen.close()
+        del gen, r
+        assert made and s.cache is None
+        assert [ref for ref in made if ref() is not None] == []
+    finally:
+        gc.enable()

@@ -517,6 +517,32 @@ class SessionBase:
             return None
         return wb
 
+    def _hand_over(self, last: LastResult) -> Iterator[Any]:
+        """Yield the library's last result once the request has ended, then
+        raise the error past it at the caller's next call, where the caller
+        met it before. A caller that stops at the last result (close(), the
+        generator dropped) has its answer: the error is logged instead
+        (raised from close(), it printed "Exception ignored" for every
+        generator the collector closed)."""
+        # Held by no frame of the request's once raised: its traceback leads
+        # back to them, and the cycle kept the request's cache (a whole KV
+        # cache) alive until a full collection.
+        error, last.error = last.error, None
+        try:
+            try:
+                yield last.result
+            except BaseException:
+                if error is not None:
+                    log.warning("event=error_after_last_result model=%s id=%s state=%s "
+                                "error_type=%s error=%s: the caller stopped at the last result",
+                                self.model_id, self.session_id,
+                                "kept" if last.kept else "dropped", type(error).__name__, error)
+                raise
+            if error is not None:
+                raise error
+        finally:
+            del error
+
     def _end(self, request: int, wb: WriteBehind | None, clean: bool,
              keep: Callable[[], None], unused: Callable[[], None] | None) -> None:
         """How a request leaves the session: ``keep()`` records its final state
@@ -630,7 +656,7 @@ class _Watched:
 
 def run_out(results: Iterator[Any]) -> Exception | None:
     """Run a library's generator on from its last result, which a Session
-    hands on only after the request has ended (see ``hand_over``): a caller
+    hands on only after the request has ended (see ``LastResult``): a caller
     may stop reading there and keep the generator open, and the request's
     state must not wait for its close(). What the library does past that
     result (mlx-lm leaves its wired-memory limit, mlx-vlm records its cache)
@@ -644,31 +670,19 @@ def run_out(results: Iterator[Any]) -> Exception | None:
     return None
 
 
-def ended_too(late: Exception | None, exc: Exception) -> Exception:
-    """What to raise after the last result when ending the request raised
-    ``exc``: ``late``, the library's own error, if any (``exc`` is logged)."""
-    if late is None:
-        return exc
-    log.warning("event=error_after_last_result error=%s: ending the request failed too", exc)
-    return late
+@dataclass
+class LastResult:
+    """A library's last result, held back until the request has ended, and
+    an error past it (see ``SessionBase._hand_over``)."""
 
+    result: Any = None
+    #: What the library raised past its last result (the request did not end
+    #: cleanly: its state was dropped), or what ending the request raised.
+    error: Exception | None = None
+    kept: bool = True  # whether the request ended cleanly (its state kept)
 
-def hand_over(last: Any, late: Exception | None) -> Iterator[Any]:
-    """Yield a library's last result once the request has ended, then raise
-    ``late`` (what the library raised past that result, or what ending the
-    request raised) at the caller's next call, where it met it before. A
-    caller that stops at the last result (close(), or the generator dropped)
-    has its answer: ``late`` is logged instead (raised from close(), it
-    printed "Exception ignored" for every generator the collector closed)."""
-    try:
-        yield last
-    except BaseException:
-        if late is not None:
-            log.warning("event=error_after_last_result error=%s: the caller stopped at the "
-                        "last result", late)
-        raise
-    if late is not None:
-        raise late
+    def library_failed(self, error: Exception | None) -> None:
+        self.error, self.kept = error, error is None
 
 
 def watch_callers(kwargs: dict[str, Any]) -> list[bool]:

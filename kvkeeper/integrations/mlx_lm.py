@@ -33,10 +33,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvkeeper.integrations import (
     WINDOW_PROBE,
+    LastResult,
     Plan,
     SessionBase,
-    ended_too,
-    hand_over,
     hash_array,
     layers_fit,
     run_out,
@@ -196,8 +195,7 @@ class Session(SessionBase):
             _feed_only_the_rest(kwargs, ids[:plan.reused])
         wb = self._write_behind(made_from or "")
         clean = started = False
-        last: GenerationResponse | None = None
-        late: Exception | None = None
+        last = LastResult()
         try:
             responses: Iterator[GenerationResponse] = _mlx_stream_generate(
                 self.model, self.tokenizer, mx.array(ids[plan.reused:]), max_tokens,
@@ -224,14 +222,15 @@ class Session(SessionBase):
                     all_ids.append(int(r.token))
                 wb = self._step(wb, cache, all_ids, request)
                 if r.finish_reason is not None:
-                    last, late = r, run_out(responses)
+                    last.result = r
+                    last.library_failed(run_out(responses))
                     break
                 try:
                     yield r
                 except GeneratorExit:
                     clean = True  # the caller stopped early: the cache is consistent
                     raise
-            clean = late is None
+            clean = last.kept
         finally:
             unused = None if started or rerun_failed else (
                 lambda: self._unused(cache, plan, ids, made_from or ""))
@@ -239,11 +238,11 @@ class Session(SessionBase):
                 self._end(request, wb, clean,
                           lambda: self._keep(cache, all_ids, made_from or ""), unused)
             except Exception as exc:
-                if last is None:
+                if last.result is None:
                     raise
-                late = ended_too(late, exc)  # after the last result, as before it came first
-        if last is not None:
-            yield from hand_over(last, late)
+                last.error = exc  # after the last result, where it came before
+        if last.result is not None:
+            yield from self._hand_over(last)
 
     def generate(self, prompt: str | list[int] | mx.array, max_tokens: int = 256,
                  **kwargs: Any) -> list[int]:

@@ -39,10 +39,9 @@ from mlx_vlm.models import cache as vlm_cache
 
 from kvkeeper.integrations import (
     WINDOW_PROBE,
+    LastResult,
     Plan,
     SessionBase,
-    ended_too,
-    hand_over,
     hash_array,
     layers_fit,
     length_mismatch,
@@ -182,8 +181,7 @@ class Session(SessionBase):
         rerun_failed = False
         self.tracked = None
         clean = finished = started = False
-        last: GenerationResult | None = None
-        late: Exception | None = None
+        last = LastResult()
         try:
             results: Iterator[GenerationResult] = _vlm_stream_generate(
                 self.model, self.processor, prompt, image=image, audio=audio, video=video,
@@ -218,8 +216,9 @@ class Session(SessionBase):
                 if r.finish_reason is not None:
                     # mlx-vlm records its cache only after yielding its last
                     # result, the one a caller stops at.
-                    last, late = r, run_out(results)
-                    finished = late is None
+                    last.result = r
+                    last.library_failed(run_out(results))
+                    finished = last.kept
                     break
                 try:
                     yield r
@@ -228,7 +227,7 @@ class Session(SessionBase):
                     raise
             else:
                 finished = True  # mlx-vlm ran to its end
-            clean = late is None
+            clean = last.kept
         finally:
             def keep() -> None:
                 if finished and state.token_ids is not sentinel and state.cache is not None:
@@ -244,11 +243,11 @@ class Session(SessionBase):
             try:
                 self._end(request, wb, clean, keep, unused)
             except Exception as exc:
-                if last is None:
+                if last.result is None:
                     raise
-                late = ended_too(late, exc)  # after the last result, as before it came first
-        if last is not None:
-            yield from hand_over(last, late)
+                last.error = exc  # after the last result, where it came before
+        if last.result is not None:
+            yield from self._hand_over(last)
 
     def _follows(self, r: GenerationResult, plan: Plan, expected: list[Any]) -> bool:
         """Whether mlx-vlm is generating into the cache we prepared."""
