@@ -203,7 +203,8 @@ def _check_ours(path: Path, what: str) -> None:
             built_in = default_root(environment=False)
         except ConfigError:  # no home directory: no default to point to
             built_in = path
-        default = "" if built_in == path else f" (the default root is {str(built_in)!r})"
+        default = ("" if os.path.abspath(built_in) == os.path.abspath(path)
+                   else f" (the default root is {str(built_in)!r})")
         own_place = f"; keep the store in a directory of its own that outlives a reboot{default}"
     elif shared or path == Path(os.path.expanduser("~")):
         # Nor is a home directory to be chmod-ed for a socket.

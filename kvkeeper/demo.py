@@ -424,7 +424,8 @@ def print_report(rep: Report) -> None:
     con.print(f"[bold]kvkeeper demo[/]: {rep.model}")
     con.print(f"daemon: {rep.daemon}\n")
     con.print(f" 1. streamed {rep.stream_tokens} tokens after a {rep.prompt_tokens}-token "
-              f"prompt, saving behind every {rep.every_tokens} tokens")
+              f"prompt, saving behind every "
+              f"{'token' if rep.every_tokens == 1 else f'{rep.every_tokens} tokens'}")
     con.print(f" 2. crash: the in-memory cache is gone (the last {rep.lost_tokens} tokens "
               f"were not saved in time)")
     con.print(f" 3. restart: restored {rep.restored_tokens} tokens from kvkeeper, read "
@@ -491,7 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1500, metavar="N",
                    help="length of the first prompt (default 1500, at least 64)")
     p.add_argument("--every-tokens", type=int, default=64, metavar="N",
-                   help="save behind every N tokens (default 64, at least 1)")
+                   help="save behind every N tokens (default 64, 1 to 99999)")
     p.add_argument("--layers", type=int, default=4, metavar="N",
                    help="model layers (default 4, at least 1)")
     p.add_argument("--hidden", type=int, default=256, metavar="N",
@@ -533,7 +534,9 @@ def main(args: argparse.Namespace) -> int:
     wrong = [f"{flag} {need} (got {value})" for flag, value, ok, need in (
         ("--tokens", args.tokens, args.tokens >= 2, "at least 2"),
         ("--prompt-tokens", args.prompt_tokens, args.prompt_tokens >= 64, "at least 64"),
-        ("--every-tokens", args.every_tokens, args.every_tokens >= 1, "at least 1"),
+        # (Past 99,999 its row's label no longer fits the table.)
+        ("--every-tokens", args.every_tokens, 1 <= args.every_tokens <= 99_999,
+         "from 1 to 99999"),
         ("--layers", args.layers, args.layers >= 1, "at least 1"),
         ("--seed", args.seed, args.seed >= 0, "at least 0"),
         ("--hidden", args.hidden, args.hidden >= 8 and args.hidden % 8 == 0,

@@ -1565,7 +1565,9 @@ def test_the_built_in_root_refused_as_shared_is_not_offered_as_the_way_out(
     built_in = home / ".cache" / "kvkeeper"
     built_in.mkdir(parents=True)
     built_in.chmod(0o1777)
-    r = cli("serve", "--print-config", env={"HOME": str(home), "XDG_CACHE_HOME": "",
-                                             "KVKEEPER_SOCKET": str(short_dir / "run" / "s")})
-    assert r.returncode == 2 and "has mode 1777" in r.stderr, r.stderr
-    assert "the default root is" not in r.stderr, r.stderr
+    (short_dir / "a").mkdir()
+    for given in (home, short_dir / "a" / ".." / "home"):  # the same, written two ways
+        r = cli("serve", "--print-config", env={"HOME": str(given), "XDG_CACHE_HOME": "",
+                                                 "KVKEEPER_SOCKET": str(short_dir / "run" / "s")})
+        assert r.returncode == 2 and "has mode 1777" in r.stderr, r.stderr
+        assert "the default root is" not in r.stderr, r.stderr

@@ -147,6 +147,9 @@ def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
                           "(got 0)\n"),
                          # (numpy's traceback before)
                          (("--seed", "-5"), "need --seed at least 0 (got -5)\n"),
+                         # Its row's label no longer fit the table.
+                         (("--every-tokens", "100000"),
+                          "need --every-tokens from 1 to 99999 (got 100000)\n"),
                          (("--json", str(short_dir / "nope" / "x.json")), "existing directory"),
                          # No file can be made there, root or not (before: a
                          # traceback after the whole run).

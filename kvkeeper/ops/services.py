@@ -189,15 +189,17 @@ def install_service(args: argparse.Namespace) -> int:
     # What install() runs: launchd refuses to bootstrap a label still loaded
     # (an earlier install's), hence its bootout first, whose failure when
     # nothing is loaded does not matter.
-    start = "; ".join([*map(shlex.join, sf.stop_first),
+    start = "; ".join([*(shlex.join(c) + " 2>/dev/null" for c in sf.stop_first),
                        " && ".join(map(shlex.join, sf.load))])
     # systemd starts a unit at login only once it is enabled (the link its
-    # enable makes); launchd loads every agent in LaunchAgents at login.
-    if sf.links and not any(os.path.lexists(link) for link in sf.links):
+    # enable makes, to this file); launchd loads every agent in LaunchAgents
+    # at login.
+    enabled = any(os.path.realpath(link) == os.path.realpath(sf.path) for link in sf.links)
+    if sf.links and not enabled:
         how = ", not started (nor at login until enabled). To start it:"
     elif sf.links:
-        how = (", not restarted: a daemon an earlier install started keeps its command line "
-               "until then. To restart it:")
+        how = (", not restarted (a daemon an earlier install started, if one runs, keeps its "
+               "command line until then). To restart it:")
     else:
         how = ", not (re)started (it starts at the next login). To start it now:"
     out.print(Text.assemble("installed ", shown(sf.path), how))
