@@ -544,12 +544,24 @@ class SessionBase:
             del error
 
     def _end(self, request: int, wb: WriteBehind | None, clean: bool,
-             keep: Callable[[], None], unused: Callable[[], None] | None) -> None:
+             keep: Callable[[], None], unused: Callable[[], None] | None,
+             last: LastResult) -> None:
         """How a request leaves the session: ``keep()`` records its final state
         and the final save follows when it ended cleanly (finished, or stopped
         between tokens); otherwise its saves are dropped and ``unused()``, given
         when it failed before its first response, may keep the prepared prefix.
-        A request that is no longer the latest leaves the newer one's state."""
+        A request that is no longer the latest leaves the newer one's state.
+        With the library's last result held back in ``last``, an error here
+        waits there, to come after that result, where it came before."""
+        try:
+            self._leave(request, wb, clean, keep, unused)
+        except Exception as exc:
+            if last.result is None:
+                raise
+            last.error = exc
+
+    def _leave(self, request: int, wb: WriteBehind | None, clean: bool,
+               keep: Callable[[], None], unused: Callable[[], None] | None) -> None:
         if self._latest(request) and clean:
             keep()
             self._close(wb)

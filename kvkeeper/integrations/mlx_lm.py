@@ -234,13 +234,8 @@ class Session(SessionBase):
         finally:
             unused = None if started or rerun_failed else (
                 lambda: self._unused(cache, plan, ids, made_from or ""))
-            try:
-                self._end(request, wb, clean,
-                          lambda: self._keep(cache, all_ids, made_from or ""), unused)
-            except Exception as exc:
-                if last.result is None:
-                    raise
-                last.error = exc  # after the last result, where it came before
+            self._end(request, wb, clean, lambda: self._keep(cache, all_ids, made_from or ""),
+                      unused, last)
         if last.result is not None:
             yield from self._hand_over(last)
 

@@ -240,12 +240,7 @@ class Session(SessionBase):
 
             unused = None if started or rerun_failed else (
                 lambda: self._unused(expected, plan, ids, media))
-            try:
-                self._end(request, wb, clean, keep, unused)
-            except Exception as exc:
-                if last.result is None:
-                    raise
-                last.error = exc  # after the last result, where it came before
+            self._end(request, wb, clean, keep, unused, last)
         if last.result is not None:
             yield from self._hand_over(last)
 
