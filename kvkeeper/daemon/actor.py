@@ -5,9 +5,9 @@ Jobs for one key run in the order they arrived; a newer save of a key replaces
 an older one that has not started writing (write-behind during streaming makes
 many, only the newest matters), and takes its place in the mailbox when it
 waits there with no job of its key behind it: a key saved faster than it is
-written holds one place in line, not one per save. A save starts writing as soon as it reaches
-the head of the mailbox, while its bytes are still arriving, so receiving and
-writing overlap. Blocking disk work runs in a worker thread, so the event loop
+written holds one place in line, not one per save. A save starts writing as
+soon as it reaches the head of the mailbox, while its bytes are still
+arriving, so receiving and writing overlap. Blocking disk work runs in a worker thread, so the event loop
 keeps answering loads and stats while a large file is written.
 
 A save of a key written less than ``min_write_interval`` ago is held aside
