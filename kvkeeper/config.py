@@ -184,6 +184,12 @@ def private_dir(path: Path, what: str) -> Path:
     return path
 
 
+def _same_place(a: Path, b: Path) -> bool:
+    """Whether two paths name one directory, however written (HOME given
+    with "..", or through a symlink)."""
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _check_ours(path: Path, what: str) -> None:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
@@ -203,10 +209,10 @@ def _check_ours(path: Path, what: str) -> None:
             built_in = default_root(environment=False)
         except ConfigError:  # no home directory: no default to point to
             built_in = path
-        default = ("" if os.path.abspath(built_in) == os.path.abspath(path)
+        default = ("" if _same_place(built_in, path)
                    else f" (the default root is {str(built_in)!r})")
         own_place = f"; keep the store in a directory of its own that outlives a reboot{default}"
-    elif shared or path == Path(os.path.expanduser("~")):
+    elif shared or _same_place(path, Path(os.path.expanduser("~"))):
         # Nor is a home directory to be chmod-ed for a socket.
         own_place = (f"; use a directory of its own inside it instead (e.g. "
                      f"{str(path / (f'kvkeeper-{os.getuid()}' if shared else '.kvkeeper'))!r}: "

@@ -1566,8 +1566,20 @@ def test_the_built_in_root_refused_as_shared_is_not_offered_as_the_way_out(
     built_in.mkdir(parents=True)
     built_in.chmod(0o1777)
     (short_dir / "a").mkdir()
-    for given in (home, short_dir / "a" / ".." / "home"):  # the same, written two ways
+    (short_dir / "link").symlink_to(home)
+    # The same directory, written three ways.
+    for given in (home, short_dir / "a" / ".." / "home", short_dir / "link"):
         r = cli("serve", "--print-config", env={"HOME": str(given), "XDG_CACHE_HOME": "",
                                                  "KVKEEPER_SOCKET": str(short_dir / "run" / "s")})
         assert r.returncode == 2 and "has mode 1777" in r.stderr, r.stderr
         assert "the default root is" not in r.stderr, r.stderr
+    # A home directory given as the root is not to be chmod-ed, however
+    # HOME is written: a directory of its own inside it is.
+    built_in.chmod(0o700)
+    home.chmod(0o755)
+    for given in (home, short_dir / "a" / ".." / "home", short_dir / "link"):
+        r = cli("serve", "--print-config", env={"HOME": str(given), "KVKEEPER_ROOT": str(home),
+                                                 "KVKEEPER_SOCKET": str(short_dir / "run" / "s")})
+        assert r.returncode == 2 and "has mode 755" in r.stderr, r.stderr
+        assert "chmod" not in r.stderr and "a directory of its own inside it" in r.stderr, \
+            (given, r.stderr)

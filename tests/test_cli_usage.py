@@ -380,11 +380,16 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
             said = " ".join(r.stdout.split())
             assert r.returncode == 0 and "not restarted" in said and "enabled" not in said, said
             (wants / path.name).unlink()
-            # A link to another file enables that one, not this unit.
-            (wants / path.name).symlink_to("/nonexistent/kvkeeper.service")
-            r = cli("install-service", "--platform", platform, "--no-load", env=env)
-            assert "nor at login until enabled" in " ".join(r.stdout.split()), r.stdout
-            (wants / path.name).unlink()
+            # systemd goes by the link's name, wherever it leads: enabled;
+            # a link to /dev/null masks it.
+            for target, enabled in (("/nonexistent/kvkeeper.service", True),
+                                    (os.devnull, False)):
+                (wants / path.name).symlink_to(target)
+                r = cli("install-service", "--platform", platform, "--no-load", env=env)
+                said = " ".join(r.stdout.split())
+                assert ("not restarted" in said) is enabled, said
+                assert ("nor at login until enabled" in said) is not enabled, said
+                (wants / path.name).unlink()
         else:
             # An agent still loaded from an earlier install is booted out
             # first: launchd refuses to bootstrap a label that is loaded.

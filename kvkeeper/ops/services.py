@@ -191,10 +191,12 @@ def install_service(args: argparse.Namespace) -> int:
     # nothing is loaded does not matter.
     start = "; ".join([*(shlex.join(c) + " 2>/dev/null" for c in sf.stop_first),
                        " && ".join(map(shlex.join, sf.load))])
-    # systemd starts a unit at login only once it is enabled (the link its
-    # enable makes, to this file); launchd loads every agent in LaunchAgents
-    # at login.
-    enabled = any(os.path.realpath(link) == os.path.realpath(sf.path) for link in sf.links)
+    # systemd starts a unit at login only once it is enabled: a link of its
+    # name in default.target.wants, wherever it leads (systemd takes the
+    # name), unless to /dev/null (masked); launchd loads every agent in
+    # LaunchAgents at login.
+    enabled = any(os.path.lexists(link) and os.path.realpath(link) != os.devnull
+                  for link in sf.links)
     if sf.links and not enabled:
         how = ", not started (nor at login until enabled). To start it:"
     elif sf.links:
