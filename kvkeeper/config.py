@@ -187,7 +187,10 @@ def private_dir(path: Path, what: str) -> Path:
 def _same_place(a: Path, b: Path) -> bool:
     """Whether two paths name one directory, however written (HOME given
     with "..", or through a symlink)."""
-    return os.path.realpath(a) == os.path.realpath(b)
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except OSError:  # a relative one, and the working directory is gone
+        return os.path.normpath(a) == os.path.normpath(b)
 
 
 def _check_ours(path: Path, what: str) -> None:

@@ -382,9 +382,15 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
             (wants / path.name).unlink()
             # systemd goes by the link's name, wherever it leads: enabled;
             # a link to /dev/null masks it.
+            # A copy, not a link, is ignored.
+            (short_dir / "empty").write_bytes(b"")
             for target, enabled in (("/nonexistent/kvkeeper.service", True),
-                                    (os.devnull, False)):
-                (wants / path.name).symlink_to(target)
+                                    (os.devnull, False), (str(short_dir / "empty"), False),
+                                    (None, False)):
+                if target is None:
+                    shutil.copy(path, wants / path.name)
+                else:
+                    (wants / path.name).symlink_to(target)
                 r = cli("install-service", "--platform", platform, "--no-load", env=env)
                 said = " ".join(r.stdout.split())
                 assert ("not restarted" in said) is enabled, said

@@ -32,7 +32,6 @@ This module imports neither MLX library.
 from __future__ import annotations
 
 import itertools
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -679,9 +678,6 @@ def run_out(results: Iterator[Any]) -> Exception | None:
         for _ in results:
             pass
     except Exception as exc:
-        # The library's frames it passed through let go of their locals
-        # (mlx-lm's stream context, freed later on another thread, complained).
-        traceback.clear_frames(exc.__traceback__)
         return exc
     return None
 

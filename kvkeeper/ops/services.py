@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -191,12 +192,8 @@ def install_service(args: argparse.Namespace) -> int:
     # nothing is loaded does not matter.
     start = "; ".join([*(shlex.join(c) + " 2>/dev/null" for c in sf.stop_first),
                        " && ".join(map(shlex.join, sf.load))])
-    # systemd starts a unit at login only once it is enabled: a link of its
-    # name in default.target.wants, wherever it leads (systemd takes the
-    # name), unless to /dev/null (masked); launchd loads every agent in
-    # LaunchAgents at login.
-    enabled = any(os.path.lexists(link) and os.path.realpath(link) != os.devnull
-                  for link in sf.links)
+    # launchd loads every agent in LaunchAgents at login.
+    enabled = any(map(_wanted_by, sf.links))
     if sf.links and not enabled:
         how = ", not started (nor at login until enabled). To start it:"
     elif sf.links:
@@ -207,6 +204,21 @@ def install_service(args: argparse.Namespace) -> int:
     out.print(Text.assemble("installed ", shown(sf.path), how))
     out.print(Text.assemble("  ", shown(start)), soft_wrap=True)
     return 0
+
+
+def _wanted_by(link: Path) -> bool:
+    """Whether systemd starts the unit at login for this entry of
+    default.target.wants: a symlink of the unit's name, wherever it leads
+    (systemd goes by the name; dangling too), unless to an empty file or a
+    device (masked: /dev/null). A file that is not a symlink is ignored."""
+    if not link.is_symlink():
+        return False
+    try:
+        st = os.stat(link)
+    except OSError:
+        return True
+    return not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                or (stat.S_ISREG(st.st_mode) and st.st_size == 0))
 
 
 def uninstall_service(args: argparse.Namespace) -> int:
