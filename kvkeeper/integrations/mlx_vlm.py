@@ -218,16 +218,15 @@ class Session(SessionBase):
                     # result, the one a caller stops at.
                     last.result = r
                     last.library_failed(run_out(results))
-                    finished = last.kept
                     break
                 try:
                     yield r
                 except GeneratorExit:
                     clean = True
                     raise
-            else:
-                finished = True  # mlx-vlm ran to its end
-            clean = last.kept
+            # mlx-vlm ran to its end (and recorded its cache), but for an error
+            # past its last result.
+            clean = finished = last.kept
         finally:
             def keep() -> None:
                 if finished and state.token_ids is not sentinel and state.cache is not None:

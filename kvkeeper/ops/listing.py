@@ -18,6 +18,7 @@ from kvkeeper.ops.common import (
     entry_dict,
     err,
     human,
+    key_shown,
     loadable,
     out,
     print_json,
@@ -138,8 +139,8 @@ def rm(args: argparse.Namespace) -> int:
         if args.cache_id is not None:
             if not kv.delete(args.model, args.cache_id):
                 # On stderr, as every other failure: "2>err" keeps the reason.
-                err.print(Text.assemble("kvkeeper: no such entry: ", shown(args.model), " / ",
-                                        shown(args.cache_id)))
+                err.print(Text.assemble("kvkeeper: no such entry: ",
+                                        key_shown(args.model, args.cache_id)))
                 return 1
             out.print("deleted")
             return 0

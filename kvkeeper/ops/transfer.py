@@ -253,7 +253,7 @@ def import_files(args: argparse.Namespace) -> int:
                      "failed": [{"path": str(p), "reason": r} for p, r in failed]})
     else:
         for p, mo, c, r in done:
-            out.print(Text.assemble("imported ", shown(p), " as ", shown(mo), " / ", shown(c),
+            out.print(Text.assemble("imported ", shown(p), " as ", key_shown(mo, c),
                                     " (replaced the stored entry)" if r else ""))
         for p, why in failed:
             out.print(Text.assemble(("not imported", "red"), " ", shown(p), ": ", shown(why)))
