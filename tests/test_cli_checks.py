@@ -1552,11 +1552,23 @@ def test_a_client_with_an_unusable_root_setting_keeps_it_and_reads_no_other_stor
     """$KVKEEPER_ROOT naming a user that does not exist: the client logs it
     and keeps the value as given, where no store is, so that a load with the
     daemon down misses. (When the built-in default became the settings'
-    default, the client read the built-in store instead: another daemon's.)"""
+    default, the client read the built-in store instead: another daemon's.)
+    A config file at fault leaves the client no root at all."""
     monkeypatch.setenv("KVKEEPER_ROOT", "~nosuchuser-kvk/x")
     monkeypatch.setenv("HOME", str(short_dir / "home"))
     with Client(short_dir / "none.sock", connect_timeout=0) as kv:
         assert kv.root == Path("~nosuchuser-kvk/x")
+    # The same from a config file (before: a file that did not parse, or a
+    # root in it that was no path, gave the built-in store).
+    monkeypatch.delenv("KVKEEPER_ROOT")
+    built_in = short_dir / "home" / ".cache" / "kvkeeper"
+    (built_in / "sessions").mkdir(parents=True)
+    conf = short_dir / "kvk.toml"
+    monkeypatch.setenv("KVKEEPER_CONFIG", str(conf))
+    for text in ('root = "~nosuchuser-kvk/x"', "root = 5", "root = [", 'root = ""'):
+        conf.write_text(text)
+        with Client(short_dir / "none.sock", connect_timeout=0) as kv:
+            assert kv.root != built_in and not (kv.root / "sessions").exists(), (text, kv.root)
 
 
 def test_the_built_in_root_refused_as_shared_is_not_offered_as_the_way_out(

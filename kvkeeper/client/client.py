@@ -342,10 +342,13 @@ class Client:
             try:
                 root = _settings_root(settings.client_path)
             except settings.SettingsError as exc:
-                log.warning("event=root_from_default reason=%s", exc)
-                # ($KVKEEPER_ROOT as given: where serve would fail too, a load
-                # misses, where the built-in store may be another daemon's.)
-                root = _settings_root(lambda _: config.default_root())
+                # Where serve would fail too, a load with the daemon down must
+                # miss, not read the built-in store (maybe another daemon's):
+                # $KVKEEPER_ROOT as given, else (the config file at fault) a
+                # root where no store is.
+                log.warning("event=root_unknown reason=%s", exc)
+                root = (_settings_root(lambda _: config.default_root())
+                        if os.environ.get(config.ENV_ROOT) else _NO_STORE)
             self._configured_root = root
         return root
 
@@ -1300,18 +1303,23 @@ _LOST_BECAUSE = {
 }
 
 
+#: The root of a client that cannot know its own: the default as written,
+#: unexpanded (a relative path no store is at), where direct reads miss.
+_NO_STORE = Path("~/.cache/kvkeeper")
+
+
 def _settings_root(find: Callable[[str], Path]) -> Path:
     """The root ``find("root")`` gives; where the default root needs a home
-    directory there is none of (HOME unset, no password entry), the default
-    as written, unexpanded: no store is there, and loads that would read the
-    files miss (the daemon's own root is used while it is up)."""
+    directory there is none of (HOME unset, no password entry), _NO_STORE:
+    loads that would read the files miss (the daemon's own root is used
+    while it is up)."""
     try:
         return find("root")
     except config.ConfigError as exc:
         if isinstance(exc, settings.SettingsError):
             raise
         log.warning("event=root_unknown reason=%s", exc)
-        return Path("~/.cache/kvkeeper")
+        return _NO_STORE
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:
