@@ -1357,7 +1357,7 @@ def test_an_id_starting_with_a_dash_goes_after_double_dash(
     r = cli("export", "--socket", sock, "--", "m1", "-dash", str(out))
     assert r.returncode == 0 and out.exists(), (r.stdout, r.stderr)
     r = cli("rm", "--socket", sock, "--", "m1", "-dash")
-    assert r.returncode == 0 and r.stdout == "deleted\n", (r.stdout, r.stderr)
+    assert r.returncode == 0 and r.stdout == "deleted m1 / -dash\n", (r.stdout, r.stderr)
     assert client.entries() == []
 
 

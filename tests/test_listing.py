@@ -101,9 +101,7 @@ def test_piped_ls_and_gc_list_long_odd_names_whole(client: Client, daemon: Runni
 
     r = cli("gc", "--socket", sock, env=PIPED)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[:4] == [
-        "evicted 0", "┏━━━━━━━┳━━━━┳━━━━━━┳━━━━━━┓", "┃ model ┃ id ┃ size ┃ kind ┃",
-        "┡━━━━━━━╇━━━━╇━━━━━━╇━━━━━━┩"], r.stdout
+    assert r.stdout.splitlines()[0] == "evicted nothing", r.stdout  # not an empty table
 
 
 def test_gc_lists_what_it_evicted_unfolded(short_dir: Path) -> None:

@@ -142,7 +142,7 @@ def rm(args: argparse.Namespace) -> int:
                 err.print(Text.assemble("kvkeeper: no such entry: ",
                                         key_shown(args.model, args.cache_id)))
                 return 1
-            out.print("deleted")
+            out.print(Text.assemble("deleted ", key_shown(args.model, args.cache_id)))
             return 0
         entries = loadable(kv, args.all_of_model)
         deleted = sum(kv.delete(e.model, e.cache_id) for e in entries)
@@ -164,10 +164,13 @@ def gc(args: argparse.Namespace) -> int:
         print_json({"evicted": [entry_dict(e) for e in result.entries],
                      "disk_used_bytes": result.disk_used_bytes, "free_bytes": result.free_bytes})
         return 0
-    print_table(f"evicted {len(result.entries)}",
-                 [("model", "left"), ("id", "left"), ("size", "left"), ("kind", "left")],
-                 [[shown(e.model), shown(e.cache_id), human(e.nbytes), e.kind]
-                  for e in result.entries])
+    if result.entries:
+        print_table(f"evicted {len(result.entries)}",
+                     [("model", "left"), ("id", "left"), ("size", "left"), ("kind", "left")],
+                     [[shown(e.model), shown(e.cache_id), human(e.nbytes), e.kind]
+                      for e in result.entries])
+    else:
+        out.print("evicted nothing")
     out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
               f"the store's file system")
     return 0
