@@ -1595,3 +1595,18 @@ def test_the_built_in_root_refused_as_shared_is_not_offered_as_the_way_out(
         assert r.returncode == 2 and "has mode 755" in r.stderr, r.stderr
         assert "chmod" not in r.stderr and "a directory of its own inside it" in r.stderr, \
             (given, r.stderr)
+
+
+def test_an_error_quoting_a_path_with_control_characters_stays_one_line(
+        short_dir: Path) -> None:
+    """A newline in a path an error quotes made a second line that read as
+    another message, and an ESC reached the terminal; both come escaped."""
+    sock = str(short_dir / "none.sock")
+    r = cli("export", "--socket", sock, "m", "id", str(short_dir / "no\nsuch" / "x.safetensors"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "no\\nsuch is not an existing directory" in r.stderr, r.stderr
+    empty = short_dir / "e\x1b[31mmpty"
+    empty.mkdir()
+    r = cli("import", "--socket", sock, "--model", "m", str(empty))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "\x1b" not in r.stderr, r.stderr
+    assert "e\\x1b[31mmpty" in r.stderr, r.stderr

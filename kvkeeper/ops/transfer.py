@@ -70,7 +70,7 @@ def _cache_files_under(directory: Path) -> list[Path]:
     skipped, one it cannot list is reported: neither fails the import."""
     def unlisted(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):
-            err.print(f"cannot list {exc.filename}: {exc.strerror}", markup=False)
+            err.print(Text.assemble("cannot list ", shown(exc.filename), f": {exc.strerror}"))
 
     return sorted(Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
                   for name in names if name.endswith(naming.SUFFIX))
@@ -113,7 +113,7 @@ def import_files(args: argparse.Namespace) -> int:
                            f"{args.paths[0]} holds {len(files)} *{naming.SUFFIX} files",
                            status=2)
     for d in empty:
-        err.print(f"no *{naming.SUFFIX} files in {d}", markup=False)
+        err.print(Text.assemble(f"no *{naming.SUFFIX} files in ", shown(d)))
     from kvkeeper.client.channel import DaemonUnavailable
 
     done: list[tuple[Path, str, str, bool]] = []
