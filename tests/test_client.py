@@ -813,6 +813,12 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
             Client(client.socket_path, **kw)
     with pytest.raises(ValueError, match="root is empty"):
         Client(client.socket_path, root="")  # before: the working directory
+    with pytest.raises(ValueError, match="names no user"):  # before: a RuntimeError
+        Client(client.socket_path, root="~nosuchuser-kvk/x")
+    # Relative, as the socket: where it named then, not wherever the working
+    # directory is at each load (before: kept relative).
+    with Client(client.socket_path, root="rel") as other:
+        assert other.root == Path.cwd() / "rel"
     for socket in ("", "ipc://"):
         with pytest.raises(ValueError, match="socket path is empty"):
             Client(socket)
@@ -1150,3 +1156,24 @@ def test_a_load_waits_for_a_stalled_daemon_one_timeout_in_all(
             kv.close()
     finally:
         assert stop_process(proc) == 0
+
+
+def test_with_no_daemon_a_store_open_to_others_is_not_read(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """serve refuses a root others can write in (any user could plant a file
+    under a key there); with the daemon down, the client read it all the
+    same, and returned what it found."""
+    root, sock = short_dir / "root", short_dir / "kv.sock"
+    d = start_daemon(root, sock)
+    with Client(sock, root=root, timeout=WAIT, connect_timeout=0.2) as kv:
+        assert kv.save(FP, "x", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+        assert d.stop() == 0
+        wait_for(lambda: not kv.connected, "the client to see the daemon go")
+        got = kv.load(FP, "x")
+        assert got is not None and got.token_ids == [1]  # ours, private: read
+        root.chmod(0o777)
+        caplog.set_level(logging.WARNING, logger="kvkeeper.client")
+        for _ in range(2):
+            assert kv.load(FP, "x") is None
+    said = [r.getMessage() for r in caplog.records if "not reading the store" in r.getMessage()]
+    assert len(said) == 1 and "has mode 777" in said[0], caplog.text

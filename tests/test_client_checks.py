@@ -1229,6 +1229,38 @@ def test_a_daemon_restarted_with_the_same_pid_is_told_apart(short_dir: Path) -> 
             d.stop()
 
 
+def test_a_client_learns_each_daemon_it_connects_to(short_dir: Path) -> None:
+    """Another daemon on the socket, with another root and a higher
+    --max-pending-bytes: what the client knew of the first (learnt from a
+    ping only) stuck. With that daemon down too, a load read the first
+    daemon's store (an older save), and saves the new daemon takes were
+    dropped as too large for the first until something pinged."""
+    from .faultkit import filled
+
+    sock = short_dir / "run" / "kv.sock"
+    d = start_daemon(short_dir / "a", sock, max_pending_bytes=2 * 2**20)
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save("fp", "k", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+            assert kv.load("fp", "k").token_ids == [1]
+            assert not kv.save("fp", "big", filled(4, 9), [9])  # too large for this one
+            assert d.stop() == 0
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            d = start_daemon(short_dir / "b", sock, max_pending_bytes=64 * 2**20)
+            wait_for(lambda: kv.connected, "the client reconnects")
+            assert kv.save("fp", "big", filled(4, 9), [9])
+            assert kv.save("fp", "k", filled(0.5, 2), [2])
+            assert kv.load("fp", "k").token_ids == [2]  # (no flush: that pings)
+            assert d.stop() == 0
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            got = kv.load("fp", "k")
+            assert got is not None and got.token_ids == [2], got
+            assert kv.root == short_dir / "b"
+    finally:
+        if d.thread.is_alive():
+            d.stop()
+
+
 def test_a_client_made_before_any_daemon_still_tells_a_restart(short_dir: Path) -> None:
     """The client never learnt which daemon took its save (none answered when
     it was made): a save sent to a daemon that then died must not be vouched

@@ -20,7 +20,14 @@ import pytest
 
 from kvkeeper.client.client import Client, DaemonTimedOut
 
-from .conftest import WAIT, drain_past_the_notice, serve_process, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    drain_past_the_notice,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
 from .faultkit import FP, entry_path, filled, version_of
 
 
@@ -725,6 +732,23 @@ def test_a_save_zeromq_had_no_room_for_waits_and_is_still_replaced(short_dir: Pa
         stop_process(proc, signal.SIGKILL)
 
 
+def _stale_until_a_flush(kv: Client, caplog: pytest.LogCaptureFixture, reason: str) -> None:
+    """Loads of "k" get version 1, each saying it may be stale (``reason``),
+    until a flush says False, which settles the key."""
+    with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+        for _ in range(2):
+            got = kv.load(FP, "k")
+            assert got is not None and got.token_ids == [1]
+        said = [r.getMessage() for r in caplog.records
+                if "event=load_may_be_stale" in r.getMessage()]
+        assert len(said) == 2 and f"reason={reason}" in said[0], said
+        assert kv.flush(timeout=WAIT) is False  # it tells, and settles the key
+        caplog.clear()
+        got = kv.load(FP, "k")
+        assert got is not None and got.token_ids == [1]
+        assert not [r for r in caplog.records if "load_may_be_stale" in r.getMessage()]
+
+
 @pytest.mark.parametrize("how", ["held", "half sent"])
 def test_a_load_after_a_restart_that_took_its_save_says_it_may_be_stale(
         short_dir: Path, caplog: pytest.LogCaptureFixture, how: str) -> None:
@@ -749,18 +773,22 @@ def test_a_load_after_a_restart_that_took_its_save_says_it_may_be_stale(
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock)
             wait_for(lambda: kv.connected, "the client to reconnect")
-            with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
-                for _ in range(2):
-                    got = kv.load(FP, "k")
-                    assert got is not None and got.token_ids == [1]
-                said = [r.getMessage() for r in caplog.records
-                        if "event=load_may_be_stale" in r.getMessage()]
-                reason = "daemon_restarted" if how == "held" else "save_lost"
-                assert len(said) == 2 and f"reason={reason}" in said[0], said
-                assert kv.flush(timeout=WAIT) is False  # it tells, and settles the key
-                caplog.clear()
-                got = kv.load(FP, "k")
-                assert got is not None and got.token_ids == [1]
-                assert not [r for r in caplog.records if "load_may_be_stale" in r.getMessage()]
+            _stale_until_a_flush(kv, caplog, "daemon_restarted" if how == "held" else "save_lost")
     finally:
         assert stop_process(proc) == 0
+
+
+def test_a_load_after_a_refused_save_of_its_key_says_it_may_be_stale(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon refused the key's last save (over its disk budget) and
+    answered the load with the older file: the client took that as settling
+    its save, with no word, and every later load read the older file
+    directly, until a flush said False."""
+    d = start_daemon(short_dir / "root", short_dir / "kv.sock", max_disk_bytes=2 * 2**20)
+    try:
+        with Client(d.socket, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            assert kv.save(FP, "k", filled(3, 2), [2])  # refused: over the disk budget
+            _stale_until_a_flush(kv, caplog, "save_refused")
+    finally:
+        assert d.stop() == 0

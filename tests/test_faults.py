@@ -48,6 +48,28 @@ def paths(short_dir: Path) -> tuple[Path, Path]:
     return short_dir / "root", short_dir / "run" / "kv.sock"
 
 
+def test_a_lazy_load_whose_daemon_dies_answering_reads_the_file_it_left(
+        short_dir: Path) -> None:
+    """A lazy load reads the key's file while the daemon answers. The daemon
+    killed right after renaming this client's save into place never answers:
+    the load returned its early read, the version before that save."""
+    root, sock = paths(short_dir)
+    proc = serve_process(root, sock)
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save(FP, "k", filled(2, 1), [1]) and kv.flush(timeout=WAIT)
+    assert stop_process(proc) == 0
+    # 1 s to write the new version (0.5 s per MiB): the early read comes first.
+    proc = serve_process(root, sock, env={ENV: "crash_at=renamed,write_delay=0.5"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "k", filled(2, 2), [2])
+            got = kv.load(FP, "k", verify=False)
+            assert got is not None and got.token_ids == [2], got
+            assert proc.wait(WAIT) == -signal.SIGKILL
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_sigkill_at_each_step_of_a_replace(short_dir: Path, point: str) -> None:
     root, sock = paths(short_dir)

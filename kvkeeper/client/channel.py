@@ -392,6 +392,7 @@ class Channel:
         max_inflight_bytes: int,
         min_send_interval: float = 0.0,
         on_refused: Callable[[m.SaveRefused], None] | None = None,
+        on_hello: Callable[[m.Pong, int], None] | None = None,
         cpu_policy: str = "batch",
     ) -> None:
         self.endpoint = endpoint
@@ -421,6 +422,14 @@ class Channel:
         # own: the daemon they went to answers for them only if it drained).
         self._ends: list[ConnectionEnd] = []
         self._on_refused = on_refused
+        # Called on the I/O thread with the daemon's answer to the ping sent
+        # on each new connection, and the connection's number: what a client
+        # knew of the daemon (its root, its largest save) was of the one
+        # before, maybe another daemon on the same socket. The ping waiting
+        # for its answer, and its connection's number (the I/O thread's).
+        self._on_hello = on_hello
+        self._hello: tuple[_Request, int] | None = None
+        self._hello_due = False
         self._lock = threading.RLock()
         self._outbox: deque[_Save | _Request] = deque()
         self._waiting: dict[int, _Request] = {}
@@ -889,6 +898,7 @@ class Channel:
                 if sock in events:
                     self._receive(sock)
                 lost = monitor in events and self._monitor_events(monitor, sock)
+                self._say_hello(sock)
                 if lost:
                     # Replies still unread count (ZeroMQ drops them once it
                     # has ended the connection's pipe: the daemon keeps its
@@ -989,6 +999,7 @@ class Channel:
                 self._daemon_leaving = False
                 self._drain = None
                 self.connections += 1
+                self._hello_due = self._on_hello is not None
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 if self.connected.is_set():
@@ -1041,6 +1052,13 @@ class Channel:
                 if self._drain is None:
                     self._drain = _DrainFlush(reply.pid, reply.boot_id)
                 continue
+            if isinstance(reply, m.Pong) and self._hello is not None \
+                    and reply.req == self._hello[0].req:
+                (hello, conn), self._hello = self._hello, None
+                self._confirmed = max(self._confirmed, hello.seq)
+                assert self._on_hello is not None
+                self._on_hello(reply, conn)
+                continue
             if isinstance(reply, m.SaveRefused):
                 self.counters.saves_refused += 1
                 if reply.code == "shutting_down":
@@ -1074,6 +1092,17 @@ class Channel:
         req = m.DRAIN_ANSWER + self.next_req_id()
         drain.request = _Request(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=req)), req)
         self._send_request(sock, drain.request)
+
+    def _say_hello(self, sock: zmq.Socket) -> None:
+        """Ask a daemon just connected who it is, before the saves waiting
+        for it go (between two messages: never inside a save's)."""
+        if not self._hello_due or self._piping is not None or not self.connected.is_set():
+            return
+        self._hello_due = False
+        req = self.next_req_id()
+        hello = _Request(m.encode(m.Ping(v=m.PROTOCOL_VERSION, req=req)), req)
+        self._hello = (hello, self.connections)
+        self._send_request(sock, hello)
 
     def _admit_outbox(self, sock: zmq.Socket) -> None:
         """Take what the callers queued: requests go out now unless they must

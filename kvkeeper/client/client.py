@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -113,7 +113,8 @@ class Client:
     defaults to what the daemon reports, else ``$KVKEEPER_ROOT``, the config
     file's or the per-user default. A ``ValueError`` if the socket, given or
     found, cannot be used (another transport than a local socket, a path too
-    long), or if the config file it is looked up in does not parse.
+    long), or if the config file it is looked up in does not parse; also for
+    a ``root`` whose ``~`` names no user.
     ``max_inflight_bytes`` bounds what saves may hold before the daemon has
     taken their bytes (default: a quarter of this machine's memory, or of
     its cgroup's limit in a container, at least 2 GiB); a save that does
@@ -153,13 +154,14 @@ class Client:
             raise ValueError(str(exc)) from None
         if root is not None and not os.fspath(root):
             raise ValueError("root is empty")
-        self._root_override = Path(root).expanduser() if root is not None else None
+        # Absolute too: loads read it from whatever directory is current then.
+        self._root_override = (Path(os.path.abspath(config.expanded(root)))
+                               if root is not None else None)
         # Resolved now when the socket came from the settings too (a config
         # file that cannot be used has just raised for it); with a socket
         # given, only when it is needed, and the config file cannot fail it.
         self._configured_root = (_settings_root(settings.client_path)
                                  if root is None and socket is None else None)
-        self._daemon_root: Path | None = None
         min_send_interval = _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
         timeout = _check_seconds("timeout", timeout)
         connect_timeout = _check_seconds("connect_timeout", connect_timeout, zero_ok=True)
@@ -176,9 +178,9 @@ class Client:
         # ever with a plain lock; saves now queue their keys without it, see
         # _saves_made).
         self._lock: threading.RLock = threading.RLock()
-        self._max_save_bytes: int | None = None
         self._dropped: int = 0
         self._lost_seen: int = 0
+        self._refused_seen: int = 0  # the channel's saves_refused as the last flush returned
         self._failed_seen: int = 0
         self._warned: set[str] = set()
         self._throttle: _Throttle = _Throttle()
@@ -202,7 +204,6 @@ class Client:
         self._unsettled: dict[tuple[str, str], int] = {}
         self._save_numbers = itertools.count(1)
         self._saves_made: collections.deque[tuple[tuple[str, str], int]] = collections.deque()
-        self._root_seen_at: int = -1  # channel.connections when the daemon named its root
         # The daemon run that answered the last flush that returned (its pid
         # and boot id, and channel.connections then).
         self._flush_daemon: tuple[int, float] | None = None  # (pid, boot id)
@@ -216,7 +217,6 @@ class Client:
         # (Reentrant only to tell a signal handler's flush() inside this
         # thread's own: see flush.)
         self._flushing: threading.RLock = threading.RLock()
-        self._daemon_version: str | None = None
         if "mlx.core" in sys.modules:
             # A program that uses MLX will save: import the codec now (8-9 ms
             # here) rather than in its first save(), inside the generation
@@ -225,11 +225,15 @@ class Client:
                 _codec()
         # The daemon's latest refusal of a save (kvkeeper import says it).
         self._refusals = _RefusalLog()
+        # What the daemon connected said of itself, asked on each connection.
+        self._daemon = _DaemonSaid()
         self._channel: Channel = Channel(
             config.endpoint(self.socket_path),
             max_inflight_bytes=max_inflight_bytes,
             min_send_interval=min_send_interval,
-            on_refused=self._refusals,  # not a method: the channel must not keep this client alive
+            # Not methods: the channel must not keep this client alive.
+            on_refused=self._refusals,
+            on_hello=self._daemon,
             # As serve's --cpu-policy and KVKEEPER_CPU_POLICY take it.
             cpu_policy=cpu_policy.lower() if isinstance(cpu_policy, str) else cpu_policy,
         )
@@ -337,7 +341,8 @@ class Client:
         """The store root whose files ``load()`` reads directly: while the daemon
         is up, when no save of the key through this client is pending (counted as
         ``loads_direct``); when it is down, for every load."""
-        root = self._root_override or self._daemon_root or self._configured_root
+        said = self._daemon.said
+        root = self._root_override or (said.root if said else None) or self._configured_root
         if root is None:
             try:
                 root = _settings_root(settings.client_path)
@@ -406,7 +411,9 @@ class Client:
         # Only the capture (which checks the layers) runs here; the JSON, the
         # byte runs and the messages are built on the I/O thread (_messages).
         cap = _codec().capture_cache(layers)
-        limit = self._max_save_bytes
+        # (Another daemon's limit, were it said on an earlier connection.)
+        said = self._daemon.said
+        limit = said.max_save_bytes if said and said.conn == self._channel.connections else None
         # Over both limits, the smaller is named (raising the other would not
         # let it through): past max_inflight_bytes, send_save() says so below.
         if limit is not None and cap.nbytes > limit <= self._channel.max_inflight_bytes:
@@ -541,10 +548,7 @@ class Client:
     def _drop(self, reason: str, message: str) -> bool:
         with self._lock:
             self._dropped += 1
-            first = reason not in self._warned
-            self._warned.add(reason)
-        if first:
-            log.warning("event=save_dropped reason=%s detail=%s: logged once per reason",
+        self._warn_once(reason, "event=save_dropped reason=%s detail=%s: logged once per reason",
                         reason, message)
         return False
 
@@ -571,8 +575,9 @@ class Client:
         connection to the daemon was lost since the last flush, a load of a
         key saved meanwhile returns what the daemon has, logged as possibly
         older (``event=load_may_be_stale``) until a flush tells.
-        ``verify`` checks every tensor's checksum (reads the whole file); off,
-        the arrays stay lazy (each is read from the file when first evaluated).
+        ``verify`` checks every tensor's checksum (reads the whole file) and the
+        header's (token ids, metadata); off, the arrays stay lazy (each is read
+        from the file when first evaluated), and neither is checked.
         """
         if self._closed:
             raise RuntimeError("client is closed")
@@ -647,8 +652,11 @@ class Client:
                 # promised. (With the daemon gone the file is all there is
                 # until a new one writes that save, if it still waits here.)
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
-            return self._read_instead(model, cache_id, exc, unwritten,
-                                      early or _read(guess, verify, model, cache_id), deadline)
+            # (The early read only if no newer file replaced it meanwhile:
+            # the daemon may have died right after writing our save.)
+            if early is None or not early.still_current():
+                early = _read(guess, verify, model, cache_id)
+            return self._read_instead(model, cache_id, exc, unwritten, early, deadline)
         if not kept:
             lost = self._lost_since_flush(pending) if unwritten else None
             if lost is None:
@@ -670,14 +678,16 @@ class Client:
     def _lost_since_flush(self, pending: PendingReply) -> str | None:
         """Why saves handed off since the last flush that returned may be lost
         for all the daemon answering ``pending`` knows (None: they are not):
-        one was lost on its way (half sent when a connection ended), a
-        connection ended before the daemon read them, or one ended with saves
+        one was lost on its way (half sent when a connection ended) or
+        refused by the daemon (busy, too large), a connection ended before the daemon read them, or one ended with saves
         sent on it and no drain answering for them (the daemon may have been
         restarted), or the answer came on a later connection than the request
         went on. A flush tells which, with a round trip or two more. (Which
         keys is not known: any key saved since the last flush is in doubt.)"""
         if self._channel.counters.saves_lost > self._lost_seen:
             return "save_lost"
+        if self._channel.counters.saves_refused > self._refused_seen:
+            return "save_refused"
         if self._channel.unread_losses(since=self._flushed_seq, before=pending):
             return "connection_lost"
         if self._channel.connections != pending.conn or any(
@@ -699,16 +709,30 @@ class Client:
                         quiet, unwritten)
         if attempt.ident is None and not _holds_a_store(self.root):
             # Every load would be a silent miss: say once where it looked.
-            with self._lock:
-                first = "no_store" not in self._warned
-                self._warned.add("no_store")
-            if first:
-                # In the format, not an argument: the log quotes arguments with spaces.
-                whose = ("given as Client(root=...)" if self._root_override is not None
-                         else "the root the daemon would use; Client(root=...) names another")
-                log.warning(f"event=load_from_file reason=%s: no store at %s to read instead "
-                            f"({whose}); loads miss until the daemon is back", why, self.root)
+            # (In the format, not an argument: the log quotes arguments with spaces.)
+            whose = ("given as Client(root=...)" if self._root_override is not None
+                     else "the root the daemon would use; Client(root=...) names another")
+            self._warn_once("no_store", f"event=load_from_file reason=%s: no store at %s to "
+                            f"read instead ({whose}); loads miss until the daemon is back",
+                            why, self.root)
+            return self._conclude(model, cache_id, attempt, deadline)
+        refused = _not_private(self.root)
+        if refused is not None:
+            # With no daemon to vouch for it, a store others can write in
+            # (or not ours) may hold anyone's file under the key: what serve
+            # refuses, a read refuses too.
+            self._warn_once("root_refused", "event=load_from_file reason=%s: not reading the "
+                            "store itself: %s; loads miss until the daemon is back", why, refused)
+            return None
         return self._conclude(model, cache_id, attempt, deadline)
+
+    def _warn_once(self, what: str, fmt: str, *args: object) -> None:
+        """Log ``fmt`` the first time ``what`` happens to this client."""
+        with self._lock:
+            first = what not in self._warned
+            self._warned.add(what)
+        if first:
+            log.warning(fmt, *args)
 
     def _can_read_directly(self, key: tuple[str, str], deadline: float) -> bool:
         """Whether a load of ``key`` may skip the daemon: it is connected, this
@@ -717,13 +741,15 @@ class Client:
         mark, untracked = self._unsettled_mark(key)
         if not self._channel.connected.is_set() or mark is not None or untracked:
             return False
-        if self._root_seen_at != self._channel.connections:
+        said = self._daemon.said
+        if said is None or said.conn != self._channel.connections:
             try:
                 self.ping(min(_left(deadline), 2.0))
             except DaemonUnavailable:
                 return False
+            said = self._daemon.said
         # The Used notice is new in this version: an older daemon would refuse it.
-        return self.root == self._daemon_root and self._daemon_version == __version__
+        return said is not None and self.root == said.root and said.version == __version__
 
     def _settled(self, key: tuple[str, str], mark: int | None) -> None:
         """The daemon answered for every save of ``key`` up to ``mark``."""
@@ -797,7 +823,8 @@ class Client:
                 ino=ident.st_ino, mtime_ns=ident.st_mtime_ns, reason=reason[:4000]), wait)
             if isinstance(reply, m.Deleted) and reply.existed:
                 # Into the daemon's root, which Client(root=...) may not be.
-                where = (self._daemon_root or self.root) / naming.QUARANTINE_DIR
+                said = self._daemon.said
+                where = (said.root if said else self.root) / naming.QUARANTINE_DIR
                 # (The answer does not say the file's new name: its directory.)
                 log.info("event=moved_aside model=%s id=%s: the daemon moved the file into %s/",
                          model, cache_id, where, extra={"kvkeeper_moved_to": str(where)})
@@ -892,6 +919,9 @@ class Client:
             # (the daemon counts refusals with failures: their replies can be lost).
             lost_total = pending.lost
             lost = lost_total - self._lost_seen
+            # (Refusals of saves sent after the flush may be in it too: a
+            # load then misses its warning that its key's save was refused.)
+            refused_total = self._channel.counters.saves_refused
             failed_seen = 0 if restarted else self._failed_seen
             # A smaller total also means a new daemon (one this check missed).
             failed = _added_since(reply.failed, failed_seen)
@@ -943,6 +973,7 @@ class Client:
         # the answer) loses this answer: Python hands no value back
         # atomically. Only flushes, which take turns, use these.
         self._lost_seen = lost_total
+        self._refused_seen = refused_total
         self._failed_seen = reply.failed
         self._flush_daemon, self._flush_conn = run, conn
         self._flushed_seq = pending.seq
@@ -1027,10 +1058,7 @@ class Client:
         seen_at = self._channel.connections
         reply = self._request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Pong)
-        self._daemon_root = Path(reply.root)
-        self._daemon_version = reply.version
-        self._root_seen_at = seen_at
-        self._max_save_bytes = reply.max_save_bytes
+        self._daemon(reply, seen_at)
         return reply
 
     def _request(self, make: Any, timeout: float | None = None, *,
@@ -1074,6 +1102,26 @@ class _Throttle:
                 return None
             self._last[reason] = now
             return self._quiet.pop(reason, 0)
+
+
+class _DaemonFacts(NamedTuple):
+    root: Path
+    version: str
+    max_save_bytes: int
+    conn: int  # the channel's connection it was said on
+
+
+class _DaemonSaid:
+    """What the daemon said of itself last (a Pong: the channel asks on each
+    new connection, ping() too), in one piece. Holds nothing of the client:
+    the channel must not keep it alive."""
+
+    said: _DaemonFacts | None = None
+
+    def __call__(self, pong: m.Pong, conn: int) -> None:
+        said = self.said
+        if said is None or conn >= said.conn:  # (a ping()'s answer may come after a newer hello's)
+            self.said = _DaemonFacts(Path(pong.root), pong.version, pong.max_save_bytes, conn)
 
 
 class _RefusalLog(_Throttle):
@@ -1204,6 +1252,19 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
 _READ_ATTEMPTS = 5
 
 
+def _not_private(root: Path) -> str | None:
+    """Why ``root`` is no store to read with the daemon down (one serve
+    refuses: a symlink, not ours, open to others), else None (also when
+    there is nothing at all: a read then misses anyway)."""
+    if not os.path.lexists(root):
+        return None
+    try:
+        config.check_private_dir(root, "root directory")
+    except config.ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _holds_a_store(root: Path) -> bool:
     """Whether ``root`` has a store's sessions/ (True when that cannot be
     told: a root this user may not enter is not "no store")."""
@@ -1298,6 +1359,7 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
 #: load_may_be_stale's reasons (see Client._lost_since_flush), said.
 _LOST_BECAUSE = {
     "save_lost": "a save was lost on its way to the daemon (see event=save_lost)",
+    "save_refused": "the daemon refused a save (see event=save_refused)",
     "connection_lost": "the connection to the daemon ended before it read the last saves",
     "daemon_restarted": "the connection to the daemon was lost (it may have been restarted)",
 }
