@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -373,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     escape = getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure")
     if escape:
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # hasattr above
+    global _terminated, _sigterm_before
+    _terminated = False
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -384,12 +387,43 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: what the command was doing is undone where it can be
         # (export's tmp file), and a traceback would tell the user nothing.
+        if _terminated:
+            print("\nkvkeeper: terminated", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("\nkvkeeper: interrupted", file=sys.stderr)
         return 130
     finally:
+        if _sigterm_before is not None:
+            signal.signal(signal.SIGTERM, _sigterm_before)
+            _sigterm_before = None
         logging.disable(disabled)
         if escape:
             sys.stdout.reconfigure(errors="strict")  # type: ignore[union-attr]  # hasattr above
+
+
+#: SIGTERM came (see _terminate_as_interrupt), and the handler it replaced.
+_terminated = False
+_sigterm_before: signal.Handlers | Callable[[int, Any], Any] | int | None = None
+
+
+def _terminate_as_interrupt() -> None:
+    """Have SIGTERM (what timeout(1) and supervisors send) stop a command as
+    Ctrl-C does, undoing what it can: killed outright, export left its
+    unfinished copy of a conversation behind and demo its private daemon
+    running. Only where SIGTERM would kill the process: a program that runs
+    main() and handles SIGTERM itself keeps its handler."""
+    global _sigterm_before
+
+    def terminate(_signum: int, _frame: Any) -> None:
+        global _terminated
+        _terminated = True
+        raise KeyboardInterrupt
+
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            _sigterm_before = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: signals are not ours to take
+        pass
 
 
 def _main(argv: list[str] | None) -> int:
@@ -406,6 +440,7 @@ def _main(argv: list[str] | None) -> int:
         # No argv given: this is the process's own command line (the
         # kvkeeper script, python -m kvkeeper), and it exits on return.
         return _serve(args, exiting=argv is None)
+    _terminate_as_interrupt()
     if args.command == "demo":
         from kvkeeper import demo
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,13 +249,37 @@ def _stream(gen: Iterator[Any], on_token: Any = None) -> Phase:
 
 
 def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
+    """The demo's run against the daemon at ``socket``. Its entry is deleted
+    however the run ends (Ctrl-C and SIGTERM too): a store that is the user's
+    must not keep it."""
+    from kvkeeper.client.client import Client, DaemonUnavailable
+
+    sid = f"demo-{os.getpid()}-{int(time.time())}"
+    opened: list[Client] = []
+
+    def client() -> Client:
+        opened.append(Client(socket))
+        return opened[-1]
+
+    try:
+        return _run(args, daemon_note, sid, client)
+    finally:
+        # Each client's saves first: closed, every one was read by the
+        # daemon, and the delete comes after them.
+        for kv in opened:
+            kv.close()
+        with contextlib.suppress(DaemonUnavailable), Client(socket) as kv:
+            kv.delete(MODEL_ID, sid)
+
+
+def _run(args: argparse.Namespace, daemon_note: str, sid: str,
+         client: Callable[[], Any]) -> Report:
     import mlx.core as mx
     import numpy as np
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from kvkeeper.client.client import Client
     from kvkeeper.integrations.mlx_lm import Session
     from kvkeeper.writebehind import cache_length
 
@@ -267,14 +291,13 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
     prompt = [int(t) for t in rng.integers(1, vocab, args.prompt_tokens)]
     user = [int(t) for t in rng.integers(1, vocab, 32)]
     n_stream, n_cont, every = args.tokens, max(16, args.tokens // 2), args.every_tokens
-    sid = f"demo-{os.getpid()}-{int(time.time())}"
     # Warm MLX up (first calls compile and allocate), outside every measurement.
     for _ in stream_generate(model, tok, mx.array(prompt[:64]), max_tokens=8,
                              prompt_cache=make_prompt_cache(model)):
         pass
 
     # 1. Stream with write-behind: the plain helper inside mlx-lm's own loop.
-    kv = Client(socket)
+    kv = client()
     before = kv.stats()
     cache: Any = make_prompt_cache(model)  # (Any: dropped below, at the crash)
     ids = list(prompt)
@@ -296,7 +319,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
     # 3. Restart: a new client and session restore the newest snapshot and
     # go on with the conversation: the whole of it, plus a new message.
     full = ids + user
-    kv = Client(socket)
+    kv = client()
     session = Session(kv, MODEL_ID, sid, model, tok, every_tokens=every, every_seconds=2.0)
     t0 = time.perf_counter()
     session.restore()
@@ -357,10 +380,6 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
     kv.flush(timeout=60)
     after = kv.stats()
     coalesced += int(after["client_saves_coalesced"])
-    try:
-        kv.delete(MODEL_ID, sid)
-    finally:
-        kv.close()
 
     def delta(name: str) -> int:
         return int(after.get(name, 0) - before.get(name, 0))

@@ -523,10 +523,10 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     assert not _leftovers(short_dir)
 
 
-def _interrupted(args: list[str], ready: Callable[[], bool],
-                 again: float | None = None) -> tuple[int, str, str]:
-    """Run the CLI, press Ctrl-C once ``ready()`` says so (and ``again``
-    seconds later once more); (status, stdout, stderr)."""
+def _interrupted(args: list[str], ready: Callable[[], bool], again: float | None = None,
+                 sig: int = signal.SIGINT) -> tuple[int, str, str]:
+    """Run the CLI, press Ctrl-C (or send ``sig``) once ``ready()`` says so
+    (and ``again`` seconds later once more); (status, stdout, stderr)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     # Python's own SIGINT handler, even where the tests run with SIGINT ignored.
     code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
@@ -540,10 +540,10 @@ def _interrupted(args: list[str], ready: Callable[[], bool],
             assert child.poll() is None, child.communicate()
             assert time.monotonic() < deadline, "never ready"
             time.sleep(0.002)
-        child.send_signal(signal.SIGINT)
+        child.send_signal(sig)
         if again is not None:
             time.sleep(again)
-            child.send_signal(signal.SIGINT)
+            child.send_signal(sig)
         out, err = child.communicate(timeout=WAIT)
     finally:
         child.kill()
@@ -551,10 +551,15 @@ def _interrupted(args: list[str], ready: Callable[[], bool],
     return child.returncode, out, err
 
 
+@pytest.mark.parametrize(("sig", "status", "said"), [(signal.SIGINT, 130, "interrupted"),
+                                                     (signal.SIGTERM, 143, "terminated")])
 def test_export_stopped_by_ctrl_c_leaves_no_tmp_file(client: Client, daemon: RunningDaemon,
-                                                     short_dir: Path) -> None:
+                                                     short_dir: Path, sig: int, status: int,
+                                                     said: str) -> None:
     """Ctrl-C while export wrote its tmp file left it there for good: a
-    hidden whole copy of the conversation, under a name with the run's pid."""
+    hidden whole copy of the conversation, under a name with the run's pid.
+    So did SIGTERM (timeout(1)'s, a supervisor's), until it stopped the
+    command as Ctrl-C does."""
     c = KVCache()
     x = mx.random.normal((1, 8, 32768, 128)).astype(mx.bfloat16)  # 64 MiB
     c.update_and_fetch(x, x)
@@ -562,9 +567,10 @@ def test_export_stopped_by_ctrl_c_leaves_no_tmp_file(client: Client, daemon: Run
     out = short_dir / "out"
     out.mkdir()
     # The tmp file is made, then filled (about 0.5 s).
-    status, _, err = _interrupted(["export", "--socket", str(daemon.socket), "m1", "big",
-                                   str(out / "big.safetensors")], lambda: bool(_leftovers(out)))
-    assert status == 130 and err.strip() == "kvkeeper: interrupted", err
+    got, _, err = _interrupted(["export", "--socket", str(daemon.socket), "m1", "big",
+                                str(out / "big.safetensors")], lambda: bool(_leftovers(out)),
+                               sig=sig)
+    assert got == status and err.strip() == f"kvkeeper: {said}", err
     assert list(out.iterdir()) == []
 
 

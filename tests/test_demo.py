@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvkeeper.client.client import Client
@@ -159,3 +162,54 @@ def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
         assert r.returncode == 2, (args, r.stderr[-2000:])
         assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (short_dir / "nope").exists()
+
+
+def _demo_stopped(args: list[str], ready: Callable[[subprocess.Popen[str]], bool],
+                  env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run the demo, send SIGTERM once ``ready(process)`` says so; (status, stderr)."""
+    child = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "demo", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + DEMO_TIMEOUT
+        while not ready(child):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=WAIT)
+    finally:
+        child.kill()
+        child.wait(WAIT)
+    return child.returncode, err
+
+
+def test_a_demo_stopped_leaves_nothing_in_the_user_s_store(daemon: RunningDaemon) -> None:
+    """Its entry was deleted only at the end of a whole run: stopped midway
+    (Ctrl-C, SIGTERM), the demo left it in the user's store."""
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        status, err = _demo_stopped(
+            ["--socket", str(daemon.socket), "--tokens", "2000", "--prompt-tokens", "128"],
+            lambda _: bool(kv.entries(MODEL_ID)))
+        assert status == 143 and "kvkeeper: terminated" in err, err
+        assert kv.entries(MODEL_ID) == []
+
+
+def test_a_private_demo_stopped_stops_its_daemon(short_dir: Path) -> None:
+    """SIGTERM killed the demo and left its private daemon running for good,
+    with its temp dir."""
+    store: list[Path] = []
+
+    def ready(demo: subprocess.Popen[str]) -> bool:
+        if not store:
+            children = Path(f"/proc/{demo.pid}/task/{demo.pid}/children").read_text().split()
+            for pid in children:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"--root" in argv:
+                    store.append(Path(os.fsdecode(argv[argv.index(b"--root") + 1])))
+        return bool(store) and any(store[0].rglob("*.safetensors"))
+
+    status, err = _demo_stopped(["--private", "--tokens", "2000", "--prompt-tokens", "128"],
+                                ready, env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")})
+    assert status == 143 and "kvkeeper: terminated" in err, err
+    assert not store[0].parent.exists()  # the daemon stopped, its directory removed
