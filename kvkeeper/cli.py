@@ -23,7 +23,8 @@ no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
 (1.5G), binary (1K is 1024; KB and KiB mean the same); without one they are
 whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
-3 no daemon running, 130 interrupted (Ctrl-C; serve drains instead)."""
+3 no daemon running, 130 interrupted (Ctrl-C), 143 SIGTERM (serve drains
+instead for either)."""
 
 
 def _flag_value(parse: Callable[[str], Any], text: str) -> Any:
