@@ -280,7 +280,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Stream from a tiny model with write-behind, crash, restore from kvkeeper "
         "and continue; then print measured time to first token, decode throughput and "
         "what the daemon wrote. Uses the daemon at --socket (exit 3 if none answers "
-        "there), else the user's daemon if it is running, else a private one.",
+        "there), else the user's daemon if it is running, else a private one. A running "
+        "daemon must have room for the demo's entry without evicting any (its disk budget, "
+        "the free space it keeps): the one at --socket is refused (exit 1), the user's "
+        "passed over for a private one. The demo's entry is deleted at the end, Ctrl-C or "
+        "SIGTERM too.",
     ))
     for sp in sub.choices.values():
         # For _main: an unknown argument is the command's mistake, shown

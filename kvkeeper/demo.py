@@ -113,12 +113,44 @@ class NoDaemon(Exception):
     """No daemon answers at the socket the user named."""
 
 
+class NoRoom(Exception):
+    """The daemon the user named has no room for the demo without evicting."""
+
+
+def entry_bytes(args: argparse.Namespace) -> int:
+    """About the largest the demo's entry grows: its longest conversation
+    (prompt, stream, new message, continuation) at the tiny llama's 4 KV
+    heads of hidden/4 in bf16, keys and values, over every layer."""
+    tokens = args.prompt_tokens + args.tokens + 32 + max(16, args.tokens // 2) + 1
+    return tokens * args.layers * 4 * args.hidden + tokens * 8  # (and its token ids)
+
+
+def _no_room(socket: Path, need: int) -> str | None:
+    """Why the daemon at ``socket`` would evict entries to write ``need``
+    more bytes (its disk budget, or the free space it keeps); None if not."""
+    from kvkeeper.client.client import Client
+
+    with Client(socket, connect_timeout=1.0) as kv:
+        stats = kv.stats()
+        root = kv.ping().root
+    used, limit = int(stats.get("disk_used_bytes", 0)), int(stats.get("max_disk_bytes", 0))
+    if limit and used + need > limit:
+        return f"its store holds {_mib(used)} of its {_mib(limit)} disk budget"
+    keep = int(stats.get("min_free_bytes", 0))
+    free = shutil.disk_usage(root).free
+    if free - need < keep:
+        return f"its disk has {_mib(free)} free, of which it keeps {_mib(keep)}"
+    return None
+
+
 @contextlib.contextmanager
-def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
+def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Path, str]]:
     """With ``private`` off, the daemon at ``socket`` if one answers (none is
     NoDaemon: the user asked for that one); with no ``socket``, the user's if
     one answers, else (and with ``private``) a private one in a temp dir,
-    stopped at the end."""
+    stopped at the end. A running daemon must have room for ``need`` bytes
+    without evicting the user's entries: the one named is refused (NoRoom),
+    the user's is passed over for a private one."""
     from kvkeeper import settings
 
     if socket is not None and not private:
@@ -126,13 +158,22 @@ def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
             raise NoDaemon(f"no kvkeeper daemon at {socket} (start it: kvkeeper serve "
                            f"--socket {socket}; or leave out --socket and the demo starts "
                            f"a private one)")
+        if (why := _no_room(socket, need)) is not None:
+            raise NoRoom(f"the daemon at {socket} would evict entries to make room for the "
+                         f"demo's files (up to {_mib(need)}): {why}; give --private to run "
+                         f"it on a private daemon")
         yield socket, f"running daemon at {socket}"
         return
+    note = ""
     if not private:
         path = settings.client_path("socket")
         if _ping(path):
-            yield path, f"running daemon at {path}"
-            return
+            why = _no_room(path, need)
+            if why is None:
+                yield path, f"running daemon at {path}"
+                return
+            note = (f" (the running daemon would evict entries to make room for the demo's "
+                    f"files, up to {_mib(need)}: {why})")
     tmp = Path(tempfile.mkdtemp(prefix="kvk-demo-", dir="/tmp"))
     os.chmod(tmp, 0o700)
     path = tmp / "kv.sock"
@@ -154,7 +195,7 @@ def _daemon(socket: Path | None, private: bool) -> Iterator[tuple[Path, str]]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the private daemon did not start within 20 s")
             time.sleep(0.05)
-        yield path, f"private daemon in {tmp} (stopped at the end)"
+        yield path, f"private daemon in {tmp} (stopped at the end){note}"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -223,6 +264,10 @@ class Report:
     saves_written: int
     saves_superseded: int
     saves_failed: int
+    stream_saves_dropped: int  # of saves_dropped, those of the stream before the crash
+    # Entries the daemon evicted meanwhile (its disk budget): on a running
+    # daemon, maybe the user's, though the demo checked for room first.
+    evictions: int
     bytes_written: int
     cache_bytes: int
     same_tokens: int  # leading tokens where restored and cold continuations agree
@@ -310,6 +355,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
     stream = _stream(stream_generate(model, tok, mx.array(prompt), max_tokens=n_stream,
                                      prompt_cache=cache), step)
     sent, dropped = wb.counters.sent, wb.counters.dropped
+    stream_dropped = dropped
     # 2. Crash: the cache is gone and there is no final save. (Closing the
     # client lets what it already handed off reach the daemon.)
     cache = wb = None  # nothing of the live cache survives
@@ -405,10 +451,12 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
         decode_same_tokens=all(len(v) == 1 for v in outputs.values()),
         saves_sent=sent,
         saves_dropped=dropped,
+        stream_saves_dropped=stream_dropped,
         saves_coalesced=coalesced,
         saves_written=delta("saves_written"),
         saves_superseded=delta("saves_superseded"),
         saves_failed=delta("saves_failed"),
+        evictions=delta("evictions"),
         bytes_written=delta("bytes_written"),
         cache_bytes=cache_bytes,
         same_tokens=same,
@@ -445,10 +493,18 @@ def print_report(rep: Report) -> None:
     con.print(f" 1. streamed {rep.stream_tokens} tokens after a {rep.prompt_tokens}-token "
               f"prompt, saving behind every "
               f"{'token' if rep.every_tokens == 1 else f'{rep.every_tokens} tokens'}")
+    # (Dropped saves, not time, when the client dropped them: too large for
+    # the daemon, or its in-flight budget full; the log says which.)
+    why = (f"the client dropped {rep.stream_saves_dropped} of its saves"
+           if rep.stream_saves_dropped else "not saved in time")
     con.print(f" 2. crash: the in-memory cache is gone (the last {rep.lost_tokens} tokens "
-              f"were not saved in time)")
+              f"were lost: {why})" if rep.lost_tokens else
+              " 2. crash: the in-memory cache is gone (every token was saved)")
     con.print(f" 3. restart: restored {rep.restored_tokens} tokens from kvkeeper, read "
-              f"{rep.restored.prompt_tokens} new ones, continued {rep.restored.generated}")
+              f"{rep.restored.prompt_tokens} new ones, continued {rep.restored.generated}"
+              if rep.restored_tokens else
+              f" 3. restart: no save to restore; read all {rep.restored.prompt_tokens} tokens "
+              f"again, continued {rep.restored.generated}")
     con.print(f" 4. the same request without kvkeeper: re-prefilled {rep.cold.prompt_tokens} "
               f"tokens, continued {rep.cold.generated}")
     con.print(f" 5. decoded from a {rep.decode_context}-token context without and with "
@@ -497,6 +553,9 @@ def print_report(rep: Report) -> None:
     con.print(f"Restored vs re-prefilled continuation: {agree}.")
     con.print("Tokens decoded with and without write-behind: "
               + ("identical." if rep.decode_same_tokens else "DIFFERENT."))
+    if rep.evictions:
+        con.print(f"[yellow]The daemon evicted {rep.evictions} entries meanwhile, to keep within "
+                  f"its disk budget (see kvkeeper stats).[/]")
     con.print(f"[dim]Measured just now, in {rep.wall_s:.1f} s; nothing here is canned.[/]")
 
 
@@ -548,6 +607,7 @@ def _cannot_write(path: Path) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     from kvkeeper import config
+    from kvkeeper.client.client import DaemonUnavailable
 
     # hidden: 4 attention heads, each of an even width for RoPE.
     wrong = [f"{flag} {need} (got {value})" for flag, value, ok, need in (
@@ -582,11 +642,14 @@ def main(args: argparse.Namespace) -> int:
 
             config.check_socket_path(args.socket if args.socket is not None
                                      else settings.client_path("socket"))
-        with _daemon(args.socket, args.private) as (socket, note):
+        with _daemon(args.socket, args.private, 2 * entry_bytes(args)) as (socket, note):
             rep = run(args, socket, note)
-    except NoDaemon as exc:
+    except (NoDaemon, DaemonUnavailable) as exc:
         print(f"kvkeeper demo: {exc}", file=sys.stderr)
         return 3
+    except NoRoom as exc:
+        print(f"kvkeeper demo: {exc}", file=sys.stderr)
+        return 1
     except config.ConfigError as exc:  # $KVKEEPER_SOCKET names no local socket
         print(f"kvkeeper demo: {exc}", file=sys.stderr)
         return 2

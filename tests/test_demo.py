@@ -15,7 +15,7 @@ from pathlib import Path
 from kvkeeper.client.client import Client
 from kvkeeper.demo import MODEL_ID
 
-from .conftest import WAIT, RunningDaemon
+from .conftest import WAIT, RunningDaemon, start_daemon
 
 DEMO_TIMEOUT = 180.0  # a cap, not a timing assertion: the demo takes seconds
 
@@ -77,7 +77,7 @@ def test_the_demo_reports_what_the_restore_found_with_short_settings(short_dir: 
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(out.read_text())
     assert rep["lost_tokens"] == 64 + 40 - rep["restored_tokens"] > 0
-    assert f"the last {rep['lost_tokens']} tokens were not saved in time" in proc.stdout
+    assert f"the last {rep['lost_tokens']} tokens were lost: not saved in time" in proc.stdout
     assert f"restored {rep['restored_tokens']} tokens" in proc.stdout
     # The first token's line says sooner or later by what was measured
     # (short settings can make the restore the slower: "0.4x sooner").
@@ -213,3 +213,29 @@ def test_a_private_demo_stopped_stops_its_daemon(short_dir: Path) -> None:
                                 ready, env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")})
     assert status == 143 and "kvkeeper: terminated" in err, err
     assert not store[0].parent.exists()  # the daemon stopped, its directory removed
+
+
+def test_the_demo_never_evicts_the_user_s_entries(short_dir: Path) -> None:
+    """On a running daemon whose disk budget the demo's entry did not fit
+    beside the user's, the daemon evicted the user's to write it, and the
+    demo said nothing. Named with --socket, that daemon is now refused;
+    found at the default socket, it is passed over for a private one."""
+    from .faultkit import filled
+
+    sock = short_dir / "run" / "kv.sock"
+    d = start_daemon(short_dir / "root", sock, max_disk_bytes=2**20)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("mine", "precious", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+            proc = run_demo("--socket", str(sock), "--tokens", "32", "--prompt-tokens", "128")
+            assert proc.returncode == 1 and "would evict entries" in proc.stderr, proc.stderr
+            assert "give --private" in proc.stderr, proc.stderr
+            proc = run_demo("--tokens", "32", "--prompt-tokens", "128",
+                            env={"KVKEEPER_SOCKET": str(sock)})
+            assert proc.returncode == 0, proc.stderr
+            said = " ".join(proc.stdout.split())
+            assert "private daemon in" in said and "would evict entries" in said, proc.stdout
+            assert [e.cache_id for e in kv.entries("mine")] == ["precious"]
+            assert kv.stats()["evictions"] == 0
+    finally:
+        d.stop()
