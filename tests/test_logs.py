@@ -100,6 +100,10 @@ def test_a_delete_is_logged_with_its_key(short_dir: Path) -> None:
             assert kv.save(FP, "held", filled(0.25, 2), [1, 2])
             assert kv.delete(FP, "held")
             assert kv.load(FP, "held") is None
+            # Counted apart, as loads are (before: "deletes" 3, with nothing
+            # deleted by the one of a key never saved).
+            stats = kv.stats()
+            assert (stats["deletes"], stats["deletes_missing"]) == (2, 1), stats
     finally:
         assert stop_process(proc) == 0
     lines = [_fields(ln) for ln in proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]

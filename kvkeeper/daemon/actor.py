@@ -758,7 +758,9 @@ class WriterActor:
                 # any pending save", which would have made the entry.
                 discarded = job.replaced_own is not None or bool(job.heirs)
                 job.existed = deleted or discarded
-                self.stats.inc("deletes")
+                # Apart, as loads are: a script counting what rm removed
+                # read "deletes" 2 after two deletes of entries never saved.
+                self.stats.inc("deletes" if job.existed else "deletes_missing")
                 if job.existed:
                     # The one trace of a conversation's cache gone by request
                     # (rm, Client.delete), beside the evictions' own lines.

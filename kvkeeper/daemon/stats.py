@@ -20,7 +20,8 @@ COUNTERS = (
     "loads_found",
     "loads_missing",
     "loads_direct",
-    "deletes",
+    "deletes",  # of an entry, or of a save of it on its way
+    "deletes_missing",  # of nothing
     "evictions",
     "bytes_evicted",
     "files_quarantined",

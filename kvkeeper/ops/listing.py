@@ -36,7 +36,7 @@ _GROUPS = [
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
     ("Disk", ["store_indexing", "disk_used_bytes", "max_disk_bytes", "min_free_bytes",
               "below_min_free", "evictions",
-              "bytes_evicted", "deletes"]),
+              "bytes_evicted", "deletes", "deletes_missing"]),
     ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "requests_refused",
                 "internal_errors", "forbidden_peers"]),
 ]
