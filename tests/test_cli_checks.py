@@ -1616,3 +1616,14 @@ def test_an_error_quoting_a_path_with_control_characters_stays_one_line(
     r = cli("import", "--socket", sock, "--model", "m", str(empty))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "\x1b" not in r.stderr, r.stderr
     assert "e\\x1b[31mmpty" in r.stderr, r.stderr
+
+
+def test_no_daemon_at_a_path_that_is_no_socket_is_not_told_to_start_one_there(
+        short_dir: Path) -> None:
+    """A regular file or a directory given as the socket: the hint said
+    "start it: kvkeeper serve --socket PATH", which serve refuses."""
+    (short_dir / "plain").write_text("")
+    for path, what in ((short_dir / "plain", "not a socket"), (short_dir, "a directory")):
+        r = cli("stats", "--socket", str(path))
+        assert r.returncode == 3 and f"it is {what}" in r.stderr, r.stderr
+        assert "start it" not in r.stderr, r.stderr

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import shlex
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,14 @@ def _no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:
     if _listening(path):  # a daemon stopped (SIGSTOP) or hung, not a stale socket
         return (f"the kvkeeper daemon at {path} did not answer within 2 s (is it stopped?)"
                 f"{hint_if_stopped}")
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        # serve refuses it too: "start it" there would fail.
+        what = "a directory" if stat.S_ISDIR(mode) else "not a socket"
+        return f"no kvkeeper daemon at {path}: it is {what}; give the daemon's socket"
     return f"no kvkeeper daemon at {path}{hint}"
 
 
