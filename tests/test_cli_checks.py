@@ -1145,6 +1145,11 @@ def test_print_config_says_when_a_daemon_holds_the_root_or_socket(
         assert r.returncode == 2 and "max_pending_bytes" in r.stdout, (r.stdout, r.stderr)
         assert "another kvkeeper daemon is running (pid" in r.stderr, r.stderr
         assert not (short_dir / "s").exists() and not (short_dir / "r").exists()
+        # serve itself makes nothing either (before: the new socket directory
+        # was left behind when another daemon held the root).
+        r = cli("serve", *places)
+        assert r.returncode == 2 and "another kvkeeper daemon is running" in r.stderr, r.stderr
+        assert not (short_dir / "s").exists() and not (short_dir / "r").exists()
     assert "or another daemon holds either" in " ".join(cli("serve", "--help").stdout.split())
 
 

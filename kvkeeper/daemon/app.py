@@ -361,6 +361,9 @@ class Daemon:
         handlers = {} if exiting else {s: signal.getsignal(s) for s in wanted}
         try:
             check_places(cfg)
+            # Nothing made for a root or socket another daemon holds (a new
+            # socket directory was left behind); the locks below still decide.
+            check_not_held(cfg)
             # The socket's lock first: a daemon already serving this socket
             # is refused before a new root is made for nothing.
             sock_dir = config.private_dir(cfg.socket.parent, "socket directory")
