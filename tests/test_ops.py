@@ -720,8 +720,14 @@ def test_verify_repair_that_cannot_run_still_reports_the_check(
     report = json.loads(r.stdout)
     assert [b["path"] for b in report["bad"]] == [str(bad)] and report["moved_aside"] == []
     assert "another kvkeeper daemon" in report["repair_error"]
+    assert report["not_moved"] == [{"path": str(bad), "reason": "another daemon serves this root"}]
     r = cli("verify", "--socket", elsewhere, "--root", str(daemon.root), "--repair")
-    assert r.returncode == 2 and f"BAD {bad}" in " ".join(r.stdout.split()), r.stdout
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 2 and f"BAD {bad}" in said, r.stdout
+    # Which of them were not moved, and how to reach the daemon that can
+    # (before: neither said).
+    assert "(not moved: another daemon serves this root)" in said, r.stdout
+    assert f"--socket {daemon.socket}" in r.stderr, r.stderr
     assert bad.exists()  # left to the daemon that holds the root
 
 

@@ -83,7 +83,12 @@ def config_from_settings(values: dict[str, Any]) -> DaemonConfig:
 
 
 class AlreadyRunning(config.ConfigError):
-    """Another daemon holds the lock of this root or socket."""
+    """Another daemon holds the lock of this root or socket; ``holder`` is
+    what its lock file says of it (see lock_holder)."""
+
+    def __init__(self, message: str, holder: str = "unknown") -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class SocketPathTaken(config.ConfigError):
@@ -226,7 +231,7 @@ class _Lock:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise AlreadyRunning(
-                    f"another kvkeeper daemon is running ({other}); lock file {path}"
+                    f"another kvkeeper daemon is running ({other}); lock file {path}", other
                 ) from None
             raise
         try:
@@ -286,7 +291,8 @@ def check_not_held(cfg: DaemonConfig) -> None:
         except OSError as exc:
             raise _unusable_lock(path, exc) from None
         if holder is not None:
-            raise AlreadyRunning(f"another kvkeeper daemon is running ({holder}); lock file {path}")
+            raise AlreadyRunning(f"another kvkeeper daemon is running ({holder}); lock file {path}",
+                                 holder)
 
 
 def _lock_held(path: Path) -> bool:
@@ -302,6 +308,12 @@ def holder_pid(holder: str) -> int | None:
     """The pid a lock holder's text (`lock_holder`) names, if any."""
     found = re.search(r"\bpid ([0-9]+)\b", holder)
     return int(found.group(1)) if found else None
+
+
+def holder_socket(holder: str) -> str | None:
+    """The socket a daemon's lock holder text names (its last field), if any."""
+    found = re.search(r", socket (.+)\Z", holder, re.DOTALL)
+    return found.group(1) if found else None
 
 
 def _is_at(path: Path, held: os.stat_result) -> bool:

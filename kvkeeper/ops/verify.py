@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -232,11 +233,19 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
             if isinstance(reply, m.Deleted) and reply.existed:
                 moved.append(path)
         return
-    from kvkeeper.daemon.app import LOCK_NAME, LockUnusable, _Lock
+    from kvkeeper.daemon.app import LOCK_NAME, AlreadyRunning, LockUnusable, _Lock, holder_socket
     from kvkeeper.daemon.store import Store
 
     try:
         lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
+    except AlreadyRunning as exc:
+        # A daemon on another socket than the one asked (it is the one to
+        # move them): none moved, and how to reach it said.
+        refused.extend((path, "another daemon serves this root") for path, _, _ in bad)
+        sock = holder_socket(exc.holder)
+        hint = (f"; repair through it: kvkeeper verify --repair --root "
+                f"{shlex.quote(str(root))} --socket {shlex.quote(sock)}" if sock else "")
+        raise CommandError(f"{exc}{hint}", status=2) from None
     except LockUnusable as exc:
         # A root this user cannot write: the repair failed (exit 1), as it did
         # with the OSError; exit 2 is for usage and a root another holds.
