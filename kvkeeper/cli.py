@@ -494,7 +494,12 @@ def _main(argv: list[str] | None) -> int:
     except OSError as exc:
         # E.g. a directory of the store this user cannot read: what failed,
         # not a traceback.
-        print(f"kvkeeper: {_one_line(exc)}", file=sys.stderr)
+        try:
+            os.getcwd()
+            gone = ""
+        except FileNotFoundError:  # a bare "[Errno 2]" from something that resolved "."
+            gone = " (the current directory was removed: run kvkeeper from another)"
+        print(f"kvkeeper: {_one_line(exc)}{gone}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:
         # import and export read and write caches through MLX, which an

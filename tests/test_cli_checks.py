@@ -1509,6 +1509,13 @@ def test_serve_in_a_removed_directory_with_a_relative_path(short_dir: Path) -> N
         usage_error(r, "the current directory was removed", "root rel")
         gone.mkdir()
     assert not sock.exists()
+    # The other commands too (before: "[Errno 2] No such file or directory",
+    # exit 1, with no word of which path or why).
+    r = subprocess.run(
+        ["sh", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "$0" -m kvkeeper.cli ls '
+                     f'--socket rel.sock', sys.executable],
+        capture_output=True, text=True, timeout=WAIT, env=env)
+    usage_error(r, "the current directory was removed", "socket 'rel.sock' is relative")
 
 
 @pytest.mark.parametrize("stderr", ["/dev/full", "a pipe nobody reads"])

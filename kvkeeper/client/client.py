@@ -146,8 +146,8 @@ class Client:
         _check_path_argument("root", root)
         # Absolute, as the daemon binds it: ZeroMQ takes a relative "@name"
         # for Linux's abstract namespace, where no kvkeeper daemon listens.
-        self.socket_path = Path(os.path.abspath(
-            config.socket_path(socket) if socket is not None else settings.client_path("socket")))
+        self.socket_path = _absolute("socket", config.socket_path(socket) if socket is not None
+                                     else settings.client_path("socket"))
         try:
             config.check_socket_path(self.socket_path)
         except config.ConfigError as exc:  # ZeroMQ would fail later, on the I/O thread
@@ -155,7 +155,7 @@ class Client:
         if root is not None and not os.fspath(root):
             raise ValueError("root is empty")
         # Absolute too: loads read it from whatever directory is current then.
-        self._root_override = (Path(os.path.abspath(config.expanded(root)))
+        self._root_override = (_absolute("root", config.expanded(root))
                                if root is not None else None)
         # Resolved now when the socket came from the settings too (a config
         # file that cannot be used has just raised for it); with a socket
@@ -1272,6 +1272,16 @@ def _holds_a_store(root: Path) -> bool:
         return (root / naming.SESSIONS_DIR).is_dir()
     except OSError:  # Python before 3.14 raises EACCES from is_dir()
         return True
+
+
+def _absolute(name: str, path: Path) -> Path:
+    """``path`` made absolute; ValueError for a relative one when the
+    working directory was removed (os.getcwd's bare "[Errno 2]")."""
+    try:
+        return Path(os.path.abspath(path))
+    except FileNotFoundError:
+        raise ValueError(f"{name} {str(path)!r} is relative, and the current directory was "
+                         f"removed: give an absolute path") from None
 
 
 def _check_path_argument(name: str, value: object) -> None:
