@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -392,6 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: what the command was doing is undone where it can be
         # (export's tmp file), and a traceback would tell the user nothing.
+        if argv is None:
+            # The process exits now: a second signal (timeout(1) sends its
+            # own twice, to the command and to its group) landed in the
+            # exit's clean-up, a client's close, with a traceback.
+            with contextlib.suppress(ValueError):  # (not on the main thread)
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(signum, signal.SIG_IGN)
+            _sigterm_before = None  # (not put back)
         if _terminated:
             print("\nkvkeeper: terminated", file=sys.stderr)
             return 128 + signal.SIGTERM
