@@ -424,9 +424,11 @@ def test_a_refusal_logged_after_quiet_ones_counts_them_in_a_field_of_its_own(
     for line in lines:
         assert "".join(m.group(0) for m in pair.finditer(line)).rstrip() == line, line
         keys = [m.group(1) for m in pair.finditer(line)]
-        assert keys == ["event", "code", "detail", "not_logged_since"], line
+        # (With the key refused: before, a line said neither model nor id.)
+        assert keys == ["event", "model", "id", "code", "detail", "not_logged_since"], line
         fields.append(dict((m.group(1), m.group(2)) for m in pair.finditer(line)))
     assert [f["not_logged_since"] for f in fields] == ["0", "2"], lines
+    assert [(f["model"], f["id"]) for f in fields] == [(FP, "big")] * 2, lines
 
 
 #: What each batch saves before its flush: small saves that fit, and saves
@@ -790,5 +792,13 @@ def test_a_load_after_a_refused_save_of_its_key_says_it_may_be_stale(
             assert kv.save(FP, "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
             assert kv.save(FP, "k", filled(3, 2), [2])  # refused: over the disk budget
             _stale_until_a_flush(kv, caplog, "save_refused")
+            # Another key's refusal says nothing of this one's save.
+            assert kv.save(FP, "other", filled(3, 4), [4])
+            assert kv.save(FP, "k", filled(0.1, 3), [3])
+            with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+                got = kv.load(FP, "k")
+            assert got is not None and got.token_ids == [3]
+            said = [r.getMessage() for r in caplog.records]
+            assert not [line for line in said if "load_may_be_stale" in line], said
     finally:
         assert d.stop() == 0

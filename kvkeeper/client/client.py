@@ -180,7 +180,6 @@ class Client:
         self._lock: threading.RLock = threading.RLock()
         self._dropped: int = 0
         self._lost_seen: int = 0
-        self._refused_seen: int = 0  # the channel's saves_refused as the last flush returned
         self._failed_seen: int = 0
         self._warned: set[str] = set()
         self._throttle: _Throttle = _Throttle()
@@ -432,6 +431,7 @@ class Client:
             return self._drop_inflight(cap.nbytes)
         if refused is not None:
             return self._drop("closed", "the client's connection was closed meanwhile")
+        self._refusals.keys.discard((model, cache_id))  # this one's fate is to be told
         self._saves_made.append(((model, cache_id), next(self._save_numbers)))
         if len(self._saves_made) > _SAVES_TAKEN_IN_AT:
             # A client that never loads or flushes would keep every save's
@@ -481,6 +481,7 @@ class Client:
         at most CHUNK_BYTES. Runs on the channel's I/O thread."""
         snap = _codec().encode_capture(cap)
         save_id = self._channel.next_save_id()
+        self._refusals.sent(save_id, (model, cache_id))
         meta = {
             st.LAYERS_KEY: snap.layers,
             st.TOKENS_KEY: msgspec.json.encode(token_ids).decode(),
@@ -658,7 +659,7 @@ class Client:
                 early = _read(guess, verify, model, cache_id)
             return self._read_instead(model, cache_id, exc, unwritten, early, deadline)
         if not kept:
-            lost = self._lost_since_flush(pending) if unwritten else None
+            lost = self._lost_since_flush(pending, key) if unwritten else None
             if lost is None:
                 self._settled(key, mark)
             else:
@@ -675,18 +676,18 @@ class Client:
             early = _read(path, verify, model, cache_id)
         return self._conclude(model, cache_id, early, deadline)
 
-    def _lost_since_flush(self, pending: PendingReply) -> str | None:
+    def _lost_since_flush(self, pending: PendingReply, key: tuple[str, str]) -> str | None:
         """Why saves handed off since the last flush that returned may be lost
         for all the daemon answering ``pending`` knows (None: they are not):
-        one was lost on its way (half sent when a connection ended) or
-        refused by the daemon (busy, too large), a connection ended before the daemon read them, or one ended with saves
+        one was lost on its way (half sent when a connection ended), the
+        daemon refused ``key``'s last save (busy, too large), a connection ended before the daemon read them, or one ended with saves
         sent on it and no drain answering for them (the daemon may have been
         restarted), or the answer came on a later connection than the request
         went on. A flush tells which, with a round trip or two more. (Which
         keys is not known: any key saved since the last flush is in doubt.)"""
         if self._channel.counters.saves_lost > self._lost_seen:
             return "save_lost"
-        if self._channel.counters.saves_refused > self._refused_seen:
+        if self._refusals.refused(key):
             return "save_refused"
         if self._channel.unread_losses(since=self._flushed_seq, before=pending):
             return "connection_lost"
@@ -919,9 +920,6 @@ class Client:
             # (the daemon counts refusals with failures: their replies can be lost).
             lost_total = pending.lost
             lost = lost_total - self._lost_seen
-            # (Refusals of saves sent after the flush may be in it too: a
-            # load then misses its warning that its key's save was refused.)
-            refused_total = self._channel.counters.saves_refused
             failed_seen = 0 if restarted else self._failed_seen
             # A smaller total also means a new daemon (one this check missed).
             failed = _added_since(reply.failed, failed_seen)
@@ -973,7 +971,9 @@ class Client:
         # the answer) loses this answer: Python hands no value back
         # atomically. Only flushes, which take turns, use these.
         self._lost_seen = lost_total
-        self._refused_seen = refused_total
+        # (A refusal of a save sent after the flush, taken in meanwhile, is
+        # forgotten too: a load of its key then misses its warning.)
+        self._refusals.forget()
         self._failed_seen = reply.failed
         self._flush_daemon, self._flush_conn = run, conn
         self._flushed_seq = pending.seq
@@ -1126,17 +1126,50 @@ class _DaemonSaid:
 
 class _RefusalLog(_Throttle):
     """Logs the daemon's refusals of saves, throttled per code, and keeps the
-    latest. Holds nothing of the client: the channel must not keep it alive."""
+    latest, and the keys whose last save was refused (a load of one may find
+    an older file). Holds nothing of the client: the channel must not keep
+    it alive."""
 
     last: m.SaveRefused | None = None
+    #: Saves sent whose refusal could still come: the newest this many.
+    SENT_KEPT = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sent: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
+        # Refused, and neither saved again (save() lets go of its key) nor
+        # flushed since; ``unknown``: a save not among the newest sent was.
+        self.keys: set[tuple[str, str]] = set()
+        self.unknown = False
+
+    def sent(self, save_id: int, key: tuple[str, str]) -> None:
+        """A save of ``key`` goes as ``save_id`` (on the I/O thread, as refusals come)."""
+        self._sent[save_id] = key
+        if len(self._sent) > self.SENT_KEPT:
+            self._sent.popitem(last=False)
+
+    def refused(self, key: tuple[str, str]) -> bool:
+        """Whether ``key``'s last save may be one the daemon refused."""
+        return self.unknown or key in self.keys
+
+    def forget(self) -> None:
+        """A flush reported them."""
+        self.keys.clear()
+        self.unknown = False
 
     def __call__(self, reply: m.SaveRefused) -> None:
         self.last = reply
+        key = self._sent.pop(reply.save, None)
+        if key is None:
+            self.unknown = True
+        else:
+            self.keys.add(key)
         quiet = self.let_through(reply.code)
         if quiet is not None:
+            model, cache_id = key or ("?", "?")
             # A field of its own: appended to detail, it broke the line's logfmt.
-            log.warning("event=save_refused code=%s detail=%s not_logged_since=%d", reply.code,
-                        reply.message, quiet)
+            log.warning("event=save_refused model=%s id=%s code=%s detail=%s "
+                        "not_logged_since=%d", model, cache_id, reply.code, reply.message, quiet)
 
 
 def _number(name: str, value: float) -> float:
@@ -1369,7 +1402,7 @@ def _check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
 #: load_may_be_stale's reasons (see Client._lost_since_flush), said.
 _LOST_BECAUSE = {
     "save_lost": "a save was lost on its way to the daemon (see event=save_lost)",
-    "save_refused": "the daemon refused a save (see event=save_refused)",
+    "save_refused": "the daemon refused the last save of it (see event=save_refused)",
     "connection_lost": "the connection to the daemon ended before it read the last saves",
     "daemon_restarted": "the connection to the daemon was lost (it may have been restarted)",
 }
