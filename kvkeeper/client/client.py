@@ -680,11 +680,13 @@ class Client:
         """Why saves handed off since the last flush that returned may be lost
         for all the daemon answering ``pending`` knows (None: they are not):
         one was lost on its way (half sent when a connection ended), the
-        daemon refused ``key``'s last save (busy, too large), a connection ended before the daemon read them, or one ended with saves
-        sent on it and no drain answering for them (the daemon may have been
+        daemon refused ``key``'s last save (busy, too large), a connection
+        ended before the daemon read them, or one ended with saves sent on
+        it and no drain answering for them (the daemon may have been
         restarted), or the answer came on a later connection than the request
         went on. A flush tells which, with a round trip or two more. (Which
-        keys is not known: any key saved since the last flush is in doubt.)"""
+        keys a loss took is not known: any key saved since the last flush is
+        in doubt.)"""
         if self._channel.counters.saves_lost > self._lost_seen:
             return "save_lost"
         if self._refusals.refused(key):
