@@ -150,7 +150,7 @@ def check_private_dir(path: Path, what: str) -> None:
     path = Path(os.path.abspath(path))
     _check_utf8(path, what)
     if os.path.lexists(path):
-        _check_ours(path, what)
+        check_ours(path, what)
         return
     parent = path.parent
     while not os.path.lexists(parent):
@@ -180,7 +180,7 @@ def private_dir(path: Path, what: str) -> Path:
         pass
     except OSError as exc:
         raise ConfigError(f"cannot create {what} {str(path)!r}: {exc.strerror}") from None
-    _check_ours(path, what)
+    check_ours(path, what)
     return path
 
 
@@ -193,7 +193,9 @@ def _same_place(a: Path, b: Path) -> bool:
         return os.path.normpath(a) == os.path.normpath(b)
 
 
-def _check_ours(path: Path, what: str) -> None:
+def check_ours(path: Path, what: str, *, writable: bool = True) -> None:
+    """Refuse a directory that is a symlink, not ours, open to group or
+    others, or (``writable``) one this user cannot make files in."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it")
@@ -228,7 +230,8 @@ def _check_ours(path: Path, what: str) -> None:
             f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
             f"open to group or others" + (own_place or " (chmod 700 it)")
         )
-    check_writable(path, what)
+    if writable:
+        check_writable(path, what)
 
 
 def check_flag(name: str, value: object) -> bool:

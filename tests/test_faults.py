@@ -1388,3 +1388,22 @@ for _ in range(2):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=WAIT * 2, cwd=Path(__file__).resolve().parents[1])
     assert r.stdout.splitlines() == ["0 True True True"] * 2, (r.stdout, r.stderr[-800:])
+
+
+def test_with_no_daemon_a_store_on_a_read_only_file_system_is_read(short_dir: Path) -> None:
+    """A disk remounted read-only (after errors) is when reading the files
+    with the daemon down matters most: the check that a store is private
+    must not refuse it as one the daemon could not write."""
+    with small_tmpfs(short_dir, "16m") as mnt:
+        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
+        d = start_daemon(root, sock)
+        with Client(sock, root=root, timeout=WAIT, connect_timeout=0.2) as kv:
+            assert kv.save(FP, "k", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+            assert d.stop() == 0
+            wait_for(lambda: not kv.connected, "the client to see the daemon go")
+            run("mount", "-o", "remount,ro", str(mnt))
+            try:
+                got = kv.load(FP, "k")
+                assert got is not None and got.token_ids == [1]
+            finally:
+                run("mount", "-o", "remount,rw", str(mnt))

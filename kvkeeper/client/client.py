@@ -182,6 +182,9 @@ class Client:
         self._lost_seen: int = 0
         self._failed_seen: int = 0
         self._warned: set[str] = set()
+        # The root's lstat when it was last judged, and why it is not read
+        # with the daemon down (see _not_private).
+        self._root_judged: tuple[tuple[object, ...], str | None] | None = None
         self._throttle: _Throttle = _Throttle()
         self._closed: bool = False
         self._close_done: threading.Event = threading.Event()  # a close() returned or was cut short
@@ -575,7 +578,9 @@ class Client:
         in a child process forked after this client was made. After the
         connection to the daemon was lost since the last flush, a load of a
         key saved meanwhile returns what the daemon has, logged as possibly
-        older (``event=load_may_be_stale``) until a flush tells.
+        older (``event=load_may_be_stale``) until a flush tells; so does a
+        load of a key whose last save the daemon refused. With the daemon
+        down, a root ``serve`` would refuse as not private is not read.
         ``verify`` checks every tensor's checksum (reads the whole file) and the
         header's (token ids, metadata); off, the arrays stay lazy (each is read
         from the file when first evaluated), and neither is checked.
@@ -623,7 +628,7 @@ class Client:
             )
         except DaemonUnavailable as exc:
             return self._read_instead(model, cache_id, exc, unwritten,
-                                      _read(guess, verify, model, cache_id), deadline)
+                                      lambda: _read(guess, verify, model, cache_id), deadline)
         # A lazy read costs about as much as the daemon's answer (which comes
         # after any save of this key it holds is written): do it meanwhile, at
         # the path the daemon keeps the key at, and keep it if the answer names
@@ -655,9 +660,10 @@ class Client:
                 raise DaemonUnavailable(f"{exc}; {unwritten}") from None
             # (The early read only if no newer file replaced it meanwhile:
             # the daemon may have died right after writing our save.)
-            if early is None or not early.still_current():
-                early = _read(guess, verify, model, cache_id)
-            return self._read_instead(model, cache_id, exc, unwritten, early, deadline)
+            return self._read_instead(
+                model, cache_id, exc, unwritten,
+                lambda: early if early is not None and early.still_current()
+                else _read(guess, verify, model, cache_id), deadline)
         if not kept:
             lost = self._lost_since_flush(pending, key) if unwritten else None
             if lost is None:
@@ -700,17 +706,17 @@ class Client:
         return None
 
     def _read_instead(self, model: str, cache_id: str, why: DaemonUnavailable,
-                      unwritten: str | None, attempt: _Attempt,
+                      unwritten: str | None, read: Callable[[], _Attempt],
                       deadline: float) -> LoadedCache | None:
-        """load()'s answer from the file itself, the daemon being gone;
-        ``unwritten`` says why a save of ours may be missing from it."""
+        """load()'s answer from the file ``read()`` reads, the daemon being
+        gone; ``unwritten`` says why a save of ours may be missing from it."""
         # Throttled: with the daemon down a while, every load of a key saved
         # since comes here (4,800 lines in a few seconds of a helper's run).
         if unwritten and (quiet := self._throttle.let_through("load_from_file")) is not None:
             log.warning("event=load_from_file model=%s id=%s reason=%s not_logged_since=%d: the "
                         "file may be older than this client's saves: %s", model, cache_id, why,
                         quiet, unwritten)
-        if attempt.ident is None and not _holds_a_store(self.root):
+        if not _holds_a_store(self.root):
             # Every load would be a silent miss: say once where it looked.
             # (In the format, not an argument: the log quotes arguments with spaces.)
             whose = ("given as Client(root=...)" if self._root_override is not None
@@ -718,16 +724,35 @@ class Client:
             self._warn_once("no_store", f"event=load_from_file reason=%s: no store at %s to "
                             f"read instead ({whose}); loads miss until the daemon is back",
                             why, self.root)
-            return self._conclude(model, cache_id, attempt, deadline)
-        refused = _not_private(self.root)
-        if refused is not None:
+        elif (refused := self._not_private()) is not None:
             # With no daemon to vouch for it, a store others can write in
             # (or not ours) may hold anyone's file under the key: what serve
-            # refuses, a read refuses too.
+            # refuses, a read refuses too, before reading a byte of it.
             self._warn_once("root_refused", "event=load_from_file reason=%s: not reading the "
                             "store itself: %s; loads miss until the daemon is back", why, refused)
             return None
-        return self._conclude(model, cache_id, attempt, deadline)
+        return self._conclude(model, cache_id, read(), deadline)
+
+    def _not_private(self) -> str | None:
+        """Why the root is no store to read with the daemon down (one serve
+        refuses: a symlink, not ours, open to others; a read-only one is
+        read), else None. Judged again only when the root's lstat changes
+        (the judgement, two realpaths and more, was 48 us of each load)."""
+        root = self.root
+        try:
+            st = os.lstat(root)
+        except OSError:
+            return None  # nothing there: the read misses anyway
+        ident = (root, st.st_dev, st.st_ino, st.st_mode, st.st_uid)
+        judged = self._root_judged
+        if judged is None or judged[0] != ident:
+            try:
+                config.check_ours(root, "root directory", writable=False)
+                judged = (ident, None)
+            except config.ConfigError as exc:
+                judged = (ident, str(exc))
+            self._root_judged = judged
+        return judged[1]
 
     def _warn_once(self, what: str, fmt: str, *args: object) -> None:
         """Log ``fmt`` the first time ``what`` happens to this client."""
@@ -1057,10 +1082,15 @@ class Client:
         """Ask the daemon who it is; raises DaemonUnavailable."""
         if timeout is not None:
             timeout = _check_seconds("timeout", timeout, zero_ok=True)
-        seen_at = self._channel.connections
-        reply = self._request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
+        if self._closed:
+            raise RuntimeError("client is closed")
+        wait = self.timeout if timeout is None else timeout
+        t0 = time.monotonic()
+        pending = self._channel.send_request(
+            lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), wait=wait)
+        reply = self._reply(self._channel.wait(pending, max(0.0, wait - (time.monotonic() - t0))))
         assert isinstance(reply, m.Pong)
-        self._daemon(reply, seen_at)
+        self._daemon(reply, pending.conn)  # (the connection it went on, whose daemon answered)
         return reply
 
     def _request(self, make: Any, timeout: float | None = None, *,
@@ -1120,10 +1150,15 @@ class _DaemonSaid:
 
     said: _DaemonFacts | None = None
 
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # the I/O thread's hellos, callers' pings (a signal handler's too)
+
     def __call__(self, pong: m.Pong, conn: int) -> None:
-        said = self.said
-        if said is None or conn >= said.conn:  # (a ping()'s answer may come after a newer hello's)
-            self.said = _DaemonFacts(Path(pong.root), pong.version, pong.max_save_bytes, conn)
+        with self._lock:
+            # (A ping()'s answer may be taken in after a newer connection's hello.)
+            if self.said is None or conn >= self.said.conn:
+                self.said = _DaemonFacts(Path(pong.root), pong.version, pong.max_save_bytes,
+                                         conn)
 
 
 class _RefusalLog(_Throttle):
@@ -1285,19 +1320,6 @@ def _read(path: Path, verify: bool, model: str, cache_id: str) -> _Attempt:
 #: their key that land every few ms (0.25 MiB, flushed one by one) met two
 #: replaces in a row on a loaded machine: 1 load of 3,589 missed with 2 tries.
 _READ_ATTEMPTS = 5
-
-
-def _not_private(root: Path) -> str | None:
-    """Why ``root`` is no store to read with the daemon down (one serve
-    refuses: a symlink, not ours, open to others), else None (also when
-    there is nothing at all: a read then misses anyway)."""
-    if not os.path.lexists(root):
-        return None
-    try:
-        config.check_private_dir(root, "root directory")
-    except config.ConfigError as exc:
-        return str(exc)
-    return None
 
 
 def _holds_a_store(root: Path) -> bool:
