@@ -424,14 +424,18 @@ def _terminate_as_interrupt() -> None:
     """Have SIGTERM (what timeout(1) and supervisors send) stop a command as
     Ctrl-C does, undoing what it can: killed outright, export left its
     unfinished copy of a conversation behind and demo its private daemon
-    running. Only where SIGTERM would kill the process: a program that runs
-    main() and handles SIGTERM itself keeps its handler."""
+    running. Only where SIGTERM would kill the process, and for the command
+    line's own main() (which exits after): a program that calls main(argv)
+    keeps SIGTERM as it was (taken as Ctrl-C, it went on running), and one
+    that handles SIGTERM keeps its handler. A second SIGTERM is ignored: it
+    cut the clean-up short (the private daemon's directory was left)."""
     global _sigterm_before
 
     def terminate(_signum: int, _frame: Any) -> None:
         global _terminated
-        _terminated = True
-        raise KeyboardInterrupt
+        if not _terminated:
+            _terminated = True
+            raise KeyboardInterrupt
 
     try:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
@@ -454,7 +458,8 @@ def _main(argv: list[str] | None) -> int:
         # No argv given: this is the process's own command line (the
         # kvkeeper script, python -m kvkeeper), and it exits on return.
         return _serve(args, exiting=argv is None)
-    _terminate_as_interrupt()
+    if argv is None:
+        _terminate_as_interrupt()
     if args.command == "demo":
         from kvkeeper import demo
 

@@ -529,8 +529,9 @@ def _interrupted(args: list[str], ready: Callable[[], bool], again: float | None
     (and ``again`` seconds later once more); (status, stdout, stderr)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
     # Python's own SIGINT handler, even where the tests run with SIGINT ignored.
+    # main() as the command line calls it (SIGTERM is taken as Ctrl-C there only).
     code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "from kvkeeper.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from kvkeeper.cli import main; sys.exit(main())")
     child = subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**base, "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"})
@@ -574,6 +575,25 @@ def test_two_ctrl_c_in_a_row_end_a_command_without_a_traceback(short_dir: Path) 
             child.kill()
             child.wait(WAIT)
         assert child.returncode == 130 and err.strip() == "kvkeeper: interrupted", err
+
+
+def test_sigterm_still_ends_a_program_that_calls_main_with_arguments(short_dir: Path) -> None:
+    """SIGTERM is taken as Ctrl-C by the kvkeeper command only: a program
+    calling main(argv) got "kvkeeper: terminated", 143 back, and went on
+    running as if nothing had been asked of it."""
+    code = ("import sys; from kvkeeper.cli import main; main(sys.argv[1:]); "
+            "print('went on', flush=True)")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, "ls", "--socket", str(short_dir / "none.sock")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.6)  # waiting for a daemon to connect (2 s)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=WAIT)
+    finally:
+        child.kill()
+        child.wait(WAIT)
+    assert child.returncode == -signal.SIGTERM and "went on" not in out, (out, err)
 
 
 @pytest.mark.parametrize(("sig", "status", "said"), [(signal.SIGINT, 130, "interrupted"),

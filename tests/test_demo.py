@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kvkeeper.client.client import Client
 from kvkeeper.demo import MODEL_ID
 
@@ -165,8 +167,9 @@ def test_demo_refuses_bad_settings_before_it_runs(short_dir: Path) -> None:
 
 
 def _demo_stopped(args: list[str], ready: Callable[[subprocess.Popen[str]], bool],
-                  env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run the demo, send SIGTERM once ``ready(process)`` says so; (status, stderr)."""
+                  env: dict[str, str] | None = None, times: int = 1) -> tuple[int, str]:
+    """Run the demo, send SIGTERM (``times``, 50 ms apart) once
+    ``ready(process)`` says so; (status, stderr)."""
     child = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "demo", *args],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **(env or {})})
@@ -176,7 +179,9 @@ def _demo_stopped(args: list[str], ready: Callable[[subprocess.Popen[str]], bool
             assert child.poll() is None, child.communicate()
             assert time.monotonic() < deadline, "never ready"
             time.sleep(0.05)
-        child.send_signal(signal.SIGTERM)
+        for i in range(times):
+            time.sleep(0.05 if i else 0)
+            child.send_signal(signal.SIGTERM)
         _, err = child.communicate(timeout=WAIT)
     finally:
         child.kill()
@@ -195,9 +200,11 @@ def test_a_demo_stopped_leaves_nothing_in_the_user_s_store(daemon: RunningDaemon
         assert kv.entries(MODEL_ID) == []
 
 
-def test_a_private_demo_stopped_stops_its_daemon(short_dir: Path) -> None:
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_private_demo_stopped_stops_its_daemon(short_dir: Path, times: int) -> None:
     """SIGTERM killed the demo and left its private daemon running for good,
-    with its temp dir."""
+    with its temp dir. Twice: the second cut the clean-up short, and the
+    directory was left."""
     store: list[Path] = []
 
     def ready(demo: subprocess.Popen[str]) -> bool:
@@ -210,7 +217,8 @@ def test_a_private_demo_stopped_stops_its_daemon(short_dir: Path) -> None:
         return bool(store) and any(store[0].rglob("*.safetensors"))
 
     status, err = _demo_stopped(["--private", "--tokens", "2000", "--prompt-tokens", "128"],
-                                ready, env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")})
+                                ready, env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")},
+                                times=times)
     assert status == 143 and "kvkeeper: terminated" in err, err
     assert not store[0].parent.exists()  # the daemon stopped, its directory removed
 
