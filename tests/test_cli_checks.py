@@ -1684,3 +1684,18 @@ def test_no_daemon_at_a_path_that_is_no_socket_is_not_told_to_start_one_there(
         r = cli("stats", "--socket", str(path))
         assert r.returncode == 3 and f"it is {what}" in r.stderr, r.stderr
         assert "start it" not in r.stderr, r.stderr
+
+
+def test_a_lock_file_that_is_a_fifo_is_refused_not_waited_on(short_dir: Path) -> None:
+    """The look at the root's lock (which serve, --print-config and
+    install-service take before anything is made) opened it to read, and a
+    FIFO there blocked that open for ever."""
+    from kvkeeper.daemon.app import LOCK_NAME
+
+    root = short_dir / "root"
+    root.mkdir(mode=0o700)
+    os.mkfifo(root / LOCK_NAME, 0o600)
+    for extra in ((), ("--print-config",)):
+        r = cli("serve", "--root", str(root), "--socket", str(short_dir / "run" / "k.sock"),
+                *extra)
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr

@@ -267,10 +267,13 @@ def lock_holder(path: Path) -> str | None:
     (a daemon starting then tries again, see _Lock). Raises OSError when the
     file is there but cannot be opened (the daemon could not either)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # (Non-blocking: a FIFO there blocked the open for ever.)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return None  # no daemon ever took it
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
