@@ -488,20 +488,20 @@ def _main(argv: list[str] | None) -> int:
     try:
         return command(args)
     except ops.CommandError as exc:
-        print(f"kvkeeper: {_one_line(exc)}", file=sys.stderr)
+        print(f"kvkeeper: {ops.one_line(exc)}", file=sys.stderr)
         return exc.status
     except DaemonUnavailable as exc:
-        print(f"kvkeeper: {_one_line(exc)}", file=sys.stderr)
+        print(f"kvkeeper: {ops.one_line(exc)}", file=sys.stderr)
         return 3
     except DaemonError as exc:
         # "internal" comes with a request the daemon took and could not carry
         # out (a delete of another program's file): its message says why.
         said = exc.message if exc.code == "internal" else f"the daemon refused: {exc}"
-        print(f"kvkeeper: {_one_line(said)}", file=sys.stderr)
+        print(f"kvkeeper: {ops.one_line(said)}", file=sys.stderr)
         return 1
     except (BadId, config.ConfigError) as exc:
         # An id or setting given on the command line or in the config: usage.
-        print(f"kvkeeper: {_one_line(exc)}", file=sys.stderr)
+        print(f"kvkeeper: {ops.one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         raise  # main() ends quietly
@@ -513,7 +513,7 @@ def _main(argv: list[str] | None) -> int:
             gone = ""
         except FileNotFoundError:  # a bare "[Errno 2]" from something that resolved "."
             gone = " (the current directory was removed: run kvkeeper from another)"
-        print(f"kvkeeper: {_one_line(exc)}{gone}", file=sys.stderr)
+        print(f"kvkeeper: {ops.one_line(exc)}{gone}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:
         # import and export read and write caches through MLX, which an
@@ -523,15 +523,6 @@ def _main(argv: list[str] | None) -> int:
         print(f"kvkeeper {args.command} needs the mlx extra (pip install 'kvkeeper[mlx]'): "
               f"{exc}", file=sys.stderr)
         return 2
-
-
-def _one_line(error: object) -> str:
-    """An error's text as one line: a control character in a path or name it
-    quotes escaped (a newline made a second line that read as another
-    message; an ESC drove the terminal). Names already shown stay as shown."""
-    text = str(error)
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
-                   for ch in text)
 
 
 if __name__ == "__main__":

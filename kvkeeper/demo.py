@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -118,51 +119,65 @@ class NoRoom(Exception):
 
 
 def entry_bytes(args: argparse.Namespace) -> int:
-    """About the largest the demo's entry grows: its longest conversation
-    (prompt, stream, new message, continuation) at the tiny llama's 4 KV
-    heads of hidden/4 in bf16, keys and values, over every layer."""
-    tokens = args.prompt_tokens + args.tokens + 32 + max(16, args.tokens // 2) + 1
-    return tokens * args.layers * 4 * args.hidden + tokens * 8  # (and its token ids)
+    """At least the largest the demo's entry grows: its longest conversation
+    (prompt, stream, new message, continuation, then a decode round's as
+    many again) at the tiny llama's 4 KV heads of hidden/4 in bf16, keys
+    and values, over every layer; its token ids and header besides."""
+    tokens = args.prompt_tokens + args.tokens + 32 + 2 * max(16, args.tokens // 2) + 2
+    return tokens * (args.layers * 4 * args.hidden + 8) + 64 * 1024
 
 
 def _no_room(socket: Path, need: int) -> str | None:
-    """Why the daemon at ``socket`` would evict entries to write ``need``
-    more bytes (its disk budget, or the free space it keeps); None if not."""
+    """Why the daemon at ``socket`` has no room for ``need`` more bytes
+    without evicting entries (its disk budget, the free space it keeps; or
+    it cannot be told yet); None if it has."""
     from kvkeeper.client.client import Client
 
     with Client(socket, connect_timeout=1.0) as kv:
         stats = kv.stats()
         root = kv.ping().root
+    if stats.get("store_indexing"):
+        return "it is still indexing its store (how much the store holds is not known yet)"
     used, limit = int(stats.get("disk_used_bytes", 0)), int(stats.get("max_disk_bytes", 0))
     if limit and used + need > limit:
         return f"its store holds {_mib(used)} of its {_mib(limit)} disk budget"
     keep = int(stats.get("min_free_bytes", 0))
-    free = shutil.disk_usage(root).free
-    if free - need < keep:
+    try:
+        fs = os.statvfs(root)
+    except OSError:
+        # Its root is not to be seen from here (another mount namespace, a
+        # container): its disk budget is all there is to go by.
+        return None
+    free = fs.f_bavail * fs.f_frsize
+    # (A file system of no size, ramfs, says 0 free: the daemon sets no
+    # floor there either.)
+    if fs.f_blocks and free - need < keep:
         return f"its disk has {_mib(free)} free, of which it keeps {_mib(keep)}"
     return None
 
 
 @contextlib.contextmanager
-def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Path, str]]:
+def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Path, str, bool]]:
     """With ``private`` off, the daemon at ``socket`` if one answers (none is
     NoDaemon: the user asked for that one); with no ``socket``, the user's if
     one answers, else (and with ``private``) a private one in a temp dir,
     stopped at the end. A running daemon must have room for ``need`` bytes
     without evicting the user's entries: the one named is refused (NoRoom),
-    the user's is passed over for a private one."""
+    the user's is passed over for a private one. Yields the socket, what to
+    say of the daemon, and whether it is the demo's own."""
     from kvkeeper import settings
+    from kvkeeper.ops.common import no_daemon
 
     if socket is not None and not private:
         if not _ping(socket, 2.0):
-            raise NoDaemon(f"no kvkeeper daemon at {socket} (start it: kvkeeper serve "
-                           f"--socket {socket}; or leave out --socket and the demo starts "
-                           f"a private one)")
+            raise NoDaemon(no_daemon(socket, f" (start it: kvkeeper serve --socket "
+                                             f"{shlex.quote(str(socket))}; or leave out "
+                                             f"--socket and the demo starts a private one)"))
         if (why := _no_room(socket, need)) is not None:
-            raise NoRoom(f"the daemon at {socket} would evict entries to make room for the "
-                         f"demo's files (up to {_mib(need)}): {why}; give --private to run "
-                         f"it on a private daemon")
-        yield socket, f"running daemon at {socket}"
+            raise NoRoom(f"the daemon at {socket} has no room for the demo's files (up to "
+                         f"{_mib(need)}) without evicting entries: {why}; give --private to "
+                         f"run the demo on a daemon of its own")
+        yield socket, f"running daemon at {socket}", False
         return
     note = ""
     if not private:
@@ -170,10 +185,10 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
         if _ping(path):
             why = _no_room(path, need)
             if why is None:
-                yield path, f"running daemon at {path}"
+                yield path, f"running daemon at {path}", False
                 return
-            note = (f" (the running daemon would evict entries to make room for the demo's "
-                    f"files, up to {_mib(need)}: {why})")
+            note = (f" (the running daemon at {path} has no room for the demo's files, up to "
+                    f"{_mib(need)}, without evicting entries: {why})")
     tmp = Path(tempfile.mkdtemp(prefix="kvk-demo-", dir="/tmp"))
     os.chmod(tmp, 0o700)
     path = tmp / "kv.sock"
@@ -195,7 +210,7 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
             if time.monotonic() > deadline:
                 raise RuntimeError("the private daemon did not start within 20 s")
             time.sleep(0.05)
-        yield path, f"private daemon in {tmp} (stopped at the end){note}"
+        yield path, f"private daemon in {tmp} (stopped at the end){note}", True
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -293,11 +308,13 @@ def _stream(gen: Iterator[Any], on_token: Any = None) -> Phase:
     return phase
 
 
-def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
-    """The demo's run against the daemon at ``socket``. Its entry is deleted
-    however the run ends (Ctrl-C and SIGTERM too): a store that is the user's
-    must not keep it."""
+def run(args: argparse.Namespace, socket: Path, daemon_note: str, private: bool) -> Report:
+    """The demo's run against the daemon at ``socket`` (``private``: its own).
+    Its entry is deleted however the run ends (Ctrl-C and SIGTERM too): a
+    store that is the user's must not keep it, and if it cannot be, the
+    user is told how."""
     from kvkeeper.client.client import Client, DaemonUnavailable
+    from kvkeeper.ops.common import one_line
 
     sid = f"demo-{os.getpid()}-{int(time.time())}"
     opened: list[Client] = []
@@ -313,8 +330,14 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str) -> Report:
         # daemon, and the delete comes after them.
         for kv in opened:
             kv.close()
-        with contextlib.suppress(DaemonUnavailable), Client(socket) as kv:
-            kv.delete(MODEL_ID, sid)
+        try:
+            with Client(socket) as kv:
+                kv.delete(MODEL_ID, sid)
+        except DaemonUnavailable as exc:
+            if not private:  # (a private store goes with its directory)
+                print(f"kvkeeper demo: its entry could not be deleted ({one_line(exc)}); "
+                      f"delete it with: kvkeeper rm --socket {shlex.quote(str(socket))} "
+                      f"{MODEL_ID} {sid}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace, daemon_note: str, sid: str,
@@ -479,7 +502,9 @@ def than_reprefill(cold_s: float, restored_s: float) -> str:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"  # ("0.0 MiB")
 
 
 def print_report(rep: Report) -> None:
@@ -554,7 +579,8 @@ def print_report(rep: Report) -> None:
     con.print("Tokens decoded with and without write-behind: "
               + ("identical." if rep.decode_same_tokens else "DIFFERENT."))
     if rep.evictions:
-        con.print(f"[yellow]The daemon evicted {rep.evictions} entries meanwhile, to keep within "
+        con.print(f"[yellow]The daemon evicted {rep.evictions} "
+                  f"{'entry' if rep.evictions == 1 else 'entries'} meanwhile, to keep within "
                   f"its disk budget (see kvkeeper stats).[/]")
     con.print(f"[dim]Measured just now, in {rep.wall_s:.1f} s; nothing here is canned.[/]")
 
@@ -608,6 +634,7 @@ def _cannot_write(path: Path) -> str | None:
 def main(args: argparse.Namespace) -> int:
     from kvkeeper import config
     from kvkeeper.client.client import DaemonUnavailable
+    from kvkeeper.ops.common import one_line
 
     # hidden: 4 attention heads, each of an even width for RoPE.
     wrong = [f"{flag} {need} (got {value})" for flag, value, ok, need in (
@@ -642,20 +669,17 @@ def main(args: argparse.Namespace) -> int:
 
             config.check_socket_path(args.socket if args.socket is not None
                                      else settings.client_path("socket"))
-        with _daemon(args.socket, args.private, 2 * entry_bytes(args)) as (socket, note):
-            rep = run(args, socket, note)
-    except (NoDaemon, DaemonUnavailable) as exc:
-        print(f"kvkeeper demo: {exc}", file=sys.stderr)
-        return 3
-    except NoRoom as exc:
-        print(f"kvkeeper demo: {exc}", file=sys.stderr)
-        return 1
-    except config.ConfigError as exc:  # $KVKEEPER_SOCKET names no local socket
-        print(f"kvkeeper demo: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"kvkeeper demo: {exc}", file=sys.stderr)
-        return 1
+        with _daemon(args.socket, args.private, 2 * entry_bytes(args)) as (socket, note, own):
+            rep = run(args, socket, note, own)
+    except Exception as exc:
+        status = {NoDaemon: 3, DaemonUnavailable: 3, NoRoom: 1,
+                  config.ConfigError: 2,  # $KVKEEPER_SOCKET names no local socket
+                  RuntimeError: 1}
+        for kind, code in status.items():
+            if isinstance(exc, kind):
+                print(f"kvkeeper demo: {one_line(exc)}", file=sys.stderr)
+                return code
+        raise
     print_report(rep)
     if args.json is not None:
         data = asdict(rep)

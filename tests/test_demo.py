@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,14 +237,86 @@ def test_the_demo_never_evicts_the_user_s_entries(short_dir: Path) -> None:
         with Client(sock, timeout=WAIT) as kv:
             assert kv.save("mine", "precious", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
             proc = run_demo("--socket", str(sock), "--tokens", "32", "--prompt-tokens", "128")
-            assert proc.returncode == 1 and "would evict entries" in proc.stderr, proc.stderr
+            assert proc.returncode == 1 and "without evicting entries" in proc.stderr, proc.stderr
             assert "give --private" in proc.stderr, proc.stderr
             proc = run_demo("--tokens", "32", "--prompt-tokens", "128",
                             env={"KVKEEPER_SOCKET": str(sock)})
             assert proc.returncode == 0, proc.stderr
             said = " ".join(proc.stdout.split())
-            assert "private daemon in" in said and "would evict entries" in said, proc.stdout
+            assert "private daemon in" in said and "without evicting entries" in said, proc.stdout
+            assert f"running daemon at {sock} has no room" in said, proc.stdout
             assert [e.cache_id for e in kv.entries("mine")] == ["precious"]
             assert kv.stats()["evictions"] == 0
     finally:
         d.stop()
+
+
+def test_the_demo_s_room_check_counts_its_largest_entry(short_dir: Path) -> None:
+    """The check counted the conversation up to the continuation, not the
+    decode rounds' growth past it: free space that passed it (twice that,
+    the old file and the new) ran short, and the user's entry was evicted."""
+    import argparse
+
+    from kvkeeper.demo import entry_bytes
+
+    from .faultkit import filled, small_tmpfs
+
+    flags = ["--tokens", "400", "--prompt-tokens", "64", "--layers", "2", "--hidden", "64"]
+    need = 2 * entry_bytes(argparse.Namespace(tokens=400, prompt_tokens=64, layers=2, hidden=64))
+    with small_tmpfs(short_dir, "64m") as mnt:
+        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
+        d = start_daemon(root, sock)
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("mine", "precious", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+        assert d.stop() == 0
+        # Just room, by the check: what is free less the demo's need is kept.
+        d = start_daemon(root, sock, min_free_bytes=shutil.disk_usage(mnt).free - need)
+        try:
+            proc = run_demo("--socket", str(sock), *flags)
+            assert proc.returncode == 0, proc.stderr
+            with Client(sock, timeout=WAIT) as kv:
+                assert kv.stats()["evictions"] == 0
+                assert [e.cache_id for e in kv.entries("mine")] == ["precious"]
+        finally:
+            d.stop()
+
+
+def test_the_demo_waits_for_no_store_it_cannot_size(short_dir: Path) -> None:
+    """A daemon still indexing its store counts only what it has written
+    since its start: the check took that for the store's size, and the scan
+    then evicted the user's entry to make room for the demo's."""
+    from .conftest import serve_process, stop_process
+
+    hold = short_dir / "release"
+    proc = serve_process(short_dir / "root", short_dir / "run" / "kv.sock",
+                         "--max-disk-bytes", "100M", indexed=False,
+                         env={"KVKEEPER_TEST_FAULTS": f"scan_hold={hold}"})
+    try:
+        r = run_demo("--socket", str(short_dir / "run" / "kv.sock"), "--tokens", "32",
+                     "--prompt-tokens", "128")
+        assert r.returncode == 1 and "still indexing" in r.stderr, r.stderr
+    finally:
+        hold.touch()
+        assert stop_process(proc) == 0
+
+
+def test_the_demo_runs_on_a_store_of_no_size(short_dir: Path) -> None:
+    """A ramfs says 0 bytes free, and the daemon sets no floor there: the
+    room check refused it ("0.0 MiB free, of which it keeps 0.0 MiB")."""
+    from .faultkit import small_tmpfs
+
+    with small_tmpfs(short_dir, "ramfs") as mnt:
+        sock = short_dir / "run" / "kv.sock"
+        d = start_daemon(mnt / "root", sock)
+        try:
+            r = run_demo("--socket", str(sock), "--tokens", "32", "--prompt-tokens", "128")
+            assert r.returncode == 0, r.stderr
+        finally:
+            d.stop()
+
+
+def test_the_demo_names_a_socket_path_that_is_no_socket(short_dir: Path) -> None:
+    (short_dir / "plain").write_text("")
+    r = run_demo("--socket", str(short_dir / "plain"))
+    assert r.returncode == 3 and "it is not a socket" in r.stderr, r.stderr
+    assert "start it" not in r.stderr, r.stderr

@@ -119,11 +119,20 @@ def client(socket: Path | None, *, required: bool = True,  # type: ignore[no-unt
         # serve on the same socket: without --socket it would take the default.
         serve = ("kvkeeper serve" if socket is None
                  else f"kvkeeper serve --socket {shlex.quote(os.fspath(kv.socket_path))}")
-        raise CommandError(_no_daemon(kv.socket_path, f" (start it: {serve})"), status=3)
+        raise CommandError(no_daemon(kv.socket_path, f" (start it: {serve})"), status=3)
     return kv
 
 
-def _no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:
+def one_line(error: object) -> str:
+    """An error's text as one line: a control character in a path or name it
+    quotes escaped (a newline made a second line that read as another
+    message; an ESC drove the terminal). Names already shown stay as shown."""
+    text = str(error)
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
+def no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:
     """Why no daemon answered at ``path``: none runs (``hint`` follows), or
     one does and did not answer (``hint_if_stopped``)."""
     if _listening(path):  # a daemon stopped (SIGSTOP) or hung, not a stale socket
@@ -267,7 +276,7 @@ def store_root(args: argparse.Namespace, kv: Any) -> Path:
     if args.socket is not None:
         # The store of the daemon named: the configured root may be another.
         where = kv.socket_path if kv is not None else args.socket
-        raise CommandError(_no_daemon(where, " to name its root: give --root",
+        raise CommandError(no_daemon(where, " to name its root: give --root",
                                       "; give --root to work on its files without it"),
                            status=3)
     from kvkeeper.settings import client_path
