@@ -731,6 +731,24 @@ def test_verify_repair_that_cannot_run_still_reports_the_check(
     assert bad.exists()  # left to the daemon that holds the root
 
 
+def test_verify_repair_names_the_daemon_s_socket_whatever_its_root_is_called(
+        short_dir: Path) -> None:
+    """The socket is read from the daemon's lock file ("pid N, root R, socket
+    S"): a root named "..., socket x" made the hint name "x, socket S"."""
+    root, sock = short_dir / "r, socket x", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "bad", filled(0.5, 3), [3]) and kv.flush(timeout=WAIT)
+        bad = entry_path(root, "bad")
+        os.truncate(bad, bad.stat().st_size - 10)
+        r = cli("verify", "--socket", str(short_dir / "none.sock"), "--root", str(root),
+                "--repair")
+        assert r.returncode == 2 and r.stderr.rstrip().endswith(f"--socket {sock}"), r.stderr
+    finally:
+        d.stop()
+
+
 def test_verify_repair_that_fails_part_way_reports_what_it_moved(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,

@@ -314,9 +314,14 @@ def holder_pid(holder: str) -> int | None:
 
 
 def holder_socket(holder: str) -> str | None:
-    """The socket a daemon's lock holder text names (its last field), if any."""
-    found = re.search(r", socket (.+)\Z", holder, re.DOTALL)
-    return found.group(1) if found else None
+    """The socket a daemon's lock holder text names (its last field), if a
+    socket is there: its root may hold ", socket " too, and the text is
+    read up to 4 KiB."""
+    _, said, path = holder.rpartition(", socket ")
+    try:
+        return path if said and stat.S_ISSOCK(os.stat(path).st_mode) else None
+    except (OSError, ValueError):  # (ValueError: a NUL in it)
+        return None
 
 
 def _is_at(path: Path, held: os.stat_result) -> bool:

@@ -241,8 +241,9 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     except AlreadyRunning as exc:
         # A daemon on another socket than the one asked (it is the one to
         # move them): none moved, and how to reach it said.
-        refused.extend((path, "another daemon serves this root") for path, _, _ in bad)
         sock = holder_socket(exc.holder)
+        why = "another daemon serves this root" if sock else f"its lock is held ({exc.holder})"
+        refused.extend((path, why) for path, _, _ in bad)
         hint = (f"; repair through it: kvkeeper verify --repair --root "
                 f"{shlex.quote(str(root))} --socket {shlex.quote(sock)}" if sock else "")
         raise CommandError(f"{exc}{hint}", status=2) from None
