@@ -802,3 +802,35 @@ def test_a_load_after_a_refused_save_of_its_key_says_it_may_be_stale(
             assert not [line for line in said if "load_may_be_stale" in line], said
     finally:
         assert d.stop() == 0
+
+
+def test_a_refusal_taken_in_during_a_flush_it_does_not_cover_still_warns(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A flush answered after the refusal of a save sent after it (the
+    daemon refuses at once, and answers the flush once the save before it is
+    written) forgot that refusal: the flush said True, and a load of the
+    refused key returned the older file with no word."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--max-disk-bytes", "4M")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            assert kv.save(FP, "k", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            proc.send_signal(signal.SIGSTOP)  # reads nothing until the flush is asked
+            assert kv.save(FP, "a", filled(1.5, 1), [1])
+            flushed: list[bool] = []
+            t = threading.Thread(target=lambda: flushed.append(kv.flush(timeout=WAIT)))
+            t.start()
+            time.sleep(0.5)  # the flush's request queued, after a's save
+            assert kv.save(FP, "k", filled(5, 2), [2])  # refused: over the disk budget
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGCONT)
+            t.join(WAIT)
+            assert flushed == [True]  # it covers a's save, not k's
+            with caplog.at_level(logging.WARNING, logger="kvkeeper.client"):
+                got = kv.load(FP, "k")
+            assert got is not None and got.token_ids == [1]
+            said = [r.getMessage() for r in caplog.records if "load_may_be_stale" in r.getMessage()]
+            assert len(said) == 1 and "reason=save_refused" in said[0], caplog.text
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_process(proc) == 0

@@ -305,6 +305,9 @@ class _Request:
     # losses only (a save handed off after it, and lost while it waited,
     # is the next flush's).
     lost: int = 0
+    # The I/O thread's: the number of the last save built when it went (the
+    # saves a flush covers are those numbered up to it).
+    last_save: int = 0
 
 
 def _some_keys(keys: list[Key], shown: int = 20) -> str:
@@ -451,6 +454,7 @@ class Channel:
         self._sends = Pacer(min_send_interval)
         self._req_ids = itertools.count(1)
         self._save_ids = itertools.count(1)
+        self._last_save_id = 0  # the I/O thread's
         self._closing = threading.Event()
         self._close_claimed = False  # under _lock: only the first close() closes
         # Set once close() stops waiting for the saves in flight: a save after
@@ -520,7 +524,9 @@ class Channel:
         return 0 <= time.time_ns() - found[2] < RETURN_GRACE * 1e9
 
     def next_save_id(self) -> int:
-        return next(self._save_ids)
+        """A number for a save being built (on the I/O thread)."""
+        self._last_save_id = next(self._save_ids)
+        return self._last_save_id
 
     def next_req_id(self) -> int:
         return next(self._req_ids)
@@ -1198,6 +1204,7 @@ class Channel:
             item.seq = self._sent
             item.conn = self.connections
             item.lost = self.counters.saves_lost
+            item.last_save = self._last_save_id
 
     def _hold_until(self, save: _Save) -> float | None:
         """When ``save`` may be sent, if it is to wait: its key was sent less

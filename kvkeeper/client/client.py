@@ -434,7 +434,6 @@ class Client:
             return self._drop_inflight(cap.nbytes)
         if refused is not None:
             return self._drop("closed", "the client's connection was closed meanwhile")
-        self._refusals.keys.discard((model, cache_id))  # this one's fate is to be told
         self._saves_made.append(((model, cache_id), next(self._save_numbers)))
         if len(self._saves_made) > _SAVES_TAKEN_IN_AT:
             # A client that never loads or flushes would keep every save's
@@ -724,7 +723,11 @@ class Client:
             self._warn_once("no_store", f"event=load_from_file reason=%s: no store at %s to "
                             f"read instead ({whose}); loads miss until the daemon is back",
                             why, self.root)
-        elif (refused := self._not_private()) is not None:
+            # Not read all the same: a sessions/ made meanwhile, in a root
+            # not judged, was read (a rename loop in a 777 root: 553 loads
+            # of 394,725).
+            return None
+        if (refused := self._not_private()) is not None:
             # With no daemon to vouch for it, a store others can write in
             # (or not ours) may hold anyone's file under the key: what serve
             # refuses, a read refuses too, before reading a byte of it.
@@ -998,12 +1001,12 @@ class Client:
         # the answer) loses this answer: Python hands no value back
         # atomically. Only flushes, which take turns, use these.
         self._lost_seen = lost_total
-        # (A refusal of a save sent after the flush, taken in meanwhile, is
-        # forgotten too: a load of its key then misses its warning.)
-        self._refusals.forget()
         self._failed_seen = reply.failed
         self._flush_daemon, self._flush_conn = run, conn
         self._flushed_seq = pending.seq
+        # Past the stored answer: cut short here, a reported refusal only
+        # warns once more. (Not those of saves sent after the flush.)
+        self._refusals.forget(up_to=pending.last_save)
         return answer
 
     def delete(self, model: str, cache_id: str) -> bool:
@@ -1168,39 +1171,44 @@ class _RefusalLog(_Throttle):
     it alive."""
 
     last: m.SaveRefused | None = None
-    #: Saves sent whose refusal could still come: the newest this many.
-    SENT_KEPT = 4096
+    #: Saves sent whose refusal could still come: the newest this many (an
+    #: older one's refusal names no key, and marks none); keys marked at most.
+    KEPT = 4096
 
     def __init__(self) -> None:
         super().__init__()
         self._sent: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
-        # Refused, and neither saved again (save() lets go of its key) nor
-        # flushed since; ``unknown``: a save not among the newest sent was.
-        self.keys: set[tuple[str, str]] = set()
-        self.unknown = False
+        # Key -> the number of its save refused; neither saved again nor
+        # reported by a flush since.
+        self._refused: dict[tuple[str, str], int] = {}
 
     def sent(self, save_id: int, key: tuple[str, str]) -> None:
-        """A save of ``key`` goes as ``save_id`` (on the I/O thread, as refusals come)."""
+        """A save of ``key`` is built as ``save_id``: its fate is to be told,
+        not an older save's (on the I/O thread, as refusals are taken in:
+        from save(), a refusal of this very save could come first)."""
+        with self._lock:  # (a flush's forget() runs on another thread)
+            self._refused.pop(key, None)
         self._sent[save_id] = key
-        if len(self._sent) > self.SENT_KEPT:
+        if len(self._sent) > self.KEPT:
             self._sent.popitem(last=False)
 
     def refused(self, key: tuple[str, str]) -> bool:
-        """Whether ``key``'s last save may be one the daemon refused."""
-        return self.unknown or key in self.keys
+        """Whether ``key``'s last save is one the daemon refused."""
+        return key in self._refused
 
-    def forget(self) -> None:
-        """A flush reported them."""
-        self.keys.clear()
-        self.unknown = False
+    def forget(self, up_to: int) -> None:
+        """A flush reported the refusals of saves numbered up to ``up_to``."""
+        with self._lock:
+            self._refused = {k: n for k, n in self._refused.items() if n > up_to}
 
     def __call__(self, reply: m.SaveRefused) -> None:
         self.last = reply
         key = self._sent.pop(reply.save, None)
-        if key is None:
-            self.unknown = True
-        else:
-            self.keys.add(key)
+        if key is not None:
+            with self._lock:
+                self._refused[key] = reply.save
+                if len(self._refused) > self.KEPT:
+                    del self._refused[next(iter(self._refused))]
         quiet = self.let_through(reply.code)
         if quiet is not None:
             model, cache_id = key or ("?", "?")
