@@ -110,6 +110,29 @@ def _ping(socket: Path | None, timeout: float = 1.0) -> bool:
         kv.close(0)
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM back until the clean-up inside is done, then
+    raise the first one that came again, for the handlers put back. A second signal cut the
+    clean-up short: two Ctrl-C 10-20 ms apart left the demo's entry in the
+    user's store in 4 of 4 runs, a double Ctrl-C left a private daemon's
+    directory. (Its waits are bounded: closes, a delete, the daemon's stop.)"""
+    came: list[int] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    try:
+        before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in wanted}
+    except ValueError:  # not the main thread: signals are not ours to hold
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        if came:
+            signal.raise_signal(came[0])
+
+
 class NoDaemon(Exception):
     """No daemon answers at the socket the user named."""
 
@@ -132,18 +155,23 @@ def _no_room(socket: Path, need: int) -> str | None:
     without evicting entries (its disk budget, the free space it keeps; or
     it cannot be told yet); None if it has."""
     from kvkeeper.client.client import Client
+    from kvkeeper.protocol import naming
 
     with Client(socket, connect_timeout=1.0) as kv:
         stats = kv.stats()
         root = kv.ping().root
-    if stats.get("store_indexing"):
-        return "it is still indexing its store (how much the store holds is not known yet)"
     used, limit = int(stats.get("disk_used_bytes", 0)), int(stats.get("max_disk_bytes", 0))
+    if limit and stats.get("store_indexing"):
+        return ("it is still indexing its store, so how much of its disk budget is used "
+                "cannot be told yet (try again in a moment)")
     if limit and used + need > limit:
         return f"its store holds {_mib(used)} of its {_mib(limit)} disk budget"
     keep = int(stats.get("min_free_bytes", 0))
     try:
-        fs = os.statvfs(root)
+        # The disk the demo's files go to: sessions/'s, which may be one of
+        # its own (the daemon keeps the free space there).
+        sessions = Path(root) / naming.SESSIONS_DIR
+        fs = os.statvfs(sessions if sessions.is_dir() else root)
     except OSError:
         # Its root is not to be seen from here (another mount namespace, a
         # container): its disk budget is all there is to go by.
@@ -212,14 +240,15 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
             time.sleep(0.05)
         yield path, f"private daemon in {tmp} (stopped at the end){note}", True
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _signals_held():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the run
@@ -326,18 +355,19 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str, private: bool)
     try:
         return _run(args, daemon_note, sid, client)
     finally:
-        # Each client's saves first: closed, every one was read by the
-        # daemon, and the delete comes after them.
-        for kv in opened:
-            kv.close()
-        try:
-            with Client(socket) as kv:
-                kv.delete(MODEL_ID, sid)
-        except DaemonUnavailable as exc:
-            if not private:  # (a private store goes with its directory)
-                print(f"kvkeeper demo: its entry could not be deleted ({one_line(exc)}); "
-                      f"delete it with: kvkeeper rm --socket {shlex.quote(str(socket))} "
-                      f"{MODEL_ID} {sid}", file=sys.stderr)
+        with _signals_held():
+            # Each client's saves first: closed, every one was read by the
+            # daemon, and the delete comes after them.
+            for kv in opened:
+                kv.close()
+            try:
+                with Client(socket) as kv:
+                    kv.delete(MODEL_ID, sid)
+            except DaemonUnavailable as exc:
+                if not private:  # (a private store goes with its directory)
+                    print(f"kvkeeper demo: its entry could not be deleted ({one_line(exc)}); "
+                          f"delete it with: kvkeeper rm --socket {shlex.quote(str(socket))} "
+                          f"{MODEL_ID} {sid}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace, daemon_note: str, sid: str,
@@ -581,7 +611,7 @@ def print_report(rep: Report) -> None:
     if rep.evictions:
         con.print(f"[yellow]The daemon evicted {rep.evictions} "
                   f"{'entry' if rep.evictions == 1 else 'entries'} meanwhile, to keep within "
-                  f"its disk budget (see kvkeeper stats).[/]")
+                  f"its disk budget or the free space it keeps (see its log).[/]")
     con.print(f"[dim]Measured just now, in {rep.wall_s:.1f} s; nothing here is canned.[/]")
 
 
