@@ -749,6 +749,28 @@ def test_verify_repair_names_the_daemon_s_socket_whatever_its_root_is_called(
         d.stop()
 
 
+def test_verify_repair_asked_of_a_stopped_daemon_says_it_did_not_answer(
+        short_dir: Path) -> None:
+    """The daemon at the socket given is the root's, stopped: the hint named
+    that very socket to repair through, the command that had just failed."""
+    from .conftest import serve_process, stop_process
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "bad", filled(0.5, 3), [3]) and kv.flush(timeout=WAIT)
+        bad = entry_path(root, "bad")
+        os.truncate(bad, bad.stat().st_size - 10)
+        proc.send_signal(signal.SIGSTOP)
+        r = cli("verify", "--socket", str(sock), "--root", str(root), "--repair")
+        assert r.returncode == 2 and f"did not answer at {sock}" in r.stderr, r.stderr
+        assert "repair through it" not in r.stderr, r.stderr
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_process(proc) == 0
+
+
 def test_verify_repair_that_fails_part_way_reports_what_it_moved(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,

@@ -244,8 +244,15 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
         sock = holder_socket(exc.holder)
         why = "another daemon serves this root" if sock else f"its lock is held ({exc.holder})"
         refused.extend((path, why) for path, _, _ in bad)
-        hint = (f"; repair through it: kvkeeper verify --repair --root "
-                f"{shlex.quote(str(root))} --socket {shlex.quote(sock)}" if sock else "")
+        if sock and kv is not None and same_dir(Path(sock).parent, kv.socket_path.parent) \
+                and Path(sock).name == kv.socket_path.name:
+            # The daemon asked is that one: it did not answer (stopped, hung).
+            hint = f"; it did not answer at {sock} (is it stopped?): repair once it answers"
+        elif sock:
+            hint = (f"; repair through it: kvkeeper verify --repair --root "
+                    f"{shlex.quote(str(root))} --socket {shlex.quote(sock)}")
+        else:
+            hint = ""
         raise CommandError(f"{exc}{hint}", status=2) from None
     except LockUnusable as exc:
         # A root this user cannot write: the repair failed (exit 1), as it did
