@@ -731,6 +731,15 @@ def test_verify_repair_that_cannot_run_still_reports_the_check(
     assert bad.exists()  # left to the daemon that holds the root
 
 
+def _damaged_entry(root: Path, sock: Path) -> Path:
+    """An entry "bad" saved through the daemon at ``sock``, then cut short."""
+    with Client(sock, timeout=WAIT) as kv:
+        assert kv.save(FP, "bad", filled(0.5, 3), [3]) and kv.flush(timeout=WAIT)
+    bad = entry_path(root, "bad")
+    os.truncate(bad, bad.stat().st_size - 10)
+    return bad
+
+
 def test_verify_repair_names_the_daemon_s_socket_whatever_its_root_is_called(
         short_dir: Path) -> None:
     """The socket is read from the daemon's lock file ("pid N, root R, socket
@@ -738,10 +747,7 @@ def test_verify_repair_names_the_daemon_s_socket_whatever_its_root_is_called(
     root, sock = short_dir / "r, socket x", short_dir / "run" / "kv.sock"
     d = start_daemon(root, sock)
     try:
-        with Client(sock, timeout=WAIT) as kv:
-            assert kv.save(FP, "bad", filled(0.5, 3), [3]) and kv.flush(timeout=WAIT)
-        bad = entry_path(root, "bad")
-        os.truncate(bad, bad.stat().st_size - 10)
+        _damaged_entry(root, sock)
         r = cli("verify", "--socket", str(short_dir / "none.sock"), "--root", str(root),
                 "--repair")
         assert r.returncode == 2 and r.stderr.rstrip().endswith(f"--socket {sock}"), r.stderr
@@ -758,10 +764,7 @@ def test_verify_repair_asked_of_a_stopped_daemon_says_it_did_not_answer(
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     proc = serve_process(root, sock)
     try:
-        with Client(sock, timeout=WAIT) as kv:
-            assert kv.save(FP, "bad", filled(0.5, 3), [3]) and kv.flush(timeout=WAIT)
-        bad = entry_path(root, "bad")
-        os.truncate(bad, bad.stat().st_size - 10)
+        _damaged_entry(root, sock)
         proc.send_signal(signal.SIGSTOP)
         r = cli("verify", "--socket", str(sock), "--root", str(root), "--repair")
         assert r.returncode == 2 and f"did not answer at {sock}" in r.stderr, r.stderr
