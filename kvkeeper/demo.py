@@ -113,20 +113,21 @@ def _ping(socket: Path | None, timeout: float = 1.0) -> bool:
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM back until the clean-up inside is done, then
-    raise the first one that came again, for the handlers put back. A second signal cut the
-    clean-up short: two Ctrl-C 10-20 ms apart left the demo's entry in the
-    user's store in 4 of 4 runs, a double Ctrl-C left a private daemon's
-    directory. (Its waits are bounded: closes, a delete, the daemon's stop.)"""
+    raise the first one that came again, for the handlers put back. A
+    second signal cut the clean-up short: two Ctrl-C 10-20 ms apart left
+    the demo's entry in the user's store in 4 of 4 runs, a double Ctrl-C
+    left a private daemon's directory. (Its waits are bounded: closes, a
+    delete, the daemon's stop.)"""
     came: list[int] = []
-    wanted = (signal.SIGINT, signal.SIGTERM)
+    before: dict[signal.Signals, Any] = {}
     try:
-        before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in wanted}
-    except ValueError:  # not the main thread: signals are not ours to hold
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                before[signum] = signal.signal(signum, lambda s, _frame: came.append(s))
+        except ValueError:  # not the main thread: signals are not ours to hold
+            pass
         yield
-        return
-    try:
-        yield
-    finally:
+    finally:  # (also what was taken when a signal came between the two)
         for signum, handler in before.items():
             signal.signal(signum, handler)
         if came:
