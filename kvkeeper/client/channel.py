@@ -395,7 +395,7 @@ class Channel:
         max_inflight_bytes: int,
         min_send_interval: float = 0.0,
         on_refused: Callable[[m.SaveRefused], None] | None = None,
-        on_hello: Callable[[m.Pong, int], None] | None = None,
+        on_pong: Callable[[m.Pong, int], None] | None = None,
         cpu_policy: str = "batch",
     ) -> None:
         self.endpoint = endpoint
@@ -425,12 +425,13 @@ class Channel:
         # own: the daemon they went to answers for them only if it drained).
         self._ends: list[ConnectionEnd] = []
         self._on_refused = on_refused
-        # Called on the I/O thread with the daemon's answer to the ping sent
-        # on each new connection, and the connection's number: what a client
-        # knew of the daemon (its root, its largest save) was of the one
-        # before, maybe another daemon on the same socket. The ping waiting
-        # for its answer, and its connection's number (the I/O thread's).
-        self._on_hello = on_hello
+        # Called on the I/O thread with each Pong, and the number of the
+        # connection its ping went on. One is sent on each new connection:
+        # what a client knew of the daemon (its root, its largest save) was
+        # of the one before, maybe another daemon on the same socket. That
+        # ping waiting for its answer, and its connection's number (the I/O
+        # thread's).
+        self._on_pong = on_pong
         self._hello: tuple[_Request, int] | None = None
         self._hello_due = False
         self._lock = threading.RLock()
@@ -1005,7 +1006,7 @@ class Channel:
                 self._daemon_leaving = False
                 self._drain = None
                 self.connections += 1
-                self._hello_due = self._on_hello is not None
+                self._hello_due = self._on_pong is not None
                 self.connected.set()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 if self.connected.is_set():
@@ -1062,8 +1063,8 @@ class Channel:
                     and reply.req == self._hello[0].req:
                 (hello, conn), self._hello = self._hello, None
                 self._confirmed = max(self._confirmed, hello.seq)
-                assert self._on_hello is not None
-                self._on_hello(reply, conn)
+                assert self._on_pong is not None
+                self._on_pong(reply, conn)
                 continue
             if isinstance(reply, m.SaveRefused):
                 self.counters.saves_refused += 1
@@ -1080,6 +1081,9 @@ class Channel:
                 item = drain
             if item is not None and not item.future.done():
                 self._confirmed = max(self._confirmed, item.seq)
+                if isinstance(reply, m.Pong) and self._on_pong is not None:
+                    # A caller's ping: recorded before the caller has it.
+                    self._on_pong(reply, item.conn)
                 item.future.set_result(reply)
             elif isinstance(reply, m.Error):
                 log.warning("event=daemon_error code=%s message=%s", reply.code, reply.message)

@@ -235,7 +235,7 @@ class Client:
             min_send_interval=min_send_interval,
             # Not methods: the channel must not keep this client alive.
             on_refused=self._refusals,
-            on_hello=self._daemon,
+            on_pong=self._daemon,
             # As serve's --cpu-policy and KVKEEPER_CPU_POLICY take it.
             cpu_policy=cpu_policy.lower() if isinstance(cpu_policy, str) else cpu_policy,
         )
@@ -1085,15 +1085,10 @@ class Client:
         """Ask the daemon who it is; raises DaemonUnavailable."""
         if timeout is not None:
             timeout = _check_seconds("timeout", timeout, zero_ok=True)
-        if self._closed:
-            raise RuntimeError("client is closed")
-        wait = self.timeout if timeout is None else timeout
-        t0 = time.monotonic()
-        pending = self._channel.send_request(
-            lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), wait=wait)
-        reply = self._reply(self._channel.wait(pending, max(0.0, wait - (time.monotonic() - t0))))
+        # (What it says of the daemon the channel records, with the
+        # connection the ping went on.)
+        reply = self._request(lambda req: m.Ping(v=m.PROTOCOL_VERSION, req=req), timeout)
         assert isinstance(reply, m.Pong)
-        self._daemon(reply, pending.conn)  # (the connection it went on, whose daemon answered)
         return reply
 
     def _request(self, make: Any, timeout: float | None = None, *,
@@ -1148,20 +1143,14 @@ class _DaemonFacts(NamedTuple):
 
 class _DaemonSaid:
     """What the daemon said of itself last (a Pong: the channel asks on each
-    new connection, ping() too), in one piece. Holds nothing of the client:
+    new connection, ping() too), in one piece; set on the channel's I/O
+    thread, as it takes the Pongs in, in order. Holds nothing of the client:
     the channel must not keep it alive."""
 
     said: _DaemonFacts | None = None
 
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # the I/O thread's hellos, callers' pings (a signal handler's too)
-
     def __call__(self, pong: m.Pong, conn: int) -> None:
-        with self._lock:
-            # (A ping()'s answer may be taken in after a newer connection's hello.)
-            if self.said is None or conn >= self.said.conn:
-                self.said = _DaemonFacts(Path(pong.root), pong.version, pong.max_save_bytes,
-                                         conn)
+        self.said = _DaemonFacts(Path(pong.root), pong.version, pong.max_save_bytes, conn)
 
 
 class _RefusalLog(_Throttle):
