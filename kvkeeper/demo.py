@@ -156,31 +156,19 @@ def _no_room(socket: Path, need: int) -> str | None:
     without evicting entries (its disk budget, the free space it keeps; or
     it cannot be told yet); None if it has."""
     from kvkeeper.client.client import Client
-    from kvkeeper.protocol import naming
 
     with Client(socket, connect_timeout=1.0) as kv:
         stats = kv.stats()
-        root = kv.ping().root
     used, limit = int(stats.get("disk_used_bytes", 0)), int(stats.get("max_disk_bytes", 0))
     if limit and stats.get("store_indexing"):
         return ("it is still indexing its store, so how much of its disk budget is used "
                 "cannot be told yet (try again in a moment)")
     if limit and used + need > limit:
         return f"its store holds {_mib(used)} of its {_mib(limit)} disk budget"
-    keep = int(stats.get("min_free_bytes", 0))
-    try:
-        # The disk the demo's files go to: sessions/'s, which may be one of
-        # its own (the daemon keeps the free space there).
-        sessions = Path(root) / naming.SESSIONS_DIR
-        fs = os.statvfs(sessions if sessions.is_dir() else root)
-    except OSError:
-        # Its root is not to be seen from here (another mount namespace, a
-        # container): its disk budget is all there is to go by.
-        return None
-    free = fs.f_bavail * fs.f_frsize
-    # (A file system of no size, ramfs, says 0 free: the daemon sets no
-    # floor there either.)
-    if fs.f_blocks and free - need < keep:
+    # Its store's disk as the daemon sees it (-1: no size, as ramfs, where it
+    # keeps nothing free; an older daemon does not say).
+    free, keep = int(stats.get("free_bytes", -1)), int(stats.get("min_free_bytes", 0))
+    if free >= 0 and free - need < keep:
         return f"its disk has {_mib(free)} free, of which it keeps {_mib(keep)}"
     return None
 

@@ -355,3 +355,30 @@ def test_the_demo_s_room_check_looks_at_the_disk_of_sessions(short_dir: Path) ->
                 assert [e.cache_id for e in kv.entries("mine")] == ["precious"]
         finally:
             d.stop()
+
+
+def test_the_demo_s_room_check_goes_by_what_the_daemon_sees(short_dir: Path) -> None:
+    """A daemon with mounts of its own (a container, a service's private
+    mounts) has its store on a disk the demo cannot see: the check looked at
+    the store's path from here (plenty free), and the daemon evicted the
+    user's entry to keep its floor on its small disk."""
+    from .conftest import serve_process, stop_process
+    from .faultkit import filled, need_linux_root
+
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    root.mkdir(mode=0o700)
+    # (The tmpfs is mounted in the daemon's own mount namespace alone.)
+    mount_first = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   'mount -t tmpfs -o size=16m,mode=0700 tmpfs "$0" && exec "$@"', str(root))
+    proc = serve_process(root, sock, "--min-free-bytes", str(12 * 2**20), prefix=mount_first)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save("mine", "precious", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            assert not any(root.iterdir())  # not to be seen from here
+            r = run_demo("--socket", str(sock), "--prompt-tokens", "1000", "--tokens", "100",
+                         "--layers", "2")
+            assert r.returncode == 1 and "of which it keeps 12.0 MiB" in r.stderr, r.stderr
+            assert [e.cache_id for e in kv.entries("mine")] == ["precious"]
+    finally:
+        assert stop_process(proc) == 0

@@ -371,6 +371,33 @@ def test_ls_piped_shows_long_ids_whole_and_stats_says_no_disk_limit(short_dir: P
         assert rd.stop() == 0
 
 
+def test_stats_say_what_is_free_on_the_disk_of_sessions(short_dir: Path) -> None:
+    """The free space the daemon keeps is on sessions/'s disk, which may be
+    one of its own; a ramfs has no size, and the daemon keeps nothing free
+    there. Only the daemon can tell either from another mount namespace."""
+    root = short_dir / "root"
+    root.mkdir(mode=0o700)
+    with small_tmpfs(root, "16m", name="sessions") as sessions:
+        rd = start_daemon(root, short_dir / "run" / "kv.sock")
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert kv.save(FP, "a", filled(2, 1), [1]) and kv.flush(timeout=WAIT)
+                assert kv.stats()["free_bytes"] == shutil.disk_usage(sessions).free
+            assert shutil.disk_usage(sessions).free < 14 * MiB < shutil.disk_usage(root).free
+        finally:
+            assert rd.stop() == 0
+    with small_tmpfs(short_dir, "ramfs") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock")
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert kv.stats()["free_bytes"] == -1
+            shown = cli("stats", "--socket", str(rd.socket)).stdout
+            assert next(x for x in shown.splitlines() if "free_bytes" in x).split() == \
+                ["free_bytes", "unknown"], shown
+        finally:
+            assert rd.stop() == 0
+
+
 def test_junk_at_an_entrys_place_is_that_entrys_damaged_file(
     client: Client, daemon: RunningDaemon
 ) -> None:

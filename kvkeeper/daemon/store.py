@@ -816,6 +816,16 @@ class Store:
         st = os.statvfs(where or _made(self.sessions, self.root))
         return st.f_bavail * st.f_frsize
 
+    def free_gauge(self) -> int:
+        """Bytes free on the store's disk (``sessions/``'s) as ``stats``
+        reports them: -1 where the disk has no size to fill (ramfs: nothing is
+        kept free there) or cannot be looked at."""
+        try:
+            st = os.statvfs(_made(self.sessions, self.root))
+        except OSError:
+            return -1
+        return st.f_bavail * st.f_frsize if st.f_blocks else -1
+
     def out_of_inodes(self, keep: Path | None = None) -> bool:
         """Whether the file system a file at ``keep`` goes on (see ``_disk_of``)
         has no inode left for a new file (one that counts them: f_files is 0

@@ -34,8 +34,8 @@ _GROUPS = [
                 "queue_depth", "held_saves", "saves_held", "parked_saves",
                 "saves_parked", "write_seconds_p50",
                 "write_seconds_p99", "fsync_seconds_p50", "fsync_seconds_p99"]),
-    ("Disk", ["store_indexing", "disk_used_bytes", "max_disk_bytes", "min_free_bytes",
-              "below_min_free", "evictions",
+    ("Disk", ["store_indexing", "disk_used_bytes", "max_disk_bytes", "free_bytes",
+              "min_free_bytes", "below_min_free", "evictions",
               "bytes_evicted", "deletes", "deletes_missing"]),
     ("Daemon", ["uptime_s", "boot_id", "protocol_errors", "requests_refused",
                 "internal_errors", "forbidden_peers"]),
@@ -45,6 +45,8 @@ _GROUPS = [
 def _fmt(name: str, v: float) -> str:
     if name == "max_disk_bytes" and v == 0:
         return "none"  # --max-disk-bytes 0: no limit
+    if name == "free_bytes" and v < 0:
+        return "unknown"  # a disk of no size (ramfs), or not to be looked at
     if name.endswith("bytes") or name.startswith("bytes_"):
         return human(v)
     if name.endswith("_seconds_p50") or name.endswith("_seconds_p99"):
