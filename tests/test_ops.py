@@ -880,6 +880,38 @@ def test_verify_repair_through_a_draining_daemon_reports_each_file(short_dir: Pa
         stop_process(proc, signal.SIGKILL)
 
 
+def test_a_root_held_by_verify_repair_is_not_said_to_be_a_daemon_s(short_dir: Path) -> None:
+    """verify --repair with no daemon takes the root's lock while it moves
+    files: a second repair, or serve, was told "another kvkeeper daemon is
+    running (kvkeeper verify --repair, pid N)"."""
+    from kvkeeper.daemon.app import LOCK_NAME, lock_holder
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    bad = _damaged_entry(root, sock)
+    assert rd.stop() == 0
+    for i in range(300):  # each moved with its fsyncs: time to catch it holding the lock
+        entry_path(root, f"bad{i}").write_bytes(b"not a cache")
+    first = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "verify", "--root", str(root),
+                              "--socket", str(short_dir / "none.sock"), "--repair"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (lock_holder(root / LOCK_NAME) or "").startswith("kvkeeper verify"):
+            assert first.poll() is None and time.monotonic() < deadline, "never held the lock"
+            time.sleep(0.001)
+        first.send_signal(signal.SIGSTOP)
+        want = f"kvkeeper verify --repair is running (pid {first.pid}); lock file {root / LOCK_NAME}"
+        r = cli("verify", "--root", str(root), "--socket", str(short_dir / "none.sock"), "--repair")
+        assert r.returncode == 2 and want in r.stderr and "daemon" not in r.stderr, r.stderr
+        r = cli("serve", "--root", str(root), "--socket", str(short_dir / "other.sock"))
+        assert r.returncode != 0 and want in r.stderr and "daemon is" not in r.stderr, r.stderr
+    finally:
+        first.send_signal(signal.SIGCONT)
+        assert first.wait(WAIT) == 1
+    assert not bad.exists()
+
+
 def test_verify_repair_without_a_daemon(short_dir: Path) -> None:
     """A bad entry is moved aside. Files under names the daemon does not give
     are not its own (the store lists them as foreign): they were judged bad

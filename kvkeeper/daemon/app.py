@@ -91,6 +91,16 @@ class AlreadyRunning(config.ConfigError):
         self.holder = holder
 
 
+def held_by(holder: str, path: Path) -> AlreadyRunning:
+    """The error for the lock file at ``path``, which ``holder`` holds: a
+    daemon ("pid N, root R, socket S") or a command ("kvkeeper verify
+    --repair, pid N"; it was called a daemon)."""
+    command, _, pid = holder.partition(", ")
+    running = (f"{command} is running ({pid})" if command.startswith("kvkeeper ")
+               else f"another kvkeeper daemon is running ({holder})")
+    return AlreadyRunning(f"{running}; lock file {path}", holder)
+
+
 class SocketPathTaken(config.ConfigError):
     """Something other than a socket is where the daemon's socket goes."""
 
@@ -230,9 +240,7 @@ class _Lock:
             other = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise AlreadyRunning(
-                    f"another kvkeeper daemon is running ({other}); lock file {path}", other
-                ) from None
+                raise held_by(other, path) from None
             raise
         try:
             os.ftruncate(fd, 0)
@@ -294,8 +302,7 @@ def check_not_held(cfg: DaemonConfig) -> None:
         except OSError as exc:
             raise _unusable_lock(path, exc) from None
         if holder is not None:
-            raise AlreadyRunning(f"another kvkeeper daemon is running ({holder}); lock file {path}",
-                                 holder)
+            raise held_by(holder, path)
 
 
 def _lock_held(path: Path) -> bool:
