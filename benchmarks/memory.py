@@ -36,6 +36,7 @@ def run(ctx: Any) -> dict[str, Any]:
         clients = [daemon.client() for _ in range(prof.mem_clients)]
         time.sleep(0.2)
         idle_rss = current_rss(daemon.pid)
+        t_sampling = time.perf_counter()
         sampler = RssSampler(daemon.pid, interval=0.002, keep_series=True).start()
         cache = kv_cache(prof.shape, prof.mem_save_tokens, seed=51)
         toks = token_ids(prof.mem_save_tokens, seed=51)
@@ -65,6 +66,7 @@ def run(ctx: Any) -> dict[str, Any]:
         t_flushed = time.perf_counter()
         time.sleep(0.05)
         sampler.stop()
+        t_sampled = time.perf_counter()
         stats = clients[0].stats()
         client_stats = [kv.stats() for kv in clients]
         peak_hwm = vm_hwm(daemon.pid)
@@ -113,6 +115,7 @@ def run(ctx: Any) -> dict[str, Any]:
         "rss_peak_vmhwm_bytes": peak_hwm,
         "rss_peak_bytes": peak,
         "rss_samples": sampler.samples,
+        "rss_sampled_s": t_sampled - t_sampling,
         "rss_series": [[round(t, 4), r] for t, r in series[::step]],
         "daemon_exit_code": code,
     }

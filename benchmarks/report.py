@@ -48,6 +48,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _measured_text(t: dict[str, Any]) -> str:
+    said = _measured_figures(t)
+    if t.get("measured", {}).get("all_written") is False:
+        said += "; NOT every save timed was written (see the section), so no verdict on them"
+    return said
+
+
+def _measured_figures(t: dict[str, Any]) -> str:
     m = t.get("measured", {})
     case = t["case"]
     if case.startswith("1") and "limit_s" in m:
@@ -517,7 +524,8 @@ def _hot(doc: dict[str, Any], png: str) -> list[str]:
         f"after each) and while streaming ({prof['hot_stream_n']} calls, one every "
         f"{prof['stream_pace_s'] * 1000:.0f} ms, never waiting for the disk), against saving "
         f"the same cache synchronously in-process ({prof['sync_reps']} runs each, in the same "
-        f"rounds): the reference approach (flatten the state, `mx.save_safetensors` to a sibling, "
+        f"rounds: each round makes its share of the idle `save()` calls, then runs the "
+        f"synchronous savers, then mlx-vlm's): the reference approach (flatten the state, `mx.save_safetensors` to a sibling, "
         f"`os.replace`; a new file and one that replaces a file) and mlx-lm's `save_prompt_cache` "
         f"(to a new file; the two savers' order alternates between rounds); "
         f"and against mlx-vlm's APC disk tier (`commit()` hand-off, time until its background "
@@ -584,6 +592,11 @@ def _hot(doc: dict[str, Any], png: str) -> list[str]:
         f"streaming: "
         f"{_gc_text(_gc_total([s['kvkeeper_stream'].get('gc') for s in hot['sizes']]))}."
         + (" " + "; ".join(notes) + "." if notes else ""))
+    unwritten = [fmt_bytes(s["bytes"]) for s in hot["sizes"] + hot["special"]
+                 if s.get("kvkeeper_all_ok") is False]
+    if unwritten:
+        out += ["", f"**Not every idle save was written** ({', '.join(unwritten)}: a `save()` "
+                    f"or its `flush()` answered False), so the targets on them are not met."]
     control = _control_text(hot, big)
     if control:
         out += ["", control]
@@ -706,8 +719,23 @@ def _disk(doc: dict[str, Any]) -> list[str]:
                   f"polling `stats()`): `save()` until every byte reached the daemon "
                   f"{_p(b['save_to_fully_sent'])}, then until durable "
                   f"{_p(b['fully_sent_to_durable'])}. Plain Python's `write()` calls alone: "
-                  f"{_p(d['plain_write_calls_only'])} (the rest is fsync)." if b else ""))
+                  f"{_p(d['plain_write_calls_only'])} (the rest is fsync)." if b else "")
+               + (f" **{d['runs_not_written']} of kvkeeper's runs were not written** (its "
+                  f"save or flush answered False), so the verdict is no."
+                  if d.get("runs_not_written") else ""))
     return out
+
+
+def _sampled(m: dict[str, Any]) -> str:
+    """How many RSS samples the memory case took, over how long."""
+    if "rss_sampled_s" not in m:  # a results.json from before its window was kept
+        return f"{m['rss_samples']} samples"
+    return (f"{m['rss_samples']} samples over {fmt_s(m['rss_sampled_s'])}, from before the "
+            f"cache was made until 50 ms after the last flush")
+
+
+def _yes(flag: bool | None) -> str:
+    return "not recorded in this run" if flag is None else "yes" if flag else "**no**"
 
 
 def _load(doc: dict[str, Any]) -> list[str]:
@@ -785,8 +813,8 @@ def _memory(doc: dict[str, Any]) -> list[str]:
         f"tried again 2 ms later). The daemon took {fmt_bytes(m['daemon_counters']['bytes_received'])} "
         f"of it for writing (a save it refuses is refused at its header, and its data frames "
         f"are dropped as they arrive) and wrote {m['written_gib_per_s']:.2f} GiB/s until every "
-        f"save was resolved. RSS sampled every 2 ms at most ({m['rss_samples']} samples "
-        f"in {fmt_s(m['push_to_all_durable_s'])}) and the kernel's VmHWM. The accounting "
+        f"save was resolved. RSS sampled every 2 ms at most ({_sampled(m)}) and the kernel's "
+        f"VmHWM. The accounting "
         f"here has only refusals to explain (no save replaces another); the hot-path "
         f"stream, whose saves share a key, checks it with coalesced and superseded saves.")
     out.append("")
@@ -850,6 +878,7 @@ def _clients(doc: dict[str, Any]) -> list[str]:
         ["aggregate handed off (including those coalesced)",
          f"{c['handed_off_gib_per_s']:.2f} GiB/s"],
         ["verified loads (misses)", f"{c['loads']} ({c['load_misses']})"],
+        ["every client's closing flush() True", _yes(c.get("all_flushes_ok"))],
         ["load latency p50 / p99", f"{_p(c['load_latency'])} / {_p(c['load_latency'], 'p99')}"],
         ["save() latency p50 / p99", f"{_p(c['save_latency'])} / {_p(c['save_latency'], 'p99')}"],
     ])
@@ -900,9 +929,27 @@ def _requests(doc: dict[str, Any]) -> list[str]:
         f"`save()` returned True {r['saves_true']} times and False {r['saves_false']} times "
         f"(budget full); of the saves handed off, the client sent {c.get('saves_sent', 0)} and "
         f"replaced {c.get('saves_coalesced', 0)} with a newer one before sending them; "
-        f"lost {c.get('saves_lost', 0)} (counted after the flush below). The flush after the "
-        f"flood: {_flush_verdict(r['flush_after_ok'], c.get('saves_refused', 0))}.")
+        f"lost {c.get('saves_lost', 0)} (counted after the flush below); the daemon refused "
+        f"{c.get('saves_refused', 0)} of those sent. "
+        + _unexpected_answers(r.get("unexpected_answers"))
+        + f"The flush after the flood: "
+        f"{_flush_verdict(r['flush_after_ok'], c.get('saves_refused', 0))}.")
     return out
+
+
+def _unexpected_answers(seen: dict[str, dict[str, int]] | None) -> str:
+    """What the timed requests answered other than their job, said."""
+    if seen is None:
+        return ""  # a results.json from before they were counted
+    said = [f"{n} {_REQUEST_NAMES[k]} {'answered False' if k == 'flush' else 'missed'} "
+            f"{when}" for when, kinds in (("idle", seen["idle"]), ("during the flood",
+                                                                   seen["flood"]))
+            for k, n in kinds.items() if n]
+    if not said:
+        return "Every request timed did its job (loads returned their caches, flushes True). "
+    why = (" (a flush covering a refused save answers False: the refusals are answered there, "
+           "not by the flush after the flood)" if seen["flood"].get("flush") else "")
+    return "Of the requests timed, " + "; ".join(said) + why + ". "
 
 
 
@@ -1250,7 +1297,8 @@ def markdown(doc: dict[str, Any], png: str) -> str:
         f"{doc['runtime_s'] / 60:.1f} min ({doc['mode']} mode). Raw figures (every sample): "
         f"`results.json` beside the plot. Re-run with `python -m benchmarks` (full, under 15 min "
         f"on this machine; the idle saves wait for the disk, so a slower disk takes longer) "
-        f"or `python -m benchmarks --quick` (under 2 min); either starts its own "
+        f"or `python -m benchmarks --quick` (under 2 min, its report in `benchmarks/quick/`); "
+        f"either starts its own "
         f"`kvkeeper serve` subprocess on a temporary root.")
     out.append("")
     out.append(
@@ -1259,9 +1307,10 @@ def markdown(doc: dict[str, Any], png: str) -> str:
         f"({prof['shape']['bytes_per_token'] // 1024} KiB per token), mlx-lm `KVCache` layers "
         f"filled with random values; plus an mlx-vlm `PromptCacheState` and a hybrid "
         f"(`ArraysCache` + `KVCache`) cache. Every ratio compares figures measured side by side "
-        f"in the same run, alternating the contenders, but for `save()` while saves stream "
-        f"(section 1): that series runs on its own, right after the rounds that alternate the "
-        f"idle `save()` calls with the synchronous savers, and is held to the limit those "
+        f"in the same run, in rounds that run each contender in turn (the order rotating "
+        f"from round to round; section 1's rounds start with kvkeeper's idle calls). The "
+        f"exception is `save()` while saves stream (section 1): that series runs on its "
+        f"own, right after the rounds that interleave the idle `save()` calls with the synchronous savers, and is held to the limit those "
         f"rounds set. Figures are medians of at least "
         f"{min(prof['sync_reps'], prof['disk_reps'], prof['load_reps'], prof['resume_reps'])} "
         f"runs, but where a section gives its own count (section 3's breakdown) and in "

@@ -32,19 +32,35 @@ def _kinds(kv: Any) -> dict[str, Callable[[], Any]]:
 _FAST_PER_ROUND = 3
 
 
+#: What each kind of request answers when it did its job: a load of a key
+#: saved returns a cache, of one never saved None, and a flush True. Another
+#: answer is counted (a load that missed is fast, but no load).
+_EXPECTED: dict[str, Callable[[Any], bool]] = {
+    "ping": lambda r: True,
+    "load_miss": lambda r: r is None,
+    "load_other": lambda r: r is not None,
+    "load_flooded": lambda r: r is not None,
+    "flush": lambda r: r is True,
+}
+
+
 def _rounds(kinds: dict[str, Callable[[], Any]], until: float,
-            at_least: int) -> dict[str, list[float]]:
+            at_least: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each kind's latencies, and how many of its answers were not the
+    expected one (see ``_EXPECTED``)."""
     took: dict[str, list[float]] = {k: [] for k in kinds}
+    unexpected = dict.fromkeys(kinds, 0)
     n = 0
     while n < at_least or time.monotonic() < until:
         for name, request in kinds.items():
             for _ in range(1 if name in ("load_flooded", "flush") else _FAST_PER_ROUND):
                 t0 = time.perf_counter()
-                request()
+                answer = request()
                 took[name].append(time.perf_counter() - t0)
+                unexpected[name] += not _EXPECTED[name](answer)
                 time.sleep(PAUSE_S)
         n += 1
-    return took
+    return took, unexpected
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -64,7 +80,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if not kv.flush(WAIT):
             raise RuntimeError("the entries to load were not written")
         kinds = _kinds(kv)
-        idle = _rounds(kinds, 0.0, 5)
+        idle, idle_unexpected = _rounds(kinds, 0.0, 5)
         stop = threading.Event()
         handed = [0, 0]  # save() True, False
 
@@ -78,7 +94,8 @@ def run(ctx: Any) -> dict[str, Any]:
         saver.start()
         try:
             time.sleep(min(1.0, prof.requests_duration_s))  # the budget fills up
-            flooded = _rounds(kinds, time.monotonic() + prof.requests_duration_s, 2)
+            flooded, flood_unexpected = _rounds(kinds, time.monotonic() + prof.requests_duration_s,
+                                                2)
         finally:
             stop.set()
             saver.join(WAIT)
@@ -93,6 +110,9 @@ def run(ctx: Any) -> dict[str, Any]:
         "pause_s": PAUSE_S,
         "idle": {k: summarize(v) for k, v in idle.items()},
         "flood": {k: summarize(v) for k, v in flooded.items()},
+        # Answers other than the request's job (a load that missed, a flush
+        # False): a flush during the flood answers False for a save refused.
+        "unexpected_answers": {"idle": idle_unexpected, "flood": flood_unexpected},
         "saves_true": handed[0],
         "saves_false": handed[1],
         "client_counters": {k.removeprefix("client_"): after[k] - before[k] for k in after

@@ -11,13 +11,16 @@ import datetime as dt
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import benchmarks
 from benchmarks import clients, disk, generation, hot_path, load, memory, report, requests, resume
 from benchmarks.common import (
     FULL,
@@ -71,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tiny caches and 2 runs per figure: a smoke test of the suite itself")
     p.add_argument("--out", type=Path, default=None,
                    help="write the outputs into this directory (default: BENCHMARKS.md at "
-                        "the repository root, results.json and save_latency.png in benchmarks/)")
+                        "the repository root, results.json and save_latency.png in "
+                        "benchmarks/ for the full run; benchmarks/quick/ or benchmarks/tiny/ "
+                        "for --quick and --tiny, so that they do not replace its report)")
     p.add_argument("--cases", default=None,
                    help=f"comma-separated subset of: {', '.join(CASES)} (default: all); a "
                         f"subset needs --out, so the full report is not replaced")
@@ -88,6 +93,21 @@ def _targets(name: str, res: dict[str, Any], results: dict[str, Any]) -> list[di
     return mod.targets(res)
 
 
+def _terminate_as_interrupt() -> None:
+    """Take SIGTERM (timeout(1), a CI job cancelled) as Ctrl-C: the clean-ups
+    run (the daemons and client processes stopped, the temp roots removed);
+    killed outright, the run left them behind. Once only: a second SIGTERM
+    must not cut the clean-ups short."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     profile = TINY if args.tiny else QUICK if args.quick else FULL
@@ -101,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         print("--cases runs only some of the cases: give --out DIR for its report, so that "
               "BENCHMARKS.md and benchmarks/results.json keep the full run", file=sys.stderr)
         return 2
+    if args.out is None and profile is not FULL and args.from_json is None:
+        # The committed report is the full run's: a quick look beside it.
+        args.out = REPO / "benchmarks" / profile.name
     if args.out is not None:
         out = args.out.resolve()
         paths = {"md": out / "BENCHMARKS.md", "json": out / "results.json",
@@ -131,17 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     # Drops and refusals are expected under load (case 6): counted, not logged.
     logging.getLogger("kvkeeper").setLevel(logging.ERROR)
 
-    started = time.monotonic()
+    _terminate_as_interrupt()
+    # From the package's import: the imports of MLX and the rest count too.
+    started = benchmarks.STARTED
     started_at = dt.datetime.now(dt.timezone.utc)
     base = short_tmpdir()
     results: dict[str, Any] = {}
     runtimes: dict[str, float] = {}
     steal: dict[str, float | None] = {}
-    machine = machine_info(base)
     daemon = DaemonProcess(base, max_pending_bytes=GiB)
     kv = None
     sampler = None
     try:
+        machine = machine_info(base)
         daemon.start()
         sampler = RssSampler(daemon.pid, interval=0.05).start()
         kv = daemon.client()

@@ -89,6 +89,64 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
     assert (out / "save_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_stopped_by_sigterm_stops_its_daemon_and_removes_its_root(tmp_path: Path) -> None:
+    """timeout(1) or a cancelled CI job sends SIGTERM: the run died at once
+    and left its kvkeeper serve running on a temporary root for good."""
+    import os
+    import re
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "benchmarks", "--tiny", "--out", str(tmp_path / "bench")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    pid = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # (the run's own log: ends if it exits)
+            if m := re.search(r"daemon pid (\d+), root (\S+)", line):
+                pid, root = int(m[1]), Path(m[2])
+            if "case hot_path" in line:
+                break
+        assert pid is not None and root.is_dir(), "the run never started its daemon"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=WAIT)
+        assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-3000:])
+        deadline = time.monotonic() + WAIT
+        while _alive(pid):
+            assert time.monotonic() < deadline, "its daemon still runs"
+            time.sleep(0.05)
+        assert not root.exists() and not root.parent.exists()
+        assert not (tmp_path / "bench" / "results.json").exists()
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_every_idle_round_of_the_hot_path_makes_save_calls() -> None:
+    """Quick mode's 8 idle save() calls over 5 rounds went 2, 2, 2, 2, 0: its
+    last round timed the synchronous savers with no save() beside them."""
+    from benchmarks.common import FULL, QUICK
+    from benchmarks.hot_path import idle_rounds
+
+    for prof in (FULL, QUICK):
+        for calls in (prof.hot_idle_n, prof.hot_idle_n_other):
+            rounds = idle_rounds(calls, prof.sync_reps)
+            assert sum(rounds) == calls and min(rounds) >= 1, (prof.name, rounds)
+            assert max(rounds) - min(rounds) <= 1, (prof.name, rounds)
+
+
 def test_from_json_refuses_what_is_not_a_run_s_results(tmp_path: Path) -> None:
     """--from-json of a missing file, of text that is not JSON, or of JSON
     that is not a run's results: exit 2 with the reason (before: a
