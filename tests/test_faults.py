@@ -1279,6 +1279,45 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
         assert stop_process(proc) == 0
 
 
+@pytest.mark.parametrize("failpoint", ["posix/io/rw/writev", "posix/io/sync/fsync",
+                                       "posix/io/dir/rename"])
+def test_a_failed_save_whose_tmp_file_cannot_be_removed_reports_its_own_error(
+        short_dir: Path, failpoint: str) -> None:
+    """A disk remounted read-only after an I/O error (ext4 errors=remount-ro):
+    the fsync or rename fails with EIO, then the tmp file's unlink with EROFS.
+    The unlink's error replaced the save's (logged as a crash of the writer,
+    internal_errors 1), and the tmp file was not named as left behind."""
+    need_linux_root()
+    root, sock = paths(short_dir)
+    ctl = str(short_dir / "fiu")
+    proc = serve_process(root, sock, prefix=("fiu-run", "-x", "-f", ctl))
+
+    def fiu(command: str) -> None:
+        subprocess.run(["fiu-ctrl", "-f", ctl, "-c", command, str(proc.pid)], check=True,
+                       timeout=WAIT)
+
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            fiu(f"enable name={failpoint},failinfo={errno.EIO}")
+            fiu(f"enable name=posix/io/dir/unlink,failinfo={errno.EROFS}")
+            assert kv.save(FP, "k", filled(1, 2), [2]) and kv.flush(timeout=WAIT) is False
+            fiu(f"disable name={failpoint}")
+            fiu("disable name=posix/io/dir/unlink")
+            assert kv.stats()["internal_errors"] == 0
+            assert version_of(entry_path(root, "k")) == 1
+            assert kv.save(FP, "k", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+            assert version_of(entry_path(root, "k")) == 3
+    finally:
+        assert stop_process(proc) == 0
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    failed = [line for line in log.splitlines() if "event=save_failed" in line]
+    assert len(failed) == 1 and "Input/output error" in failed[0], failed
+    [left] = tmp_files(root) or [None]  # swept only at the next start
+    assert left is not None and f"event=tmp_not_removed path={left}" in log, log[-3000:]
+    assert "Read-only file system" in log and "job_crashed" not in log, log[-3000:]
+
+
 def test_a_file_moved_to_quarantine_whose_fsync_failed_is_indexed_there(short_dir: Path) -> None:
     """A damaged entry was moved to quarantine/, and then the directories'
     fsync failed: the move was reported failed (``quarantine_failed``), not

@@ -525,8 +525,7 @@ class WriterActor:
             # behind (closing and unlinking cannot wait for a thread here).
             for job in self._parked.values():
                 if (tmp := job.tmp_file()) is not None:
-                    with contextlib.suppress(OSError):  # the next start sweeps it
-                        tmp.abort()
+                    tmp.abort()
             self.finished.set()
 
     async def _work(self, away: TaskGroup) -> None:
@@ -627,10 +626,7 @@ class WriterActor:
         self._supersede(parked, job)
         parked.arrived.set()  # its park task ends
         if tmp is not None:
-            try:
-                await anyio.to_thread.run_sync(tmp.abort)
-            except OSError as exc:  # the next start sweeps it
-                log.error("event=tmp_not_removed path=%s error=%s", tmp.tmp, _describe(exc))
+            await anyio.to_thread.run_sync(tmp.abort)
 
     async def _park(self, job: SaveJob) -> None:
         """Wait until a parked save's bytes come again (or it broke, or was
@@ -659,8 +655,7 @@ class WriterActor:
             if self._parked.get(job.key) is job:
                 del self._parked[job.key]
             if (tmp := job.tmp_file()) is not None:
-                with contextlib.suppress(OSError):
-                    tmp.abort()
+                tmp.abort()
             # (Or the save that took its place, if one did.)
             self._resolve(job if place is None else place.job, Outcome.FAILED,
                           "internal error: the writer had closed its mailbox")

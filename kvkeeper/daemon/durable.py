@@ -238,8 +238,11 @@ class PendingFile:
             faults.crash_point("fsynced")
             st = os.fstat(self._fd)
             self.identity = (st.st_ino, st.st_mtime_ns)
-            os.close(self._fd)
-            self._fd = None
+            # Let go of the number first: a close that fails has freed it all
+            # the same (Linux), and abort() closing it again could close what
+            # another thread was given meanwhile (ZeroMQ's socket).
+            fd, self._fd = self._fd, None
+            os.close(fd)
             with lock:
                 os.rename(self.tmp, self.final)
                 self.renamed = True
@@ -259,16 +262,25 @@ class PendingFile:
         faults.crash_point("dir_fsynced")
 
     def abort(self) -> None:
+        """Close and remove the tmp file. Never raises: it runs on the way out
+        of a failed write, whose error is the one to report (a disk gone
+        read-only after a write's EIO failed the unlink too, and the unlink's
+        error replaced it, logged as an internal error). A tmp file left is
+        logged; the next start sweeps it."""
         faults.slow_abort()
         if self._fd is not None:
+            fd, self._fd = self._fd, None
             try:
-                os.close(self._fd)
+                os.close(fd)
             except OSError:
                 pass
-            self._fd = None
         try:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            log.error("event=tmp_not_removed path=%s error=%s", self.tmp,
+                      exc.strerror or exc)
+            return
         if self._on_gone is not None:
             self._on_gone(self.tmp)
