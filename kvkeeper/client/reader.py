@@ -7,6 +7,7 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -29,12 +30,13 @@ log = get_logger("kvkeeper.client")
 class CacheFileError(Exception):
     """A file that cannot give back a usable cache; the message says why.
 
-    ``damaged`` is True when the file itself is bad (unreadable, failed checksum,
+    ``damaged`` is True when the file itself is bad (failed checksum,
     another model's or another id's file, not a regular file: a directory, or
     a symlink, never followed) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
     class this process cannot import, a dtype this MLX cannot load, a file
-    this process cannot open now, or the file was replaced mid-read).
+    this process cannot open or read now: no permission, an I/O error; or
+    the file was replaced mid-read).
     ``replaced`` is True for the last: reading the path again gives a whole
     newer version.
     """
@@ -201,11 +203,20 @@ def _mlx_checks_offsets() -> bool:
 MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 
 
+#: Errors reading a file that may pass, or be this process's view alone (a
+#: network file system's hiccup, a stale handle): on their word alone the
+#: daemon moved a sound file aside, and every client lost it (the disk
+#: budget deletes quarantined files first). A file that stays unreadable is
+#: replaced at its key's next save, and `verify` still reports it.
+_MAY_PASS = frozenset({errno.EIO, errno.ESTALE})
+
+
 def cannot_open(path: Path, exc: OSError) -> CacheFileError:
     """The CacheFileError for a file that could not be opened (or looked at):
-    damaged unless the error is this process's."""
+    damaged unless the error is this process's, or may pass."""
     return CacheFileError(f"{path}: cannot open: {st.why_not_opened(path, exc)}",
-                          damaged=not st.says_nothing_of_the_file(exc))
+                          damaged=not (st.says_nothing_of_the_file(exc)
+                                       or exc.errno in _MAY_PASS))
 
 
 def _regular_file(path: Path) -> None:
