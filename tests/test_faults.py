@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1316,6 +1317,34 @@ def test_a_failed_save_whose_tmp_file_cannot_be_removed_reports_its_own_error(
     [left] = tmp_files(root) or [None]  # swept only at the next start
     assert left is not None and f"event=tmp_not_removed path={left}" in log, log[-3000:]
     assert "Read-only file system" in log and "job_crashed" not in log, log[-3000:]
+
+
+def test_enospc_on_a_disk_far_from_full_evicts_nothing(short_dir: Path) -> None:
+    """Every write fails with ENOSPC while the disk has plenty free (btrfs
+    metadata exhausted, a quota; here libfiu): the save's second ENOSPC
+    evicted entries "as if nothing were free", four of five, and the save
+    failed all the same."""
+    need_linux_root()
+    root, sock = paths(short_dir)
+    ctl = str(short_dir / "fiu")
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0",
+                         prefix=("fiu-run", "-x", "-f", ctl))
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for v, k in enumerate("abcde", start=1):
+                assert kv.save(FP, k, filled(1, v), [v]) and kv.flush(timeout=WAIT)
+            assert shutil.disk_usage(root).free > 1024 * 2**20  # far from full
+            subprocess.run(["fiu-ctrl", "-f", ctl, "-c",
+                            f"enable name=posix/io/rw/writev,failinfo={errno.ENOSPC}",
+                            str(proc.pid)], check=True, timeout=WAIT)
+            assert kv.save(FP, "new", filled(3, 9), [9]) and kv.flush(timeout=WAIT) is False
+            subprocess.run(["fiu-ctrl", "-f", ctl, "-c", "disable name=posix/io/rw/writev",
+                            str(proc.pid)], check=True, timeout=WAIT)
+            assert kv.stats()["evictions"] == 0
+            assert [version_of(entry_path(root, k)) for k in "abcde"] == [1, 2, 3, 4, 5]
+            assert tmp_files(root) == []
+    finally:
+        assert stop_process(proc) == 0
 
 
 _READ_WITH_AN_IO_ERROR = """

@@ -892,12 +892,13 @@ class Store:
         least recently used first, for the bytes the write lacks, and go on
         only if the disk then has room for them: an unlink that frees nothing
         (a file held open, or kept by a btrfs snapshot or another link) ends
-        it there. Whether the write may go on."""
+        it there. Not on a disk far from full (see ``_NEAR_FULL``). Whether
+        the write may go on."""
         keep = self.path_for(model, cache_id)
         where = self._disk_of(keep)[0]
         evicted: list[StoredEntry] = []
         room = first and self._room_for(where, left)
-        if not room and may_evict:
+        if not room and may_evict and self.free_bytes(where) < 2 * left + _NEAR_FULL:
             evicted = self.enforce_budget(keep=keep, writing=left, into=into, none_free=True)
             room = bool(evicted) and self._room_for(where, left)
         log.info("event=write_out_of_space model=%s id=%s left=%d evicted=%d room=%d",
@@ -1140,6 +1141,14 @@ def _made(*dirs: Path) -> Path:
         if os.path.isdir(d):
             return d
     return dirs[-1]
+
+
+#: A write that meets ENOSPC again on a disk with more than twice the bytes
+#: it lacks free, and this besides, is not short of space eviction can give
+#: (btrfs near full gives a few MiB less than it says; this is something
+#: else: its metadata exhausted, a quota, an injected fault). Evicting there
+#: deleted four entries for a save that failed all the same.
+_NEAR_FULL = 64 * 1024 * 1024
 
 
 def _same_disk(a: Path, b: Path) -> bool:
