@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                         "benchmarks/ for the full run; benchmarks/quick/ or benchmarks/tiny/ "
                         "for --quick and --tiny, so that they do not replace its report)")
     p.add_argument("--cases", default=None,
-                   help=f"comma-separated subset of: {', '.join(CASES)} (default: all); a "
-                        f"subset needs --out, so the full report is not replaced")
+                   help=f"comma-separated subset of: {', '.join(CASES)} (default: all); in "
+                        f"full mode a subset needs --out, so the full report is not replaced")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                    help="run nothing: redraw BENCHMARKS.md and the plot from a results.json "
                         "(with --out, those two go into that directory)")
@@ -116,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown cases: {unknown}; choose from {list(CASES)}", file=sys.stderr)
         return 2
+    if args.out is None and profile is not FULL and args.from_json is None:
+        # The committed report is the full run's: a quick look beside it.
+        args.out = REPO / "benchmarks" / profile.name
     if set(names) != set(CASES) and args.out is None and args.from_json is None:
         # The committed report holds every case: a subset would replace it with less.
         print("--cases runs only some of the cases: give --out DIR for its report, so that "
               "BENCHMARKS.md and benchmarks/results.json keep the full run", file=sys.stderr)
         return 2
-    if args.out is None and profile is not FULL and args.from_json is None:
-        # The committed report is the full run's: a quick look beside it.
-        args.out = REPO / "benchmarks" / profile.name
     if args.out is not None:
         out = args.out.resolve()
         paths = {"md": out / "BENCHMARKS.md", "json": out / "results.json",
