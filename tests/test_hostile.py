@@ -140,9 +140,7 @@ def rss_kib(pid: int) -> int:
 #: Reply types of the requests the daemon may answer from a task of their own,
 #: after it has read later messages: matched to their request by ``req``.
 LATER = {m.Load: (m.Found,), m.Delete: (m.Deleted,), m.Quarantine: (m.Deleted,),
-         m.ListEntries: (m.Entries,), m.Flush: (m.Flushed,), m.Gc: (m.Evicted,),
-         # (Its disk's free space is read in a worker thread.)
-         m.GetStats: (m.Stats,)}
+         m.ListEntries: (m.Entries,), m.Flush: (m.Flushed,), m.Gc: (m.Evicted,)}
 CODES = set(get_args(m.ErrorCode))
 PING_REQ = 2**62  # the test's own pings, far from the small ints the fuzz draws
 
@@ -217,6 +215,8 @@ class Ledger:
             return f"Used {'refused' if bad else 'taken'}"
         if isinstance(msg, m.Ping):
             take(got, lambda r: isinstance(r, m.Pong) and r.req == msg.req)
+        elif isinstance(msg, m.GetStats):
+            take(got, lambda r: isinstance(r, m.Stats) and r.req == msg.req)
         elif take(got, lambda r: isinstance(r, m.Error) and r.req == msg.req, optional=True):
             # Its own error (a bad id) comes at once; an answer may come later.
             # Reqs repeat, so an error taken later could be another's.

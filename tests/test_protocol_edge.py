@@ -484,6 +484,37 @@ def test_requests_waiting_for_their_answer_are_capped_per_client(short_dir: Path
         assert stop_process(proc) == 0
 
 
+def test_stats_and_a_new_client_are_answered_with_every_request_cap_full(
+        short_dir: Path) -> None:
+    """16 clients with 1,024 gcs waiting each (the start-up scan held): the
+    daemon's whole cap. Stats, which a client's start asks too, were once
+    taken as a waiting request: stats said "busy", and Client() raised."""
+    from kvkeeper.client.client import Client
+    from kvkeeper.daemon.server import MAX_WAITING, MAX_WAITING_PER_PEER
+
+    from .conftest import serve_process, stop_process
+
+    sock, hold = short_dir / "run" / "kv.sock", short_dir / "release"
+    proc = serve_process(short_dir / "root", sock, indexed=False,
+                         env={"KVKEEPER_TEST_FAULTS": f"scan_hold={hold}"})
+    try:
+        with dealers(sock, MAX_WAITING // MAX_WAITING_PER_PEER + 1) as (*full, other):
+            for s in full:
+                for req in range(1, MAX_WAITING_PER_PEER + 1):
+                    s.send(m.encode(m.Gc(v=V, req=req)))
+                assert isinstance(ask(s, m.encode(m.Ping(v=V, req=0))), m.Pong)  # all taken
+            busy = ask(other, m.encode(m.Gc(v=V, req=1)))
+            assert isinstance(busy, m.Error) and busy.code == "busy", busy
+            stats = ask(other, m.encode(m.GetStats(v=V, req=2)))
+            assert isinstance(stats, m.Stats) and stats.counters["requests_refused"] == 1
+            with Client(sock, timeout=WAIT) as kv:
+                assert kv.stats()["store_indexing"] == 1
+            hold.touch()
+    finally:
+        hold.touch()
+        assert stop_process(proc) == 0
+
+
 def test_every_counter_is_there_from_the_start(raw: zmq.Socket) -> None:
     # A script reading stats --json must not find a counter missing until it
     # first moves (the README names loads_direct and saves_held).
