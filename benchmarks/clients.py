@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import WAIT, summarize
+from benchmarks.common import WAIT, cleaning_up, summarize
 
 _COUNTERS = ("saves_received", "saves_written", "saves_superseded", "saves_refused",
              "saves_failed", "bytes_written", "loads_found")
@@ -35,7 +35,14 @@ def run(ctx: Any) -> dict[str, Any]:
     repo = Path(__file__).resolve().parent.parent
     procs: list[subprocess.Popen[str]] = []
     logs = [ctx.scratch / f"client-{i}.log" for i in range(n)]
-    try:
+
+    def clean_up() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    with cleaning_up(clean_up):
         for i in range(n):
             with open(logs[i], "w") as log:
                 procs.append(subprocess.Popen(
@@ -66,11 +73,6 @@ def run(ctx: Any) -> dict[str, Any]:
         after = kv.stats()
         for p in procs:
             p.wait(WAIT)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"client processes failed: {errors}")

@@ -12,6 +12,7 @@ from benchmarks.common import (
     WAIT,
     DaemonProcess,
     RssSampler,
+    cleaning_up,
     current_rss,
     free_memory,
     kv_cache,
@@ -29,10 +30,22 @@ def run(ctx: Any) -> dict[str, Any]:
     prof = ctx.profile
     limit = prof.mem_max_pending
     base = short_tmpdir("kvkb-mem-")
-    daemon = DaemonProcess(base, max_pending_bytes=limit).start()
+    daemon = DaemonProcess(base, max_pending_bytes=limit)
     clients: list[Any] = []
     sampler = None
-    try:
+    code: int | None = None
+
+    def clean_up() -> None:
+        nonlocal code
+        if sampler is not None:
+            sampler.stop()
+        for kv in clients:
+            kv.close()
+        code = daemon.stop()
+        remove_tree(base)
+
+    with cleaning_up(clean_up):
+        daemon.start()
         clients = [daemon.client() for _ in range(prof.mem_clients)]
         time.sleep(0.2)
         idle_rss = current_rss(daemon.pid)
@@ -42,7 +55,8 @@ def run(ctx: Any) -> dict[str, Any]:
         toks = token_ids(prof.mem_save_tokens, seed=51)
         size = prof.mem_save_tokens * prof.shape.bytes_per_token
         ctx.log(f"  memory: pushing {prof.mem_total / 2**30:.2f} GiB in saves of "
-                f"{size / 2**20:.0f} MiB, --max-pending-bytes {limit / 2**20:.0f} MiB")
+                f"{size / 2**20:.0f} MiB, --max-pending-bytes {limit / 2**20:.0f} MiB; "
+                f"daemon pid {daemon.pid}, root {daemon.root}")
         attempts = handed = dropped = 0
         i = 0
         t0 = time.perf_counter()
@@ -72,13 +86,6 @@ def run(ctx: Any) -> dict[str, Any]:
         peak_hwm = vm_hwm(daemon.pid)
         del cache
         free_memory()
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        for kv in clients:
-            kv.close()
-        code = daemon.stop()
-        remove_tree(base)
     counters = {k: int(stats.get(k, 0)) for k in _COUNTERS}
     lost = sum(int(s.get("client_saves_lost", 0)) for s in client_stats)
     client_dropped = sum(int(s.get("client_saves_dropped", 0)) for s in client_stats)

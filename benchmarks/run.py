@@ -11,9 +11,7 @@ import datetime as dt
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,10 +28,13 @@ from benchmarks.common import (
     GiB,
     Profile,
     RssSampler,
+    check_interrupted,
+    cleaning_up,
     machine_info,
     remove_tree,
     short_tmpdir,
     steal_seconds,
+    take_interrupts,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ class Context:
     gc_watch: Any = None
 
     def log(self, msg: str) -> None:
+        check_interrupted()  # one swallowed (in a gc callback) stops the run here
         print(f"[{time.monotonic() - self.started:6.1f}s] {msg}", flush=True)
 
 
@@ -82,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"full mode a subset needs --out, so the full report is not replaced")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                    help="run nothing: redraw BENCHMARKS.md and the plot from a results.json "
-                        "(with --out, those two go into that directory)")
+                        "(into --out, else where a run of its mode writes them; a full "
+                        "run's of some cases needs --out)")
     return p
 
 
@@ -93,19 +96,53 @@ def _targets(name: str, res: dict[str, Any], results: dict[str, Any]) -> list[di
     return mod.targets(res)
 
 
-def _terminate_as_interrupt() -> None:
-    """Take SIGTERM (timeout(1), a CI job cancelled) as Ctrl-C: the clean-ups
-    run (the daemons and client processes stopped, the temp roots removed);
-    killed outright, the run left them behind. Once only: a second SIGTERM
-    must not cut the clean-ups short."""
-    if threading.current_thread() is not threading.main_thread():
-        return
+def _paths(out: Path | None) -> dict[str, Path]:
+    """Where the report, the raw figures and the plot go (made if need be):
+    into ``out``, or the committed full run's places."""
+    if out is not None:
+        out = out.resolve()
+        paths = {"md": out / "BENCHMARKS.md", "json": out / "results.json",
+                 "png": out / "save_latency.png"}
+    else:
+        paths = {"md": REPO / "BENCHMARKS.md", "json": REPO / "benchmarks" / "results.json",
+                 "png": REPO / "benchmarks" / "save_latency.png"}
+    for p in paths.values():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    return paths
 
-    def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
+def _redraw(source: Path, out: Path | None) -> int:
+    """--from-json: the report and plot of ``source``'s figures, into ``out``;
+    without it, where a run of that mode writes them (the committed report
+    only for a full run of every case)."""
+    try:
+        doc = json.loads(source.read_text())
+        mode, cases = doc["mode"], set(doc["cases"])
+    except OSError as exc:
+        print(f"--from-json {source}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # JSONDecodeError is a ValueError; the others: not a run's results.json.
+        print(f"--from-json {source}: not a results.json written by a run "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    if out is None and mode != "full":
+        out = REPO / "benchmarks" / str(mode)
+    if out is None and cases != set(CASES):
+        print(f"--from-json {source}: its run has only some of the cases: give --out DIR, so "
+              f"that BENCHMARKS.md keeps the full run", file=sys.stderr)
+        return 2
+    paths = _paths(out)
+    try:
+        report.write(doc, paths, write_json=False)
+        summary = report.summary_text(doc)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"--from-json {source}: not a results.json written by a run "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    print(summary)
+    print(f"\nwrote {paths['md']}, {paths['png']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,56 +153,51 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown cases: {unknown}; choose from {list(CASES)}", file=sys.stderr)
         return 2
-    if args.out is None and profile is not FULL and args.from_json is None:
+    if args.from_json is not None:
+        return _redraw(args.from_json, args.out)
+    if args.out is None and profile is not FULL:
         # The committed report is the full run's: a quick look beside it.
         args.out = REPO / "benchmarks" / profile.name
-    if set(names) != set(CASES) and args.out is None and args.from_json is None:
+    if set(names) != set(CASES) and args.out is None:
         # The committed report holds every case: a subset would replace it with less.
         print("--cases runs only some of the cases: give --out DIR for its report, so that "
               "BENCHMARKS.md and benchmarks/results.json keep the full run", file=sys.stderr)
         return 2
-    if args.out is not None:
-        out = args.out.resolve()
-        paths = {"md": out / "BENCHMARKS.md", "json": out / "results.json",
-                 "png": out / "save_latency.png"}
-    else:
-        paths = {"md": REPO / "BENCHMARKS.md", "json": REPO / "benchmarks" / "results.json",
-                 "png": REPO / "benchmarks" / "save_latency.png"}
-    for p in paths.values():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    if args.from_json is not None:
-        try:
-            doc = json.loads(args.from_json.read_text())
-            report.write(doc, paths, write_json=False)
-            summary = report.summary_text(doc)
-        except OSError as exc:
-            print(f"--from-json {args.from_json}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            # JSONDecodeError is a ValueError; the others: not a run's results.json.
-            print(f"--from-json {args.from_json}: not a results.json written by a run "
-                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
-            return 2
-        print(summary)
-        print(f"\nwrote {paths['md']}, {paths['png']}")
-        return 0
+    paths = _paths(args.out)
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Drops and refusals are expected under load (case 6): counted, not logged.
     logging.getLogger("kvkeeper").setLevel(logging.ERROR)
 
-    _terminate_as_interrupt()
+    take_interrupts()
     # From the package's import: the imports of MLX and the rest count too.
     started = benchmarks.STARTED
     started_at = dt.datetime.now(dt.timezone.utc)
-    base = short_tmpdir()
     results: dict[str, Any] = {}
     runtimes: dict[str, float] = {}
     steal: dict[str, float | None] = {}
-    daemon = DaemonProcess(base, max_pending_bytes=GiB)
+    base: Path | None = None
+    daemon: DaemonProcess | None = None
     kv = None
     sampler = None
-    try:
+    daemon_code: int | None = None
+    daemon_log = ""
+
+    def clean_up() -> None:
+        nonlocal daemon_code, daemon_log
+        if sampler is not None:
+            sampler.stop()
+        if kv is not None:
+            kv.close()
+        if daemon is not None:
+            daemon_code = daemon.stop()
+            daemon_log = daemon.log()
+        if base is not None:
+            remove_tree(base)
+
+    with cleaning_up(clean_up):
+        base = short_tmpdir()
+        daemon = DaemonProcess(base, max_pending_bytes=GiB)
         machine = machine_info(base)
         daemon.start()
         sampler = RssSampler(daemon.pid, interval=0.05).start()
@@ -188,14 +220,6 @@ def main(argv: list[str] | None = None) -> int:
             stolen1 = steal_seconds()
             steal[name] = None if stolen0 is None or stolen1 is None else stolen1 - stolen0
             ctx.log(f"case {name} done in {runtimes[name]:.1f} s")
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        if kv is not None:
-            kv.close()
-        daemon_code = daemon.stop()
-        daemon_log = daemon.log()
-        remove_tree(base)
 
     targets: list[dict[str, Any]] = []
     for name, res in results.items():

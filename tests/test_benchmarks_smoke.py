@@ -89,41 +89,55 @@ def test_benchmarks_tiny_run_writes_every_output(tmp_path: Path) -> None:
     assert (out / "save_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_run_stopped_by_sigterm_stops_its_daemon_and_removes_its_root(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("case", "at", "delays"), [
+    ("hot_path", "case hot_path\n", [0.0]),  # inside a case
+    # Two signals 10 ms apart as the run ends: the second cut its clean-up short.
+    ("hot_path", "case hot_path done", [0.0, 0.01]),
+    ("memory", "memory: pushing", [0.02]),  # the memory case's own daemon
+])
+def test_a_run_stopped_by_sigterm_stops_its_daemons_and_removes_their_roots(
+        tmp_path: Path, case: str, at: str, delays: list[float]) -> None:
     """timeout(1) or a cancelled CI job sends SIGTERM: the run died at once
-    and left its kvkeeper serve running on a temporary root for good."""
+    and left its kvkeeper serve running on a temporary root for good; then a
+    SIGTERM in its clean-ups, or in the memory case, did the same."""
     import os
     import re
     import signal
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-u", "-m", "benchmarks", "--tiny", "--out", str(tmp_path / "bench")],
+        [sys.executable, "-u", "-m", "benchmarks", "--tiny", "--cases", case, "--out",
+         str(tmp_path / "bench")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    pid = None
+    daemons: dict[int, Path] = {}
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # (the run's own log: ends if it exits)
             if m := re.search(r"daemon pid (\d+), root (\S+)", line):
-                pid, root = int(m[1]), Path(m[2])
-            if "case hot_path" in line:
+                daemons[int(m[1])] = Path(m[2])
+            if at in line + "\n":
                 break
-        assert pid is not None and root.is_dir(), "the run never started its daemon"
-        proc.send_signal(signal.SIGTERM)
+        else:
+            raise AssertionError(f"the run never said {at!r}")
+        for delay in delays:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=WAIT)
         assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-3000:])
+        assert len(daemons) == (2 if case == "memory" else 1), daemons
         deadline = time.monotonic() + WAIT
-        while _alive(pid):
-            assert time.monotonic() < deadline, "its daemon still runs"
+        while any(_alive(pid) for pid in daemons):
+            assert time.monotonic() < deadline, "a daemon still runs"
             time.sleep(0.05)
-        assert not root.exists() and not root.parent.exists()
+        assert not any(root.parent.exists() for root in daemons.values())
         assert not (tmp_path / "bench" / "results.json").exists()
     finally:
         proc.kill()
         proc.wait(WAIT)
-        if pid is not None and _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in daemons:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -145,6 +159,33 @@ def test_every_idle_round_of_the_hot_path_makes_save_calls() -> None:
             rounds = idle_rounds(calls, prof.sync_reps)
             assert sum(rounds) == calls and min(rounds) >= 1, (prof.name, rounds)
             assert max(rounds) - min(rounds) <= 1, (prof.name, rounds)
+
+
+def test_from_json_of_a_tiny_run_leaves_the_committed_report(tmp_path: Path) -> None:
+    """--from-json of a tiny run's figures, no --out: it replaced the
+    committed full-run BENCHMARKS.md and plot with a tiny-mode report."""
+    import shutil
+
+    repo = tmp_path / "repo"  # a copy: the real checkout's files are not to be touched
+    shutil.copytree(REPO / "benchmarks", repo / "benchmarks",
+                    ignore=shutil.ignore_patterns("__pycache__", "quick", "tiny"))
+    (repo / "BENCHMARKS.md").write_text("the full run's\n")
+    doc = json.loads((repo / "benchmarks" / "results.json").read_text())
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({**doc, "mode": "tiny"}))
+    subset = tmp_path / "subset.json"
+    subset.write_text(json.dumps({**doc, "cases": {"disk": doc["cases"]["disk"]}}))
+    plot = (repo / "benchmarks" / "save_latency.png").read_bytes()
+    run = [sys.executable, "-m", "benchmarks", "--from-json"]
+    proc = subprocess.run([*run, str(tiny)], cwd=repo, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(tiny mode)" in (repo / "benchmarks" / "tiny" / "BENCHMARKS.md").read_text()
+    proc = subprocess.run([*run, str(subset)], cwd=repo, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "give --out" in proc.stderr, proc.stderr[-3000:]
+    assert (repo / "BENCHMARKS.md").read_text() == "the full run's\n"
+    assert (repo / "benchmarks" / "save_latency.png").read_bytes() == plot
 
 
 def test_from_json_refuses_what_is_not_a_run_s_results(tmp_path: Path) -> None:
