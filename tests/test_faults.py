@@ -1370,6 +1370,50 @@ with Client(sock, timeout=60) as kv:
 """
 
 
+_MLX_READ_WITH_AN_IO_ERROR = """
+import sys, time
+from kvkeeper import CacheFileError, read_cache_file
+
+path = sys.argv[1]
+assert read_cache_file(path, verify=False).token_ids == [1]  # every import made
+print("READY", flush=True)
+time.sleep(2)  # libfiu is told to fail read() meanwhile (reading a pipe would fail too)
+try:
+    read_cache_file(path, verify=False)
+    print("read")
+except CacheFileError as exc:
+    print("damaged" if exc.damaged else "not-damaged", exc)
+"""
+
+
+def test_an_io_error_in_mlx_s_read_is_not_damage(short_dir: Path) -> None:
+    """A lazy load reads the file first through MLX (read(), where kvkeeper's
+    own header read uses pread): EIO there, with the header sound, was
+    "MLX cannot read it", damage, and the daemon moved the file aside."""
+    need_linux_root()
+    root, sock = paths(short_dir)
+    rd = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+    finally:
+        assert rd.stop() == 0
+    ctl = str(short_dir / "fiu")
+    proc = subprocess.Popen(["fiu-run", "-x", "-f", ctl, sys.executable, "-c",
+                             _MLX_READ_WITH_AN_IO_ERROR, str(entry_path(root, "k"))],
+                            cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        subprocess.run(["fiu-ctrl", "-f", ctl, "-c", f"enable name=posix/io/rw/read,"
+                        f"failinfo={errno.EIO}", str(proc.pid)], check=True, timeout=WAIT)
+        out, err = proc.communicate(timeout=WAIT)
+        assert out.startswith("not-damaged") and "MLX cannot read it" in out, out + err
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
+
+
 def test_a_read_error_in_one_client_does_not_move_a_sound_file_aside(short_dir: Path) -> None:
     """An I/O error reading an entry in one client process (a network file
     system's hiccup): the client called the file damaged, the daemon moved

@@ -127,13 +127,14 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         if header is None:
             header = _header(path)  # our own reason, when the layout is bad
-        # The header checked out: a dtype this MLX cannot load is a limit of
-        # this process, not damage (another reader may use the file).
+        # The header checked out (its layout, each tensor within the file):
+        # what MLX refused is this process's trouble, not damage. A dtype
+        # this MLX cannot load; or a read that failed here (EIO) and may
+        # pass: taken for damage, the file was moved aside for every client.
         unreadable = sorted({str(t.get("dtype")) for t in header.tensors.values()}
                             & MLX_UNREADABLE_DTYPES)
         why = f" (it holds {', '.join(unreadable)} tensors)" if unreadable else ""
-        raise CacheFileError(f"{path}: MLX cannot read it: {exc}{why}",
-                             damaged=not unreadable) from None
+        raise CacheFileError(f"{path}: MLX cannot read it: {exc}{why}", damaged=False) from None
     if header is None and not st.written_by_kvkeeper(meta):
         # The older formats carry no checksums: our layout check (tensors
         # tiling the file) is all that refuses two tensors over the same
