@@ -127,10 +127,15 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         if header is None:
             header = _header(path)  # our own reason, when the layout is bad
-        # The header checked out (its layout, each tensor within the file):
-        # what MLX refused is this process's trouble, not damage. A dtype
-        # this MLX cannot load; or a read that failed here (EIO) and may
-        # pass: taken for damage, the file was moved aside for every client.
+        try:
+            header.checksums  # noqa: B018 - a kvkeeper header's own checksum
+        except st.LayoutError as damage:
+            raise CacheFileError(f"{path}: {damage}") from None
+        # The header checked out (its layout, each tensor within the file,
+        # its checksum): what MLX refused is this process's trouble, not
+        # damage. A dtype this MLX cannot load; or a read that failed here
+        # (EIO) and may pass: taken for damage, the file was moved aside for
+        # every client.
         unreadable = sorted({str(t.get("dtype")) for t in header.tensors.values()}
                             & MLX_UNREADABLE_DTYPES)
         why = f" (it holds {', '.join(unreadable)} tensors)" if unreadable else ""
