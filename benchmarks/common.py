@@ -413,29 +413,29 @@ class _Interrupts:
     """Ctrl-C and SIGTERM as the run takes them (see ``take_interrupts``)."""
 
     came = threading.Event()
-    raised = False  # the first one was raised: later ones are only recorded
     cleaning = 0  # depth of clean-ups running (``cleaning_up``)
 
 
 def take_interrupts() -> None:
     """Take SIGTERM (timeout(1), a cancelled CI job) as Ctrl-C: killed
     outright, a run left its kvkeeper serve running on a temporary root.
-    Only the first signal raises KeyboardInterrupt, and none while a
-    clean-up runs: a second one 10 ms later cut the clean-ups short and
-    left the daemon running (2 of 3 runs). ``check_interrupted`` raises it
-    again where it was swallowed (inside a garbage collector's callback,
-    the hot path's GcWatch: the run went on to the end, 1 run in 14)."""
+    None raises KeyboardInterrupt while a clean-up runs: a second signal
+    10 ms after the first cut the clean-ups short and left the daemon
+    running (2 of 3 runs). ``check_interrupted`` raises it again where it
+    was swallowed (inside a garbage collector's callback, the hot path's
+    GcWatch: the run went on to the end, 1 run in 14), and so does the next
+    signal. A signal ignored at the start (``cmd &`` in a script) stays so."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def interrupt(signum: int, frame: object) -> None:
         _Interrupts.came.set()
-        if not _Interrupts.raised and not _Interrupts.cleaning:
-            _Interrupts.raised = True
+        if not _Interrupts.cleaning:
             raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, interrupt)
 
 
 def check_interrupted() -> None:
@@ -473,11 +473,29 @@ def free_memory() -> None:
     mx.clear_cache()
 
 
+#: Every temporary directory and daemon the run made: its last clean-up
+#: (``clean_up_the_rest``) removes and stops what a case's own clean-up did
+#: not reach (a signal while mlx-vlm's disk tier was made or closed left
+#: its directory).
+_MADE_DIRS: list[Path] = []
+_DAEMONS: list[DaemonProcess] = []
+
+
 def short_tmpdir(prefix: str = "kvkb-") -> Path:
     """A 0700 directory under /tmp, short enough for a unix socket path."""
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
+    _MADE_DIRS.append(d)
     os.chmod(d, 0o700)
     return d
+
+
+def clean_up_the_rest() -> None:
+    """Stop every daemon the run started and remove every temporary
+    directory it made, those a clean-up already saw to included."""
+    for daemon in _DAEMONS:
+        daemon.stop()
+    for d in _MADE_DIRS:
+        remove_tree(d)
 
 
 def fsync_dir(path: Path) -> None:
@@ -710,6 +728,7 @@ class DaemonProcess:
         self.log_path = base / "daemon.log"
         self.max_pending_bytes = max_pending_bytes
         self.proc: subprocess.Popen[bytes] | None = None
+        _DAEMONS.append(self)
 
     def start(self) -> DaemonProcess:
         (self.base / "run").mkdir(mode=0o700, exist_ok=True)

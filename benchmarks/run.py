@@ -29,6 +29,7 @@ from benchmarks.common import (
     Profile,
     RssSampler,
     check_interrupted,
+    clean_up_the_rest,
     cleaning_up,
     machine_info,
     remove_tree,
@@ -126,8 +127,12 @@ def _redraw(source: Path, out: Path | None) -> int:
         print(f"--from-json {source}: not a results.json written by a run "
               f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
+    if mode not in ("full", "quick", "tiny"):
+        print(f"--from-json {source}: not a results.json written by a run (mode {mode!r})",
+              file=sys.stderr)
+        return 2
     if out is None and mode != "full":
-        out = REPO / "benchmarks" / str(mode)
+        out = REPO / "benchmarks" / mode
     if out is None and cases != set(CASES):
         print(f"--from-json {source}: its run has only some of the cases: give --out DIR, so "
               f"that BENCHMARKS.md keeps the full run", file=sys.stderr)
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon_log = daemon.log()
         if base is not None:
             remove_tree(base)
+        clean_up_the_rest()
 
     with cleaning_up(clean_up):
         base = short_tmpdir()
