@@ -380,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     escape = getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure")
     if escape:
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # hasattr above
-    global _terminated, _sigterm_before
-    _terminated = False
+    global _terminated, _interrupted, _sigterm_before, _sigint_before
+    _terminated = _interrupted = False
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(ValueError):  # (not on the main thread)
                 for signum in (signal.SIGINT, signal.SIGTERM):
                     signal.signal(signum, signal.SIG_IGN)
-            _sigterm_before = None  # (not put back)
+            _sigterm_before = _sigint_before = None  # (not put back)
         if _terminated:
             print("\nkvkeeper: terminated", file=sys.stderr)
             return 128 + signal.SIGTERM
@@ -410,14 +410,20 @@ def main(argv: list[str] | None = None) -> int:
         if _sigterm_before is not None:
             signal.signal(signal.SIGTERM, _sigterm_before)
             _sigterm_before = None
+        if _sigint_before is not None:
+            signal.signal(signal.SIGINT, _sigint_before)
+            _sigint_before = None
         logging.disable(disabled)
         if escape:
             sys.stdout.reconfigure(errors="strict")  # type: ignore[union-attr]  # hasattr above
 
 
-#: SIGTERM came (see _terminate_as_interrupt), and the handler it replaced.
+#: SIGTERM came first (see _terminate_as_interrupt); either signal came;
+#: and the SIGTERM handler replaced.
 _terminated = False
+_interrupted = False
 _sigterm_before: signal.Handlers | Callable[[int, Any], Any] | int | None = None
+_sigint_before: signal.Handlers | Callable[[int, Any], Any] | int | None = None
 
 
 def _terminate_as_interrupt() -> None:
@@ -427,19 +433,24 @@ def _terminate_as_interrupt() -> None:
     running. Only where SIGTERM would kill the process, and for the command
     line's own main() (which exits after): a program that calls main(argv)
     keeps SIGTERM as it was (taken as Ctrl-C, it went on running), and one
-    that handles SIGTERM keeps its handler. A second SIGTERM is ignored: it
-    cut the clean-up short (the private daemon's directory was left)."""
-    global _sigterm_before
+    that handles SIGTERM keeps its handler. Only the first of SIGTERM and
+    Ctrl-C raises: a second cut the clean-up short (the private daemon's
+    directory was left), or landed before the handler of the first could
+    ignore it and printed a traceback (two Ctrl-C, 1 run in about 50)."""
+    global _sigterm_before, _sigint_before
 
-    def terminate(_signum: int, _frame: Any) -> None:
-        global _terminated
-        if not _terminated:
-            _terminated = True
+    def interrupt(signum: int, _frame: Any) -> None:
+        global _terminated, _interrupted
+        if not _interrupted:
+            _interrupted = True
+            _terminated = signum == signal.SIGTERM
             raise KeyboardInterrupt
 
     try:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            _sigterm_before = signal.signal(signal.SIGTERM, terminate)
+            _sigterm_before = signal.signal(signal.SIGTERM, interrupt)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            _sigint_before = signal.signal(signal.SIGINT, interrupt)
     except ValueError:  # not the main thread: signals are not ours to take
         pass
 
