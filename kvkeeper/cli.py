@@ -394,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C: what the command was doing is undone where it can be
         # (export's tmp file), and a traceback would tell the user nothing.
         if argv is None:
-            # The process exits now: a second signal (timeout(1) sends its
-            # own twice, to the command and to its group) landed in the
-            # exit's clean-up, a client's close, with a traceback.
+            # The process exits now. kvkeeper's own handler raises once
+            # only; where it was not put in (the signal handled by another
+            # handler), a second signal (timeout(1) sends its own twice, to
+            # the command and to its group) landed in the exit's clean-up,
+            # a client's close, with a traceback.
             with contextlib.suppress(ValueError):  # (not on the main thread)
                 for signum in (signal.SIGINT, signal.SIGTERM):
                     signal.signal(signum, signal.SIG_IGN)

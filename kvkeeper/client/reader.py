@@ -127,10 +127,7 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         if header is None:
             header = _header(path)  # our own reason, when the layout is bad
-        try:
-            header.checksums  # noqa: B018 - a kvkeeper header's own checksum
-        except st.LayoutError as damage:
-            raise CacheFileError(f"{path}: {damage}") from None
+        _header_sums(path, header)
         # The header checked out (its layout, each tensor within the file,
         # its checksum): what MLX refused is this process's trouble, not
         # damage. A dtype this MLX cannot load; or a read that failed here
@@ -150,13 +147,10 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
         raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
                              replaced=True)
     if verify and header is not None:
-        try:
-            # The header's own checksum, before its model, format or token ids
-            # are believed (a flipped byte in the format name made a file
-            # another program's, which the daemon would then never replace).
-            header.checksums  # noqa: B018 - checked (and kept) on first use
-        except st.LayoutError as exc:
-            raise CacheFileError(f"{path}: {exc}") from None
+        # The header's own checksum, before its model, format or token ids
+        # are believed (a flipped byte in the format name made a file
+        # another program's, which the daemon would then never replace).
+        _header_sums(path, header)
     if st.written_by_kvkeeper(meta):
         return _kvkeeper_file(path, header, arrays, meta, verify, model, cache_id)
     from kvkeeper.client.legacy import (
@@ -284,10 +278,7 @@ def _kvkeeper_file(
             # The layer description is in the header, which a lazy load did
             # not check: a flipped byte in a class name was taken for a file
             # of a newer kvkeeper's and never moved aside.
-            try:
-                header.checksums  # noqa: B018 - raises when the header is damaged
-            except st.LayoutError as damage:
-                raise CacheFileError(f"{path}: {damage}") from None
+            _header_sums(path, header)
         # The header's checksum passed (and the data's, when verified): this
         # is what was saved, but this process cannot rebuild it (e.g. a class
         # it cannot import).
@@ -302,11 +293,17 @@ def _kvkeeper_file(
     )
 
 
-def _verify(path: Path, header: st.FileHeader, arrays: dict[str, mx.array]) -> None:
+def _header_sums(path: Path, header: st.FileHeader) -> dict[str, str] | None:
+    """The header's tensor checksums, its own checksum checked first (kept
+    once checked); a header that fails it is a damaged file."""
     try:
-        sums = header.checksums
-    except st.LayoutError as exc:
-        raise CacheFileError(f"{path}: {exc}") from None
+        return header.checksums
+    except st.LayoutError as damage:
+        raise CacheFileError(f"{path}: {damage}") from None
+
+
+def _verify(path: Path, header: st.FileHeader, arrays: dict[str, mx.array]) -> None:
+    sums = _header_sums(path, header)
     if sums is None or set(sums) != set(arrays):
         raise CacheFileError(f"{path}: checksums missing or not covering every tensor")
     try:
