@@ -915,6 +915,42 @@ def test_client_without_any_daemon(short_dir: Path) -> None:
     assert time.perf_counter() - t0 < 5
 
 
+def test_a_relative_kvkeeper_root_names_the_directory_it_was_read_in(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read from whatever directory was current at each load (Client(root=)
+    # and the socket were made absolute): a process that changed directory
+    # missed every entry while the daemon was down.
+    root, sock = short_dir / "root", short_dir / "kv.sock"
+    c = KVCache()
+    x = mx.arange(24, dtype=mx.float32).reshape(1, 1, 3, 8)
+    c.update_and_fetch(x, x)
+    rd = start_daemon(root, sock)
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "rel", [c], [1, 2, 3])
+            assert kv.flush(timeout=WAIT)
+    finally:
+        rd.stop()
+    (short_dir / "elsewhere").mkdir()
+    monkeypatch.chdir(short_dir)
+    monkeypatch.setenv("KVKEEPER_ROOT", "root")
+    with Client(sock, connect_timeout=0.2, timeout=WAIT) as kv:
+        assert kv.root == root
+        monkeypatch.chdir(short_dir / "elsewhere")
+        got = kv.load(FP, "rel")
+        assert got is not None and got.token_ids == [1, 2, 3]
+        assert kv.root == root
+    # Named by the environment before the client is made, with no socket
+    # given: taken where the Client was made, too.
+    monkeypatch.chdir(short_dir)
+    monkeypatch.setenv("KVKEEPER_SOCKET", str(sock))
+    with Client(connect_timeout=0.2, timeout=WAIT) as kv:
+        monkeypatch.chdir(short_dir / "elsewhere")
+        assert kv.root == root
+        assert kv.load(FP, "rel") is not None
+
+
 def test_loads_with_no_daemon_and_no_store_say_where_they_looked(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1435,16 +1435,24 @@ _NO_STORE = Path("~/.cache/kvkeeper")
 
 
 def _settings_root(find: Callable[[str], Path]) -> Path:
-    """The root ``find("root")`` gives; where the default root needs a home
-    directory there is none of (HOME unset, no password entry), _NO_STORE:
-    loads that would read the files miss (the daemon's own root is used
-    while it is up)."""
+    """The root ``find("root")`` gives, made absolute; where the default
+    root needs a home directory there is none of (HOME unset, no password
+    entry), _NO_STORE: loads that would read the files miss (the daemon's
+    own root is used while it is up)."""
     try:
-        return find("root")
+        root = find("root")
     except config.ConfigError as exc:
         if isinstance(exc, settings.SettingsError):
             raise
         log.warning("event=root_unknown reason=%s", exc)
+        return _NO_STORE
+    try:
+        # Absolute, as Client(root=) is: a relative $KVKEEPER_ROOT was read
+        # from whatever directory was current at each load.
+        return Path(os.path.abspath(root))
+    except FileNotFoundError:  # (the working directory removed)
+        log.warning("event=root_unknown reason=%s is relative, and the current directory "
+                    "was removed", config.ENV_ROOT)
         return _NO_STORE
 
 
