@@ -790,8 +790,13 @@ def test_bad_arguments_raise_clear_errors(client: Client) -> None:
         client.load(7, "x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no layers"):
         client.save(FP, "x", [])
-    with pytest.raises(ValueError, match="metadata"):
+    with pytest.raises(ValueError, match=r"key 'kvkeeper.model' is kvkeeper's own"):
         client.save(FP, "x", [c], metadata={"kvkeeper.model": "evil"})
+    # The fault named: "values str: ['a']" read as the key 'a' being at fault.
+    with pytest.raises(ValueError, match=r"the value of 'a' is int, not str$"):
+        client.save(FP, "x", [c], metadata={"a": 1})
+    with pytest.raises(ValueError, match=r"key 2 is int, not str$"):
+        client.save(FP, "x", [c], metadata={2: "b"})
     for meta in ({"a": "\udc80"}, {"\ud800": "b"}):  # before: True, then lost on the I/O thread
         with pytest.raises(ValueError, match="metadata must be valid Unicode"):
             client.save(FP, "x", [c], [1], metadata=meta)

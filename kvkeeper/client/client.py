@@ -375,12 +375,14 @@ class Client:
         ``cache`` is a list of cache layers, or an object with ``.cache`` and
         ``.token_ids`` (mlx-vlm's ``PromptCacheState``). What gets written is
         the cache as it is now, even if generation goes on changing it.
-        Returns True when the save was handed off, False when it was dropped
-        (daemon not running, or too much already in flight); drops are counted
-        in ``stats()`` and logged once per reason. Raises ValueError for bad
-        arguments, whether or not the save would have been dropped: among them
-        a layer it cannot describe, or a float64 tensor (``mx.load`` cannot
-        read those back).
+        Returns True when the save was handed off, False when it was dropped:
+        the daemon not running, too much already in flight, a cache larger
+        than the daemon takes or than the client's in-flight budget, a client
+        closing or used in a forked child; drops are counted in ``stats()``
+        and logged once per reason. Raises ValueError for bad arguments,
+        whether or not the save would have been dropped: among them a layer
+        it cannot describe, or a float64 tensor (``mx.load`` cannot read
+        those back).
         """
         if self._close_done.is_set():
             raise RuntimeError("client is closed")
@@ -1369,10 +1371,16 @@ def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
         raise ValueError(f"metadata must be a mapping of str to str, not "
                          f"{type(metadata).__name__}")
     meta = dict(metadata or {})
-    bad = [k for k in meta if not isinstance(k, str) or k.startswith("kvkeeper.")
-           or not isinstance(meta[k], str)]
+    # Each refusal says what is wrong with it: "values str: ['a']" read as
+    # the key being at fault.
+    bad = [f"key {k!r} is {type(k).__name__}, not str" for k in meta if not isinstance(k, str)]
+    bad += [f"key {k!r} is kvkeeper's own (kvkeeper.*)" for k in meta
+            if isinstance(k, str) and k.startswith("kvkeeper.")]
+    bad += [f"the value of {k!r} is {type(v).__name__}, not str" for k, v in meta.items()
+            if not isinstance(v, str)]
     if bad:
-        raise ValueError(f"metadata keys must be str (not 'kvkeeper.*'), values str: {bad}")
+        raise ValueError(f"metadata must map str keys (not 'kvkeeper.*') to str values: "
+                         f"{'; '.join(bad)}")
     # Exact str: a subclass (an enum's member, say) cannot be encoded.
     meta = {naming.plain(k): naming.plain(v) for k, v in meta.items()}
     if meta:
