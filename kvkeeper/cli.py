@@ -25,7 +25,8 @@ no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
 whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running, 130 interrupted (Ctrl-C), 143 SIGTERM (serve drains
-instead for either)."""
+instead for either). KVKEEPER_DEBUG=1 shows the client library's warnings
+and errors on stderr too."""
 
 
 def _flag_value(parse: Callable[[str], Any], text: str) -> Any:
@@ -85,9 +86,9 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
     from kvkeeper.settings import SETTINGS, format_size
 
     p.add_argument("--config", type=_path, default=None, metavar="FILE",
-                   help="TOML config file (default $KVKEEPER_CONFIG or "
-                        "$XDG_CONFIG_HOME/kvkeeper/config.toml, by default "
-                        "~/.config/kvkeeper/config.toml, if it exists)")
+                   help="TOML config file, which must exist (default $KVKEEPER_CONFIG, "
+                        "which must exist too, else $XDG_CONFIG_HOME/kvkeeper/config.toml, "
+                        "by default ~/.config/kvkeeper/config.toml, if it exists)")
     flag_types: dict[str, Callable[[str], Any]] = {"path": _path, "socket": _socket,
                                                    "size": _size, "seconds": _number, "text": str}
     from kvkeeper.config import ConfigError
@@ -155,7 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                          "deleted")
     ls.add_argument("--sort", choices=sorted(["last-used", "saved", "size", "tokens", "id",
                                               "model"]), default="last-used",
-                    help="default last-used (most recent first)")
+                    help="order of the entries: last-used (the default) and saved most "
+                         "recent first, size and tokens largest first, id and model A to "
+                         "Z (model, then id)")
     ls.add_argument("--reverse", action="store_true", help="reverse the order")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -246,9 +249,10 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--root", type=_path, default=None,
                      help="store root to export from (default: the running daemon's; with no "
                           "daemon, the configured, unless --socket names one)")
-    exp.add_argument("model")
-    exp.add_argument("cache_id")
-    exp.add_argument("path", type=_file_path)
+    exp.add_argument("model", help="model fingerprint")
+    exp.add_argument("cache_id", help="cache id")
+    exp.add_argument("path", type=_file_path,
+                     help="the file to write, ending in .safetensors")
 
     for name, text in (("install-service", "run the daemon as a user service (launchd or "
                                            "systemd)"),

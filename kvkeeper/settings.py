@@ -359,7 +359,8 @@ SETTINGS: tuple[Setting, ...] = (
             "least recently used entries are evicted past it", "size"),
     Setting("min_free_bytes", parse_size, lambda: 5 * GiB,
             "free space kept on the store's file system (sessions/'s: the root's unless a "
-            "disk is mounted there); entries are evicted to keep it", "size"),
+            "disk is mounted there); entries are evicted to keep it (0 for none; set past the "
+            "disk's free space, every entry goes)", "size"),
     Setting("min_write_interval", _seconds, lambda: 0.25,
             "seconds a cache's writes are kept apart: a save of up to 64 MiB that "
             "comes sooner after its cache's last write waits out the rest, and a newer "
@@ -369,7 +370,8 @@ SETTINGS: tuple[Setting, ...] = (
             "see the version written before) "
             "(0: write every save as it arrives)", "seconds"),
     Setting("drain_timeout", _seconds, lambda: 20.0,
-            "on SIGTERM, seconds to keep writing saves already received", "seconds"),
+            "on SIGTERM, SIGINT or SIGHUP, seconds to keep writing saves already "
+            "received", "seconds"),
     Setting("stall_timeout", _stall_seconds, lambda: 10.0,
             "seconds (1 or more) a save whose client stops sending part way, connection open "
             "(paused, stopped, starved), waits for its next bytes before it fails and "

@@ -503,6 +503,10 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     a_dir.mkdir()
     usage_error(cli("export", "--socket", sock, "m1", "a", str(a_dir)), "is a directory")
     assert a_dir.is_dir() and not list(a_dir.iterdir())
+    # Named as a directory whatever its name (before: "the file name must
+    # end in .safetensors", for a directory to export into).
+    usage_error(cli("export", "--socket", sock, "m1", "a", str(short_dir)),
+                f"{short_dir} is a directory; give a file name")
     assert not _leftovers(short_dir)
     # It still writes where it can, and says how to open the file.
     ok = short_dir / "ok.safetensors"

@@ -97,6 +97,8 @@ def test_import_usage_errors(client: Client, daemon: RunningDaemon, short_dir: P
     junk.write_bytes(b"not a safetensors file")
     r = cli("import", "--socket", sock, "--model", "m", str(junk))
     assert r.returncode == 1 and "not imported" in r.stdout, (r.stdout, r.stderr)
+    # The file named once (before: "not imported J: J: not a ...").
+    assert r.stdout.count(str(junk)) == 1, r.stdout
     # And --id with exactly one file works.
     r = cli("import", "--socket", sock, "--model", "m", "--id", "x", str(a))
     assert r.returncode == 0, (r.stdout, r.stderr)

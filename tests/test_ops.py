@@ -549,8 +549,13 @@ def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
     report = json.loads(r.stdout)
     assert report["checked"] == 2 and [b["path"] for b in report["bad"]] == [str(bad)]
     assert "checksum mismatch" in report["bad"][0]["reason"]
+    # Without --repair, the report says what would move them.
+    r = cli("verify", "--socket", str(daemon.socket))
+    assert r.returncode == 1 and "verify --repair moves the bad ones aside" in r.stdout, r.stdout
+    assert bad.exists()
     r = cli("verify", "--socket", str(daemon.socket), "--repair")
     assert r.returncode == 1 and "moved aside" in r.stdout
+    assert "verify --repair moves" not in r.stdout, r.stdout
     assert not bad.exists() and version_of(entry_path(daemon.root, "good")) == 3
     assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
 

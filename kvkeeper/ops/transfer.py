@@ -144,7 +144,8 @@ def import_files(args: argparse.Namespace) -> int:
                 try:
                     got = read_cache_file(src)
                 except CacheFileError as exc:
-                    failed.append((f, str(exc)))
+                    # (Its message names the file, which the report does.)
+                    failed.append((f, str(exc).removeprefix(f"{src}: ")))
                     continue
                 model = args.model or got.model
                 if not model:
@@ -389,13 +390,13 @@ def export(args: argparse.Namespace) -> int:
     )
 
     dest: Path = args.path
+    if dest.is_dir():  # before the suffix: "must end in .safetensors" told of no directory
+        raise CommandError(f"{dest} is a directory; give a file name", status=2)
     if dest.suffix != naming.SUFFIX:
         # (".safetensors" alone is a name with no suffix, to pathlib and mlx-lm.)
         need = (f"give a name before {naming.SUFFIX}" if dest.name == naming.SUFFIX
                 else f"the file name must end in {naming.SUFFIX}")
         raise CommandError(f"{dest}: {need} (mlx-lm's loader expects it)", status=2)
-    if dest.is_dir():
-        raise CommandError(f"{dest} is a directory; give a file name", status=2)
     if not dest.parent.is_dir():
         raise CommandError(f"{dest.parent} is not an existing directory", status=2)
     if not _mlx_can_open(dest):

@@ -159,7 +159,10 @@ def verify(args: argparse.Namespace) -> int:
             (f"{len(bad)} bad", "red") if bad else
             ("" if unchecked else ("all good", "green")),
             ", " if bad and unchecked else "",
-            (f"{len(unchecked)} not checked", "yellow") if unchecked else ""))
+            (f"{len(unchecked)} not checked", "yellow") if unchecked else "",
+            # What to do about them, where nothing was done yet.
+            " (kvkeeper verify --repair moves the bad ones aside, into quarantine/)"
+            if bad and not args.repair else ""))
     if repair_error is not None:
         raise repair_error  # its message and exit status, after the report
     return 1 if bad or unchecked else 0
