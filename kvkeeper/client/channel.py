@@ -235,6 +235,12 @@ class DaemonTimedOut(DaemonUnavailable):
     """The daemon did not answer in time; it may still be up (and busy)."""
 
 
+class ClosedHere(DaemonUnavailable):
+    """This client's connection was closed in this process (``close()`` on
+    another thread, the exit hook): the daemon may well be up and at work
+    on what the request waited for."""
+
+
 class DaemonShuttingDown(DaemonUnavailable):
     """The daemon is draining before it exits: a request that must follow a
     save this client keeps for the next daemon fails with this at once."""
@@ -581,7 +587,7 @@ class Channel:
                 raise DaemonUnavailable(FORKED)
             if self._close_claimed and not closing:
                 # The daemon may well be up: say what happened to this client.
-                raise DaemonUnavailable(CLOSED_BY_OTHERS)
+                raise ClosedHere(CLOSED_BY_OTHERS)
             if not (wait > 0 and self.daemon_returning()
                     and self.connected.wait(min(wait, RETURN_GRACE))):
                 raise DaemonUnavailable(f"no kvkeeper daemon at {self.endpoint}")
@@ -595,7 +601,7 @@ class Channel:
         with self._lock:
             if self._stopped:
                 # Nobody would ever answer it: fail now, not after the timeout.
-                raise DaemonUnavailable(CLOSED_BY_OTHERS)  # (a forked child is never connected)
+                raise ClosedHere(CLOSED_BY_OTHERS)  # (a forked child is never connected)
             self._waiting[req] = item
         self._push(item, hand_over=True)
         return item
@@ -972,7 +978,7 @@ class Channel:
                 self._ctx.term()
             finally:
                 self.connected.clear()
-                self._fail_waiting(CLOSED_BY_OTHERS)
+                self._fail_waiting(CLOSED_BY_OTHERS, error=ClosedHere)
                 if unsent:
                     # A shutdown that loses a conversation's last state says
                     # whose; before close() returns, and never in its way.
@@ -1033,14 +1039,15 @@ class Channel:
                                 "written")
                     self._confirmed = self._sent_unanswered
 
-    def _fail_waiting(self, reason: str, *, sent_only: bool = False) -> None:
+    def _fail_waiting(self, reason: str, *, sent_only: bool = False,
+                      error: type[DaemonUnavailable] = DaemonUnavailable) -> None:
         """Fail the requests waiting for a reply (with ``sent_only``, those
-        already sent) with DaemonUnavailable: no daemon will answer them."""
+        already sent) with ``error``: no daemon will answer them."""
         with self._lock:
             items = [item for item in self._waiting.values() if item.sent or not sent_only]
         for item in items:
             if not item.future.done():
-                item.future.set_exception(DaemonUnavailable(reason))
+                item.future.set_exception(error(reason))
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:

@@ -35,6 +35,7 @@ from kvkeeper.client.channel import (
     CLOSED_BY_OTHERS,
     FORKED,
     Channel,
+    ClosedHere,
     DaemonShuttingDown,
     DaemonTimedOut,
     DaemonUnavailable,
@@ -573,10 +574,12 @@ class Client:
         file directly (logged when this client's last save of the key may not
         be in it); while it drains before exiting, with a save of the key
         kept here for the next daemon, returns what the draining one has
-        (logged). Raises DaemonUnavailable when the daemon does not answer
-        within ``timeout`` while a save of the key made through this client
-        may still be unwritten (the file may be older than it), and at once
-        in a child process forked after this client was made. After the
+        (logged). Raises DaemonTimedOut (a DaemonUnavailable) when the
+        daemon does not answer within ``timeout`` while a save of the key
+        made through this client may still be unwritten (the file may be
+        older than it), DaemonUnavailable when another thread closes the
+        client meanwhile, and at once in a child process forked after this
+        client was made. After the
         connection to the daemon was lost since the last flush, a load of a
         key saved meanwhile returns what the daemon has, logged as possibly
         older (``event=load_may_be_stale``) until a flush tells; so does a
@@ -628,6 +631,7 @@ class Client:
                 release=key, wait=_left(deadline),
             )
         except DaemonUnavailable as exc:
+            _raise_if_in_doubt(exc, unwritten, self._channel.connected.is_set())
             return self._read_instead(model, cache_id, exc, unwritten,
                                       lambda: _read(guess, verify, model, cache_id), deadline)
         # A lazy read costs about as much as the daemon's answer (which comes
@@ -652,13 +656,7 @@ class Client:
                     v=m.PROTOCOL_VERSION, req=req, model=model, cache_id=cache_id),
                     _left(deadline))
         except DaemonUnavailable as exc:
-            if unwritten and isinstance(exc, DaemonTimedOut) and self._channel.connected.is_set():
-                # The daemon is up but still writing (a big save on a slow
-                # disk, or the drain's): the file may be older than this
-                # client's last save of the key, and read-your-writes was
-                # promised. (With the daemon gone the file is all there is
-                # until a new one writes that save, if it still waits here.)
-                raise DaemonUnavailable(f"{exc}; {unwritten}") from None
+            _raise_if_in_doubt(exc, unwritten, self._channel.connected.is_set())
             # (The early read only if no newer file replaced it meanwhile:
             # the daemon may have died right after writing our save.)
             return self._read_instead(
@@ -866,7 +864,8 @@ class Client:
             log.info("event=quarantine_requested model=%s id=%s: not waited for (%s)",
                      model, cache_id, "the load's timeout was spent" if wait == 0
                      else f"no answer within {wait:.3g} s")
-        except (DaemonUnavailable, DaemonError) as exc:
+        except (DaemonUnavailable, DaemonError, RuntimeError) as exc:
+            # (RuntimeError: the client closed meanwhile, by another thread.)
             log.info("event=quarantine_not_done model=%s id=%s error=%s", model, cache_id, exc)
 
     # ------------------------------------------------------------ the rest
@@ -1440,6 +1439,20 @@ _LOST_BECAUSE = {
 #: The root of a client that cannot know its own: the default as written,
 #: unexpanded (a relative path no store is at), where direct reads miss.
 _NO_STORE = Path("~/.cache/kvkeeper")
+
+
+def _raise_if_in_doubt(exc: DaemonUnavailable, unwritten: str | None, connected: bool) -> None:
+    """Raise ``exc``, saying what is ``unwritten``, where a load must not read
+    the file instead: the daemon is up but did not answer in time (a big
+    save on a slow disk, or the drain's), or the client was closed under the
+    load (by another thread, or at exit) while the daemon wrote. The file
+    may be older than this client's last save of the key, and
+    read-your-writes was promised. (With the daemon gone the file is all
+    there is until a new one writes that save, if it still waits here.)"""
+    if unwritten and (isinstance(exc, ClosedHere)
+                      or (isinstance(exc, DaemonTimedOut) and connected)):
+        # Of its own type: code retrying a busy daemon catches DaemonTimedOut.
+        raise type(exc)(f"{exc}; {unwritten}") from None
 
 
 def _settings_root(find: Callable[[str], Path]) -> Path:
