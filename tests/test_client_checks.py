@@ -1489,6 +1489,72 @@ def test_a_child_forked_without_exec_keeps_no_connection_to_the_daemon(
     assert "event=drain_saves_closed reason=every_client_answered" in log, log
 
 
+_MP_CHILD_SAVES = """
+import multiprocessing as mp, sys
+
+
+def work(sock, i):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvkeeper import Client
+
+    c = KVCache()
+    c.update_and_fetch(mx.full((1, 2, 8, 8), i, mx.float32), mx.zeros((1, 2, 8, 8)))
+    kv = Client(sock)
+    assert kv.save("fp", f"w{i}", [c], [i])
+    if i % 2:
+        del kv  # dropped without close(): closed in the background
+    # else: still held as the target returns
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[2])
+    for i in range(4):
+        p = ctx.Process(target=work, args=(sys.argv[1], i))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_saves_of_a_multiprocessing_child_that_ends_without_close_are_written(
+        method: str, short_dir: Path) -> None:
+    """A multiprocessing worker's client, never closed: with the fork start
+    method the child ends through os._exit() after multiprocessing's own
+    exit function, so no atexit hook ran, and every save that had returned
+    True was lost without a word (a review: 20 of 20; spawn kept them all).
+    A fresh interpreter forks here: MLX is not safe in a child forked after
+    the parent used it, as pytest's process has."""
+    import sys as _sys
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        script = short_dir / "mp_child.py"
+        script.write_text(_MP_CHILD_SAVES)
+        # (This tree's kvkeeper, as python -m and -c find it from the
+        # working directory: a script's own directory comes first instead.)
+        here = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        r = subprocess.run([_sys.executable, str(script), str(sock), method],
+                           capture_output=True, text=True, timeout=240,
+                           env={**os.environ, "PYTHONPATH": path})
+        assert r.returncode == 0 and r.stdout == "done\n", (r.stdout, r.stderr[-3000:])
+        with Client(sock, timeout=WAIT) as kv:
+            # (Received before each child ended; written by the daemon soon after.)
+            wait_for(lambda: sorted(e.cache_id for e in kv.entries()) == ["w0", "w1", "w2", "w3"],
+                     "the children's saves written")
+        for i in range(4):
+            got = read_cache_file(naming.entry_path(root, "fp", f"w{i}"))
+            assert got.token_ids == [i]
+            assert float(got.cache[0].keys[0, 0, 0, 0]) == i
+    finally:
+        stop_process(proc)
+
+
 def test_a_socket_path_too_long_fails_at_once(short_dir: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """A path over the platform's socket limit is the constructor's error;

@@ -54,6 +54,7 @@ import itertools
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 import weakref
@@ -160,6 +161,25 @@ def _close_open_channels() -> None:
             started.append(t)
     for t in started:
         t.join(30.0)  # a close takes at most its 5 s and the I/O thread's 5 s
+
+
+#: The process whose multiprocessing finalizers hold _close_open_channels.
+_finalizer_pid = 0
+
+
+def _close_at_multiprocessing_exit() -> None:
+    """Have multiprocessing's exit close the open channels too: a child it
+    started with the fork method ends through os._exit() after its own exit
+    function, and the atexit hook never ran (every save a worker's client
+    still held was lost, each save() having returned True). The child empties
+    the finalizers it inherits as it starts: added once in each process, on
+    the first channel after multiprocessing was imported."""
+    global _finalizer_pid
+    util = sys.modules.get("multiprocessing.util")
+    if util is None or _finalizer_pid == os.getpid():
+        return
+    util.Finalize(None, _close_open_channels, exitpriority=10)
+    _finalizer_pid = os.getpid()
 
 
 def _close_at_exit(channel: Channel) -> None:
@@ -493,6 +513,7 @@ class Channel:
         self._thread = threading.Thread(target=self._run, name="kvkeeper-client-io", daemon=True)
         self._thread.start()
         _open_channels.add(self)
+        _close_at_multiprocessing_exit()
 
     # ------------------------------------------------------------ caller side
 
