@@ -254,6 +254,34 @@ def test_no_answer_in_time_raises_the_exported_daemon_timed_out(short_dir: Path)
         assert stop_process(proc) == 0
 
 
+def test_a_load_s_first_ping_leaves_the_load_part_of_its_timeout(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that takes the connection but never answers: a load's ping
+    (asking who the daemon is) took the whole timeout, and its own request
+    was then given 0 s, logged as "did not answer within 0 s" (a review)."""
+    import zmq
+
+    sock = short_dir / "run" / "kv.sock"
+    sock.parent.mkdir(mode=0o700)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(f"ipc://{sock}")
+    caplog.set_level(logging.WARNING, logger="kvkeeper.client")
+    try:
+        with Client(sock, root=short_dir / "root", timeout=2.0, connect_timeout=1.0) as kv:
+            wait_for(kv._channel.connected.is_set, "the connection")
+            t0 = time.monotonic()
+            assert kv.load("fp", "k") is None
+            assert time.monotonic() - t0 < 2.0 + 1.0  # the timeout, not a wait per request
+            kv.close(timeout=0)
+    finally:
+        silent.close(linger=0)
+        ctx.term()
+    said = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+    assert said and all("within 0 s" not in line for line in said), said
+    assert any("did not answer within 1 s" in line for line in said), said
+
+
 @pytest.mark.parametrize("threads_at_exit", [True, False], ids=["3.11", "3.12 rule"])
 def test_a_save_after_the_exit_hook_says_the_client_was_closed(
         daemon: RunningDaemon, threads_at_exit: bool) -> None:

@@ -775,7 +775,9 @@ class Client:
         said = self._daemon.said
         if said is None or said.conn != self._channel.connections:
             try:
-                self.ping(min(_left(deadline), 2.0))
+                # Half the time left at most: one that never answers took
+                # it all, and the load's own request got 0 s.
+                self.ping(min(_left(deadline) / 2, 2.0))
             except DaemonUnavailable:
                 return False
             said = self._daemon.said
