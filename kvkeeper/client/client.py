@@ -1469,13 +1469,15 @@ def _settings_root(find: Callable[[str], Path]) -> Path:
             raise
         log.warning("event=root_unknown reason=%s", exc)
         return _NO_STORE
+    if str(root).startswith("~"):
+        return root  # ~user naming no user: kept as given, where no store is
     try:
         # Absolute, as Client(root=) is: a relative $KVKEEPER_ROOT was read
         # from whatever directory was current at each load.
         return Path(os.path.abspath(root))
     except FileNotFoundError:  # (the working directory removed)
-        log.warning("event=root_unknown reason=%s is relative, and the current directory "
-                    "was removed", config.ENV_ROOT)
+        log.warning("event=root_unknown variable=%s: a relative path, and the current "
+                    "directory was removed", config.ENV_ROOT)
         return _NO_STORE
 
 
