@@ -163,23 +163,39 @@ def _close_open_channels() -> None:
         t.join(30.0)  # a close takes at most its 5 s and the I/O thread's 5 s
 
 
-#: The process whose multiprocessing finalizers hold _close_open_channels.
+#: The process whose multiprocessing finalizers hold _close_at_worker_end.
 _finalizer_pid = 0
 
 
 def _close_at_multiprocessing_exit() -> None:
-    """Have multiprocessing's exit close the open channels too: a child it
-    started with the fork method ends through os._exit() after its own exit
-    function, and the atexit hook never ran (every save a worker's client
-    still held was lost, each save() having returned True). The child empties
-    the finalizers it inherits as it starts: added once in each process, on
-    the first channel after multiprocessing was imported."""
+    """Have a multiprocessing worker's end close its open channels: one
+    started with the fork (or forkserver) method ends through os._exit()
+    after multiprocessing's own exit function, and the atexit hook never ran
+    (every save a worker's client still held was lost, each save() having
+    returned True). Only in such a worker (the main process's atexit hook
+    runs after the user's own ones; a finalizer there closed the clients
+    before them), added once in each: the worker empties the finalizers it
+    inherits as it starts."""
     global _finalizer_pid
+    process = sys.modules.get("multiprocessing.process")
     util = sys.modules.get("multiprocessing.util")
-    if util is None or _finalizer_pid == os.getpid():
+    if process is None or util is None or _finalizer_pid == os.getpid() \
+            or process.parent_process() is None:
         return
-    util.Finalize(None, _close_open_channels, exitpriority=10)
+    # Below every other finalizer's priority: the last to run.
+    util.Finalize(None, _close_at_worker_end, exitpriority=-(2**31))
     _finalizer_pid = os.getpid()
+
+
+def _close_at_worker_end() -> None:
+    # Multiprocessing's exit function runs before the worker's non-daemon
+    # threads are joined (threading._shutdown, right after it): closed
+    # first, the clients dropped the saves those threads went on making.
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    _close_open_channels()
 
 
 def _close_at_exit(channel: Channel) -> None:
@@ -999,7 +1015,10 @@ class Channel:
                 self._ctx.term()
             finally:
                 self.connected.clear()
-                self._fail_waiting(CLOSED_BY_OTHERS, error=ClosedHere)
+                if self._closing.is_set():
+                    self._fail_waiting(CLOSED_BY_OTHERS, error=ClosedHere)
+                else:  # the I/O thread failed (event=client_io_failed)
+                    self._fail_waiting(f"the client's connection to {self.endpoint} failed")
                 if unsent:
                     # A shutdown that loses a conversation's last state says
                     # whose; before close() returns, and never in its way.
