@@ -158,10 +158,16 @@ class Client:
         # Absolute too: loads read it from whatever directory is current then.
         self._root_override = (_absolute("root", config.expanded(root))
                                if root is not None else None)
+        # A relative $KVKEEPER_ROOT names a directory under this one, also
+        # when first read later (with a socket given, at the first load).
+        try:
+            self._made_in: str | None = os.getcwd()
+        except FileNotFoundError:
+            self._made_in = None
         # Resolved now when the socket came from the settings too (a config
         # file that cannot be used has just raised for it); with a socket
         # given, only when it is needed, and the config file cannot fail it.
-        self._configured_root = (_settings_root(settings.client_path)
+        self._configured_root = (_settings_root(settings.client_path, self._made_in)
                                  if root is None and socket is None else None)
         min_send_interval = _check_seconds("min_send_interval", min_send_interval, zero_ok=True)
         timeout = _check_seconds("timeout", timeout)
@@ -348,14 +354,14 @@ class Client:
         root = self._root_override or (said.root if said else None) or self._configured_root
         if root is None:
             try:
-                root = _settings_root(settings.client_path)
+                root = _settings_root(settings.client_path, self._made_in)
             except settings.SettingsError as exc:
                 # Where serve would fail too, a load with the daemon down must
                 # miss, not read the built-in store (maybe another daemon's):
                 # $KVKEEPER_ROOT as given, else (the config file at fault) a
                 # root where no store is.
                 log.warning("event=root_unknown reason=%s", exc)
-                root = (_settings_root(lambda _: config.default_root())
+                root = (_settings_root(lambda _: config.default_root(), self._made_in)
                         if os.environ.get(config.ENV_ROOT) else _NO_STORE)
             self._configured_root = root
         return root
@@ -578,8 +584,8 @@ class Client:
         daemon does not answer within ``timeout`` while a save of the key
         made through this client may still be unwritten (the file may be
         older than it), DaemonUnavailable when another thread closes the
-        client meanwhile, and at once in a child process forked after this
-        client was made. After the
+        client while the load waits for such a save, and at once in a child
+        process forked after this client was made. After the
         connection to the daemon was lost since the last flush, a load of a
         key saved meanwhile returns what the daemon has, logged as possibly
         older (``event=load_may_be_stale``) until a flush tells; so does a
@@ -1078,7 +1084,9 @@ class Client:
         reports 0 for it."""
         timeout = max(0.0, timeout)
         deadline = time.monotonic() + timeout
-        pid = self.ping(timeout).pid
+        # Half for the ping at most: one not answered took it all, and the
+        # second request was given 0 s.
+        pid = self.ping(timeout / 2).pid
         reply = self._request(lambda req: m.GetStats(v=m.PROTOCOL_VERSION, req=req),
                               _left(deadline))
         assert isinstance(reply, m.Stats)
@@ -1457,11 +1465,12 @@ def _raise_if_in_doubt(exc: DaemonUnavailable, unwritten: str | None, connected:
         raise type(exc)(f"{exc}; {unwritten}") from None
 
 
-def _settings_root(find: Callable[[str], Path]) -> Path:
-    """The root ``find("root")`` gives, made absolute; where the default
-    root needs a home directory there is none of (HOME unset, no password
-    entry), _NO_STORE: loads that would read the files miss (the daemon's
-    own root is used while it is up)."""
+def _settings_root(find: Callable[[str], Path], made_in: str | None) -> Path:
+    """The root ``find("root")`` gives, a relative one under ``made_in`` (the
+    directory current when the client was made); where the default root
+    needs a home directory there is none of (HOME unset, no password entry),
+    _NO_STORE: loads that would read the files miss (the daemon's own root
+    is used while it is up)."""
     try:
         root = find("root")
     except config.ConfigError as exc:
@@ -1469,16 +1478,15 @@ def _settings_root(find: Callable[[str], Path]) -> Path:
             raise
         log.warning("event=root_unknown reason=%s", exc)
         return _NO_STORE
-    if str(root).startswith("~"):
-        return root  # ~user naming no user: kept as given, where no store is
-    try:
-        # Absolute, as Client(root=) is: a relative $KVKEEPER_ROOT was read
-        # from whatever directory was current at each load.
-        return Path(os.path.abspath(root))
-    except FileNotFoundError:  # (the working directory removed)
-        log.warning("event=root_unknown variable=%s: a relative path, and the current "
-                    "directory was removed", config.ENV_ROOT)
+    if root.is_absolute() or str(root).startswith("~"):
+        return root  # (~user naming no user: kept as given, where no store is)
+    if made_in is None:
+        log.warning("event=root_unknown variable=%s: a relative path, and the directory "
+                    "current when the client was made had been removed", config.ENV_ROOT)
         return _NO_STORE
+    # As Client(root=) is made absolute: a relative $KVKEEPER_ROOT was read
+    # from whatever directory was current at each load.
+    return Path(os.path.normpath(os.path.join(made_in, root)))
 
 
 def _unpack(cache: Any, token_ids: Sequence[int] | None) -> tuple[list[Any], list[int] | None]:

@@ -160,8 +160,9 @@ def verify(args: argparse.Namespace) -> int:
             ("" if unchecked else ("all good", "green")),
             ", " if bad and unchecked else "",
             (f"{len(unchecked)} not checked", "yellow") if unchecked else "",
-            # What to do about them, where nothing was done yet.
-            " (kvkeeper verify --repair moves the bad ones aside, into quarantine/)"
+            # What to do about them, where nothing was done yet: with the
+            # options that named this store (without them, another).
+            f" ({_repair_command(args)} moves the bad ones aside, into quarantine/)"
             if bad and not args.repair else ""))
     if repair_error is not None:
         raise repair_error  # its message and exit status, after the report
@@ -192,6 +193,15 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
     """The key a file's header names, if an entry of that key lives at the
     file's own place (``<sessions>/<model>/<id>.safetensors``); else None."""
     return naming.placed_key(path, meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY))
+
+
+def _repair_command(args: argparse.Namespace) -> str:
+    """This verify's command line, with --repair."""
+    words = ["kvkeeper", "verify", "--repair"]
+    for flag, value in (("--root", args.root), ("--socket", args.socket)):
+        if value is not None:
+            words += [flag, shlex.quote(str(value))]
+    return " ".join(words)
 
 
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
