@@ -278,8 +278,10 @@ def test_a_load_s_first_ping_leaves_the_load_part_of_its_timeout(
         silent.close(linger=0)
         ctx.term()
     said = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
-    assert said and all("within 0 s" not in line for line in said), said
-    assert any("did not answer within 1 s" in line for line in said), said
+    given = [float(x) for line in said for x in re.findall(r"did not answer within ([0-9.]+) s",
+                                                           line)]
+    # About half the 2 s each (before: the ping 2 s, the request 0 s).
+    assert given and all(0.5 <= x <= 1.5 for x in given), said
 
 
 @pytest.mark.parametrize("threads_at_exit", [True, False], ids=["3.11", "3.12 rule"])
