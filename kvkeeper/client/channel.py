@@ -54,7 +54,6 @@ import itertools
 import os
 import socket
 import stat
-import sys
 import threading
 import time
 import weakref
@@ -161,41 +160,6 @@ def _close_open_channels() -> None:
             started.append(t)
     for t in started:
         t.join(30.0)  # a close takes at most its 5 s and the I/O thread's 5 s
-
-
-#: The process whose multiprocessing finalizers hold _close_at_worker_end.
-_finalizer_pid = 0
-
-
-def _close_at_multiprocessing_exit() -> None:
-    """Have a multiprocessing worker's end close its open channels: one
-    started with the fork (or forkserver) method ends through os._exit()
-    after multiprocessing's own exit function, and the atexit hook never ran
-    (every save a worker's client still held was lost, each save() having
-    returned True). Only in such a worker (the main process's atexit hook
-    runs after the user's own ones; a finalizer there closed the clients
-    before them), added once in each: the worker empties the finalizers it
-    inherits as it starts."""
-    global _finalizer_pid
-    process = sys.modules.get("multiprocessing.process")
-    util = sys.modules.get("multiprocessing.util")
-    if process is None or util is None or _finalizer_pid == os.getpid() \
-            or process.parent_process() is None:
-        return
-    # Below every other finalizer's priority: the last to run.
-    util.Finalize(None, _close_at_worker_end, exitpriority=-(2**31))
-    _finalizer_pid = os.getpid()
-
-
-def _close_at_worker_end() -> None:
-    # Multiprocessing's exit function runs before the worker's non-daemon
-    # threads are joined (threading._shutdown, right after it): closed
-    # first, the clients dropped the saves those threads went on making.
-    me = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not me and not t.daemon:
-            t.join()
-    _close_open_channels()
 
 
 def _close_at_exit(channel: Channel) -> None:
@@ -529,7 +493,6 @@ class Channel:
         self._thread = threading.Thread(target=self._run, name="kvkeeper-client-io", daemon=True)
         self._thread.start()
         _open_channels.add(self)
-        _close_at_multiprocessing_exit()
 
     # ------------------------------------------------------------ caller side
 

@@ -18,6 +18,7 @@ from kvkeeper.ops.common import (
     client,
     counted,
     err,
+    one_line,
     out,
     print_json,
     same_dir,
@@ -196,12 +197,15 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
 
 
 def _repair_command(args: argparse.Namespace) -> str:
-    """This verify's command line, with --repair."""
+    """This verify's command line, with --repair; a control character in a
+    path escaped (a tab pasted back as spaces named another; an ESC drove
+    the terminal)."""
     words = ["kvkeeper", "verify", "--repair"]
     for flag, value in (("--root", args.root), ("--socket", args.socket)):
         if value is not None:
-            words += [flag, shlex.quote(str(value))]
-    return " ".join(words)
+            # "--root=": a root starting with "-" taken for an option.
+            words.append(f"{flag}={shlex.quote(str(value))}")
+    return one_line(" ".join(words))
 
 
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
