@@ -1523,6 +1523,7 @@ def test_a_child_forked_without_exec_keeps_no_connection_to_the_daemon(
 
 _MP_CHILD_SAVES = """
 import atexit, multiprocessing as mp, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 
 
 def layer(v):
@@ -1532,6 +1533,14 @@ def layer(v):
     c = KVCache()
     c.update_and_fetch(mx.full((1, 2, 8, 8), v, mx.float32), mx.zeros((1, 2, 8, 8)))
     return [c]
+
+
+def later(seconds, then):
+    def run():
+        time.sleep(seconds)
+        then()
+
+    threading.Thread(target=run).start()
 
 
 def work(sock, i):
@@ -1548,10 +1557,47 @@ def work(sock, i):
 
         threading.Thread(target=more).start()
         return
+    if i == 3:
+        # A thread started by another once the target has returned.
+        later(0.3, lambda: later(0.5, lambda: kv.save("fp", "w3", layer(41), [41])))
+        return
+    if i == 4:
+        # A thread pool never shut down (its exit callback ends its threads).
+        pool = ThreadPoolExecutor(1)
+        pool.submit(int).result()
+        KEPT.append(pool)
+    if i == 5:
+        # A thread that waits for the worker's main thread to stop.
+        def watch():
+            while threading.main_thread().is_alive():
+                time.sleep(0.05)
+            kv.save("fp", "w5", layer(51), [51])
+
+        threading.Thread(target=watch).start()
+        return
+    if i == 6:
+        # The worker's own exit handler (run by a spawned worker only).
+        atexit.register(lambda: kv.save("fp", "w6", layer(61), [61]))
     assert kv.save("fp", f"w{i}", first, [i])
     if i == 1:
         del kv  # dropped without close(): closed in the background
     # else: still held as the target returns
+
+
+KEPT = []
+
+
+def pool_init(sock):
+    global pool_kv
+    from kvkeeper import Client
+
+    pool_kv = Client(sock)
+    layer(0)
+
+
+def pool_task(n):
+    assert pool_kv.save("fp", f"p{n}", layer(70 + n), [70 + n])
+    return n
 
 
 if __name__ == "__main__":
@@ -1562,11 +1608,15 @@ if __name__ == "__main__":
 
     atexit.register(lambda: print("at exit", kv.save("fp", "main", last, [2]), flush=True))
     ctx = mp.get_context(sys.argv[2])
-    for i in range(3):
+    for i in range(7):
         p = ctx.Process(target=work, args=(sys.argv[1], i))
         p.start()
         p.join(60)
-        assert p.exitcode == 0, p.exitcode
+        assert p.exitcode == 0, (i, p.exitcode)  # None: it hung
+    pool = ctx.Pool(2, initializer=pool_init, initargs=(sys.argv[1],))
+    assert pool.map(pool_task, range(4)) == [0, 1, 2, 3]
+    pool.close()
+    pool.join()
     last = layer(2)  # (MLX imported now, after the forks: not in an exit handler)
     kv = Client(sys.argv[1])
     assert kv.save("fp", "main", layer(1), [1])
@@ -1574,18 +1624,24 @@ if __name__ == "__main__":
 """
 
 
-def test_saves_of_a_spawned_worker_that_ends_without_close_are_written(
-        short_dir: Path) -> None:
-    """A worker started with multiprocessing's spawn method, its client
-    never closed: its exit hook closes the client after the worker's threads
-    end and after its own exit handlers, as in any program, so every save
-    is written: a held one, a dropped client's, a thread's after the target
-    returned, and the parent's exit handler's. (A worker started with fork
-    or forkserver ends through os._exit(), running no exit hook: README
-    says to close its clients. A multiprocessing finalizer tried for it
-    closed them too early: under a thread still saving, before a spawned
-    worker's own exit handlers, and it hung a worker with a thread pool.)
-    A program of its own runs it: its exit is part of the test."""
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_saves_of_a_multiprocessing_worker_that_ends_without_close_are_written(
+        method: str, short_dir: Path) -> None:
+    """A multiprocessing worker's clients, never closed. One started with
+    fork or forkserver ends through os._exit() after multiprocessing's exit
+    function, so no atexit hook ran and every save it held was lost without
+    a word (a review: 20 of 20; spawn kept them all). Two finalizers tried
+    for it were wrong (reviews): closing at once dropped the saves of a
+    thread still at work and, in the parent, closed before the program's
+    exit handlers; joining the threads first hung a worker with a thread
+    pool or a thread waiting for its main thread to stop. Each case here is
+    one of those: a held client, a dropped one, a thread saving after the
+    target returned, a thread started by another later, a thread pool never
+    shut down, a thread waiting for the main thread, the worker's own exit
+    handler (run by a spawned worker only), a Pool closed and joined, and
+    the parent's exit handler. A program of its own runs it: its exit is
+    part of the test, and MLX is not safe in a child forked after the
+    parent used it, as pytest's process has."""
     import sys as _sys
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -1597,12 +1653,14 @@ def test_saves_of_a_spawned_worker_that_ends_without_close_are_written(
         # working directory: a script's own directory comes first instead.)
         here = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        r = subprocess.run([_sys.executable, str(script), str(sock), "spawn"],
-                           capture_output=True, text=True, timeout=240,
+        r = subprocess.run([_sys.executable, str(script), str(sock), method],
+                           capture_output=True, text=True, timeout=400,
                            env={**os.environ, "PYTHONPATH": path})
         assert r.returncode == 0 and r.stdout == "done\nat exit True\n", \
             (r.stdout, r.stderr[-3000:])
-        want = {"w0": 0, "w1": 1, "w2": 102, "main": 2}
+        want = {"w0": 0, "w1": 1, "w2": 102, "w3": 41, "w4": 4, "w5": 51,
+                "w6": 61 if method == "spawn" else 6, "main": 2,
+                **{f"p{n}": 70 + n for n in range(4)}}
 
         def saved() -> dict[str, int]:
             found = {}

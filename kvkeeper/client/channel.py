@@ -54,8 +54,10 @@ import itertools
 import os
 import socket
 import stat
+import sys
 import threading
 import time
+import types
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -160,6 +162,53 @@ def _close_open_channels() -> None:
             started.append(t)
     for t in started:
         t.join(30.0)  # a close takes at most its 5 s and the I/O thread's 5 s
+
+
+#: The process whose multiprocessing finalizers hold _close_at_worker_end.
+_finalizer_pid = 0
+
+
+def _close_at_multiprocessing_exit() -> None:
+    """Have a multiprocessing worker started with the fork or forkserver
+    method close its open channels as it ends: it ends through os._exit(),
+    and the atexit hook never ran (every save a worker's client still held
+    was lost, each save() having returned True). Added once in each worker
+    (it empties the finalizers it inherits as it starts); not in the main
+    process, whose atexit hook runs after the program's own exit handlers
+    (a finalizer there closed the clients before them)."""
+    global _finalizer_pid
+    process = sys.modules.get("multiprocessing.process")
+    util = sys.modules.get("multiprocessing.util")
+    if process is None or util is None or _finalizer_pid == os.getpid() \
+            or process.parent_process() is None:
+        return
+    # Below every other finalizer's priority: the last to run.
+    util.Finalize(None, _close_at_worker_end, exitpriority=-(2**31))
+    _finalizer_pid = os.getpid()
+
+
+#: Where multiprocessing runs a worker that then ends through os._exit():
+#: (function, file name).
+_ENDS_IN_OS_EXIT = {("_launch", "popen_fork.py"), ("_serve_one", "forkserver.py")}
+
+
+def _close_at_worker_end() -> None:
+    frame: types.FrameType | None = sys._getframe()
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name, os.path.basename(code.co_filename)) in _ENDS_IN_OS_EXIT:
+            break
+        frame = frame.f_back
+    else:
+        return  # a spawned worker: its exit runs the atexit hook, after its own handlers
+    # The worker's next step, taken now (it returns at once when the worker
+    # takes it): its threads' exit callbacks (a ThreadPoolExecutor's), the
+    # main thread marked stopped, and every non-daemon thread joined, those
+    # they start too. Closed before that, the clients dropped what those
+    # threads went on saving; joined before it, a worker whose thread waits
+    # for one of those steps hung.
+    threading._shutdown()  # type: ignore[attr-defined]
+    _close_open_channels()
 
 
 def _close_at_exit(channel: Channel) -> None:
@@ -493,6 +542,7 @@ class Channel:
         self._thread = threading.Thread(target=self._run, name="kvkeeper-client-io", daemon=True)
         self._thread.start()
         _open_channels.add(self)
+        _close_at_multiprocessing_exit()
 
     # ------------------------------------------------------------ caller side
 
