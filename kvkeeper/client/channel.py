@@ -207,8 +207,10 @@ def _close_at_worker_end() -> None:
     # they start too. Closed before that, the clients dropped what those
     # threads went on saving; joined before it, a worker whose thread waits
     # for one of those steps hung.
-    threading._shutdown()  # type: ignore[attr-defined]
-    _close_open_channels()
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    finally:
+        _close_open_channels()  # (also when a thread-exit callback raised)
 
 
 def _close_at_exit(channel: Channel) -> None:
