@@ -762,7 +762,7 @@ def test_verify_repair_that_cannot_run_still_reports_the_check(
     # Which of them were not moved, and how to reach the daemon that can
     # (before: neither said).
     assert "(not moved: another daemon serves this root)" in said, r.stdout
-    assert f"--socket {daemon.socket}" in r.stderr, r.stderr
+    assert f"--socket={daemon.socket}" in r.stderr, r.stderr
     assert bad.exists()  # left to the daemon that holds the root
 
 
@@ -785,7 +785,31 @@ def test_verify_repair_names_the_daemon_s_socket_whatever_its_root_is_called(
         _damaged_entry(root, sock)
         r = cli("verify", "--socket", str(short_dir / "none.sock"), "--root", str(root),
                 "--repair")
-        assert r.returncode == 2 and r.stderr.rstrip().endswith(f"--socket {sock}"), r.stderr
+        assert r.returncode == 2 and r.stderr.rstrip().endswith(f"--socket={sock}"), r.stderr
+    finally:
+        d.stop()
+
+
+def test_verify_repair_through_another_daemon_gives_a_command_that_runs_as_pasted(
+        short_dir: Path) -> None:
+    """The hint naming the daemon to repair through, pasted back into a shell
+    where the root was given: it said ``--root -r`` for a root named "-r",
+    which argparse took for an option."""
+    from .test_cli_checks import cli as cli_in
+
+    root, sock = short_dir / "-r", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        bad = _damaged_entry(root, sock)
+        r = cli_in("verify", "--socket", str(short_dir / "none.sock"), "--root=-r", "--repair",
+                   cwd=short_dir)
+        assert r.returncode == 2 and "repair through it: " in r.stderr, r.stderr
+        words = shlex.split(r.stderr.rstrip().rsplit("repair through it: ", 1)[1])
+        assert words[:3] == ["kvkeeper", "verify", "--repair"], words
+        r = cli_in(*words[1:], cwd=short_dir)
+        assert r.returncode == 1 and f"BAD {bad.relative_to(short_dir)}" in r.stdout \
+            and "moved aside" in r.stdout, (r.stdout, r.stderr)
+        assert not bad.exists()
     finally:
         d.stop()
 

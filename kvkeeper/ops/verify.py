@@ -163,7 +163,8 @@ def verify(args: argparse.Namespace) -> int:
             (f"{len(unchecked)} not checked", "yellow") if unchecked else "",
             # What to do about them, where nothing was done yet: with the
             # options that named this store (without them, another).
-            f" ({_repair_command(args)} moves the bad ones aside, into quarantine/)"
+            f" ({_repair_command(args.root, args.socket)} moves the bad ones aside, into "
+            "quarantine/)"
             if bad and not args.repair else ""))
     if repair_error is not None:
         raise repair_error  # its message and exit status, after the report
@@ -196,12 +197,12 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
     return naming.placed_key(path, meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY))
 
 
-def _repair_command(args: argparse.Namespace) -> str:
-    """This verify's command line, with --repair; a control character in a
-    path escaped (a tab pasted back as spaces named another; an ESC drove
-    the terminal)."""
+def _repair_command(root: object, socket: object) -> str:
+    """``kvkeeper verify --repair`` with the root and socket given (those not
+    None), to paste into a shell; a control character in a path escaped (a
+    tab pasted back as spaces named another; an ESC drove the terminal)."""
     words = ["kvkeeper", "verify", "--repair"]
-    for flag, value in (("--root", args.root), ("--socket", args.socket)):
+    for flag, value in (("--root", root), ("--socket", socket)):
         if value is not None:
             # "--root=": a root starting with "-" taken for an option.
             words.append(f"{flag}={shlex.quote(str(value))}")
@@ -266,8 +267,7 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
             # The daemon asked is that one: it did not answer (stopped, hung).
             hint = f"; it did not answer at {sock} (is it stopped?): repair once it answers"
         elif sock:
-            hint = (f"; repair through it: kvkeeper verify --repair --root "
-                    f"{shlex.quote(str(root))} --socket {shlex.quote(sock)}")
+            hint = f"; repair through it: {_repair_command(root, sock)}"
         else:
             hint = ""
         raise CommandError(f"{exc}{hint}", status=2) from None
