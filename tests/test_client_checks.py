@@ -1613,6 +1613,15 @@ if __name__ == "__main__":
         p.start()
         p.join(60)
         assert p.exitcode == 0, (i, p.exitcode)  # None: it hung
+    if sys.argv[2] != "fork":
+        # A client made as a module is imported, when the worker's function
+        # is unpickled (a forked worker has the parent's, which drops saves).
+        import mp_tasks
+
+        p = ctx.Process(target=mp_tasks.work, args=(8,))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0, (8, p.exitcode)
     pool = ctx.Pool(2, initializer=pool_init, initargs=(sys.argv[1],))
     assert pool.map(pool_task, range(4)) == [0, 1, 2, 3]
     pool.close()
@@ -1621,6 +1630,23 @@ if __name__ == "__main__":
     kv = Client(sys.argv[1])
     assert kv.save("fp", "main", layer(1), [1])
     print("done", flush=True)
+"""
+
+_MP_TASKS = """
+import os
+
+from kvkeeper import Client
+
+KV = Client(os.environ["KVK_TEST_SOCK"])
+
+
+def work(i):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    c.update_and_fetch(mx.full((1, 2, 8, 8), i, mx.float32), mx.zeros((1, 2, 8, 8)))
+    assert KV.save("fp", f"w{i}", [c], [i])
 """
 
 
@@ -1638,8 +1664,10 @@ def test_saves_of_a_multiprocessing_worker_that_ends_without_close_are_written(
     one of those: a held client, a dropped one, a thread saving after the
     target returned, a thread started by another later, a thread pool never
     shut down, a thread waiting for the main thread, the worker's own exit
-    handler (run by a spawned worker only), a Pool closed and joined, and
-    the parent's exit handler. A program of its own runs it: its exit is
+    handler (run by a spawned worker only), a client made at the import of
+    the module of the worker's function (in the worker, but before it was
+    one: its finalizers emptied after), a Pool closed and joined, and the
+    parent's exit handler. A program of its own runs it: its exit is
     part of the test, and MLX is not safe in a child forked after the
     parent used it, as pytest's process has."""
     import sys as _sys
@@ -1649,18 +1677,20 @@ def test_saves_of_a_multiprocessing_worker_that_ends_without_close_are_written(
     try:
         script = short_dir / "mp_child.py"
         script.write_text(_MP_CHILD_SAVES)
+        (short_dir / "mp_tasks.py").write_text(_MP_TASKS)
         # (This tree's kvkeeper, as python -m and -c find it from the
         # working directory: a script's own directory comes first instead.)
         here = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         r = subprocess.run([_sys.executable, str(script), str(sock), method],
                            capture_output=True, text=True, timeout=400,
-                           env={**os.environ, "PYTHONPATH": path})
+                           env={**os.environ, "PYTHONPATH": path, "KVK_TEST_SOCK": str(sock)})
         assert r.returncode == 0 and r.stdout == "done\nat exit True\n", \
             (r.stdout, r.stderr[-3000:])
         want = {"w0": 0, "w1": 1, "w2": 102, "w3": 41, "w4": 4, "w5": 51,
                 "w6": 61 if method == "spawn" else 6, "main": 2,
-                **{f"p{n}": 70 + n for n in range(4)}}
+                **{f"p{n}": 70 + n for n in range(4)},
+                **({} if method == "fork" else {"w8": 8})}
 
         def saved() -> dict[str, int]:
             found = {}

@@ -176,15 +176,37 @@ def _close_at_multiprocessing_exit() -> None:
     (it empties the finalizers it inherits as it starts); not in the main
     process, whose atexit hook runs after the program's own exit handlers
     (a finalizer there closed the clients before them)."""
-    global _finalizer_pid
+    global _finalizer_pid, _after_fork_pid
     process = sys.modules.get("multiprocessing.process")
     util = sys.modules.get("multiprocessing.util")
-    if process is None or util is None or _finalizer_pid == os.getpid() \
-            or process.parent_process() is None:
+    if process is None or util is None or _finalizer_pid == os.getpid():
+        return
+    if process.parent_process() is None:
+        if getattr(process.current_process(), "_inheriting", False) \
+                and _after_fork_pid != os.getpid():
+            # Made as a worker starts, before it is one (a module imported
+            # as the worker's function is unpickled): the finalizers are
+            # emptied after that, the functions registered here then run.
+            util.register_after_fork(_AFTER_FORK, _added_after_fork)
+            _after_fork_pid = os.getpid()
         return
     # Below every other finalizer's priority: the last to run.
     util.Finalize(None, _close_at_worker_end, exitpriority=-(2**31))
     _finalizer_pid = os.getpid()
+
+
+class _Key:
+    pass
+
+
+#: The process that has _added_after_fork registered, and the object it is
+#: registered with (multiprocessing keeps that by a weak reference).
+_after_fork_pid = 0
+_AFTER_FORK = _Key()
+
+
+def _added_after_fork(_: object) -> None:
+    _close_at_multiprocessing_exit()
 
 
 #: Where multiprocessing runs a worker that then ends through os._exit():
