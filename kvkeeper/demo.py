@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -183,12 +182,12 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
     the user's is passed over for a private one. Yields the socket, what to
     say of the daemon, and whether it is the demo's own."""
     from kvkeeper import settings
-    from kvkeeper.ops.common import no_daemon
+    from kvkeeper.ops.common import no_daemon, shell_word
 
     if socket is not None and not private:
         if not _ping(socket, 2.0):
             raise NoDaemon(no_daemon(socket, f" (start it: kvkeeper serve --socket "
-                                             f"{shlex.quote(str(socket))}; or leave out "
+                                             f"{shell_word(socket)}; or leave out "
                                              f"--socket and the demo starts a private one)"))
         if (why := _no_room(socket, need)) is not None:
             raise NoRoom(f"the daemon at {socket} has no room for the demo's files (up to "
@@ -332,7 +331,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str, private: bool)
     store that is the user's must not keep it, and if it cannot be, the
     user is told how."""
     from kvkeeper.client.client import Client, DaemonUnavailable
-    from kvkeeper.ops.common import one_line
+    from kvkeeper.ops.common import one_line, shell_word
 
     sid = f"demo-{os.getpid()}-{int(time.time())}"
     opened: list[Client] = []
@@ -355,7 +354,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str, private: bool)
             except DaemonUnavailable as exc:
                 if not private:  # (a private store goes with its directory)
                     print(f"kvkeeper demo: its entry could not be deleted ({one_line(exc)}); "
-                          f"delete it with: kvkeeper rm --socket {shlex.quote(str(socket))} "
+                          f"delete it with: kvkeeper rm --socket {shell_word(socket)} "
                           f"{MODEL_ID} {sid}", file=sys.stderr)
 
 

@@ -814,6 +814,39 @@ def test_verify_repair_through_another_daemon_gives_a_command_that_runs_as_paste
         d.stop()
 
 
+def test_verify_s_repair_command_names_a_root_of_any_name_when_pasted(short_dir: Path) -> None:
+    """The --repair command verify suggests, for a root whose name holds a
+    tab, an ESC and a byte that is no UTF-8: pasted into bash it repairs
+    that root. It was quoted and then escaped for the terminal, the tab
+    shown as the two characters \\t: pasted back, it named another root."""
+    from .test_cli_checks import cli as cli_in
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock)
+    try:
+        _damaged_entry(root, sock)
+    finally:
+        d.stop()
+    odd = short_dir / os.fsdecode(b"r\tx\x1by\xff'z")
+    root.rename(odd)
+    r = cli_in("verify", "--root", str(odd))
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 1 and "\x1b" not in r.stdout, r.stdout
+    hint = said.split(" (", 1)[1].split(" moves the bad ones aside")[0]
+    assert hint.startswith("kvkeeper verify --repair --root=$'"), hint
+    run = [sys.executable, "-m", "kvkeeper.cli"]
+    pasted = subprocess.run(
+        ["bash", "-c", shlex.join(run) + hint.removeprefix("kvkeeper")],
+        capture_output=True, text=True, errors="backslashreplace", timeout=WAIT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+        | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"})
+    assert pasted.returncode == 1 and "moved aside" in pasted.stdout, \
+        (pasted.stdout, pasted.stderr)
+    assert not list((odd / "sessions").rglob("*.safetensors"))
+    assert list((odd / "quarantine").rglob("*")), "the bad file was not moved aside"
+
+
 def test_verify_repair_asked_of_a_stopped_daemon_says_it_did_not_answer(
         short_dir: Path) -> None:
     """The daemon at the socket given is the root's, stopped: the hint named

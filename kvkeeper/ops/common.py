@@ -118,7 +118,7 @@ def client(socket: Path | None, *, required: bool = True,  # type: ignore[no-unt
         kv.close()
         # serve on the same socket: without --socket it would take the default.
         serve = ("kvkeeper serve" if socket is None
-                 else f"kvkeeper serve --socket {shlex.quote(os.fspath(kv.socket_path))}")
+                 else f"kvkeeper serve --socket {shell_word(kv.socket_path)}")
         raise CommandError(no_daemon(kv.socket_path, f" (start it: {serve})"), status=3)
     return kv
 
@@ -130,6 +130,32 @@ def one_line(error: object) -> str:
     text = str(error)
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
                    for ch in text)
+
+
+def shell_word(value: object) -> str:
+    """``value`` (a path, say) as one word to paste into a shell. One holding
+    a character that cannot be shown as it is (a tab, an ESC, a byte that
+    is no UTF-8) comes in bash's and zsh's ``$'...'`` form, each such
+    character escaped: ``one_line`` leaves it alone, and pasted back it
+    names the same file (``one_line`` over a plain quoted word made a tab
+    the two characters ``\\t``, another name)."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    if text.isprintable():
+        return shlex.quote(text)
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        elif 0xDC80 <= code <= 0xDCFF:  # a byte os.fsdecode could not decode: that byte
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return "$'" + "".join(out) + "'"
 
 
 def no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,10 @@ from kvkeeper.ops.common import (
     client,
     counted,
     err,
-    one_line,
     out,
     print_json,
     same_dir,
+    shell_word,
     shown,
     store_root,
 )
@@ -199,14 +198,14 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
 
 def _repair_command(root: object, socket: object) -> str:
     """``kvkeeper verify --repair`` with the root and socket given (those not
-    None), to paste into a shell; a control character in a path escaped (a
-    tab pasted back as spaces named another; an ESC drove the terminal)."""
+    None), to paste into a shell: each a word of its own, whatever it holds
+    (a tab, an ESC)."""
     words = ["kvkeeper", "verify", "--repair"]
     for flag, value in (("--root", root), ("--socket", socket)):
         if value is not None:
             # "--root=": a root starting with "-" taken for an option.
-            words.append(f"{flag}={shlex.quote(str(value))}")
-    return one_line(" ".join(words))
+            words.append(f"{flag}={shell_word(value)}")
+    return " ".join(words)
 
 
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
