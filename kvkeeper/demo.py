@@ -186,7 +186,7 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
 
     if socket is not None and not private:
         if not _ping(socket, 2.0):
-            raise NoDaemon(no_daemon(socket, f" (start it: kvkeeper serve --socket "
+            raise NoDaemon(no_daemon(socket, f" (start it: kvkeeper serve --socket="
                                              f"{shell_word(socket)}; or leave out "
                                              f"--socket and the demo starts a private one)"))
         if (why := _no_room(socket, need)) is not None:
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str, private: bool)
             except DaemonUnavailable as exc:
                 if not private:  # (a private store goes with its directory)
                     print(f"kvkeeper demo: its entry could not be deleted ({one_line(exc)}); "
-                          f"delete it with: kvkeeper rm --socket {shell_word(socket)} "
+                          f"delete it with: kvkeeper rm --socket={shell_word(socket)} "
                           f"{MODEL_ID} {sid}", file=sys.stderr)
 
 

@@ -814,11 +814,17 @@ def test_verify_repair_through_another_daemon_gives_a_command_that_runs_as_paste
         d.stop()
 
 
-def test_verify_s_repair_command_names_a_root_of_any_name_when_pasted(short_dir: Path) -> None:
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+def test_verify_s_repair_command_names_a_root_of_any_name_when_pasted(
+        short_dir: Path, encoding: str) -> None:
     """The --repair command verify suggests, for a root whose name holds a
-    tab, an ESC and a byte that is no UTF-8: pasted into bash it repairs
-    that root. It was quoted and then escaped for the terminal, the tab
-    shown as the two characters \\t: pasted back, it named another root."""
+    tab, an ESC, a byte that is no UTF-8, a no-break space, a line
+    separator and an accent: pasted into bash in the C locale it repairs
+    that root, whatever the encoding of verify's output. It was quoted and
+    then escaped for the terminal, the tab shown as the two characters \\t:
+    pasted back, it named another root; the first $'...' form named the
+    no-break space as one byte, and the line separator as \\U2028, which
+    bash reads only in a UTF-8 locale (a review)."""
     from .test_cli_checks import cli as cli_in
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -827,19 +833,20 @@ def test_verify_s_repair_command_names_a_root_of_any_name_when_pasted(short_dir:
         _damaged_entry(root, sock)
     finally:
         d.stop()
-    odd = short_dir / os.fsdecode(b"r\tx\x1by\xff'z")
+    odd = short_dir / (os.fsdecode(b"r\tx\x1by\xff'z") + "\u00a0\u2028\u00e9")
     root.rename(odd)
-    r = cli_in("verify", "--root", str(odd))
+    r = cli_in("verify", "--root", str(odd), env={"PYTHONIOENCODING": encoding})
     said = " ".join(r.stdout.split())
-    assert r.returncode == 1 and "\x1b" not in r.stdout, r.stdout
+    assert r.returncode == 1 and "\x1b" not in r.stdout and said.isprintable(), r.stdout
     hint = said.split(" (", 1)[1].split(" moves the bad ones aside")[0]
     assert hint.startswith("kvkeeper verify --repair --root=$'"), hint
     run = [sys.executable, "-m", "kvkeeper.cli"]
     pasted = subprocess.run(
         ["bash", "-c", shlex.join(run) + hint.removeprefix("kvkeeper")],
         capture_output=True, text=True, errors="backslashreplace", timeout=WAIT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
-        | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        env={k: v for k, v in os.environ.items()
+             if not k.startswith(("KVKEEPER_", "LC_", "LANG"))}
+        | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "LC_ALL": "C",
            "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"})
     assert pasted.returncode == 1 and "moved aside" in pasted.stdout, \
         (pasted.stdout, pasted.stderr)

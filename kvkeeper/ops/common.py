@@ -5,10 +5,12 @@ root as a command finds it."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import shlex
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -135,27 +137,35 @@ def one_line(error: object) -> str:
 def shell_word(value: object) -> str:
     """``value`` (a path, say) as one word to paste into a shell. One holding
     a character that cannot be shown as it is (a tab, an ESC, a byte that
-    is no UTF-8) comes in bash's and zsh's ``$'...'`` form, each such
-    character escaped: ``one_line`` leaves it alone, and pasted back it
-    names the same file (``one_line`` over a plain quoted word made a tab
-    the two characters ``\\t``, another name)."""
+    is no UTF-8; any non-ASCII one where the output is not UTF-8) comes in
+    bash's and zsh's ``$'...'`` form, each such character written as its
+    bytes (``\\xHH``, which names the same file in any locale): ``one_line``
+    leaves it alone, and pasted back it names the same file (``one_line``
+    over a plain quoted word made a tab the two characters ``\\t``)."""
     text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
-    if text.isprintable():
+    utf8 = all(_utf8(stream) for stream in (sys.stdout, sys.stderr))
+    if all(_shown_as_is(ch, utf8) for ch in text):
         return shlex.quote(text)
     out = []
     for ch in text:
-        code = ord(ch)
         if ch in "\\'":
             out.append("\\" + ch)
-        elif ch.isprintable():
+        elif _shown_as_is(ch, utf8):
             out.append(ch)
-        elif 0xDC80 <= code <= 0xDCFF:  # a byte os.fsdecode could not decode: that byte
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif code < 0x100:
-            out.append(f"\\x{code:02x}")
-        else:
-            out.append(f"\\U{code:08x}")
+        else:  # its bytes in the file name: a byte os.fsdecode could not decode is that byte
+            out.extend(f"\\x{b:02x}" for b in os.fsencode(ch))
     return "$'" + "".join(out) + "'"
+
+
+def _shown_as_is(ch: str, utf8: bool) -> bool:
+    return ch.isprintable() and (utf8 or ch.isascii())
+
+
+def _utf8(stream: object) -> bool:
+    try:
+        return codecs.lookup(getattr(stream, "encoding", None) or "ascii").name == "utf-8"
+    except LookupError:
+        return False
 
 
 def no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:
