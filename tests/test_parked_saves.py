@@ -173,6 +173,63 @@ def test_a_load_of_the_key_waits_for_the_stalled_save(patient: RunningDaemon) ->
         load_waits_for_the_stalled_save(slow)
 
 
+def test_import_without_replace_leaves_a_key_whose_first_save_is_on_its_way(
+        patient: RunningDaemon, short_dir: Path) -> None:
+    """A live conversation's first save, received and not yet written, and
+    an import of a backup of that key without --replace: the import looked
+    for a file, found none, and its save replaced the conversation (exit 0,
+    "imported"; the conversation's own flush said written; a review). Now
+    the daemon checks as the import's save arrives and refuses it."""
+    from kvkeeper import Client
+
+    from .faultkit import filled, version_of
+
+    backup = short_dir / "backup.safetensors"
+    with Client(patient.socket, timeout=WAIT) as kv:
+        assert kv.save("fp", "src", filled(0.01, 7), [7]) and kv.flush(timeout=WAIT)
+    assert cli("export", "--socket", str(patient.socket), "fp", "src",
+               str(backup)).returncode == 0
+    with dealers(patient.socket, 1) as (slow,):
+        start_stalled(patient.root, slow, "k")
+        r = cli("import", "--socket", str(patient.socket), "--model", "fp", "--id", "k",
+                str(backup), "--json")
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        failed = json.loads(r.stdout)["failed"]
+        assert [f["reason"] for f in failed] == [
+            "fp / k is already in the store, or a save of it is on its way (give --replace "
+            "to replace it)"], failed
+        finish_stalled(slow)
+        assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+            v=V, req=2, written=1, superseded=0, failed=0)
+    assert content(entry(patient, "k")) == b"a" * HALF + b"b" * HALF
+    # With --replace, the backup replaces the entry, as asked.
+    r = cli("import", "--socket", str(patient.socket), "--model", "fp", "--id", "k",
+            str(backup), "--replace")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert version_of(entry(patient, "k"), model="fp") == 7
+
+
+def test_a_save_made_to_create_its_entry_is_refused_where_one_exists(
+        patient: RunningDaemon) -> None:
+    """SaveBegin(create=True): refused as ``exists`` when the key has a file
+    (the other case, a save on its way, is the import test's above), taken
+    where it has none; the refused save's bytes are dropped quietly."""
+    with dealers(patient.socket, 1) as (s,):
+        assert save_whole(s, "e", b"o") == m.Flushed(v=V, req=1, written=1, superseded=0,
+                                                      failed=0)
+        for n, key in ((2, "e"), (3, "f")):
+            s.send(begin(save=n, cache_id=key, tensors=[m.TensorSpec("t0", "U8", [1000])],
+                         create=True))
+            s.send_multipart([m.encode(m.SaveData(v=V, save=n, frames=1)), b"c" * 1000])
+        refused = m.decode_reply(s.recv())
+        assert isinstance(refused, m.SaveRefused) and refused.save == 2 \
+            and refused.code == "exists", refused
+        assert ask(s, m.encode(m.Flush(v=V, req=4))) == m.Flushed(
+            v=V, req=4, written=2, superseded=0, failed=1)
+    assert content(entry(patient, "e")) == b"o" * 1000
+    assert content(entry(patient, "f")) == b"c" * 1000
+
+
 def test_moving_a_damaged_file_aside_goes_first_and_the_stalled_save_stays_pending(
     patient: RunningDaemon,
 ) -> None:

@@ -376,6 +376,7 @@ class Client:
         token_ids: Sequence[int] | None = None,
         *,
         metadata: Mapping[str, str] | None = None,
+        create: bool = False,
     ) -> bool:
         """Hand a snapshot of ``cache`` to the daemon and return at once.
 
@@ -390,6 +391,12 @@ class Client:
         whether or not the save would have been dropped: among them a layer
         it cannot describe, or a float64 tensor (``mx.load`` cannot read
         those back).
+
+        ``create=True``: written only if, when the daemon takes it in, the
+        key has no entry and no save of it is on its way; else the daemon
+        refuses it (``exists``: ``flush()`` returns False). A later save of
+        the key replaces it as usual. A daemon older than this client
+        refuses every such save (``malformed``).
         """
         if self._close_done.is_set():
             raise RuntimeError("client is closed")
@@ -436,7 +443,7 @@ class Client:
         estimate = 2 + 2 * -(-cap.nbytes // CHUNK_BYTES)
         refused = self._channel.send_save(
             (model, cache_id),
-            functools.partial(self._messages, model, cache_id, cap, token_ids, meta),
+            functools.partial(self._messages, model, cache_id, cap, token_ids, meta, create),
             cap.nbytes, estimate,
         )
         if refused == "full":
@@ -487,6 +494,7 @@ class Client:
         cap: CacheCapture,
         token_ids: list[int] | None,
         user: dict[str, str],
+        create: bool,
     ) -> list[list[bytes | memoryview]]:
         """The save stream of a capture: a SaveBegin, then SaveData messages of
         at most CHUNK_BYTES. Runs on the channel's I/O thread."""
@@ -507,6 +515,7 @@ class Client:
             cache_id=cache_id,
             tensors=[m.TensorSpec(t.name, t.dtype, list(t.shape)) for t in snap.tensors],
             metadata=meta,
+            create=create,
         )
         header = m.encode(begin)
         if len(header) > m.MAX_HEADER_BYTES:

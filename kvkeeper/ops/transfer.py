@@ -16,6 +16,7 @@ from typing import Any
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
+import kvkeeper
 from kvkeeper.ops.common import (
     CommandError,
     client,
@@ -196,7 +197,18 @@ def import_files(args: argparse.Namespace) -> int:
                     if got.format != st.FORMAT else got.metadata
                 refused_before = kv._refusals.last
                 try:
-                    handed = kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta)
+                    # Checked again by the daemon as the save arrives: the
+                    # check above sees files only, and a live conversation's
+                    # first save on its way was replaced by the backup. (A
+                    # daemon of another version may not know the flag.)
+                    if kv._daemon.said is None:  # not learnt as the client started
+                        with contextlib.suppress(DaemonUnavailable):
+                            kv.ping(5.0)
+                    said = kv._daemon.said
+                    create = not args.replace and said is not None \
+                        and said.version == kvkeeper.__version__
+                    handed = kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta,
+                                     create=create)
                 except ValueError as exc:
                     # A cache or metadata save() refuses (its metadata over
                     # 8 MiB as JSON): before, a traceback ended the run.
@@ -226,9 +238,14 @@ def import_files(args: argparse.Namespace) -> int:
                 if not written:
                     # Its refusal comes before the flush's answer, on the same connection.
                     refused = kv._refusals.last
-                    failed.append((f, "the daemon could not write it (see its log)"
-                                   if refused is None or refused is refused_before else
-                                   f"the daemon refused it: {refused.message}"))
+                    if refused is None or refused is refused_before:
+                        why = "the daemon could not write it (see its log)"
+                    elif refused.code == "exists":
+                        why = (f"{model} / {cache_id} is already in the store, or a save of "
+                               f"it is on its way (give --replace to replace it)")
+                    else:
+                        why = f"the daemon refused it: {refused.message}"
+                    failed.append((f, why))
                     continue
                 taken[(model, cache_id)] = f
                 done.append((f, model, cache_id, replaced))

@@ -52,6 +52,7 @@ ErrorCode = Literal[
     "busy",  # the pending-bytes budget or the mailbox is full right now
     "shutting_down",  # the daemon is draining and takes no new saves
     "unknown_save",  # data for a save the daemon does not know (refused or expired)
+    "exists",  # a save made only to create its entry: the key has one, or a save on its way
     "forbidden",  # a peer of another user
     "internal",  # the daemon could not do what was asked (a bug, or the disk); the message says why
 ]
@@ -77,13 +78,18 @@ class Ping(_Msg, tag="ping"):
 
 
 class SaveBegin(_Msg, tag="save"):
-    """Starts a save stream. ``save`` numbers the stream within one client."""
+    """Starts a save stream. ``save`` numbers the stream within one client.
+    ``create``: only if the key has no file and no save of it is pending
+    when this arrives, else refused as ``exists`` (``import`` without
+    ``--replace``: a live conversation's first save still on its way was
+    replaced by the backup). A later save of the key still replaces it."""
 
     save: int
     model: _Id
     cache_id: _Id
     tensors: Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
     metadata: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_METADATA_ENTRIES)] = {}
+    create: bool = False
 
 
 class SaveData(_Msg, tag="data"):
