@@ -230,6 +230,37 @@ def test_a_save_made_to_create_its_entry_is_refused_where_one_exists(
     assert content(entry(patient, "f")) == b"c" * 1000
 
 
+def test_a_save_made_to_create_its_entry_after_a_pending_delete_is_taken(
+        short_dir: Path) -> None:
+    """A delete of the key received and not yet done (the writer busy with
+    another save), then a create save of it: the delete leaves no entry, so
+    the create is written (it was refused as a save on its way: the daemon
+    counted any job of the key, the delete too; a review)."""
+    from kvkeeper import Client
+
+    from .faultkit import filled
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": "write_delay=3"})
+    try:
+        with Client(sock, timeout=WAIT) as kv, dealers(sock, 1) as (s,):
+            assert kv.save("fp", "busy", filled(1, 1), [1])  # about 3 s to write
+            wait_for(lambda: tmp_files(root) != [], "the writer at work")
+            s.send(m.encode(m.Delete(v=V, req=1, model="fp", cache_id="b")))
+            s.send(begin(save=1, cache_id="b", tensors=[m.TensorSpec("t0", "U8", [1000])],
+                         create=True))
+            s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"c" * 1000])
+            assert tmp_files(root) != [], "the writer was done before the create came"
+            assert s.poll(WAIT * 1000), "no answer to the delete"
+            assert m.decode_reply(s.recv()) == m.Deleted(v=V, req=1, existed=False)
+            assert ask(s, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+                v=V, req=2, written=1, superseded=0, failed=0)
+            assert kv.flush(timeout=WAIT)
+        assert content(root / "sessions" / "fp" / "b.safetensors") == b"c" * 1000
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_moving_a_damaged_file_aside_goes_first_and_the_stalled_save_stays_pending(
     patient: RunningDaemon,
 ) -> None:

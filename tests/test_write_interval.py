@@ -328,6 +328,35 @@ def sender(short_dir: Path, versions) -> Iterator[tuple[Path, Client]]:
             yield d.root, kv
 
 
+def test_a_save_made_to_create_its_entry_goes_after_the_held_save_of_its_key(
+        sender, versions) -> None:
+    """save(create=True) while a save of the key is held: the client put the
+    create save in the held one's place, the held save was never sent, and
+    the create was refused against the older file (a review: the newer
+    version lost, flush False)."""
+    root, kv = sender
+    assert kv.save(FP, "c", *versions[1], create=True)
+    assert kv.flush(WAIT) is False  # the create refused: the key has a save
+    assert tokens_on_disk(root, "c") == versions[3][1]  # the held save, sent first
+    s = kv.stats()
+    assert (s["client_saves_coalesced"], s["client_saves_refused"]) == (2, 1), s
+
+
+def test_a_save_made_to_create_its_entry_after_a_delete_goes_after_the_held_save(
+        sender, versions) -> None:
+    """The key deleted, then saved (held: sent less than the interval ago),
+    then saved with create=True: the held save is sent first and makes the
+    entry; the create is refused (before: it replaced the held save, and
+    was written in its place)."""
+    root, kv = sender
+    assert kv.save(FP, "n", *versions[0]) and kv.flush(WAIT)
+    assert kv.delete(FP, "n") is True
+    assert kv.save(FP, "n", *versions[1])  # held: "n" was sent a moment ago
+    assert kv.save(FP, "n", *versions[2], create=True)
+    assert kv.flush(WAIT) is False
+    assert tokens_on_disk(root, "n") == versions[1][1]
+
+
 def test_a_client_sends_one_save_per_interval_and_flush_sends_the_newest(sender,
                                                                          versions) -> None:
     root, kv = sender

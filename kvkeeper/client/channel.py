@@ -337,6 +337,7 @@ class _Save:
     messages: Messages = field(default_factory=list)
     due: float = 0.0  # while held: when it may be sent
     piped: int = 0  # messages handed to ZeroMQ so far
+    create: bool = False  # only creates its entry: never sent in place of an unsent save
 
     def let_go(self) -> None:
         """Drop the capture and the frames: the cache's buffers are the
@@ -613,14 +614,16 @@ class Channel:
         return next(self._req_ids)
 
     def send_save(self, key: Key, build: Callable[[], Messages], nbytes: int,
-                  nmessages: int) -> str | None:
+                  nmessages: int, *, create: bool = False) -> str | None:
         """Take room for a save of ``key`` in the in-flight budget (``nbytes``,
         and ``nmessages`` as estimated) and queue it; never blocks. The I/O
         thread calls ``build`` for the messages, so the caller's thread does
         not pay for them. Returns None when queued; "full" when the room is
         not there; "closed" when a close() began (e.g. the exit hook beside a
-        worker thread): nothing queued then would be sent."""
-        item = _Save(build, nbytes, nmessages, key)
+        worker thread): nothing queued then would be sent. ``create``: a save
+        that only creates its entry, sent after any unsent save of its key
+        rather than in its place."""
+        item = _Save(build, nbytes, nmessages, key, create=create)
         with self._lock:
             if self._stopped or self._closing.is_set():
                 return "closed"
@@ -1217,6 +1220,15 @@ class Channel:
             self._pump(sock)
 
     def _admit_save(self, save: _Save) -> None:
+        if save.create:
+            # Never in place of an unsent save of its key: the daemon is to
+            # see that one first (it may be what makes the entry exist, and
+            # the create refused), and the create is not held.
+            older = self._held.pop(save.key, None)
+            if older is not None:
+                self._queue(older)
+            self._queue(save)
+            return
         older = self._held.pop(save.key, None)
         if older is not None:
             # Never sent: the newer save answers for it.
@@ -1454,19 +1466,23 @@ class Channel:
             return
         leaving = self.connected.is_set()
         newest: dict[Key, _Slot] = {}
+        kept: list[_Slot] = []
+        dropped: set[int] = set()
         for entry in self._backlog:
             if isinstance(entry, _Slot):
                 older = newest.get(entry.save.key)
-                if older is not None:
+                if older is not None and not entry.save.create:
                     # The request between them is gone: nothing must see it.
                     self.counters.saves_coalesced += 1
                     self._release_save(older.save)
+                    dropped.add(id(older))
                 newest[entry.save.key] = entry
+                kept.append(entry)
             elif entry.header is not None and not entry.future.done():
                 entry.future.set_exception(
                     DaemonShuttingDown(f"the daemon at {self.endpoint} is shutting down")
                     if leaving else DaemonUnavailable(f"the daemon at {self.endpoint} went away"))
-        self._backlog = deque(newest.values())
+        self._backlog = deque(slot for slot in kept if id(slot) not in dropped)
         # With no request left behind them, a newer save of a key replaces
         # its slot again (the requests had taken the keys out).
         self._open = dict(newest)

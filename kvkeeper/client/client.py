@@ -444,7 +444,7 @@ class Client:
         refused = self._channel.send_save(
             (model, cache_id),
             functools.partial(self._messages, model, cache_id, cap, token_ids, meta, create),
-            cap.nbytes, estimate,
+            cap.nbytes, estimate, create=create,
         )
         if refused == "full":
             return self._drop_inflight(cap.nbytes)

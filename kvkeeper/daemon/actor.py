@@ -431,6 +431,18 @@ class WriterActor:
         # A key with a save still waiting always has a newest job (_resolve hands it on).
         return key in self._latest
 
+    def entry_after_jobs(self, key: Key) -> bool | None:
+        """Whether ``key`` has an entry once its jobs received so far are
+        done: True after a save, False after a delete; None with no job, or
+        a move aside (it moves the file only if that is still the one
+        judged): then the disk says."""
+        job = self._latest.get(key)
+        if isinstance(job, SaveJob):
+            return True
+        if isinstance(job, DeleteJob) and job.reason is None:
+            return False
+        return None
+
     async def settled(self, key: Key) -> None:
         """Return once every job of ``key`` received so far is finished, or
         replaced by a job that is."""

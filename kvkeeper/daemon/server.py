@@ -326,11 +326,12 @@ class Server:
             self._refuse(peer, msg.save, "shutting_down", "the daemon is shutting down",
                          key=key)
             return
-        if msg.create and (self.actor.has_pending(key)
-                           or os.path.lexists(self.store.path_for(*key))):
+        after = self.actor.entry_after_jobs(key) if msg.create else False
+        if after or (after is None and os.path.lexists(self.store.path_for(*key))):
             # Here, in the order saves arrive: checked by the client first,
-            # a save received and not yet written was not seen. (An lstat,
-            # as a load of a missing key makes.)
+            # a save received and not yet written was not seen; a delete
+            # received and not yet done leaves no entry. (An lstat, as a
+            # load of a missing key makes.)
             self._refuse(peer, msg.save, "exists", f"{key[0]} / {key[1]} is already in the "
                          f"store, or a save of it is on its way", key=key)
             return

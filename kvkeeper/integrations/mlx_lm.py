@@ -17,7 +17,6 @@ Each request reuses, trims or re-prefills the cache as described in
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -42,6 +41,7 @@ from kvkeeper.integrations import (
     token_ids_of,
     watch_callers,
 )
+from kvkeeper.protocol.messages import version_tuple
 from kvkeeper.writebehind import is_bytes
 
 if TYPE_CHECKING:
@@ -288,19 +288,11 @@ def _rows_marked(mark: str) -> int | None:
     return int(rows) if ok else None
 
 
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 #: mlx-lm 0.32 shows logits processors every prompt token; 0.31 and earlier
 #: only those of the last prefill step (one, for a prompt of any length), so
 #: there a cold run sees no history either, and prepending the cached tokens
 #: would make a cache hit answer otherwise.
-_PROCESSORS_SEE_THE_PROMPT = _version(mlx_lm.__version__) >= (0, 32)
+_PROCESSORS_SEE_THE_PROMPT = version_tuple(mlx_lm.__version__) >= (0, 32)
 
 
 def _feed_only_the_rest(kwargs: dict[str, Any], cached: list[int]) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
-import kvkeeper
 from kvkeeper.ops.common import (
     CommandError,
     client,
@@ -32,6 +31,7 @@ from kvkeeper.ops.common import (
     store_root,
     within,
 )
+from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
 
@@ -200,13 +200,14 @@ def import_files(args: argparse.Namespace) -> int:
                     # Checked again by the daemon as the save arrives: the
                     # check above sees files only, and a live conversation's
                     # first save on its way was replaced by the backup. (A
-                    # daemon of another version may not know the flag.)
+                    # daemon older than the flag refuses it: then only the
+                    # check above.)
                     if kv._daemon.said is None:  # not learnt as the client started
                         with contextlib.suppress(DaemonUnavailable):
                             kv.ping(5.0)
                     said = kv._daemon.said
                     create = not args.replace and said is not None \
-                        and said.version == kvkeeper.__version__
+                        and m.version_tuple(said.version) >= m.CREATE_SINCE
                     handed = kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta,
                                      create=create)
                 except ValueError as exc:

@@ -13,12 +13,23 @@ of one huge multipart message is what lets the daemon write as bytes arrive
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Annotated, Literal
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+#: The first kvkeeper whose daemon takes ``SaveBegin.create`` (an older one
+#: refuses the field as malformed; its Pong says its version).
+CREATE_SINCE = (0, 2, 4)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """``"0.32.2"`` as ``(0, 32, 2)``: each part's leading digits (0 for none)."""
+    return tuple(int("".join(itertools.takewhile(str.isdigit, part)) or 0)
+                 for part in text.split("."))
 
 #: Largest header frame the daemon accepts (token ids of a long conversation
 #: travel in the save's metadata).
