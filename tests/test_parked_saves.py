@@ -278,6 +278,41 @@ def test_moving_a_damaged_file_aside_goes_first_and_the_stalled_save_stays_pendi
         load_waits_for_the_stalled_save(slow)
 
 
+def test_a_save_made_to_create_its_entry_while_a_file_is_moved_aside_from_a_pending_save(
+        short_dir: Path) -> None:
+    """A stalled save of the key, then its file moved aside (a damaged one),
+    and a create save of the key once the file is gone but the move not
+    yet done: the create was written and superseded the stalled save, the
+    live conversation's (a review; the move's directory fsyncs widened)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--stall-timeout", "600",
+                         env={"KVKEEPER_TEST_FAULTS": "moved_delay=3"})
+    try:
+        with dealers(sock, 3) as (slow, other, third):
+            assert save_whole(other, "k", b"o")
+            path = root / "sessions" / "fp" / "k.safetensors"
+            st = path.stat()
+            start_stalled(root, slow, "k")
+            other.send(m.encode(m.Quarantine(v=V, req=2, model="fp", cache_id="k",
+                                             ino=st.st_ino, mtime_ns=st.st_mtime_ns,
+                                             reason="test: unreadable")))
+            wait_for(lambda: not path.exists(), "the file moved aside")
+            third.send(begin(save=1, cache_id="k", tensors=[m.TensorSpec("t0", "U8", [1000])],
+                             create=True))
+            third.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"c" * 1000])
+            assert third.poll(WAIT * 1000), "no answer to the create"
+            refused = m.decode_reply(third.recv())
+            assert isinstance(refused, m.SaveRefused) and refused.code == "exists", refused
+            assert other.poll(WAIT * 1000) and m.decode_reply(other.recv()) == m.Deleted(
+                v=V, req=2, existed=True)
+            finish_stalled(slow)
+            assert ask(slow, m.encode(m.Flush(v=V, req=3))) == m.Flushed(
+                v=V, req=3, written=1, superseded=0, failed=0)
+        assert content(path) == b"a" * HALF + b"b" * HALF
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_a_stalled_save_still_fails_after_the_stall_timeout(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2)
     try:

@@ -433,14 +433,18 @@ class WriterActor:
 
     def entry_after_jobs(self, key: Key) -> bool | None:
         """Whether ``key`` has an entry once its jobs received so far are
-        done: True after a save, False after a delete; None with no job, or
-        a move aside (it moves the file only if that is still the one
-        judged): then the disk says."""
+        done: True after a save, False after a delete; with no job, or a
+        move aside (it moves the file only if that is still the one judged),
+        True if a save of the key waits (held or parked: a move aside does
+        not replace it), else None: then the disk says."""
         job = self._latest.get(key)
         if isinstance(job, SaveJob):
             return True
         if isinstance(job, DeleteJob) and job.reason is None:
             return False
+        if isinstance(self._waiting.get(key), SaveJob) or isinstance(self._parked.get(key),
+                                                                    SaveJob):
+            return True
         return None
 
     async def settled(self, key: Key) -> None:

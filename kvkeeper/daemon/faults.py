@@ -22,7 +22,8 @@ lookup that finds nothing.
 - ``renamed_delay=S``: sleep S seconds after a save's rename, before the
   directory's fsync (a slow one); ``evict_delay=S``: sleep S seconds between
   an eviction's check of its victim and the unlink (the thread losing the
-  CPU there).
+  CPU there); ``moved_delay=S``: sleep S seconds after a file moved aside
+  is renamed into quarantine/, before the directories' fsyncs.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def slow_abort() -> None:
 
 
 def slow_step(name: str) -> None:
-    """Sleep for the ``renamed_delay``, ``evict_delay`` or ``begin_delay``
-    fault, if set."""
+    """Sleep for the ``renamed_delay``, ``evict_delay``, ``begin_delay`` or
+    ``moved_delay`` fault, if set."""
     if ACTIVE and name in ACTIVE:
         time.sleep(float(ACTIVE[name]))
 

@@ -738,6 +738,7 @@ class Store:
                                       "quarantine", st.st_mtime, st.st_ino, st.st_mtime_ns))
         if on_moved is not None:
             on_moved(dest)
+        faults.slow_step("moved_delay")
         faults.crash_point("quarantined")
         try:
             fsync_dir(path.parent)
