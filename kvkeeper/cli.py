@@ -77,7 +77,7 @@ def _socket(text: str) -> Path:
 
 
 def _socket_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", type=_socket, default=None,
+    p.add_argument("--socket", type=_socket, default=None, metavar="PATH",
                    help="daemon socket (default: $KVKEEPER_SOCKET, else the config file's, "
                         "else the per-user default)")
 
