@@ -395,7 +395,8 @@ class Client:
         ``create=True``: written only if, when the daemon takes it in, the
         key has no entry and no save of it is on its way; else the daemon
         refuses it (``exists``: ``flush()`` returns False). A later save of
-        the key replaces it as usual. A daemon older than this client
+        the key replaces it as usual; it never replaces an unsent save of
+        its key here, it goes after it. A daemon before kvkeeper 0.2.4
         refuses every such save (``malformed``).
         """
         if self._close_done.is_set():
