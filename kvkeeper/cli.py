@@ -205,9 +205,9 @@ def _parser() -> argparse.ArgumentParser:
                          "cache_persist.py reference (schema 3) and mlx_lm's "
                          "save_prompt_cache, or kvkeeper's own. Needs the mlx extra and a "
                          "running daemon. Files are written one at a time, each reported; "
-                         "a file whose key is already in the store, or has a save on its "
-                         "way to the daemon, is not imported (unless --replace), nor a "
-                         "second file for a key imported in the run. "
+                         "a file whose key is already in the store, or has a save the "
+                         "daemon received and has not written yet, is not imported (unless "
+                         "--replace), nor a second file for a key imported in the run. "
                          "Exit 1 if any file was not imported, or if there was nothing to "
                          "import (only directories with no *.safetensors files); a missing "
                          "or empty PATH exits 2; no daemon, or one that goes away part way, "
@@ -227,7 +227,8 @@ def _parser() -> argparse.ArgumentParser:
                           "file's own or its name)")
     imp.add_argument("--replace", action="store_true",
                      help="replace entries already in the store (without it, a file whose "
-                          "model and id are stored is not imported, and exits 1)")
+                          "model and id are stored, or have a save the daemon received and "
+                          "has not written yet, is not imported, and exits 1)")
     imp.add_argument("--json", action="store_true", help="machine-readable output")
 
     exp = sub.add_parser("export", help="write an entry as an mlx_lm prompt-cache file",
@@ -538,8 +539,10 @@ def _main(argv: list[str] | None) -> int:
         # install of the daemon alone does not have.
         if (exc.name or "").partition(".")[0] not in ("mlx", "mlx_lm", "mlx_vlm", "numpy"):
             raise
-        print(f"kvkeeper {args.command} needs the mlx extra (pip install 'kvkeeper[mlx]'): "
-              f"{exc}", file=sys.stderr)
+        from kvkeeper.client import MLX_EXTRA
+
+        print(f"kvkeeper {args.command} needs the mlx extra ({MLX_EXTRA}): {exc}",
+              file=sys.stderr)
         return 2
 
 

@@ -622,7 +622,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="prompt seed (default 0, at least 0)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", type=_socket, default=None,
+    where.add_argument("--socket", type=_socket, default=None, metavar="PATH",
                        help="use the daemon at this socket; if none answers there, exit 3 "
                             "(default: the user's daemon if it is running, else a private one)")
     where.add_argument("--private", action="store_true",
@@ -678,8 +678,9 @@ def main(args: argparse.Namespace) -> int:
         import mlx_lm  # noqa: F401
         import rich  # noqa: F401
     except ImportError as exc:
-        print(f"kvkeeper demo needs the mlx extra (pip install 'kvkeeper[mlx]'): {exc}",
-              file=sys.stderr)
+        from kvkeeper.client import MLX_EXTRA
+
+        print(f"kvkeeper demo needs the mlx extra ({MLX_EXTRA}): {exc}", file=sys.stderr)
         return 2
     try:
         if not args.private:  # a private daemon's socket is the demo's own choice

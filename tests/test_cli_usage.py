@@ -1074,7 +1074,7 @@ sys.exit(main(sys.argv[1:]))
 def test_the_commands_that_only_talk_to_the_daemon_run_without_mlx(
     daemon: RunningDaemon, short_dir: Path
 ) -> None:
-    """``pip install kvkeeper`` brings the daemon only: stats, ls, rm, gc,
+    """``pip install .`` (no mlx extra) brings the daemon only: stats, ls, rm, gc,
     verify and install-service work there (before: every one of them died
     importing MLX, with a traceback); import and export, which read and write
     caches through MLX, say what to install, exit 2."""
@@ -1126,7 +1126,7 @@ kv.close()
     lines = r.stdout.splitlines()
     assert lines[0] == "pong True", r.stdout
     assert len(lines) == 4 and all(
-        ln.startswith("raised: ") and "pip install 'kvkeeper[mlx]'" in ln for ln in lines[1:]), \
+        ln.startswith("raised: ") and "pip install -e '.[mlx]'" in ln for ln in lines[1:]), \
         r.stdout
 
 

@@ -244,17 +244,20 @@ def test_a_save_made_to_create_its_entry_after_a_pending_delete_is_taken(
     proc = serve_process(root, sock, env={"KVKEEPER_TEST_FAULTS": "write_delay=3"})
     try:
         with Client(sock, timeout=WAIT) as kv, dealers(sock, 1) as (s,):
+            # "b" exists: what takes the create is the delete before it.
+            assert save_whole(s, "b", b"o", req=3) == m.Flushed(
+                v=V, req=3, written=1, superseded=0, failed=0)
             assert kv.save("fp", "busy", filled(1, 1), [1])  # about 3 s to write
             wait_for(lambda: tmp_files(root) != [], "the writer at work")
             s.send(m.encode(m.Delete(v=V, req=1, model="fp", cache_id="b")))
-            s.send(begin(save=1, cache_id="b", tensors=[m.TensorSpec("t0", "U8", [1000])],
+            s.send(begin(save=2, cache_id="b", tensors=[m.TensorSpec("t0", "U8", [1000])],
                          create=True))
-            s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"c" * 1000])
+            s.send_multipart([m.encode(m.SaveData(v=V, save=2, frames=1)), b"c" * 1000])
             assert tmp_files(root) != [], "the writer was done before the create came"
             assert s.poll(WAIT * 1000), "no answer to the delete"
-            assert m.decode_reply(s.recv()) == m.Deleted(v=V, req=1, existed=False)
+            assert m.decode_reply(s.recv()) == m.Deleted(v=V, req=1, existed=True)
             assert ask(s, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
-                v=V, req=2, written=1, superseded=0, failed=0)
+                v=V, req=2, written=2, superseded=0, failed=0)
             assert kv.flush(timeout=WAIT)
         assert content(root / "sessions" / "fp" / "b.safetensors") == b"c" * 1000
     finally:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+#: How to get what the client needs, in the messages that say it is missing
+#: (kvkeeper is installed from a checkout; a bare package name would install
+#: whatever the index has under it).
+MLX_EXTRA = "in a checkout: pip install -e '.[mlx]'"
+
 
 def mlx_part(name: str) -> ModuleType:
     """``kvkeeper.client.<name>``, a module that needs MLX (the codec, the
-    reader). Installed without the mlx extra (``pip install kvkeeper``, the
+    reader). Installed without the mlx extra (``pip install .``, the
     daemon's install), the ModuleNotFoundError says what to install."""
     try:
         return importlib.import_module(f"kvkeeper.client.{name}")
@@ -16,4 +21,4 @@ def mlx_part(name: str) -> ModuleType:
         if (exc.name or "").partition(".")[0] not in ("mlx", "numpy"):
             raise
         raise ModuleNotFoundError(f"{exc}: saving and loading caches needs MLX "
-                                  f"(pip install 'kvkeeper[mlx]')", name=exc.name) from None
+                                  f"(kvkeeper's mlx extra; {MLX_EXTRA})", name=exc.name) from None

@@ -195,14 +195,14 @@ def _close_at_multiprocessing_exit() -> None:
     _finalizer_pid = os.getpid()
 
 
-class _Key:
+class _AfterForkToken:
     pass
 
 
 #: The process that has _added_after_fork registered, and the object it is
 #: registered with (multiprocessing keeps that by a weak reference).
 _after_fork_pid = 0
-_AFTER_FORK = _Key()
+_AFTER_FORK = _AfterForkToken()
 
 
 def _added_after_fork(_: object) -> None:
@@ -1426,8 +1426,8 @@ class Channel:
     def _put_back(self, save: _Save) -> None:
         """Return a save none of which went to the head of the backlog, where
         a newer save of its key may replace it again unless a request that
-        must see it is queued (every slot of a key not in ``_open`` has one
-        behind it)."""
+        must see it is queued (every slot of a key not in ``_open`` has one,
+        or a create save of its key, behind it)."""
         self._piping = None
         slot = _Slot(save)
         self._backlog.appendleft(slot)
@@ -1471,6 +1471,8 @@ class Channel:
         for entry in self._backlog:
             if isinstance(entry, _Slot):
                 older = newest.get(entry.save.key)
+                # A create save is never put in an older one's place: the
+                # daemon is to see that one first (see _admit_save).
                 if older is not None and not entry.save.create:
                     # The request between them is gone: nothing must see it.
                     self.counters.saves_coalesced += 1

@@ -202,7 +202,10 @@ def import_files(args: argparse.Namespace) -> int:
                     # first save on its way was replaced by the backup. (A
                     # daemon older than the flag refuses it: then only the
                     # check above.)
-                    if kv._daemon.said is None:  # not learnt as the client started
+                    said = kv._daemon.said
+                    if said is None or said.conn != kv._channel.connections:
+                        # Not learnt as the client started, or of a daemon
+                        # this connection no longer reaches.
                         with contextlib.suppress(DaemonUnavailable):
                             kv.ping(5.0)
                     said = kv._daemon.said

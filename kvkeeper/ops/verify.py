@@ -196,7 +196,7 @@ def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None
     return naming.placed_key(path, meta.get(st.MODEL_KEY), meta.get(st.CACHE_ID_KEY))
 
 
-def _repair_command(root: object, socket: object) -> str:
+def _repair_command(root: Path | str | None, socket: Path | str | None) -> str:
     """``kvkeeper verify --repair`` with the root and socket given (those not
     None), to paste into a shell: each a word of its own, whatever it holds
     (a tab, an ESC)."""

@@ -90,8 +90,9 @@ class Ping(_Msg, tag="ping"):
 
 class SaveBegin(_Msg, tag="save"):
     """Starts a save stream. ``save`` numbers the stream within one client.
-    ``create``: only if the key has no file and no save of it is pending
-    when this arrives, else refused as ``exists`` (``import`` without
+    ``create``: only if, as this arrives, the key has no entry once the
+    jobs received before it are done (a pending delete leaves none, a
+    pending save one), else refused as ``exists`` (``import`` without
     ``--replace``: a live conversation's first save still on its way was
     replaced by the backup). A later save of the key still replaces it."""
 
