@@ -788,17 +788,24 @@ class Client:
         mark, untracked = self._unsettled_mark(key)
         if not self._channel.connected.is_set() or mark is not None or untracked:
             return False
+        # Half the time left at most: one that never answers took it all,
+        # and the load's own request got 0 s.
+        said = self._daemon_here(min(_left(deadline) / 2, 2.0))
+        # The Used notice is new in this version: an older daemon would refuse it.
+        return said is not None and self.root == said.root and said.version == __version__
+
+    def _daemon_here(self, timeout: float) -> _DaemonFacts | None:
+        """What the daemon on this very connection said of itself (not an
+        older daemon's), asked now within ``timeout`` if it has not said
+        yet; None when it does not answer."""
         said = self._daemon.said
         if said is None or said.conn != self._channel.connections:
             try:
-                # Half the time left at most: one that never answers took
-                # it all, and the load's own request got 0 s.
-                self.ping(min(_left(deadline) / 2, 2.0))
+                self.ping(timeout)
             except DaemonUnavailable:
-                return False
+                return None
             said = self._daemon.said
-        # The Used notice is new in this version: an older daemon would refuse it.
-        return said is not None and self.root == said.root and said.version == __version__
+        return said
 
     def _settled(self, key: tuple[str, str], mark: int | None) -> None:
         """The daemon answered for every save of ``key`` up to ``mark``."""

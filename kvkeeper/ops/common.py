@@ -5,12 +5,10 @@ root as a command finds it."""
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import os
 import shlex
 import stat
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -143,29 +141,22 @@ def shell_word(value: object) -> str:
     leaves it alone, and pasted back it names the same file (``one_line``
     over a plain quoted word made a tab the two characters ``\\t``)."""
     text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
-    utf8 = all(_utf8(stream) for stream in (sys.stdout, sys.stderr))
-    if all(_shown_as_is(ch, utf8) for ch in text):
+    utf = out.encoding.startswith("utf") and err.encoding.startswith("utf")
+
+    def as_is(ch: str) -> bool:
+        return ch.isprintable() and (utf or ch.isascii())
+
+    if all(map(as_is, text)):
         return shlex.quote(text)
-    out = []
+    escaped = []
     for ch in text:
         if ch in "\\'":
-            out.append("\\" + ch)
-        elif _shown_as_is(ch, utf8):
-            out.append(ch)
+            escaped.append("\\" + ch)
+        elif as_is(ch):
+            escaped.append(ch)
         else:  # its bytes in the file name: a byte os.fsdecode could not decode is that byte
-            out.extend(f"\\x{b:02x}" for b in os.fsencode(ch))
-    return "$'" + "".join(out) + "'"
-
-
-def _shown_as_is(ch: str, utf8: bool) -> bool:
-    return ch.isprintable() and (utf8 or ch.isascii())
-
-
-def _utf8(stream: object) -> bool:
-    try:
-        return codecs.lookup(getattr(stream, "encoding", None) or "ascii").name == "utf-8"
-    except LookupError:
-        return False
+            escaped.extend(f"\\x{b:02x}" for b in os.fsencode(ch))
+    return "$'" + "".join(escaped) + "'"
 
 
 def no_daemon(path: Path, hint: str, hint_if_stopped: str = "") -> str:

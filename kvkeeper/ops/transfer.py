@@ -202,13 +202,7 @@ def import_files(args: argparse.Namespace) -> int:
                     # first save on its way was replaced by the backup. (A
                     # daemon older than the flag refuses it: then only the
                     # check above.)
-                    said = kv._daemon.said
-                    if said is None or said.conn != kv._channel.connections:
-                        # Not learnt as the client started, or of a daemon
-                        # this connection no longer reaches.
-                        with contextlib.suppress(DaemonUnavailable):
-                            kv.ping(5.0)
-                    said = kv._daemon.said
+                    said = kv._daemon_here(5.0)
                     create = not args.replace and said is not None \
                         and m.version_tuple(said.version) >= m.CREATE_SINCE
                     handed = kv.save(model, cache_id, got.cache, got.token_ids, metadata=meta,
