@@ -163,8 +163,15 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
     close() or ping() timeout raises before anything changes (before: a
     TypeError from half way through close() left the client marked closed,
     its I/O thread running)."""
+    layer = KVCache()
+    layer.update_and_fetch(mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8)))
     with Client(daemon.socket, timeout=2) as kv:
-        for everything in ("yes", 1, None):
+        for everything in ("yes", 1, None, np.bool_(True)):
+            # create="yes" returned True, and the save was lost: the daemon
+            # refused the header (malformed), np.bool_ failed on the I/O thread.
+            with pytest.raises(TypeError, match="create must be True or False"):
+                kv.save("fp", "x", [layer], [1, 2, 3, 4],
+                        create=everything)  # type: ignore[arg-type]
             with pytest.raises(TypeError, match="everything must be True or False"):
                 kv.entries(everything=everything)  # type: ignore[arg-type]
             # verify="no" was taken as true: a checked read where a lazy one was meant.
@@ -181,6 +188,9 @@ def test_bad_timeouts_and_flags_raise_at_once_and_leave_the_client_usable(
                 kv.ping(bad if bad is not None else "x")  # type: ignore[arg-type]
         assert not kv.closed and kv.ping().pid == os.getpid()  # the daemon runs in-process
         assert kv.entries(everything=True) == []
+        assert kv.save("fp", "x", [layer], [1, 2, 3, 4], create=True) and kv.flush(WAIT)
+        assert [e.cache_id for e in kv.entries()] == ["x"]
+        assert kv.stats()["protocol_errors"] == 0 and kv.client_stats()["client_saves_lost"] == 0
         kv.close(WAIT)
         assert kv.closed and not kv._channel._thread.is_alive()
         # Like every other call after close() (`with kv:` went on as if open).

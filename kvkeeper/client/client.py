@@ -397,7 +397,8 @@ class Client:
         refuses it (``exists``: ``flush()`` returns False). A later save of
         the key replaces it as usual; it never replaces an unsent save of
         its key here, it goes after it. A daemon before kvkeeper 0.2.4
-        refuses every such save (``malformed``).
+        refuses every such save (``malformed``). TypeError when ``create``
+        is not True or False.
         """
         if self._close_done.is_set():
             raise RuntimeError("client is closed")
@@ -406,6 +407,9 @@ class Client:
         layers, token_ids = _unpack(cache, token_ids)
         model, cache_id = naming.check_key(model, cache_id)
         meta = check_metadata(metadata)
+        # Checked here: the header is encoded on the I/O thread, after save()
+        # returned True, and the daemon refuses anything but a bool.
+        config.check_flag("create", create)
         # A save about to be dropped (daemon down, or no room for any save)
         # skips the capture but not the layers' check (a walk, no evaluation):
         # a bad cache is the caller's mistake, and must not pass for a drop.
