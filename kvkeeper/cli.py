@@ -112,8 +112,36 @@ def _serve_settings(p: argparse.ArgumentParser, *, for_service: bool = False) ->
                             "or another daemon holds either)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors name the way past them when what
+    went wrong may be an argument starting with '-' (argparse reads "rm m
+    -x" as an unknown option, and "export m -x out" as a missing PATH)."""
+
+    dash_hint: str | None = None  # the command's example, where it has one
+    given: list[str] = []  # what the command was given (set by _main)
+    commands: dict[str, _Parser] = {}  # the top parser's, by name
+
+    def error(self, message: str) -> Any:  # argparse's own is NoReturn
+        stray = self._stray_dash()
+        if self.dash_hint is not None and stray is not None:
+            message += f"; {stray!r} is no option of {self.prog}: {self.dash_hint}"
+        super().error(message)
+
+    def _stray_dash(self) -> str | None:
+        """The first word given before any '--' that starts with one '-'
+        and names none of this parser's options (a word starting with '--'
+        is more likely a mistyped option)."""
+        for word in self.given:
+            if word == "--":
+                return None
+            if len(word) > 1 and word[0] == "-" and word[1] != "-" and not any(
+                    known.startswith(word) for known in self._option_string_actions):
+                return word
+        return None
+
+
+def _parser() -> _Parser:
+    p = _Parser(
         prog="kvkeeper",
         description="Keep MLX prompt caches across restarts. A daemon takes saves off the "
         "generation loop and writes them durably; clients load them back.",
@@ -297,7 +325,20 @@ def _parser() -> argparse.ArgumentParser:
         # For _main: an unknown argument is the command's mistake, shown
         # with the command's usage (argparse names the top parser's).
         sp.set_defaults(command_parser=sp)
+    p.commands = sub.choices  # type: ignore[assignment]  # made by _Parser (parser_class)
+    for name, hint in DASH_HINTS.items():
+        p.commands[name].dash_hint = hint
     return p
+
+
+# Where a command's positional arguments may start with '-'.
+DASH_HINTS = {
+    "rm": "a model or id starting with '-' goes after '--' (kvkeeper rm -- MODEL -ID)",
+    "export": "a model, id or PATH starting with '-' goes after '--' "
+              "(kvkeeper export -- MODEL -ID PATH)",
+    "import": "a PATH starting with '-' goes after '--' (kvkeeper import -- -FILE), "
+              "or give it as ./-FILE",
+}
 
 
 def _logging(level: str) -> logging.Handler:
@@ -465,9 +506,12 @@ def _terminate_as_interrupt() -> None:
 
 def _main(argv: list[str] | None) -> int:
     parser = _parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    for name in DASH_HINTS:
+        if name in given:
+            parser.commands[name].given = given[given.index(name) + 1:]
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        given = list(sys.argv[1:] if argv is None else argv)
         # Those before the command are the top parser's: "kvkeeper --bogus ls".
         at = given.index(args.command) if args.command in given else -1
         before = [u for u in unknown if u in given and given.index(u) < at]

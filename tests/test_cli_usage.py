@@ -1351,11 +1351,27 @@ def test_help_gives_sizes_as_written_and_python_m_kvkeeper_runs(daemon: RunningD
 def test_an_id_starting_with_a_dash_goes_after_double_dash(
     client: Client, daemon: RunningDaemon, short_dir: Path
 ) -> None:
-    """As rm's and export's help say: ``--`` ends the options."""
+    """As rm's and export's help say: ``--`` ends the options; without it,
+    argparse's error (an unknown option, or a missing PATH) says so too."""
     sock = str(daemon.socket)
     _save(client, "m1", "-dash")
     assert "goes after '--'" in cli("rm", "--help").stdout.replace("\n", " ")
     out = short_dir / "x.safetensors"
+    way = "starting with '-' goes after '--'"
+    for args, said in ((("rm", "m1", "-dash"), "unrecognized arguments: -dash"),
+                       (("export", "m1", "-dash", str(out)), "required: path"),
+                       (("import", "-x.safetensors"), "required: PATH")):
+        r = cli(*args[:1], "--socket", sock, *args[1:])
+        assert r.returncode == 2 and said in r.stderr and way in r.stderr, r.stderr
+        command = args[0]
+        assert f"is no option of kvkeeper {command}" in r.stderr, r.stderr
+    assert "kvkeeper rm -- MODEL -ID" in cli("rm", "m1", "-dash").stderr
+    assert "./-FILE" in cli("import", "-x.safetensors").stderr
+    # A word starting with '--' is a mistyped option, more likely than an id.
+    r = cli("rm", "--socket", sock, "m1", "--dash")
+    assert r.returncode == 2 and "unrecognized arguments: --dash" in r.stderr, r.stderr
+    assert way not in r.stderr and not out.exists()
+    assert [e.cache_id for e in client.entries()] == ["-dash"]
     r = cli("export", "--socket", sock, "--", "m1", "-dash", str(out))
     assert r.returncode == 0 and out.exists(), (r.stdout, r.stderr)
     r = cli("rm", "--socket", sock, "--", "m1", "-dash")
