@@ -375,11 +375,18 @@ def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
             return 2
     cfg = config_from_settings(values)
     if args.print_config:
+        from kvkeeper.ops.common import shown
+
         width = max(len(s.name) for s in SETTINGS)
         for s in SETTINGS:
             value = values[s.name]
-            if isinstance(value, Path) and not value.is_absolute():
-                value = f"{value} (= {os.path.abspath(value)})"  # where serve would use
+            if isinstance(value, Path):
+                # Escaped as ls shows names: a tab or ESC printed raw would
+                # break the table or drive the terminal.
+                text = shown(value).plain
+                if not value.is_absolute():  # where serve would use it
+                    text += f" (= {shown(os.path.abspath(value)).plain})"
+                value = text
             print(f"{s.name:<{width}}  {value!s:<40}  ({sources[s.name]})")
         try:
             check_places(cfg)  # what serve would refuse, said here too

@@ -99,6 +99,20 @@ def test_non_finite_settings_are_refused(argv: list[str], env: dict[str, str], t
     usage_error(r, "finite")
 
 
+def test_print_config_escapes_control_characters_in_paths(short_dir: Path) -> None:
+    """A tab or ESC in the root went to the terminal raw: the table's
+    columns broke, and an escape sequence drove the terminal."""
+    root = short_dir / "a\tb\x1b[31m"
+    r = cli("serve", "--print-config", "--root", str(root), "--socket", "s\tk.sock",
+            cwd=short_dir)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\t" not in r.stdout, r.stdout
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert lines["root"].split()[1] == f'"{short_dir}/a\\tb\\x1b[31m"', r.stdout
+    assert f'"s\\tk.sock" (= "{short_dir}/s\\tk.sock")' in lines["socket"], r.stdout
+    assert lines["root"].endswith("(flag --root)"), r.stdout
+
+
 @pytest.mark.parametrize(("argv", "env", "toml"), [
     ([], {"KVKEEPER_DRAIN_TIMEOUT": "5s"}, ""),
     ([], {}, 'min_write_interval = "1 s"\n'),
