@@ -83,7 +83,10 @@ def parse_size(text: str | int | float) -> int:
         raise ValueError(f"a size without a unit is a whole number of bytes, not the float "
                          f"{_as_given(text)} (write an integer, or a string such as \"50G\")")
     else:
-        t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+        t = str(text).strip().lower()
+        # "iB" only after a unit: "5iB" (a 5GiB with the G lost) was 5 bytes.
+        t = t[:-2] if t.endswith("ib") and t[-3:-2] in ("k", "m", "g", "t") \
+            else t.removesuffix("b")
         num, unit = (t[:-1], t[-1]) if t and t[-1] in _SIZE_UNITS else (t, "")
         if num.strip().isascii() and num.strip().isdigit():
             # Exact: through a float, 2**63 - 1 became 2**63 (over the limit).

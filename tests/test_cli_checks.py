@@ -138,6 +138,26 @@ def test_sizes_are_written_in_ascii_digits(value: str) -> None:
         assert r.returncode == 2 and f"argument {flag}: not a byte size" in r.stderr, r.stderr
 
 
+def test_a_size_says_ib_only_after_a_unit(short_dir: Path) -> None:
+    """"5iB" (5GiB with the G lost) was read as 5 bytes; with a unit, "iB"
+    and "B" are still taken, in any case."""
+    for flag in ("--max-disk-bytes", "--min-free-bytes"):
+        for value in ("5iB", "1024ib", "iB"):
+            r = cli("serve", "--print-config", flag, value)
+            assert r.returncode == 2 and f"argument {flag}: not a byte size: '{value}'" \
+                in r.stderr, r.stderr
+    cfg = short_dir / "kv.toml"
+    cfg.write_text('min_free_bytes = "5iB"\n')
+    r = cli("serve", "--config", str(cfg), "--print-config")
+    assert r.returncode == 2 and "not a byte size: '5iB'" in r.stderr, r.stderr
+    r = cli("serve", "--print-config", "--root", str(short_dir / "r"), "--min-free-bytes", "5b",
+            "--max-disk-bytes", "2GiB", env={"KVKEEPER_MAX_PENDING_BYTES": "3 mib"})
+    assert r.returncode == 0, r.stderr
+    values = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()}
+    assert (values["min_free_bytes"], values["max_disk_bytes"], values["max_pending_bytes"]) \
+        == ("5", str(2 * 1024**3), str(3 * 1024**2)), r.stdout
+
+
 @pytest.mark.parametrize("value", ["1_0", "\u0661\u0665"])
 def test_seconds_are_written_in_ascii_digits(value: str) -> None:
     """--drain-timeout 1_0 was 10 s, and Arabic-Indic digits read as 15."""
