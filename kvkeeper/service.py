@@ -160,7 +160,17 @@ def _systemd_word(word: str, *, command: bool = False) -> str:
     return '"' + w + '"'
 
 
+#: What systemd refuses in an ExecStart executable, quoted or not
+#: ("Executable name contains special characters": the unit never starts).
+UNSAFE_EXECUTABLE = "\"'\\"
+
+
 def _systemd_command(words: Sequence[str]) -> str:
+    if any(c in UNSAFE_EXECUTABLE for c in words[0]):
+        # An interpreter under "~/Bob's projects": /bin/sh runs it, given as
+        # an argument (there systemd takes any character). Not env(1): it
+        # reads a first word holding "=" as a variable to set.
+        words = ["/bin/sh", "-c", 'exec "$0" "$@"', *words]
     return " ".join(_systemd_word(w, command=i == 0) for i, w in enumerate(words))
 
 

@@ -1389,9 +1389,12 @@ def test_import_legacy_files_and_export_for_mlx_lm(client: Client, daemon: Runni
     assert r.returncode == 1 and "no entry" in r.stderr
 
 
-def _run_service_command(cmd: list[str], short_dir: Path) -> None:
-    """Run the exact command line a service file holds; it must serve and stop."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _run_service_command(cmd: list[str], short_dir: Path,
+                         env: dict[str, str] | None = None) -> None:
+    """Run the exact command line a service file holds, from / as the
+    service does; it must serve and stop."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd="/", env=env)
     try:
         sock = short_dir / "svc" / "kv.sock"
         deadline = time.monotonic() + WAIT
@@ -1436,6 +1439,55 @@ def test_systemd_unit(short_dir: Path) -> None:
                            text=True, timeout=WAIT)
         assert "kvkeeper.service" not in v.stderr or v.returncode == 0, v.stderr
     _run_service_command(cmd, short_dir)
+
+
+def _python_under(place: Path) -> Path:
+    """This interpreter (its venv, if it runs in one) as found under
+    ``place``: a symbolic link, with the venv's pyvenv.cfg and lib beside it."""
+    (place / "bin").mkdir(parents=True)
+    python = place / "bin" / "python"
+    python.symlink_to(os.path.realpath(sys.executable))
+    if sys.prefix != sys.base_prefix:
+        shutil.copy(Path(sys.prefix) / "pyvenv.cfg", place / "pyvenv.cfg")
+        for lib in ("lib", "lib64"):
+            if (Path(sys.prefix) / lib).exists():
+                (place / lib).symlink_to(Path(sys.prefix) / lib)
+    return python
+
+
+@pytest.mark.parametrize("odd", ["it's", 'a "q"', "back\\slash"])
+def test_a_systemd_unit_for_an_interpreter_path_systemd_refuses(short_dir: Path,
+                                                                 odd: str) -> None:
+    """systemd refuses a quote or a backslash in ExecStart's executable,
+    quoted or not ("Executable name contains special characters"): the unit
+    was written, install-service said installed, and it never started. Such
+    an interpreter is now run by /bin/sh, given to it as an argument."""
+    from .test_cli_usage import _systemd_words
+
+    python = _python_under(short_dir / odd)
+    r = subprocess.run([str(python), "-m", "kvkeeper.cli", "install-service", "--print",
+                        "--platform", "linux", "--root", str(short_dir / "svcroot"),
+                        "--socket", str(short_dir / "svc" / "kv.sock")],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+                       env={k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")})
+    assert r.returncode == 0, r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("ExecStart=")]
+    words = _systemd_words(line.removeprefix("ExecStart="))
+    assert words[:4] == ["/bin/sh", "-c", 'exec "$0" "$@"', str(python)], words
+    assert words[4:7] == ["-m", "kvkeeper.cli", "serve"], words
+    analyze = shutil.which("systemd-analyze")
+    if analyze:  # where available: systemd's own check of the unit
+        f = short_dir / "kvkeeper.service"
+        f.write_text(r.stdout)
+        v = subprocess.run([analyze, "verify", "--user", str(f)], capture_output=True,
+                           text=True, timeout=WAIT)
+        assert "special characters" not in v.stderr and "fatal" not in v.stderr, v.stderr
+    environment = [ln for ln in r.stdout.splitlines() if ln.startswith("Environment=")]
+    env = dict(os.environ)
+    if environment:
+        [pinned] = _systemd_words(environment[0].removeprefix("Environment="))
+        env["PYTHONPATH"] = pinned.removeprefix("PYTHONPATH=")
+    _run_service_command(words, short_dir, env=env)
 
 
 def test_install_and_uninstall_write_the_file(short_dir: Path) -> None:
