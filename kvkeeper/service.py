@@ -242,12 +242,19 @@ def pinned_python_path(environ: Mapping[str, str] | None = None) -> str | None:
     the service manager does not pass it on, and a kvkeeper run from a
     source tree through it had the service import another copy, or none.
     Relative entries are made absolute (the service runs from /); empty
-    ones, the working directory, are left out (the service's is /).
-    ValueError for a value a service file cannot carry."""
+    ones, the working directory, are left out (the service's is /). A
+    kvkeeper imported from the working directory (``python -m kvkeeper``
+    in a source tree) has its directory put first, unless the service
+    would import it anyway. ValueError for a value a service file cannot
+    carry."""
     if environ is None and sys.flags.ignore_environment:
-        return None  # python -E or -I: this process did not use it either
-    value = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+        value = ""  # python -E or -I: this process did not use it either
+    else:
+        value = (os.environ if environ is None else environ).get("PYTHONPATH", "")
     entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
+    here = _this_package_if_missed(entries)
+    if here is not None:
+        entries.insert(0, here)
     joined = os.pathsep.join(entries)
     # What a service file cannot carry as it is: bytes not UTF-8 (a
     # traceback in the unit's or plist's encoding), control characters (a
@@ -261,6 +268,31 @@ def pinned_python_path(environ: Mapping[str, str] | None = None) -> str | None:
         raise ValueError("PYTHONPATH holds a control character, which a service file "
                          "cannot carry: set it to paths without one, or leave it unset")
     return joined or None
+
+
+def _this_package_if_missed(entries: list[str]) -> str | None:
+    """The directory this kvkeeper was imported from, when it is the
+    working directory's (``python -m kvkeeper`` in a source tree) and the
+    service, run from / with ``entries`` as its PYTHONPATH, would import
+    another copy of kvkeeper or none; None else."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    first = os.path.realpath(sys.path[0] if sys.path and sys.path[0] else os.curdir)
+    if os.path.realpath(here) != first:
+        return None  # installed, or on PYTHONPATH: where the service finds it too
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+    probe = "import importlib.util as u; s = u.find_spec('kvkeeper'); print(s and s.origin)"
+    try:
+        # Asked of the interpreter itself: an editable install's import hook
+        # finds the same tree from anywhere, a copy in site-packages another.
+        r = subprocess.run([os.path.abspath(sys.executable), "-c", probe], cwd="/", env=env,
+                           capture_output=True, text=True, timeout=COMMAND_SECONDS)
+        found = r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    mine = os.path.realpath(os.path.join(here, "kvkeeper", "__init__.py"))
+    return None if found and os.path.realpath(found) == mine else here
 
 
 def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset(),

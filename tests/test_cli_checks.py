@@ -838,12 +838,34 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
         [plist["ProgramArguments"][0], "-c", "import kvkeeper; print(kvkeeper.__file__)"],
         cwd="/", env={"PYTHONPATH": want}, capture_output=True, text=True, timeout=120)
     assert found.stdout.strip() == str(src / "kvkeeper" / "__init__.py"), found
-    # None set, or python -E (this process did not use it): nothing pinned.
-    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""})
+    # None set, or python -E (this process did not use it): nothing pinned
+    # (run from a directory that holds no kvkeeper: it is the installed one).
+    elsewhere = short_dir / "elsewhere"
+    elsewhere.mkdir()
+    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""},
+            cwd=elsewhere)
     assert r.returncode == 0 and "Environment=" not in r.stdout, r.stdout
     r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": "/x"},
-            run=("-E", "-m", "kvkeeper.cli"))
+            run=("-E", "-m", "kvkeeper.cli"), cwd=elsewhere)
     assert r.returncode == 0 and "Environment=" not in r.stdout, r.stdout
+    # python -m kvkeeper in a source tree, no PYTHONPATH: the working
+    # directory is first on this process's import path, not on the service's
+    # (run from /), whose interpreter imported the installed copy instead.
+    tree = short_dir / "tree"
+    shutil.copytree(src, tree)
+    for how in (("-m", "kvkeeper.cli"), ("-E", "-m", "kvkeeper.cli")):
+        r = cli("install-service", "--print", "--platform", "macos", env={"PYTHONPATH": ""},
+                cwd=tree, run=how)
+        assert r.returncode == 0, r.stderr
+        plist = plistlib.loads(r.stdout.encode())
+        assert plist["EnvironmentVariables"] == {"PYTHONPATH": str(tree)}, plist
+        found = subprocess.run(
+            [plist["ProgramArguments"][0], "-c", "import kvkeeper; print(kvkeeper.__file__)"],
+            cwd="/", env={"PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)
+        assert found.stdout.strip() == str(tree / "kvkeeper" / "__init__.py"), found
+    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""}, cwd=tree)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("Environment="))
+    assert shlex.split(line.removeprefix("Environment=")) == [f"PYTHONPATH={tree}"], line
     # What a service file cannot carry: exit 2 saying so (before: tracebacks,
     # and a CR cut the unit's line, which systemd then ignored).
     for value, says in (("/src:/tmp/caf\udce9", "not valid UTF-8"),
