@@ -425,6 +425,30 @@ def _run_daemon(cfg: Any, exiting: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``kvkeeper`` command; returns its exit status."""
+    if argv is not None:
+        return _command(argv)
+    from kvkeeper import service
+
+    if os.environ.get(service.LAUNCHD_MARK[0]) != service.LAUNCHD_MARK[1]:
+        return _command(argv)
+    # The daemon of a LaunchAgent: launchd starts it again after any exit
+    # but 0, every 10 s; exit 2 (a setting refused, another daemon on the
+    # root) is the one a new start cannot mend (systemd's unit says so).
+    try:
+        status = _command(argv)
+    except SystemExit as exc:  # argparse's error: a flag this kvkeeper lacks
+        if exc.code != 2:
+            raise
+        status = 2
+    if status != 2:
+        return status
+    print(f"kvkeeper: exit status 0, not 2: launchd would start this agent again every 10 s; "
+          f"mend what is said above, then start it: launchctl kickstart "
+          f"gui/{os.getuid()}/{service.LABEL}", file=sys.stderr)
+    return 0
+
+
+def _command(argv: list[str] | None) -> int:
     # The commands turn the log off; run in-process (a script, a test),
     # that must not outlast them.
     disabled = logging.root.manager.disable

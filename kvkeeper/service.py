@@ -17,6 +17,8 @@ from kvkeeper import config
 from kvkeeper.settings import MAX_SECONDS
 
 LABEL = "io.github.kvkeeper.daemon"
+#: In the LaunchAgent's environment: the daemon gives exit 2 as 0 (cli.main).
+LAUNCHD_MARK = ("KVKEEPER_SERVICE_MANAGER", "launchd")
 UNIT = "kvkeeper.service"
 
 
@@ -102,7 +104,10 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         "Label": LABEL,
         "ProgramArguments": serve_command(serve_args),
         "RunAtLoad": True,
-        "KeepAlive": True,
+        # Started again after a failure, not after exit 0: a drain that
+        # SIGTERM asked for, or exit 2 given as 0 (see cli.main), which a
+        # new start cannot mend, as systemd's RestartPreventExitStatus=2.
+        "KeepAlive": {"SuccessfulExit": False},
         # macOS's counterpart of SCHED_BATCH (--cpu-policy batch); "normal"
         # gets launchd's own default.
         "ProcessType": "Background" if background else "Standard",
@@ -113,8 +118,8 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # named like a module the daemon imports must not replace it.
         "WorkingDirectory": "/",
     }
-    if python_path:
-        plist["EnvironmentVariables"] = {"PYTHONPATH": python_path}
+    plist["EnvironmentVariables"] = {LAUNCHD_MARK[0]: LAUNCHD_MARK[1],
+                                     **({"PYTHONPATH": python_path} if python_path else {})}
     path = home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
     domain = f"gui/{os.getuid()}"
     user = os.getuid() != 0

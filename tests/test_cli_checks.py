@@ -832,7 +832,8 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
     r = cli("install-service", "--print", "--platform", "macos", env=env, cwd=short_dir)
     assert r.returncode == 0, r.stderr
     plist = plistlib.loads(r.stdout.encode())
-    assert plist["EnvironmentVariables"] == {"PYTHONPATH": want}
+    assert plist["EnvironmentVariables"] == {"PYTHONPATH": want,
+                                             "KVKEEPER_SERVICE_MANAGER": "launchd"}
     # The service's interpreter, from /, with that environment alone.
     found = subprocess.run(
         [plist["ProgramArguments"][0], "-c", "import kvkeeper; print(kvkeeper.__file__)"],
@@ -858,7 +859,7 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
                 cwd=tree, run=how)
         assert r.returncode == 0, r.stderr
         plist = plistlib.loads(r.stdout.encode())
-        assert plist["EnvironmentVariables"] == {"PYTHONPATH": str(tree)}, plist
+        assert plist["EnvironmentVariables"]["PYTHONPATH"] == str(tree), plist
         found = subprocess.run(
             [plist["ProgramArguments"][0], "-c", "import kvkeeper; print(kvkeeper.__file__)"],
             cwd="/", env={"PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)

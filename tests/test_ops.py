@@ -1413,12 +1413,61 @@ def test_launchd_plist(short_dir: Path) -> None:
             "--drain-timeout", "30", "--max-disk-bytes", "10G")
     assert r.returncode == 0, r.stderr
     plist = plistlib.loads(r.stdout.encode())
-    assert plist["Label"].count(".") >= 2 and plist["RunAtLoad"] and plist["KeepAlive"]
+    assert plist["Label"].count(".") >= 2 and plist["RunAtLoad"]
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
     assert plist["ExitTimeOut"] >= 30
     args = plist["ProgramArguments"]
     assert os.path.isabs(args[0]) and args[1:4] == ["-m", "kvkeeper.cli", "serve"]
     assert "--max-disk-bytes" in args and plist["StandardErrorPath"].endswith(".log")
     _run_service_command(args, short_dir)
+
+
+def test_a_launch_agent_that_cannot_start_is_not_started_again(short_dir: Path) -> None:
+    """launchd's KeepAlive started the agent again every 10 s after any
+    exit, exit 2 too (a setting refused: a typo in the config file made after
+    the install), forever. The agent is now kept alive after a failure only,
+    and its daemon gives exit 2 as 0, saying why; exit 1 (its socket
+    removed: a new start mends it) stays 1."""
+    cfg = short_dir / "kv.toml"
+    cfg.write_text("")
+    sock = short_dir / "svc" / "kv.sock"
+    r = cli("install-service", "--print", "--platform", "macos", "--root",
+            str(short_dir / "svcroot"), "--socket", str(sock), "--drain-timeout", "5",
+            env={"KVKEEPER_CONFIG": str(cfg)})
+    assert r.returncode == 0, r.stderr
+    plist = plistlib.loads(r.stdout.encode())
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    args, env = plist["ProgramArguments"], plist["EnvironmentVariables"]
+    assert "--config" in args and env["KVKEEPER_SERVICE_MANAGER"] == "launchd", (args, env)
+    # As launchd runs it: its environment is the plist's, from /.
+    agent = {"PATH": os.environ["PATH"], "HOME": str(short_dir), **env}
+    cfg.write_text("max_disk_byte = '10G'\n")  # the typo, after the install
+    for extra, said in (([], "unknown settings ['max_disk_byte']"),
+                        (["--bogus"], "unrecognized arguments: --bogus")):
+        done = subprocess.run([*args, *extra], capture_output=True, text=True, cwd="/",
+                              env=agent, timeout=WAIT)
+        assert done.returncode == 0 and said in done.stderr, done.stderr
+        assert "exit status 0, not 2: launchd would start this agent again" in done.stderr
+        assert "launchctl kickstart gui/" in done.stderr
+        # Outside launchd, the same command line exits 2.
+        done = subprocess.run([*args, *extra], capture_output=True, text=True, cwd="/",
+                              env={k: v for k, v in agent.items()
+                                   if k != "KVKEEPER_SERVICE_MANAGER"}, timeout=WAIT)
+        assert done.returncode == 2 and "launchd" not in done.stderr, done.stderr
+    cfg.write_text("")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd="/", env=agent)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (sock.exists() and ping(sock)):
+            assert proc.poll() is None, f"the agent's daemon exited {proc.returncode}"
+            assert time.monotonic() < deadline, "the agent's daemon did not serve"
+            time.sleep(0.05)
+        sock.unlink()
+        assert proc.wait(WAIT) == 1
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
 
 
 def test_systemd_unit(short_dir: Path) -> None:
