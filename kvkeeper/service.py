@@ -217,6 +217,10 @@ def systemd(serve_args: Sequence[str], drain_timeout: float, config_home: Path, 
               ["systemctl", "--user", "enable", UNIT],
               ["systemctl", "--user", "restart", UNIT]],
         unload=[["systemctl", "--user", "disable", "--now", UNIT]],
+        # Before the daemon-reload: a daemon an earlier install started
+        # drains under that unit's stop timeout (restarted after the reload,
+        # a shorter new one had systemd kill it part way through its drain).
+        stop_first=[["systemctl", "--user", "stop", UNIT]],
         # Once the file is gone: the manager forgets the unit it had loaded.
         after_removal=[["systemctl", "--user", "daemon-reload"]],
         stop_timeout=stop_timeout,

@@ -454,8 +454,10 @@ def test_install_service_again_replaces_the_running_service(short_dir: Path) -> 
     lines = calls.read_text().splitlines()
     assert [x.split()[1] for x in lines if x.startswith("launchctl")] == [
         "bootout", "bootstrap", "bootout", "bootstrap"]
+    # Stopped before the daemon-reload: under the stop timeout of the unit
+    # that started it (the drain's), not the new one's.
     assert [x.split()[2] for x in lines if x.startswith("systemctl")] == [
-        "daemon-reload", "enable", "restart"] * 2
+        "stop", "daemon-reload", "enable", "restart"] * 2
 
 
 def _fake_managers(short_dir: Path) -> dict[str, str]:
@@ -607,7 +609,9 @@ def test_install_service_refuses_a_daemon_started_by_hand(short_dir: Path) -> No
         for platform, path in (("linux", unit), ("macos", plist)):
             r = cli("install-service", "--platform", platform, *places, env=env)
             assert r.returncode == 0 and path.exists(), r.stderr
-            (short_dir / "loaded").touch()  # the stand-in launchctl's bootout removed it
+            # The stand-ins' bootout and stop forgot them (the daemon runs on).
+            (short_dir / "loaded").touch()
+            (short_dir / "mainpid").write_text(f"{by_hand.pid}\n")
     finally:
         assert stop_process(by_hand) == 0
     # Nothing holds them any more: installed. Looking made nothing (a root
