@@ -100,9 +100,15 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
     logs = home / "Library" / "Logs" / "kvkeeper"
     # launchd sends SIGTERM, waits ExitTimeOut, then SIGKILL: give the drain its time.
     exit_timeout = int(drain_timeout) + 10
+    command = serve_command(serve_args)
+    if any("\r" in word for word in (*command, str(logs))):
+        # plistlib writes it, and XML reads it back as a line feed: the
+        # agent would use another path (other control characters, which
+        # XML cannot hold at all, plistlib refuses itself).
+        raise ValueError("a carriage return, which a plist reads back as a line feed")
     plist = {
         "Label": LABEL,
-        "ProgramArguments": serve_command(serve_args),
+        "ProgramArguments": command,
         "RunAtLoad": True,
         # Started again after a failure, not after exit 0: a drain that
         # SIGTERM asked for, or exit 2 given as 0 (see cli.main), which a

@@ -879,8 +879,11 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
     odd = short_dir / "a\x01b.sock"
     usage_error(cli("install-service", "--print", "--platform", "macos", "--socket", str(odd)),
                 "cannot go into it")
-    # A CR in a word of ExecStart is escaped too.
+    # A CR in a word of ExecStart is escaped too. A plist took it, and read
+    # back it was a line feed: the agent's daemon used another socket.
     cr = short_dir / "a\rb.sock"
+    usage_error(cli("install-service", "--print", "--platform", "macos", "--socket", str(cr)),
+                "cannot go into it: a carriage return")
     r = cli("install-service", "--print", "--platform", "linux", "--socket", str(cr))
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stdout and f'"{short_dir}/a\\rb.sock"' in r.stdout, r.stdout
