@@ -1231,7 +1231,6 @@ class Channel:
             older = self._held.pop(save.key, None)
             if older is not None:
                 self._queue(older)
-                self._backlog_settled = False
             self._queue(save)
             return
         older = self._held.pop(save.key, None)
@@ -1263,6 +1262,10 @@ class Channel:
 
     def _queue(self, save: _Save) -> None:
         slot = _Slot(save)
+        if save.key in self._open and not save.create:
+            # Behind an open slot of its key (a held save released, or
+            # queued before a create), which it replaces without a daemon.
+            self._backlog_settled = False
         self._backlog.append(slot)
         self._open[save.key] = slot
 
