@@ -168,16 +168,22 @@ def _systemd_word(word: str, *, command: bool = False) -> str:
         return w
     w = (w.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
          .replace("\r", "\\r").replace("\t", "\\t"))
-    return '"' + w + '"'
+    # Any other control character as a C escape: a unit holds none raw.
+    return '"' + "".join(f"\\x{ord(c):02x}" if _control(c) else c for c in w) + '"'
 
 
-#: What systemd refuses in an ExecStart executable, quoted or not
-#: ("Executable name contains special characters": the unit never starts).
+def _control(c: str) -> bool:
+    return ord(c) < 32 or ord(c) == 127
+
+
+#: What systemd refuses in an ExecStart executable, quoted or not, besides
+#: control characters ("Executable name contains special characters": the
+#: unit never starts).
 UNSAFE_EXECUTABLE = "\"'\\"
 
 
 def _systemd_command(words: Sequence[str]) -> str:
-    if any(c in UNSAFE_EXECUTABLE for c in words[0]):
+    if any(c in UNSAFE_EXECUTABLE or _control(c) for c in words[0]):
         # An interpreter under "~/Bob's projects": /bin/sh runs it, given as
         # an argument (there systemd takes any character). Not env(1): it
         # reads a first word holding "=" as a variable to set.

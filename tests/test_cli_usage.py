@@ -1243,8 +1243,11 @@ def _systemd_words(line: str) -> list[str]:
         if line[i] in "\"'":
             quote, i, raw = line[i], i + 1, ""
             while line[i] != quote:
-                if line[i] == "\\":
-                    raw += {"n": "\n", "t": "\t"}.get(line[i + 1], line[i + 1])
+                if line[i] == "\\" and line[i + 1] == "x":
+                    raw += chr(int(line[i + 2:i + 4], 16))
+                    i += 4
+                elif line[i] == "\\":
+                    raw += {"n": "\n", "t": "\t", "r": "\r"}.get(line[i + 1], line[i + 1])
                     i += 2
                 else:
                     raw += line[i]

@@ -1504,7 +1504,7 @@ def _python_under(place: Path) -> Path:
     return python
 
 
-@pytest.mark.parametrize("odd", ["it's", 'a "q"', "back\\slash"])
+@pytest.mark.parametrize("odd", ["it's", 'a "q"', "back\\slash", "a\tb", "a\x01b"])
 def test_a_systemd_unit_for_an_interpreter_path_systemd_refuses(short_dir: Path,
                                                                  odd: str) -> None:
     """systemd refuses a quote or a backslash in ExecStart's executable,
@@ -1521,6 +1521,7 @@ def test_a_systemd_unit_for_an_interpreter_path_systemd_refuses(short_dir: Path,
                        env={k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")})
     assert r.returncode == 0, r.stderr
     [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("ExecStart=")]
+    assert not any(ord(c) < 32 for c in r.stdout.replace("\n", "")), r.stdout
     words = _systemd_words(line.removeprefix("ExecStart="))
     assert words[:4] == ["/bin/sh", "-c", 'exec "$0" "$@"', str(python)], words
     assert words[4:7] == ["-m", "kvkeeper.cli", "serve"], words
