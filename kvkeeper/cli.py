@@ -122,21 +122,30 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, _Parser] = {}  # the top parser's, by name
 
     def error(self, message: str) -> Any:  # argparse's own is NoReturn
-        stray = self._stray_dash()
-        if self.dash_hint is not None and stray is not None:
-            message += f"; {stray!r} is no option of {self.prog}: {self.dash_hint}"
+        stray = self._stray_dash() if self.dash_hint is not None else None
+        if stray is not None:
+            word, option = stray
+            way = (f"a value starting with '-' goes after '=' ({option}={word})" if option
+                   else self.dash_hint)
+            message += f"; {word!r} is no option of {self.prog}: {way}"
         super().error(message)
 
-    def _stray_dash(self) -> str | None:
-        """The first word given before any '--' that starts with one '-'
-        and names none of this parser's options (a word starting with '--'
-        is more likely a mistyped option)."""
+    def _stray_dash(self) -> tuple[str, str | None] | None:
+        """The first word given before any '--' that starts with one '-',
+        names none of this parser's options and is not a negative number
+        (argparse takes those for arguments), with the option it follows
+        when that one takes a value (argparse took it for a missing value).
+        A word starting with '--' is more likely a mistyped option."""
+        after: str | None = None
         for word in self.given:
             if word == "--":
                 return None
-            if len(word) > 1 and word[0] == "-" and word[1] != "-" and not any(
-                    known.startswith(word) for known in self._option_string_actions):
-                return word
+            if (len(word) > 1 and word[0] == "-" and word[1] != "-"
+                    and not self._negative_number_matcher.match(word)
+                    and not any(known.startswith(word) for known in self._option_string_actions)):
+                return word, after
+            action = self._option_string_actions.get(word)
+            after = word if action is not None and action.nargs != 0 else None
         return None
 
 
