@@ -396,7 +396,10 @@ def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
                 if not value.is_absolute():  # where serve would use it
                     text += f" (= {shown(os.path.abspath(value)).plain})"
                 value = text
-            print(f"{s.name:<{width}}  {value!s:<40}  ({sources[s.name]})")
+            source = sources[s.name]
+            if source.startswith(FROM_FILE):  # the file's path, as the values' are
+                source = FROM_FILE + shown(source.removeprefix(FROM_FILE)).plain
+            print(f"{s.name:<{width}}  {value!s:<40}  ({source})")
         try:
             check_places(cfg)  # what serve would refuse, said here too
             check_not_held(cfg)
@@ -410,6 +413,10 @@ def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
     finally:
         logging.root.removeHandler(handler)
         handler.close()
+
+
+#: How settings.resolve names a value's source when it is the config file.
+FROM_FILE = "config file "
 
 
 def _run_daemon(cfg: Any, exiting: bool) -> int:

@@ -111,6 +111,15 @@ def test_print_config_escapes_control_characters_in_paths(short_dir: Path) -> No
     assert lines["root"].split()[1] == f'"{short_dir}/a\\tb\\x1b[31m"', r.stdout
     assert f'"s\\tk.sock" (= "{short_dir}/s\\tk.sock")' in lines["socket"], r.stdout
     assert lines["root"].endswith("(flag --root)"), r.stdout
+    # The config file a value came from: its path too.
+    place = short_dir / "c\tx\x1b[31m"
+    place.mkdir()
+    (place / "kv.toml").write_text("drain_timeout = 7\n")
+    r = cli("serve", "--print-config", "--root", str(short_dir / "r"), "--config",
+            str(place / "kv.toml"))
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\t" not in r.stdout, r.stdout
+    assert f'(config file "{short_dir}/c\\tx\\x1b[31m/kv.toml")' in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize(("argv", "env", "toml"), [
