@@ -273,22 +273,30 @@ def pinned_python_path(environ: Mapping[str, str] | None = None) -> str | None:
     else:
         value = (os.environ if environ is None else environ).get("PYTHONPATH", "")
     entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
+    _check_carried(os.pathsep.join(entries), "PYTHONPATH",
+                   "set it to other paths, or leave it unset")
     here = _this_package_if_missed(entries)
     if here is not None:
+        _check_carried(here, f"the source tree kvkeeper runs from ({here!r}), which the "
+                             f"service's PYTHONPATH must name,",
+                       "move the tree, or install kvkeeper and run it from elsewhere")
         entries.insert(0, here)
-    joined = os.pathsep.join(entries)
-    # What a service file cannot carry as it is: bytes not UTF-8 (a
-    # traceback in the unit's or plist's encoding), control characters (a
-    # CR ends a unit's line; XML has no place for most of them).
+    return os.pathsep.join(entries) or None
+
+
+def _check_carried(text: str, what: str, mend: str) -> None:
+    """ValueError when ``text`` is what a service file cannot carry as it
+    is: bytes not UTF-8 (a traceback in the unit's or plist's encoding),
+    control characters (a CR ends a unit's line; XML has no place for most
+    of them)."""
     try:
-        joined.encode()
+        text.encode()
     except UnicodeEncodeError:
-        raise ValueError("PYTHONPATH is not valid UTF-8, which a service file cannot "
-                         "carry: set it to paths that are, or leave it unset") from None
-    if any(ord(c) < 32 or ord(c) == 127 for c in joined):
-        raise ValueError("PYTHONPATH holds a control character, which a service file "
-                         "cannot carry: set it to paths without one, or leave it unset")
-    return joined or None
+        raise ValueError(f"{what} is not valid UTF-8, which a service file cannot carry: "
+                         f"{mend}") from None
+    if any(_control(c) for c in text):
+        raise ValueError(f"{what} holds a control character, which a service file cannot "
+                         f"carry: {mend}")
 
 
 def _this_package_if_missed(entries: list[str]) -> str | None:

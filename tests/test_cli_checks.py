@@ -876,6 +876,14 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
     r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""}, cwd=tree)
     line = next(x for x in r.stdout.splitlines() if x.startswith("Environment="))
     assert shlex.split(line.removeprefix("Environment=")) == [f"PYTHONPATH={tree}"], line
+    # Such a tree whose path a service file cannot carry: the message names
+    # the tree (before: "PYTHONPATH holds a control character", none set).
+    odd_tree = short_dir / "t\tab"
+    shutil.copytree(src, odd_tree)
+    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""},
+            cwd=odd_tree)
+    usage_error(r, "the source tree kvkeeper runs from", "control character", "move the tree")
+    assert "PYTHONPATH holds" not in r.stderr, r.stderr
     # What a service file cannot carry: exit 2 saying so (before: tracebacks,
     # and a CR cut the unit's line, which systemd then ignored).
     for value, says in (("/src:/tmp/caf\udce9", "not valid UTF-8"),
