@@ -1162,6 +1162,15 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
     # 2**64 - 1 raised std::bad_cast, a negative one was generated from.
     with pytest.raises(TypeError, match="model is None"):
         kv_lm.Session(None, "tiny-lm", "chat", None, lm_tok)
+    # The mlx-vlm Session (and its one-call form) took a None model, or an
+    # mlx-lm one, and failed at the first token with an AttributeError.
+    processor = vlm_session.processor
+    for model, said in ((None, "model is None"), (tiny_llama(seed=3), "no mlx-vlm model")):
+        with pytest.raises(TypeError, match=said):
+            kv_vlm.Session(None, "tiny-vlm", "chat", model, processor)
+        with pytest.raises(TypeError, match=said):
+            kv_vlm.stream_generate(None, "tiny-vlm", "chat", model, processor,
+                                   input_ids=[5, 6, 7], max_tokens=2)
     for bad_id in (VOCAB, 2**64 - 1, -1):
         for given in ([5, bad_id, 7], np.array([5, bad_id, 7], dtype=np.uint64 if bad_id > 0
                                                else np.int64)):
@@ -1217,12 +1226,17 @@ def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(
         return out
 
     first = [*text0, *[VOCAB - 2] * 16, *text1]
-    ask(first)
+    first_out = ask(first)
     # Same picture, the opening text changed after its 5th token: the session
     # keeps 5 tokens, and the suffix holds the image tokens.
     second = [*text0[:5], *prompt(5, seed=62), *[VOCAB - 2] * 16, *text1]
     out = ask(second)
     assert session.tracked is False  # mlx-vlm declined the prefix
+    # last_plan says what mlx-vlm did, not the 5-token reuse prepared for it.
+    plan = session.last_plan
+    assert plan is not None and (plan.action, plan.reused, plan.prefill) == \
+        ("cold", 0, len(second)), plan
+    assert plan.trimmed == len(first) + len(first_out) and "declined" in plan.reason, plan
     assert session.token_ids == second + out and session.cache is not None
     assert client.flush(timeout=WAIT)
     got = client.load("tiny-pg", "last")

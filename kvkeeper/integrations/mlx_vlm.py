@@ -79,6 +79,13 @@ class Session(SessionBase):
     ) -> None:
         super().__init__(client, model_id, session_id, every_tokens=every_tokens,
                          every_seconds=every_seconds, metadata=metadata)
+        # Else both failed only at the first token, deep inside mlx-vlm.
+        if model is None:
+            raise TypeError("model is None: give the model mlx_vlm.load returned")
+        if not hasattr(model, "language_model"):
+            raise TypeError(f"{type(model).__name__} is no mlx-vlm model (it has no "
+                            f"language_model): for an mlx-lm model, use "
+                            f"kvkeeper.integrations.mlx_lm.Session")
         self.model = model
         self.processor = processor
         #: Whether the last request's intermediate saves could follow the cache.
@@ -248,6 +255,13 @@ class Session(SessionBase):
         if r.cached_tokens != plan.reused:
             log.info("event=vlm_declined_prefix model=%s id=%s planned=%d used=%d",
                      self.model_id, self.session_id, plan.reused, r.cached_tokens)
+            # What mlx-vlm did instead: last_plan said the prepared reuse.
+            used = max(0, min(r.cached_tokens, plan.reused))
+            self.last_plan = Plan(
+                "cold" if used == 0 else "trim", plan.source, used,
+                plan.trimmed + plan.reused - used, plan.prefill + plan.reused - used,
+                f"mlx-vlm declined the prepared prefix of {plan.reused} tokens "
+                f"and reused {r.cached_tokens}")
             return False
         return length_mismatch(expected, r.total_tokens) is None
 
