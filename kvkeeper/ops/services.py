@@ -82,8 +82,9 @@ def _service_settings(args: argparse.Namespace) -> tuple[list[str], dict[str, An
 
 def _refuse_a_daemon_the_service_did_not_start(sf: Any, values: dict[str, Any]) -> None:
     """A daemon started by hand on the service's root or socket makes the
-    service exit 2 at every start: systemd then gives up on it, launchd
-    retries every 10 s, and install-service said "started". Refused (exit 2)
+    service exit 2 at every start: systemd then gives up on it, as launchd
+    does (the agent's daemon gives that exit as 0, see cli.main), and
+    install-service said "started". Refused (exit 2)
     before anything is written; the service's own daemon is restarted."""
     from kvkeeper import service
     from kvkeeper.daemon.app import config_from_settings, holder_pid, lock_holder, lock_paths
