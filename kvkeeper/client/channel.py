@@ -1229,7 +1229,7 @@ class Channel:
             # see that one first (it may be what makes the entry exist, and
             # the create refused), and the create is not held.
             older = self._held.pop(save.key, None)
-            if older is not None:
+            if older is not None and not self._into_open_slot(older):
                 self._queue(older)
             self._queue(save)
             return
@@ -1238,17 +1238,7 @@ class Channel:
             # Never sent: the newer save answers for it.
             self.counters.saves_coalesced += 1
             self._release_save(older)
-        slot = self._open.get(save.key)
-        if slot is not None:
-            # Nothing that must see the older one is behind it: the newer save
-            # takes its place (and the daemon never reads the older one).
-            self.counters.saves_coalesced += 1
-            self._release_save(slot.save)
-            if slot.save.create:
-                # A slot of the key the create was queued behind is now one
-                # this save replaces.
-                self._backlog_settled = False
-            slot.save = save
+        if self._into_open_slot(save):
             return
         due = self._hold_until(save)
         if due is None:
@@ -1259,6 +1249,22 @@ class Channel:
             return
         save.due = due
         self._held[save.key] = save
+
+    def _into_open_slot(self, save: _Save) -> bool:
+        """Put ``save`` in the place of its key's open slot, if there is one:
+        nothing that must see the older save is behind it, so the newer one
+        takes its place (and the daemon never reads the older one)."""
+        slot = self._open.get(save.key)
+        if slot is None:
+            return False
+        self.counters.saves_coalesced += 1
+        self._release_save(slot.save)
+        if slot.save.create:
+            # A slot of the key the create was queued behind is now one
+            # this save replaces.
+            self._backlog_settled = False
+        slot.save = save
+        return True
 
     def _queue(self, save: _Save) -> None:
         slot = _Slot(save)
@@ -1343,7 +1349,12 @@ class Channel:
             now = time.monotonic()
             due = [k for k, save in self._held.items() if save.due <= now]
         for key in due:
-            self._queue(self._held.pop(key))
+            save = self._held.pop(key)
+            # A slot of its key reopened meanwhile (a request behind it failed
+            # without a daemon, or a save put back): the older save there is
+            # not sent first.
+            if not self._into_open_slot(save):
+                self._queue(save)
 
     def _pump(self, sock: zmq.Socket) -> None:
         """Hand ZeroMQ what the backlog holds, in order, while its pipe has
