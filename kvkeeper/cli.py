@@ -140,13 +140,23 @@ class _Parser(argparse.ArgumentParser):
         for word in self.given:
             if word == "--":
                 return None
-            if (len(word) > 1 and word[0] == "-" and word[1] != "-"
+            # (argparse takes a word holding a space for an argument too.)
+            if (len(word) > 1 and word[0] == "-" and word[1] != "-" and " " not in word
                     and not self._negative_number_matcher.match(word)
                     and not any(known.startswith(word) for known in self._option_string_actions)):
                 return word, after
-            action = self._option_string_actions.get(word)
-            after = word if action is not None and action.nargs != 0 else None
+            after = self._takes_value(word)
         return None
+
+    def _takes_value(self, word: str) -> str | None:
+        """The option ``word`` names, as argparse reads it (an abbreviation
+        of one long option too), when it takes a value not given with '='."""
+        named = [word] if word in self._option_string_actions else [
+            known for known in self._option_string_actions
+            if word.startswith("--") and known.startswith(word)]
+        if len(named) != 1 or self._option_string_actions[named[0]].nargs == 0:
+            return None
+        return named[0]
 
 
 def _parser() -> _Parser:

@@ -1377,15 +1377,19 @@ def test_an_id_starting_with_a_dash_goes_after_double_dash(
     # A value given to an option: after '=' (after '--' it would be an id).
     for args, option in ((("rm", "--model", "-abc"), "--model"),
                          (("import", "--id", "-x", "f.safetensors"), "--id"),
-                         (("rm", "--socket", "-x.sock", "m1", "x"), "--socket")):
+                         (("rm", "--socket", "-x.sock", "m1", "x"), "--socket"),
+                         (("rm", "--mod", "-abc"), "--model"),  # argparse's abbreviation
+                         (("export", "--ro", "-x", "m", "i", "p.safetensors"), "--root")):
         r = cli(*args)
         assert r.returncode == 2 and f"argument {option}: expected one argument" in r.stderr \
             and f"goes after '=' ({option}={args[2]})" in r.stderr, r.stderr
         assert way not in r.stderr, r.stderr
-    # A negative number is an argument to argparse: the error is elsewhere.
-    r = cli("rm", "-1", "x", "--bogus")
-    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr, r.stderr
-    assert "'-1'" not in r.stderr, r.stderr
+    # A negative number, or a word holding a space, is an argument to
+    # argparse: the error is elsewhere.
+    for word in ("-1", "-a b"):
+        r = cli("rm", word, "x", "--bogus")
+        assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr, r.stderr
+        assert f"'{word}'" not in r.stderr, r.stderr
     # A word starting with '--' is a mistyped option, more likely than an id.
     r = cli("rm", "--socket", sock, "m1", "--dash")
     assert r.returncode == 2 and "unrecognized arguments: --dash" in r.stderr, r.stderr
