@@ -1165,7 +1165,13 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
     # The mlx-vlm Session (and its one-call form) took a None model, or an
     # mlx-lm one, and failed at the first token with an AttributeError.
     processor = vlm_session.processor
-    for model, said in ((None, "model is None"), (tiny_llama(seed=3), "no mlx-vlm model")):
+    from mlx_lm.models import pixtral  # mlx-lm's: a language_model, no config
+
+    lm_wrapper = pixtral.Model(pixtral.ModelArgs(model_type="pixtral", text_config=dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)))
+    for model, said in ((None, "model is None"), (tiny_llama(seed=3), "no mlx-vlm model"),
+                        (lm_wrapper, "it has no config")):
         with pytest.raises(TypeError, match=said):
             kv_vlm.Session(None, "tiny-vlm", "chat", model, processor)
         with pytest.raises(TypeError, match=said):
@@ -1241,6 +1247,30 @@ def test_mlx_vlm_state_is_kept_when_the_caller_stops_at_the_last_result(
     assert client.flush(timeout=WAIT)
     got = client.load("tiny-pg", "last")
     assert got is not None and got.token_ids == second + out
+
+
+def test_mlx_vlm_plan_says_so_when_mlx_vlm_reuses_a_cache_of_its_own() -> None:
+    """An apc_manager= passed on to mlx-vlm replaces the cache the session
+    prepared with a longer prefix of mlx-vlm's own: last_plan said cold, 0
+    reused, 46 to prefill, "declined the prepared prefix of 0 tokens and
+    reused 40" (a review)."""
+    from mlx_vlm.apc import APCManager
+
+    model, proc = tiny_vlm_llama(), vlm_processor(VOCAB)
+    apc = APCManager(num_blocks=64, block_size=8)
+    ids = prompt(40, seed=70)
+    first = kv_vlm.Session(None, "tiny-vlm", "a", model, proc)
+    for _ in first.stream_generate(input_ids=ids, max_tokens=2, apc_manager=apc):
+        pass
+    second = kv_vlm.Session(None, "tiny-vlm", "b", model, proc)
+    results = list(second.stream_generate(input_ids=[*ids, *prompt(6, seed=71)], max_tokens=2,
+                                          apc_manager=apc))
+    reused = results[0].cached_tokens
+    assert reused > 0, "mlx-vlm's prefix cache reused nothing: the case is not made"
+    plan = second.last_plan
+    assert plan is not None and (plan.action, plan.source, plan.reused, plan.prefill) == \
+        ("extend", "mlx-vlm", reused, 46 - reused), plan
+    assert "a cache of its own" in plan.reason and second.tracked is False, plan
 
 
 def test_a_saved_cache_whose_layers_the_model_does_not_keep_starts_cold(

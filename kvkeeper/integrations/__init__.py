@@ -71,7 +71,9 @@ class Plan:
 
     ``source``: where the cache came from (``"memory"`` or ``"kvkeeper"``;
     a cold plan says so too when that cache was not reused: nothing in
-    common with the prompt, other media, or it failed in the model), or
+    common with the prompt, other media, or it failed in the model;
+    ``"mlx-vlm"`` when mlx-vlm reused a cache of its own, through an
+    ``apc_manager=`` passed on to it), or
     None when there was none: none found, the load failed, or the saved
     cache was refused as it was restored (its length against its token ids,
     no token ids, layers this model does not keep). ``reused``: prompt

@@ -82,9 +82,12 @@ class Session(SessionBase):
         # Else both failed only at the first token, deep inside mlx-vlm.
         if model is None:
             raise TypeError("model is None: give the model mlx_vlm.load returned")
-        if not hasattr(model, "language_model"):
+        # (mlx-vlm reads both; mlx-lm's wrappers of vision models, pixtral,
+        # gemma3, qwen2_vl, have a language_model and no config.)
+        missing = [name for name in ("language_model", "config") if not hasattr(model, name)]
+        if missing:
             raise TypeError(f"{type(model).__name__} is no mlx-vlm model (it has no "
-                            f"language_model): for an mlx-lm model, use "
+                            f"{' nor '.join(missing)}): for an mlx-lm model, use "
                             f"kvkeeper.integrations.mlx_lm.Session")
         self.model = model
         self.processor = processor
@@ -256,12 +259,19 @@ class Session(SessionBase):
             log.info("event=vlm_declined_prefix model=%s id=%s planned=%d used=%d",
                      self.model_id, self.session_id, plan.reused, r.cached_tokens)
             # What mlx-vlm did instead: last_plan said the prepared reuse.
-            used = max(0, min(r.cached_tokens, plan.reused))
-            self.last_plan = Plan(
-                "cold" if used == 0 else "trim", plan.source, used,
-                plan.trimmed + plan.reused - used, plan.prefill + plan.reused - used,
-                f"mlx-vlm declined the prepared prefix of {plan.reused} tokens "
-                f"and reused {r.cached_tokens}")
+            n = plan.reused + plan.prefill
+            used = max(0, min(r.cached_tokens, n))
+            if used < plan.reused:
+                self.last_plan = Plan(
+                    "cold" if used == 0 else "trim", plan.source, used,
+                    plan.trimmed + plan.reused - used, n - used,
+                    f"mlx-vlm declined the prepared prefix of {plan.reused} tokens "
+                    f"and reused {used}")
+            else:  # more than prepared: a cache of its own (an apc_manager= passed on)
+                self.last_plan = Plan(
+                    "extend", "mlx-vlm", used, plan.reused + plan.trimmed, n - used,
+                    f"mlx-vlm reused {used} tokens from a cache of its own, not the "
+                    f"{plan.reused} prepared")
             return False
         return length_mismatch(expected, r.total_tokens) is None
 
