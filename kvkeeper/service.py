@@ -277,9 +277,13 @@ def pinned_python_path(environ: Mapping[str, str] | None = None) -> str | None:
                    "set it to other paths, or leave it unset")
     here = _this_package_if_missed(entries)
     if here is not None:
-        _check_carried(here, f"the source tree kvkeeper runs from ({here!r}), which the "
-                             f"service's PYTHONPATH must name,",
-                       "move the tree, or install kvkeeper and run it from elsewhere")
+        what = f"the source tree kvkeeper runs from ({here!r}), which the service's " \
+               f"PYTHONPATH must name,"
+        mend = "move the tree, or install kvkeeper and run it from elsewhere"
+        _check_carried(here, what, mend)
+        if os.pathsep in here:  # PYTHONPATH would name two other directories
+            raise ValueError(f"{what} holds {os.pathsep!r}, which separates PYTHONPATH's "
+                             f"entries: {mend}")
         entries.insert(0, here)
     return os.pathsep.join(entries) or None
 

@@ -884,6 +884,13 @@ def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path)
             cwd=odd_tree)
     usage_error(r, "the source tree kvkeeper runs from", "control character", "move the tree")
     assert "PYTHONPATH holds" not in r.stderr, r.stderr
+    # One holding ':' would be two entries (before: pinned, and the service
+    # imported the installed copy).
+    colon_tree = short_dir / "a:b"
+    shutil.copytree(src, colon_tree)
+    r = cli("install-service", "--print", "--platform", "linux", env={"PYTHONPATH": ""},
+            cwd=colon_tree)
+    usage_error(r, "the source tree kvkeeper runs from", "holds ':', which separates")
     # What a service file cannot carry: exit 2 saying so (before: tracebacks,
     # and a CR cut the unit's line, which systemd then ignored).
     for value, says in (("/src:/tmp/caf\udce9", "not valid UTF-8"),
