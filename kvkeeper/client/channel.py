@@ -1460,6 +1460,7 @@ class Channel:
                 isinstance(entry, _Request) and entry.release in (save.key, ALL_KEYS)
                 for entry in self._backlog):
             self._open[save.key] = slot
+            self._merge_held()
 
     def _abandon_piping(self, reason: str, error: BaseException | None = None) -> None:
         """Count the save being handed over lost and let it go: a send failed,
@@ -1515,6 +1516,15 @@ class Channel:
         # its slot again (the requests had taken the keys out).
         self._open = dict(newest)
         self._backlog_settled = True
+        self._merge_held()
+
+    def _merge_held(self) -> None:
+        """Put each held save whose key has an open slot again in that slot's
+        place at once: were the next daemon connected before the save came
+        due, the older save there would go first, and be written for nothing.
+        (That slot goes no sooner than the older save would have.)"""
+        for key in [key for key in self._held if key in self._open]:
+            self._into_open_slot(self._held.pop(key))
 
     def _reap(self) -> None:
         """Give back the room of what ZeroMQ has sent on, and each save's
