@@ -593,8 +593,8 @@ def _main(argv: list[str] | None) -> int:
     if typos is not None:
         # The log is off for these commands; a typo of socket or root would
         # send them to the default with nothing said why.
-        print(f"kvkeeper: warning: config file {typos[0]}: unknown settings {typos[1]} "
-              f"(kvkeeper serve refuses this file); known: {sorted(settings.BY_NAME)}",
+        print(f"kvkeeper: warning: config file {settings.path_text(typos[0])}: unknown settings "
+              f"{typos[1]} (kvkeeper serve refuses this file); known: {sorted(settings.BY_NAME)}",
               file=sys.stderr)
     from kvkeeper.client.channel import DaemonUnavailable
     from kvkeeper.client.client import DaemonError

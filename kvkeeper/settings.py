@@ -124,6 +124,13 @@ def _in_range(value: int, text: object) -> int:
     return value
 
 
+def path_text(path: object) -> str:
+    """A path for a message: as it is, or its repr when it holds what a
+    terminal would not show as written (a tab, an ESC, a byte not UTF-8)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
 def _as_given(text: object) -> str:
     """``text`` for a message, cut short (repr of an int of over 4300 digits
     raises ValueError, with advice about Python itself)."""
@@ -416,12 +423,12 @@ def _config_values(config_file: Path | None,
         return Path("~/.config/kvkeeper/config.toml"), {}
     if not path.exists():
         if explicit:
-            raise SettingsError(f"config file {path} does not exist")
+            raise SettingsError(f"config file {path_text(path)} does not exist")
         return path, {}
     try:
         return path, tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise SettingsError(f"config file {path}: {exc}") from None
+        raise SettingsError(f"config file {path_text(path)}: {exc}") from None
 
 
 def resolve(
@@ -434,7 +441,7 @@ def resolve(
     path, file_values = _config_values(config_file, environ)
     unknown = _unknown(file_values)
     if unknown:
-        raise SettingsError(f"config file {path}: unknown settings {unknown}; "
+        raise SettingsError(f"config file {path_text(path)}: unknown settings {unknown}; "
                             f"known: {sorted(BY_NAME)}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

@@ -120,6 +120,17 @@ def test_print_config_escapes_control_characters_in_paths(short_dir: Path) -> No
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\t" not in r.stdout, r.stdout
     assert f'(config file "{short_dir}/c\\tx\\x1b[31m/kv.toml")' in r.stdout, r.stdout
+    # And in the errors and the warning naming it (before: raw on stderr).
+    said = repr(str(place / "kv.toml"))
+    usage_error(cli("serve", "--print-config", "--config", str(place / "none.toml")),
+                f"config file {str(place / 'none.toml')!r} does not exist")
+    (place / "kv.toml").write_text("drain_timeot = 7\n")
+    usage_error(cli("serve", "--print-config", "--config", str(place / "kv.toml")),
+                f"config file {said}: unknown settings ['drain_timeot']")
+    r = cli("ls", "--socket", str(short_dir / "none.sock"),
+            env={"KVKEEPER_CONFIG": str(place / "kv.toml")})
+    assert f"warning: config file {said}: unknown settings" in r.stderr, r.stderr
+    assert "\x1b" not in r.stderr and "\t" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(("argv", "env", "toml"), [

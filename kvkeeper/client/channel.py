@@ -1269,8 +1269,9 @@ class Channel:
     def _queue(self, save: _Save) -> None:
         slot = _Slot(save)
         if save.key in self._open and not save.create:
-            # Behind an open slot of its key (a held save released, or
-            # queued before a create), which it replaces without a daemon.
+            # A guard: every caller puts a plain save in its key's open slot
+            # first (_into_open_slot); one queued behind it instead would
+            # be coalesced by the next pass without a daemon.
             self._backlog_settled = False
         self._backlog.append(slot)
         self._open[save.key] = slot
