@@ -374,7 +374,7 @@ def _logging(level: str) -> logging.Handler:
 def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
     from kvkeeper import config
     from kvkeeper.daemon.app import check_not_held, check_places, config_from_settings
-    from kvkeeper.settings import SETTINGS, resolve
+    from kvkeeper.settings import FROM_FILE, SETTINGS, resolve
 
     try:
         values, sources = resolve({s.name: getattr(args, s.name) for s in SETTINGS},
@@ -423,10 +423,6 @@ def _serve(args: argparse.Namespace, *, exiting: bool = False) -> int:
     finally:
         logging.root.removeHandler(handler)
         handler.close()
-
-
-#: How settings.resolve names a value's source when it is the config file.
-FROM_FILE = "config file "
 
 
 def _run_daemon(cfg: Any, exiting: bool) -> int:

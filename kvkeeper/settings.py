@@ -124,6 +124,11 @@ def _in_range(value: int, text: object) -> int:
     return value
 
 
+#: The start of a setting's source when it came from the config file (the
+#: file's path follows; ``serve --print-config`` shows it escaped).
+FROM_FILE = "config file "
+
+
 def path_text(path: object) -> str:
     """A path for a message: as it is, or its repr when it holds what a
     terminal would not show as written (a tab, an ESC, a byte not UTF-8)."""
@@ -450,7 +455,7 @@ def resolve(
             (flags.get(s.name), f"flag --{s.name.replace('_', '-')}"),
             # Empty means unset, as for the clients (KVKEEPER_ROOT= is not the cwd).
             (environ.get(s.env) or None, f"environment {s.env}"),
-            (file_values.get(s.name), f"config file {path}"),
+            (file_values.get(s.name), f"{FROM_FILE}{path}"),
         ]
         values[s.name], sources[s.name] = _first_set(s, candidates)
     return values, sources
@@ -466,7 +471,7 @@ def _first_set(s: Setting, candidates: list[tuple[Any, str]]) -> tuple[Any, str]
             except (ValueError, TypeError) as exc:
                 raise SettingsError(f"{s.name} from {source}: {exc}") from None
             if isinstance(value, Path) and not value.is_absolute() \
-                    and source.startswith("config file"):
+                    and source.startswith(FROM_FILE):
                 # One file serves serve (under launchd its directory is /, under
                 # systemd $HOME) and every client, each from its own directory.
                 raise SettingsError(f"{s.name} from {source}: {raw!r} is a relative path, "
@@ -493,7 +498,7 @@ def client_path(name: str) -> Path:
     else:
         path, values = _config_values(None, os.environ)
         _warn_unknown(path, values)
-        candidates = [(values.get(name), f"config file {path}")]
+        candidates = [(values.get(name), f"{FROM_FILE}{path}")]
     return Path(_first_set(s, candidates)[0])
 
 
