@@ -1267,12 +1267,12 @@ class Channel:
         return True
 
     def _queue(self, save: _Save) -> None:
+        """Put ``save`` at the end of the backlog as its key's open slot. A
+        plain save goes into an open slot of its key instead
+        (``_into_open_slot``): a key has two slots only with a request
+        between them (which unsettles the backlog) or when the later one is
+        a create save (which nothing is coalesced into)."""
         slot = _Slot(save)
-        if save.key in self._open and not save.create:
-            # A guard: every caller puts a plain save in its key's open slot
-            # first (_into_open_slot); one queued behind it instead would
-            # be coalesced by the next pass without a daemon.
-            self._backlog_settled = False
         self._backlog.append(slot)
         self._open[save.key] = slot
 
@@ -1461,7 +1461,6 @@ class Channel:
                 isinstance(entry, _Request) and entry.release in (save.key, ALL_KEYS)
                 for entry in self._backlog):
             self._open[save.key] = slot
-            self._merge_held()
 
     def _abandon_piping(self, reason: str, error: BaseException | None = None) -> None:
         """Count the save being handed over lost and let it go: a send failed,
