@@ -412,7 +412,17 @@ def _tail_cause(stream: dict[str, Any]) -> str:
             "walk reads the objects of 32 layers) runs on this virtual machine; a control "
             "that loops over a few variables does not show it. Without the synchronous "
             "savers in the run (so no writeback of their unsynced files), the idle calls over "
-            "1 ms were as many: 10 and 6 of 100, against 9 and 6 with them.")
+            "1 ms were as many: 10 and 6 of 100, against 9 and 6 with them. On 2026-12-07, "
+            "`SCHED_IDLE` (a waking thread of the default policy always preempts it at once) "
+            "instead of `SCHED_BATCH`, in alternated `--cases hot_path,generation` runs: for "
+            "the daemon alone, a streaming p99 of 26.7 ms against 28.8 ms (one pair); for the "
+            "daemon and the client's I/O and ZeroMQ threads, 3.14, 0.83 and 6.16 ms against "
+            "8.55, 4.91 and 6.43 ms (calls over 1 ms: 6, 2, 6 against 11, 7, 6; decode "
+            "ratios 0.973-0.984 against 0.964-0.993). Not adopted: a `SCHED_IDLE` thread "
+            "holding the GIL gets a core only when nothing else wants one, so on a busy "
+            "machine the generation loop waits for it (a thread sleeping 10 ms beside such a "
+            "Python thread and two CPU-bound processes woke up to 196-208 ms late, against "
+            "at most 3.9 ms beside the same thread under `SCHED_BATCH`).")
 
 
 #: Measured outside the full run: the same code meets and misses this target.

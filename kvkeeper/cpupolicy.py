@@ -16,6 +16,13 @@ p50 2.9 ms against 0.2 ms in one run, 0.14 against 0.24 ms in another). ``cpu_po
 ``--cpu-policy``, the client's ``Client(cpu_policy=...)``) leaves the threads
 as they are.
 
+Not ``SCHED_IDLE``, which a waking thread preempts at once: the client's I/O
+thread holds the GIL while it runs, and under ``SCHED_IDLE`` it gets a core
+only when nothing else wants one, so on a busy machine the generation loop
+waits for that thread to be given one (a thread sleeping 10 ms beside such a
+Python thread and two CPU-bound processes woke up to 196-208 ms late, against
+at most 3.9 ms under ``SCHED_BATCH``; BENCHMARKS.md has what it gained).
+
 macOS has no ``SCHED_BATCH``; there the LaunchAgent's ``ProcessType``
 (Background, or Standard for "normal") does the daemon's part when it runs
 as a service; a daemon started by hand, and the client's threads, keep the
