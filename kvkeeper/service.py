@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,14 @@ class ServiceFile:
     stop_first: list[list[str]] = field(default_factory=list)
     # Exit statuses of an unload command that mean "was not loaded": done.
     not_loaded: frozenset[int] = frozenset()
+    # After stop_first, wait while pid_command still answers 0: launchd's
+    # bootout returns while the label is still registered, and a bootstrap
+    # then fails (5, "Input/output error") for a few seconds more.
+    wait_unregistered: bool = False
+    # Exit statuses of a load command that mean "not yet": tried again for
+    # up to LOAD_RETRY_SECONDS (launchd: 5, and 37, "Operation already in
+    # progress", while it is still unloading the label).
+    load_retry: frozenset[int] = frozenset()
     # What a load command's exit status means, and what to do, where its
     # own message does not say.
     load_hints: dict[int, str] = field(default_factory=dict)
@@ -64,6 +73,11 @@ COMMAND_SECONDS = 60
 #: The longest stop timeout a service file of kvkeeper's has (the largest
 #: drain timeout plus 10 s).
 MAX_STOP_TIMEOUT = MAX_SECONDS + 10
+#: How long a load command answering one of ``load_retry`` is tried again:
+#: launchd was measured holding a label about 5 s after its bootout returned.
+LOAD_RETRY_SECONDS = 20.0
+#: Pause between two polls of the service manager.
+POLL_SECONDS = 0.25
 
 
 def installed_stop_timeout(path: Path) -> int | None:
@@ -143,9 +157,18 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # this user's is loaded there (uninstall refused to remove the
         # file). Not for root, whose gui/0 is no user's login.
         not_loaded=frozenset({3, 113} | ({112, 125} if user else set())),
-        load_hints=dict.fromkeys((112, 125), NO_GUI_DOMAIN if user else
-                                 "run install-service as the user whose agent it is, not "
-                                 "as root (gui/0 is no user's login)"),
+        wait_unregistered=True,
+        load_retry=frozenset({5, 37}),
+        load_hints={
+            **dict.fromkeys((112, 125), NO_GUI_DOMAIN if user else
+                            "run install-service as the user whose agent it is, not "
+                            "as root (gui/0 is no user's login)"),
+            **dict.fromkeys((5, 37), f"launchd answers this while it is still unloading "
+                            f"the agent installed before, which this install stopped (see "
+                            f"launchctl print {domain}/{LABEL}; run install-service again), "
+                            f"and for an agent turned off with launchctl disable (launchctl "
+                            f"enable {domain}/{LABEL} first)"),
+        },
         stop_timeout=exit_timeout,
         # Made with the file: launchd cannot open the log of an agent it
         # loads at the next login (--no-load) in a directory that is missing.
@@ -329,15 +352,21 @@ def _this_package_if_missed(entries: list[str]) -> str | None:
 
 
 def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozenset(),
-         hints: dict[int, str] | None = None) -> None:
+         hints: dict[int, str] | None = None, retry: frozenset[int] = frozenset()) -> None:
     for cmd in commands:
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds)
-        except FileNotFoundError:
-            raise ServiceError(f"{cmd[0]} not found on PATH: is this machine's service "
-                               f"manager available?") from None
-        except subprocess.TimeoutExpired:
-            raise ServiceError(f"{shlex.join(cmd)} did not finish within {seconds:g} s") from None
+        retry_until = time.monotonic() + LOAD_RETRY_SECONDS
+        while True:
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds)
+            except FileNotFoundError:
+                raise ServiceError(f"{cmd[0]} not found on PATH: is this machine's service "
+                                   f"manager available?") from None
+            except subprocess.TimeoutExpired:
+                raise ServiceError(f"{shlex.join(cmd)} did not finish within "
+                                   f"{seconds:g} s") from None
+            if r.returncode not in retry or time.monotonic() >= retry_until:
+                break
+            time.sleep(POLL_SECONDS)
         if r.returncode != 0 and r.returncode not in ok:
             hint = (hints or {}).get(r.returncode)
             raise ServiceError(f"{shlex.join(cmd)} failed ({r.returncode}): "
@@ -368,7 +397,26 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # stops (the one installed before, if any), then answers.
         seconds = COMMAND_SECONDS + max(sf.stop_timeout, before or 0)
         _try(sf.stop_first, seconds)  # nothing loaded, or no service manager: load says which
-        _run(sf.load, seconds, hints=sf.load_hints)
+        if sf.wait_unregistered:
+            _wait_unregistered(sf, seconds)
+        _run(sf.load, seconds, hints=sf.load_hints, retry=sf.load_retry)
+
+
+def _wait_unregistered(sf: ServiceFile, seconds: float) -> None:
+    """Wait, up to ``seconds``, while ``sf.pid_command`` answers 0 (the
+    service manager still has the service). Any other answer ends the wait:
+    the load that follows says what is wrong, if anything is."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            r = subprocess.run(sf.pid_command, capture_output=True,
+                               timeout=max(0.1, min(COMMAND_SECONDS,
+                                                    deadline - time.monotonic())))
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if r.returncode != 0:
+            return
+        time.sleep(POLL_SECONDS)
 
 
 def running_pid(sf: ServiceFile) -> int | None:

@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -410,14 +411,23 @@ def test_service_commands_without_a_service_manager_point_at_no_load(
 _FAKE_MANAGERS = {
     # launchd as it answers: bootstrap of a loaded label fails (5), bootout of
     # one not loaded fails (3). The running daemon's pid is in $MAINPID's file.
+    # With $SETTLE, bootout returns while the label stays registered (print
+    # shows it, bootstrap fails 5) for $SETTLE seconds, as launchd's does;
+    # with $LATE, print no longer shows it then, but bootstrap still fails.
     "launchctl": """#!/bin/sh
 echo "launchctl $*" >> "$CALLS"
 if [ -n "$NOGUI" ]; then  # ssh into a Mac nobody is logged into at its screen
   echo "Bootstrap failed: 125: Domain does not support specified action" >&2; exit 125
 fi
 case "$1" in
-  bootstrap) [ -e "$STATE" ] && exit 5; touch "$STATE" ;;
-  bootout) [ -e "$STATE" ] || exit 3; rm "$STATE"; rm -f "$MAINPID" ;;
+  bootstrap) if [ -e "$STATE" ] || [ -e "$STATE.late" ]; then
+               echo "Bootstrap failed: 5: Input/output error" >&2; exit 5; fi
+             touch "$STATE" ;;
+  bootout) [ -e "$STATE" ] || exit 3; rm -f "$MAINPID"
+           if [ -n "$SETTLE" ]; then (sleep "$SETTLE"; rm -f "$STATE") >/dev/null 2>&1 &
+           elif [ -n "$LATE" ]; then rm "$STATE"; touch "$STATE.late"
+             (sleep "$LATE"; rm -f "$STATE.late") >/dev/null 2>&1 &
+           else rm "$STATE"; fi ;;
   print) [ -e "$STATE" ] || exit 113; echo "{"; echo "	state = running";
          [ -e "$MAINPID" ] && echo "	pid = $(cat "$MAINPID")"; echo "}" ;;
 esac
@@ -452,12 +462,56 @@ def test_install_service_again_replaces_the_running_service(short_dir: Path) -> 
                     env=env)
             assert r.returncode == 0, r.stderr
     lines = calls.read_text().splitlines()
+    # (print: whether launchd still has the label, see below.)
     assert [x.split()[1] for x in lines if x.startswith("launchctl")] == [
-        "bootout", "bootstrap", "bootout", "bootstrap"]
+        "bootout", "print", "bootstrap", "bootout", "print", "bootstrap"]
     # Stopped before the daemon-reload: under the stop timeout of the unit
     # that started it (the drain's), not the new one's.
     assert [x.split()[2] for x in lines if x.startswith("systemctl")] == [
         "stop", "daemon-reload", "enable", "restart"] * 2
+
+
+@pytest.mark.parametrize("lingers", ["SETTLE", "LATE"])
+def test_install_service_again_waits_for_launchd_to_let_go(short_dir: Path,
+                                                          lingers: str) -> None:
+    """launchd's bootout returns while the label is still registered, and a
+    bootstrap fails (5, "Input/output error") for a few seconds more: a
+    second install-service booted the running agent out, failed to
+    bootstrap the new one, and left no daemon running. It now waits while
+    launchctl print still shows the label, and tries a bootstrap answering
+    5 again. (launchctl is a stand-in answering as launchd was reported to.)"""
+    env = {**_fake_managers(short_dir), lingers: "1"}
+    state = Path(env["STATE"])
+    for timeout in ("30", "40"):
+        r = cli("install-service", "--platform", "macos", "--drain-timeout", timeout, env=env,
+                timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert state.exists(), "the agent is not loaded"
+    calls = [x.split()[1] for x in Path(env["CALLS"]).read_text().splitlines()]
+    # The second install: booted out, then the new agent bootstrapped once
+    # launchd let go of the label.
+    second = calls[calls.index("bootstrap") + 1:]
+    assert second[0] == "bootout" and second[-1] == "bootstrap", second
+    assert second.count("bootstrap" if lingers == "LATE" else "print") > 1, second
+
+
+def test_install_service_says_why_launchd_kept_refusing(short_dir: Path) -> None:
+    """A bootstrap answering 5 for longer than install-service tries again:
+    the message says what launchd's "Input/output error" means here, and that
+    the agent installed before was stopped."""
+    env = _fake_managers(short_dir)
+    assert cli("install-service", "--platform", "macos", env=env).returncode == 0
+    env["LATE"] = "40"  # longer than the retries
+    began = time.monotonic()
+    r = cli("install-service", "--platform", "macos", env=env, timeout=90)
+    assert r.returncode == 1, r.stderr
+    said = " ".join(r.stderr.split())
+    assert "failed (5): Bootstrap failed: 5: Input/output error" in said, said
+    assert "still unloading the agent installed before, which this install stopped" in said
+    assert f"launchctl enable gui/{os.getuid()}/io.github.kvkeeper.daemon" in said, said
+    assert 15 < time.monotonic() - began < 60
+    calls = [x.split()[1] for x in Path(env["CALLS"]).read_text().splitlines()]
+    assert calls.count("bootstrap") > 10, calls
 
 
 def _fake_managers(short_dir: Path) -> dict[str, str]:
