@@ -25,8 +25,8 @@ no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
 whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running, 130 interrupted (Ctrl-C), 143 SIGTERM (serve drains
-instead for either). KVKEEPER_DEBUG=1 shows the client library's warnings
-and errors on stderr too."""
+instead for either). KVKEEPER_DEBUG set to any value that is not empty
+shows the client library's warnings and errors on stderr too."""
 
 
 def _flag_value(parse: Callable[[str], Any], text: str) -> Any:

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 import kvkeeper
 from kvkeeper.client.client import Client, DaemonError
 
-from .conftest import WAIT, RunningDaemon, ping, start_daemon
+from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
 from .faultkit import FP, entry_path, filled, small_tmpfs, tmp_files, version_of
 from .legacy_describe import MLX_LM_OLD_API, describe
 from .test_legacy import MANIFEST, ROOT
@@ -387,15 +387,21 @@ def test_stats_say_what_is_free_on_the_disk_of_sessions(short_dir: Path) -> None
         finally:
             assert rd.stop() == 0
     with small_tmpfs(short_dir, "ramfs") as mnt:
-        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock")
+        # With the default min_free_bytes, which was refused there as more
+        # than the whole file system (0 bytes), so serve did not start.
+        proc = serve_process(mnt / "root", short_dir / "run" / "kv.sock")
+        sock = str(short_dir / "run" / "kv.sock")
         try:
-            with Client(rd.socket, timeout=WAIT) as kv:
+            with Client(sock, timeout=WAIT) as kv:
                 assert kv.stats()["free_bytes"] == -1
-            shown = cli("stats", "--socket", str(rd.socket)).stdout
+                assert kv.gc().free_bytes == -1  # was 0
+            shown = cli("stats", "--socket", sock).stdout
             assert next(x for x in shown.splitlines() if "free_bytes" in x).split() == \
                 ["free_bytes", "unknown"], shown
+            shown = cli("gc", "--socket", sock).stdout
+            assert "; unknown free on the store's file system" in shown, shown
         finally:
-            assert rd.stop() == 0
+            assert stop_process(proc) == 0
 
 
 def test_junk_at_an_entrys_place_is_that_entrys_damaged_file(

@@ -1068,7 +1068,9 @@ class Client:
         return reply.entries
 
     def gc(self) -> m.Evicted:
-        """Re-read the root and apply the daemon's disk budget now."""
+        """Re-read the root and apply the daemon's disk budget now. The
+        reply's ``entries`` went; ``free_bytes`` is -1 where the store's disk
+        has no size (ramfs) or cannot be looked at."""
         reply = self._request(lambda req: m.Gc(v=m.PROTOCOL_VERSION, req=req))
         assert isinstance(reply, m.Evicted)
         return reply

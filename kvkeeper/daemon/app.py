@@ -181,7 +181,9 @@ def check_places(cfg: DaemonConfig) -> None:
     while not where.exists():
         where = where.parent
     fs = os.statvfs(where)
-    if cfg.min_free_bytes > fs.f_blocks * fs.f_frsize:
+    # A disk of no size (ramfs: 0 blocks) is never short: the store keeps
+    # nothing free there, so the default must not be refused.
+    if fs.f_blocks and cfg.min_free_bytes > fs.f_blocks * fs.f_frsize:
         # Evicting could never get there: every entry would go at start.
         raise config.ConfigError(
             f"min_free_bytes ({cfg.min_free_bytes}) is more than the whole file system "

@@ -607,7 +607,8 @@ class Server:
 
     async def _gc(self, peer: bytes, req: int) -> None:
         evicted = await self.actor.collect()
-        free = await anyio.to_thread.run_sync(self.store.free_bytes)
+        # As stats has it: -1 on a disk of no size (ramfs said 0 B free).
+        free = await anyio.to_thread.run_sync(self.store.free_gauge)
         self._reply(peer, m.Evicted(v=m.PROTOCOL_VERSION, req=req,
                                     entries=[_entry(e) for e in evicted],
                                     disk_used_bytes=self.store.usage(), free_bytes=free))

@@ -173,6 +173,7 @@ def gc(args: argparse.Namespace) -> int:
                       for e in result.entries])
     else:
         out.print("evicted nothing")
-    out.print(f"root uses {human(result.disk_used_bytes)}; {human(result.free_bytes)} free on "
-              f"the store's file system")
+    free = human(result.free_bytes) if result.free_bytes >= 0 else "unknown"
+    out.print(f"root uses {human(result.disk_used_bytes)}; {free} free on the store's file "
+              f"system")
     return 0
