@@ -32,6 +32,7 @@ _F_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None)
 #: F_FULLFSYNC refused by the file system: fsync instead. (ENOTSUP and
 #: EOPNOTSUPP are one number on Linux, 45 and 102 on macOS.)
 _FULLFSYNC_REFUSED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOTTY})
+_fullfsync_warned: set[int] = set()  # st_dev of the file systems warned about
 _counter = itertools.count()
 
 
@@ -48,6 +49,14 @@ def full_fsync(fd: int) -> None:
         except OSError as exc:
             if exc.errno not in _FULLFSYNC_REFUSED:
                 raise
+            dev = os.fstat(fd).st_dev
+            if dev not in _fullfsync_warned:  # once per file system, as dir_fsync_unsupported
+                _fullfsync_warned.add(dev)
+                # (SMB, exFAT, NFS on macOS.) The README promises F_FULLFSYNC:
+                # say where the weaker guarantee applies.
+                log.warning("event=full_fsync_unsupported error=%s: this file system refuses "
+                            "F_FULLFSYNC, so fsync is used, and a power cut may lose writes "
+                            "the drive had only cached; saves go on", exc.strerror or exc)
     os.fsync(fd)
 
 
