@@ -136,6 +136,13 @@ def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: P
     os.chmod(root, 0o700)
     (root / "quarantine" / "notes.txt").write_bytes(b"n" * 300_000)
     (root / "quarantine" / "backup.2024010112").write_bytes(b"b" * 1000)
+    # A time stamp's 19 digits after a name that is no entry's place (a
+    # user's copy, kept for later): these were deleted as moved aside.
+    lookalikes = ["weights.safetensors.1700000000000000000",
+                  "my model.a.safetensors.1700000000000000000",
+                  "x.y.z.safetensors.1700000000000000000"]
+    for name in lookalikes:
+        (root / "quarantine" / name).write_bytes(b"w" * 1000)
     (root / "sessions" / "weights").mkdir(parents=True)
     weights = root / "sessions" / "weights" / "model.safetensors"
     mx.save_safetensors(str(weights), {"w": mx.ones((256, 256))}, {"format": "mlx"})
@@ -147,7 +154,8 @@ def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: P
         with Client(rd.socket, timeout=WAIT) as kv:
             kinds = {Path(e.path).name: e.kind for e in kv.entries(everything=True)}
             assert kinds == {"notes.txt": "foreign", "backup.2024010112": "foreign",
-                             "model.safetensors": "foreign"}, kinds
+                             "model.safetensors": "foreign",
+                             **dict.fromkeys(lookalikes, "foreign")}, kinds
             assert kv.save(FP, "a", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
             # Still over the budget: what it can delete is its own entry.
             assert [(e.cache_id, e.kind) for e in kv.gc().entries] == [("a", "entry")]
@@ -155,6 +163,7 @@ def test_the_budget_deletes_only_files_of_the_daemon_and_old_caches(short_dir: P
         assert rd.stop() == 0
     assert (root / "quarantine" / "notes.txt").read_bytes() == b"n" * 300_000
     assert (root / "quarantine" / "backup.2024010112").exists()
+    assert all((root / "quarantine" / name).exists() for name in lookalikes)
     assert mx.array_equal(mx.load(str(weights))["w"], mx.ones((256, 256)))
     assert not old_cache.exists()  # evicted at start, as an entry would be
 

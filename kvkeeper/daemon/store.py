@@ -48,9 +48,21 @@ class LeftInPlace(OSError):
     tell from another program's); its text says which and why."""
 
 
-#: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>" or
+#: The names quarantine_path gives: "<dir>.<file>.safetensors.<ns>", dir and
+#: file an entry's place (their components escape every "."), or
 #: "_z<sha256>.<ns>", ns being time.time_ns() (19 digits until 2286).
-_QUARANTINED = re.compile(r"(.+\.safetensors|_z[0-9a-f]{64})\.[0-9]{19}")
+_QUARANTINED = re.compile(r"([^.]+)\.([^.]+\.safetensors)\.[0-9]{19}")
+_QUARANTINED_HASHED = re.compile(r"_z[0-9a-f]{64}\.[0-9]{19}")
+
+
+def _quarantine_name(name: str) -> bool:
+    """Whether ``name`` is one quarantine_path gives: a file in quarantine/
+    under another (a user's copy, "weights.safetensors.<19 digits>") is not
+    the daemon's to delete."""
+    if _QUARANTINED_HASHED.fullmatch(name):
+        return True
+    found = _QUARANTINED.fullmatch(name)
+    return found is not None and naming.is_entry_place(Path(found[1], found[2]))
 #: The names PendingFile gives its tmp files: ``.<entry file>.<pid>.<n>.tmp``.
 _OUR_TMP = re.compile(r"\..+" + re.escape(naming.SUFFIX) + r"\.[0-9]+\.[0-9]+"
                       + re.escape(TMP_SUFFIX))
@@ -458,7 +470,7 @@ class Store:
                               *ident)
         if path.parent == self.root / QUARANTINE_DIR:
             # Only names quarantine_path gives: another file put there is not ours.
-            if not _QUARANTINED.fullmatch(path.name):
+            if not _quarantine_name(path.name):
                 return foreign
             return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
                                "quarantine", st.st_mtime, *ident)
