@@ -212,7 +212,9 @@ def _parser() -> _Parser:
     rm = sub.add_parser("rm", help="delete one entry, or all of a model",
                         description="kvkeeper rm MODEL ID deletes one entry; kvkeeper rm "
                         "--model FP deletes every entry of a model. Give one form, not both "
-                        "(anything else exits 2). Exit 1 if MODEL ID names no entry, or FP none. "
+                        "(anything else exits 2). Exit 1 if MODEL ID names no entry, or FP none, "
+                        "or the daemon would not delete one of FP's (the others are deleted, "
+                        "and each one left is named). "
                         "A model or id starting with '-' goes after '--' "
                         "(kvkeeper rm -- MODEL -ID).")
     _socket_arg(rm)

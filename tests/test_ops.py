@@ -491,6 +491,27 @@ def test_weights_of_a_dtype_kvkeeper_does_not_know_are_never_deleted(short_dir: 
     assert weights.read_bytes() == before
 
 
+def test_rm_model_deletes_what_it_can_and_names_what_it_left(
+        client: Client, daemon: RunningDaemon) -> None:
+    """One entry the daemon would not delete (another program's file put at
+    its place while the daemon ran: still indexed as the entry) ended
+    rm --model there: the entries after it were left, and the one deleted
+    before it was not reported."""
+    for cache_id in "pqrs":
+        assert client.save(FP, cache_id, filled(0.1, 1), [1])
+    assert client.flush(timeout=WAIT)
+    weights = entry_path(daemon.root, "q")
+    _fp8_weights(weights, 1000)
+    before = weights.read_bytes()
+    r = cli("rm", "--model", FP, "--socket", str(daemon.socket))
+    assert r.returncode == 1, r
+    assert f"deleted 3 entries of model {FP}" in r.stdout, r.stdout
+    said = " ".join(r.stderr.split())
+    assert f"kvkeeper: not deleted: {FP} / q: " in said and "left in place" in said, said
+    assert weights.read_bytes() == before
+    assert not any(entry_path(daemon.root, c).exists() for c in "prs")
+
+
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
     assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
     model_dir = entry_path(daemon.root, "ok").parent

@@ -20,11 +20,13 @@ from kvkeeper.ops.common import (
     human,
     key_shown,
     loadable,
+    one_line,
     out,
     print_json,
     print_table,
     shown,
 )
+from kvkeeper.protocol import messages as m
 
 _GROUPS = [
     ("Saves", ["saves_received", "saves_written", "saves_superseded", "saves_refused",
@@ -146,17 +148,33 @@ def rm(args: argparse.Namespace) -> int:
                 return 1
             out.print(Text.assemble("deleted ", key_shown(args.model, args.cache_id)))
             return 0
+        from kvkeeper.client.client import DaemonError
+
         entries = loadable(kv, args.all_of_model)
-        deleted = sum(kv.delete(e.model, e.cache_id) for e in entries)
+        deleted = 0
+        # One entry the daemon will not delete (a file it cannot tell from
+        # another program's) ended the command there, the rest untried and
+        # the deletes done unsaid.
+        left: list[tuple[m.Entry, str]] = []
+        for e in entries:
+            try:
+                deleted += kv.delete(e.model, e.cache_id)
+            except DaemonError as exc:
+                left.append((e, exc.message if exc.code == "internal"
+                             else f"the daemon refused: {exc}"))
     if not entries:  # as for one entry: a typo in the model must not read as done
         err.print(Text.assemble("kvkeeper: no entries of model ", shown(args.all_of_model)))
         return 1
     # The count of deletes done: an entry evicted or deleted meanwhile was
     # listed, but not deleted by this command.
-    gone = f" ({len(entries) - deleted} listed were gone already)" if deleted < len(entries) else ""
+    missing = len(entries) - deleted - len(left)
+    gone = f" ({missing} listed were gone already)" if missing else ""
     out.print(Text.assemble(f"deleted {counted(deleted, 'entry', 'entries')} of model ",
                             shown(args.all_of_model), gone))
-    return 0
+    for e, why in left:
+        err.print(Text.assemble("kvkeeper: not deleted: ", key_shown(e.model, e.cache_id),
+                                f": {one_line(why)}"))
+    return 1 if left else 0
 
 
 def gc(args: argparse.Namespace) -> int:
