@@ -237,7 +237,9 @@ def _parser() -> _Parser:
                             "under names the daemon does not give are not its entries: not "
                             "checked. A file this "
                             "process cannot read (no permission, out of file descriptors) is "
-                            "listed as not checked and never moved. Exit 1 if any file is bad "
+                            "listed as not checked and never moved, and so is a model's directory "
+                            "that is a symbolic link (the daemon follows none). Exit 1 if any "
+                            "file is bad "
                             "or could not be checked.")
     _socket_arg(verify)
     verify.add_argument("--root", type=_path, default=None,

@@ -756,6 +756,32 @@ def test_verify_says_what_a_directory_or_symlink_at_an_entrys_place_is(short_dir
                                     "points to)"}
 
 
+def test_verify_names_a_model_directory_that_is_a_symlink(
+        client: Client, daemon: RunningDaemon) -> None:
+    """The daemon never follows a model's directory that is a symbolic link
+    (saves fail, loads miss); verify skipped it and said "all good", with a
+    damaged file behind it. A symlink that names no model is not the store's."""
+    assert client.save(FP, "a", filled(0.1, 1), [1]) and client.save("other", "b",
+                                                                        filled(0.2, 1), [1])
+    assert client.flush(timeout=WAIT)
+    model_dir = entry_path(daemon.root, "a").parent
+    elsewhere = daemon.root.parent / "elsewhere"
+    model_dir.rename(elsewhere)
+    model_dir.symlink_to(elsewhere, target_is_directory=True)
+    (model_dir.parent / "Notes").symlink_to(elsewhere, target_is_directory=True)
+    for argv in ([], ["--json"]):
+        r = cli("verify", "--socket", str(daemon.socket), *argv)
+        assert r.returncode == 1, r.stdout + r.stderr
+        if argv:
+            report = json.loads(r.stdout)
+            assert report["checked"] == 1 and report["bad"] == [], report
+            assert [x["path"] for x in report["could_not_read"]] == [str(model_dir)], report
+        else:
+            said = " ".join(r.stdout.split())
+            assert f"NOT CHECKED {model_dir}: a symbolic link, which the daemon never " \
+                   "follows" in said and "1 not checked" in said, said
+
+
 def test_verify_while_the_daemon_deletes_reports_no_bad_file(
     client: Client, daemon: RunningDaemon
 ) -> None:
