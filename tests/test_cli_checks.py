@@ -567,6 +567,10 @@ def test_export_to_a_destination_it_cannot_write(client: Client, daemon: Running
     r = cli("export", "--socket", sock, "m1", "a", str(ok))
     assert r.returncode == 0 and ok.exists(), r.stderr
     assert "load_prompt_cache" in r.stdout and "mlx_lm.generate" not in r.stdout
+    assert ", 5 tokens)" in " ".join(r.stdout.split()), r.stdout
+    assert client.save("m1", "one", small_cache(), [7]) and client.flush(timeout=WAIT)
+    r = cli("export", "--socket", sock, "m1", "one", str(short_dir / "one.safetensors"))
+    assert ", 1 token)" in " ".join(r.stdout.split()), r.stdout  # was "1 tokens"
     assert "replacing" not in r.stdout
     assert not _leftovers(short_dir)
     # Again: the file there is replaced, and the output says so.

@@ -19,6 +19,7 @@ from rich.text import Text
 from kvkeeper.ops.common import (
     CommandError,
     client,
+    counted,
     err,
     fsync_path,
     human,
@@ -495,7 +496,7 @@ def export(args: argparse.Namespace) -> int:
     # Not mlx_lm.generate --prompt-cache-file: it also wants the model and
     # tokenizer config in the metadata, which kvkeeper does not have.
     out.print(Text.assemble("wrote ", shown(dest),
-                            f" ({human(dest.stat().st_size)}, {len(got.token_ids or [])} tokens"
+                            f" ({human(dest.stat().st_size)}, {counted(len(got.token_ids or []), 'token')}"
                             f"{', replacing the file that was there' if replaced else ''}); "
                             f"open it with mlx_lm.models.cache.load_prompt_cache"))
     return 0
