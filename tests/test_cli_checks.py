@@ -546,6 +546,29 @@ def test_a_relative_socket_path_starting_with_at_is_a_file(short_dir: Path) -> N
         assert stop_process(proc) == 0
 
 
+def test_export_says_what_is_at_the_entry_s_place(client: Client, daemon: RunningDaemon,
+                                                   short_dir: Path) -> None:
+    """A symlink or a directory at an entry's place is a miss to load(), and
+    the daemon moves it aside: export said "no entry", as if nothing were
+    there. (The README: export fails saying why and where the file went.)"""
+    sock = str(daemon.socket)
+    for cache_id in ("s", "t"):
+        assert client.save("m1", cache_id, small_cache(), [1, 2])
+    assert client.flush(timeout=WAIT)
+    s, t = entry_path(daemon.root, "s", "m1"), entry_path(daemon.root, "t", "m1")
+    outside = short_dir / "outside.safetensors"
+    s.rename(outside)
+    s.symlink_to(outside)
+    t.unlink()
+    t.mkdir()
+    for place, kind in ((s, "a symbolic link"), (t, "a directory")):
+        r = cli("export", "--socket", sock, "m1", place.stem, str(short_dir / "o.safetensors"))
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 1 and f"m1 / {place.stem} cannot be read: {place} is {kind}, " \
+            f"not a cache file (the daemon moves it into {daemon.root}/quarantine/)" in said, said
+    assert outside.exists() and not (short_dir / "o.safetensors").exists()
+
+
 def test_export_to_a_destination_it_cannot_write(client: Client, daemon: RunningDaemon,
                                                  short_dir: Path) -> None:
     sock = str(daemon.socket)

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import stat
 import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -395,6 +396,19 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
         raise CommandError(f"cannot export {key_shown(model, cache_id)}: {exc}") from None
 
 
+def _not_a_file(path: Path) -> str | None:
+    """What is at ``path`` when it is there and no regular file, for a message."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "not a regular file")
+    return f"{path} is {kind}, not a cache file"
+
+
 def export(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import save_prompt_cache
 
@@ -427,8 +441,13 @@ def export(args: argparse.Namespace) -> int:
         if root is None or (kv is not None and kv.connected and same_dir(kv.root, root)):
             root = kv.root
             _not_inside(dest, root)
+            # What is at the entry's place: a directory or symlink there is a
+            # plain miss to load(), and the daemon moves it aside meanwhile.
+            not_a_file = _not_a_file(naming.entry_path(root, args.model, args.cache_id))
             with _load_misses() as misses:
                 got = kv.load(args.model, args.cache_id)
+            if got is None and not misses and not_a_file:
+                misses.append(f"{not_a_file} (the daemon moves it into {root}/quarantine/)")
             where = ""
         else:
             _not_inside(dest, root)
