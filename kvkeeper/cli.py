@@ -248,7 +248,8 @@ def _parser() -> _Parser:
     verify.add_argument("--repair", action="store_true",
                         help="move bad files aside to <root>/quarantine (through the daemon "
                              "when it runs; a file it may not read, so cannot tell from "
-                             "another program's, it leaves in place and the report says so)")
+                             "another program's, it leaves in place and the report says so; "
+                             "without a daemon, only as the user the root belongs to)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
 
     imp = sub.add_parser("import", help="bring existing cache files into the store",

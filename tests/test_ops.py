@@ -26,7 +26,7 @@ import kvkeeper
 from kvkeeper.client.client import Client, DaemonError
 
 from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
-from .faultkit import FP, entry_path, filled, small_tmpfs, tmp_files, version_of
+from .faultkit import FP, entry_path, filled, need_linux_root, small_tmpfs, tmp_files, version_of
 from .legacy_describe import MLX_LM_OLD_API, describe
 from .test_legacy import MANIFEST, ROOT
 from .tiny import prefill, prompt, tiny_deepseek_v41, tiny_llama
@@ -570,6 +570,30 @@ def test_ls_all_of_a_model_shows_its_quarantined_files(short_dir: Path) -> None:
     finally:
         if rd.thread.is_alive():
             assert rd.stop() == 0
+
+
+def test_verify_repair_by_root_of_another_users_store_moves_nothing(short_dir: Path) -> None:
+    """Without a daemon, root's repair of a user's store made quarantine/
+    root's (mode 0700), which that user's daemon could not use."""
+    need_linux_root()
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    rd = start_daemon(root, sock)
+    with Client(rd.socket, timeout=WAIT) as kv:
+        assert kv.save(FP, "a", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+    assert rd.stop() == 0
+    bad = entry_path(root, "a")
+    with open(bad, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    for path in [root, *root.rglob("*")]:
+        os.lchown(path, 65534, 65534)
+    r = cli("verify", "--root", str(root), "--repair")
+    said = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 2 and f"{root} belongs to uid 65534: run verify --repair as that " \
+        "user" in said, said
+    assert "BAD" in said and bad.exists() and not (root / "quarantine").exists(), said
 
 
 def test_verify_and_repair(client: Client, daemon: RunningDaemon) -> None:

@@ -263,6 +263,14 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     from kvkeeper.daemon.app import LOCK_NAME, AlreadyRunning, LockUnusable, _Lock, holder_socket
     from kvkeeper.daemon.store import Store
 
+    owner = root.stat().st_uid
+    if hasattr(os, "geteuid") and owner != os.geteuid():
+        # Root repairing a user's store: quarantine/ (and a lock file) made
+        # here would be root's, 0700, and shut that user's daemon out.
+        refused.extend((path, "the store is another user's") for path, _, _ in bad)
+        raise CommandError(f"{root} belongs to uid {owner}: run verify --repair as that user "
+                           f"(what this process made there would be uid {os.geteuid()}'s, which "
+                           f"that user's daemon could not use)", status=2)
     try:
         lock = _Lock(root / LOCK_NAME, f"kvkeeper verify --repair, pid {os.getpid()}")
     except AlreadyRunning as exc:
