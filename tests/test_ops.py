@@ -755,6 +755,19 @@ def test_verify_finds_a_file_at_another_keys_place_and_repairs_hashed_names(
     assert sorted(json.loads(r.stdout)["moved_aside"]) == sorted(reasons), r.stdout + r.stderr
     assert cli("verify", "--socket", str(daemon.socket)).returncode == 0
     assert version_of(entry_path(daemon.root, "a")) == 3
+    # One whose header is gone too: the daemon, which moves files by key, is
+    # not asked. That was said on stderr alone: --json listed it nowhere.
+    assert client.save(FP, long_id, filled(0.2, 3), [3]) and client.flush(timeout=WAIT)
+    os.truncate(hashed, 4)
+    r = cli("verify", "--socket", str(daemon.socket), "--repair", "--json")
+    report = json.loads(r.stdout)
+    assert r.returncode == 1 and report["moved_aside"] == [], r.stdout + r.stderr
+    assert [x["path"] for x in report["not_moved"]] == [str(hashed)], report
+    assert "stop the daemon and run verify --repair again" in report["not_moved"][0]["reason"]
+    r = cli("verify", "--socket", str(daemon.socket), "--repair")
+    assert f"BAD {hashed}: " in r.stdout and "(not moved: the daemon moves files by key" in \
+        " ".join(r.stdout.split()), r.stdout
+    assert hashed.exists()
 
 
 def test_verify_counts_a_file_whose_header_is_damaged(short_dir: Path) -> None:

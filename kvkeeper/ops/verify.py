@@ -239,10 +239,11 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
             if model is None or cache_id is None:
                 # The daemon moves files by key: a hashed name whose header
                 # names another entry gives it none. Without a daemon,
-                # --repair moves files by path.
-                err.print(Text.assemble("cannot repair ", shown(path), " through the daemon: "
-                                        "neither its name nor its header tells its id (stop "
-                                        "the daemon and run verify --repair again)"))
+                # --repair moves files by path. (Said on stderr alone, it
+                # was missing from --json's not_moved and from the BAD line.)
+                refused.append((path, "the daemon moves files by key, and neither its name "
+                                      "nor its header tells its id: stop the daemon and run "
+                                      "verify --repair again"))
                 continue
             try:
                 reply = kv._request(lambda req, model=model, cache_id=cache_id, ident=ident,
