@@ -889,3 +889,28 @@ def test_a_listing_larger_than_a_request_may_be_still_arrives(short_dir: Path) -
             assert sum(e["cache_id"] == "a" for e in listed) == 1
     finally:
         assert stop_process(proc) == 0
+
+
+def test_the_daemon_keeps_its_socket_s_files_from_looking_unused(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temp-directory cleaners delete files left unused for days (macOS's
+    for the default socket's directory after 3): the socket went, and the
+    daemon exited with every client's saves dropped until a new one ran. The
+    daemon now sets the times of its socket, the socket's lock file and
+    their directory to now, hourly (here every 0.3 s)."""
+    from kvkeeper.daemon import app
+
+    monkeypatch.setattr(app, "REFRESH_INTERVAL", 0.3)
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        places = [rd.socket, rd.socket.with_name("kv.sock.lock"), rd.socket.parent]
+        old = time.time() - 30 * 86400
+        for place in places:
+            os.utime(place, (old, old), follow_symlinks=False)
+        wait_for(lambda: all(os.lstat(p).st_mtime > old + 86400 and
+                             os.lstat(p).st_atime > old + 86400 for p in places),
+                 "the times set to now")
+        with Client(rd.socket, timeout=WAIT) as kv:
+            assert kv.ping() is not None  # the daemon is still the one listening there
+    finally:
+        assert rd.stop() == 0

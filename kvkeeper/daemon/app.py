@@ -202,6 +202,12 @@ def _drain_signals() -> list[signal.Signals]:
 
 #: How often the daemon checks that its root and socket are still in place.
 WATCH_INTERVAL = 2.0
+#: How often the socket, its lock file and their directory get their times
+#: set to now: temp-directory cleaners delete what has not been used for
+#: days (macOS's for the default socket's directory, /var/folders/.../T,
+#: after 3; systemd-tmpfiles' for /tmp after 10), and a socket removed so
+#: made the daemon exit and every client drop its saves until a new one ran.
+REFRESH_INTERVAL = 3600.0
 
 
 class LockUnusable(config.ConfigError):
@@ -331,6 +337,16 @@ def holder_socket(holder: str) -> str | None:
         return path if said and stat.S_ISSOCK(os.stat(path).st_mode) else None
     except (OSError, ValueError):  # (ValueError: a NUL in it)
         return None
+
+
+def _refresh_times(paths: list[Path]) -> None:
+    """Set the access and modification times of ``paths`` to now (symlinks
+    not followed); a path that is gone or refuses is left to the watch."""
+    for path in paths:
+        try:
+            os.utime(path, follow_symlinks=False)
+        except (OSError, NotImplementedError):
+            pass
 
 
 def _is_at(path: Path, held: os.stat_result) -> bool:
@@ -520,8 +536,13 @@ class Daemon:
         holding the root, and every save dropped."""
         assert self._stop is not None
         warned = False
+        refreshed = time.monotonic()
         while not self._stop.is_set():
-            await anyio.sleep(WATCH_INTERVAL)
+            await anyio.sleep(min(WATCH_INTERVAL, REFRESH_INTERVAL))
+            if time.monotonic() - refreshed >= REFRESH_INTERVAL:
+                refreshed = time.monotonic()
+                _refresh_times([sock_path, sock_path.with_name(f"{sock_path.name}.lock"),
+                                sock_path.parent])
             gone = None
             try:
                 if not root_lock.still_in_place():
