@@ -198,13 +198,46 @@ def check_ours(path: Path, what: str, *, writable: bool = True) -> None:
     others, or (``writable``) one this user cannot make files in."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it")
+        try:
+            # macOS's /tmp is a link to /private/tmp: --socket /tmp/kv.sock
+            # is to get the advice /private/tmp/kv.sock gets.
+            shared = _shared(os.stat(path))
+        except OSError:
+            shared = False
+        raise ConfigError(f"{what} {str(path)!r} is a symlink; refusing to follow it"
+                          + (_own_place(path, what, shared=True) if shared else ""))
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what} {str(path)!r} is not a directory")
-    # A directory every user shares (/tmp, sticky and open to all) must not
-    # be chmod-ed: the place wanted is a directory of this user's own inside
-    # it, which start-up makes. (Inside another user's, nothing can be made.)
-    shared = st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH
+    own_place = _own_place(path, what, shared=_shared(st))
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us"
+                          f"{own_place}")
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
+            f"open to group or others" + (own_place or CHMOD_IT)
+        )
+    if writable:
+        check_writable(path, what)
+
+
+#: The advice for a directory of one's own open to others. (A volume whose
+#: modes come from its mount, exFAT or FAT, shows 777 whatever chmod does.)
+CHMOD_IT = (" (chmod 700 it); on a file system that keeps no modes, such as exFAT or FAT, "
+            "use a directory on another")
+
+
+def _shared(st: os.stat_result) -> bool:
+    """Whether a directory is one every user shares (/tmp: sticky, open to all)."""
+    return bool(stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+                and st.st_mode & stat.S_IWOTH)
+
+
+def _own_place(path: Path, what: str, *, shared: bool) -> str:
+    """Where to go instead of ``path``, for a refusal; "" where chmod is the
+    advice. A directory every user shares (/tmp) must not be chmod-ed: the
+    place wanted is a directory of this user's own inside it, which start-up
+    makes. (Inside another user's, nothing can be made.)"""
     own_place = ""
     if shared and what == "root directory":
         # A shared directory is /tmp, or like it: emptied at boot, and a
@@ -222,16 +255,7 @@ def check_ours(path: Path, what: str, *, writable: bool = True) -> None:
         own_place = (f"; use a directory of its own inside it instead (e.g. "
                      f"{str(path / (f'kvkeeper-{os.getuid()}' if shared else '.kvkeeper'))!r}: "
                      f"made at start, mode 700)")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by us"
-                          f"{own_place}")
-    if st.st_mode & 0o077:
-        raise ConfigError(
-            f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}; it must not be "
-            f"open to group or others" + (own_place or " (chmod 700 it)")
-        )
-    if writable:
-        check_writable(path, what)
+    return own_place
 
 
 def check_flag(name: str, value: object) -> bool:

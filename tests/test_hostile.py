@@ -463,6 +463,35 @@ def test_a_socket_in_a_home_directory_others_may_read_is_sent_elsewhere(
     start_daemon(short_dir / "r1", own / "kv.sock").stop()
 
 
+def test_a_symlink_to_a_shared_directory_gets_the_shared_directory_s_advice(
+        short_dir: Path) -> None:
+    """macOS's /tmp is a symlink to /private/tmp: --socket /tmp/kv.sock was
+    refused as a symlink, without the advice /private/tmp/kv.sock gets (a
+    directory of its own inside it), which works through the link."""
+    from kvkeeper.config import ConfigError
+
+    shared = short_dir / "ptmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    link = short_dir / "tmp"
+    link.symlink_to(shared)
+    with pytest.raises(ConfigError, match="is a symlink; refusing to follow it") as refused:
+        start_daemon(short_dir / "r1", link / "kv.sock")
+    own = link / f"kvkeeper-{os.getuid()}"
+    assert f"; use a directory of its own inside it instead (e.g. '{own}'" in str(refused.value)
+    start_daemon(short_dir / "r1", own / "kv.sock").stop()
+    with pytest.raises(ConfigError, match="is a symlink; refusing to follow it") as refused:
+        start_daemon(link, short_dir / "run" / "kv.sock")
+    assert "in a directory of its own that outlives a reboot" in str(refused.value)
+    # A link to a directory of one's own is refused as before, with no advice.
+    mine = short_dir / "mine"
+    mine.mkdir(mode=0o700)
+    (short_dir / "to-mine").symlink_to(mine)
+    with pytest.raises(ConfigError) as refused:
+        start_daemon(short_dir / "r1", short_dir / "to-mine" / "kv.sock")
+    assert str(refused.value).endswith("is a symlink; refusing to follow it"), refused.value
+
+
 def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
     need_linux_root()
     from kvkeeper.config import ConfigError
@@ -472,7 +501,8 @@ def test_refuses_socket_dirs_others_can_use(short_dir: Path) -> None:
     open_dir.chmod(0o770)
     with pytest.raises(ConfigError, match="open to group or others") as refused:
         start_daemon(short_dir / "r1", open_dir / "kv.sock")
-    assert "(chmod 700 it)" in str(refused.value)
+    assert "(chmod 700 it); on a file system that keeps no modes, such as exFAT or FAT, use a "\
+        "directory on another" in str(refused.value)
     # A directory every user shares, as /tmp: not to be chmod-ed, but to hold
     # a directory of the daemon's own.
     shared = short_dir / "shared"

@@ -709,8 +709,9 @@ class Server:
                                       code=code, message=message))
 
     def _same_user(self, header: zmq.Frame) -> bool:
-        # Linux reports the peer's credentials as "host:uid:gid:pid"; elsewhere the
-        # 0700 socket directory is what keeps other users out.
+        # libzmq reports the peer's credentials as ":uid:gid:pid" on Linux
+        # (SO_PEERCRED) and ":uid:gid:" on macOS and the BSDs (LOCAL_PEERCRED);
+        # elsewhere the 0700 socket directory is what keeps other users out.
         try:
             addr = header.get("Peer-Address")
         except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
