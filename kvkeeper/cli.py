@@ -238,8 +238,8 @@ def _parser() -> _Parser:
                             "checked. A file this "
                             "process cannot read (no permission, out of file descriptors) is "
                             "listed as not checked and never moved, and so is a model's directory "
-                            "that is a symbolic link (the daemon follows none). Exit 1 if any "
-                            "file is bad "
+                            "that is a symbolic link (the daemon follows none) or no directory. "
+                            "Exit 1 if any file is bad "
                             "or could not be checked.")
     _socket_arg(verify)
     verify.add_argument("--root", type=_path, default=None,

@@ -38,13 +38,14 @@ class ServiceFile:
     stop_first: list[list[str]] = field(default_factory=list)
     # Exit statuses of an unload command that mean "was not loaded": done.
     not_loaded: frozenset[int] = frozenset()
-    # After stop_first, wait while pid_command still answers 0: launchd's
-    # bootout returns while the label is still registered, and a bootstrap
-    # then fails (5, "Input/output error") for a few seconds more.
+    # After a stop_first that stopped something (exit 0), wait while
+    # pid_command still answers 0: launchd's bootout returns while the label
+    # is still registered, and a bootstrap then fails (5, "Input/output
+    # error") for a few seconds more.
     wait_unregistered: bool = False
-    # Exit statuses of a load command that mean "not yet": tried again for
-    # up to LOAD_RETRY_SECONDS (launchd: 5, and 37, "Operation already in
-    # progress", while it is still unloading the label).
+    # Exit statuses of a load command that mean "not yet" after such a stop:
+    # tried again for up to LOAD_RETRY_SECONDS (launchd: 5, and 37,
+    # "Operation already in progress", while it is still unloading the label).
     load_retry: frozenset[int] = frozenset()
     # What a load command's exit status means, and what to do, where its
     # own message does not say.
@@ -163,11 +164,11 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
             **dict.fromkeys((112, 125), NO_GUI_DOMAIN if user else
                             "run install-service as the user whose agent it is, not "
                             "as root (gui/0 is no user's login)"),
-            **dict.fromkeys((5, 37), f"launchd answers this while it is still unloading "
-                            f"the agent installed before, which this install stopped (see "
-                            f"launchctl print {domain}/{LABEL}; run install-service again), "
-                            f"and for an agent turned off with launchctl disable (launchctl "
-                            f"enable {domain}/{LABEL} first)"),
+            **dict.fromkeys((5, 37), f"launchd answers this for an agent turned off with "
+                            f"launchctl disable (launchctl enable {domain}/{LABEL} first), "
+                            f"for a plist it will not load (its owner or mode), and for some "
+                            f"seconds after a bootout of the agent: see launchctl print "
+                            f"{domain}/{LABEL}, and run install-service again"),
         },
         stop_timeout=exit_timeout,
         # Made with the file: launchd cannot open the log of an agent it
@@ -374,13 +375,15 @@ def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozens
                                + (f" ({hint})" if hint else ""))
 
 
-def _try(commands: list[list[str]], seconds: float) -> None:
-    """Run ``commands``, their failures ignored."""
+def _try(commands: list[list[str]], seconds: float) -> bool:
+    """Run ``commands``, their failures ignored; whether every one answered 0."""
+    ok = True
     for cmd in commands:
         try:
-            subprocess.run(cmd, capture_output=True, timeout=seconds)
+            ok = subprocess.run(cmd, capture_output=True, timeout=seconds).returncode == 0 and ok
         except (OSError, subprocess.TimeoutExpired):
-            pass
+            ok = False
+    return ok
 
 
 def install(sf: ServiceFile, *, load: bool = True) -> None:
@@ -396,10 +399,16 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # The service manager waits up to the stop timeout of the service it
         # stops (the one installed before, if any), then answers.
         seconds = COMMAND_SECONDS + max(sf.stop_timeout, before or 0)
-        _try(sf.stop_first, seconds)  # nothing loaded, or no service manager: load says which
-        if sf.wait_unregistered:
+        # Nothing loaded, or no service manager: the load says which.
+        stopped = _try(sf.stop_first, seconds)
+        # Only after a stop: a bootstrap answering 5 with nothing stopped
+        # (a disabled agent, a plist refused) waited out the retries for
+        # nothing, and a bootout that failed left the label up to wait for.
+        settling = sf.wait_unregistered and stopped
+        if settling:
             _wait_unregistered(sf, seconds)
-        _run(sf.load, seconds, hints=sf.load_hints, retry=sf.load_retry)
+        _run(sf.load, seconds, hints=sf.load_hints,
+             retry=sf.load_retry if settling else frozenset())
 
 
 def _wait_unregistered(sf: ServiceFile, seconds: float) -> None:

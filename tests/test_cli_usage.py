@@ -462,9 +462,10 @@ def test_install_service_again_replaces_the_running_service(short_dir: Path) -> 
                     env=env)
             assert r.returncode == 0, r.stderr
     lines = calls.read_text().splitlines()
-    # (print: whether launchd still has the label, see below.)
+    # (print: whether launchd still has the label, after a bootout that
+    # stopped one, see below.)
     assert [x.split()[1] for x in lines if x.startswith("launchctl")] == [
-        "bootout", "print", "bootstrap", "bootout", "print", "bootstrap"]
+        "bootout", "bootstrap", "bootout", "print", "bootstrap"]
     # Stopped before the daemon-reload: under the stop timeout of the unit
     # that started it (the drain's), not the new one's.
     assert [x.split()[2] for x in lines if x.startswith("systemctl")] == [
@@ -493,6 +494,15 @@ def test_install_service_again_waits_for_launchd_to_let_go(short_dir: Path,
     second = calls[calls.index("bootstrap") + 1:]
     assert second[0] == "bootout" and second[-1] == "bootstrap", second
     assert second.count("bootstrap" if lingers == "LATE" else "print") > 1, second
+    if lingers == "SETTLE":
+        # The command --no-load prints to start it, pasted into a shell
+        # while the agent runs: it was bootout then bootstrap, which failed.
+        r = cli("install-service", "--platform", "macos", "--no-load", env=env)
+        said = r.stdout.splitlines()
+        start = said[said.index(next(x for x in said if "To start it now:" in x)) + 1:]
+        done = subprocess.run(["sh", "-c", " ".join(start)], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0 and state.exists(), (start, done.stderr)
 
 
 def test_install_service_says_why_launchd_kept_refusing(short_dir: Path) -> None:
@@ -507,11 +517,20 @@ def test_install_service_says_why_launchd_kept_refusing(short_dir: Path) -> None
     assert r.returncode == 1, r.stderr
     said = " ".join(r.stderr.split())
     assert "failed (5): Bootstrap failed: 5: Input/output error" in said, said
-    assert "still unloading the agent installed before, which this install stopped" in said
+    assert "for some seconds after a bootout of the agent" in said, said
     assert f"launchctl enable gui/{os.getuid()}/io.github.kvkeeper.daemon" in said, said
     assert 15 < time.monotonic() - began < 60
     calls = [x.split()[1] for x in Path(env["CALLS"]).read_text().splitlines()]
     assert calls.count("bootstrap") > 10, calls
+    # With nothing booted out (an agent launchd refuses, say one turned off
+    # with launchctl disable), no wait and no retries: 20 s for nothing.
+    Path(env["CALLS"]).unlink()
+    began = time.monotonic()
+    r = cli("install-service", "--platform", "macos", env=env, timeout=90)
+    assert r.returncode == 1 and "launchctl enable gui/" in r.stderr, r.stderr
+    assert time.monotonic() - began < 10
+    assert [x.split()[1] for x in Path(env["CALLS"]).read_text().splitlines()] == [
+        "bootout", "bootstrap"]
 
 
 def _fake_managers(short_dir: Path) -> dict[str, str]:

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 import kvkeeper
 from kvkeeper.client.client import Client, DaemonError
 
-from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process
+from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process, wait_for
 from .faultkit import FP, entry_path, filled, need_linux_root, small_tmpfs, tmp_files, version_of
 from .legacy_describe import MLX_LM_OLD_API, describe
 from .test_legacy import MANIFEST, ROOT
@@ -512,6 +512,37 @@ def test_rm_model_deletes_what_it_can_and_names_what_it_left(
     assert not any(entry_path(daemon.root, c).exists() for c in "prs")
 
 
+def test_rm_model_says_what_it_deleted_when_the_daemon_goes_away(short_dir: Path) -> None:
+    """A daemon gone part way (stopped, restarted by a new install-service)
+    ended rm --model with "no kvkeeper daemon", the deletes done unsaid."""
+    from kvkeeper.daemon.faults import ENV
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "delete_delay=1"})
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for cache_id in "pqrst":
+                assert kv.save(FP, cache_id, filled(0.1, 1), [1])
+            assert kv.flush(timeout=WAIT)
+        rm = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "rm", "--model", FP,
+                               "--socket", str(sock)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: not entry_path(root, "p").exists(), "the first delete")
+        proc.kill()  # while the second waits out its delay
+        out, errors = rm.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+    assert rm.returncode == 3, (out, errors)
+    assert f"deleted 1 entry of model {FP}" in out, out
+    said = errors.splitlines()
+    assert said[0].startswith(f"kvkeeper: not deleted: {FP} / q: not known whether deleted"), said
+    assert said[1:4] == [f"kvkeeper: not deleted: {FP} / {c}: not tried: the daemon went away"
+                         for c in "rst"], said
+    assert "daemon" in said[4] and len(said) == 5, said
+    assert all(entry_path(root, c).exists() for c in "rst")
+
+
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
     assert client.save(FP, "ok", filled(0.1, 1), [1]) and client.flush(timeout=WAIT)
     model_dir = entry_path(daemon.root, "ok").parent
@@ -806,17 +837,23 @@ def test_verify_names_a_model_directory_that_is_a_symlink(
     model_dir.rename(elsewhere)
     model_dir.symlink_to(elsewhere, target_is_directory=True)
     (model_dir.parent / "Notes").symlink_to(elsewhere, target_is_directory=True)
+    # A file where a model's directory goes: that model's saves fail too.
+    (model_dir.parent / "m2").write_text("not a directory")
+    (model_dir.parent / "notes.txt").write_text("no model's name")
     for argv in ([], ["--json"]):
         r = cli("verify", "--socket", str(daemon.socket), *argv)
         assert r.returncode == 1, r.stdout + r.stderr
         if argv:
             report = json.loads(r.stdout)
             assert report["checked"] == 1 and report["bad"] == [], report
-            assert [x["path"] for x in report["could_not_read"]] == [str(model_dir)], report
+            assert sorted(x["path"] for x in report["could_not_read"]) == sorted(
+                [str(model_dir), str(model_dir.parent / "m2")]), report
         else:
             said = " ".join(r.stdout.split())
             assert f"NOT CHECKED {model_dir}: a symbolic link, which the daemon never " \
-                   "follows" in said and "1 not checked" in said, said
+                   "follows" in said and "2 not checked" in said, said
+            assert f"NOT CHECKED {model_dir.parent / 'm2'}: not a directory: no save of " \
+                   "this model can be written (left in place)" in said, said
 
 
 def test_verify_while_the_daemon_deletes_reports_no_bad_file(

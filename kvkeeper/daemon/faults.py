@@ -23,7 +23,9 @@ lookup that finds nothing.
   directory's fsync (a slow one); ``evict_delay=S``: sleep S seconds between
   an eviction's check of its victim and the unlink (the thread losing the
   CPU there); ``moved_delay=S``: sleep S seconds after a file moved aside
-  is renamed into quarantine/, before the directories' fsyncs.
+  is renamed into quarantine/, before the directories' fsyncs;
+  ``delete_delay=S``: sleep S seconds before a delete's unlink (a slow one,
+  for a daemon to go away in the middle of a run of deletes).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def slow_abort() -> None:
 
 
 def slow_step(name: str) -> None:
-    """Sleep for the ``renamed_delay``, ``evict_delay``, ``begin_delay`` or
-    ``moved_delay`` fault, if set."""
+    """Sleep for the ``renamed_delay``, ``evict_delay``, ``begin_delay``,
+    ``moved_delay`` or ``delete_delay`` fault, if set."""
     if ACTIVE and name in ACTIVE:
         time.sleep(float(ACTIVE[name]))
 

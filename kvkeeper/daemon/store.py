@@ -690,6 +690,7 @@ class Store:
             raise LeftInPlace(
                 errno.EEXIST, f"{path} is another program's safetensors file (not a cache); "
                               f"left in place")
+        faults.slow_step("delete_delay")
         try:
             os.unlink(path)
         except FileNotFoundError:

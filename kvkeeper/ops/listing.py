@@ -148,32 +148,42 @@ def rm(args: argparse.Namespace) -> int:
                 return 1
             out.print(Text.assemble("deleted ", key_shown(args.model, args.cache_id)))
             return 0
+        from kvkeeper.client.channel import DaemonUnavailable
         from kvkeeper.client.client import DaemonError
 
         entries = loadable(kv, args.all_of_model)
         deleted = 0
         # One entry the daemon will not delete (a file it cannot tell from
         # another program's) ended the command there, the rest untried and
-        # the deletes done unsaid.
+        # the deletes done unsaid; so did a daemon going away part way.
         left: list[tuple[m.Entry, str]] = []
+        gone: DaemonUnavailable | None = None
         for e in entries:
+            if gone is not None:
+                left.append((e, "not tried: the daemon went away"))
+                continue
             try:
                 deleted += kv.delete(e.model, e.cache_id)
             except DaemonError as exc:
                 left.append((e, exc.message if exc.code == "internal"
                              else f"the daemon refused: {exc}"))
+            except DaemonUnavailable as exc:  # stopped, restarted, timed out
+                gone = exc
+                left.append((e, f"not known whether deleted: {exc}"))
     if not entries:  # as for one entry: a typo in the model must not read as done
         err.print(Text.assemble("kvkeeper: no entries of model ", shown(args.all_of_model)))
         return 1
     # The count of deletes done: an entry evicted or deleted meanwhile was
     # listed, but not deleted by this command.
     missing = len(entries) - deleted - len(left)
-    gone = f" ({missing} listed were gone already)" if missing else ""
+    already = f" ({missing} listed were gone already)" if missing else ""
     out.print(Text.assemble(f"deleted {counted(deleted, 'entry', 'entries')} of model ",
-                            shown(args.all_of_model), gone))
+                            shown(args.all_of_model), already))
     for e, why in left:
         err.print(Text.assemble("kvkeeper: not deleted: ", key_shown(e.model, e.cache_id),
                                 f": {one_line(why)}"))
+    if gone is not None:
+        raise gone  # exit 3, its message last
     return 1 if left else 0
 
 

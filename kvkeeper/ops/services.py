@@ -191,7 +191,11 @@ def install_service(args: argparse.Namespace) -> int:
     # What install() runs: launchd refuses to bootstrap a label still loaded
     # (an earlier install's), hence its bootout first, whose failure when
     # nothing is loaded does not matter.
-    start = "; ".join([*(shlex.join(c) + " 2>/dev/null" for c in sf.stop_first),
+    # (launchd: and the wait install() makes for the label to be let go of,
+    # bounded: pasted as bootout then bootstrap, it hit that race.)
+    settle = ([f"for i in $(seq 60); do {shlex.join(sf.pid_command)} >/dev/null 2>&1 || break; "
+               f"sleep 1; done"] if sf.wait_unregistered else [])
+    start = "; ".join([*(shlex.join(c) + " 2>/dev/null" for c in sf.stop_first), *settle,
                        " && ".join(map(shlex.join, sf.load))])
     # launchd loads every agent in LaunchAgents at login.
     enabled = any(map(_wanted_by, sf.links))
