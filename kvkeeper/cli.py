@@ -238,7 +238,7 @@ def _parser() -> _Parser:
                             "checked. A file this "
                             "process cannot read (no permission, out of file descriptors) is "
                             "listed as not checked and never moved, and so is a model's directory "
-                            "that is a symbolic link (the daemon follows none) or no directory. "
+                            "that is a symbolic link to a directory (the daemon follows none). "
                             "Exit 1 if any file is bad "
                             "or could not be checked.")
     _socket_arg(verify)

@@ -38,10 +38,11 @@ class ServiceFile:
     stop_first: list[list[str]] = field(default_factory=list)
     # Exit statuses of an unload command that mean "was not loaded": done.
     not_loaded: frozenset[int] = frozenset()
-    # After a stop_first that stopped something (exit 0), wait while
-    # pid_command still answers 0: launchd's bootout returns while the label
-    # is still registered, and a bootstrap then fails (5, "Input/output
-    # error") for a few seconds more.
+    # After a stop_first that may have stopped something (not an answer in
+    # not_loaded), wait while pid_command still answers 0: launchd's bootout
+    # returns (0, or 36 "Operation now in progress" while the daemon drains)
+    # while the label is still registered, and a bootstrap then fails (5,
+    # "Input/output error") for a few seconds more.
     wait_unregistered: bool = False
     # Exit statuses of a load command that mean "not yet" after such a stop:
     # tried again for up to LOAD_RETRY_SECONDS (launchd: 5, and 37,
@@ -375,15 +376,16 @@ def _run(commands: list[list[str]], seconds: float, ok: frozenset[int] = frozens
                                + (f" ({hint})" if hint else ""))
 
 
-def _try(commands: list[list[str]], seconds: float) -> bool:
-    """Run ``commands``, their failures ignored; whether every one answered 0."""
-    ok = True
+def _try(commands: list[list[str]], seconds: float) -> list[int | None]:
+    """Run ``commands``, their failures ignored; their exit statuses (None
+    for one that could not be run or did not finish)."""
+    answers: list[int | None] = []
     for cmd in commands:
         try:
-            ok = subprocess.run(cmd, capture_output=True, timeout=seconds).returncode == 0 and ok
+            answers.append(subprocess.run(cmd, capture_output=True, timeout=seconds).returncode)
         except (OSError, subprocess.TimeoutExpired):
-            ok = False
-    return ok
+            answers.append(None)
+    return answers
 
 
 def install(sf: ServiceFile, *, load: bool = True) -> None:
@@ -400,11 +402,10 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # stops (the one installed before, if any), then answers.
         seconds = COMMAND_SECONDS + max(sf.stop_timeout, before or 0)
         # Nothing loaded, or no service manager: the load says which.
-        stopped = _try(sf.stop_first, seconds)
-        # Only after a stop: a bootstrap answering 5 with nothing stopped
-        # (a disabled agent, a plist refused) waited out the retries for
-        # nothing, and a bootout that failed left the label up to wait for.
-        settling = sf.wait_unregistered and stopped
+        answers = _try(sf.stop_first, seconds)
+        # Not after "nothing was loaded": a bootstrap answering 5 then (a
+        # disabled agent, a plist refused) waited out the retries for nothing.
+        settling = sf.wait_unregistered and not all(a in sf.not_loaded for a in answers)
         if settling:
             _wait_unregistered(sf, seconds)
         _run(sf.load, seconds, hints=sf.load_hints,

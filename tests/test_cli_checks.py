@@ -567,6 +567,18 @@ def test_export_says_what_is_at_the_entry_s_place(client: Client, daemon: Runnin
         assert r.returncode == 1 and f"m1 / {place.stem} cannot be read: {place} is {kind}, " \
             f"not a cache file (the daemon moves it into {daemon.root}/quarantine/)" in said, said
     assert outside.exists() and not (short_dir / "o.safetensors").exists()
+    # Read from another root, without the daemon: a dangling link said "no
+    # entry ... under ROOT" there.
+    other = short_dir / "other"
+    place = entry_path(other, "u", "m1")
+    place.parent.mkdir(parents=True)
+    other.chmod(0o700)
+    place.symlink_to(short_dir / "nowhere.safetensors")
+    r = cli("export", "--socket", sock, "--root", str(other), "m1", "u",
+            str(short_dir / "o.safetensors"))
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 1 and f"cannot export m1 / u: {place} is a symbolic link, not a " \
+        "cache file" in said, said
 
 
 def test_export_to_a_destination_it_cannot_write(client: Client, daemon: RunningDaemon,

@@ -425,6 +425,7 @@ case "$1" in
              touch "$STATE" ;;
   bootout) [ -e "$STATE" ] || exit 3; rm -f "$MAINPID"
            if [ -n "$SETTLE" ]; then (sleep "$SETTLE"; rm -f "$STATE") >/dev/null 2>&1 &
+             [ -n "$RC36" ] && exit 36  # "Operation now in progress": still stopping
            elif [ -n "$LATE" ]; then rm "$STATE"; touch "$STATE.late"
              (sleep "$LATE"; rm -f "$STATE.late") >/dev/null 2>&1 &
            else rm "$STATE"; fi ;;
@@ -472,7 +473,7 @@ def test_install_service_again_replaces_the_running_service(short_dir: Path) -> 
         "stop", "daemon-reload", "enable", "restart"] * 2
 
 
-@pytest.mark.parametrize("lingers", ["SETTLE", "LATE"])
+@pytest.mark.parametrize("lingers", ["SETTLE", "LATE", "RC36"])
 def test_install_service_again_waits_for_launchd_to_let_go(short_dir: Path,
                                                           lingers: str) -> None:
     """launchd's bootout returns while the label is still registered, and a
@@ -482,6 +483,8 @@ def test_install_service_again_waits_for_launchd_to_let_go(short_dir: Path,
     launchctl print still shows the label, and tries a bootstrap answering
     5 again. (launchctl is a stand-in answering as launchd was reported to.)"""
     env = {**_fake_managers(short_dir), lingers: "1"}
+    if lingers == "RC36":  # bootout answering 36 while the daemon still drains
+        env["SETTLE"] = "1"
     state = Path(env["STATE"])
     for timeout in ("30", "40"):
         r = cli("install-service", "--platform", "macos", "--drain-timeout", timeout, env=env,

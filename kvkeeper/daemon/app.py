@@ -536,11 +536,13 @@ class Daemon:
         holding the root, and every save dropped."""
         assert self._stop is not None
         warned = False
-        refreshed = time.monotonic()
+        # The wall clock: macOS's monotonic one stands still while the Mac
+        # sleeps, and a cleaner run missed meanwhile comes at the wake-up.
+        refreshed = time.time()
         while not self._stop.is_set():
             await anyio.sleep(min(WATCH_INTERVAL, REFRESH_INTERVAL))
-            if time.monotonic() - refreshed >= REFRESH_INTERVAL:
-                refreshed = time.monotonic()
+            if not 0 <= time.time() - refreshed < REFRESH_INTERVAL:
+                refreshed = time.time()
                 _refresh_times([sock_path, sock_path.with_name(f"{sock_path.name}.lock"),
                                 sock_path.parent])
             gone = None

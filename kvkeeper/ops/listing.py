@@ -148,7 +148,11 @@ def rm(args: argparse.Namespace) -> int:
                 return 1
             out.print(Text.assemble("deleted ", key_shown(args.model, args.cache_id)))
             return 0
-        from kvkeeper.client.channel import DaemonUnavailable
+        from kvkeeper.client.channel import (
+            DaemonShuttingDown,
+            DaemonTimedOut,
+            DaemonUnavailable,
+        )
         from kvkeeper.client.client import DaemonError
 
         entries = loadable(kv, args.all_of_model)
@@ -158,9 +162,10 @@ def rm(args: argparse.Namespace) -> int:
         # the deletes done unsaid; so did a daemon going away part way.
         left: list[tuple[m.Entry, str]] = []
         gone: DaemonUnavailable | None = None
+        untried = ""
         for e in entries:
             if gone is not None:
-                left.append((e, "not tried: the daemon went away"))
+                left.append((e, f"not tried: {untried}"))
                 continue
             try:
                 deleted += kv.delete(e.model, e.cache_id)
@@ -169,7 +174,13 @@ def rm(args: argparse.Namespace) -> int:
                              else f"the daemon refused: {exc}"))
             except DaemonUnavailable as exc:  # stopped, restarted, timed out
                 gone = exc
-                left.append((e, f"not known whether deleted: {exc}"))
+                if isinstance(exc, DaemonShuttingDown):  # refused before it was carried out
+                    untried = "the daemon is shutting down"
+                    left.append((e, str(exc)))
+                else:  # it may have been carried out (a slow disk, a daemon killed)
+                    untried = ("the daemon did not answer" if isinstance(exc, DaemonTimedOut)
+                               else "the daemon went away")
+                    left.append((e, f"not known whether deleted: {exc}"))
     if not entries:  # as for one entry: a typo in the model must not read as done
         err.print(Text.assemble("kvkeeper: no entries of model ", shown(args.all_of_model)))
         return 1

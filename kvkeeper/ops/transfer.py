@@ -382,7 +382,7 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
     from kvkeeper.client.reader import CacheFileError, read_cache_file
 
     path = naming.entry_path(root, model, cache_id)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     for d in (path.parent.parent, path.parent):
         if d.is_symlink():
@@ -390,6 +390,9 @@ def _read_entry(root: Path, model: str, cache_id: str) -> Any:
             # model's directory leads out of the store, and is not followed.
             raise CommandError(f"cannot export {key_shown(model, cache_id)}: {d} is a symlink, "
                                f"not followed")
+    not_a_file = _not_a_file(path)
+    if not_a_file:  # (a dangling symlink said "no entry")
+        raise CommandError(f"cannot export {key_shown(model, cache_id)}: {not_a_file}")
     try:
         return read_cache_file(path, model=model, cache_id=cache_id)
     except CacheFileError as exc:
@@ -405,7 +408,7 @@ def _not_a_file(path: Path) -> str | None:
     if stat.S_ISREG(mode):
         return None
     kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
-            else "not a regular file")
+            else "a special file (a FIFO, a socket or a device)")
     return f"{path} is {kind}, not a cache file"
 
 

@@ -43,11 +43,12 @@ def _store_files(root: Path, unlisted: list[tuple[Path, str]]) -> Iterator[Path]
     except OSError as exc:
         raise CommandError(f"cannot list {sessions}: {exc.strerror or exc}") from None
     for d in models:
-        if (d.is_symlink() or not d.is_dir()) and naming.is_entry_place(d / f"a{naming.SUFFIX}"):
-            # A model's directory the daemon will not follow, or no directory
-            # at all: its saves fail and its loads miss, and verify said "all
-            # good" of the store.
-            unlisted.append((d, LINKED_MODEL_DIR if d.is_symlink() else NOT_A_MODEL_DIR))
+        if d.is_symlink() and d.is_dir() and naming.is_entry_place(d / f"a{naming.SUFFIX}"):
+            # A model's directory moved and linked to, which the daemon will
+            # not follow: its saves fail and its loads miss, and verify said
+            # "all good" of the store. (A file, or a link to one, under such
+            # a name may be anybody's notes: not the store's.)
+            unlisted.append((d, LINKED_MODEL_DIR))
             continue
         if d.is_symlink() or not d.is_dir():
             continue
@@ -65,8 +66,6 @@ def _store_files(root: Path, unlisted: list[tuple[Path, str]]) -> Iterator[Path]
 #: Why a model's directory that is a symbolic link is not checked.
 LINKED_MODEL_DIR = ("a symbolic link, which the daemon never follows: no save or load of "
                     "this model goes through it")
-#: Why something else at a model's directory's place is not checked.
-NOT_A_MODEL_DIR = "not a directory: no save of this model can be written"
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -167,7 +166,7 @@ def verify(args: argparse.Namespace) -> int:
         for p, reason in unchecked:
             out.print(Text.assemble(("NOT CHECKED", "yellow"), " ", shown(p), ": ",
                                     shown(reason), " (left in place)"
-                                    if reason in (LINKED_MODEL_DIR, NOT_A_MODEL_DIR)
+                                    if reason == LINKED_MODEL_DIR
                                     else " (this process could not read it; left in place)"))
         out.print(Text.assemble(
             (f"{len(bad)} bad", "red") if bad else
