@@ -406,10 +406,24 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # Not after "nothing was loaded": a bootstrap answering 5 then (a
         # disabled agent, a plist refused) waited out the retries for nothing.
         settling = sf.wait_unregistered and not all(a in sf.not_loaded for a in answers)
+        # A stop that failed otherwise (not 0, nor launchd's 36, "Operation
+        # now in progress", while the daemon drains) may have stopped
+        # nothing: the label is waited for as long as a bootstrap is retried,
+        # not the stop timeout (an hour, with --drain-timeout 3600).
+        odd = [(cmd, a) for cmd, a in zip(sf.stop_first, answers, strict=True)
+               if a not in (0, 36) and a not in sf.not_loaded]
         if settling:
-            _wait_unregistered(sf, seconds)
-        _run(sf.load, seconds, hints=sf.load_hints,
-             retry=sf.load_retry if settling else frozenset())
+            _wait_unregistered(sf, LOAD_RETRY_SECONDS if odd else seconds)
+        try:
+            _run(sf.load, seconds, hints=sf.load_hints,
+                 retry=sf.load_retry if settling else frozenset())
+        except ServiceError as exc:
+            if not odd:
+                raise
+            said = "; ".join(f"{shlex.join(cmd)} " + ("did not finish" if a is None
+                                                       else f"answered {a}")
+                             for cmd, a in odd)
+            raise ServiceError(f"{exc} (before it, {said})") from None
 
 
 def _wait_unregistered(sf: ServiceFile, seconds: float) -> None:

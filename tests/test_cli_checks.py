@@ -546,6 +546,31 @@ def test_a_relative_socket_path_starting_with_at_is_a_file(short_dir: Path) -> N
         assert stop_process(proc) == 0
 
 
+def test_verify_goes_on_past_a_link_it_may_not_look_through(client: Client,
+                                                           daemon: RunningDaemon,
+                                                           short_dir: Path) -> None:
+    """A symlink in sessions/ into a directory this process may not search
+    stopped the whole check with a bare "[Errno 13]" (and no --json report),
+    when verify asked whether it led to a model's directory."""
+    need_linux_root()
+    assert client.save("m1", "a", small_cache(), [1, 2]) and client.flush(timeout=WAIT)
+    bad = entry_path(daemon.root, "a", "m1")
+    bad.write_bytes(b"garbage")
+    private = short_dir / "priv"
+    (private / "d").mkdir(parents=True)
+    private.chmod(0o000)
+    try:
+        for name in ("m2", "Notes"):
+            (daemon.root / "sessions" / name).symlink_to(private / "d")
+        r = cli("verify", "--root", str(daemon.root), "--socket", str(short_dir / "no.sock"),
+                "--json", prefix=NO_DAC)
+        report = json.loads(r.stdout)
+        assert r.returncode == 1 and [b["path"] for b in report["bad"]] == [str(bad)], r
+        assert report["could_not_read"] == [], report
+    finally:
+        private.chmod(0o700)
+
+
 def test_export_says_what_is_at_the_entry_s_place(client: Client, daemon: RunningDaemon,
                                                    short_dir: Path) -> None:
     """A symlink or a directory at an entry's place is a miss to load(), and

@@ -423,9 +423,10 @@ case "$1" in
   bootstrap) if [ -e "$STATE" ] || [ -e "$STATE.late" ]; then
                echo "Bootstrap failed: 5: Input/output error" >&2; exit 5; fi
              touch "$STATE" ;;
-  bootout) [ -e "$STATE" ] || exit 3; rm -f "$MAINPID"
+  bootout) [ -e "$STATE" ] || exit 3; [ -n "$BOOTOUT_RC" ] && exit "$BOOTOUT_RC"
+           rm -f "$MAINPID"
            if [ -n "$SETTLE" ]; then (sleep "$SETTLE"; rm -f "$STATE") >/dev/null 2>&1 &
-             [ -n "$RC36" ] && exit 36  # "Operation now in progress": still stopping
+             if [ -n "$RC36" ]; then exit 36; fi  # "Operation now in progress": still stopping
            elif [ -n "$LATE" ]; then rm "$STATE"; touch "$STATE.late"
              (sleep "$LATE"; rm -f "$STATE.late") >/dev/null 2>&1 &
            else rm "$STATE"; fi ;;
@@ -534,6 +535,23 @@ def test_install_service_says_why_launchd_kept_refusing(short_dir: Path) -> None
     assert time.monotonic() - began < 10
     assert [x.split()[1] for x in Path(env["CALLS"]).read_text().splitlines()] == [
         "bootout", "bootstrap"]
+
+
+def test_install_service_bounds_its_wait_after_a_failed_bootout(short_dir: Path) -> None:
+    """A bootout failing otherwise (1: the agent left loaded) made the
+    install wait the whole stop budget for the label to go (111 s here, an
+    hour with --drain-timeout 3600) and then say nothing of the bootout."""
+    env = _fake_managers(short_dir)
+    assert cli("install-service", "--platform", "macos", env=env).returncode == 0
+    env["BOOTOUT_RC"] = "1"
+    began = time.monotonic()
+    r = cli("install-service", "--platform", "macos", "--drain-timeout", "3600", env=env,
+            timeout=120)
+    assert r.returncode == 1, r.stderr
+    said = " ".join(r.stderr.split())
+    assert f"(before it, launchctl bootout gui/{os.getuid()}/io.github.kvkeeper.daemon " \
+        "answered 1)" in said, said
+    assert time.monotonic() - began < 60
 
 
 def _fake_managers(short_dir: Path) -> dict[str, str]:

@@ -43,7 +43,7 @@ def _store_files(root: Path, unlisted: list[tuple[Path, str]]) -> Iterator[Path]
     except OSError as exc:
         raise CommandError(f"cannot list {sessions}: {exc.strerror or exc}") from None
     for d in models:
-        if d.is_symlink() and d.is_dir() and naming.is_entry_place(d / f"a{naming.SUFFIX}"):
+        if d.is_symlink() and naming.is_entry_place(d / f"a{naming.SUFFIX}") and _leads_to_dir(d):
             # A model's directory moved and linked to, which the daemon will
             # not follow: its saves fail and its loads miss, and verify said
             # "all good" of the store. (A file, or a link to one, under such
@@ -66,6 +66,15 @@ def _store_files(root: Path, unlisted: list[tuple[Path, str]]) -> Iterator[Path]
 #: Why a model's directory that is a symbolic link is not checked.
 LINKED_MODEL_DIR = ("a symbolic link, which the daemon never follows: no save or load of "
                     "this model goes through it")
+
+
+def _leads_to_dir(link: Path) -> bool:
+    """Whether ``link`` leads to a directory; False where that cannot be told
+    (a target this process may not look at stopped the whole check)."""
+    try:
+        return link.is_dir()
+    except OSError:
+        return False
 
 
 def verify(args: argparse.Namespace) -> int:
