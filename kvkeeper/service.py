@@ -411,7 +411,7 @@ def install(sf: ServiceFile, *, load: bool = True) -> None:
         # nothing: the label is waited for as long as a bootstrap is retried,
         # not the stop timeout (an hour, with --drain-timeout 3600).
         odd = [(cmd, a) for cmd, a in zip(sf.stop_first, answers, strict=True)
-               if a not in (0, 36) and a not in sf.not_loaded]
+               if sf.wait_unregistered and a not in (0, 36) and a not in sf.not_loaded]
         if settling:
             _wait_unregistered(sf, LOAD_RETRY_SECONDS if odd else seconds)
         try:

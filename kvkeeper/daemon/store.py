@@ -63,6 +63,8 @@ def _quarantine_name(name: str) -> bool:
         return True
     found = _QUARANTINED.fullmatch(name)
     return found is not None and naming.is_entry_place(Path(found[1], found[2]))
+
+
 #: The names PendingFile gives its tmp files: ``.<entry file>.<pid>.<n>.tmp``.
 _OUR_TMP = re.compile(r"\..+" + re.escape(naming.SUFFIX) + r"\.[0-9]+\.[0-9]+"
                       + re.escape(TMP_SUFFIX))
