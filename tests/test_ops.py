@@ -512,9 +512,9 @@ def test_rm_model_deletes_what_it_can_and_names_what_it_left(
     assert not any(entry_path(daemon.root, c).exists() for c in "prs")
 
 
-def test_rm_model_says_what_it_deleted_when_the_daemon_goes_away(short_dir: Path) -> None:
-    """A daemon gone part way (stopped, restarted by a new install-service)
-    ended rm --model with "no kvkeeper daemon", the deletes done unsaid."""
+def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, str, str]:
+    """rm --model of entries p, q, r, s, t (1 s before each unlink), the
+    daemon sent ``signum`` once p is gone; rm's exit status, stdout, stderr."""
     from kvkeeper.daemon.faults import ENV
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -528,19 +528,46 @@ def test_rm_model_says_what_it_deleted_when_the_daemon_goes_away(short_dir: Path
                                "--socket", str(sock)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
         wait_for(lambda: not entry_path(root, "p").exists(), "the first delete")
-        proc.kill()  # while the second waits out its delay
+        proc.send_signal(signum)  # while the second waits out its delay
         out, errors = rm.communicate(timeout=WAIT)
     finally:
-        if proc.poll() is None:
-            stop_process(proc)
-    assert rm.returncode == 3, (out, errors)
+        if proc.poll() is None or signum == signal.SIGTERM:
+            assert stop_process(proc) == 0
+    return rm.returncode, out, errors
+
+
+def test_rm_model_says_what_it_deleted_when_the_daemon_goes_away(short_dir: Path) -> None:
+    """A daemon gone part way (stopped, restarted by a new install-service)
+    ended rm --model with "no kvkeeper daemon", the deletes done unsaid."""
+    code, out, errors = _rm_model_as_the_daemon_stops(short_dir, signal.SIGKILL)
+    assert code == 3, (out, errors)
     assert f"deleted 1 entry of model {FP}" in out, out
     said = errors.splitlines()
     assert said[0].startswith(f"kvkeeper: not deleted: {FP} / q: not known whether deleted"), said
     assert said[1:4] == [f"kvkeeper: not deleted: {FP} / {c}: not tried: the daemon went away"
                          for c in "rst"], said
     assert "daemon" in said[4] and len(said) == 5, said
-    assert all(entry_path(root, c).exists() for c in "rst")
+    assert all(entry_path(short_dir / "root", c).exists() for c in "rst")
+
+
+def test_rm_model_says_which_deletes_a_draining_daemon_refused(short_dir: Path) -> None:
+    """A daemon told to stop (SIGTERM) during rm --model finishes the delete
+    it has begun and refuses the next: that one is not deleted (not "not
+    known"), and the rest were not tried."""
+    code, out, errors = _rm_model_as_the_daemon_stops(short_dir, signal.SIGTERM)
+    assert code == 3, (out, errors)
+    # The delete in flight when the signal came is finished, or, not begun
+    # yet, refused: either way it is told as it went.
+    gone = [c for c in "pqrst" if not entry_path(short_dir / "root", c).exists()]
+    assert gone in (["p"], ["p", "q"]), gone
+    assert f"deleted {len(gone)} {'entry' if len(gone) == 1 else 'entries'} of model {FP}" \
+        in out, out
+    kept = [c for c in "pqrst" if c not in gone]
+    said = errors.splitlines()
+    assert said[:-1] == [f"kvkeeper: not deleted: {FP} / {kept[0]}: the daemon is shutting "
+                         f"down"] + [f"kvkeeper: not deleted: {FP} / {c}: not tried: the daemon "
+                                     f"is shutting down" for c in kept[1:]], said
+    assert "shutting down" in said[-1], said
 
 
 def test_ls_all_shows_what_is_not_an_entry(client: Client, daemon: RunningDaemon) -> None:
