@@ -543,8 +543,7 @@ class Daemon:
             await anyio.sleep(min(WATCH_INTERVAL, REFRESH_INTERVAL))
             if not 0 <= time.time() - refreshed < REFRESH_INTERVAL:
                 refreshed = time.time()
-                _refresh_times([sock_path, sock_path.with_name(f"{sock_path.name}.lock"),
-                                sock_path.parent])
+                _refresh_times([sock_path, lock_paths(self.cfg)[0], sock_path.parent])
             gone = None
             try:
                 if not root_lock.still_in_place():
