@@ -491,6 +491,7 @@ class Channel:
         # that went away (the I/O thread's).
         self._live_socket: tuple[int, int, int] | None = None
         self._gone_socket: tuple[int, int, int] | None = None
+        self._connections_ended = 0  # the I/O thread's
         # The I/O thread's: the daemon said it drains (then exits), or refused
         # a save as shutting down. Saves sent to it from then on would be
         # refused: they wait for the next daemon, as without a connection.
@@ -584,11 +585,11 @@ class Channel:
         return len(self._held)
 
     def daemon_returning(self) -> bool:
-        """Whether a daemon is about to be connected to although none is: a
-        socket file made less than ``RETURN_GRACE`` ago is at the daemon's
-        path, and not the one the last connection ended with (or, for
-        ``RETURN_GRACE`` after the channel was made and before its first
-        connection, a socket file something listens on). Judged by the
+        """Whether a daemon is about to be connected to, for a caller that saw
+        none connected: a socket file made less than ``RETURN_GRACE`` ago is
+        at the daemon's path, and not the one the last connection ended with
+        (or, for ``RETURN_GRACE`` after the channel was made and until its
+        first connection ends, a socket file something listens on). Judged by the
         socket's age, not by when this client first looked: a socket a
         daemon killed minutes ago left (its last restart's) was taken for
         one coming back, and every save for a second after. A stat of the
@@ -596,12 +597,15 @@ class Channel:
         found = _socket_at(self._path)
         if found is None or found == self._gone_socket:
             return False
-        if self.connections == 0 and time.monotonic() - self._made < RETURN_GRACE:
+        if self._connections_ended == 0 and time.monotonic() - self._made < RETURN_GRACE:
             # A new client's first connection, which ZeroMQ makes within
             # milliseconds: with connect_timeout=0, the first saves were
             # dropped as "no kvkeeper daemon" with the daemon up. Looked at
             # once: a dead daemon's socket must still drop them (held, they
-            # were lost at close(), which waited its whole timeout).
+            # were lost at close(), which waited its whole timeout). Made or
+            # not (no connection has ended): asked "connections == 0", a
+            # handshake landing after the caller saw none connected failed
+            # its flush(), 8 times in 1,000 here.
             if self._listened is None:
                 self._listened = _listened_on(self._path)
             if self._listened:
@@ -1110,6 +1114,7 @@ class Channel:
                             self._ends.append(ConnectionEnd(
                                 self.connections, self._sent_unanswered, self._drain))
                     self._gone_socket = self._live_socket
+                    self._connections_ended += 1
                 self.connected.clear()
                 lost = True
                 if self._unconfirmed:
