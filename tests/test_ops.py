@@ -527,7 +527,12 @@ def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, st
         rm = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "rm", "--model", FP,
                                "--socket", str(sock)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: not entry_path(root, "p").exists(), "the first delete")
+        # The second delete's delay begun: rm has had the first's answer
+        # (waiting for p's file to go raced that answer, sent just after).
+        log_path = proc.log_path  # type: ignore[attr-defined]
+        wait_for(lambda: log_path.read_text().count("step=delete_delay") == 2,
+                 "the second delete")
+        assert not entry_path(root, "p").exists()
         proc.send_signal(signum)  # while the second waits out its delay
         out, errors = rm.communicate(timeout=WAIT)
     finally:

@@ -26,6 +26,9 @@ lookup that finds nothing.
   is renamed into quarantine/, before the directories' fsyncs;
   ``delete_delay=S``: sleep S seconds before a delete's unlink (a slow one,
   for a daemon to go away in the middle of a run of deletes).
+
+A delay logs ``event=fault_delay step=NAME`` as it begins, so a test can
+wait for the step it means rather than guess at a window.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ import signal
 import threading
 import time
 
+from kvkeeper.logs import get_logger
+
+log = get_logger("kvkeeper.faults")
 ENV = "KVKEEPER_TEST_FAULTS"
 CRASH_POINTS = ("tmp_created", "half_written", "fsynced", "renamed", "dir_fsynced")
 
@@ -74,6 +80,7 @@ def slow_step(name: str) -> None:
     """Sleep for the ``renamed_delay``, ``evict_delay``, ``begin_delay``,
     ``moved_delay`` or ``delete_delay`` fault, if set."""
     if ACTIVE and name in ACTIVE:
+        log.info("event=fault_delay step=%s seconds=%s", name, ACTIVE[name])
         time.sleep(float(ACTIVE[name]))
 
 
