@@ -366,14 +366,16 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path, n: int, delay: flo
     assert sorted(logged) == sorted(unsaved), log
 
 
-def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes],
+def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes], ready: Callable[[], bool],
                        then: Callable[[], object] = lambda: None) -> list[object]:
-    """What a gc evicted, asked 0.5 s before the daemon is sent SIGTERM
-    (``then`` runs right after the signal)."""
+    """What a gc evicted, asked before the daemon is sent SIGTERM, once
+    ``ready`` says the daemon has it (``then`` runs right after the signal).
+    (After a fixed 0.5 s, a gc late to come found the drain begun, and
+    returned at once, unlogged.)"""
     answer: list[Any] = []
     asker = threading.Thread(target=lambda: answer.append(kv.gc()), daemon=True)
     asker.start()
-    time.sleep(0.5)
+    wait_for(ready, "the gc to reach the daemon")
     proc.send_signal(signal.SIGTERM)
     then()
     asker.join(WAIT)
@@ -382,13 +384,14 @@ def _gc_across_sigterm(kv: Client, proc: subprocess.Popen[bytes],
 
 
 def _gc_across_the_drain_evicts_nothing(root: Path, sock: Path, proc: subprocess.Popen[bytes],
+                                        ready: Callable[[], bool],
                                         then: Callable[[], object] = lambda: None,
                                         logged: str = "event=evictions_stopped") -> None:
     """A gc across SIGTERM (``_gc_across_sigterm``) evicts nothing of a, b
     and c, the daemon exits 0, and its log says why (``logged``)."""
     try:
         with Client(sock, timeout=WAIT) as kv:
-            assert _gc_across_sigterm(kv, proc, then) == []
+            assert _gc_across_sigterm(kv, proc, ready, then) == []
         assert proc.wait(WAIT) == 0
     finally:
         stop_process(proc, signal.SIGKILL)
@@ -402,19 +405,23 @@ def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) 
     drain all the same (here: the save itself, the one entry, which a file
     put in the root pushes over the budget; the save's own pass keeps it)."""
     MiB = 2**20
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
     proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0",
-                         "--max-disk-bytes", str(17 * MiB), env={ENV: "write_delay=0.2"})
+                         "--max-disk-bytes", str(17 * MiB), env={ENV: f"write_hold={go}"})
+    log_path = proc.log_path  # type: ignore[attr-defined]
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
-            assert kv.save(FP, "x", filled(16, 2), [2])  # written for about 3.2 s
-            wait_for(lambda: kv.stats()["saves_received"] == 1, "the big save")
+            assert kv.save(FP, "x", filled(16, 2), [2])  # written once go is there
+            wait_for(lambda: "event=fault_hold step=write" in log_path.read_text(),
+                     "the writer to be held in the big save")
             # Seen only by a rescan: over the budget with it.
             (root / "notes.bin").write_bytes(b"n" * (2 * MiB))
-            # (The gc's rescan is done at once; its evictions queue behind the save.)
-            assert _gc_across_sigterm(kv, proc) == []
+            # The gc's rescan is done at once; its evictions queue behind the save.
+            assert _gc_across_sigterm(kv, proc, lambda: kv.stats()["queue_depth"] >= 1,
+                                      then=go.touch) == []
         assert proc.wait(WAIT) == 0
     finally:
+        go.touch()
         stop_process(proc, signal.SIGKILL)
     assert version_of(entry_path(root, "x")) == 2
     assert "event=gc_cut_short reason=draining" in proc.log_path.read_text()  # type: ignore[attr-defined]
@@ -440,9 +447,10 @@ def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -
         stop_process(proc, signal.SIGKILL)
         raise
     # (The gc's rescan reads the root, and waits for go.)
+    log_path = proc.log_path  # type: ignore[attr-defined]
     _gc_across_the_drain_evicts_nothing(
-        root, sock, proc, then=lambda: (time.sleep(0.3), go.touch()),
-        logged="event=gc_cut_short reason=draining")
+        root, sock, proc, lambda: "event=fault_hold step=scan" in log_path.read_text(),
+        then=lambda: (time.sleep(0.3), go.touch()), logged="event=gc_cut_short reason=draining")
 
 
 def test_saves_are_written_while_a_gc_reads_the_root(short_dir: Path) -> None:
@@ -495,7 +503,9 @@ def test_a_start_up_scan_the_drain_meets_after_its_last_file_evicts_nothing(
     # Over a 1 MiB budget; the scan waits after its last file until the drain.
     proc = serve_process(root, sock, "--min-free-bytes", "0", "--max-disk-bytes", str(MiB),
                          env={ENV: f"scan_hold={go}"}, indexed=False)
-    _gc_across_the_drain_evicts_nothing(root, sock, proc)
+    # Nothing tells when the gc, waiting for the scan, has come: 0.5 s. What
+    # is checked holds either way (a gc come during the drain evicts nothing).
+    _gc_across_the_drain_evicts_nothing(root, sock, proc, lambda: time.sleep(0.5) is None)
 
 
 def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout(

@@ -7,6 +7,8 @@ lookup that finds nothing.
 - ``crash_at=POINT``: SIGKILL the daemon at a point of a durable replace:
   ``tmp_created``, ``half_written``, ``fsynced``, ``renamed``, ``dir_fsynced``.
 - ``write_delay=S``: sleep S seconds per MiB written (a slow disk).
+- ``write_hold=PATH``: every write of a save's bytes waits until PATH exists
+  (at most 600 s): the writer stays busy until a test lets it go.
 - ``abort_delay=S``: sleep S seconds before removing a tmp file (widens the
   writer's wait on it, for the tests of what may happen meanwhile).
 - ``no_fsync=1`` / ``no_dir_fsync=1``: skip a flush (negative controls of the
@@ -27,8 +29,9 @@ lookup that finds nothing.
   ``delete_delay=S``: sleep S seconds before a delete's unlink (a slow one,
   for a daemon to go away in the middle of a run of deletes).
 
-A delay logs ``event=fault_delay step=NAME`` as it begins, so a test can
-wait for the step it means rather than guess at a window.
+A delay logs ``event=fault_delay step=NAME`` as it begins, and a hold
+``event=fault_hold step=write`` or ``step=scan`` as it begins to wait, so a
+test can wait for the step it means rather than guess at a window.
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ def skip(flag: str) -> bool:
 
 
 def slow_write(nbytes: int) -> None:
+    if ACTIVE and "write_hold" in ACTIVE and not os.path.exists(ACTIVE["write_hold"]):
+        log.info("event=fault_hold step=write")
+        deadline = time.monotonic() + 600
+        while not os.path.exists(ACTIVE["write_hold"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
     if ACTIVE and "write_delay" in ACTIVE:
         time.sleep(float(ACTIVE["write_delay"]) * nbytes / 2**20)
 
@@ -104,6 +112,8 @@ def hold_scan(stop: threading.Event | None, files_read: int | None) -> None:
     after = ACTIVE.get("scan_hold_after")
     if (None if after is None else int(after)) != files_read:
         return
+    if not os.path.exists(ACTIVE["scan_hold"]):
+        log.info("event=fault_hold step=scan")
     deadline = time.monotonic() + 600
     while not os.path.exists(ACTIVE["scan_hold"]) and time.monotonic() < deadline:
         if stop is not None and stop.wait(0.02):
