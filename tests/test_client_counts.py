@@ -96,6 +96,17 @@ def test_a_log_handler_that_raises_at_the_lost_saves_line_does_not_undo_close(
     assert not [r for r in caplog.records if "client_close_slow" in r.getMessage()]
 
 
+def _wait_until_part_sent(kv: Client) -> None:
+    """Until the I/O thread has handed ZeroMQ some of the save it is sending:
+    a save none of which went is kept for the next daemon, not lost (a fixed
+    1 s stood for this, and a slow machine can take longer)."""
+    def part_sent() -> bool:
+        save = kv._channel._piping
+        return save is not None and save.piped > 0
+
+    wait_for(part_sent, "the save's first messages to go")
+
+
 def test_a_save_cut_short_by_the_daemons_death_is_logged_lost_with_its_key(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The line read 'event=save_lost "reason=connection_lost"' (the reason
@@ -108,7 +119,7 @@ def test_a_save_cut_short_by_the_daemons_death_is_logged_lost_with_its_key(
                 caplog.at_level(logging.WARNING, logger="kvkeeper"):
             proc.send_signal(signal.SIGSTOP)
             assert kv.save(FP, "big", filled(96, 2), [2])  # ZeroMQ takes 32 MiB of it
-            time.sleep(1.0)  # the I/O thread hands ZeroMQ its first messages at once
+            _wait_until_part_sent(kv)
             proc.send_signal(signal.SIGKILL)
             wait_for(lambda: kv.client_stats()["client_saves_lost"] == 1, "the save to be lost")
     finally:
@@ -770,7 +781,7 @@ def test_a_load_after_a_restart_that_took_its_save_says_it_may_be_stale(
             else:
                 proc.send_signal(signal.SIGSTOP)  # it reads no more
                 assert kv.save(FP, "k", filled(96, 2), [2])
-                time.sleep(1.0)  # what ZeroMQ's buffers take of it went
+                _wait_until_part_sent(kv)  # what ZeroMQ's buffers take of it
             stop_process(proc, signal.SIGKILL)
             wait_for(lambda: not kv.connected, "the client to see the daemon go")
             proc = serve_process(root, sock)
@@ -820,7 +831,15 @@ def test_a_refusal_taken_in_during_a_flush_it_does_not_cover_still_warns(
             flushed: list[bool] = []
             t = threading.Thread(target=lambda: flushed.append(kv.flush(timeout=WAIT)))
             t.start()
-            time.sleep(0.5)  # the flush's request queued, after a's save
+            # The flush's request queued, after a's save (a fixed 0.5 s stood
+            # for it: a flush thread late to start covered k too).
+            ch = kv._channel
+
+            def flush_queued() -> bool:
+                with ch._lock:
+                    return any(r.sent or r in ch._outbox for r in ch._waiting.values())
+
+            wait_for(flush_queued, "the flush's request to be queued")
             assert kv.save(FP, "k", filled(5, 2), [2])  # refused: over the disk budget
             time.sleep(0.3)
             proc.send_signal(signal.SIGCONT)

@@ -427,7 +427,11 @@ def test_a_save_replaced_while_it_replaces_a_parked_one_passes_its_client_on(
             slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"a" * HALF])
             wait_for(lambda: tmp_files(root) != [], "the stalled save's tmp file")
             assert save_whole(other, "k", b"2", send_only=True) is None
-            time.sleep(1.2)  # parked after 0.5 s, then its tmp file going for 2 s
+            # Parked after 0.5 s, then replaced: its tmp file goes for 2 s,
+            # from this line on (a fixed 1.2 s missed it on a late park).
+            log_path = proc.log_path  # type: ignore[attr-defined]
+            wait_for(lambda: "step=abort_delay" in log_path.read_text(),
+                     "the parked save's tmp file to be going")
             other.send(begin(save=2, cache_id="k", tensors=[m.TensorSpec("t0", "U8", [1000])]))
             other.send_multipart([m.encode(m.SaveData(v=V, save=2, frames=1)), b"3" * 500])
             # A new save of the same client abandons that one half way: it fails.

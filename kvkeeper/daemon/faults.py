@@ -80,13 +80,12 @@ def slow_write(nbytes: int) -> None:
 
 
 def slow_abort() -> None:
-    if ACTIVE and "abort_delay" in ACTIVE:
-        time.sleep(float(ACTIVE["abort_delay"]))
+    slow_step("abort_delay")
 
 
 def slow_step(name: str) -> None:
     """Sleep for the ``renamed_delay``, ``evict_delay``, ``begin_delay``,
-    ``moved_delay`` or ``delete_delay`` fault, if set."""
+    ``moved_delay``, ``delete_delay`` or ``abort_delay`` fault, if set."""
     if ACTIVE and name in ACTIVE:
         log.info("event=fault_delay step=%s seconds=%s", name, ACTIVE[name])
         time.sleep(float(ACTIVE[name]))
