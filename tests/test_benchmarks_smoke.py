@@ -6,6 +6,7 @@ No timing is asserted: only that every case ran and reported what the report nee
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -223,11 +224,14 @@ def test_call_clock_tells_a_wait_for_the_core_from_a_block() -> None:
         return
     cpu = min(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                           preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    hog = subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"],
+                           stdout=subprocess.PIPE, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
     try:
         os.sched_setaffinity(0, {cpu})  # this thread only, on Linux
-        time.sleep(0.2)  # the hog is running
+        # The hog is spinning once it has said so (a fixed 0.2 s stood for
+        # this: a slow interpreter start left the spin below the core).
+        assert hog.stdout is not None
+        assert select.select([hog.stdout], [], [], WAIT)[0], "the hog did not start"
 
         def spin() -> None:
             end = time.thread_time() + 0.05  # 50 ms of this thread's CPU

@@ -180,8 +180,11 @@ def test_a_direct_load_counts_at_once_for_other_clients(short_dir: Path) -> None
             for name in ("a", "b", "c"):
                 assert writer.save(FP, name, filled(1, 1), [1]) and writer.flush(timeout=WAIT)
                 time.sleep(0.01)
+            before = writer.stats()["loads_direct"]
             assert reader.load(FP, "a", verify=False) is not None  # read directly
-            time.sleep(0.05)
+            # The use told (a fixed 0.05 s stood for this: a reader's I/O
+            # thread late to run let d's save evict a).
+            wait_for(lambda: writer.stats()["loads_direct"] == before + 1, "a's use to be told")
             assert writer.save(FP, "d", filled(1, 1), [1]) and writer.flush(timeout=WAIT)
             assert {e.cache_id for e in writer.entries()} == {"a", "c", "d"}
             before = writer.stats()["loads_direct"]
