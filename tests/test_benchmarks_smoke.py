@@ -245,6 +245,8 @@ def test_call_clock_tells_a_wait_for_the_core_from_a_block() -> None:
         os.sched_setaffinity(0, before)
         hog.kill()
         hog.wait(WAIT)
+        if hog.stdout is not None:
+            hog.stdout.close()
     busy_wall, sleep_wall = clock.wall
     assert clock.cpu[0] >= 0.05
     # Sharing one core with the hog, the spinning call waited for it.
