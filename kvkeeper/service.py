@@ -104,6 +104,21 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
     return [os.path.abspath(sys.executable), "-m", "kvkeeper.cli", "serve", *serve_args]
 
 
+def cache_holding(path: str) -> str | None:
+    """The nearest directory above ``path`` tagged as a cache (it holds a
+    ``CACHEDIR.TAG``, as uv's cache does, where ``uvx`` puts the tools it
+    runs), or None. What is in one may be deleted at any time (``uv cache
+    clean``), so a service must not run an interpreter from there."""
+    here = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isfile(os.path.join(here, "CACHEDIR.TAG")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
 #: Why launchctl refuses gui/<uid> (112, 125) to a user, and what to do.
 NO_GUI_DOMAIN = ("launchd's gui/<uid> domain exists only while this user is logged in at the "
                  "Mac's screen, which an ssh session is not: the agent file is written and "

@@ -897,6 +897,43 @@ def _exec_start(unit: str) -> list[str]:
     return shlex.split(line.removeprefix("ExecStart="))
 
 
+def test_install_service_warns_of_an_interpreter_in_a_cache(short_dir: Path) -> None:
+    """uvx runs kvkeeper from an environment in uv's cache: install-service
+    wrote that interpreter into the service, said it was done, and the
+    service stopped starting once the cache was cleared (uv cache clean).
+    It now warns, naming the cache. Here the environment is this suite's,
+    seen from a directory tagged as a cache (CACHEDIR.TAG, as uv's is)."""
+    cache = short_dir / "cache"
+    env_dir = cache / "archive-v0" / "x1"
+    (env_dir / "bin").mkdir(parents=True)
+    (cache / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+    if (Path(sys.prefix) / "pyvenv.cfg").exists():  # a virtual environment: this one
+        shutil.copyfile(Path(sys.prefix) / "pyvenv.cfg", env_dir / "pyvenv.cfg")
+        for lib in ("lib", "lib64"):
+            if (Path(sys.prefix) / lib).is_dir():
+                (env_dir / lib).symlink_to(Path(sys.prefix) / lib)
+    python = env_dir / "bin" / "python"
+    python.symlink_to(os.path.realpath(sys.executable))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
+    for platform in ("linux", "macos"):
+        r = subprocess.run([str(python), "-m", "kvkeeper.cli", "install-service", "--print",
+                            "--platform", platform], capture_output=True, text=True,
+                           timeout=WAIT, env=base)
+        assert r.returncode == 0, r.stderr
+        command = (_exec_start(r.stdout) if platform == "linux"
+                   else plistlib.loads(r.stdout.encode())["ProgramArguments"])
+        assert command[0] == str(python)  # what the service would run
+        said = " ".join(r.stderr.split())
+        assert said.startswith(f"kvkeeper: warning: the service runs {python}, which is "
+                               f"inside a cache directory ({cache} holds a CACHEDIR.TAG"), said
+        assert said.endswith("Install kvkeeper where it stays (a virtual environment, or uv "
+                             "tool install), and run install-service from there."), said
+    # This suite's interpreter, in no cache: no word.
+    r = cli("install-service", "--print", "--platform", "linux")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path) -> None:
     """kvkeeper run from a source tree through PYTHONPATH: the service
     manager passes no environment on, and the service (run from /) imported

@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.text import Text
 
-from kvkeeper.ops.common import CommandError, out, shown
+from kvkeeper.ops.common import CommandError, err, out, shown
 
 
 def serve_args_for_service(args: argparse.Namespace) -> list[str]:
@@ -175,6 +175,7 @@ def install_service(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), status=2) from None
     sf = _service_file(service, serve_args, values["drain_timeout"], _platform(args),
                        background=values["cpu_policy"] == "batch", python_path=python_path)
+    _warn_if_cached(service)
     if args.print:
         print(sf.content.decode(), end="")
         return 0
@@ -209,6 +210,21 @@ def install_service(args: argparse.Namespace) -> int:
     out.print(Text.assemble("installed ", shown(sf.path), how))
     out.print(Text.assemble("  ", shown(start)), soft_wrap=True)
     return 0
+
+
+def _warn_if_cached(service: Any) -> None:
+    """Warn when the interpreter the service is to run lives in a cache
+    (``uvx kvkeeper install-service``): the service stops starting once the
+    cache is cleared, long after the install said it was done."""
+    python = service.serve_command([])[0]
+    cache = service.cache_holding(python)
+    if cache is not None:
+        err.print(Text.assemble(
+            "kvkeeper: warning: the service runs ", shown(python), ", which is inside a "
+            "cache directory (", shown(cache), " holds a CACHEDIR.TAG, as uv's does, where "
+            "uvx runs tools from): once that cache is cleared (uv cache clean), the service "
+            "no longer starts. Install kvkeeper where it stays (a virtual environment, or "
+            "uv tool install), and run install-service from there."))
 
 
 def _wanted_by(link: Path) -> bool:
