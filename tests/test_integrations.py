@@ -1177,6 +1177,20 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
         with pytest.raises(TypeError, match=said):
             kv_vlm.stream_generate(None, "tiny-vlm", "chat", model, processor,
                                    input_ids=[5, 6, 7], max_tokens=2)
+    # The mlx-lm Session took an mlx-vlm model, or mlx_lm.load's (model,
+    # tokenizer) as the model, and failed at the first token (TypeError,
+    # AttributeError, deep inside mlx-lm; a review). mlx-lm's wrapper is its own.
+    for model, said in ((tiny_vlm_llama(), "is an mlx-vlm model: use "
+                                           "kvkeeper.integrations.mlx_vlm.Session"),
+                        ((tiny_llama(seed=3), lm_tok), "model is a tuple")):
+        with pytest.raises(TypeError, match=said):
+            kv_lm.Session(None, "tiny-lm", "chat", model, lm_tok)
+    assert kv_lm.Session(None, "tiny-lm", "chat", lm_wrapper, lm_tok).model is lm_wrapper
+    # plan_reuse given the prompt's text compared its characters with the ids:
+    # a cold plan, "nothing in common" (a review).
+    for prompt_ids, cached in (("hello", [1, 2]), ([1, 2], "hello"), (b"hi", [1])):
+        with pytest.raises(ValueError, match="not text"):
+            plan_reuse(None, cached, prompt_ids)
     for bad_id in (VOCAB, 2**64 - 1, -1):
         for given in ([5, bad_id, 7], np.array([5, bad_id, 7], dtype=np.uint64 if bad_id > 0
                                                else np.int64)):
@@ -1563,6 +1577,70 @@ def test_a_trimmed_cache_of_more_kv_heads_starts_cold(
         ask(s, more[:22] + [7, 8, 9])
         assert s.last_plan is not None and s.last_plan.source == "kvkeeper"
         assert s.last_plan.action == "trim"
+
+
+def test_a_trimmed_window_of_more_kv_heads_fed_one_token_starts_cold(
+        lm_tok: TokenizerWrapper, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above with max_kv_size (RotatingKVCache layers, not yet full), and
+    a prompt that leaves the saved conversation one token before its end (a
+    regenerate): the trim's spare rows took the one head's keys of the
+    single new token, and the session streamed other tokens than a cold run,
+    with no error, and saved that cache (a review)."""
+    def session(kv: Client | None, model: nn.Module) -> kv_lm.Session:
+        return kv_lm.Session(kv, "model-w", "chat" if kv else "mem", model, lm_tok)
+
+    def ask(s: kv_lm.Session, ids: list[int]) -> list[int]:
+        return s.generate(ids, max_tokens=8, max_kv_size=64)
+
+    ids = prompt(30, seed=3)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        first = session(kv, tiny_qwen2(seed=4, kv_heads=2))
+        ask(first, ids)
+        assert first.cache is not None
+        assert {type(layer).__name__ for layer in first.cache} == {"RotatingKVCache"}
+        assert kv.flush(timeout=WAIT) is True
+    more = ids[:20] + [ids[20] + 1]
+    one = tiny_qwen2(seed=4, kv_heads=1)
+    want = ask(session(None, one), more)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        s = session(kv, one)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            got = ask(s, more)
+        plan = s.last_plan
+        assert plan is not None and plan.action == "cold" and plan.source == "kvkeeper", plan
+        assert plan.reason.startswith("the saved cache failed in the model (ValueError"), plan
+        assert got == want
+    # The same model restored, trimmed and fed one token: used, as in memory.
+    two = tiny_qwen2(seed=4, kv_heads=2)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        ask(session(kv, two), ids)
+        assert kv.flush(timeout=WAIT) is True
+        s = session(kv, two)
+        got = ask(s, more)
+        assert s.last_plan is not None and s.last_plan.action == "trim"
+    assert got == ask(session(None, two), more)
+
+
+@pytest.mark.parametrize("library", ["mlx_lm", "mlx_vlm"])
+def test_a_restored_window_trimmed_refuses_keys_of_other_heads(
+        client: Client, library: str) -> None:
+    """Both libraries' RotatingKVCache, restored and trimmed by plan_reuse
+    (a caller's own loop): one token of keys with 1 head for a cache of 2
+    was written into the rows the trim left, no error."""
+    cls = RotatingKVCache if library == "mlx_lm" else vlm_cache.RotatingKVCache
+    layer = cls(max_size=64, keep=4)
+    x = mx.ones((1, 2, 30, 64), dtype=mx.bfloat16)
+    layer.update_and_fetch(x, x)
+    assert client.save("fp", f"window-{library}", [layer], list(range(30)))
+    got = client.load("fp", f"window-{library}")
+    assert got is not None and type(got.cache[0]) is cls
+    plan = plan_reuse(got.cache, got.token_ids, list(range(20)) + [99])
+    assert plan.action == "trim" and plan.prefill == 1
+    one = mx.ones((1, 1, 1, 64), dtype=mx.bfloat16)
+    with pytest.raises(ValueError):
+        keys, _ = got.cache[0].update_and_fetch(one, one)
+        mx.eval(keys)
 
 
 @pytest.mark.parametrize("library", ["mlx-lm", "mlx-vlm"])

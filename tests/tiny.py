@@ -82,13 +82,13 @@ def tiny_lfm2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> lfm2.Model:
     return _finish(lfm2.Model(args), dtype)
 
 
-def tiny_qwen2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> qwen2.Model:
+def tiny_qwen2(seed: int = 0, dtype: mx.Dtype = mx.bfloat16, kv_heads: int = 2) -> qwen2.Model:
     """A 4-layer qwen2 with random weights. It has no cache layout of its own,
     so ``max_kv_size`` gives mlx-lm's RotatingKVCache (which keeps 4 tokens)."""
     mx.random.seed(seed)
     args = qwen2.ModelArgs(model_type="qwen2", hidden_size=256, num_hidden_layers=4,
                            intermediate_size=512, num_attention_heads=4, rms_norm_eps=1e-5,
-                           vocab_size=VOCAB, num_key_value_heads=2)
+                           vocab_size=VOCAB, num_key_value_heads=kv_heads)
     return _finish(qwen2.Model(args), dtype)
 
 

@@ -181,6 +181,12 @@ def plan_reuse(
     process (``source`` other than "memory": a ``load()``'s) is trimmed down
     to the rows it keeps (see ``_cut_to_offsets``). Ids come as sequences of
     integers, or arrays of shape (n,) or (1, n) (ValueError for others)."""
+    for ids, what in ((prompt_ids, "the prompt's ids"), (cached_ids, "the cached ids")):
+        if isinstance(ids, (str, bytes)):
+            # mlx-lm's stream_generate takes a prompt's text: given here, its
+            # characters were compared as ids (a cold plan, "nothing in common").
+            raise ValueError(f"{what} must be token ids, not text ({type(ids).__name__}): "
+                             f"tokenize it first")
     if hasattr(prompt_ids, "shape"):
         prompt_ids = token_ids_of(prompt_ids)
     if cached_ids is not None and hasattr(cached_ids, "shape"):
@@ -229,9 +235,32 @@ def plan_reuse(
 _CUT_CLASSES = frozenset({"KVCache", "QuantizedKVCache"})
 
 
+def _rows_kept(layer: Any) -> int | None:
+    """How many rows of a trimmed layer's buffer hold its tokens, where the
+    rest may be cut (None: keep the buffer as it is). A RotatingKVCache that
+    has not wrapped around (its write index at its offset, short of its
+    window) holds them in order, grows by concatenation once full as a
+    KVCache does, and, trimmed and fed one token, wrote another model's
+    keys into the rows the trim left (``max_kv_size``: wrong tokens, no
+    error; a review). A ChunkedKVCache is left: an older mlx-lm trims its
+    front by its buffer's size, so cutting it would change its logits; it
+    comes beside KVCache layers (llama4), which refuse another model."""
+    offset = getattr(layer, "offset", None)
+    if type(offset) is not int:
+        return None
+    name = type(layer).__name__
+    if name in _CUT_CLASSES:
+        return offset
+    if name == "RotatingKVCache":
+        size, idx = getattr(layer, "max_size", None), getattr(layer, "_idx", None)
+        if type(size) is int and idx == offset < size:
+            return offset
+    return None
+
+
 def _cut_to_offsets(layers: Sequence[Any]) -> None:
-    """Cut the buffers of trimmed KVCache and QuantizedKVCache layers to the
-    rows they hold. A cache restored from kvkeeper is known to fit the model
+    """Cut the buffers of trimmed KVCache, QuantizedKVCache and (not wrapped
+    around) RotatingKVCache layers to the rows they hold. A cache restored from kvkeeper is known to fit the model
     only once the model has run on it: one saved under the same model id by
     a model with more KV heads, trimmed, kept spare rows into which the keys
     of a model with one KV head broadcast without an error (wrong tokens,
@@ -247,13 +276,13 @@ def _cut_to_offsets(layers: Sequence[Any]) -> None:
         if children is not None:
             _cut_to_offsets(children)
             continue
-        offset = getattr(layer, "offset", None)
-        if type(layer).__name__ not in _CUT_CLASSES or type(offset) is not int:
+        rows = _rows_kept(layer)
+        if rows is None:
             continue
         for name in ("keys", "values"):
             held = getattr(layer, name, None)
             if held is not None:
-                setattr(layer, name, _first_rows(held, offset))
+                setattr(layer, name, _first_rows(held, rows))
 
 
 def _first_rows(held: Any, n: int) -> Any:

@@ -74,8 +74,17 @@ class Session(SessionBase):
     ) -> None:
         super().__init__(client, model_id, session_id, every_tokens=every_tokens,
                          every_seconds=every_seconds, metadata=metadata)
-        if model is None:  # it failed only at the first request, deep inside
+        # Else each failed only at the first token, deep inside mlx-lm
+        # (after a server sent its headers).
+        if model is None:
             raise TypeError("model is None: give the model mlx_lm.load returned")
+        if isinstance(model, tuple):
+            raise TypeError("model is a tuple: mlx_lm.load returns (model, tokenizer), "
+                            "give them as two arguments")
+        if hasattr(model, "language_model") and hasattr(model, "config"):
+            # (mlx-lm's own wrappers of vision models have no config.)
+            raise TypeError(f"{type(model).__name__} is an mlx-vlm model: use "
+                            f"kvkeeper.integrations.mlx_vlm.Session")
         self.model = model
         if tokenizer is None:
             raise TypeError("tokenizer is None: give the tokenizer mlx_lm.load returned")
