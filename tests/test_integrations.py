@@ -1542,6 +1542,25 @@ def test_a_saved_cache_of_another_head_count_starts_cold_once(
             assert s.last_plan is not None and s.last_plan.action == "cold"
 
 
+def _runs_cold_as_unusable(daemon: RunningDaemon, caplog: pytest.LogCaptureFixture,
+                           session: Callable[[Client | None, nn.Module], Any],
+                           ask: Callable[..., list[int]], model: nn.Module,
+                           more: list[int]) -> None:
+    """A request of ``model`` for ``more`` on the entry saved by another
+    model: it runs cold (``restore_unusable``), with a cold run's tokens,
+    and its save replaces the entry."""
+    want = ask(session(None, model), more)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        s = session(kv, model)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            got = ask(s, more)
+        plan = s.last_plan
+        assert plan is not None and plan.action == "cold" and plan.source == "kvkeeper", plan
+        assert plan.reason.startswith("the saved cache failed in the model (ValueError"), plan
+        assert got == want
+        assert kv.flush(timeout=WAIT) is True
+
+
 @pytest.mark.parametrize("lib", ["mlx_lm", "mlx_vlm"])
 def test_a_trimmed_cache_of_more_kv_heads_starts_cold(
         lib: str, lm_tok: TokenizerWrapper, daemon: RunningDaemon,
@@ -1561,17 +1580,9 @@ def test_a_trimmed_cache_of_more_kv_heads_starts_cold(
     more = ids[:20] + prompt(5, seed=9)
     assert more[20] != ids[20]
     one = model_with(1)
-    want = ask(session(None, one), more)
+    _runs_cold_as_unusable(daemon, caplog, session, ask, one, more)
+    assert "event=restore_unusable model=model-y id=chat" in caplog.text
     with Client(daemon.socket, timeout=WAIT) as kv:
-        s = session(kv, one)
-        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
-            got = ask(s, more)
-        plan = s.last_plan
-        assert plan is not None and plan.action == "cold" and plan.source == "kvkeeper"
-        assert plan.reason.startswith("the saved cache failed in the model (ValueError")
-        assert "event=restore_unusable model=model-y id=chat" in caplog.text
-        assert got == want
-        assert kv.flush(timeout=WAIT) is True
         # The entry is the one-head model's now: a trim of it is used.
         s = session(kv, one)
         ask(s, more[:22] + [7, 8, 9])
@@ -1601,16 +1612,7 @@ def test_a_trimmed_window_of_more_kv_heads_fed_one_token_starts_cold(
         assert {type(layer).__name__ for layer in first.cache} == {"RotatingKVCache"}
         assert kv.flush(timeout=WAIT) is True
     more = ids[:20] + [ids[20] + 1]
-    one = tiny_qwen2(seed=4, kv_heads=1)
-    want = ask(session(None, one), more)
-    with Client(daemon.socket, timeout=WAIT) as kv:
-        s = session(kv, one)
-        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
-            got = ask(s, more)
-        plan = s.last_plan
-        assert plan is not None and plan.action == "cold" and plan.source == "kvkeeper", plan
-        assert plan.reason.startswith("the saved cache failed in the model (ValueError"), plan
-        assert got == want
+    _runs_cold_as_unusable(daemon, caplog, session, ask, tiny_qwen2(seed=4, kv_heads=1), more)
     # The same model restored, trimmed and fed one token: used, as in memory.
     two = tiny_qwen2(seed=4, kv_heads=2)
     with Client(daemon.socket, timeout=WAIT) as kv:
