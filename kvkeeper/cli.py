@@ -486,10 +486,12 @@ def _command(argv: list[str] | None) -> int:
     escape = getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure")
     if escape:
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # hasattr above
-    global _terminated, _interrupted, _sigterm_before, _sigint_before, _hook_before
-    _terminated = _interrupted = False
+    global _terminated, _interrupted, _sigterm_before, _sigint_before, _hook_before, _owed
+    _terminated = _interrupted = _owed = False
     try:
-        return _main(argv)
+        status = _main(argv)
+        _settle_redelivery()  # an interrupt still owed is the command's
+        return status
     except BrokenPipeError:
         # The reader went away (kvkeeper ls | head): nothing more to say, and
         # no traceback. Python would fail again flushing stdout at exit.
@@ -515,6 +517,7 @@ def _command(argv: list[str] | None) -> int:
         print("\nkvkeeper: interrupted", file=sys.stderr)
         return 130
     finally:
+        _cancel_redelivery()
         if _sigterm_before is not None:
             signal.signal(signal.SIGTERM, _sigterm_before)
             _sigterm_before = None
@@ -536,6 +539,9 @@ _interrupted = False
 _sigterm_before: signal.Handlers | Callable[[int, Any], Any] | int | None = None
 _sigint_before: signal.Handlers | Callable[[int, Any], Any] | int | None = None
 _hook_before: Callable[[Any], Any] | None = None
+#: An interrupt lost where Python ignores exceptions, and its sending again.
+_owed = False
+_again: threading.Timer | None = None
 
 
 def _terminate_as_interrupt() -> None:
@@ -552,20 +558,26 @@ def _terminate_as_interrupt() -> None:
     global _sigterm_before, _sigint_before, _hook_before
 
     def interrupt(signum: int, _frame: Any) -> None:
-        global _terminated, _interrupted
+        global _terminated, _interrupted, _owed
         if not _interrupted:
             _interrupted = True
+            _owed = False
             _terminated = signum == signal.SIGTERM
             raise KeyboardInterrupt
 
+    took = False
     try:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             _sigterm_before = signal.signal(signal.SIGTERM, interrupt)
+            took = True
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             _sigint_before = signal.signal(signal.SIGINT, interrupt)
+            took = True
     except ValueError:  # not the main thread: signals are not ours to take
         pass
-    if _sigterm_before is not None or _sigint_before is not None:
+    # (A main() called inside a command's main() takes no handler: the hook
+    # would have saved itself as the one to hand on to.)
+    if took and sys.unraisablehook is not _redeliver:
         _hook_before = sys.unraisablehook
         sys.unraisablehook = _redeliver
 
@@ -578,16 +590,38 @@ def _redeliver(unraisable: Any) -> None:
     "Exception ignored" traceback (1 run in 150 with Ctrl-C as ZeroMQ
     loads). It is sent again, from another thread 50 ms on (at once, it
     was raised inside this hook, and ignored too), and it raises."""
-    global _interrupted
+    global _interrupted, _owed, _again
     if (isinstance(unraisable.exc_value, KeyboardInterrupt) and _interrupted
             and (_sigint_before is not None or _sigterm_before is not None)):
         _interrupted = False
+        _owed = True
         signum = signal.SIGTERM if _terminated else signal.SIGINT
-        again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
-        again.daemon = True
-        again.start()
+        _cancel_redelivery()
+        _again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+        _again.daemon = True
+        _again.start()
         return
     (_hook_before or sys.__unraisablehook__)(unraisable)
+
+
+def _cancel_redelivery() -> None:
+    global _again
+    if _again is not None:
+        _again.cancel()
+        _again = None
+
+
+def _settle_redelivery() -> None:
+    """At the command's end: an interrupt sent again but not yet raised is
+    raised here, inside the command (left to its timer, it hit whatever
+    the caller did next, or a next command run in the same process). One
+    already on its way raises on its own, here too."""
+    global _interrupted, _owed
+    _cancel_redelivery()
+    if _owed:
+        _owed = False
+        _interrupted = True
+        raise KeyboardInterrupt
 
 
 def _main(argv: list[str] | None) -> int:

@@ -713,6 +713,73 @@ def test_ctrl_c_where_python_ignores_exceptions_still_ends_the_command(
     assert r.returncode == 130 and r.stderr.strip() == "kvkeeper: interrupted", r.stderr
 
 
+_CTRL_C_AT_THE_END_THEN_MORE = """
+import gc, json, os, signal, sys, time
+import kvkeeper.cli as cli
+from kvkeeper import ops
+
+class Late:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000):
+            pass
+
+class Raising:
+    def __del__(self):
+        raise ValueError("an ordinary error in a __del__")
+
+caller_hook_saw = []
+sys.unraisablehook = lambda u: caller_hook_saw.append(type(u.exc_value).__name__)
+real = ops.install_service
+
+def install_then_interrupted(args):
+    status = real(args)
+    c = Late(); c.me = c; del c; gc.collect()  # Ctrl-C in the command's last moment
+    return status
+
+def install_with_a_nested_main(args):
+    ops.install_service = real
+    sys.argv = ["kvkeeper", "install-service", "--print", "--platform", "linux"]
+    inner = cli.main()
+    c = Raising(); c.me = c; del c; gc.collect()
+    return inner
+
+said = []
+sys.argv = ["kvkeeper", "install-service", "--print", "--platform", "linux"]
+ops.install_service = install_then_interrupted
+said.append(cli.main())
+ops.install_service = real
+try:
+    time.sleep(0.3)  # the caller's own work
+    said.append("slept")
+except KeyboardInterrupt:
+    said.append("the caller interrupted")
+ops.install_service = install_with_a_nested_main
+said.append(cli.main())
+said.append(sys.unraisablehook.__name__)
+print(json.dumps([said, caller_hook_saw]))
+"""
+
+
+def test_an_interrupt_sent_again_is_the_commands_and_hooks_nest(short_dir: Path) -> None:
+    """A Ctrl-C ignored in a __del__ in a command's last moment was sent
+    again 50 ms on, after main() had returned 0: it hit the caller's next
+    call. A main() inside a command's main() took the hook as the one to
+    hand on to: an ordinary error in a __del__ then recursed, and the
+    caller's hook stayed replaced (a review). In-process, as a script would."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")},
+           "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_AT_THE_END_THEN_MORE], cwd=short_dir,
+                       capture_output=True, text=True, timeout=WAIT, env=env,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.returncode == 0, r.stderr
+    said, caller_hook_saw = json.loads(r.stdout.splitlines()[-1])
+    assert said == [130, "slept", 0, "<lambda>"], (said, r.stderr)
+    assert caller_hook_saw == ["ValueError"], r.stderr
+    assert "RecursionError" not in r.stderr, r.stderr
+
+
 def _wait_until_zmq_is_loaded(pid: int) -> None:
     """Until the command has loaded ZeroMQ, which it imports after its
     signal handlers are in (Linux: its memory map), and 0.3 s more, past the
