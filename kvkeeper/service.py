@@ -105,11 +105,17 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
 
 
 def cache_holding(path: str) -> str | None:
-    """The nearest directory above ``path`` tagged as a cache (it holds a
-    ``CACHEDIR.TAG``, as uv's cache does, where ``uvx`` puts the tools it
-    runs), or None. What is in one may be deleted at any time (``uv cache
-    clean``), so a service must not run an interpreter from there."""
+    """The nearest directory above the interpreter ``path`` tagged as a cache
+    (it holds a ``CACHEDIR.TAG``, as uv's cache does, where ``uvx`` puts the
+    tools it runs), or None. What is in one may be deleted at any time (``uv
+    cache clean``), so a service must not run an interpreter from there.
+    Looked for above a virtual environment's root (its ``pyvenv.cfg``): uv
+    and virtualenv tag every environment they make, so that backups skip
+    it, and each was taken for a cache."""
     here = os.path.dirname(os.path.abspath(path))
+    root = os.path.dirname(here)  # bin/'s parent
+    if os.path.isfile(os.path.join(root, "pyvenv.cfg")):
+        here = os.path.dirname(root)
     while True:
         if os.path.isfile(os.path.join(here, "CACHEDIR.TAG")):
             return here

@@ -1058,6 +1058,15 @@ def test_install_service_warns_of_an_interpreter_in_a_cache(short_dir: Path) -> 
     # This suite's interpreter, in no cache: no word.
     r = cli("install-service", "--print", "--platform", "linux")
     assert r.returncode == 0 and r.stderr == "", r.stderr
+    # A virtual environment that tags itself (uv's and virtualenv's do, for
+    # backups), not in a cache: no word either (a review: it was warned of).
+    if (env_dir / "pyvenv.cfg").exists():
+        (cache / "CACHEDIR.TAG").unlink()
+        (env_dir / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+        r = subprocess.run([str(python), "-m", "kvkeeper.cli", "install-service", "--print",
+                            "--platform", "linux"], capture_output=True, text=True,
+                           timeout=WAIT, env=base)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path) -> None:
