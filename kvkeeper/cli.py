@@ -487,18 +487,27 @@ def _command(argv: list[str] | None) -> int:
     if escape:
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # hasattr above
     global _terminated, _interrupted, _sigterm_before, _sigint_before, _hook_before, _owed
-    _terminated = _interrupted = _owed = False
+    # A main() run by a command's own main() (a script's fake command): the
+    # signal state is the outer command's, and so is an interrupt.
+    nested = _sigterm_before is not None or _sigint_before is not None
+    if not nested:
+        _terminated = _interrupted = _owed = False
     try:
         status = _main(argv)
-        _settle_redelivery()  # an interrupt still owed is the command's
+        if not nested:
+            _settle_redelivery()  # an interrupt still owed is the command's
         return status
     except BrokenPipeError:
         # The reader went away (kvkeeper ls | head): nothing more to say, and
         # no traceback. Python would fail again flushing stdout at exit.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        if _owed and not nested:
+            return 128 + signal.SIGTERM if _terminated else 130
         return 1
     except KeyboardInterrupt:
+        if nested:
+            raise
         # Ctrl-C: what the command was doing is undone where it can be
         # (export's tmp file), and a traceback would tell the user nothing.
         if argv is None:
@@ -517,16 +526,17 @@ def _command(argv: list[str] | None) -> int:
         print("\nkvkeeper: interrupted", file=sys.stderr)
         return 130
     finally:
-        _cancel_redelivery()
-        if _sigterm_before is not None:
-            signal.signal(signal.SIGTERM, _sigterm_before)
-            _sigterm_before = None
-        if _sigint_before is not None:
-            signal.signal(signal.SIGINT, _sigint_before)
-            _sigint_before = None
-        if _hook_before is not None:
-            sys.unraisablehook = _hook_before
-            _hook_before = None
+        if not nested:
+            _end_redelivery()
+            if _sigterm_before is not None:
+                signal.signal(signal.SIGTERM, _sigterm_before)
+                _sigterm_before = None
+            if _sigint_before is not None:
+                signal.signal(signal.SIGINT, _sigint_before)
+                _sigint_before = None
+            if _hook_before is not None:
+                sys.unraisablehook = _hook_before
+                _hook_before = None
         logging.disable(disabled)
         if escape:
             sys.stdout.reconfigure(errors="strict")  # type: ignore[union-attr]  # hasattr above
@@ -542,6 +552,7 @@ _hook_before: Callable[[Any], Any] | None = None
 #: An interrupt lost where Python ignores exceptions, and its sending again.
 _owed = False
 _again: threading.Timer | None = None
+_again_lock = threading.Lock()
 
 
 def _terminate_as_interrupt() -> None:
@@ -597,18 +608,38 @@ def _redeliver(unraisable: Any) -> None:
         _owed = True
         signum = signal.SIGTERM if _terminated else signal.SIGINT
         _cancel_redelivery()
-        _again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+        _again = threading.Timer(0.05, _send_again, (signum,))
         _again.daemon = True
         _again.start()
         return
     (_hook_before or sys.__unraisablehook__)(unraisable)
 
 
+def _send_again(signum: int) -> None:
+    # Under the lock _end_redelivery takes: once the command has ended, a
+    # timer late to run (past its cancel) sends nothing to the caller.
+    with _again_lock:
+        if _again is not None:
+            os.kill(os.getpid(), signum)
+
+
 def _cancel_redelivery() -> None:
     global _again
-    if _again is not None:
-        _again.cancel()
-        _again = None
+    with _again_lock:
+        if _again is not None:
+            _again.cancel()
+            _again = None
+
+
+def _end_redelivery() -> None:
+    """As the command ends, before its handlers go: no signal is sent again
+    from now on, and one already sent is taken by the handler without a
+    raise (signal.signal runs pending handlers before it replaces one)."""
+    global _interrupted, _owed
+    with _again_lock:
+        _interrupted = True
+        _owed = False
+    _cancel_redelivery()
 
 
 def _settle_redelivery() -> None:

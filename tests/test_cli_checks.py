@@ -728,25 +728,29 @@ class Raising:
     def __del__(self):
         raise ValueError("an ordinary error in a __del__")
 
+def collect(cls):
+    c = cls(); c.me = c; del c; gc.collect()
+
 caller_hook_saw = []
 sys.unraisablehook = lambda u: caller_hook_saw.append(type(u.exc_value).__name__)
 real = ops.install_service
+mode = sys.argv[1]
 
-def install_then_interrupted(args):
+def command(args):
+    if mode == "nested":  # a main() inside the command's own
+        ops.install_service = real
+        sys.argv = ["kvkeeper", "install-service", "--print", "--platform", "linux"]
+        assert cli.main() == 0
+        collect(Raising)
     status = real(args)
-    c = Late(); c.me = c; del c; gc.collect()  # Ctrl-C in the command's last moment
+    collect(Late)  # Ctrl-C in the command's last moment, ignored there
+    if mode == "pipe":
+        raise BrokenPipeError  # the reader gone too
     return status
-
-def install_with_a_nested_main(args):
-    ops.install_service = real
-    sys.argv = ["kvkeeper", "install-service", "--print", "--platform", "linux"]
-    inner = cli.main()
-    c = Raising(); c.me = c; del c; gc.collect()
-    return inner
 
 said = []
 sys.argv = ["kvkeeper", "install-service", "--print", "--platform", "linux"]
-ops.install_service = install_then_interrupted
+ops.install_service = command
 said.append(cli.main())
 ops.install_service = real
 try:
@@ -754,30 +758,33 @@ try:
     said.append("slept")
 except KeyboardInterrupt:
     said.append("the caller interrupted")
-ops.install_service = install_with_a_nested_main
-said.append(cli.main())
 said.append(sys.unraisablehook.__name__)
-print(json.dumps([said, caller_hook_saw]))
+print(json.dumps([said, caller_hook_saw]), file=sys.stderr)  # (a broken pipe ends stdout)
 """
 
 
-def test_an_interrupt_sent_again_is_the_commands_and_hooks_nest(short_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["end", "nested", "pipe"])
+def test_an_interrupt_sent_again_is_the_commands_and_hooks_nest(
+        short_dir: Path, mode: str) -> None:
     """A Ctrl-C ignored in a __del__ in a command's last moment was sent
     again 50 ms on, after main() had returned 0: it hit the caller's next
     call. A main() inside a command's main() took the hook as the one to
-    hand on to: an ordinary error in a __del__ then recursed, and the
-    caller's hook stayed replaced (a review). In-process, as a script would."""
+    hand on to (an ordinary error in a __del__ then recursed), and put the
+    outer command's handlers back as it ended, so the Ctrl-C was lost; a
+    BrokenPipeError then exited 1 (reviews). In-process, as a script would."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")},
            "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    r = subprocess.run([sys.executable, "-c", _CTRL_C_AT_THE_END_THEN_MORE], cwd=short_dir,
-                       capture_output=True, text=True, timeout=WAIT, env=env,
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_AT_THE_END_THEN_MORE, mode],
+                       cwd=short_dir, capture_output=True, text=True, timeout=WAIT, env=env,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert r.returncode == 0, r.stderr
-    said, caller_hook_saw = json.loads(r.stdout.splitlines()[-1])
-    assert said == [130, "slept", 0, "<lambda>"], (said, r.stderr)
-    assert caller_hook_saw == ["ValueError"], r.stderr
-    assert "RecursionError" not in r.stderr, r.stderr
+    said, caller_hook_saw = json.loads(r.stderr.splitlines()[-1])
+    assert said == [130, "slept", "<lambda>"], (said, r.stderr)
+    assert caller_hook_saw == (["ValueError"] if mode == "nested" else []), r.stderr
+    assert "RecursionError" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    # (The reader gone, nothing is said: the status tells.)
+    assert r.stderr.count("kvkeeper: interrupted") == (mode != "pipe"), r.stderr
 
 
 def _wait_until_zmq_is_loaded(pid: int) -> None:
@@ -1052,7 +1059,7 @@ def test_install_service_warns_of_an_interpreter_in_a_cache(short_dir: Path) -> 
         assert command[0] == str(python)  # what the service would run
         said = " ".join(r.stderr.split())
         assert said.startswith(f"kvkeeper: warning: the service runs {python}, which is "
-                               f"inside a cache directory ({cache} holds a CACHEDIR.TAG"), said
+                               f"inside the cache directory {cache} (uvx and pipx"), said
         assert said.endswith("Install kvkeeper where it stays (a virtual environment, or uv "
                              "tool install), and run install-service from there."), said
     # This suite's interpreter, in no cache: no word.
@@ -1067,6 +1074,15 @@ def test_install_service_warns_of_an_interpreter_in_a_cache(short_dir: Path) -> 
                             "--platform", "linux"], capture_output=True, text=True,
                            timeout=WAIT, env=base)
         assert r.returncode == 0 and r.stderr == "", r.stderr
+        # pipx run's environments: under a ".cache" it does not tag.
+        cache.rename(short_dir / ".cache")
+        pipx_python = short_dir / ".cache" / "archive-v0" / "x1" / "bin" / "python"
+        r = subprocess.run([str(pipx_python), "-m", "kvkeeper.cli", "install-service",
+                            "--print", "--platform", "linux"], capture_output=True, text=True,
+                           timeout=WAIT, env=base)
+        assert r.returncode == 0, r.stderr
+        assert f"inside the cache directory {short_dir / '.cache'} " in " ".join(
+            r.stderr.split()), r.stderr
 
 
 def test_install_service_pins_the_pythonpath_kvkeeper_came_from(short_dir: Path) -> None:
