@@ -109,15 +109,24 @@ def cache_holding(path: str) -> str | None:
     (it holds a ``CACHEDIR.TAG``, as uv's cache does, where ``uvx`` puts the
     tools it runs), or None. What is in one may be deleted at any time (``uv
     cache clean``), so a service must not run an interpreter from there.
-    Looked for above a virtual environment's root (its ``pyvenv.cfg``): uv
-    and virtualenv tag every environment they make, so that backups skip
-    it, and each was taken for a cache."""
+    Looked for above a virtual environment's root (its ``pyvenv.cfg``, or a
+    conda prefix's ``conda-meta/``): uv, virtualenv and pixi tag every
+    environment they make, so that backups skip it, and each was taken for
+    a cache. A directory named ``.cache`` (``~/.cache``, pipx's own) or
+    ``~/Library/Caches`` is a cache too, tagged or not."""
     here = os.path.dirname(os.path.abspath(path))
     root = os.path.dirname(here)  # bin/'s parent
-    if os.path.isfile(os.path.join(root, "pyvenv.cfg")):
+    # (pixi tags its conda prefixes too, conda-meta/ in them.)
+    if os.path.isfile(os.path.join(root, "pyvenv.cfg")) or os.path.isdir(
+            os.path.join(root, "conda-meta")):
         here = os.path.dirname(root)
     while True:
-        if os.path.isfile(os.path.join(here, "CACHEDIR.TAG")):
+        # pipx run's environments sit in an untagged ".cache" (its own, or
+        # ~/.cache/pipx) and go after 14 days unused; ~/.cache is for
+        # files that may be deleted (XDG), ~/Library/Caches on macOS.
+        if (os.path.isfile(os.path.join(here, "CACHEDIR.TAG"))
+                or os.path.basename(here) == ".cache"
+                or here.endswith(os.sep + os.path.join("Library", "Caches"))):
             return here
         parent = os.path.dirname(here)
         if parent == here:

@@ -220,11 +220,11 @@ def _warn_if_cached(service: Any) -> None:
     cache = service.cache_holding(python)
     if cache is not None:
         err.print(Text.assemble(
-            "kvkeeper: warning: the service runs ", shown(python), ", which is inside a "
-            "cache directory (", shown(cache), " holds a CACHEDIR.TAG, as uv's does, where "
-            "uvx runs tools from): once that cache is cleared (uv cache clean), the service "
-            "no longer starts. Install kvkeeper where it stays (a virtual environment, or "
-            "uv tool install), and run install-service from there."))
+            "kvkeeper: warning: the service runs ", shown(python), ", which is inside the "
+            "cache directory ", shown(cache), " (uvx and pipx run the tools they run from "
+            "theirs): once that cache is cleared (uv cache clean; pipx after 14 days "
+            "unused), the service no longer starts. Install kvkeeper where it stays (a "
+            "virtual environment, or uv tool install), and run install-service from there."))
 
 
 def _wanted_by(link: Path) -> bool:
