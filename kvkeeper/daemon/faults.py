@@ -70,11 +70,8 @@ def skip(flag: str) -> bool:
 
 
 def slow_write(nbytes: int) -> None:
-    if ACTIVE and "write_hold" in ACTIVE and not os.path.exists(ACTIVE["write_hold"]):
-        log.info("event=fault_hold step=write")
-        deadline = time.monotonic() + 600
-        while not os.path.exists(ACTIVE["write_hold"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    if ACTIVE and "write_hold" in ACTIVE:
+        _hold(ACTIVE["write_hold"], "write", None)
     if ACTIVE and "write_delay" in ACTIVE:
         time.sleep(float(ACTIVE["write_delay"]) * nbytes / 2**20)
 
@@ -111,10 +108,17 @@ def hold_scan(stop: threading.Event | None, files_read: int | None) -> None:
     after = ACTIVE.get("scan_hold_after")
     if (None if after is None else int(after)) != files_read:
         return
-    if not os.path.exists(ACTIVE["scan_hold"]):
-        log.info("event=fault_hold step=scan")
+    _hold(ACTIVE["scan_hold"], "scan", stop)
+
+
+def _hold(path: str, step: str, stop: threading.Event | None) -> None:
+    """Wait until ``path`` exists (at most 600 s), or ``stop`` is set,
+    logging ``event=fault_hold step=STEP`` if there is a wait."""
+    if os.path.exists(path):
+        return
+    log.info("event=fault_hold step=%s", step)
     deadline = time.monotonic() + 600
-    while not os.path.exists(ACTIVE["scan_hold"]) and time.monotonic() < deadline:
+    while not os.path.exists(path) and time.monotonic() < deadline:
         if stop is not None and stop.wait(0.02):
             return
         if stop is None:
