@@ -624,11 +624,16 @@ def _send_again(signum: int) -> None:
 
 
 def _cancel_redelivery() -> None:
-    global _again
     with _again_lock:
-        if _again is not None:
-            _again.cancel()
-            _again = None
+        _cancel_held()
+
+
+def _cancel_held() -> None:
+    """_cancel_redelivery's work, with _again_lock held."""
+    global _again
+    if _again is not None:
+        _again.cancel()
+        _again = None
 
 
 def _end_redelivery() -> None:
@@ -636,10 +641,10 @@ def _end_redelivery() -> None:
     from now on, and one already sent is taken by the handler without a
     raise (signal.signal runs pending handlers before it replaces one)."""
     global _interrupted, _owed
-    with _again_lock:
+    with _again_lock:  # one section: no timer can send between the two
         _interrupted = True
         _owed = False
-    _cancel_redelivery()
+        _cancel_held()
 
 
 def _settle_redelivery() -> None:
