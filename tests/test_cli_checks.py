@@ -30,17 +30,25 @@ from .conftest import WAIT, RunningDaemon, serve_process, stop_process, wait_for
 from .faultkit import NO_DAC, entry_path, need_linux_root, run, small_tmpfs, tmp_files
 
 
+def _own_env(*, tree: bool = False) -> dict[str, str]:
+    """This process's environment without KVKEEPER_* settings or this
+    machine's config file; with ``tree``, this tree first on PYTHONPATH."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
+    base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
+    if tree:
+        base["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return base
+
+
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = WAIT,
         umask: int = -1, run: tuple[str, ...] = ("-m", "kvkeeper.cli"),
         prefix: tuple[str, ...] = (), cwd: Path | None = None,
         ) -> subprocess.CompletedProcess[str]:
     """The real CLI, with no KVKEEPER_* setting or config file of this machine's;
     ``run`` is how Python starts it, ``prefix`` what runs Python."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
-    base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
-    if cwd is not None:  # ``-m`` finds this tree's package by its directory, not the cwd
-        base["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
+    # (``-m`` finds this tree's package by its directory, not another cwd.)
+    base = _own_env(tree=cwd is not None)
     # Undecodable output (a path given as bytes, printed as given) as escapes.
     return subprocess.run([*prefix, sys.executable, *run, *args], capture_output=True,
                           text=True, errors="backslashreplace", timeout=timeout,
@@ -704,9 +712,7 @@ def test_ctrl_c_where_python_ignores_exceptions_still_ends_the_command(
     150), it was ignored, with an "Exception ignored" traceback, and so was
     every later Ctrl-C: ls waited on for its daemon and exited 3. Here the
     signal comes inside a __del__ that the command's first collection runs."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")},
-           "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = _own_env(tree=True)
     r = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_DEL, str(short_dir / "none.sock")],
                        capture_output=True, text=True, timeout=WAIT, env=env,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -772,9 +778,7 @@ def test_an_interrupt_sent_again_is_the_commands_and_hooks_nest(
     hand on to (an ordinary error in a __del__ then recursed), and put the
     outer command's handlers back as it ended, so the Ctrl-C was lost; a
     BrokenPipeError then exited 1 (reviews). In-process, as a script would."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")},
-           "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = _own_env(tree=True)
     r = subprocess.run([sys.executable, "-c", _CTRL_C_AT_THE_END_THEN_MORE, mode],
                        cwd=short_dir, capture_output=True, text=True, timeout=WAIT, env=env,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -1047,8 +1051,7 @@ def test_install_service_warns_of_an_interpreter_in_a_cache(short_dir: Path) -> 
                 (env_dir / lib).symlink_to(Path(sys.prefix) / lib)
     python = env_dir / "bin" / "python"
     python.symlink_to(os.path.realpath(sys.executable))
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEPER_")}
-    base["XDG_CONFIG_HOME"] = "/nonexistent-kvkeeper-test-config"
+    base = _own_env()
     for platform in ("linux", "macos"):
         r = subprocess.run([str(python), "-m", "kvkeeper.cli", "install-service", "--print",
                             "--platform", platform], capture_output=True, text=True,
