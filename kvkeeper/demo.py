@@ -153,22 +153,29 @@ def entry_bytes(args: argparse.Namespace) -> int:
 def _no_room(socket: Path, need: int) -> str | None:
     """Why the daemon at ``socket`` has no room for ``need`` more bytes
     without evicting entries (its disk budget, the free space it keeps; or
-    it cannot be told yet); None if it has."""
+    it cannot be told yet), said after "no room for the demo's files";
+    None if it has."""
     from kvkeeper.client.client import Client
 
     with Client(socket, connect_timeout=1.0) as kv:
         stats = kv.stats()
     used, limit = int(stats.get("disk_used_bytes", 0)), int(stats.get("max_disk_bytes", 0))
+    if limit and need > limit:
+        # Nothing to evict would make room: an empty store was said to hold
+        # "0 KiB of its 1.0 MiB disk budget", as if entries were in the way.
+        return f": its whole disk budget is {_mib(limit)} (--max-disk-bytes)"
     if limit and stats.get("store_indexing"):
-        return ("it is still indexing its store, so how much of its disk budget is used "
-                "cannot be told yet (try again in a moment)")
+        return (" without evicting entries: it is still indexing its store, so how much of "
+                "its disk budget is used cannot be told yet (try again in a moment)")
     if limit and used + need > limit:
-        return f"its store holds {_mib(used)} of its {_mib(limit)} disk budget"
+        return f" without evicting entries: its store holds {_mib(used)} of its " \
+               f"{_mib(limit)} disk budget"
     # Its store's disk as the daemon sees it (-1: no size, as ramfs, where it
     # keeps nothing free; an older daemon does not say).
     free, keep = int(stats.get("free_bytes", -1)), int(stats.get("min_free_bytes", 0))
     if free >= 0 and free - need < keep:
-        return f"its disk has {_mib(free)} free, of which it keeps {_mib(keep)}"
+        return f" without evicting entries: its disk has {_mib(free)} free, of which it " \
+               f"keeps {_mib(keep)}"
     return None
 
 
@@ -191,8 +198,8 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
                                              f"--socket and the demo starts a private one)"))
         if (why := _no_room(socket, need)) is not None:
             raise NoRoom(f"the daemon at {socket} has no room for the demo's files (up to "
-                         f"{_mib(need)}) without evicting entries: {why}; give --private to "
-                         f"run the demo on a daemon of its own")
+                         f"{_mib(need)}){why}; give --private to run the demo on a daemon "
+                         f"of its own")
         yield socket, f"running daemon at {socket}", False
         return
     note = ""
@@ -204,7 +211,7 @@ def _daemon(socket: Path | None, private: bool, need: int) -> Iterator[tuple[Pat
                 yield path, f"running daemon at {path}", False
                 return
             note = (f" (the running daemon at {path} has no room for the demo's files, up to "
-                    f"{_mib(need)}, without evicting entries: {why})")
+                    f"{_mib(need)}{why})")
     tmp = Path(tempfile.mkdtemp(prefix="kvk-demo-", dir="/tmp"))
     os.chmod(tmp, 0o700)
     path = tmp / "kv.sock"
@@ -358,6 +365,13 @@ def run(args: argparse.Namespace, socket: Path, daemon_note: str, private: bool)
                           f"{MODEL_ID} {sid}", file=sys.stderr)
 
 
+def _progress(text: str) -> None:
+    """Say on a terminal what the run does now: the report comes at the end,
+    and before it the terminal stayed silent for the whole run (20-60 s)."""
+    if sys.stderr.isatty():
+        print(f"kvkeeper demo: {text}", file=sys.stderr, flush=True)
+
+
 def _run(args: argparse.Namespace, daemon_note: str, sid: str,
          client: Callable[[], Any]) -> Report:
     import mlx.core as mx
@@ -370,6 +384,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
     from kvkeeper.writebehind import cache_length
 
     t_start = time.perf_counter()
+    _progress("building a tiny model with random weights, warming MLX up")
     vocab = 2000
     model = tiny_llama(layers=args.layers, hidden=args.hidden, vocab_size=vocab)
     tok = TokenizerWrapper(word_tokenizer(vocab))
@@ -383,6 +398,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
         pass
 
     # 1. Stream with write-behind: the plain helper inside mlx-lm's own loop.
+    _progress(f"1/5 streaming {n_stream} tokens, saved behind every {every}")
     kv = client()
     before = kv.stats()
     cache: Any = make_prompt_cache(model)  # (Any: dropped below, at the crash)
@@ -399,6 +415,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
     stream_dropped = dropped
     # 2. Crash: the cache is gone and there is no final save. (Closing the
     # client lets what it already handed off reach the daemon.)
+    _progress("2/5 dropping the cache, as a crash would")
     cache = wb = None  # nothing of the live cache survives
     kv.close()
     coalesced = kv.client_stats()["client_saves_coalesced"]
@@ -406,6 +423,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
     # 3. Restart: a new client and session restore the newest snapshot and
     # go on with the conversation: the whole of it, plus a new message.
     full = ids + user
+    _progress(f"3/5 restoring it and continuing with {n_cont} tokens")
     kv = client()
     session = Session(kv, MODEL_ID, sid, model, tok, every_tokens=every, every_seconds=2.0)
     t0 = time.perf_counter()
@@ -422,6 +440,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
     cache_bytes = sum(int(c.nbytes) for c in base_cache)
 
     # 4. The same request without kvkeeper: re-prefill everything, no saves.
+    _progress("4/5 the same request re-prefilled, without kvkeeper")
     cold = _stream(stream_generate(model, tok, mx.array(full), max_tokens=n_cont,
                                    prompt_cache=make_prompt_cache(model)))
     same = 0
@@ -441,6 +460,7 @@ def _run(args: argparse.Namespace, daemon_note: str, sid: str,
                     f"write-behind every {every} tokens", every, n_cont),
              Decode("stress: saving every token", 1, max(8, n_cont // 4))]
     outputs: dict[int, set[tuple[int, ...]]] = {}
+    _progress(f"5/5 decoding with and without write-behind, {ROUNDS} rounds")
     for _round in range(ROUNDS):
         for mode in modes:
             trim_prompt_cache(base_cache, (cache_length(base_cache) or 0) - (len(base_ids) - 1))

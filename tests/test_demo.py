@@ -238,6 +238,61 @@ def test_a_private_demo_stopped_stops_its_daemon(short_dir: Path, times: int) ->
     assert not store[0].parent.exists()  # the daemon stopped, its directory removed
 
 
+def test_a_budget_smaller_than_the_demo_is_not_blamed_on_entries(short_dir: Path) -> None:
+    """An empty store whose whole disk budget is smaller than the demo's
+    files: the refusal said "without evicting entries: its store holds 0 KiB
+    of its 1.0 MiB disk budget", as if entries were in the way."""
+    sock = short_dir / "run" / "kv.sock"
+    d = start_daemon(short_dir / "root", sock, max_disk_bytes=2**20)
+    try:
+        proc = run_demo("--socket", str(sock))  # refused before the model is built
+        assert proc.returncode == 1, proc.stderr
+        said = " ".join(proc.stderr.split())
+        assert "has no room for the demo's files (up to" in said, said
+        assert "its whole disk budget is 1.0 MiB (--max-disk-bytes)" in said, said
+        assert "evicting" not in said and "give --private" in said, said
+    finally:
+        d.stop()
+
+
+def test_the_demo_says_what_it_does_on_a_terminal(short_dir: Path) -> None:
+    """The report comes at the end; on a terminal the demo was silent until
+    then (20-60 s). Each part of the run now says so on stderr as it
+    begins, while the run goes on; stdout (the report) is unchanged, and
+    stderr that is no terminal gets no such lines."""
+    import pty
+
+    parent, child_end = pty.openpty()
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvkeeper.cli", "demo", "--private", "--tokens", "32",
+         "--prompt-tokens", "128"], stdout=subprocess.PIPE, stderr=child_end, text=True,
+        env={**os.environ, "KVKEEPER_SOCKET": str(short_dir / "none.sock")})
+    os.close(child_end)
+    seen = ""
+    try:
+        deadline = time.monotonic() + DEMO_TIMEOUT
+        while "kvkeeper demo: 5/5 " not in seen:
+            assert time.monotonic() < deadline, seen
+            try:
+                seen += os.read(parent, 4096).decode(errors="replace")
+            except OSError:  # EIO: the terminal's other end closed
+                break
+        running = demo.poll() is None  # (decoding rounds still to come)
+        out, _ = demo.communicate(timeout=DEMO_TIMEOUT)
+    finally:
+        demo.kill()
+        demo.wait(WAIT)
+        os.close(parent)
+    lines = [ln.strip() for ln in seen.splitlines() if ln.startswith("kvkeeper demo: ")]
+    assert [ln.split()[2] for ln in lines[1:]] == ["1/5", "2/5", "3/5", "4/5", "5/5"], seen
+    assert running, "the last part's line came only as the demo ended"
+    assert demo.returncode == 0 and "Time to first token" in out, out
+    assert "kvkeeper demo: 1/5" not in out, out
+    quiet = run_demo("--private", "--tokens", "32", "--prompt-tokens", "128",
+                     env={"KVKEEPER_SOCKET": str(short_dir / "none.sock")})
+    assert quiet.returncode == 0 and "kvkeeper demo: 1/5" not in quiet.stderr, quiet.stderr
+
+
 def test_the_demo_never_evicts_the_user_s_entries(short_dir: Path) -> None:
     """On a running daemon whose disk budget the demo's entry did not fit
     beside the user's, the daemon evicted the user's to write it, and the
@@ -246,7 +301,8 @@ def test_the_demo_never_evicts_the_user_s_entries(short_dir: Path) -> None:
     from .faultkit import filled
 
     sock = short_dir / "run" / "kv.sock"
-    d = start_daemon(short_dir / "root", sock, max_disk_bytes=2**20)
+    # 2.25 MiB: room for the demo's 1.9 MiB alone, not beside the user's 0.5.
+    d = start_daemon(short_dir / "root", sock, max_disk_bytes=2**21 + 2**18)
     try:
         with Client(sock, timeout=WAIT) as kv:
             assert kv.save("mine", "precious", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
