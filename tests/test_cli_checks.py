@@ -382,6 +382,25 @@ def test_export_without_a_daemon_or_a_store_says_so(short_dir: Path) -> None:
     assert "give --root" in r.stderr and not out.exists()
 
 
+def test_stats_say_which_daemon_answered(daemon: RunningDaemon) -> None:
+    """With several daemons (a root each), or one restarted since, the
+    counters alone did not say whose they were: neither the table nor
+    --json named a pid, a version, a root or a socket."""
+    from kvkeeper import __version__
+
+    r = cli("stats", "--json", "--socket", str(daemon.socket))
+    got = json.loads(r.stdout)
+    assert (got["pid"], got["version"], got["root"], got["socket"]) == (
+        os.getpid(), __version__, str(daemon.root), str(daemon.socket)), r.stdout  # in-process
+    assert "saves_written" in got
+    r = cli("stats", "--socket", str(daemon.socket))
+    assert r.returncode == 0, r.stderr
+    said = r.stdout.splitlines()
+    assert said[0].strip() == f"kvkeeper daemon, pid {os.getpid()}, version {__version__}", said
+    assert said[1].split() == ["root", str(daemon.root)], said
+    assert said[2].split() == ["socket", str(daemon.socket)], said
+
+
 def test_stats_json_gives_counts_as_integers(client: Client, daemon: RunningDaemon) -> None:
     # The latencies were left out until the first write (a script that reads
     # them failed on a new daemon); now zeros, as the counters.

@@ -63,11 +63,20 @@ def _fmt(name: str, v: float) -> str:
 
 def stats(args: argparse.Namespace) -> int:
     with client(args.socket) as kv:
+        # Which daemon answered: with several (a root each), or one restarted
+        # since, the counters alone do not tell.
+        who = kv.ping()
         counters = {k: v for k, v in kv.stats().items() if not k.startswith("client_")}
+        socket = str(kv.socket_path)
     if args.json:
-        print_json(counters)  # counts and sizes ints, times floats (Client.stats)
+        # Counts and sizes ints, times floats (Client.stats).
+        print_json({"pid": who.pid, "version": who.version, "root": who.root,
+                    "socket": socket, **counters})
         return 0
-    table = Table(title="kvkeeper daemon", show_header=False, box=None, padding=(0, 2))
+    table = Table(title=f"kvkeeper daemon, pid {who.pid}, version {who.version}",
+                  show_header=False, box=None, padding=(0, 2))
+    table.add_row("  root", shown(who.root))
+    table.add_row("  socket", shown(socket))
     listed = set()
     for group, names in _GROUPS:
         table.add_row(f"[bold]{group}[/]", "")
