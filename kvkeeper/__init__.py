@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from kvkeeper.fingerprint import model_fingerprint
 
 
+def __dir__() -> list[str]:
+    # The names __getattr__ gives, for dir() and tab completion.
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str) -> Any:
     if name == "Client":
         from kvkeeper.client.client import Client

@@ -1226,6 +1226,19 @@ kv.close()
     assert len(lines) == 4 and all(
         ln.startswith("raised: ") and "pip install -e '.[mlx]'" in ln for ln in lines[1:]), \
         r.stdout
+    # And, for an environment that is not a checkout, the extra's packages by
+    # name, as pyproject.toml gives them for this platform.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    for req in project["project"]["optional-dependencies"]["mlx"]:
+        spec, _, marker = (part.strip() for part in req.partition(";"))
+        here = {"": True, "sys_platform == 'darwin'": sys.platform == "darwin",
+                "sys_platform != 'darwin'": sys.platform != "darwin"}[marker]
+        if here:
+            assert all(f"'{spec}'" in ln for ln in lines[1:]), (spec, r.stdout)
 
 
 def test_a_client_takes_its_socket_from_the_config_file_whatever_else_is_in_it(

@@ -14,6 +14,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -262,6 +263,15 @@ def test_no_answer_in_time_raises_the_exported_daemon_timed_out(short_dir: Path)
     finally:
         proc.send_signal(signal.SIGCONT)
         assert stop_process(proc) == 0
+
+
+def test_dir_of_the_package_lists_its_api() -> None:
+    """The API comes on first use (MLX loads late), so dir(kvkeeper), and a
+    REPL's completion with it, offered none of it: not even Client."""
+    code = ("import kvkeeper, sys; names = dir(kvkeeper); "
+            "print(sorted(set(kvkeeper.__all__) - set(names)), 'mlx' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0 and r.stdout.split() == ["[]", "False"], (r.stdout, r.stderr)
 
 
 def test_a_load_s_first_ping_leaves_the_load_part_of_its_timeout(

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 #: How to get what the client needs, in the messages that say it is missing
 #: (kvkeeper is installed from a checkout; a bare package name would install
-#: whatever the index has under it).
-MLX_EXTRA = "in a checkout: pip install -e '.[mlx]'"
+#: whatever the index has under it): the extra, or its packages by name.
+MLX_EXTRA = ("in a checkout: pip install -e '.[mlx]'; into an environment that has "
+             "kvkeeper already: pip install "
+             f"'{'mlx' if sys.platform == 'darwin' else 'mlx[cpu]'}>=0.29' "
+             "'mlx-lm>=0.31' 'mlx-vlm>=0.7'")
 
 
 def mlx_part(name: str) -> ModuleType:
