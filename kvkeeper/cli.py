@@ -241,7 +241,9 @@ def _parser() -> _Parser:
                             "listed as not checked and never moved, and so is a model's directory "
                             "that is a symbolic link to a directory (the daemon follows none). "
                             "Exit 1 if any file is bad "
-                            "or could not be checked.")
+                            "or could not be checked, with --repair too (damage was found, "
+                            "even if every bad file was moved aside: a second run then "
+                            "exits 0).")
     _socket_arg(verify)
     verify.add_argument("--root", type=_path, default=None,
                         help="store root (default: the running daemon's; with no daemon, the "

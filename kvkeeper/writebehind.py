@@ -66,7 +66,9 @@ class WriteBehind:
     ``every_tokens=None`` / ``every_seconds=None`` turn one trigger off;
     ``every_seconds=0`` saves at every step. ``save_first`` (default on) saves
     at the first step too: right after a prefill, the state most expensive to
-    recompute. Not thread-safe: one helper per generation loop.
+    recompute. Not thread-safe: one helper per generation loop. As a context
+    manager it closes (the final save) when its block ends, and discards
+    (no final save) when the block raises.
     """
 
     def __init__(
