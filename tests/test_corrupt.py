@@ -23,7 +23,15 @@ from kvkeeper.client.client import Client
 from kvkeeper.client.reader import CacheFileError
 
 from .conftest import WAIT, RunningDaemon, ping, start_daemon
-from .faultkit import FP, entry_path, filled, need_linux_root, rewrite_header, version_of
+from .faultkit import (
+    FP,
+    entry_path,
+    filled,
+    need_linux_root,
+    resealed,
+    rewrite_header,
+    version_of,
+)
 from .test_cli_checks import cli
 
 
@@ -252,6 +260,122 @@ def test_a_sound_file_naming_a_class_not_here_is_a_miss_left_in_place(
     client.gc()  # on the writer's turn: after any move the load asked for
     assert path.read_bytes() == written
     assert client.stats()["files_quarantined"] == 0
+
+
+def _edited_and_refused(path: Path, change: Callable[[dict], object], vouched: bool,
+                        said: str) -> bytes:
+    """Edit ``path``'s header (its checksum redone if ``vouched``, as its
+    writer would); check both reads refuse it: as damage unless vouched
+    for, and then saying ``said``. Returns the file's bytes."""
+    def edit(header: dict) -> None:
+        change(header)
+        if vouched:
+            resealed(header)
+
+    rewrite_header(path, edit)
+    for verify in (True, False):
+        with pytest.raises(CacheFileError) as info:
+            reader.read_cache_file(path, verify=verify)
+        assert info.value.damaged is not vouched, (verify, info.value)
+        assert not vouched or said in str(info.value), (verify, info.value)
+    return path.read_bytes()
+
+
+def _left_in_place_or_moved_aside(client: Client, path: Path, written: bytes,
+                                  vouched: bool) -> None:
+    client.gc()  # on the writer's turn: after any move the loads asked for
+    if vouched:
+        assert path.read_bytes() == written
+        assert client.stats()["files_quarantined"] == 0
+    else:
+        assert not path.exists() and client.stats()["files_quarantined"] == 1
+
+
+@pytest.mark.parametrize("vouched", [True, False])
+def test_a_file_with_a_dtype_kvkeeper_lacks_is_damage_only_if_its_header_says_so(
+    vouched: bool, client: Client, daemon: RunningDaemon
+) -> None:
+    """A tensor of a dtype this kvkeeper does not know (``F8_E4M3``, as a
+    newer kvkeeper might write), its header's checksum passing: a miss that
+    leaves the file in place, lazy or verified, and `verify` says it was not
+    checked rather than bad (before: damaged, moved aside for every client).
+    The same header with its checksum not redone is damage."""
+    from kvkeeper.protocol import safetensors as st
+
+    assert client.save(FP, "f8", filled(1, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "f8")
+    f8_in_layers: list[bool] = []
+
+    def to_f8(header: dict) -> None:
+        meta = header["__metadata__"]
+        t0 = header["t0"]
+        assert t0["dtype"] == "BF16"
+        # Same bytes: one byte an element, twice the elements.
+        t0["dtype"], t0["shape"][-1] = "F8_E4M3", t0["shape"][-1] * 2
+        # The layers' description says the same of t0.
+        layers = json.loads(meta[st.LAYERS_KEY])
+        refs = [layers]
+        while refs:
+            node = refs.pop()
+            if isinstance(node, dict) and node.get("$") == "tensor" and node["name"] == "t0":
+                node["dtype"], node["shape"] = t0["dtype"], t0["shape"]
+                f8_in_layers.append(True)
+            refs.extend(node.values() if isinstance(node, dict)
+                        else node if isinstance(node, list) else [])
+        meta[st.LAYERS_KEY] = json.dumps(layers)
+
+    written = _edited_and_refused(path, to_f8, vouched, "F8_E4M3")
+    done = cli("verify", "--json", "--root", str(daemon.root), "--socket", str(daemon.socket))
+    report = json.loads(done.stdout)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert f8_in_layers[0]
+    if vouched:
+        assert [r["path"] for r in report["could_not_read"]] == [str(path)], report
+        assert "F8_E4M3" in report["could_not_read"][0]["reason"], report
+        assert report["bad"] == [], report
+    else:
+        assert [b["path"] for b in report["bad"]] == [str(path)], report
+    assert client.load(FP, "f8", verify=False) is None
+    assert client.load(FP, "f8") is None
+    _left_in_place_or_moved_aside(client, path, written, vouched)
+
+
+@pytest.mark.parametrize("vouched", [True, False])
+def test_a_static_prefix_cache_padded_past_the_memory_is_refused_lazy_or_not(
+    vouched: bool, client: Client, daemon: RunningDaemon
+) -> None:
+    """mlx-vlm's StaticPrefixKVCache comes back padded to its max_size. A
+    max_size of 2**30 in the layers' description (a damaged header a lazy
+    load does not check, or a sound file of a bigger machine's) made a
+    lazy load return 256 GiB of zeros to be, whose first evaluation ended
+    the process (SIGSEGV). Now refused: as damage when the header's
+    checksum fails, else as what this machine cannot hold, left in place."""
+    from mlx_vlm.models.cache import StaticPrefixKVCache
+
+    from kvkeeper.protocol import safetensors as st
+
+    c = StaticPrefixKVCache(max_size=32)
+    rows = mx.ones((1, 2, 5, 64), dtype=mx.bfloat16)
+    c.update_and_fetch(rows, rows)
+    assert client.save(FP, "static", [c], [1, 2, 3, 4, 5]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "static")
+    # Padded to its 32 rows, as saved. (Read here, not loaded: the daemon
+    # would record that use in the file's times, maybe after the edit below,
+    # putting back the mtime the move aside is then asked for.)
+    got = reader.read_cache_file(path, verify=False)
+    assert got.cache[0].keys.shape == (1, 2, 32, 64)
+
+    def huge(header: dict) -> None:
+        meta = header["__metadata__"]
+        doc = json.loads(meta[st.LAYERS_KEY])
+        items = doc["layers"][0]["meta_state"]["items"]
+        assert items[0] == "32", items
+        items[0] = str(2**30)
+        meta[st.LAYERS_KEY] = json.dumps(doc)
+
+    written = _edited_and_refused(path, huge, vouched, "more than this machine's memory")
+    assert client.load(FP, "static", verify=False) is None
+    _left_in_place_or_moved_aside(client, path, written, vouched)
 
 
 def test_a_symlink_judged_at_a_load_spares_the_file_put_back(

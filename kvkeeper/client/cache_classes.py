@@ -31,6 +31,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvkeeper.settings import physical_memory
+
 __all__ = [
     "BUILDERS",
     "BUILT_ONLY_MODULES",
@@ -38,6 +40,7 @@ __all__ = [
     "MISSING",
     "TRUSTED_MODULE_PREFIXES",
     "CodecError",
+    "OverMemory",
     "Prefix",
     "is_composite_class",
     "layer_class",
@@ -51,6 +54,12 @@ class CodecError(ValueError):
     """A cache, a layers description or a set of arrays cannot be encoded or decoded.
 
     A ValueError: to ``save()`` a cache it cannot describe is a bad argument."""
+
+
+class OverMemory(CodecError):
+    """Rebuilding a layer would make more bytes than this machine's memory:
+    a count a file's padding comes from (a StaticPrefixKVCache's max_size)
+    is damaged, or the file is another machine's."""
 
 
 #: Cache classes are only ever imported from modules under these prefixes.
@@ -189,7 +198,8 @@ def rebuild_layer(cls: type, state: Any, meta_state: Any = MISSING, *,
     except CodecError as exc:
         if where is None:
             raise
-        raise CodecError(f"{where}: {exc}") from exc.__cause__
+        # Of its own class: OverMemory is damage in a file with no checksums.
+        raise type(exc)(f"{where}: {exc}") from exc.__cause__
     if padding is not None and not hasattr(obj, padding):
         setattr(obj, padding, None)  # none pending: a layer is saved only so
     return obj
@@ -233,6 +243,16 @@ def _mend_static_prefix(obj: Any, meta: Any) -> None:
                          f"({getattr(keys, 'shape', keys)!r}, {getattr(values, 'shape', values)!r})"
                          f" are not offset {obj.offset!r} rows within max_size {obj.max_size!r}")
     if obj.max_size > obj.offset:
+        # A lazy load checks no header checksum: a damaged max_size of 2**30
+        # padded a few rows to 256 GiB of zeros, and evaluating them ended
+        # the process (SIGSEGV).
+        padding = (obj.max_size - obj.offset) * sum(
+            a.shape[0] * a.shape[1] * a.shape[3] * a.itemsize for a in (keys, values))
+        memory = physical_memory()
+        if memory is not None and padding > memory:
+            raise OverMemory(f"a StaticPrefixKVCache of max_size {obj.max_size} would add "
+                             f"{padding} bytes of empty rows, more than this machine's "
+                             f"memory ({memory})")
         rows_after = [(0, 0), (0, 0), (0, obj.max_size - obj.offset), (0, 0)]
         obj.keys, obj.values = mx.pad(keys, rows_after), mx.pad(values, rows_after)
 

@@ -36,6 +36,7 @@ from mlx.utils import tree_unflatten
 
 from kvkeeper.client.cache_classes import (
     CodecError,
+    OverMemory,
     is_composite_class,
     rebuild_composite,
     rebuild_layer,
@@ -101,6 +102,8 @@ def decode_legacy(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) -
                              "prompt cache)")
     except RecursionError:
         raise LegacyDamage("legacy cache structure is nested too deeply") from None
+    except OverMemory as exc:  # these files carry no checksum: the count is damaged
+        raise LegacyDamage(str(exc)) from None
     size = sum(_check_counts(layer, f"layer {i}") for i, layer in enumerate(cache.layers))
     # Rebuilding may pad the rows the file holds (mlx-vlm's
     # StaticPrefixKVCache, to its max_size): a damaged max_size of 2**30 made

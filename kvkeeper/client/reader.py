@@ -34,7 +34,9 @@ class CacheFileError(Exception):
     another model's or another id's file, not a regular file: a directory, or
     a symlink, never followed) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
-    class this process cannot import, a dtype this MLX cannot load, a file
+    class this process cannot import, a dtype this MLX cannot load or this
+    kvkeeper does not know, the header's checksum passing; padding past
+    this machine's memory; a file
     this process cannot open or read now: no permission, an I/O error; or
     the file was replaced mid-read).
     ``replaced`` is True for the last: reading the path again gives a whole
@@ -235,6 +237,11 @@ def _header(path: Path) -> st.FileHeader:
         return st.read_file_header(path)
     except OSError as exc:
         raise cannot_open(path, exc) from None
+    except st.UnknownDtypeError as exc:
+        # A header its own checksum vouches for is what was written (by a
+        # newer kvkeeper, with a dtype this one lacks): moved aside, it
+        # was lost for the clients that can read it.
+        raise CacheFileError(f"{path}: {exc}", damaged=not exc.header_vouched()) from None
     except st.LayoutError as exc:
         raise CacheFileError(f"{path}: {exc}") from None
 
