@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from kvkeeper.protocol import messages as m
 
-from .conftest import WAIT, RunningDaemon, dealers, start_daemon
+from .conftest import WAIT, RunningDaemon, dealers, start_daemon, wait_for
+from .faultkit import tmp_files
 
 V = m.PROTOCOL_VERSION
 
@@ -279,7 +280,8 @@ def _counts_add_up(s: zmq.Socket) -> None:
                                       ("written", "superseded", "refused", "failed")), n
 
 
-@pytest.mark.parametrize("stray", ["begin-with-frames", "data-of-unknown-save"])
+@pytest.mark.parametrize("stray", ["begin-with-frames", "data-of-unknown-save",
+                                   "data-header-not-valid"])
 def test_a_stray_message_never_leaves_a_save_stalling_the_writer(stray: str,
                                                                  short_dir: Path) -> None:
     from .conftest import start_daemon
@@ -293,9 +295,19 @@ def test_a_stray_message_never_leaves_a_save_stalling_the_writer(stray: str,
             a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
             if stray == "begin-with-frames":
                 refused = ask(a, begin(save=2, cache_id="z"), b"junk")
+            elif stray == "data-header-not-valid":
+                # Save 1's next bytes, under a header over the frame limit: it
+                # was answered with an error alone, and save 1 waited out
+                # its stall timeout, holding its tmp file and memory.
+                refused = ask(a, m.encode(m.SaveData(v=V, save=1, frames=300)), *[b"x"] * 300)
+                assert isinstance(refused, m.SaveRefused) and refused.save == 1, refused
+                assert refused.code == "malformed", refused
+                wait_for(lambda: tmp_files(rd.root) == [], "save 1's tmp file to go")
+                # (Its rest is then dropped quietly, as a refused save's.)
             else:
                 refused = ask(a, m.encode(m.SaveData(v=V, save=7, frames=1)), b"x")
-            assert isinstance(refused, m.SaveRefused) and refused.code in ("frames", "unknown_save")
+            assert isinstance(refused, m.SaveRefused) and refused.code in (
+                "frames", "unknown_save", "malformed")
             a.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"x" * 50])
             if stray == "begin-with-frames":  # save 1 was abandoned: its rest is unknown
                 rest = m.decode_reply(a.recv())
@@ -315,7 +327,8 @@ def test_a_stray_message_never_leaves_a_save_stalling_the_writer(stray: str,
                 with safe_open(str(a_file), "np") as f:
                     assert f.get_tensor("t0").tobytes() == b"x" * 100
             else:
-                # A new save began, so save 1 was abandoned: failed, not written.
+                # A new save began, or save 1's bytes came under a bad header:
+                # save 1 failed, not written.
                 assert flushed.written == 0 and flushed.failed >= 1 and not a_file.exists()
             _counts_add_up(a)
     finally:
@@ -399,6 +412,40 @@ def test_a_refused_messages_frames_are_let_go_at_once(short_dir: Path) -> None:
                 assert time.monotonic() < deadline, \
                     (idle // 2**20, daemon.memory_info().rss // 2**20)
                 time.sleep(0.1)
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_a_message_of_a_million_empty_frames_is_not_built_whole(short_dir: Path) -> None:
+    """Every frame of a message was taken before its count was checked: one
+    of 1,000,000 empty frames (a few MB from a raw client) became a million
+    frame objects, and the daemon's peak RSS grew by 260 MiB (2,000,000: 554
+    MiB, and no other client answered for 13 s, in a review's run). Now the
+    frames past the most a message may have are let go as they are read;
+    what is left is libzmq's own 64 bytes a frame while it holds the
+    message (about 61 MiB here)."""
+    from .conftest import serve_process, stop_process
+
+    def peak_mib(pid: int) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM")).split()[1]) // 1024
+
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock)
+    try:
+        with dealers(sock, 2, timeout=WAIT) as (s, other):
+            assert_alive(s)
+            before = peak_mib(proc.pid)
+            s.send(begin(save=1, tensors=[m.TensorSpec("t0", "U8", [4])]))
+            s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), *[b""] * 1_000_000])
+            refused = m.decode_reply(s.recv())
+            assert isinstance(refused, m.SaveRefused) and refused.code == "frames", refused
+            assert refused.message == "header says 1 frames, got 1000000", refused  # all counted
+            grown = peak_mib(proc.pid) - before
+            assert grown < 160, f"peak RSS grew by {grown} MiB"
+            assert_alive(other)
+            flushed = ask(s, m.encode(m.Flush(v=V, req=1)))
+            assert isinstance(flushed, m.Flushed) and (flushed.written, flushed.failed) == (0, 1)
     finally:
         assert stop_process(proc) == 0
 

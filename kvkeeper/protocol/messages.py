@@ -376,13 +376,25 @@ def begun_save(buf: bytes | memoryview) -> SaveOnly | None:
     says it begins a save (a map whose op is "save": its sender counts it
     among its saves, and sends its data next), else None; None too for one
     nested too deep to be read past (msgspec's RecursionError)."""
+    said = _save_op(buf)
+    return said if said is not None and said.op == SaveBegin.__struct_config__.tag else None
+
+
+def data_of_save(buf: bytes | memoryview) -> int | None:
+    """For a header ``decode_request`` refused: the number of the save it
+    says it brings bytes of (a map whose op is "data"), else None."""
+    said = _save_op(buf)
+    return said.number if said is not None and said.op == SaveData.__struct_config__.tag \
+        else None
+
+
+def _save_op(buf: bytes | memoryview) -> SaveOnly | None:
     if len(buf) > MAX_HEADER_BYTES:
         return None
     try:
-        begun = _op_decoder.decode(buf)
+        return _op_decoder.decode(buf)
     except Exception:  # noqa: BLE001 - anything else: not a save's header
         return None
-    return begun if begun.op == SaveBegin.__struct_config__.tag else None
 
 
 def decode_reply(buf: bytes | memoryview) -> Reply:
