@@ -246,6 +246,23 @@ def serve_process(
     return proc
 
 
+def daemon_log(proc: subprocess.Popen[bytes]) -> str:
+    """What a daemon started by :func:`serve_process` has logged so far."""
+    log_path: Path = proc.log_path  # type: ignore[attr-defined]  # set by serve_process
+    return log_path.read_text(errors="replace")
+
+
+def wait_for_log(proc: subprocess.Popen[bytes], text: str, what: str, *, count: int = 1) -> None:
+    """Wait until the daemon's log holds ``text`` ``count`` times (a step
+    begun, a fault's hold reached); fails after WAIT seconds, naming ``what``
+    and showing the log's end."""
+    deadline = time.monotonic() + WAIT
+    while (log := daemon_log(proc)).count(text) < count:
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}; exit status {proc.poll()}; the log ends:\n{log[-1500:]}")
+        time.sleep(0.02)
+
+
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)

@@ -50,6 +50,17 @@ def version_of(path: Path, model: str = FP) -> int:
 
 
 
+def version_now(path: Path, model: str = FP) -> int | None:
+    """``version_of``, or None when a newer version replaced the file while
+    it was read (a wait for a save being written polls it meanwhile)."""
+    try:
+        return version_of(path, model)
+    except kvkeeper.CacheFileError as exc:
+        if exc.replaced:
+            return None
+        raise
+
+
 def resealed(header: dict) -> dict:
     """``header`` (decoded JSON) with its header checksum made right again:
     a file a writer got wrong on purpose, not one damaged on the disk."""

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache
 import kvkeeper
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, RunningDaemon, serve_process, stop_process, wait_for
+from .conftest import WAIT, RunningDaemon, daemon_log, serve_process, stop_process, wait_for
 from .faultkit import NO_DAC, entry_path, need_linux_root, run, small_tmpfs, tmp_files
 
 
@@ -1517,7 +1517,7 @@ def test_a_save_failing_in_a_directory_the_daemon_cannot_write_names_it(
                 model_dir.chmod(0o700)
     finally:
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     failed = [line for line in log.splitlines() if "event=save_failed" in line]
     assert len(failed) == 1 and "id=b" in failed[0], log
     assert f"Permission denied (errno 13): {model_dir}" in failed[0], failed

@@ -37,12 +37,14 @@ from kvkeeper.protocol import safetensors as st
 from .conftest import (
     WAIT,
     RunningDaemon,
+    daemon_log,
     drain_past_the_notice,
     line_from,
     serve_process,
     start_daemon,
     stop_process,
     wait_for,
+    wait_for_log,
 )
 from .tiny import prefill, prompt, tiny_llama
 
@@ -572,7 +574,7 @@ def test_a_load_waiting_for_its_save_when_another_thread_closes_the_client_raise
     daemon wrote the newer one a moment later (a review: 8 of 8 runs)."""
     from kvkeeper.daemon.faults import ENV
 
-    from .faultkit import entry_path, filled, version_of
+    from .faultkit import entry_path, filled, version_now
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     # 0.1 s per MiB: the 32 MiB save takes about 3 s to write.
@@ -603,7 +605,8 @@ def test_a_load_waiting_for_its_save_when_another_thread_closes_the_client_raise
         raised = outcome["raised"]
         assert isinstance(raised, DaemonUnavailable), raised
         assert "closed" in str(raised) and "may not be written yet" in str(raised), raised
-        wait_for(lambda: version_of(entry_path(root, "k", model="fp"), model="fp") == 2,
+        # (Polled while the daemon renames version 2 over 1: a read may meet that.)
+        wait_for(lambda: version_now(entry_path(root, "k", model="fp"), model="fp") == 2,
                  "the daemon writing the save")
     finally:
         stop_process(proc, signal.SIGKILL)
@@ -860,9 +863,8 @@ def test_saves_made_while_the_daemon_drains_go_to_the_next_one(short_dir: Path) 
                 kv.flush(timeout=WAIT)  # behind the two saves
             # Once the first client answered the notice, the drain takes no
             # new save (before that, the second client's would be taken).
-            log_path = proc.log_path  # type: ignore[attr-defined]
-            wait_for(lambda: "event=drain_saves_closed reason=every_client_answered"
-                     in log_path.read_text(), "the drain to close to saves")
+            wait_for_log(proc, "event=drain_saves_closed reason=every_client_answered",
+                         "the drain to close to saves")
             assert kv2.save("fp", "x", filled(1, 4), [4])
             wait_for(lambda: kv2.client_stats()["client_saves_refused"] == 1, "the refusal")
             assert kv2.save("fp", "y", filled(1, 5), [5])
@@ -983,9 +985,7 @@ def test_the_drain_tells_a_new_client_and_takes_late_saves_for_two_seconds_at_mo
             # Only saves: a delete is refused from the drain's start.
             with pytest.raises(kvkeeper.DaemonShuttingDown):
                 kv.delete("fp", "raw")
-            log_path = proc.log_path  # type: ignore[attr-defined]
-            wait_for(lambda: "event=drain_saves_closed reason=window_over"
-                     in log_path.read_text(), "the window to end")
+            wait_for_log(proc, "event=drain_saves_closed reason=window_over", "the window to end")
             _raw_save(raw, 2, "raw2")
             refused = m.decode_reply(raw.recv())
             assert isinstance(refused, m.SaveRefused) and refused.code == "shutting_down"
@@ -1043,9 +1043,7 @@ def test_an_older_client_that_saves_after_its_flush_in_the_drain_holds_the_exit_
             old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=2)))  # waits for it
             _raw_save(old, 3, "late")
             assert answer(old, m.Flushed).req == 2
-        log_path = proc.log_path  # type: ignore[attr-defined]
-        wait_for(lambda: "event=drain_saves_closed reason=window_over" in log_path.read_text(),
-                 "the window to end")
+        wait_for_log(proc, "event=drain_saves_closed reason=window_over", "the window to end")
         time.sleep(0.3)  # past the 0.25 s the daemon lets its last reply out
         old.send(m.encode(m.Flush(v=m.PROTOCOL_VERSION, req=3)))
         flushed = answer(old, m.Flushed)
@@ -1537,7 +1535,7 @@ def test_a_child_forked_without_exec_keeps_no_connection_to_the_daemon(
             parent.wait(WAIT)
     finally:
         stop_process(proc)
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=drain_saves_closed reason=every_client_answered" in log, log
 
 
@@ -2043,9 +2041,16 @@ def test_an_interrupt_at_any_call_in_close_is_finished_by_the_next_close(
     proc = serve_process(root, sock)
     try:
         layers = [kv_layer(tokens=64)]
+        threads_before = io_threads()
         with Client(sock, timeout=WAIT) as kv:  # what a first client sets up for good
             assert kv.save("fp", "k0", layers, [0])
-        fds_before, threads_before = fds(), io_threads()
+        # Its thread's last steps let go of descriptors after close() returns:
+        # counted before they went, the count never came back down to them
+        # (a loaded machine, once).
+        wait_for(lambda: io_threads() == threads_before, "the first client's I/O thread to end")
+        del kv
+        gc.collect()
+        fds_before = fds()
         at = 0
         while True:
             at += 1
@@ -2205,7 +2210,9 @@ class Session:  # a cycle: freed by a collection, on whichever thread runs it
         self.me = self
     def __del__(self):
         seen["thread"] = threading.current_thread().name
-        kv.close()
+        # (30 s: the 5 s default ran out before the 64 MiB left, once, on a
+        # loaded machine; a close waiting for its own thread waits it all.)
+        kv.close(timeout=30)
         done.set()
 
 gc.set_threshold(50)

@@ -22,7 +22,15 @@ from safetensors import safe_open
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, line_from, serve_process, start_daemon, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    daemon_log,
+    line_from,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+)
 from .faultkit import FP, entry_path, filled, tmp_files, version_of
 
 MiB = 1024 * 1024
@@ -280,7 +288,7 @@ def test_a_save_whose_start_is_read_after_its_client_died_is_cut_off(
         assert tmp_files(root) == []
     finally:
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "died after sending 65536 of 16777216 bytes" in log
 
 
@@ -328,7 +336,7 @@ def test_a_save_whose_start_is_read_after_its_live_client_closed_is_cut_off(
             s.close(linger=0)
         ctx.term()
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "closed its connection after sending" in log
 
 

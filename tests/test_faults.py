@@ -29,7 +29,16 @@ from kvkeeper.client.client import Client
 from kvkeeper.daemon import faults
 from kvkeeper.daemon.faults import CRASH_POINTS, ENV
 
-from .conftest import WAIT, dealer, serve_process, start_daemon, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    daemon_log,
+    dealer,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+    wait_for_log,
+)
 from .faultkit import (
     FP,
     NO_DAC,
@@ -118,7 +127,7 @@ def test_an_eviction_is_logged_before_a_kill_can_hide_it(short_dir: Path) -> Non
                 assert kv.flush(timeout=WAIT) is True
         assert proc.wait(WAIT) == -signal.SIGKILL  # c's commit evicted a
     assert not entry_path(root, "a").exists()
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert f"event=evicted model={FP} id=a " in log, log[-2000:]
 
 
@@ -138,7 +147,7 @@ def test_a_move_aside_is_logged_before_a_kill_can_hide_it(short_dir: Path) -> No
         assert proc.wait(WAIT) == -signal.SIGKILL
     moved = list((root / "quarantine").iterdir())
     assert len(moved) == 1 and not path.exists()
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert f"event=quarantined model={FP} id=k " in log and str(moved[0]) in log, log[-2000:]
 
 
@@ -258,7 +267,7 @@ def test_sighup_drains_like_sigterm(short_dir: Path) -> None:
     assert proc.wait(WAIT) == 0
     for i in range(4):
         assert version_of(entry_path(root, f"hup{i}")) == i + 1
-    assert "event=signal signal=SIGHUP" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=signal signal=SIGHUP" in daemon_log(proc)
     assert tmp_files(root) == []
 
 
@@ -281,7 +290,7 @@ def test_a_signal_ignored_at_start_stays_ignored(short_dir: Path, ignored: int) 
         assert stop_process(proc) == 0
     assert version_of(entry_path(root, "n")) == 2
     name = signal.Signals(ignored).name
-    assert f"signal={name}" not in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert f"signal={name}" not in daemon_log(proc)
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -289,13 +298,12 @@ def test_a_second_signal_does_not_cut_the_drain_short(short_dir: Path, second: i
     # 50 ms per MiB: the four saves take about 0.8 s to write.
     root, proc = serve_with_queued_saves(short_dir, "twice", 4, 0.05)
     proc.send_signal(signal.SIGINT)
-    log_path = proc.log_path  # type: ignore[attr-defined]
-    wait_for(lambda: "event=draining" in log_path.read_text(), "the drain to start")
+    wait_for_log(proc, "event=draining", "the drain to start")
     proc.send_signal(second)
     assert proc.wait(WAIT) == 0
     for i in range(4):
         assert version_of(entry_path(root, f"twice{i}")) == i + 1
-    assert "event=signal_ignored" in log_path.read_text()
+    assert "event=signal_ignored" in daemon_log(proc)
     assert tmp_files(root) == []
 
 
@@ -310,11 +318,10 @@ def test_a_drain_timeout_during_the_last_write_is_a_drain_done(short_dir: Path) 
                          env={ENV: "renamed_delay=1.0"})
     with Client(sock, timeout=WAIT) as kv:
         assert kv.save(FP, "last", filled(1, 1), [1])
-    log_path = proc.log_path  # type: ignore[attr-defined]
     wait_received(sock, 1)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(WAIT) == 0, log_path.read_text()[-800:]
-    log = log_path.read_text()
+    assert proc.wait(WAIT) == 0, daemon_log(proc)[-800:]
+    log = daemon_log(proc)
     assert "event=drained" in log and "drain_timeout seconds" not in log, log
     assert version_of(entry_path(root, "last")) == 1
     assert tmp_files(root) == []
@@ -328,18 +335,17 @@ def test_signals_after_the_drain_do_not_kill_the_daemon(short_dir: Path, second:
     (exit -2 or -15, the socket file left), in 17 of 17 chaos trials."""
     root, sock = paths(short_dir)
     proc = serve_process(root, sock)
-    log_path = proc.log_path  # type: ignore[attr-defined]
     sent = 0
     with Client(sock, timeout=WAIT) as kv:  # connected: the daemon lingers for it
         assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
         proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: "event=drained" in log_path.read_text(), "the drain to end")
+        wait_for_log(proc, "event=drained", "the drain to end")
         deadline = time.monotonic() + WAIT
         while proc.poll() is None and time.monotonic() < deadline:
             proc.send_signal(second)
             sent += 1
             time.sleep(0.005)
-    assert proc.wait(WAIT) == 0, (sent, log_path.read_text()[-600:])
+    assert proc.wait(WAIT) == 0, (sent, daemon_log(proc)[-600:])
     assert not sock.exists()
     assert version_of(entry_path(root, "k")) == 1
 
@@ -352,7 +358,7 @@ def test_drain_timeout_logs_what_did_not_fit(short_dir: Path, n: int, delay: flo
     had named as lost."""
     root, proc = serve_with_queued_saves(short_dir, "slow", n, delay, "--drain-timeout", timeout)
     assert stop_process(proc) == 1  # not everything was written: say so
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     unsaved = [f"slow{i}" for i in range(n) if not entry_path(root, f"slow{i}").exists()]
     assert unsaved, f"a disk this slow cannot write {n} saves in {timeout} s"
     for cache_id in unsaved:
@@ -396,7 +402,7 @@ def _gc_across_the_drain_evicts_nothing(root: Path, sock: Path, proc: subprocess
     finally:
         stop_process(proc, signal.SIGKILL)
     assert all(entry_path(root, key).exists() for key in "abc")
-    assert logged in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert logged in daemon_log(proc)
 
 
 def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) -> None:
@@ -408,12 +414,10 @@ def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) 
     root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
     proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0",
                          "--max-disk-bytes", str(17 * MiB), env={ENV: f"write_hold={go}"})
-    log_path = proc.log_path  # type: ignore[attr-defined]
     try:
         with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
             assert kv.save(FP, "x", filled(16, 2), [2])  # written once go is there
-            wait_for(lambda: "event=fault_hold step=write" in log_path.read_text(),
-                     "the writer to be held in the big save")
+            wait_for_log(proc, "event=fault_hold step=write", "the writer to be held in the big save")
             # Seen only by a rescan: over the budget with it.
             (root / "notes.bin").write_bytes(b"n" * (2 * MiB))
             # The gc's rescan is done at once; its evictions queue behind the save.
@@ -424,7 +428,7 @@ def test_a_gc_whose_turn_comes_during_the_drain_evicts_nothing(short_dir: Path) 
         go.touch()
         stop_process(proc, signal.SIGKILL)
     assert version_of(entry_path(root, "x")) == 2
-    assert "event=gc_cut_short reason=draining" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=gc_cut_short reason=draining" in daemon_log(proc)
 
 
 def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -> None:
@@ -447,9 +451,8 @@ def test_a_gc_rescanning_when_the_drain_begins_evicts_nothing(short_dir: Path) -
         stop_process(proc, signal.SIGKILL)
         raise
     # (The gc's rescan reads the root, and waits for go.)
-    log_path = proc.log_path  # type: ignore[attr-defined]
     _gc_across_the_drain_evicts_nothing(
-        root, sock, proc, lambda: "event=fault_hold step=scan" in log_path.read_text(),
+        root, sock, proc, lambda: "event=fault_hold step=scan" in daemon_log(proc),
         then=lambda: (time.sleep(0.3), go.touch()), logged="event=gc_cut_short reason=draining")
 
 
@@ -484,7 +487,7 @@ def test_saves_are_written_while_a_gc_reads_the_root(short_dir: Path) -> None:
         assert proc.wait(WAIT) == 0
     finally:
         stop_process(proc, signal.SIGKILL)
-    assert "event=gc_cut_short reason=draining" in proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert "event=gc_cut_short reason=draining" in daemon_log(proc)
 
 
 def test_a_start_up_scan_the_drain_meets_after_its_last_file_evicts_nothing(
@@ -534,7 +537,7 @@ def test_a_client_that_never_answers_the_drain_notice_does_not_make_it_a_timeout
     finally:
         ctx.destroy(linger=0)
         stop_process(proc, signal.SIGKILL)
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=drain_saves_closed reason=drain_timeout" in log and "event=drained" in log
     assert entry_path(root, "raw").exists()
 
@@ -560,7 +563,7 @@ def test_a_delete_cut_off_by_the_drain_timeout_is_not_logged_as_a_save(short_dir
     assert stop_process(proc) == 1
     deleter.join(WAIT)
     assert not deleter.is_alive() and answers
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert not entry_path(root, "gone3").exists()
     assert f"event=not_deleted_at_exit model={FP} id=gone3" in log
     assert f"event=not_saved_at_exit model={FP} id=gone3" not in log
@@ -601,7 +604,7 @@ def test_the_drain_timeout_bounds_a_big_save_being_written(short_dir: Path,
         took = time.monotonic() - t0
     ctx.destroy(linger=0)
     assert took < 10, took  # 1 s, then the slice being written (up to 3.2 s)
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert f"event=not_saved_at_exit model={FP} id=big" in log
     assert tmp_files(root) == []
     assert not entry_path(root, "big").exists()
@@ -1258,7 +1261,7 @@ def test_file_size_limit_short_writes(short_dir: Path) -> None:
             fault_round(kv, root, v_good=1, v_bad=2, mib_bad=4)  # EFBIG after a short write
             assert kv.save(FP, "k", filled(2, 3), [3]) and kv.flush(timeout=WAIT)
             assert version_of(entry_path(root, "k")) == 3
-        assert "File too large" in proc.log_path.read_text()  # type: ignore[attr-defined]
+        assert "File too large" in daemon_log(proc)
     finally:
         assert stop_process(proc) == 0
 
@@ -1321,7 +1324,7 @@ def test_a_failed_save_whose_tmp_file_cannot_be_removed_reports_its_own_error(
             assert version_of(entry_path(root, "k")) == 3
     finally:
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     failed = [line for line in log.splitlines() if "event=save_failed" in line]
     assert len(failed) == 1 and "Input/output error" in failed[0], failed
     [left] = tmp_files(root) or [None]  # swept only at the next start
@@ -1485,7 +1488,7 @@ def test_a_file_moved_to_quarantine_whose_fsync_failed_is_indexed_there(short_di
                 p.stat().st_size for p in (root / "quarantine").iterdir())
     finally:
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=quarantine_dir_fsync_failed" in log and "quarantine_failed" not in log
 
 

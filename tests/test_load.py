@@ -15,7 +15,7 @@ import pytest
 from kvkeeper.client.client import Client
 from kvkeeper.daemon.faults import ENV
 
-from .conftest import WAIT, serve_process, start_daemon, stop_process
+from .conftest import WAIT, daemon_log, serve_process, start_daemon, stop_process
 from .faultkit import FP, entry_path, filled, version_of
 from .loadkit import FP as LOAD_FP
 from .loadkit import client_worker
@@ -154,7 +154,7 @@ def test_slow_disk_keeps_memory_bounded(short_dir: Path, max_pending_mib: int) -
                                                + stats["saves_superseded"]
                                                + stats["saves_refused"]), stats
         # Refused for the memory budget, not for anything else.
-        log = proc.log_path.read_text(errors="replace")  # type: ignore[attr-defined]
+        log = daemon_log(proc)
         assert log.count("event=save_refused code=busy ") == stats["saves_refused"], log[-2000:]
         # The daemon reports no peak of its pending bytes, only the gauge now:
         # every sample stays within the writer's share of the budget, and that

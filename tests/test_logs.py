@@ -15,7 +15,7 @@ import pytest
 
 from kvkeeper.client.client import Client
 
-from .conftest import WAIT, serve_process, stop_process
+from .conftest import WAIT, daemon_log, serve_process, stop_process
 from .faultkit import FP, entry_path, filled
 
 #: An id a client may use: a newline that would start a forged line, spaces,
@@ -50,11 +50,11 @@ def test_ids_and_reasons_stay_inside_their_field(short_dir: Path,
     assert fields["event"] == "load_miss" and fields["id"] == NASTY.replace("\n", "\\n")
     assert set(fields) == {"event", "model", "id", "reason"}  # nothing spilled out of a value
     assert fields["model"] == FP and "header length" in fields["reason"]
-    daemon_log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    said = daemon_log(proc)
     assert "event=forged" not in "\n".join(
-        ln for ln in daemon_log.splitlines() if not ln.startswith("ts=")), daemon_log
-    moved = [ln for ln in daemon_log.splitlines() if "event=quarantined" in ln]
-    assert len(moved) == 1, daemon_log
+        ln for ln in said.splitlines() if not ln.startswith("ts=")), said
+    moved = [ln for ln in said.splitlines() if "event=quarantined" in ln]
+    assert len(moved) == 1, said
     fields = _fields(moved[0])
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}", fields["ts"]), fields["ts"]
     assert set(fields) == {"ts", "level", "logger", "event", "model", "id", "reason", "moved_to"}
@@ -75,7 +75,7 @@ def test_a_refused_save_is_logged_with_its_key(short_dir: Path) -> None:
             assert kv.flush(timeout=WAIT) is False
     finally:
         assert stop_process(proc) == 0
-    lines = [ln for ln in proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+    lines = [ln for ln in daemon_log(proc).splitlines()
              if "event=save_refused" in ln]
     assert len(lines) == 1, lines
     fields = _fields(lines[0])
@@ -106,7 +106,7 @@ def test_a_delete_is_logged_with_its_key(short_dir: Path) -> None:
             assert (stats["deletes"], stats["deletes_missing"]) == (2, 1), stats
     finally:
         assert stop_process(proc) == 0
-    lines = [_fields(ln) for ln in proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+    lines = [_fields(ln) for ln in daemon_log(proc).splitlines()
              if "event=deleted" in ln]
     assert [(f["level"], f["model"], f["id"], f["file_deleted"], f["pending_save_discarded"])
             for f in lines] == [("INFO", FP, NASTY.replace("\n", "\\n"), "true", "false"),
@@ -127,7 +127,7 @@ def test_every_line_of_the_daemons_log_is_one_event(short_dir: Path) -> None:
             assert kv.delete(FP, "a")
     finally:
         assert stop_process(proc) == 0
-    lines = proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+    lines = daemon_log(proc).splitlines()
     events = [_fields(ln) for ln in lines]
     assert all(ln.startswith("ts=") and {"ts", "level", "logger", "event"} <= set(f)
                for ln, f in zip(lines, events, strict=True)), lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import resource
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvkeeper.protocol import messages as m
 from .conftest import (
     WAIT,
     RunningDaemon,
+    daemon_log,
     dealer,
     dealers,
     serve_process,
@@ -34,10 +36,10 @@ def limited(soft: int, hard: int):  # type: ignore[no-untyped-def]
     return preexec
 
 
-def fd_limit(proc) -> int:  # type: ignore[no-untyped-def]
+def fd_limit(proc: subprocess.Popen[bytes]) -> int:
     """The soft limit the daemon's log says it listened with."""
-    found = re.search(r"event=listening .* fd_limit=(\d+)", proc.log_path.read_text())
-    assert found, proc.log_path.read_text()
+    found = re.search(r"event=listening .* fd_limit=(\d+)", daemon_log(proc))
+    assert found, daemon_log(proc)
     return int(found.group(1))
 
 

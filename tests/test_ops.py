@@ -25,7 +25,17 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 import kvkeeper
 from kvkeeper.client.client import Client, DaemonError
 
-from .conftest import WAIT, RunningDaemon, ping, serve_process, start_daemon, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    RunningDaemon,
+    daemon_log,
+    ping,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+    wait_for_log,
+)
 from .faultkit import FP, entry_path, filled, need_linux_root, small_tmpfs, tmp_files, version_of
 from .legacy_describe import MLX_LM_OLD_API, describe
 from .test_legacy import MANIFEST, ROOT
@@ -523,7 +533,8 @@ def test_rm_model_deletes_what_it_can_and_names_what_it_left(
 
 def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, str, str]:
     """rm --model of entries p, q, r, s, t (1 s before each unlink), the
-    daemon sent ``signum`` once p is gone; rm's exit status, stdout, stderr."""
+    daemon sent ``signum`` once the second delete's delay has begun (p gone,
+    its answer sent); rm's exit status, stdout, stderr."""
     from kvkeeper.daemon.faults import ENV
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -538,9 +549,7 @@ def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, st
                               stderr=subprocess.PIPE, text=True)
         # The second delete's delay begun: rm has had the first's answer
         # (waiting for p's file to go raced that answer, sent just after).
-        log_path = proc.log_path  # type: ignore[attr-defined]
-        wait_for(lambda: log_path.read_text().count("step=delete_delay") == 2,
-                 "the second delete")
+        wait_for_log(proc, "step=delete_delay", "the second delete", count=2)
         assert not entry_path(root, "p").exists()
         proc.send_signal(signum)  # while the second waits out its delay
         out, errors = rm.communicate(timeout=WAIT)
@@ -1889,6 +1898,6 @@ def test_the_daemon_leaves_a_file_it_cannot_identify_where_it_is(short_dir: Path
             assert not quarantine.exists() or not any(quarantine.iterdir())
     finally:
         assert stop_process(daemon) == 0
-    said = " ".join(daemon.log_path.read_text(errors="replace").split())  # type: ignore[attr-defined]
+    said = " ".join(daemon_log(daemon).split())
     assert f"cannot tell whether {theirs} is a cache or another program's file" in said, said
     assert f"cannot tell whether {damaged} is a cache" in said, said

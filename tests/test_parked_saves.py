@@ -22,11 +22,13 @@ from kvkeeper.protocol import messages as m
 from .conftest import (
     WAIT,
     RunningDaemon,
+    daemon_log,
     dealers,
     serve_process,
     start_daemon,
     stop_process,
     wait_for,
+    wait_for_log,
 )
 from .faultkit import tmp_files
 from .test_cli_checks import cli
@@ -429,9 +431,7 @@ def test_a_save_replaced_while_it_replaces_a_parked_one_passes_its_client_on(
             assert save_whole(other, "k", b"2", send_only=True) is None
             # Parked after 0.5 s, then replaced: its tmp file goes for 2 s,
             # from this line on (a fixed 1.2 s missed it on a late park).
-            log_path = proc.log_path  # type: ignore[attr-defined]
-            wait_for(lambda: "step=abort_delay" in log_path.read_text(),
-                     "the parked save's tmp file to be going")
+            wait_for_log(proc, "step=abort_delay", "the parked save's tmp file to be going")
             other.send(begin(save=2, cache_id="k", tensors=[m.TensorSpec("t0", "U8", [1000])]))
             other.send_multipart([m.encode(m.SaveData(v=V, save=2, frames=1)), b"3" * 500])
             # A new save of the same client abandons that one half way: it fails.
@@ -444,7 +444,7 @@ def test_a_save_replaced_while_it_replaces_a_parked_one_passes_its_client_on(
             assert not (root / "sessions" / "fp" / "k.safetensors").exists()
     finally:
         assert stop_process(proc) == 0
-    assert "event=save_parked model=fp id=k received=1000" not in proc.log_path.read_text()
+    assert "event=save_parked model=fp id=k received=1000" not in daemon_log(proc)
 
 
 def test_a_gc_while_a_save_is_parked_leaves_no_phantom_file_in_the_budget(

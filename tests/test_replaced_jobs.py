@@ -21,7 +21,15 @@ from kvkeeper.daemon.faults import ENV
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 
-from .conftest import WAIT, dealers, serve_process, start_daemon, stop_process, wait_for
+from .conftest import (
+    WAIT,
+    dealers,
+    serve_process,
+    start_daemon,
+    stop_process,
+    wait_for,
+    wait_for_log,
+)
 
 V = m.PROTOCOL_VERSION
 
@@ -222,14 +230,12 @@ def test_a_flood_of_saves_of_one_key_leaves_room_for_other_clients(short_dir: Pa
     hold = short_dir / "go"
     proc = serve_process(short_dir / "root", short_dir / "run" / "kv.sock",
                          "--min-write-interval", "0", env={ENV: f"write_hold={hold}"})
-    log_path = proc.log_path  # type: ignore[attr-defined]
     path = naming.entry_path(short_dir / "root", "fp", "k")
     n = 5000
     try:
         with dealers(short_dir / "run" / "kv.sock", 4) as (busy, a, b, watch):
             save(busy, 1, "busy", b"x" * 2**20)
-            wait_for(lambda: "event=fault_hold step=write" in log_path.read_text(),
-                     "the writer to be held")
+            wait_for_log(proc, "event=fault_hold step=write", "the writer to be held")
             for i in range(1, n + 1):
                 save(a, i, "k", i.to_bytes(4, "little") * 4)
 

@@ -24,6 +24,7 @@ from kvkeeper.protocol import messages as m
 
 from .conftest import (
     WAIT,
+    daemon_log,
     dealers,
     scan_done,
     serve_process,
@@ -127,7 +128,7 @@ def test_sigterm_during_the_start_up_scan(short_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(WAIT)
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=not_saved_at_exit" not in log and "scan_failed" not in log, log
     assert _holds(entry_path(root, "x"), 6) and version_of(entry_path(root, "x")) == 6
     assert version_of(entry_path(root, "old")) == 1
@@ -163,7 +164,7 @@ def test_a_scan_cut_short_evicts_nothing(short_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(WAIT)
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=scan_cut_short" in log and "event=evicted" not in log, log
     assert all(entry_path(root, n).exists() for n in "abcdwxyz")
     assert all(_holds(entry_path(root, n), 5 + i) for i, n in enumerate("wxyz"))
@@ -228,7 +229,7 @@ def test_a_file_the_scan_cannot_stat_is_skipped(short_dir: Path) -> None:
             assert kv.stats()["disk_used_bytes"] == _bytes_under(root / "sessions")
     finally:
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=unreadable_file" in log and "scan_failed" not in log, log
 
 

@@ -24,6 +24,7 @@ from kvkeeper.protocol import safetensors as st
 from .conftest import (
     WAIT,
     RunningDaemon,
+    daemon_log,
     serve_process,
     start_daemon,
     stop_process,
@@ -169,7 +170,7 @@ def test_a_budget_pass_that_fails_after_the_commit_leaves_the_save_written(
             assert stats["disk_used_bytes"] == sizes["c"] + sizes["d"]
     finally:
         assert stop_process(proc) == 0
-    assert proc.log_path.read_text().count("event=budget_failed") == 2  # type: ignore[attr-defined]
+    assert daemon_log(proc).count("event=budget_failed") == 2
 
 
 def test_evictions_before_a_budget_pass_fails_are_counted(short_dir: Path) -> None:
@@ -208,7 +209,7 @@ def test_evictions_before_a_budget_pass_fails_are_counted(short_dir: Path) -> No
                 assert kv.entries() == []
         finally:
             assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert "event=scan_failed" in log and "event=gc_failed" in log
 
 
@@ -231,7 +232,7 @@ def test_a_file_system_that_cannot_sync_directories_still_keeps_saves(
             assert kv.stats()["saves_failed"] == 0
     finally:
         assert stop_process(proc) == 0
-    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    log = daemon_log(proc)
     assert log.count("event=dir_fsync_unsupported") == 1, log
 
 
@@ -475,7 +476,7 @@ def test_a_daemon_whose_root_or_socket_is_removed_exits_for_a_new_one(
         else:
             sock.unlink()
         assert proc.wait(WAIT) == 1
-        log = proc.log_path.read_text()  # type: ignore[attr-defined]
+        log = daemon_log(proc)
         assert "event=place_gone" in log, log
         assert ("lock file" if what.startswith("root") else "socket") in log
         if what == "root-made-a-file":
