@@ -291,6 +291,33 @@ def _left_in_place_or_moved_aside(client: Client, path: Path, written: bytes,
         assert not path.exists() and client.stats()["files_quarantined"] == 1
 
 
+def _to_f8(header: dict) -> None:
+    """Tensor t0 (bf16) relabelled ``F8_E4M3``: the same bytes, one a
+    value, twice as many; the layers' description says the same of it."""
+    from kvkeeper.protocol import safetensors as st
+
+    meta, t0 = header["__metadata__"], header["t0"]
+    assert t0["dtype"] == "BF16"
+    t0["dtype"], t0["shape"][-1] = "F8_E4M3", t0["shape"][-1] * 2
+    layers = json.loads(meta[st.LAYERS_KEY])
+    refs, found = [layers], 0
+    while refs:
+        node = refs.pop()
+        if isinstance(node, dict) and node.get("$") == "tensor" and node["name"] == "t0":
+            node["dtype"], node["shape"] = t0["dtype"], t0["shape"]
+            found += 1
+        refs.extend(node.values() if isinstance(node, dict)
+                    else node if isinstance(node, list) else [])
+    assert found == 1
+    meta[st.LAYERS_KEY] = json.dumps(layers)
+
+
+def _verify_json(daemon: RunningDaemon) -> dict:
+    done = cli("verify", "--json", "--root", str(daemon.root), "--socket", str(daemon.socket))
+    assert done.returncode == 1, (done.stdout, done.stderr)  # every case has a file to report
+    return json.loads(done.stdout)
+
+
 @pytest.mark.parametrize("vouched", [True, False])
 def test_a_file_with_a_dtype_kvkeeper_lacks_is_damage_only_if_its_header_says_so(
     vouched: bool, client: Client, daemon: RunningDaemon
@@ -300,35 +327,10 @@ def test_a_file_with_a_dtype_kvkeeper_lacks_is_damage_only_if_its_header_says_so
     leaves the file in place, lazy or verified, and `verify` says it was not
     checked rather than bad (before: damaged, moved aside for every client).
     The same header with its checksum not redone is damage."""
-    from kvkeeper.protocol import safetensors as st
-
     assert client.save(FP, "f8", filled(1, 7), [7]) and client.flush(timeout=WAIT)
     path = entry_path(daemon.root, "f8")
-    f8_in_layers: list[bool] = []
-
-    def to_f8(header: dict) -> None:
-        meta = header["__metadata__"]
-        t0 = header["t0"]
-        assert t0["dtype"] == "BF16"
-        # Same bytes: one byte an element, twice the elements.
-        t0["dtype"], t0["shape"][-1] = "F8_E4M3", t0["shape"][-1] * 2
-        # The layers' description says the same of t0.
-        layers = json.loads(meta[st.LAYERS_KEY])
-        refs = [layers]
-        while refs:
-            node = refs.pop()
-            if isinstance(node, dict) and node.get("$") == "tensor" and node["name"] == "t0":
-                node["dtype"], node["shape"] = t0["dtype"], t0["shape"]
-                f8_in_layers.append(True)
-            refs.extend(node.values() if isinstance(node, dict)
-                        else node if isinstance(node, list) else [])
-        meta[st.LAYERS_KEY] = json.dumps(layers)
-
-    written = _edited_and_refused(path, to_f8, vouched, "F8_E4M3")
-    done = cli("verify", "--json", "--root", str(daemon.root), "--socket", str(daemon.socket))
-    report = json.loads(done.stdout)
-    assert done.returncode == 1, (done.stdout, done.stderr)
-    assert f8_in_layers[0]
+    written = _edited_and_refused(path, _to_f8, vouched, "F8_E4M3")
+    report = _verify_json(daemon)
     if vouched:
         assert [r["path"] for r in report["could_not_read"]] == [str(path)], report
         assert "F8_E4M3" in report["could_not_read"][0]["reason"], report
@@ -338,6 +340,45 @@ def test_a_file_with_a_dtype_kvkeeper_lacks_is_damage_only_if_its_header_says_so
     assert client.load(FP, "f8", verify=False) is None
     assert client.load(FP, "f8") is None
     _left_in_place_or_moved_aside(client, path, written, vouched)
+
+
+@pytest.mark.parametrize("damage", ["cut short", "a data byte flipped", "another key's file"])
+def test_a_file_with_a_dtype_kvkeeper_lacks_is_still_checked_for_damage(
+    damage: str, client: Client, daemon: RunningDaemon
+) -> None:
+    """A header whose checksum passes does not vouch for the rest: the
+    first version took the file as written as soon as the header's checksum
+    passed, before the tensors were checked against the file's size, so a
+    file cut short, one whose data failed its checksum, or another key's
+    file passed for sound (a review). Each is damage now: verified (the
+    data's checksums go by bytes), by verify, and moved aside by a load;
+    a lazy load of the flipped byte, which reads no checksum, leaves it."""
+    assert client.save(FP, "f8", filled(1, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "f8")
+    def f8_resealed(header: dict) -> None:
+        _to_f8(header)
+        resealed(header)
+
+    rewrite_header(path, f8_resealed)
+    key = "f8"
+    if damage == "cut short":
+        truncate(path)
+    elif damage == "a data byte flipped":
+        flip_bit(path)
+    else:
+        key = "other"
+        os.rename(path, entry_path(daemon.root, key))
+        path = entry_path(daemon.root, key)
+    lazy_sees = damage != "a data byte flipped"
+    for verify in (True, False):
+        with pytest.raises(CacheFileError) as info:
+            reader.read_cache_file(path, verify=verify, model=FP, cache_id=key)
+        assert info.value.damaged is (verify or lazy_sees), (verify, info.value)
+    report = _verify_json(daemon)
+    assert [b["path"] for b in report["bad"]] == [str(path)], report
+    assert client.load(FP, key, verify=False) is None
+    assert client.load(FP, key) is None
+    _left_in_place_or_moved_aside(client, path, b"", vouched=False)
 
 
 @pytest.mark.parametrize("vouched", [True, False])

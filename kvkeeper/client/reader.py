@@ -35,7 +35,7 @@ class CacheFileError(Exception):
     a symlink, never followed) and can never be served for its key;
     False when the file may be fine but cannot be used here and now (a cache
     class this process cannot import, a dtype this MLX cannot load or this
-    kvkeeper does not know, the header's checksum passing; padding past
+    kvkeeper does not know in a file otherwise sound; padding past
     this machine's memory; a file
     this process cannot open or read now: no permission, an I/O error; or
     the file was replaced mid-read).
@@ -115,7 +115,7 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
     # 0.3-0.45 ms of 1.7 ms): there MLX's own checks (every tensor's offsets
     # against its size and the file's) stand for ours when it makes them.
     if verify or not MLX_CHECKS_OFFSETS:
-        header = _header(path)
+        header = _header(path, model, cache_id, verify)
     else:
         header = None
         if not regular:
@@ -128,7 +128,7 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
         arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
     except Exception as exc:  # noqa: BLE001 - MLX raises several types for bad files
         if header is None:
-            header = _header(path)  # our own reason, when the layout is bad
+            header = _header(path, model, cache_id, verify)  # our reason, if the layout's
         _header_sums(path, header)
         # The header checked out (its layout, each tensor within the file,
         # its checksum): what MLX refused is this process's trouble, not
@@ -144,7 +144,7 @@ def read_file(path: Path, verify: bool, model: str | None, cache_id: str | None,
         # tiling the file) is all that refuses two tensors over the same
         # bytes, which MLX serves alike. They are rare: their lazy loads
         # can pay for the header's second read.
-        header = _header(path)
+        header = _header(path, model, cache_id, verify)
     if header is not None and meta != header.metadata:
         raise CacheFileError(f"{path}: replaced while being read; try again", damaged=False,
                              replaced=True)
@@ -232,18 +232,43 @@ def _regular_file(path: Path) -> None:
         raise CacheFileError(f"{path}: not a regular file")
 
 
-def _header(path: Path) -> st.FileHeader:
+def _header(path: Path, model: str | None = None, cache_id: str | None = None,
+            verify: bool = False) -> st.FileHeader:
     try:
         return st.read_file_header(path)
     except OSError as exc:
         raise cannot_open(path, exc) from None
     except st.UnknownDtypeError as exc:
-        # A header its own checksum vouches for is what was written (by a
-        # newer kvkeeper, with a dtype this one lacks): moved aside, it
-        # was lost for the clients that can read it.
-        raise CacheFileError(f"{path}: {exc}", damaged=not exc.header_vouched()) from None
+        raise _dtype_not_known(path, exc, model, cache_id, verify) from None
     except st.LayoutError as exc:
         raise CacheFileError(f"{path}: {exc}") from None
+
+
+def _dtype_not_known(path: Path, exc: st.UnknownDtypeError, model: str | None,
+                     cache_id: str | None, verify: bool) -> CacheFileError:
+    """The error for a file holding a dtype kvkeeper does not know: damage
+    when its header's checksum fails, or it is another key's file, or (read
+    verified) a tensor's bytes fail theirs; else what was written, by a
+    newer kvkeeper say, which moved aside was lost for the clients that can
+    read it."""
+    if not exc.header_vouched():
+        return CacheFileError(f"{path}: {exc}")
+    meta = exc.metadata
+    if model is not None and meta.get(st.MODEL_KEY) != model:
+        return CacheFileError(f"{path}: saved for model {meta.get(st.MODEL_KEY)!r}, not {model!r}")
+    if cache_id is not None and meta.get(st.CACHE_ID_KEY) != cache_id:
+        return CacheFileError(f"{path}: holds cache {meta.get(st.CACHE_ID_KEY)!r}, "
+                              f"not {cache_id!r}")
+    if verify:  # the checksums go by bytes: they can be checked all the same
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                st.verify_data(f, exc.header)
+        except OSError as oserr:
+            return cannot_open(path, oserr)
+        except st.LayoutError as damage:
+            return CacheFileError(f"{path}: {damage}")
+    return CacheFileError(f"{path}: {exc}", damaged=False)
 
 
 #: Made once: a decoder per call cost 30-70 us of a lazy load.
@@ -280,7 +305,7 @@ def _kvkeeper_file(
             # A lazy load left the layout to MLX, which takes some our check
             # refuses (e.g. two negative dimensions of the right product):
             # such a file is damaged, not just unusable here.
-            header = _header(path)
+            header = _header(path, model, cache_id, verify)
         if not verify:
             # The layer description is in the header, which a lazy load did
             # not check: a flipped byte in a class name was taken for a file

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +115,7 @@ def verify(args: argparse.Namespace) -> int:
                         st.verify_data(fh, header, lambda n: bar.advance(task, n))
                         # What load() refuses: another key's file at this place.
                         if _header_key_here(f, meta) is None:
-                            bad.append((f, f"holds the entry {meta.get(st.MODEL_KEY)!r}/"
-                                           f"{meta.get(st.CACHE_ID_KEY)!r}, which belongs "
-                                           f"elsewhere", judged))
+                            bad.append((f, _elsewhere(meta), judged))
                 except FileNotFoundError:
                     files.pop()  # gone meanwhile: not checked
                     bar.advance(task, size)
@@ -129,10 +127,12 @@ def verify(args: argparse.Namespace) -> int:
                         bad.append((f, st.why_not_opened(f, exc), judged))
                 except st.TableError as exc:
                     if isinstance(exc, st.UnknownDtypeError) and exc.header_vouched():
-                        # As written (by a newer kvkeeper): not damaged,
-                        # and not this kvkeeper's to check or move aside.
-                        unchecked.append((f, f"{exc}; its header's checksum passes"))
-                        bar.advance(task, size)
+                        damage = _newer_file_damage(f, exc, lambda n: bar.advance(task, n))
+                        if damage is not None:
+                            bad.append((f, damage, judged))
+                        else:  # as written (by a newer kvkeeper): not this one's to read
+                            unchecked.append((f, f"{exc}; its header's and its tensors' "
+                                                 f"checksums pass"))
                     elif st.is_cache(exc.metadata):
                         bad.append((f, str(exc), judged))
                     else:  # another program's safetensors (FP8 weights, say), as the store says
@@ -215,6 +215,24 @@ def _key_of(path: Path) -> tuple[str | None, str | None]:
             return _header_key_here(path, header.metadata) or (None, None)
     except (OSError, st.LayoutError):
         return None, None
+
+
+def _elsewhere(meta: dict[str, str]) -> str:
+    return (f"holds the entry {meta.get(st.MODEL_KEY)!r}/{meta.get(st.CACHE_ID_KEY)!r}, "
+            f"which belongs elsewhere")
+
+
+def _newer_file_damage(path: Path, exc: st.UnknownDtypeError,
+                       progress: Callable[[int], object]) -> str | None:
+    """What is wrong with a file whose header's checksum passes but which
+    holds a dtype kvkeeper does not know: a tensor failing its checksum
+    (those go by bytes), another key's file; None when nothing is."""
+    try:
+        with open(path, "rb") as f:
+            st.verify_data(f, exc.header, progress)
+    except (OSError, st.LayoutError) as damage:  # (read a moment ago: a failure is the file's)
+        return str(damage)
+    return None if _header_key_here(path, exc.metadata) is not None else _elsewhere(exc.metadata)
 
 
 def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None:

@@ -72,24 +72,23 @@ class TableError(LayoutError):
 
 
 class UnknownDtypeError(TableError):
-    """A tensor table that holds a dtype kvkeeper does not know. ``tensors``
-    is the table as read, for :meth:`header_vouched`."""
+    """A tensor table that holds a dtype kvkeeper does not know, and is
+    otherwise sound: every tensor within the file, the tensors tiling it.
+    ``header`` is the header as read, for :meth:`header_vouched` and the
+    data's checksums (which go by bytes, not by dtype)."""
 
-    def __init__(self, message: str, metadata: dict[str, str],
-                 tensors: dict[str, Any]) -> None:
-        super().__init__(message, metadata)
-        self.tensors = tensors
+    def __init__(self, message: str, header: FileHeader) -> None:
+        super().__init__(message, header.metadata)
+        self.header = header
 
     def header_vouched(self) -> bool:
-        """Whether the header's own checksum passes: the file is as its
+        """Whether the header's own checksum passes: the header is as its
         writer made it (a newer kvkeeper's dtype), not damaged."""
         try:
             recorded = msgspec.json.decode(self.metadata[CHECKSUMS_KEY])
             return (isinstance(recorded, dict) and recorded.get("header") is not None
-                    and FileHeader(self.tensors, self.metadata, 0).checksums is not None)
-        except (KeyError, TypeError, ValueError, msgspec.DecodeError, msgspec.EncodeError):
-            # (LayoutError is a ValueError; a table malformed past the
-            # unknown dtype fails the digest's own reading of it.)
+                    and self.header.checksums is not None)
+        except (KeyError, ValueError, msgspec.DecodeError):  # (LayoutError: a ValueError)
             return False
 
 
@@ -266,6 +265,7 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
     data_len = file_size - 8 - n
     end = 0
     spans = []
+    unknown: str | None = None  # the first tensor of a dtype kvkeeper does not know
     # Every lazy load runs this loop once per tensor: plain loops, no generators
     # (a third of the time it took with them).
     for name, t in body.items():
@@ -287,9 +287,12 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
             raise LayoutError(f"tensor {name!r} has a malformed entry") from None
         size = DTYPE_SIZES.get(dtype)
         if size is None:
-            raise UnknownDtypeError(
-                f"tensor {name!r} has a dtype kvkeeper does not read ({dtype!r})", meta, body)
-        want *= size
+            # Its size cannot be told; the rest of the layout still can (a
+            # file cut short with such a tensor in it is damage all the same).
+            unknown = unknown or f"tensor {name!r} has a dtype kvkeeper does not read ({dtype!r})"
+            want = b - a
+        else:
+            want *= size
         if not (0 <= a <= b <= data_len) or b - a != want:
             raise TableError(f"tensor {name!r} lies outside the file or has the wrong size",
                              meta)
@@ -308,6 +311,8 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> FileHeader:
         if a != at:
             raise TableError("tensors overlap or leave bytes no tensor holds", meta)
         at = b
+    if unknown is not None:
+        raise UnknownDtypeError(unknown, FileHeader(body, meta, 8 + n))
     return FileHeader(body, meta, 8 + n)
 
 
