@@ -393,7 +393,8 @@ def test_stats_say_which_daemon_answered(daemon: RunningDaemon) -> None:
     assert (got["pid"], got["version"], got["root"], got["socket"]) == (
         os.getpid(), __version__, str(daemon.root), str(daemon.socket)), r.stdout  # in-process
     assert "saves_written" in got
-    r = cli("stats", "--socket", str(daemon.socket))
+    # Whole, however narrow the output (rich cut a long root to the width).
+    r = cli("stats", "--socket", str(daemon.socket), env={"COLUMNS": "20"})
     assert r.returncode == 0, r.stderr
     said = r.stdout.splitlines()
     assert said[0].strip() == f"kvkeeper daemon, pid {os.getpid()}, version {__version__}", said

@@ -2047,7 +2047,7 @@ def test_an_interrupt_at_any_call_in_close_is_finished_by_the_next_close(
         # Its thread's last steps let go of descriptors after close() returns:
         # counted before they went, the count never came back down to them
         # (a loaded machine, once).
-        wait_for(lambda: io_threads() == threads_before, "the first client's I/O thread to end")
+        wait_for(lambda: io_threads() <= threads_before, "the first client's I/O thread to end")
         del kv
         gc.collect()
         fds_before = fds()

@@ -73,10 +73,12 @@ def stats(args: argparse.Namespace) -> int:
         print_json({"pid": who.pid, "version": who.version, "root": who.root,
                     "socket": socket, **counters})
         return 0
-    table = Table(title=f"kvkeeper daemon, pid {who.pid}, version {who.version}",
-                  show_header=False, box=None, padding=(0, 2))
-    table.add_row("  root", shown(who.root))
-    table.add_row("  socket", shown(socket))
+    # Lines of their own, never cut: in the table, rich shortened a long
+    # root to its width ("/tmp/a-rather-long-directory-name-for-t…").
+    out.print(f"kvkeeper daemon, pid {who.pid}, version {who.version}")
+    out.print(Text.assemble("  root    ", shown(who.root)))
+    out.print(Text.assemble("  socket  ", shown(socket)))
+    table = Table(show_header=False, box=None, padding=(0, 2))
     listed = set()
     for group, names in _GROUPS:
         table.add_row(f"[bold]{group}[/]", "")
