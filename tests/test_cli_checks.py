@@ -400,6 +400,11 @@ def test_stats_say_which_daemon_answered(daemon: RunningDaemon) -> None:
     assert said[0].strip() == f"kvkeeper daemon, pid {os.getpid()}, version {__version__}", said
     assert said[1].split() == ["root", str(daemon.root)], said
     assert said[2].split() == ["socket", str(daemon.socket)], said
+    # Every counter by its whole name (the table cut "write_seconds_p50" and
+    # "_p99" alike to "write_seconds_…").
+    words = {line.split()[0] for line in said[3:] if line.strip()}
+    assert set(got) - {"pid", "version", "root", "socket"} <= words, (sorted(got), said)
+    assert "…" not in r.stdout, said
 
 
 def test_stats_json_gives_counts_as_integers(client: Client, daemon: RunningDaemon) -> None:

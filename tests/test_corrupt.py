@@ -112,6 +112,17 @@ def nested_header(p: Path) -> None:
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
+def nested_checksums(p: Path) -> None:
+    # A valid header whose checksums entry is JSON 2000 deep: msgspec's
+    # RecursionError escaped load() and verify, with a traceback (a review).
+    from kvkeeper.protocol import safetensors as st
+
+    def nest(header: dict) -> None:
+        header["__metadata__"][st.CHECKSUMS_KEY] = "[" * 2000 + "]" * 2000
+
+    rewrite_header(p, nest)
+
+
 def _flip_in_header(p: Path, old: bytes, new: bytes) -> None:
     """Change bytes of the header in place, as a bad sector would: same length."""
     data = bytearray(p.read_bytes())
@@ -171,6 +182,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "float-offsets": float_offsets,
     "negative-dimensions": negative_dims,
     "nested-header": nested_header,
+    "nested-checksums": nested_checksums,
     "token-id-digit": token_id_digit,
     "format-name": format_name,
     "metadata-key": metadata_key,
@@ -187,7 +199,7 @@ SAME_INTEGERS = ("float-offsets", "bool-dimension")
 
 #: Damage only checksums can see (of the data, of the header), which a lazy
 #: load skips.
-CHECKSUMS_ONLY = ("flipped-bit", "token-id-digit", "format-name")
+CHECKSUMS_ONLY = ("flipped-bit", "token-id-digit", "format-name", "nested-checksums")
 
 
 def _lazy_sees(kind: str) -> bool:
@@ -330,7 +342,12 @@ def test_a_file_with_a_dtype_kvkeeper_lacks_is_damage_only_if_its_header_says_so
     assert client.save(FP, "f8", filled(1, 7), [7]) and client.flush(timeout=WAIT)
     path = entry_path(daemon.root, "f8")
     written = _edited_and_refused(path, _to_f8, vouched, "F8_E4M3")
+    # A check is not a use: the access time (the eviction order) stays.
+    before = path.stat()
+    os.utime(path, ns=(before.st_atime_ns - 3 * 86400 * 10**9, before.st_mtime_ns))
+    atime = path.stat().st_atime_ns
     report = _verify_json(daemon)
+    assert path.stat().st_atime_ns == atime
     if vouched:
         assert [r["path"] for r in report["could_not_read"]] == [str(path)], report
         assert "F8_E4M3" in report["could_not_read"][0]["reason"], report
@@ -340,6 +357,18 @@ def test_a_file_with_a_dtype_kvkeeper_lacks_is_damage_only_if_its_header_says_so
     assert client.load(FP, "f8", verify=False) is None
     assert client.load(FP, "f8") is None
     _left_in_place_or_moved_aside(client, path, written, vouched)
+
+
+def test_verify_reports_a_checksums_entry_nested_too_deep(
+    client: Client, daemon: RunningDaemon
+) -> None:
+    """verify ended with msgspec's RecursionError and a traceback (a review)."""
+    assert client.save(FP, "deep", filled(1, 7), [7]) and client.flush(timeout=WAIT)
+    path = entry_path(daemon.root, "deep")
+    nested_checksums(path)
+    report = _verify_json(daemon)
+    assert [(b["path"], "nested too deeply" in b["reason"]) for b in report["bad"]] == [
+        (str(path), True)], report
 
 
 @pytest.mark.parametrize("damage", ["cut short", "a data byte flipped", "another key's file"])

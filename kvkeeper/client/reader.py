@@ -261,8 +261,7 @@ def _dtype_not_known(path: Path, exc: st.UnknownDtypeError, model: str | None,
                               f"not {cache_id!r}")
     if verify:  # the checksums go by bytes: they can be checked all the same
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
+            with st.open_bytes(path) as (f, _):
                 st.verify_data(f, exc.header)
         except OSError as oserr:
             return cannot_open(path, oserr)

@@ -222,6 +222,12 @@ def print_table(title: str, columns: list[plaintable.Column],
                          overflow="fold" if justify == "left" else "ellipsis")
     for row in rows:
         table.add_row(*row)
+    print_whole(table)
+
+
+def print_whole(table: Table) -> None:
+    """A table on stdout; piped, as wide as it needs (rich cut its cells to
+    80 columns, or to COLUMNS)."""
     if out.is_terminal:
         out.print(table)
     else:

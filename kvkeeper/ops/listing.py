@@ -24,6 +24,7 @@ from kvkeeper.ops.common import (
     out,
     print_json,
     print_table,
+    print_whole,
     shown,
 )
 from kvkeeper.protocol import messages as m
@@ -79,6 +80,10 @@ def stats(args: argparse.Namespace) -> int:
     out.print(Text.assemble("  root    ", shown(who.root)))
     out.print(Text.assemble("  socket  ", shown(socket)))
     table = Table(show_header=False, box=None, padding=(0, 2))
+    # On a narrow terminal a name wraps rather than ends in "…" (p50 and
+    # p99 read alike); piped, print_whole makes room for it.
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")
     listed = set()
     for group, names in _GROUPS:
         table.add_row(f"[bold]{group}[/]", "")
@@ -91,7 +96,7 @@ def stats(args: argparse.Namespace) -> int:
         table.add_row("[bold]Other[/]", "")
         for name in rest:
             table.add_row(f"  {name}", _fmt(name, counters[name]))
-    out.print(table)
+    print_whole(table)
     return 0
 
 

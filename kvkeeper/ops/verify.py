@@ -127,12 +127,13 @@ def verify(args: argparse.Namespace) -> int:
                         bad.append((f, st.why_not_opened(f, exc), judged))
                 except st.TableError as exc:
                     if isinstance(exc, st.UnknownDtypeError) and exc.header_vouched():
-                        damage = _newer_file_damage(f, exc, lambda n: bar.advance(task, n))
-                        if damage is not None:
-                            bad.append((f, damage, judged))
-                        else:  # as written (by a newer kvkeeper): not this one's to read
-                            unchecked.append((f, f"{exc}; its header's and its tensors' "
-                                                 f"checksums pass"))
+                        verdict, why = _newer_file(f, exc, judged, lambda n: bar.advance(task, n))
+                        if verdict == "gone":
+                            files.pop()  # gone meanwhile: not checked
+                        elif verdict == "bad":
+                            bad.append((f, why, judged))
+                        else:  # as written (by a newer kvkeeper), or replaced meanwhile
+                            unchecked.append((f, why))
                     elif st.is_cache(exc.metadata):
                         bad.append((f, str(exc), judged))
                     else:  # another program's safetensors (FP8 weights, say), as the store says
@@ -222,17 +223,31 @@ def _elsewhere(meta: dict[str, str]) -> str:
             f"which belongs elsewhere")
 
 
-def _newer_file_damage(path: Path, exc: st.UnknownDtypeError,
-                       progress: Callable[[int], object]) -> str | None:
-    """What is wrong with a file whose header's checksum passes but which
-    holds a dtype kvkeeper does not know: a tensor failing its checksum
-    (those go by bytes), another key's file; None when nothing is."""
+def _newer_file(path: Path, exc: st.UnknownDtypeError, judged: os.stat_result | None,
+               progress: Callable[[int], object]) -> tuple[str, str]:
+    """The verdict on a file whose header's checksum passes but which holds
+    a dtype kvkeeper does not know, and why: "bad" (a tensor failing its
+    checksum, which goes by bytes; another key's file), "unchecked" (sound,
+    but not this kvkeeper's to read; or replaced since its header was
+    read), "gone" (deleted or evicted meanwhile)."""
     try:
-        with open(path, "rb") as f:
+        # As the other files: not a use (the access time is the daemon's
+        # eviction order), and never through a symlink.
+        with st.open_bytes(path, keep_atime=True) as (f, now):
+            if judged is not None and (now.st_dev, now.st_ino) != (judged.st_dev, judged.st_ino):
+                return "unchecked", "replaced by a newer version while it was checked"
             st.verify_data(f, exc.header, progress)
-    except (OSError, st.LayoutError) as damage:  # (read a moment ago: a failure is the file's)
-        return str(damage)
-    return None if _header_key_here(path, exc.metadata) is not None else _elsewhere(exc.metadata)
+    except FileNotFoundError:
+        return "gone", ""
+    except OSError as failed:
+        if st.says_nothing_of_the_file(failed):
+            return "unchecked", failed.strerror or str(failed)
+        return "bad", st.why_not_opened(path, failed)
+    except st.LayoutError as damage:
+        return "bad", str(damage)
+    if _header_key_here(path, exc.metadata) is None:
+        return "bad", _elsewhere(exc.metadata)
+    return "unchecked", f"{exc}; its header's and its tensors' checksums pass"
 
 
 def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None:

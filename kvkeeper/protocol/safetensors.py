@@ -88,8 +88,8 @@ class UnknownDtypeError(TableError):
             recorded = msgspec.json.decode(self.metadata[CHECKSUMS_KEY])
             return (isinstance(recorded, dict) and recorded.get("header") is not None
                     and self.header.checksums is not None)
-        except (KeyError, ValueError, msgspec.DecodeError):  # (LayoutError: a ValueError)
-            return False
+        except (KeyError, ValueError, msgspec.DecodeError, RecursionError):
+            return False  # (LayoutError is a ValueError; RecursionError: "[[[...")
 
 
 #: MLX shapes are int32.
@@ -181,6 +181,8 @@ class FileHeader:
             obj = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             raise LayoutError("checksums metadata is not JSON") from None
+        except RecursionError:  # "[[[..." 2000 deep: a traceback from load() and verify
+            raise LayoutError("checksums metadata is nested too deeply") from None
         if not isinstance(obj, dict) or obj.get("algo") != CHECKSUM_ALGO:
             raise LayoutError("unknown checksum algorithm")
         # A damaged field name must not pass for a file written before the
@@ -427,6 +429,14 @@ def open_file(path: str | os.PathLike[str], *,
     store keeps each entry's last use there (for eviction), so the daemon's
     own reads (scans, checks) must not count as uses; on a ``relatime``
     mount, the Linux default, a first read after a write would."""
+    with open_bytes(path, keep_atime=keep_atime) as (f, info):
+        yield f, read_header(f, info.st_size)
+
+
+@contextmanager
+def open_bytes(path: str | os.PathLike[str], *,
+               keep_atime: bool = False) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """``open_file`` without the header: the file and its fstat."""
     flags = _READ_FLAGS
     noatime = _O_NOATIME if keep_atime else 0
     try:
@@ -441,7 +451,7 @@ def open_file(path: str | os.PathLike[str], *,
         if not stat.S_ISREG(info.st_mode):
             raise LayoutError("not a regular file")
         try:
-            yield f, read_header(f, info.st_size)
+            yield f, info
         finally:
             if keep_atime and not noatime:
                 _restore_atime(fd, info)
