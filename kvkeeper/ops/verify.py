@@ -234,7 +234,9 @@ def _newer_file(path: Path, exc: st.UnknownDtypeError, judged: os.stat_result | 
         # As the other files: not a use (the access time is the daemon's
         # eviction order), and never through a symlink.
         with st.open_bytes(path, keep_atime=True) as (f, now):
-            if judged is not None and (now.st_dev, now.st_ino) != (judged.st_dev, judged.st_ino):
+            # (An inode number is reused at once: the mtime and size too.)
+            if judged is not None and (now.st_dev, now.st_ino, now.st_mtime_ns, now.st_size) != (
+                    judged.st_dev, judged.st_ino, judged.st_mtime_ns, judged.st_size):
                 return "unchecked", "replaced by a newer version while it was checked"
             st.verify_data(f, exc.header, progress)
     except FileNotFoundError:

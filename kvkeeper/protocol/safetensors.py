@@ -446,7 +446,14 @@ def open_bytes(path: str | os.PathLike[str], *,
             raise
         fd = os.open(path, flags)  # O_NOATIME is for the file's owner only
         noatime = 0
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:
+        f = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        # A directory's IsADirectoryError (the reason verify gives): fdopen
+        # leaves a descriptor it was given open when it fails, one a call.
+        os.close(fd)
+        raise
+    with f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise LayoutError("not a regular file")
