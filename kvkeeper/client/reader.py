@@ -253,12 +253,8 @@ def _dtype_not_known(path: Path, exc: st.UnknownDtypeError, model: str | None,
     read it."""
     if not exc.header_vouched():
         return CacheFileError(f"{path}: {exc}")
-    meta = exc.metadata
-    if model is not None and meta.get(st.MODEL_KEY) != model:
-        return CacheFileError(f"{path}: saved for model {meta.get(st.MODEL_KEY)!r}, not {model!r}")
-    if cache_id is not None and meta.get(st.CACHE_ID_KEY) != cache_id:
-        return CacheFileError(f"{path}: holds cache {meta.get(st.CACHE_ID_KEY)!r}, "
-                              f"not {cache_id!r}")
+    if (other := _other_key(path, exc.metadata, model, cache_id)) is not None:
+        return other
     if verify:  # the checksums go by bytes: they can be checked all the same
         try:
             with st.open_bytes(path) as (f, _):
@@ -268,6 +264,18 @@ def _dtype_not_known(path: Path, exc: st.UnknownDtypeError, model: str | None,
         except st.LayoutError as damage:
             return CacheFileError(f"{path}: {damage}")
     return CacheFileError(f"{path}: {exc}", damaged=False)
+
+
+def _other_key(path: Path, meta: dict[str, str], model: str | None,
+               cache_id: str | None) -> CacheFileError | None:
+    """The error for a kvkeeper file whose header names another key than the
+    one asked for (None: not asked, or the same)."""
+    if model is not None and meta.get(st.MODEL_KEY) != model:
+        return CacheFileError(f"{path}: saved for model {meta.get(st.MODEL_KEY)!r}, not {model!r}")
+    if cache_id is not None and meta.get(st.CACHE_ID_KEY) != cache_id:
+        return CacheFileError(f"{path}: holds cache {meta.get(st.CACHE_ID_KEY)!r}, "
+                              f"not {cache_id!r}")
+    return None
 
 
 #: Made once: a decoder per call cost 30-70 us of a lazy load.
@@ -284,10 +292,8 @@ def _kvkeeper_file(
     model: str | None,
     cache_id: str | None,
 ) -> LoadedCache:
-    if model is not None and meta.get(st.MODEL_KEY) != model:
-        raise CacheFileError(f"{path}: saved for model {meta.get(st.MODEL_KEY)!r}, not {model!r}")
-    if cache_id is not None and meta.get(st.CACHE_ID_KEY) != cache_id:
-        raise CacheFileError(f"{path}: holds cache {meta.get(st.CACHE_ID_KEY)!r}, not {cache_id!r}")
+    if (other := _other_key(path, meta, model, cache_id)) is not None:
+        raise other
     if verify:
         assert header is not None  # read_cache_file reads it for every verified load
         _verify(path, header, arrays)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,15 @@ def verify(args: argparse.Namespace) -> int:
                     # between, the repair finds another inode and leaves it.
                     judged = f.lstat()
                     # A check is not a use: the eviction order stays as it was.
-                    with st.open_file(f, keep_atime=True) as (fh, header):
+                    with st.open_bytes(f, keep_atime=True) as (fh, info):
+                        try:
+                            header, newer = st.read_header(fh, info.st_size), None
+                        except st.UnknownDtypeError as exc:
+                            if not exc.header_vouched():
+                                raise  # as any table refused (below)
+                            # A newer kvkeeper's dtype: the rest is checked as
+                            # for any file (the checksums go by bytes).
+                            header, newer = exc.header, exc
                         meta = header.metadata
                         if not st.written_by_kvkeeper(meta):
                             (legacy if detect_legacy(meta) else others).append(f)
@@ -115,7 +123,12 @@ def verify(args: argparse.Namespace) -> int:
                         st.verify_data(fh, header, lambda n: bar.advance(task, n))
                         # What load() refuses: another key's file at this place.
                         if _header_key_here(f, meta) is None:
-                            bad.append((f, _elsewhere(meta), judged))
+                            bad.append((f, f"holds the entry {meta.get(st.MODEL_KEY)!r}/"
+                                           f"{meta.get(st.CACHE_ID_KEY)!r}, which belongs "
+                                           f"elsewhere", judged))
+                        elif newer is not None:  # sound, but not this kvkeeper's to read
+                            unchecked.append((f, f"{newer}; its header's and its tensors' "
+                                                 f"checksums pass"))
                 except FileNotFoundError:
                     files.pop()  # gone meanwhile: not checked
                     bar.advance(task, size)
@@ -126,15 +139,7 @@ def verify(args: argparse.Namespace) -> int:
                     else:
                         bad.append((f, st.why_not_opened(f, exc), judged))
                 except st.TableError as exc:
-                    if isinstance(exc, st.UnknownDtypeError) and exc.header_vouched():
-                        verdict, why = _newer_file(f, exc, judged, lambda n: bar.advance(task, n))
-                        if verdict == "gone":
-                            files.pop()  # gone meanwhile: not checked
-                        elif verdict == "bad":
-                            bad.append((f, why, judged))
-                        else:  # as written (by a newer kvkeeper), or replaced meanwhile
-                            unchecked.append((f, why))
-                    elif st.is_cache(exc.metadata):
+                    if st.is_cache(exc.metadata):
                         bad.append((f, str(exc), judged))
                     else:  # another program's safetensors (FP8 weights, say), as the store says
                         others.append(f)
@@ -216,40 +221,6 @@ def _key_of(path: Path) -> tuple[str | None, str | None]:
             return _header_key_here(path, header.metadata) or (None, None)
     except (OSError, st.LayoutError):
         return None, None
-
-
-def _elsewhere(meta: dict[str, str]) -> str:
-    return (f"holds the entry {meta.get(st.MODEL_KEY)!r}/{meta.get(st.CACHE_ID_KEY)!r}, "
-            f"which belongs elsewhere")
-
-
-def _newer_file(path: Path, exc: st.UnknownDtypeError, judged: os.stat_result | None,
-               progress: Callable[[int], object]) -> tuple[str, str]:
-    """The verdict on a file whose header's checksum passes but which holds
-    a dtype kvkeeper does not know, and why: "bad" (a tensor failing its
-    checksum, which goes by bytes; another key's file), "unchecked" (sound,
-    but not this kvkeeper's to read; or replaced since its header was
-    read), "gone" (deleted or evicted meanwhile)."""
-    try:
-        # As the other files: not a use (the access time is the daemon's
-        # eviction order), and never through a symlink.
-        with st.open_bytes(path, keep_atime=True) as (f, now):
-            # (An inode number is reused at once: the mtime and size too.)
-            if judged is not None and (now.st_dev, now.st_ino, now.st_mtime_ns, now.st_size) != (
-                    judged.st_dev, judged.st_ino, judged.st_mtime_ns, judged.st_size):
-                return "unchecked", "replaced by a newer version while it was checked"
-            st.verify_data(f, exc.header, progress)
-    except FileNotFoundError:
-        return "gone", ""
-    except OSError as failed:
-        if st.says_nothing_of_the_file(failed):
-            return "unchecked", failed.strerror or str(failed)
-        return "bad", st.why_not_opened(path, failed)
-    except st.LayoutError as damage:
-        return "bad", str(damage)
-    if _header_key_here(path, exc.metadata) is None:
-        return "bad", _elsewhere(exc.metadata)
-    return "unchecked", f"{exc}; its header's and its tensors' checksums pass"
 
 
 def _header_key_here(path: Path, meta: dict[str, str]) -> tuple[str, str] | None:
