@@ -28,12 +28,14 @@ from kvkeeper.daemon.app import Daemon, DaemonConfig
 WAIT = 30.0  # cap on every wait in the tests
 
 
-def wait_for(cond: Callable[[], bool], what: str, *, every: float = 0.02) -> None:
+def wait_for(cond: Callable[[], bool], what: str | Callable[[], str], *,
+             every: float = 0.02) -> None:
     """Poll ``cond`` every ``every`` seconds until it holds; fail after WAIT
-    seconds, naming ``what``."""
+    seconds, naming ``what`` (a callable: said as it is at that time)."""
     deadline = time.monotonic() + WAIT
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, \
+            f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(every)
 
 
@@ -256,11 +258,8 @@ def wait_for_log(proc: subprocess.Popen[bytes], text: str, what: str, *, count: 
     """Wait until the daemon's log holds ``text`` ``count`` times (a step
     begun, a fault's hold reached); fails after WAIT seconds, naming ``what``
     and showing the log's end."""
-    deadline = time.monotonic() + WAIT
-    while (log := daemon_log(proc)).count(text) < count:
-        assert time.monotonic() < deadline, (
-            f"timed out waiting for {what}; exit status {proc.poll()}; the log ends:\n{log[-1500:]}")
-        time.sleep(0.02)
+    wait_for(lambda: daemon_log(proc).count(text) >= count,
+             lambda: f"{what}; exit status {proc.poll()}; the log ends:\n{daemon_log(proc)[-1500:]}")
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
