@@ -159,23 +159,22 @@ def _no_room(socket: Path, need: int) -> str | None:
 
     with Client(socket, connect_timeout=1.0) as kv:
         stats = kv.stats()
+    beside = " without evicting entries: "
     used, limit = int(stats.get("disk_used_bytes", 0)), int(stats.get("max_disk_bytes", 0))
     if limit and need > limit:
         # Nothing to evict would make room: an empty store was said to hold
         # "0 KiB of its 1.0 MiB disk budget", as if entries were in the way.
         return f": its whole disk budget is {_mib(limit)} (--max-disk-bytes)"
     if limit and stats.get("store_indexing"):
-        return (" without evicting entries: it is still indexing its store, so how much of "
-                "its disk budget is used cannot be told yet (try again in a moment)")
+        return (f"{beside}it is still indexing its store, so how much of its disk budget "
+                "is used cannot be told yet (try again in a moment)")
     if limit and used + need > limit:
-        return f" without evicting entries: its store holds {_mib(used)} of its " \
-               f"{_mib(limit)} disk budget"
+        return f"{beside}its store holds {_mib(used)} of its {_mib(limit)} disk budget"
     # Its store's disk as the daemon sees it (-1: no size, as ramfs, where it
     # keeps nothing free; an older daemon does not say).
     free, keep = int(stats.get("free_bytes", -1)), int(stats.get("min_free_bytes", 0))
     if free >= 0 and free - need < keep:
-        return f" without evicting entries: its disk has {_mib(free)} free, of which it " \
-               f"keeps {_mib(keep)}"
+        return f"{beside}its disk has {_mib(free)} free, of which it keeps {_mib(keep)}"
     return None
 
 
