@@ -92,6 +92,13 @@ def _set_offset(state: list[Any]) -> None:
     state[0][2] = "-7"  # keep, max_size, offset, _idx
 
 
+def _set_keep(state: list[Any]) -> None:
+    state[0][0] = "40"  # in a window of 32
+
+
+ROTATING_LM = LEGACY / "mlx-lm" / "rotating.safetensors"  # keys, values, offset, keep, max_size, _idx
+
+
 DAMAGED = {
     # (what, how to make it, the reason's words)
     "negative offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(-5, mx.int32)}),
@@ -110,6 +117,19 @@ DAMAGED = {
     "offset of no value": (_offset_of_no_value, "offset None is not a token count"),
     "negative offset of a rotating cache": (lambda d: _with_meta_state(ROTATING, d, _set_offset),
                                             "offset -7 is not a token count"),
+    # Restored as they were, the next update wrote its token nowhere (the
+    # write position) or returned no rows (the window's size), and raised not.
+    "write position past the rows of a rotating cache": (
+        lambda d: _rewritten(ROTATING_LM, d, {"0.5": mx.array(1000, mx.int32)}),
+        "write position 1000 is not within its 37 rows"),
+    "negative write position of a rotating cache": (
+        lambda d: _rewritten(ROTATING_LM, d, {"0.5": mx.array(-3, mx.int32)}),
+        "write position -3 is not within"),
+    "rotating window of no rows": (
+        lambda d: _rewritten(ROTATING_LM, d, {"0.4": mx.array(0, mx.int32)}),
+        "max_size 0 is not a window's size"),
+    "rotating cache keeping more than its window": (
+        lambda d: _with_meta_state(ROTATING, d, _set_keep), "keep 40 is not within its window"),
     "an array missing": (lambda d: _rewritten(ROTATING, d, {"0.0": None}),
                          "no array for state entry '0.0'"),
     "token ids not JSON": (lambda d: _rewritten(ROTATING, d, token_ids="[1, 2,, 3]"),

@@ -153,7 +153,26 @@ def _check_counts(layer: Any, where: str) -> int:
     if type(layer).__name__ in _ROWS_HOLD_OFFSET and first is not None and first.ndim == 4 \
             and offset > first.shape[-2]:
         raise LegacyDamage(f"{where}: offset {offset} is past its {first.shape[-2]} rows")
+    if type(layer).__name__ == "RotatingKVCache":
+        rows = first.shape[-2] if first is not None and first.ndim == 4 else 0
+        _check_window(layer, offset, rows, where)
     return size
+
+
+def _check_window(layer: Any, offset: int, rows: int, where: str) -> None:
+    """Refuse a rotating cache whose window no cache can have. Restored as
+    they were, a write position of 1000 (or -3) in a window of 16 rows put
+    the next token nowhere and the update went on without it; a max_size of
+    0 or -1 made every later update return no rows at all. Neither raised."""
+    max_size, keep, idx = (getattr(layer, name, None) for name in ("max_size", "keep", "_idx"))
+    if type(max_size) is not int or not 0 < max_size < 1 << 31:
+        raise LegacyDamage(f"{where}: max_size {max_size!r} is not a window's size")
+    if type(keep) is not int or not 0 <= keep < max_size:
+        raise LegacyDamage(f"{where}: keep {keep!r} is not within its window of {max_size}")
+    # The write position never passes the tokens seen, nor the rows held.
+    if type(idx) is not int or not 0 <= idx <= min(offset, rows):
+        raise LegacyDamage(f"{where}: write position {idx!r} is not within its {rows} rows "
+                           f"and offset {offset}")
 
 
 # ---------------------------------------------------------------------------
