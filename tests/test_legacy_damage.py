@@ -130,6 +130,13 @@ DAMAGED = {
         "max_size 0 is not a window's size"),
     "rotating cache keeping more than its window": (
         lambda d: _with_meta_state(ROTATING, d, _set_keep), "keep 40 is not within its window"),
+    # mlx-lm writes each of these as one value with its array; a miss that
+    # left the file in place for ever (damaged=False) before.
+    "a scalar of two values": (
+        lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array([1, 2], mx.int32)}),
+        "scalar '0.2' (scalar) is malformed"),
+    "a scalar's array missing": (lambda d: _rewritten(MLX_LM, d, {"0.2": None}),
+                                 "scalar '0.2' has no array"),
     "an array missing": (lambda d: _rewritten(ROTATING, d, {"0.0": None}),
                          "no array for state entry '0.0'"),
     "token ids not JSON": (lambda d: _rewritten(ROTATING, d, token_ids="[1, 2,, 3]"),

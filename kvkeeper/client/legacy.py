@@ -395,7 +395,8 @@ def _scalar_leaf(array: mx.array, kind: str, path: str) -> Any:
         if kind == "none":
             return None
     except (TypeError, ValueError, OverflowError) as exc:
-        raise CodecError(f"mlx-lm scalar {path!r} ({kind}) is malformed: {exc}") from None
+        raise LegacyDamage(f"mlx-lm scalar {path!r} ({kind}) is malformed: {exc}") from None
+    # A kind a later mlx-lm may write: not known here, the file may be sound.
     raise CodecError(f"mlx-lm scalar {path!r} has unknown kind {kind!r}")
 
 
@@ -440,9 +441,9 @@ def _decode_mlx_lm(arrays: Mapping[str, mx.array], metadata: Mapping[str, str]) 
     for i in sorted(entries):
         path, kind = entries[i]
         if path is None or kind is None:
-            raise CodecError(f"mlx-lm metadata: scalar entry {i} is incomplete")
+            raise LegacyDamage(f"mlx-lm metadata: scalar entry {i} is incomplete")
         if path not in arrays:
-            raise CodecError(f"mlx-lm metadata: scalar {path!r} has no array")
+            raise LegacyDamage(f"mlx-lm metadata: scalar {path!r} has no array")
         flat[path] = _scalar_leaf(arrays[path], kind, path)
     states = _unflatten_layers(flat, len(classes))
     if "LayerCache" in classes:
