@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from kvkeeper.walk import walk
+
 __all__ = ["model_fingerprint"]
 
 #: Bump when the set of inputs or their encoding changes.
@@ -63,7 +65,7 @@ def _files(root: Path) -> Iterator[tuple[str, Path]]:
     found = []
     seen: set[tuple[int, int]] = set()
     # Follow symlinks (Hugging Face snapshots are made of them) but never loop.
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in walk(root, followlinks=True):
         st = os.stat(dirpath)
         if (st.st_dev, st.st_ino) in seen:
             dirnames[:] = []

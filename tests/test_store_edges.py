@@ -39,6 +39,7 @@ from .faultkit import (
     small_tmpfs,
     version_of,
 )
+from .test_cli_checks import cli
 
 LONG_MODEL = "m-" + "0123456789abcdef" * 2  # the shape of model_fingerprint()
 
@@ -915,3 +916,66 @@ def test_the_daemon_keeps_its_socket_s_files_from_looking_unused(
             assert kv.ping() is not None  # the daemon is still the one listening there
     finally:
         assert rd.stop() == 0
+
+
+def _deep_tree(top: Path, levels: int) -> Path:
+    """``top/a/a/.../a``, ``levels`` deep, made through descriptors (each
+    path stays short); returns the deepest directory."""
+    fd = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(levels):
+            os.mkdir("a", dir_fd=fd)
+            inner = os.open("a", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    return top.joinpath(*["a"] * levels)
+
+
+def _remove_deep_tree(deepest: Path, top: Path) -> None:
+    # Bottom up, without recursion (shutil.rmtree recurses up to Python 3.11).
+    for f in deepest.iterdir():
+        f.unlink()
+    d = deepest
+    while d != top:
+        os.rmdir(d)
+        d = d.parent
+
+
+def test_a_tree_deeper_than_the_recursion_limit_leaves_the_budget_on(short_dir: Path) -> None:
+    """A tree 1,100 levels deep under the root (paths of 2,200 bytes): before,
+    os.walk raised RecursionError, so the start-up scan and every gc crashed
+    (internal_errors), nothing was ever evicted, ls listed none of the entries
+    there, and export --root ended with a traceback."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    budget = int(3.5 * MiB)
+    d = start_daemon(root, sock, max_disk_bytes=budget)
+    with Client(sock, timeout=WAIT) as kv:
+        for i, key in enumerate("abc"):
+            assert kv.save(FP, key, filled(1, i), [i]) and kv.flush(timeout=WAIT)
+    assert d.stop() == 0
+    (root / "junk").mkdir()
+    deepest = _deep_tree(root / "junk", 1100)
+    (deepest / "notes").write_bytes(b"x" * 1000)
+    try:
+        d = start_daemon(root, sock, max_disk_bytes=budget)
+        try:
+            with Client(sock, timeout=WAIT) as kv:
+                assert sorted(e.cache_id for e in kv.entries(FP)) == ["a", "b", "c"]
+                assert kv.save(FP, "d", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+                assert sorted(e.cache_id for e in kv.entries(FP)) == ["b", "c", "d"]
+                listed = {e.path for e in kv.entries(everything=True) if e.kind == "foreign"}
+                assert str(deepest / "notes") in listed, listed
+                kv.gc()
+                stats = kv.stats()
+                assert stats["internal_errors"] == 0 and stats["evictions"] == 1, stats
+                assert stats["disk_used_bytes"] == sum(
+                    entry_path(root, k).stat().st_size for k in "bcd") + 1000
+        finally:
+            assert d.stop() == 0
+        r = cli("export", "--root", str(root), FP, "b", str(short_dir / "b.safetensors"))
+        assert r.returncode == 0, r.stderr
+        assert mx.load(str(short_dir / "b.safetensors"))
+    finally:
+        _remove_deep_tree(deepest, root / "junk")

@@ -40,6 +40,7 @@ from kvkeeper.protocol.safetensors import (
     says_nothing_of_the_file,
     written_by_kvkeeper,
 )
+from kvkeeper.walk import walk
 
 log = get_logger("kvkeeper.store")
 
@@ -371,7 +372,7 @@ class Store:
         found: list[StoredEntry] = []
         complete = True
         try:
-            for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._unlisted):
+            for dirpath, dirnames, filenames in walk(self.root, onerror=self._unlisted):
                 dirnames[:] = [d for d in dirnames
                                if not os.path.islink(os.path.join(dirpath, d))]
                 for name in filenames:

@@ -21,6 +21,7 @@ from rich.text import Text
 from kvkeeper import plaintable
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
+from kvkeeper.walk import walk
 
 # soft_wrap: messages (paths, ids) are never broken across lines when piped;
 # tables still fit the width.
@@ -272,7 +273,7 @@ def within(path: Path, root: Path) -> bool:
             return True
     info = os.stat(here)
     target = (info.st_dev, info.st_ino)
-    for parent, dirs, _ in os.walk(root):
+    for parent, dirs, _ in walk(root):
         for name in dirs:
             try:
                 seen = os.stat(os.path.join(parent, name), follow_symlinks=False)

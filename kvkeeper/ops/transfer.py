@@ -36,6 +36,7 @@ from kvkeeper.ops.common import (
 from kvkeeper.protocol import messages as m
 from kvkeeper.protocol import naming
 from kvkeeper.protocol import safetensors as st
+from kvkeeper.walk import walk
 
 
 def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
@@ -75,7 +76,7 @@ def _cache_files_under(directory: Path) -> list[Path]:
         if not isinstance(exc, FileNotFoundError):
             err.print(Text.assemble("cannot list ", shown(exc.filename), f": {exc.strerror}"))
 
-    return sorted(Path(d) / name for d, _, names in os.walk(directory, onerror=unlisted)
+    return sorted(Path(d) / name for d, _, names in walk(directory, onerror=unlisted)
                   for name in names if name.endswith(naming.SUFFIX))
 
 
