@@ -1624,6 +1624,77 @@ def test_a_trimmed_window_of_more_kv_heads_fed_one_token_starts_cold(
     assert got == ask(session(None, two), more)
 
 
+def test_a_full_window_of_more_kv_heads_fed_one_token_starts_cold(
+        lm_tok: TokenizerWrapper, daemon: RunningDaemon) -> None:
+    """A max_kv_size window that has wrapped (keys of 16 rows, 38 tokens
+    seen), restored for a model with 1 KV head under the model id of one
+    with 2, and extended by one token: a full window's one-token update
+    writes in place, where the one head's keys broadcast into the slot
+    of two. The session streamed other tokens than a cold run with no
+    error, saved that cache, and its next request raised (a review). Now
+    the restore is refused before the model runs; the same model's window
+    is still extended."""
+    def session(kv: Client | None, model: nn.Module) -> kv_lm.Session:
+        return kv_lm.Session(kv, "model-w", "chat" if kv else "mem", model, lm_tok)
+
+    def ask(s: kv_lm.Session, ids: list[int]) -> list[int]:
+        return s.generate(ids, max_tokens=8, max_kv_size=16)
+
+    ids = prompt(30, seed=3)
+    two = tiny_qwen2(seed=4, kv_heads=2)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        first = session(kv, two)
+        said = ask(first, ids)
+        assert first.cache is not None
+        assert [(layer.offset, layer.keys.shape[2]) for layer in first.cache][0] == (38, 16)
+        assert kv.flush(timeout=WAIT) is True
+    more = ids + said + [7]
+    one = tiny_qwen2(seed=4, kv_heads=1)
+    want = ask(session(None, one), more)
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        s = session(kv, one)
+        got = ask(s, more)
+        assert s.last_plan is not None and s.last_plan.action == "cold", s.last_plan
+        assert s.last_plan.reason == "the saved cache's layers do not fit this model"
+        assert got == want
+        assert s.cache is not None and {layer.keys.shape[1] for layer in s.cache} == {1}
+        # And its next request, on the cache in memory, goes on.
+        ask(s, more + got + prompt(5, seed=8))
+        assert kv.flush(timeout=WAIT) is True
+        assert {layer.keys.shape[1] for layer in kv.load("model-w", "chat").cache} == {1}
+    # The model that saved it: its window is extended by the one token, as in memory.
+    with Client(daemon.socket, timeout=WAIT) as kv:
+        s = session(kv, two)
+        ask(s, ids)
+        assert kv.flush(timeout=WAIT) is True
+        s = session(kv, two)
+        got = ask(s, more)
+        assert s.last_plan is not None and s.last_plan.action == "extend", s.last_plan
+    mem = session(None, two)
+    ask(mem, ids)
+    assert got == ask(mem, more)
+
+
+def test_mlx_vlm_s_language_model_answers_the_window_probe() -> None:
+    """mlx-vlm's Session asks its language model for the shapes of a fresh
+    cache as mlx-lm's asks its model (``windows_fit``): a full window of 2
+    KV heads does not fit a model of 1, and fits one of 2."""
+    from kvkeeper.integrations import probe_cache, windows_fit
+
+    layer = vlm_cache.RotatingKVCache(max_size=8)
+    x = mx.ones((1, 2, 12, 64), dtype=mx.bfloat16)  # the tiny model's head size
+    layer.update_and_fetch(x, x)
+
+    def fits(model: nn.Module) -> bool:
+        restored = [layer] * len(vlm_cache.make_prompt_cache(model.language_model))
+        return windows_fit(restored, lambda: probe_cache(
+            lambda: vlm_cache.make_prompt_cache(model.language_model),
+            lambda ids, fresh: model.language_model(ids, cache=fresh)))
+
+    assert not fits(tiny_vlm_llama(kv_heads=1))
+    assert fits(tiny_vlm_llama(kv_heads=2))
+
+
 @pytest.mark.parametrize("library", ["mlx_lm", "mlx_vlm"])
 def test_a_restored_window_trimmed_refuses_keys_of_other_heads(
         client: Client, library: str) -> None:

@@ -775,6 +775,60 @@ def _becomes(layer: Any) -> set[str]:
 WINDOW_PROBE = 4096
 
 
+def _full_window(layer: Any) -> bool:
+    """Whether ``layer`` is a rotating window holding all its rows (its offset
+    at or past its size): its next single-token update writes in place,
+    never concatenating."""
+    size, offset = getattr(layer, "max_size", None), getattr(layer, "offset", None)
+    keys = getattr(layer, "keys", None)
+    return (type(size) is int and type(offset) is int and offset >= size
+            and getattr(keys, "ndim", None) == 4 and "RotatingKVCache" in type(layer).__name__)
+
+
+def windows_fit(restored: Sequence[Any], probe: Callable[[], Sequence[Any] | None]) -> bool:
+    """Whether the full rotating windows of a restored cache have the KV heads
+    and head size of the session's model. Elsewhere a cache of another
+    model fails in the model's first step, which concatenates (see
+    ``_first_or_cold``); a full window's one-token update writes in place,
+    where the keys of a model with one KV head broadcast into a slot of
+    two: wrong tokens streamed and saved, no error (a review). ``probe()``
+    gives a fresh cache after one token of the model (as many layers),
+    or None where the model cannot be asked so: then not checked. Asked
+    only when a full window was restored."""
+    full = [i for i, layer in enumerate(restored) if _full_window(layer)]
+    if not full:
+        return True
+    fresh = probe()
+    if fresh is None or len(fresh) != len(restored):
+        return True
+    for i in full:
+        for side in ("keys", "values"):
+            got: Any = getattr(restored[i], side, None)
+            made: Any = getattr(fresh[i], side, None)
+            if getattr(got, "ndim", None) != 4 or getattr(made, "ndim", None) != 4:
+                continue
+            if (got.shape[1], got.shape[3]) != (made.shape[1], made.shape[3]):
+                return False
+    return True
+
+
+def probe_cache(make: Callable[[], list[Any]], run: Callable[[Any, list[Any]], Any]
+                ) -> list[Any] | None:
+    """A fresh cache (``make()``) after ``run(ids, cache)`` of one token: its
+    layers' keys then have the model's shapes. Only the graph is built (the
+    shapes are known before anything is computed). None if the model
+    cannot be run so (inputs it needs beside the ids)."""
+    import mlx.core as mx
+
+    cache = make()
+    try:
+        run(mx.array([[0]]), cache)
+    except Exception as exc:  # noqa: BLE001 - then the windows go unchecked, as before
+        log.debug("event=probe_failed error=%r", exc)
+        return None
+    return cache
+
+
 def layers_fit(restored: Sequence[Any], fresh: Sequence[Any],
                windowed: Sequence[Any] | None = None) -> bool:
     """Whether the layers of a restored cache can stand in for ``fresh``, a

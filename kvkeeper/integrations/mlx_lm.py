@@ -37,9 +37,11 @@ from kvkeeper.integrations import (
     SessionBase,
     hash_array,
     layers_fit,
+    probe_cache,
     run_out,
     token_ids_of,
     watch_callers,
+    windows_fit,
 )
 from kvkeeper.protocol.messages import version_tuple
 from kvkeeper.writebehind import is_bytes
@@ -97,7 +99,10 @@ class Session(SessionBase):
 
     def _compatible(self, cache: list[Any]) -> bool:
         return layers_fit(cache, make_prompt_cache(self.model),
-                          make_prompt_cache(self.model, max_kv_size=WINDOW_PROBE))
+                          make_prompt_cache(self.model, max_kv_size=WINDOW_PROBE)) \
+            and windows_fit(cache, lambda: probe_cache(
+                lambda: make_prompt_cache(self.model),
+                lambda ids, fresh: self.model(ids, cache=fresh)))
 
     def encode(self, prompt: str | list[int] | mx.array) -> list[int]:
         """The prompt's token ids, tokenized the way ``mlx_lm.stream_generate`` does."""

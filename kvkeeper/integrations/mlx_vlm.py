@@ -46,9 +46,11 @@ from kvkeeper.integrations import (
     layers_fit,
     length_mismatch,
     log,
+    probe_cache,
     run_out,
     token_ids_of,
     watch_callers,
+    windows_fit,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +100,10 @@ class Session(SessionBase):
         return vlm_cache.make_prompt_cache(self.model.language_model, max_kv_size=max_kv_size)
 
     def _compatible(self, cache: list[Any]) -> bool:
-        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(WINDOW_PROBE))
+        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(WINDOW_PROBE)) \
+            and windows_fit(cache, lambda: probe_cache(
+                lambda: self._fresh_cache(None),
+                lambda ids, fresh: self.model.language_model(ids, cache=fresh)))
 
     @property
     def state(self) -> PromptCacheState:
