@@ -1037,6 +1037,23 @@ def test_a_client_closed_while_a_request_streams_does_not_stop_it(
         rd.stop()
 
 
+def test_a_session_whose_client_is_closed_runs_cold(
+        lm_tok: TokenizerWrapper, client: Client, caplog: pytest.LogCaptureFixture) -> None:
+    """A server that shut its client down: the session's requests run cold
+    and stream, as a load that failed does."""
+    model = tiny_llama(seed=3)
+    session = kv_lm.Session(client, "tiny-lm-closed", "chat", model, lm_tok)
+    client.close()
+    ids = prompt(20, seed=2)
+    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+        got = session.generate(ids, max_tokens=4)
+    assert got == kv_lm.Session(None, "m", "c", model, lm_tok).generate(ids, max_tokens=4)
+    plan = session.last_plan
+    assert plan is not None and plan.action == "cold"
+    assert plan.reason == "the client is closed: nothing was restored"
+    assert "error=client_closed" in caplog.text
+
+
 def test_a_request_refused_before_its_first_token_keeps_the_cache(
     lm_tok: TokenizerWrapper,
 ) -> None:
@@ -1191,6 +1208,21 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
     for prompt_ids, cached in (("hello", [1, 2]), ([1, 2], "hello"), (b"hi", [1])):
         with pytest.raises(ValueError, match="not text"):
             plan_reuse(None, cached, prompt_ids)
+    # Floats were compared as ids (an extend plan on 1.0, 2.0), bools and a
+    # nested list gave a cold plan, and None or a set raised TypeError (a review).
+    cache = [KVCache()]
+    cache[0].update_and_fetch(mx.ones((1, 2, 2, 8)), mx.ones((1, 2, 2, 8)))
+    for bad, said in (([1.0, 2.0, 3.0], "integers, not float"),
+                      ([True, False, True], "integers, not bool"),
+                      ([[1, 2, 3]], "integers, not list"), (None, "not NoneType"),
+                      ({1, 2, 3}, "not set")):
+        with pytest.raises(ValueError, match=f"the prompt's ids must be .*{said}"):
+            plan_reuse(cache, [1, 2], bad)
+        if bad is not None:  # (no cached ids: no cache, a cold plan)
+            with pytest.raises(ValueError, match=f"the cached ids must be .*{said}"):
+                plan_reuse(cache, bad, [1, 2, 3])
+    assert cache[0].offset == 2  # untouched
+    assert plan_reuse(cache, (1, 2), [np.int64(1), np.int64(2), 3]).action == "extend"
     for bad_id in (VOCAB, 2**64 - 1, -1):
         for given in ([5, bad_id, 7], np.array([5, bad_id, 7], dtype=np.uint64 if bad_id > 0
                                                else np.int64)):

@@ -32,6 +32,8 @@ This module imports neither MLX library.
 from __future__ import annotations
 
 import itertools
+import operator
+import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -101,6 +103,24 @@ def token_ids_of(ids: Any) -> list[int]:
     if not all(type(v) is int for v in values):
         raise ValueError(f"the prompt's ids must be integers, not {ids.dtype}")
     return values
+
+
+def _ids(ids: Any, what: str) -> Sequence[int]:
+    """``ids`` as plan_reuse compares them: an array's (see token_ids_of), or
+    a sequence of integers as it is. Floats were compared as ids (10.0 ==
+    10: an extend plan), bools and a nested list gave a cold plan; the
+    caller's loop then failed inside mlx-lm."""
+    if hasattr(ids, "shape"):
+        return token_ids_of(ids)
+    if not isinstance(ids, Sequence):
+        raise ValueError(f"{what} must be a sequence of integers, not {type(ids).__name__}")
+    if all(type(v) is int for v in ids):
+        return ids  # the common case, not copied
+    for v in ids:
+        if type(v) is bool or not hasattr(v, "__index__"):
+            raise ValueError(f"{what} must be integers, not {type(v).__name__} "
+                             f"({reprlib.repr(v)})")
+    return [operator.index(v) for v in ids]
 
 
 def hash_array(h: Any, arr: Any) -> None:
@@ -187,10 +207,9 @@ def plan_reuse(
             # characters were compared as ids (a cold plan, "nothing in common").
             raise ValueError(f"{what} must be token ids, not text ({type(ids).__name__}): "
                              f"tokenize it first")
-    if hasattr(prompt_ids, "shape"):
-        prompt_ids = token_ids_of(prompt_ids)
-    if cached_ids is not None and hasattr(cached_ids, "shape"):
-        cached_ids = token_ids_of(cached_ids)
+    prompt_ids = _ids(prompt_ids, "the prompt's ids")
+    if cached_ids is not None:
+        cached_ids = _ids(cached_ids, "the cached ids")
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -400,16 +419,21 @@ class SessionBase:
         from kvkeeper.client.channel import DaemonUnavailable
         from kvkeeper.client.client import DaemonError
 
-        if self.client.closed:  # the server shut its client down: nothing to restore
-            log.warning("event=restore_failed model=%s id=%s error=client_closed",
-                        self.model_id, self.session_id)
-            return "the client is closed: nothing was restored"
         try:
             got = self.client.load(self.model_id, self.session_id)
         except (DaemonError, DaemonUnavailable) as exc:  # must not stop generation
             log.warning("event=restore_failed model=%s id=%s error=%s",
                         self.model_id, self.session_id, exc)
             return f"the saved cache could not be loaded ({exc})"
+        except RuntimeError:
+            # The server shut its client down: nothing to restore. (Told by
+            # load() itself: a check before it left another thread's close()
+            # room to land in between, and raise out of the request.)
+            if not self.client.closed:
+                raise
+            log.warning("event=restore_failed model=%s id=%s error=client_closed",
+                        self.model_id, self.session_id)
+            return "the client is closed: nothing was restored"
         if got is None:
             return NO_CACHE
         if got.token_ids is None:
