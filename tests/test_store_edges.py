@@ -979,3 +979,29 @@ def test_a_tree_deeper_than_the_recursion_limit_leaves_the_budget_on(short_dir: 
         assert mx.load(str(short_dir / "b.safetensors"))
     finally:
         _remove_deep_tree(deepest, root / "junk")
+
+
+def test_a_gc_keeps_the_order_of_use_other_readers_moved(short_dir: Path) -> None:
+    """Entries a, b, c, then a loaded: b, c and a in the order of use. Another
+    program reads b and c (a backup: their access times move, as on a
+    relatime mount for files not read since written), then a gc: before,
+    the gc took the order from the access times again, and the next save
+    evicted a, the entry used last (a review)."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    d = start_daemon(root, sock, max_disk_bytes=int(3.4 * MiB))
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for i, key in enumerate("abc"):
+                assert kv.save(FP, key, filled(1, i), [i]) and kv.flush(timeout=WAIT)
+            assert kv.load(FP, "a") is not None
+            assert [e.cache_id for e in kv.entries(FP)] == ["b", "c", "a"]
+            later = time.time() + 60
+            for key in "bc":
+                path = entry_path(root, key)
+                os.utime(path, ns=(int(later * 1e9), path.stat().st_mtime_ns))
+            kv.gc()
+            assert [e.cache_id for e in kv.entries(FP)] == ["b", "c", "a"]
+            assert kv.save(FP, "d", filled(1, 3), [3]) and kv.flush(timeout=WAIT)
+            assert sorted(e.cache_id for e in kv.entries(FP)) == ["a", "c", "d"]
+    finally:
+        assert d.stop() == 0

@@ -397,6 +397,17 @@ class Store:
             if not complete and self._whole:
                 return False  # a part of the store would drop the rest from the budget
             merged = {e.path: e for e in found}
+            for path, entry in merged.items():
+                # A file indexed already (the same inode, mtime and size)
+                # keeps the daemon's own order of use. Its atime, read
+                # again, moves with any reader's (a backup, cp): a gc after
+                # one made every entry it read newer than the one last
+                # loaded, which the next save then evicted (a review).
+                known = self._index.get(path)
+                if known is not None and known.kind == entry.kind and (
+                        known.ino, known.mtime_ns, known.nbytes) == (
+                        entry.ino, entry.mtime_ns, entry.nbytes):
+                    merged[path] = replace(entry, last_used=known.last_used)
             for path, changed in changes.items():
                 if changed is None:
                     merged.pop(path, None)
