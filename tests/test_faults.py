@@ -1293,6 +1293,32 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
         assert stop_process(proc) == 0
 
 
+def test_a_delete_whose_directory_fsync_fails_is_still_a_delete(short_dir: Path) -> None:
+    """The file unlinked, then the directory's fsync failing (EIO): before,
+    the delete was reported failed (``kvkeeper rm`` exit 1), not counted,
+    and a retry said there was no such entry (a review). Now it is done,
+    its durability in doubt, as for an eviction."""
+    need_linux_root()
+    root, sock = paths(short_dir)
+    ctl = str(short_dir / "fiu")
+    proc = serve_process(root, sock, prefix=("fiu-run", "-x", "-f", ctl))
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            # EIO (failinfo): libfiu's own pick among fsync's errors may be
+            # EINVAL, which the daemon takes for a disk that cannot sync a directory.
+            subprocess.run(["fiu-ctrl", "-f", ctl, "-c",
+                            "enable name=posix/io/sync/fsync,failinfo=5", str(proc.pid)],
+                           check=True, timeout=WAIT)
+            assert kv.delete(FP, "k") is True
+            assert not entry_path(root, "k").exists()
+            assert kv.stats()["deletes"] == 1
+            assert kv.entries(FP) == []
+        wait_for_log(proc, "event=delete_dir_fsync_failed", "the fsync's failure logged")
+    finally:
+        assert stop_process(proc) == 0
+
+
 @pytest.mark.parametrize("failpoint", ["posix/io/rw/writev", "posix/io/sync/fsync",
                                        "posix/io/dir/rename"])
 def test_a_failed_save_whose_tmp_file_cannot_be_removed_reports_its_own_error(

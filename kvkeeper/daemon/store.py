@@ -712,7 +712,12 @@ class Store:
             return False
         with self._lock:
             self._drop(path)
-        fsync_dir(path.parent)
+        try:
+            fsync_dir(path.parent)
+        except OSError as exc:
+            # Deleted all the same (as an eviction or a move aside): reported
+            # failed, it was not counted, and a retry said "no such entry".
+            log.error("event=delete_dir_fsync_failed path=%s error=%s", path, exc)
         self._drop_dir_if_empty(path.parent)
         return True
 
