@@ -226,7 +226,8 @@ def _parser() -> _Parser:
 
     gc = sub.add_parser("gc", help="apply the disk budget now and show what went",
                         description="Re-read the root (files added or removed by hand count) "
-                        "and evict least recently used entries until the budget holds.")
+                        "and evict least recently used entries until the budget holds. Exits "
+                        "1 if the gc failed part way (it says how many it evicted first).")
     _socket_arg(gc)
     gc.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -204,7 +204,14 @@ def test_evictions_before_a_budget_pass_fails_are_counted(short_dir: Path) -> No
                 stats = kv.stats()
                 assert (stats["evictions"], stats["bytes_evicted"]) == (1, sizes["b"])
                 (root / "notes.bin").write_bytes(b"n" * 8192)  # over it again: c goes
-                kv.gc()
+                # The gc that failed says so (before: "evicted 1" and exit 0,
+                # or "evicted nothing" for a failure before its first).
+                r = cli("gc", "--socket", str(sock))
+                assert r.returncode == 1, (r.stdout, r.stderr)
+                assert r.stderr.startswith("kvkeeper: gc failed: applying the disk budget "
+                                           "failed: ") and "injected I/O error" in r.stderr
+                assert r.stderr.rstrip().endswith(
+                    "; it evicted 1 entry first (the daemon's log names them)"), r.stderr
                 stats = kv.stats()
                 assert (stats["evictions"], stats["bytes_evicted"]) == (2, sizes["b"] + sizes["c"])
                 assert kv.entries() == []

@@ -198,6 +198,17 @@ class DeleteJob(Job):
 @dataclass(eq=False)
 class GcJob(Job):
     evicted: list[StoredEntry] = field(default_factory=list)
+    #: Why it did not finish (None: it did).
+    failed: str | None = None
+
+
+class GcFailed(Exception):
+    """A gc (or the start-up scan it waited for) that failed part way;
+    ``evicted`` went before it. Answered "evicted nothing" before, exit 0."""
+
+    def __init__(self, reason: str, evicted: list[StoredEntry]) -> None:
+        super().__init__(reason)
+        self.evicted = evicted
 
 
 #: Failures kept apart for the flushes to come (see Tally.fail): past this
@@ -301,6 +312,7 @@ class WriterActor:
         # a gc's evictions.
         self._stop_indexing = threading.Event()
         self._scan_evicted: list[StoredEntry] = []  # a gc asked during the scan answers them
+        self._scan_failed: str | None = None  # and this, if it failed
         #: Jobs taken in so far, of every client (never reset): a flush
         #: started when it was N covers every request that came when it was
         #: at most N.
@@ -487,12 +499,16 @@ class WriterActor:
             # ends with the budget applied; waiting for it on the writer's
             # turn held every save up meanwhile.
             await self.indexed.wait()
+            if self._scan_failed is not None:
+                raise GcFailed(self._scan_failed, self._scan_evicted)
             return self._scan_evicted
         job = self._next_gc
         if job is None:
             job = self._next_gc = GcJob(key=("", ""), peer=b"")
             self._aside.start_soon(self._scan_for, job)
         await job.done.wait()
+        if job.failed is not None:
+            raise GcFailed(job.failed, job.evicted)
         return job.evicted
 
     def begin_drain(self) -> None:
@@ -596,9 +612,11 @@ class WriterActor:
             # Serving (with the disk budget off) beats a supervisor's restart
             # loop; a gc scans again.
             log.error("event=scan_failed error=%s: nothing is evicted until a gc", exc)
+            self._scan_failed = f"the start-up scan of the store failed: {exc}"
         except Exception:  # noqa: BLE001 - as for a job: the writer goes on
             self.stats.inc("internal_errors")
             log.exception("event=scan_crashed: nothing is evicted until a gc")
+            self._scan_failed = _CRASHED.format("the start-up scan of the store")
         finally:
             # Those that went before a failure too: they are gone.
             self._count_evictions(self._scan_evicted)
@@ -732,9 +750,11 @@ class WriterActor:
                     queued = True  # its evictions: _gc, on the writer's turn
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
+            job.failed = f"reading the store failed: {exc}"
         except Exception:  # noqa: BLE001 - as for a job: the writer goes on
             self.stats.inc("internal_errors")
             log.exception("event=gc_crashed")
+            job.failed = _CRASHED.format("reading the store")
         finally:
             if self._next_gc is job:
                 self._next_gc = None  # cut off before it began: not to be shared
@@ -756,6 +776,7 @@ class WriterActor:
                 into=job.evicted))
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
+            job.failed = f"applying the disk budget failed: {exc}"
         finally:
             self._count_evictions(job.evicted)  # those before a failure too
         job.done.set()
@@ -1106,6 +1127,9 @@ async def _outcome_of(job: Job) -> None:
         if job.replaced_by is None:
             return
         job = job.replaced_by
+
+
+_CRASHED = "{} crashed (an internal error; the daemon's log has its traceback)"
 
 
 class StreamBroken(Exception):

@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup
 from zmq.utils.monitor import parse_monitor_message
 
 from kvkeeper import __version__
-from kvkeeper.daemon.actor import DeleteJob, Key, SaveJob, WriterActor
+from kvkeeper.daemon.actor import DeleteJob, GcFailed, Key, SaveJob, WriterActor
 from kvkeeper.daemon.stats import Stats
 from kvkeeper.daemon.store import Store, StoredEntry
 from kvkeeper.logs import get_logger
@@ -646,7 +646,15 @@ class Server:
                                     entries=[_entry(e) for e in found]))
 
     async def _gc(self, peer: bytes, req: int) -> None:
-        evicted = await self.actor.collect()
+        try:
+            evicted = await self.actor.collect()
+        except GcFailed as exc:
+            went = len(exc.evicted)
+            first = (f"; it evicted {went} {'entry' if went == 1 else 'entries'} first "
+                     f"(the daemon's log names them)") if went else ""
+            self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code="internal",
+                                      message=f"gc failed: {exc}{first}"))
+            return
         # As stats has it: -1 on a disk of no size (ramfs said 0 B free).
         free = await anyio.to_thread.run_sync(self.store.free_gauge)
         self._reply(peer, m.Evicted(v=m.PROTOCOL_VERSION, req=req,
