@@ -1012,3 +1012,47 @@ def test_a_gc_keeps_the_order_of_use_other_readers_moved(short_dir: Path) -> Non
             assert sorted(e.cache_id for e in kv.entries(FP)) == ["a", "c", "d"]
     finally:
         assert d.stop() == 0
+
+
+def test_a_damaged_file_on_a_model_s_own_disk_is_moved_aside_there(short_dir: Path) -> None:
+    """A tmpfs mounted at a model's directory (the README's way to keep one
+    model on another disk): rename into ``<root>/quarantine/`` fails with
+    EXDEV, and the damaged file stayed at its place, a miss and
+    ``quarantine_failed`` at every load (a review). Now it is moved aside
+    beside its place, listed as quarantined, kept over a restart, and
+    evicted before the live entries."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    budget = int(2.5 * MiB)
+    d = start_daemon(root, sock, max_disk_bytes=budget)
+    d.stop()
+    model_dir = entry_path(root, "a").parent
+    with small_tmpfs(model_dir.parent, "16m", name=model_dir.name):
+        d = start_daemon(root, sock, max_disk_bytes=budget)
+        try:
+            with Client(sock, timeout=WAIT) as kv:
+                for i, key in enumerate("ab"):
+                    assert kv.save(FP, key, filled(1, i), [i]) and kv.flush(timeout=WAIT)
+                path = entry_path(root, "a")
+                with open(path, "r+b") as f:
+                    f.seek(-64, os.SEEK_END)
+                    f.write(b"\xff" * 64)
+                assert kv.load(FP, "a") is None
+                assert not path.exists()
+                [aside] = [p for p in model_dir.iterdir() if p.name.endswith(".quarantined")]
+                assert aside.name.startswith("a.safetensors.")
+                assert kv.stats()["files_quarantined"] == 1
+                listed = [(e.kind, e.model, e.cache_id) for e in kv.entries(everything=True)]
+                assert sorted(listed) == [("entry", FP, "b"), ("quarantine", FP, "a")]
+        finally:
+            assert d.stop() == 0
+        d = start_daemon(root, sock, max_disk_bytes=budget)
+        try:
+            with Client(sock, timeout=WAIT) as kv:
+                listed = [(e.kind, e.model, e.cache_id) for e in kv.entries(everything=True)]
+                assert sorted(listed) == [("entry", FP, "b"), ("quarantine", FP, "a")]
+                # Over the budget: the file moved aside goes first.
+                assert kv.save(FP, "c", filled(1, 2), [2]) and kv.flush(timeout=WAIT)
+                assert not aside.exists()
+                assert sorted(e.cache_id for e in kv.entries(FP)) == ["b", "c"]
+        finally:
+            assert d.stop() == 0

@@ -66,6 +66,26 @@ def _quarantine_name(name: str) -> bool:
     return found is not None and naming.is_entry_place(Path(found[1], found[2]))
 
 
+#: A file moved aside in its own directory, where quarantine/ is on another
+#: disk: "<entry file>.<ns>.quarantined".
+_BESIDE_SUFFIX = ".quarantined"
+_BESIDE = re.compile(r"([^.]+" + re.escape(naming.SUFFIX) + r")\.[0-9]{19}"
+                     + re.escape(_BESIDE_SUFFIX))
+
+
+def _beside_key(path: Path) -> tuple[str, str] | None:
+    """(model, cache id) of a file quarantine_path moved aside beside its
+    place ("" and "" for a hashed place), or None if ``path`` has no such name."""
+    found = _BESIDE.fullmatch(path.name)
+    if found is None:
+        return None
+    place = Path(path.parent.name, found[1])
+    if not naming.is_entry_place(place):
+        return None
+    model, cache_id = naming.key_of(place)
+    return (model, cache_id) if model and cache_id else ("", "")
+
+
 #: The names PendingFile gives its tmp files: ``.<entry file>.<pid>.<n>.tmp``.
 _OUR_TMP = re.compile(r"\..+" + re.escape(naming.SUFFIX) + r"\.[0-9]+\.[0-9]+"
                       + re.escape(TMP_SUFFIX))
@@ -488,6 +508,9 @@ class Store:
                 return foreign
             return StoredEntry(*_quarantined_key(path.name), 0, st.st_size, st.st_mtime, path,
                                "quarantine", st.st_mtime, *ident)
+        if path.parent.parent == self.sessions and (beside := _beside_key(path)) is not None:
+            return StoredEntry(*beside, 0, st.st_size, st.st_mtime, path, "quarantine",
+                               st.st_mtime, *ident)
         if path.parent.parent != self.sessions or path.name.startswith(".") \
                 or not path.name.endswith(naming.SUFFIX):
             return foreign
@@ -761,12 +784,27 @@ class Store:
             digest = hashlib.sha256(os.fsencode(f"{path.parent.name}/{path.name}")).hexdigest()
             name = f"_z{digest}.{time.time_ns()}"
         dest = qdir / name
-        os.rename(path, dest)
+        try:
+            os.rename(path, dest)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            # The model's directory (or sessions/) on a disk of its own, as
+            # the README allows: no rename leaves that disk, and the file
+            # stayed at its place, logged quarantine_failed at every load (a
+            # review). Moved aside beside it instead.
+            beside = f"{path.name}.{time.time_ns()}{_BESIDE_SUFFIX}"
+            if len(os.fsencode(beside)) > 255:  # past a file name's limit
+                digest = hashlib.sha256(os.fsencode(path.name)).hexdigest()
+                beside = f"_z{digest}{naming.SUFFIX}.{time.time_ns()}{_BESIDE_SUFFIX}"
+            dest = path.parent / beside
+            os.rename(path, dest)
         # Moved: the index must know it, whatever the fsyncs then say.
+        key = _quarantined_key(name) if dest.parent == qdir else _beside_key(dest)
         with self._lock:
             self._drop(path)
             if stat.S_ISREG(st.st_mode):
-                self._put(StoredEntry(*_quarantined_key(name), 0, st.st_size, time.time(), dest,
+                self._put(StoredEntry(*(key or ("", "")), 0, st.st_size, time.time(), dest,
                                       "quarantine", st.st_mtime, st.st_ino, st.st_mtime_ns))
         if on_moved is not None:
             on_moved(dest)
