@@ -1293,6 +1293,42 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
         assert stop_process(proc) == 0
 
 
+def test_a_load_after_a_save_that_could_not_be_written_says_the_file_may_be_older(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """k's second save fails in the writer (ENOSPC on a 3 MiB tmpfs). Before,
+    the client's next load of k returned the first version with nothing
+    said, and took the key as settled: every later load read that file
+    directly, and only a flush told (a review). The daemon now tells the
+    client at once (a SaveRefused, "writing it failed"), as for a refusal."""
+    with small_tmpfs(short_dir, "3m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_write_interval=0)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as kv:
+                assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+                assert kv.save(FP, "k", filled(2.5, 2), [2])
+                wait_for(lambda: kv.stats()["saves_failed"] == 1, "the write to fail")
+                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                    for _ in range(2):
+                        got = kv.load(FP, "k")
+                        assert got is not None and got.token_ids == [1]
+                said = [r.getMessage() for r in caplog.records]
+                assert sum("event=load_may_be_stale" in line and "reason=save_refused" in line
+                           for line in said) == 2, said
+                assert any("event=save_refused" in line and "writing it failed" in line
+                           for line in said), said
+                stats = kv.stats()
+                assert stats["loads_direct"] == 0 and stats["client_saves_refused"] == 1
+                assert stats["saves_refused"] == 0  # counted once, as failed
+                assert kv.flush(timeout=WAIT) is False
+                # Reported by that flush: the next load is settled again.
+                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                    caplog.clear()
+                    assert kv.load(FP, "k") is not None
+                assert "load_may_be_stale" not in caplog.text
+        finally:
+            assert rd.stop() == 0
+
+
 def test_a_delete_whose_directory_fsync_fails_is_still_a_delete(short_dir: Path) -> None:
     """The file unlinked, then the directory's fsync failing (EIO): before,
     the delete was reported failed (``kvkeeper rm`` exit 1), not counted,

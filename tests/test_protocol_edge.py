@@ -246,7 +246,11 @@ def test_a_save_whose_file_header_readers_would_refuse_fails(raw: zmq.Socket,
         v=V, req=1, written=1, superseded=0, failed=0)
     raw.send(begin(save=2, cache_id="c", metadata={"note": "\x01" * 20_000_000}))
     raw.send_multipart([m.encode(m.SaveData(v=V, save=2, frames=1)), b"\0" * 16])
-    flushed = ask(raw, m.encode(m.Flush(v=V, req=2)))
+    told = ask(raw, m.encode(m.Flush(v=V, req=2)))
+    # The writer's failure is told at once, as a refusal of the save; then the flush.
+    assert isinstance(told, m.SaveRefused) and (told.save, told.code) == (2, "internal")
+    assert told.message.startswith("writing it failed: the file's header would be "), told
+    flushed = m.decode_reply(raw.recv())
     # Running totals of this peer: the first save written, this one failed.
     assert isinstance(flushed, m.Flushed) and (flushed.written, flushed.failed) == (1, 1)
     found = ask(raw, m.encode(m.Load(v=V, req=3, model="fp", cache_id="c")))

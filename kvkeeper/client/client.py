@@ -1227,7 +1227,10 @@ class _RefusalLog(_Throttle):
     def __call__(self, reply: m.SaveRefused) -> None:
         self.last = reply
         key = self._sent.pop(reply.save, None)
-        if key is not None:
+        # A newer save of the key sent since (a write's failure is told
+        # once it is tried, after later saves may have gone): that one is
+        # the key's last.
+        if key is not None and not any(k == key and n > reply.save for n, k in self._sent.items()):
             with self._lock:
                 self._refused[key] = reply.save
                 if len(self._refused) > self.KEPT:

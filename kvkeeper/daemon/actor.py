@@ -297,6 +297,9 @@ class WriterActor:
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
+        #: Told (peer, the client's save number, why) when writing a save
+        #: fails on the writer's side (not a stream its client broke).
+        self.on_write_failed: Callable[[bytes, int, str], None] | None = None
         # A gc whose scan has not begun yet: later requests share it (each
         # one rescanning the whole root: a flood of them held every save up
         # for minutes, when the scans ran on the writer's turn).
@@ -880,6 +883,8 @@ class WriterActor:
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
+            if not isinstance(exc, StreamBroken) and self.on_write_failed is not None:
+                self.on_write_failed(job.peer, job.save_id, _describe(exc))
             return True
         except BaseException:
             # A bug or a cancellation (drain cut short): no tmp file is left
