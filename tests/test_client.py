@@ -415,6 +415,39 @@ def _cut_close_short(child: subprocess.Popen[str], daemon: subprocess.Popen[byte
         daemon.send_signal(signal.SIGCONT)
 
 
+def test_a_close_beside_another_thread_s_returns_once_that_one_is_done(
+        short_dir: Path) -> None:
+    """Thread A closes with 3 s to send 48 MiB to a stopped daemon; thread B
+    calls close(0.2) meanwhile. B returned after its own 0.2 s, while A's
+    close still had the saves to send (a review): the README says a close()
+    beside another thread's returns once that one is done."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock)
+    try:
+        kv = Client(sock, timeout=WAIT, min_send_interval=0)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(3):
+                assert kv.save("fp", f"k{i}", filled(16, i), [i])
+            ended: dict[str, float] = {}
+
+            def close(name: str, timeout: float) -> None:
+                kv.close(timeout)
+                ended[name] = time.monotonic()
+
+            a = threading.Thread(target=close, args=("A", 3.0))
+            a.start()
+            wait_for(lambda: kv.closed, "A's close to begin")
+            time.sleep(0.1)
+            close("B", 0.2)
+            assert not a.is_alive() and ended["B"] >= ended["A"], ended
+            a.join(WAIT)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+    finally:
+        assert stop_process(proc) == 0
+
+
 CLOSED_AGAIN = INTERRUPTED_CLOSE + """
 import threading
 kv.close(timeout=60)
