@@ -260,6 +260,23 @@ def test_a_save_whose_file_header_readers_would_refuse_fails(raw: zmq.Socket,
     assert [p.name for p in files_under(daemon.root) if p.name.endswith(".tmp")] == []
 
 
+def test_a_drain_s_answer_to_a_daemon_that_told_of_no_drain_is_refused(
+        raw: zmq.Socket) -> None:
+    """A client's answer to a drain notice (a flush of ``req`` DRAIN_ANSWER
+    or more) reaching a daemon that never sent it one: a new daemon, come
+    as the draining one went while the client's I/O thread was slow. Its
+    Flushed vouched for the saves sent to the old one, which had not written
+    them, and the client's flush() said True (a review, with the I/O thread
+    stalled). Now refused; a plain flush is answered as ever."""
+    raw.send(begin(cache_id="c"))
+    raw.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 16])
+    reply = ask(raw, m.encode(m.Flush(v=V, req=m.DRAIN_ANSWER + 1)))
+    assert isinstance(reply, m.Error) and reply.req == m.DRAIN_ANSWER + 1, reply
+    assert reply.code == "internal" and "told this client of no drain" in reply.message
+    assert ask(raw, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+        v=V, req=2, written=1, superseded=0, failed=0)
+
+
 def test_stalled_save_fails_and_frees_the_writer(short_dir: Path) -> None:
     from .conftest import start_daemon
 

@@ -305,6 +305,17 @@ class Server:
                                           counters=self.counters()))
             case m.Flush():
                 if msg.req >= m.DRAIN_ANSWER:
+                    if peer not in self._ever_told:
+                        # The answer to another daemon's drain notice, sent as
+                        # that one went and this one came (the client's I/O
+                        # thread slow meanwhile): answered here, it vouched
+                        # for saves the other never wrote, and flush() said
+                        # True (a review). Not this daemon's to vouch for.
+                        self._reply(peer, m.Error(
+                            v=m.PROTOCOL_VERSION, req=msg.req, code="internal",
+                            message="this daemon told this client of no drain: it cannot "
+                                    "answer for saves sent to another"))
+                        return
                     # Sent behind this client's saves of before it knew of the drain.
                     self._late.discard(peer)
                 flushes = self._flushes.get(peer)
