@@ -848,7 +848,7 @@ def probe_cache(make: Callable[[], list[Any]], run: Callable[[Any, list[Any]], A
     try:
         run(mx.array([[0]]), cache)
     except Exception as exc:  # noqa: BLE001 - then the windows go unchecked, as before
-        log.debug("event=probe_failed error=%r", exc)
+        log.debug("event=probe_failed error=%s", repr(exc))
         return None
     return cache
 
