@@ -2590,6 +2590,42 @@ def test_close_from_a_signal_handler_that_interrupted_the_client(daemon: Running
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
+_HANDLER_BESIDE_ANOTHER_CLOSE = """
+import os, signal, sys, threading, time
+
+from kvkeeper import Client
+
+kv = Client(sys.argv[1], timeout=10)
+said = []
+signal.signal(signal.SIGUSR1, lambda *a: (kv.close(1.0), said.append("returned")))
+# This thread inside the channel's lock (as save() is when it queues a
+# save); another thread's close() then waits for that lock.
+with kv._channel._lock:
+    other = threading.Thread(target=kv.close, kwargs={"timeout": 3.0})
+    other.start()
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.05)
+assert said == ["returned"], said
+other.join(10)
+assert not other.is_alive(), "the other close did not end"
+print("ok")
+"""
+
+
+def test_close_from_a_signal_handler_beside_another_thread_s_close(
+        daemon: RunningDaemon) -> None:
+    """As above, with another thread's close() under way, waiting for the
+    channel's lock this thread holds: the handler's close waited for that
+    close without a timeout, and both hung (a review of a change that made
+    a close wait for another thread's). It now starts the close and returns."""
+    import sys as _sys
+
+    r = subprocess.run([_sys.executable, "-c", _HANDLER_BESIDE_ANOTHER_CLOSE,
+                        str(daemon.socket)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
 _FORK_WHILE_CLOSING = """
 import os, signal, sys, threading, time
 

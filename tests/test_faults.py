@@ -1329,6 +1329,35 @@ def test_a_load_after_a_save_that_could_not_be_written_says_the_file_may_be_olde
             assert rd.stop() == 0
 
 
+def test_a_client_whose_save_another_s_failed_save_replaced_is_told_too(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A's second save of k is held (a 60 s write interval), B's 2.5 MiB save
+    of k replaces it and fails (ENOSPC on a 3 MiB tmpfs): A's save is lost
+    with it, and A is told as B is (a review: only B was; A's load took the
+    key as settled and the next read the older file directly)."""
+    with small_tmpfs(short_dir, "3m") as mnt:
+        rd = start_daemon(mnt / "root", short_dir / "run" / "kv.sock", min_write_interval=60)
+        try:
+            with Client(rd.socket, timeout=WAIT, min_send_interval=0) as a, \
+                    Client(rd.socket, timeout=WAIT, min_send_interval=0) as b:
+                assert a.save(FP, "k", filled(0.5, 1), [1]) and a.flush(timeout=WAIT)
+                assert a.save(FP, "k", filled(0.5, 2), [2])
+                wait_for(lambda: a.stats()["saves_received"] == 2, "A's held save")
+                assert b.save(FP, "k", filled(2.5, 3), [3])
+                assert b.flush(timeout=WAIT) is False
+                wait_for(lambda: a.client_stats()["client_saves_refused"] == 1, "A told")
+                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                    for _ in range(2):
+                        got = a.load(FP, "k")
+                        assert got is not None and got.token_ids == [1]
+                said = [r.getMessage() for r in caplog.records]
+                assert sum("event=load_may_be_stale" in line for line in said) == 2, said
+                assert a.stats()["loads_direct"] == 0
+                assert a.flush(timeout=WAIT) is False
+        finally:
+            assert rd.stop() == 0
+
+
 def test_a_delete_whose_directory_fsync_fails_is_still_a_delete(short_dir: Path) -> None:
     """The file unlinked, then the directory's fsync failing (EIO): before,
     the delete was reported failed (``kvkeeper rm`` exit 1), not counted,

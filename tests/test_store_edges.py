@@ -174,6 +174,35 @@ def test_a_budget_pass_that_fails_after_the_commit_leaves_the_save_written(
     assert daemon_log(proc).count("event=budget_failed") == 2
 
 
+def test_a_gc_whose_budget_pass_crashes_says_so(short_dir: Path) -> None:
+    """A bug in a gc's budget pass (RuntimeError after its first eviction):
+    the gc was answered as done, "evicted nothing" or the one, exit 0 (a
+    review). It now fails with the crash named, exit 1."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-free-bytes", "0", env={ENV: "bug=evicted"})
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for v, key in enumerate("ab", 1):
+                assert kv.save(FP, key, filled(1, v), [v]) and kv.flush(timeout=WAIT)
+        assert stop_process(proc) == 0
+        size = entry_path(root, "b").stat().st_size
+        # A budget of one entry from the start: the scan's pass crashes too (logged).
+        proc = serve_process(root, sock, "--min-free-bytes", "0", "--max-disk-bytes",
+                             str(size + 4096), env={ENV: "bug=evicted"})
+        (root / "notes.bin").write_bytes(b"n" * 8192)  # over it again: b goes, then the bug
+        r = cli("gc", "--socket", str(sock))
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert r.stderr.startswith("kvkeeper: gc failed: applying the disk budget crashed "
+                                   "(an internal error; the daemon's log has its traceback)"), \
+            r.stderr
+        assert "it evicted 1 entry first" in r.stderr, r.stderr
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.stats()["internal_errors"] >= 1
+    finally:
+        assert stop_process(proc) == 0
+    assert "event=gc_crashed" in daemon_log(proc)
+
+
 def test_evictions_before_a_budget_pass_fails_are_counted(short_dir: Path) -> None:
     """As above, for the other budget passes: the one that makes room before
     a write (a full disk), the start-up scan's and a gc's. Entries they

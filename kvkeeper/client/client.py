@@ -305,12 +305,17 @@ class Client:
             # closes the client (later close() calls wait for it).
             _close_in_background(functools.partial(self.close, timeout))
             return
-        # Another thread's close() under way: return once it is done (in its
-        # own timeout; then this one's, if that left anything). Waiting for
-        # this call's timeout alone, a close(0.2) beside a close(3) returned
-        # with 48 MiB of saves still unsent (a review): a caller that then
-        # ended the process lost them.
-        self._close_lock.acquire()
+        if not self._close_lock.acquire(blocking=False):
+            # Another thread's close() under way: the channel's close waits
+            # for it to end (in its timeout, or this one's if longer; from a
+            # signal handler that interrupted this thread inside the channel,
+            # it only starts the close). Waiting for the lock under this
+            # call's timeout alone, a close(0.2) beside a close(3) returned
+            # with 48 MiB still unsent (a review); waiting for it without
+            # one, such a handler waited for that close, which waited for
+            # the channel's lock this thread held: both hung (a review).
+            self._channel.close(timeout)
+            return
         nested = self._close_running  # a signal handler's, inside this thread's close()
         try:
             if self._close_finished:
@@ -1234,7 +1239,10 @@ class _RefusalLog(_Throttle):
         # the key's last.
         if key is not None and not any(k == key and n > reply.save for n, k in self._sent.items()):
             with self._lock:
-                self._refused[key] = reply.save
+                # The newest of its saves refused: an older one's failure,
+                # told later, must not make a flush that reports only that
+                # one clear the mark of a newer one (a review).
+                self._refused[key] = max(self._refused.get(key, 0), reply.save)
                 if len(self._refused) > self.KEPT:
                     del self._refused[next(iter(self._refused))]
         quiet = self.let_through(reply.code)

@@ -105,6 +105,9 @@ class Job:
     # and its failure is theirs too, charged to the stamp of the first of
     # their saves it replaced (see Tally).
     heirs: dict[bytes, int] = field(default_factory=dict)
+    # Of those clients, the number each gave the newest of its saves this
+    # job replaced: a write's failure is told to them by it too.
+    heir_saves: dict[bytes, int] = field(default_factory=dict)
     # The job that replaced this one: whoever waits for this job waits for
     # that one too (and for whatever replaces it in turn).
     replaced_by: Job | None = None
@@ -780,6 +783,12 @@ class WriterActor:
         except OSError as exc:
             log.error("event=gc_failed error=%s", exc)
             job.failed = f"applying the disk budget failed: {exc}"
+        except Exception:  # noqa: BLE001 - as for a job: the writer goes on
+            # (Left to the job's handler, the gc was answered as done: "evicted
+            # nothing", exit 0; a review.)
+            self.stats.inc("internal_errors")
+            log.exception("event=gc_crashed")
+            job.failed = _CRASHED.format("applying the disk budget")
         finally:
             self._count_evictions(job.evicted)  # those before a failure too
         job.done.set()
@@ -884,7 +893,8 @@ class WriterActor:
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
             if not isinstance(exc, StreamBroken) and self.on_write_failed is not None:
-                self.on_write_failed(job.peer, job.save_id, _describe(exc))
+                for peer, save_id in {**job.heir_saves, job.peer: job.save_id}.items():
+                    self.on_write_failed(peer, save_id, _describe(exc))
             return True
         except BaseException:
             # A bug or a cancellation (drain cut short): no tmp file is left
@@ -973,6 +983,9 @@ class WriterActor:
         for peer, stamp in replaced.items():
             new.heirs[peer] = min(stamp, new.heirs.get(peer, stamp))
             self._by_peer.setdefault(peer, set()).add(new)
+        saves = {**old.heir_saves, old.peer: old.save_id}  # old is newer than those it replaced
+        saves.pop(new.peer, None)  # told of the new job's failure as its own save's
+        new.heir_saves.update(saves)  # (later replacements are newer saves)
         old.replaced_by = new
         self._resolve(old, Outcome.SUPERSEDED)
 

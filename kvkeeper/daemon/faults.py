@@ -19,6 +19,8 @@ lookup that finds nothing.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename),
   ``evicted`` (in any disk-budget pass, after each eviction: in one made
   before a save's write, that save then fails).
+- ``bug=POINT``: raise RuntimeError (a bug, not the disk) where ``io_error``
+  would raise EIO.
 - ``dir_fsync_errno=N``: every directory fsync fails with errno N instead of
   syncing (a file system that cannot sync directories answers EINVAL).
 - ``renamed_delay=S``: sleep S seconds after a save's rename, before the
@@ -91,6 +93,8 @@ def slow_step(name: str) -> None:
 def io_error(point: str) -> None:
     if ACTIVE and ACTIVE.get("io_error") == point:
         raise OSError(errno.EIO, f"injected I/O error at {point}")
+    if ACTIVE and ACTIVE.get("bug") == point:
+        raise RuntimeError(f"injected bug at {point}")
 
 
 def dir_fsync_refused() -> None:
