@@ -250,7 +250,8 @@ def _parser() -> _Parser:
                         help="store root (default: the running daemon's; with no daemon, the "
                              "configured, unless --socket names one)")
     verify.add_argument("--repair", action="store_true",
-                        help="move bad files aside to <root>/quarantine (through the daemon "
+                        help="move bad files aside to <root>/quarantine, or beside their "
+                             "place on a model's own disk (through the daemon "
                              "when it runs; a file it may not read, so cannot tell from "
                              "another program's, it leaves in place and the report says so; "
                              "without a daemon, only as the user the root belongs to)")

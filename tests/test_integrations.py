@@ -1707,26 +1707,6 @@ def test_a_full_window_of_more_kv_heads_fed_one_token_starts_cold(
     assert got == ask(mem, more)
 
 
-def test_mlx_vlm_s_language_model_answers_the_window_probe() -> None:
-    """mlx-vlm's Session asks its language model for the shapes of a fresh
-    cache as mlx-lm's asks its model (``windows_fit``): a full window of 2
-    KV heads does not fit a model of 1, and fits one of 2."""
-    from kvkeeper.integrations import probe_cache, windows_fit
-
-    layer = vlm_cache.RotatingKVCache(max_size=8)
-    x = mx.ones((1, 2, 12, 64), dtype=mx.bfloat16)  # the tiny model's head size
-    layer.update_and_fetch(x, x)
-
-    def fits(model: nn.Module) -> bool:
-        restored = [layer] * len(vlm_cache.make_prompt_cache(model.language_model))
-        return windows_fit(restored, lambda: probe_cache(
-            lambda: vlm_cache.make_prompt_cache(model.language_model),
-            lambda ids, fresh: model.language_model(ids, cache=fresh)))
-
-    assert not fits(tiny_vlm_llama(kv_heads=1))
-    assert fits(tiny_vlm_llama(kv_heads=2))
-
-
 @pytest.mark.parametrize("library", ["mlx_lm", "mlx_vlm"])
 def test_a_restored_window_trimmed_refuses_keys_of_other_heads(
         client: Client, library: str) -> None:

@@ -196,7 +196,7 @@ def verify(args: argparse.Namespace) -> int:
             # What to do about them, where nothing was done yet: with the
             # options that named this store (without them, another).
             f" ({_repair_command(args.root, args.socket)} moves the bad ones aside, into "
-            "quarantine/)"
+            "quarantine/ or, on a model's own disk, beside their place)"
             if bad and not args.repair else ""))
     if repair_error is not None:
         raise repair_error  # its message and exit status, after the report
