@@ -1293,6 +1293,19 @@ def test_io_errors_from_libfiu(short_dir: Path, failpoint: str) -> None:
         assert stop_process(proc) == 0
 
 
+def _two_loads_of_the_first_version(kv: Client, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Load k twice: each returns version 1 and logs load_may_be_stale; the
+    kvkeeper log lines said."""
+    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+        for _ in range(2):
+            got = kv.load(FP, "k")
+            assert got is not None and got.token_ids == [1]
+    said = [r.getMessage() for r in caplog.records]
+    stale = [line for line in said if "event=load_may_be_stale" in line]
+    assert len(stale) == 2, said
+    return said
+
+
 def test_a_load_after_a_save_that_could_not_be_written_says_the_file_may_be_older(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """k's second save fails in the writer (ENOSPC on a 3 MiB tmpfs). Before,
@@ -1307,13 +1320,8 @@ def test_a_load_after_a_save_that_could_not_be_written_says_the_file_may_be_olde
                 assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
                 assert kv.save(FP, "k", filled(2.5, 2), [2])
                 wait_for(lambda: kv.stats()["saves_failed"] == 1, "the write to fail")
-                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
-                    for _ in range(2):
-                        got = kv.load(FP, "k")
-                        assert got is not None and got.token_ids == [1]
-                said = [r.getMessage() for r in caplog.records]
-                assert sum("event=load_may_be_stale" in line and "reason=save_refused" in line
-                           for line in said) == 2, said
+                said = _two_loads_of_the_first_version(kv, caplog)
+                assert sum("reason=save_refused" in line for line in said) == 2, said
                 assert any("event=save_refused" in line and "writing it failed" in line
                            for line in said), said
                 stats = kv.stats()
@@ -1346,12 +1354,7 @@ def test_a_client_whose_save_another_s_failed_save_replaced_is_told_too(
                 assert b.save(FP, "k", filled(2.5, 3), [3])
                 assert b.flush(timeout=WAIT) is False
                 wait_for(lambda: a.client_stats()["client_saves_refused"] == 1, "A told")
-                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
-                    for _ in range(2):
-                        got = a.load(FP, "k")
-                        assert got is not None and got.token_ids == [1]
-                said = [r.getMessage() for r in caplog.records]
-                assert sum("event=load_may_be_stale" in line for line in said) == 2, said
+                _two_loads_of_the_first_version(a, caplog)
                 assert a.stats()["loads_direct"] == 0
                 assert a.flush(timeout=WAIT) is False
         finally:
