@@ -596,6 +596,8 @@ def test_an_import_the_daemon_could_not_write_fails(client: Client, daemon: Runn
                         str(LEGACY / "mlx-lm" / "kv.safetensors")],
                        capture_output=True, text=True, timeout=WAIT)
     assert r.returncode == 1 and "could not write it" in r.stdout, (r.stdout, r.stderr)
+    # With the daemon's reason (before 0.2.9: "see its log").
+    assert "lm is not a directory" in " ".join(r.stdout.split()), r.stdout
     assert client.entries() == []
 
 

@@ -68,6 +68,10 @@ def _inputs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     return _composed_first(files), empty
 
 
+#: How the daemon words a save its writer could not write (a SaveRefused).
+_WRITE_FAILED = "writing it failed: "
+
+
 def _cache_files_under(directory: Path) -> list[Path]:
     """Every ``*.safetensors`` under ``directory`` (not through links to
     directories), sorted. A subdirectory removed while this walks it is
@@ -241,6 +245,11 @@ def import_files(args: argparse.Namespace) -> int:
                     refused = kv._refusals.last
                     if refused is None or refused is refused_before:
                         why = "the daemon could not write it (see its log)"
+                    elif refused.code == "internal" \
+                            and refused.message.startswith(_WRITE_FAILED):
+                        # Told at once by a daemon since 0.2.9: with its reason.
+                        why = (f"the daemon could not write it: "
+                               f"{refused.message.removeprefix(_WRITE_FAILED)}")
                     elif refused.code == "exists":
                         why = (f"{model} / {cache_id} is already in the store, or a save of "
                                f"it is on its way (give --replace to replace it)")
