@@ -1337,6 +1337,44 @@ def test_a_load_after_a_save_that_could_not_be_written_says_the_file_may_be_olde
             assert rd.stop() == 0
 
 
+def test_a_failed_write_told_after_a_newer_save_of_its_key_marks_nothing(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """k's 2.5 MiB save is held in its write, a newer save of k is sent, and
+    only then does the held one fail (ENOSPC on a 3 MiB tmpfs). The newer
+    one is k's last and is written: a load returns it with no
+    load_may_be_stale, until and after the flush that reports the failure."""
+    go = short_dir / "go"
+    go.touch()
+    with small_tmpfs(short_dir, "3m") as mnt:
+        proc = serve_process(mnt / "root", short_dir / "run" / "kv.sock",
+                             "--min-write-interval", "0", "--min-free-bytes", "0",
+                             env={ENV: f"write_hold={go}"})
+        try:
+            with Client(short_dir / "run" / "kv.sock", timeout=WAIT, min_send_interval=0) as kv:
+                assert kv.save(FP, "k", filled(0.5, 1), [1]) and kv.flush(timeout=WAIT)
+                go.unlink()
+                assert kv.save(FP, "k", filled(2.5, 2), [2])
+                wait_for_log(proc, "event=fault_hold step=write", "the writer held in save 2")
+                assert kv.save(FP, "k", filled(0.25, 3), [3])
+                wait_for(lambda: kv.stats()["saves_received"] == 3, "save 3 to arrive")
+                go.touch()
+                wait_for(lambda: kv.client_stats()["client_saves_refused"] == 1,
+                         "save 2's failure to be told")
+                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                    caplog.clear()
+                    got = kv.load(FP, "k")
+                    assert got is not None and got.token_ids == [3]
+                    assert "load_may_be_stale" not in caplog.text, caplog.text
+                    assert kv.flush(timeout=WAIT) is False  # save 2 failed
+                    got = kv.load(FP, "k")
+                    assert got is not None and got.token_ids == [3]
+                assert "load_may_be_stale" not in caplog.text, caplog.text
+        finally:
+            go.touch()
+            stop_process(proc, signal.SIGTERM)
+        assert proc.wait(WAIT) == 0
+
+
 def test_a_client_whose_save_another_s_failed_save_replaced_is_told_too(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A's second save of k is held (a 60 s write interval), B's 2.5 MiB save
