@@ -93,7 +93,7 @@ def _set_offset(state: list[Any]) -> None:
 
 
 def _set_keep(state: list[Any]) -> None:
-    state[0][0] = "40"  # in a window of 32
+    state[0][0] = "-1"
 
 
 ROTATING_LM = LEGACY / "mlx-lm" / "rotating.safetensors"  # keys, values, offset, keep, max_size, _idx
@@ -128,8 +128,9 @@ DAMAGED = {
     "rotating window of no rows": (
         lambda d: _rewritten(ROTATING_LM, d, {"0.4": mx.array(0, mx.int32)}),
         "max_size 0 is not a window's size"),
-    "rotating cache keeping more than its window": (
-        lambda d: _with_meta_state(ROTATING, d, _set_keep), "keep 40 is not within its window"),
+    "rotating cache keeping rows it cannot": (
+        lambda d: _with_meta_state(ROTATING, d, _set_keep),
+        "keep -1 is not a number of rows to keep"),
     # mlx-lm writes each of these as one value with its array; a miss that
     # left the file in place for ever (damaged=False) before.
     "a scalar of two values": (
@@ -174,6 +175,36 @@ def test_a_damaged_legacy_file_is_refused_as_damaged(case: str, verify: bool,
 def test_a_sound_static_prefix_cache_still_loads(tmp_path: Path) -> None:
     got = read_cache_file(_static_prefix(tmp_path / "c.safetensors", 64))
     assert got.cache[0].keys.shape == (1, 8, 64, 128) and got.cache[0].offset == 4
+
+
+@pytest.mark.parametrize("window", [4, 2])
+def test_mlx_lm_s_own_tiny_window_is_read_as_mlx_lm_reads_it(window: int,
+                                                              tmp_path: Path) -> None:
+    """make_prompt_cache(max_kv_size=4 or less) keeps 4 rows, as many as the
+    window or more; wrapped, its write position runs past its rows. Such a
+    file of mlx-lm's own was called damaged (and a store's moved aside): it
+    is read as mlx-lm's load_prompt_cache reads it, and goes on the same."""
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    from . import tiny
+
+    model = tiny.tiny_qwen2()
+    cache = make_prompt_cache(model, max_kv_size=window)
+    tiny.prefill(model, tiny.prompt(10), cache)
+    for token in (9, 8, 7):
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    assert cache[0].keep >= cache[0].max_size and cache[0]._idx > cache[0].keys.shape[2]
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(str(path), cache)
+    theirs = load_prompt_cache(str(path))
+    ours = read_cache_file(path).cache
+    for a, b in zip(ours, theirs, strict=True):
+        for name in ("keep", "max_size", "offset", "_idx"):
+            assert getattr(a, name) == getattr(b, name), name
+        assert mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+    for token in (6, 5):
+        step = mx.array([[token]])
+        assert mx.array_equal(model(step, cache=ours), model(step, cache=theirs)).item()
 
 
 @pytest.mark.parametrize("verify", [True, False])
