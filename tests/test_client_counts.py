@@ -383,6 +383,35 @@ def test_concurrent_flushes_report_each_failure_once(short_dir: Path) -> None:
         assert rd.stop() == 0
 
 
+def test_a_refusal_after_the_daemon_forgot_the_client_s_total_still_says_false(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon keeps a failure total for 10,000 clients (3 here). A's
+    total stood at 1 after a refusal; three other clients' refusals made the
+    daemon forget it, and A's next refusal began it again at 1, the total A
+    had last seen: A's flush said True for a save never written (a review,
+    with 10,001 raw peers)."""
+    from kvkeeper.daemon import actor
+
+    from .conftest import start_daemon
+
+    monkeypatch.setattr(actor, "_MAX_TALLIES", 3)
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", max_disk_bytes=2**20)
+    try:
+        with Client(rd.socket, timeout=WAIT, min_send_interval=0) as a:
+            assert a.save(FP, "ok", filled(0.1, 1), [1]) and a.flush(timeout=WAIT) is True
+            assert a.save(FP, "big", filled(1.5, 2), [2]) and a.flush(timeout=WAIT) is False
+            for i in range(3):
+                with Client(rd.socket, timeout=WAIT, min_send_interval=0) as other:
+                    assert other.save(FP, f"o{i}", filled(1.5, 3), [3])
+                    assert other.flush(timeout=WAIT) is False
+            assert a.save(FP, "big", filled(1.5, 4), [4])
+            assert a.flush(timeout=WAIT) is False
+            assert a.client_stats()["client_saves_refused"] == 2
+            assert a.save(FP, "ok", filled(0.1, 5), [5]) and a.flush(timeout=WAIT) is True
+    finally:
+        assert rd.stop() == 0
+
+
 def test_refusals_are_logged_once_a_minute_per_code(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Each refused save logged a warning (a daemon shutting down or out of

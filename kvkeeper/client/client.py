@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import heapq
 import itertools
 import os
 import stat
@@ -1019,7 +1020,8 @@ class Client:
                         "daemon_restarted" if restarted else "connection_lost",
                         "it was restarted" if restarted else
                         "the connection ended before the daemon read the last saves")
-        answer = failed == 0 and lost == 0 and not unconfirmed
+        refused = self._refusals.any_up_to(pending.last_save)
+        answer = failed == 0 and lost == 0 and not unconfirmed and not refused
         nested = self._lock._is_owned()  # type: ignore[attr-defined]
         with self._lock:
             # The answer settled these keys, whatever comes next; but for a
@@ -1216,6 +1218,10 @@ class _RefusalLog(_Throttle):
         # Key -> the number of its save refused; neither saved again nor
         # reported by a flush since.
         self._refused: dict[tuple[str, str], int] = {}
+        # The numbers of the saves refused that no flush has reported (a
+        # heap): a flush covering one says False whatever the daemon's
+        # totals say (see any_up_to).
+        self._unreported: list[int] = []
 
     def sent(self, save_id: int, key: tuple[str, str]) -> None:
         """A save of ``key`` is built as ``save_id``: its fate is to be told,
@@ -1243,9 +1249,27 @@ class _RefusalLog(_Throttle):
         """A flush reported the refusals of saves numbered up to ``up_to``."""
         with self._lock:
             self._refused = {k: n for k, n in self._refused.items() if n > up_to}
+            while self._unreported and self._unreported[0] <= up_to:
+                heapq.heappop(self._unreported)
+
+    def any_up_to(self, last: int) -> bool:
+        """Whether a save numbered up to ``last`` was refused since the last
+        flush that returned. The daemon's running total of a client's
+        failures tells a flush as much, but the daemon keeps 10,000 clients'
+        totals: once 10,000 others had each had a failure, it forgot this
+        one's, began it again at 1, which was the total this client last
+        saw, and the flush said True for a save refused (a review)."""
+        with self._lock:
+            return bool(self._unreported) and self._unreported[0] <= last
 
     def __call__(self, reply: m.SaveRefused) -> None:
         self.last = reply
+        with self._lock:
+            heapq.heappush(self._unreported, reply.save)
+            if len(self._unreported) > 2 * self.KEPT:
+                # A client that never flushes: the oldest are kept, which the
+                # next flush covers (the daemon's totals tell of the rest).
+                self._unreported = heapq.nsmallest(self.KEPT, self._unreported)
         key = self._sent.pop(reply.save, None)
         newer = False
         if key is not None:

@@ -1105,10 +1105,12 @@ class WriterActor:
         """Make room for one more client's tally. A client compares its
         tally's ``failed`` with the last one it saw: one forgotten with no
         failure in it comes back as the same 0, so the least recently used of
-        those goes, unless its client has jobs still running. (A forgotten
-        failure would make that client's next flush return True for a save
-        never written.) Only when every tally has a failure does the least
-        recently used go all the same: memory stays bounded."""
+        those goes, unless its client has jobs still running. Only when every
+        tally has a failure does the least recently used go all the same:
+        memory stays bounded. (Its client's next failure then starts the
+        total again, maybe at the number the client last saw: kvkeeper's
+        client also says False for a save it was told was refused, but a
+        failure told by the total alone, a stalled save's, would be missed.)"""
         for peer, tally in self._tally.items():
             if tally.failed == 0 and peer not in self._by_peer:
                 del self._tally[peer]
