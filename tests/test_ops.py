@@ -1390,6 +1390,74 @@ def test_import_reports_what_it_imported_when_the_daemon_dies_part_way(short_dir
     assert "went away" in stderr
 
 
+def _import_here(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, Any, str]:
+    """``kvkeeper import --json`` run in this process: status, report, stderr."""
+    from kvkeeper.cli import main
+
+    code = main(["import", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return code, json.loads(out), err
+
+
+def test_import_of_a_file_the_daemon_is_slow_to_write_goes_on_and_reports_it(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A file the daemon did not say it wrote within import's wait (300 s; 0.5
+    here, the disk made slow) was called the daemon going away: exit 3,
+    "the files after it were not imported". It is reported as not known to
+    be written, and the run goes on: exit 1."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvkeeper.daemon.faults import ENV
+    from kvkeeper.ops import transfer
+
+    from .conftest import serve_process
+
+    monkeypatch.setattr(transfer, "FLUSH_TIMEOUT", 0.5)
+    save_prompt_cache(str(short_dir / "c1.safetensors"), filled(4, 1))
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.5"})  # 2 s
+    try:
+        code, report, err = _import_here("--socket", str(sock), "--model", "ms",
+                                         str(short_dir / "c1.safetensors"), capsys=capsys)
+        assert code == 1, err
+        assert report["imported"] == []
+        [failed] = report["failed"]
+        assert "not known to be written" in failed["reason"] \
+            and "did not answer within" in failed["reason"], failed
+        assert "went away" not in err, err
+        with Client(sock, timeout=WAIT) as kv:  # the daemon writes it all the same
+            wait_for(lambda: [e.cache_id for e in kv.entries("ms")] == ["c1"], "c1 written")
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_import_reports_what_the_daemon_refused_to_list(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The daemon up and refusing import's listing of a model (busy: more
+    requests waiting than it takes, none here): the run ended as "the daemon
+    refused", with no report, not even with --json."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvkeeper.daemon import server
+
+    save_prompt_cache(str(short_dir / "c1.safetensors"), filled(0.1, 1))
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock")
+    try:
+        monkeypatch.setattr(server, "MAX_WAITING", 0)
+        code, report, err = _import_here("--socket", str(rd.socket), "--model", "mr",
+                                         str(short_dir / "c1.safetensors"), capsys=capsys)
+        assert code == 1, err
+        assert report["imported"] == []
+        [failed] = report["failed"]
+        assert "did not list the model's entries" in failed["reason"] \
+            and "busy" in failed["reason"], failed
+    finally:
+        monkeypatch.undo()
+        assert rd.stop() == 0
+
+
 def test_import_exits_3_when_the_daemon_dies_between_two_files(short_dir: Path) -> None:
     """The daemon gone after one file's flush, before the next save: every
     later file was 'not handed to the daemon', exit 1, and nothing said the

@@ -122,7 +122,8 @@ def import_files(args: argparse.Namespace) -> int:
                            status=2)
     for d in empty:
         err.print(Text.assemble(f"no *{naming.SUFFIX} files in ", shown(d)))
-    from kvkeeper.client.channel import DaemonUnavailable
+    from kvkeeper.client.channel import DaemonTimedOut, DaemonUnavailable
+    from kvkeeper.client.client import DaemonError
 
     done: list[tuple[Path, str, str, bool]] = []
     failed: list[tuple[Path, str]] = []
@@ -130,6 +131,8 @@ def import_files(args: argparse.Namespace) -> int:
     stored: dict[str, set[str]] = {}  # model -> ids in the store when first asked
     gone: str | None = None
     unchecked: str | None = None  # the daemon went away as the run checked its imports
+    # ... or was up and did not answer that check (refused it, or too slow).
+    unanswered: str | None = None
     stopped = False
     current: Path | None = None
     try:
@@ -186,10 +189,20 @@ def import_files(args: argparse.Namespace) -> int:
                 if model not in stored:
                     try:
                         stored[model] = {e.cache_id for e in loadable(kv, model)}
+                    except DaemonTimedOut as exc:
+                        # Up and slow, or refusing (busy): this file only.
+                        # (Before, either ended the run with no report.)
+                        failed.append((f, f"not imported: the daemon did not list the "
+                                          f"model's entries: {exc}"))
+                        continue
                     except DaemonUnavailable as exc:
                         gone = str(exc)
                         failed.append((f, f"not imported: {exc}"))
                         break
+                    except DaemonError as exc:
+                        failed.append((f, f"not imported: the daemon did not list the "
+                                          f"model's entries: {exc}"))
+                        continue
                 # By name too: a legacy cache at a hashed place lists without its id.
                 replaced = cache_id in stored[model] or os.path.lexists(
                     naming.entry_path(kv.root, model, cache_id))
@@ -233,7 +246,15 @@ def import_files(args: argparse.Namespace) -> int:
                 # never wait in memory together (the daemon refuses what is over
                 # its pending budget).
                 try:
-                    written = kv.flush(timeout=300)
+                    written = kv.flush(timeout=FLUSH_TIMEOUT)
+                except (DaemonTimedOut, DaemonError) as exc:
+                    # The daemon is up: writing a large file on a slow disk,
+                    # or refusing the flush (busy). Before, a timeout was
+                    # called the daemon going away (exit 3), and a refusal
+                    # ended the run with no report.
+                    failed.append((f, f"not known to be written: {exc} (it may be yet: see "
+                                      f"kvkeeper ls; import it again with --replace)"))
+                    continue
                 except DaemonUnavailable as exc:
                     # What is imported so far is still reported.
                     gone = str(exc)
@@ -263,6 +284,8 @@ def import_files(args: argparse.Namespace) -> int:
                 try:
                     done, lost = _still_stored(kv, done)
                     failed += lost
+                except (DaemonTimedOut, DaemonError) as exc:
+                    unanswered = str(exc)
                 except DaemonUnavailable as exc:
                     unchecked = str(exc)
     except KeyboardInterrupt:
@@ -296,6 +319,11 @@ def import_files(args: argparse.Namespace) -> int:
                   f"every import is still in the store was not checked (see kvkeeper ls)",
                   markup=False)
         return 3
+    if unanswered is not None:
+        err.print(f"kvkeeper: the daemon did not answer the run's last check ({unanswered}): "
+                  f"whether every import is still in the store was not checked (see "
+                  f"kvkeeper ls)", markup=False)
+        return 1
     return 1 if failed else 0
 
 
@@ -322,7 +350,7 @@ def _still_stored(kv: Any, done: list[tuple[Path, str, str, bool]]) -> tuple[
     """The imports still in the store at the end of the run, and the others
     with why: the disk budget evicted them for later files, or another
     client deleted them (an import said "imported" of entries already gone,
-    exit 0). Raises DaemonUnavailable (nothing is then told)."""
+    exit 0). Raises DaemonUnavailable or DaemonError (nothing is then told)."""
     kept: list[tuple[Path, str, str, bool]] = []
     lost: list[tuple[Path, str]] = []
     listed: dict[str, set[str]] = {}
@@ -338,6 +366,9 @@ def _still_stored(kv: Any, done: list[tuple[Path, str, str, bool]]) -> tuple[
                             f"--min-free-bytes) for the files after it, or deleted meanwhile"))
     return kept, lost
 
+
+#: How long import waits for each file to be written (a large one on a slow disk).
+FLUSH_TIMEOUT = 300.0
 
 #: Why a path MLX is given fails (std::bad_cast, from its loader and writer).
 NOT_UTF8 = "MLX cannot open a path that is not valid UTF-8"
