@@ -559,6 +559,38 @@ def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, st
     return rm.returncode, out, errors
 
 
+def test_rm_model_stopped_by_ctrl_c_says_what_it_deleted(short_dir: Path) -> None:
+    """Ctrl-C during rm --model said "kvkeeper: interrupted" alone (exit
+    130): which entries were gone, which not, nothing said."""
+    from kvkeeper.daemon.faults import ENV
+
+    from .test_cli_checks import _interrupted
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: "delete_delay=1"})
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            for cache_id in "pqrst":
+                assert kv.save(FP, cache_id, filled(0.1, 1), [1])
+            assert kv.flush(timeout=WAIT)
+        # Pressed as the second delete waits out its delay (p gone, its answer sent).
+        status, out, err = _interrupted(
+            ["rm", "--model", FP, "--socket", str(sock)],
+            lambda: daemon_log(proc).count("step=delete_delay") >= 2)
+    finally:
+        assert stop_process(proc) == 0
+    assert status == 130, (out, err)
+    assert f"deleted 1 entry of model {FP}" in out, out
+    said = err.splitlines()
+    assert said[0] == f"kvkeeper: not deleted: {FP} / q: interrupted: it may be deleted or " \
+                      f"not (see kvkeeper ls)", said
+    assert said[1:4] == [f"kvkeeper: not deleted: {FP} / {c}: not tried: interrupted"
+                         for c in "rst"], said
+    assert [line for line in said[4:] if line] == ["kvkeeper: interrupted"], said
+    assert not entry_path(root, "p").exists()
+    assert all(entry_path(root, c).exists() for c in "rst")
+
+
 def test_rm_model_says_what_it_deleted_when_the_daemon_goes_away(short_dir: Path) -> None:
     """A daemon gone part way (stopped, restarted by a new install-service)
     ended rm --model with "no kvkeeper daemon", the deletes done unsaid."""

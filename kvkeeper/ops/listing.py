@@ -179,12 +179,18 @@ def rm(args: argparse.Namespace) -> int:
         left: list[tuple[m.Entry, str]] = []
         gone: DaemonUnavailable | None = None
         untried = ""
+        stopped = False
         for e in entries:
-            if gone is not None:
+            if gone is not None or stopped:
                 left.append((e, f"not tried: {untried}"))
                 continue
             try:
                 deleted += kv.delete(e.model, e.cache_id)
+            except KeyboardInterrupt:
+                # What was deleted is still said, as import says what it
+                # imported (before: "interrupted" alone, exit 130).
+                stopped, untried = True, "interrupted"
+                left.append((e, "interrupted: it may be deleted or not (see kvkeeper ls)"))
             except DaemonError as exc:
                 left.append((e, exc.message if exc.code == "internal"
                              else f"the daemon refused: {exc}"))
@@ -209,6 +215,8 @@ def rm(args: argparse.Namespace) -> int:
     for e, why in left:
         err.print(Text.assemble("kvkeeper: not deleted: ", key_shown(e.model, e.cache_id),
                                 f": {one_line(why)}"))
+    if stopped:
+        raise KeyboardInterrupt  # exit 130, once the report is out
     if gone is not None:
         raise gone  # exit 3, its message last
     return 1 if left else 0
