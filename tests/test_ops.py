@@ -531,10 +531,10 @@ def test_rm_model_deletes_what_it_can_and_names_what_it_left(
     assert not any(entry_path(daemon.root, c).exists() for c in "prs")
 
 
-def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, str, str]:
-    """rm --model of entries p, q, r, s, t (1 s before each unlink), the
-    daemon sent ``signum`` once the second delete's delay has begun (p gone,
-    its answer sent); rm's exit status, stdout, stderr."""
+def _five_entries_deleted_slowly(short_dir: Path) -> tuple[
+        Path, Path, subprocess.Popen[bytes]]:
+    """A daemon (root, socket, process) holding entries p, q, r, s, t of FP,
+    that waits 1 s before each delete's unlink."""
     from kvkeeper.daemon.faults import ENV
 
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
@@ -544,6 +544,18 @@ def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, st
             for cache_id in "pqrst":
                 assert kv.save(FP, cache_id, filled(0.1, 1), [1])
             assert kv.flush(timeout=WAIT)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return root, sock, proc
+
+
+def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, str, str]:
+    """rm --model of entries p, q, r, s, t (1 s before each unlink), the
+    daemon sent ``signum`` once the second delete's delay has begun (p gone,
+    its answer sent); rm's exit status, stdout, stderr."""
+    root, sock, proc = _five_entries_deleted_slowly(short_dir)
+    try:
         rm = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "rm", "--model", FP,
                                "--socket", str(sock)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
@@ -562,17 +574,10 @@ def _rm_model_as_the_daemon_stops(short_dir: Path, signum: int) -> tuple[int, st
 def test_rm_model_stopped_by_ctrl_c_says_what_it_deleted(short_dir: Path) -> None:
     """Ctrl-C during rm --model said "kvkeeper: interrupted" alone (exit
     130): which entries were gone, which not, nothing said."""
-    from kvkeeper.daemon.faults import ENV
-
     from .test_cli_checks import _interrupted
 
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock, env={ENV: "delete_delay=1"})
+    root, sock, proc = _five_entries_deleted_slowly(short_dir)
     try:
-        with Client(sock, timeout=WAIT) as kv:
-            for cache_id in "pqrst":
-                assert kv.save(FP, cache_id, filled(0.1, 1), [1])
-            assert kv.flush(timeout=WAIT)
         # Pressed as the second delete waits out its delay (p gone, its answer sent).
         status, out, err = _interrupted(
             ["rm", "--model", FP, "--socket", str(sock)],
