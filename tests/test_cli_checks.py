@@ -349,6 +349,27 @@ def test_verify_refuses_a_root_that_is_not_a_store(kind: str, short_dir: Path) -
     assert "all good" not in r.stdout
 
 
+def test_verify_refuses_a_daemon_s_root_it_cannot_see(short_dir: Path) -> None:
+    """A daemon in another mount namespace (a container's, its socket
+    shared): verify asked it for its root, found nothing there, and said
+    "0 files checked ... all good", exit 0."""
+    need_linux_root()
+    hidden, sock = short_dir / "hidden", short_dir / "run" / "kv.sock"
+    hidden.mkdir()
+    # The daemon's root on a tmpfs of its own mount namespace.
+    mount_then = ("unshare", "-m", "--propagation", "private", "sh", "-c",
+                  'mount -t tmpfs kvk-hidden "$0" && exec "$@"', str(hidden))
+    proc = serve_process(hidden / "root", sock, prefix=mount_then)
+    try:
+        r = cli("verify", "--socket", str(sock))
+    finally:
+        assert stop_process(proc) == 0
+    assert r.returncode == 1 and "all good" not in r.stdout, (r.stdout, r.stderr)
+    assert f"the daemon's root {hidden / 'root'} is not a kvkeeper store here" in r.stderr, \
+        r.stderr
+    assert list(hidden.iterdir()) == []
+
+
 def test_verify_and_export_on_a_root_need_no_usable_socket_setting(
     client: Client, daemon: RunningDaemon
 ) -> None:

@@ -306,7 +306,15 @@ def store_root(args: argparse.Namespace, kv: Any) -> Path:
                                f"{naming.SESSIONS_DIR}/ directory", status=2)
         return root
     if kv is not None and kv.connected:
-        return kv.root
+        said: Path = kv.root
+        if not (said / naming.SESSIONS_DIR).is_dir():
+            # The daemon's store as another mount namespace has it (a
+            # container's daemon, its socket shared): checking nothing here
+            # must not read as "all good" either.
+            raise CommandError(f"the daemon's root {said} is not a kvkeeper store here (no "
+                               f"{naming.SESSIONS_DIR}/ directory: a daemon in a container "
+                               f"sees another file system?): give --root")
+        return said
     if args.socket is not None:
         # The store of the daemon named: the configured root may be another.
         where = kv.socket_path if kv is not None else args.socket
