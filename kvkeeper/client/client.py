@@ -876,7 +876,8 @@ class Client:
         if attempt.error is None:
             return attempt.loaded
         exc = attempt.error
-        log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc)
+        log.warning("event=load_miss model=%s id=%s reason=%s", model, cache_id, exc,
+                    extra={"kvkeeper_reason": str(exc)})  # as said, not as quoted for the log
         if exc.damaged and attempt.ident is not None:
             self._report_damaged(model, cache_id, attempt.ident, str(exc), deadline)
         return None

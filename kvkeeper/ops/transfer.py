@@ -577,7 +577,11 @@ def _load_misses() -> Iterator[list[str]]:
         def emit(self, record: logging.LogRecord) -> None:
             text = record.getMessage()
             if "event=load_miss" in text:
-                reasons.append(text.partition(" reason=")[2] or text)
+                # The reason as said: the line's is quoted (a reason in
+                # quotes, its own quotes escaped, read oddly after "cannot be
+                # read:").
+                reasons.append(getattr(record, "kvkeeper_reason", None)
+                               or text.partition(" reason=")[2] or text)
             elif hasattr(record, "kvkeeper_moved_to") and reasons:
                 # The reason names the entry's path, where the file is no more.
                 reasons[-1] += f" (the daemon moved the file into {record.kvkeeper_moved_to}/)"
