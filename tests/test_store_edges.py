@@ -203,6 +203,36 @@ def test_a_gc_whose_budget_pass_crashes_says_so(short_dir: Path) -> None:
     assert "event=gc_crashed" in daemon_log(proc)
 
 
+@pytest.mark.parametrize("fault", ["bug=listing", "io_error=listing"])
+def test_a_listing_that_fails_in_the_daemon_is_answered_at_once(fault: str,
+                                                                short_dir: Path) -> None:
+    """An answer that raised in the daemon (a bug, or an I/O error no listing
+    meets otherwise) was logged and never sent: the client waited out its
+    timeout, then said the daemon did not answer (DaemonTimedOut, "no
+    daemon" from ls, exit 3). It is now answered as an internal error."""
+    from kvkeeper.client.client import DaemonError
+
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, env={ENV: fault})
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.save(FP, "a", filled(0.1, 1), [1]) and kv.flush(timeout=WAIT)
+            with pytest.raises(DaemonError) as caught:
+                kv.entries()
+            assert caught.value.code == "internal"
+            assert caught.value.message.startswith("the daemon failed answering it: "), \
+                caught.value.message
+            assert "injected" in caught.value.message and "at listing" in caught.value.message
+            assert kv.load(FP, "a") is not None  # it goes on serving
+            assert kv.stats()["internal_errors"] == 1
+        r = cli("ls", "--socket", str(sock))
+        assert r.returncode == 1 and "the daemon failed answering it" in r.stderr, \
+            (r.stdout, r.stderr)
+    finally:
+        assert stop_process(proc) == 0
+    assert "event=internal_error answer=_list" in daemon_log(proc)
+
+
 def test_evictions_before_a_budget_pass_fails_are_counted(short_dir: Path) -> None:
     """As above, for the other budget passes: the one that makes room before
     a write (a full disk), the start-up scan's and a gc's. Entries they

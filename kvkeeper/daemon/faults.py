@@ -18,7 +18,8 @@ lookup that finds nothing.
   ends the wait); with ``scan_hold_after=N``, after reading N files instead.
 - ``io_error=POINT``: raise EIO at a point: ``dir_fsync`` (after the rename),
   ``evicted`` (in any disk-budget pass, after each eviction: in one made
-  before a save's write, that save then fails).
+  before a save's write, that save then fails), ``listing`` (an answer to
+  ``ls``: a failure no listing meets otherwise).
 - ``bug=POINT``: raise RuntimeError (a bug, not the disk) where ``io_error``
   would raise EIO.
 - ``dir_fsync_errno=N``: every directory fsync fails with errno N instead of

@@ -732,9 +732,18 @@ class Server:
                        args: tuple[Any, ...]) -> None:
         try:
             await answer(peer, *args)
-        except Exception:  # noqa: BLE001 - as in run(): in the task group, it stopped the daemon
+        except Exception as exc:  # noqa: BLE001 - as in run(): in the task group, it stopped the daemon
             self.stats.inc("internal_errors")
             log.exception("event=internal_error answer=%s", answer.__name__)
+            # The requests it was to answer are answered so: unanswered, each
+            # client waited out its timeout (10 s), then said the daemon did
+            # not answer. (A flush's are those still in its queue.)
+            reqs = [req for _, req in args[0]] if isinstance(args[0], deque) else [args[0]]
+            for req in reqs:
+                self._reply(peer, m.Error(v=m.PROTOCOL_VERSION, req=req, code="internal",
+                                          message=f"the daemon failed answering it: "
+                                                  f"{type(exc).__name__}: {exc} (its log has "
+                                                  f"the details)"))
         finally:
             self._waiting_total -= 1
             left = self._waiting[peer] - 1

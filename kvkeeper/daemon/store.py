@@ -833,6 +833,7 @@ class Store:
         """``entries``, less (and forgetting) the files removed by hand since
         they were indexed: a listing must not show what ``delete`` would call
         gone. One lstat a file (20,000 entries: tens of ms; in a worker thread)."""
+        faults.io_error("listing")
         listed = []
         for entry in self.entries(model, everything=everything):
             if _gone(entry.path):
