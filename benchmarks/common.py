@@ -84,6 +84,9 @@ class Profile:
     clients_duration_s: float
     requests_tokens: int = 4096  # the cache saved as fast as save() returns (case 8)
     requests_duration_s: float = 10.0
+    # Rounds of case 8's requests at least, idle and flooded: its medians are
+    # of at least this many samples (in 10 s the flood gave 3 of its flushes).
+    requests_min_rounds: int = 5
     gen_save_every: int = 16
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,7 +137,7 @@ TINY = Profile(
     resume_lengths=(64,), resume_reps=2,
     mem_total=16 * MiB, mem_save_tokens=256, mem_max_pending=2 * MiB, mem_clients=2,
     clients_n=2, clients_tokens=256, clients_duration_s=0.5,
-    requests_tokens=512, requests_duration_s=0.5,
+    requests_tokens=512, requests_duration_s=0.5, requests_min_rounds=2,
 )
 
 

@@ -162,7 +162,7 @@ def _big_cache_cow(ctx: Any) -> dict[str, Any]:
     tokens = max(prof.tokens)
     fill = tokens - 4 * prof.cow_samples - 4  # room to grow without reallocating
     cache = kv_cache(shape, tokens, seed=5, fill=fill)
-    toks = token_ids(fill, seed=5)
+    toks = token_ids(tokens, seed=5)  # the first offset of them go with each save
     mx.random.seed(6)
     k1 = mx.random.normal((1, shape.kv_heads, 1, shape.head_dim), dtype=mx.bfloat16)
     v1 = mx.random.normal((1, shape.kv_heads, 1, shape.head_dim), dtype=mx.bfloat16)
@@ -171,22 +171,33 @@ def _big_cache_cow(ctx: Any) -> dict[str, Any]:
     # A one-layer cache: saving it makes the client drop whatever it still holds of
     # the previous save (see the "after a small save" row).
     small = kv_cache(type(shape)(1, 1, 64), 256, seed=7)
+    small_toks = token_ids(small[0].offset, seed=7)
+
+    # Checked: a save dropped or refused would read as "no copy" (an audit).
+    def save(key: str, c: Any, ids: list[int]) -> None:
+        if not kv.save(MODEL, key, c, ids[:c[0].offset]):
+            raise RuntimeError(f"copy-on-write: the save of {key} was dropped")
+
+    def flush() -> None:
+        if not kv.flush(WAIT):
+            raise RuntimeError("copy-on-write: a save was not written")
+
     plain, after, after_sent, after_small, sent = [], [], [], [], []
     for _ in range(prof.cow_samples):
         plain.append(_step(cache, k1, v1))
-        kv.save(MODEL, "cow", cache, toks)
+        save("cow", cache, toks)
         after.append(_step(cache, k1, v1))
-        kv.flush(WAIT)
-        kv.save(MODEL, "cow", cache, toks)
+        flush()
+        save("cow", cache, toks)
         sent.append(_wait_sent(kv))
         after_sent.append(_step(cache, k1, v1))
-        kv.flush(WAIT)
-        kv.save(MODEL, "cow", cache, toks)
+        flush()
+        save("cow", cache, toks)
         _wait_sent(kv)
-        kv.flush(WAIT)
-        kv.save(MODEL, "cow-small", small, [1])
+        flush()
+        save("cow-small", small, small_toks)
         _wait_sent(kv)
-        kv.flush(WAIT)
+        flush()
         after_small.append(_step(cache, k1, v1))
     res = {
         "tokens": fill,

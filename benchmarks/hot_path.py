@@ -192,12 +192,17 @@ def _measure_cache(ctx: Any, label: str, cache: Any, tokens: list[int], *, idle_
     gcw = ctx.gc_watch
     for r, calls in enumerate(idle_rounds(idle_n, prof.sync_reps)):
         # Side by side: each round does kvkeeper, then the synchronous saves
-        # (their order alternating) and APC.
+        # (their order alternating) and APC. Each group starts with no dirty
+        # pages of another's (untimed sync): the synchronous saves leave
+        # 1.5 GiB unsynced at 512 MiB, whose writeback slowed APC's write
+        # behind them to 469-633 ms from 369-419 ms (an audit).
+        os.sync()
         for _ in range(calls):
             _kvk_idle(kv, key, cache, tokens, idle, raw, control, spin_n)
         _sync_round(cache, tokens, d, raw, mlx_lm_first=r % 2 == 1)
         if apc_layers is not None:
             offset = 1000 * (r + 1)
+            os.sync()
             _apc_round(apc_layers, [t + offset for t in tokens], apc_restore, raw)
     res: dict[str, Any] = {
         "label": label,

@@ -164,7 +164,7 @@ def run(ctx: Any) -> dict[str, Any]:
     return {"sizes": sizes, "special": special, "ping_round_trip": summarize(pings)}
 
 
-def targets(res: dict[str, Any], hot: dict[str, Any] | None) -> list[dict[str, Any]]:
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     big = max(res["sizes"], key=lambda s: s["bytes"])
     lazy_k, lazy_d = big["kvkeeper_lazy"]["median"], big["direct_lazy"]["median"]
     ver_k, ver_d = big["kvkeeper_verified"]["median"], big["direct_eval"]["median"]

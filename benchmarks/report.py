@@ -798,13 +798,20 @@ def _resume(doc: dict[str, Any]) -> list[str]:
     out = ["## 5. Resume", ""]
     out.append(
         f"{r['model']}: time to the first token of a continued conversation. Re-prefill: the "
-        f"whole conversation plus the new token through the model. Restore: `client.load()` "
-        f"(verified) plus one decode step with the new token. The file was just written, so "
-        f"it is read from the page cache (a warm restore; section 4 has cold loads).")
+        f"conversation through the model into a new cache (its state evaluated, as mlx-lm's "
+        f"`generate_step` prefills), then one step with the new token. Restore: "
+        f"`client.load()` (verified) plus that step. The file was just written, so it is "
+        f"read from the page cache (a warm restore; section 4 has cold loads). The tiny "
+        f"model's cache is small (the sizes below; the Llama-3-8B shape of the other sections "
+        f"holds 128 KiB a token), and on this CPU a prefill costs about as much per token as "
+        f"a decode step: the ratios say more of MLX on this CPU than of kvkeeper, whose "
+        f"share is the load (section 4 has it at the larger sizes).")
     out.append("")
-    out += _table(["conversation", "re-prefill (median)", "restore + 1 step (median)",
+    out += _table(["conversation", "cache", "re-prefill (median)", "restore + 1 step (median)",
                    "re-prefill / restore", "same next token as the live cache"],
-                  [[f"{x['tokens']} tokens", _p(x["reprefill"]), _p(x["restore_plus_step"]),
+                  [[f"{x['tokens']} tokens",
+                    fmt_bytes(x["cache_bytes"]) if "cache_bytes" in x else "?",
+                    _p(x["reprefill"]), _p(x["restore_plus_step"]),
                     _x(x["ratio_reprefill_over_restore"], 1),
                     str(x["restored_token_matches_live_cache"])] for x in r["lengths"]])
     return out
@@ -840,7 +847,10 @@ def _memory(doc: dict[str, Any]) -> list[str]:
         ["lost by the clients (pipe broke)", str(m["client_counters"]["lost"])],
         ["coalesced by the clients (replaced by a newer save of the key before it was sent)",
          str(m["client_counters"].get("coalesced", 0))],
-        ["received by the daemon", f"{c['saves_received']} ({fmt_bytes(c['bytes_received'])})"],
+        # bytes_received counts the data of the saves it took only (a refused
+        # save's frames are dropped uncounted): two rows, not "32 (1.00 GiB)".
+        ["saves received by the daemon (refused ones included)", str(c["saves_received"])],
+        ["bytes the daemon took in (of the saves it accepted)", fmt_bytes(c["bytes_received"])],
         ["written", str(c["saves_written"])],
         ["superseded by a newer save of the same key", str(c["saves_superseded"])],
         ["refused (busy: pending budget full)", str(c["saves_refused"])],
@@ -885,7 +895,10 @@ def _clients(doc: dict[str, Any]) -> list[str]:
         ["daemon: received / written / superseded", f"{d['saves_received']} / "
          f"{d['saves_written']} / {d['saves_superseded']}"],
         ["aggregate written (durable)", f"{c['written_gib_per_s']:.2f} GiB/s"],
-        ["aggregate handed off (including those coalesced)",
+        ["aggregate sent to the daemon (saves it received)",
+         f"{c['received_gib_per_s']:.2f} GiB/s" if "received_gib_per_s" in c
+         else "not recorded in this run"],
+        ["save() calls' bytes (most coalesced in the clients, never sent)",
          f"{c['handed_off_gib_per_s']:.2f} GiB/s"],
         ["verified loads (misses)", f"{c['loads']} ({c['load_misses']})"],
         ["every client's closing flush() True", _yes(c.get("all_flushes_ok"))],
@@ -1130,7 +1143,8 @@ def _why(doc: dict[str, Any]) -> list[str]:
                    if m.get("apc_handoff_max_s") is not None else ""))
         elif case.startswith("2"):
             tm = cases["generation"]["tiny_model"]
-            share = (tm["save_call"]["median"] or 0) / (16 * (tm["step_no_saves"]["median"] or 1))
+            every = tm.get("save_every", 16)  # (a run before the field: 16)
+            share = (tm["save_call"]["median"] or 0) / (every * (tm["step_no_saves"]["median"] or 1))
             dc = tm.get("daemon_counters")
             wrote = (f"{dc['saves_written']:g} of the {dc['saves_received']:g} saves the "
                      f"client sent, of {tm['saves_handed_off']} handed off; the others were "
@@ -1144,7 +1158,7 @@ def _why(doc: dict[str, Any]) -> list[str]:
                    f"counted in" if m.get("ratio_through_flush") is not None else "")
                 + f"; ratio of the medians {_x(m.get('ratio_of_medians'), 3)}). "
                 f"A `save()` call takes {_p(tm['save_call'])} median, "
-                f"{share * 100:.1f}% of the 16 decode steps between saves "
+                f"{share * 100:.1f}% of the {every} decode steps between saves "
                 f"({_p(tm['step_no_saves'])} each); the first step after a save takes "
                 f"{_p(tm['step_first_after_save'])} median against "
                 f"{_p(tm['step_with_saves_other'])} for the others (no saves: "
@@ -1323,8 +1337,8 @@ def markdown(doc: dict[str, Any], png: str) -> str:
         f"own, right after the rounds that interleave the idle `save()` calls with the synchronous savers, and is held to the limit those "
         f"rounds set. Figures are medians of at least "
         f"{min(prof['sync_reps'], prof['disk_reps'], prof['load_reps'], prof['resume_reps'])} "
-        f"runs, but where a section gives its own count (section 3's breakdown) and in "
-        f"sections 6, 7 and 8 (one run each). **p99 is nearest-rank, the ⌈0.99·n⌉-th "
+        f"runs, but where a section gives its own count (section 3's breakdown, section 8's "
+        f"samples) and in sections 6 and 7 (one run each). **p99 is nearest-rank, the ⌈0.99·n⌉-th "
         f"smallest of n samples: the largest below 100 samples, the second largest from 100 "
         f"to 199, the third from 200 to 299, and so on.**")
     out.append("")

@@ -80,7 +80,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if not kv.flush(WAIT):
             raise RuntimeError("the entries to load were not written")
         kinds = _kinds(kv)
-        idle, idle_unexpected = _rounds(kinds, 0.0, 5)
+        idle, idle_unexpected = _rounds(kinds, 0.0, prof.requests_min_rounds)
         stop = threading.Event()
         handed = [0, 0]  # save() True, False
 
@@ -95,7 +95,7 @@ def run(ctx: Any) -> dict[str, Any]:
         try:
             time.sleep(min(1.0, prof.requests_duration_s))  # the budget fills up
             flooded, flood_unexpected = _rounds(kinds, time.monotonic() + prof.requests_duration_s,
-                                                2)
+                                                prof.requests_min_rounds)
         finally:
             stop.set()
             saver.join(WAIT)

@@ -90,11 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _targets(name: str, res: dict[str, Any], results: dict[str, Any]) -> list[dict[str, Any]]:
-    mod = CASES[name]
-    if name == "load":
-        return load.targets(res, results.get("hot_path"))
-    return mod.targets(res)
+def _targets(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
+    return CASES[name].targets(res)
 
 
 def _paths(out: Path | None) -> dict[str, Path]:
@@ -232,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in res:
             continue
         try:
-            targets.extend(_targets(name, res, results))
+            targets.extend(_targets(name, res))
         except Exception as exc:  # noqa: BLE001
             results[name]["targets_error"] = f"{type(exc).__name__}: {exc}"
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
