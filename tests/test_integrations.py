@@ -1194,6 +1194,10 @@ def test_a_prompt_that_is_not_one_row_of_integers_is_refused(
         with pytest.raises(TypeError, match=said):
             kv_vlm.stream_generate(None, "tiny-vlm", "chat", model, processor,
                                    input_ids=[5, 6, 7], max_tokens=2)
+    # A None processor: AttributeError inside mlx-vlm at the first request
+    # (at its first token with input_ids=), as the tokenizer's was (a review).
+    with pytest.raises(TypeError, match="processor is None"):
+        kv_vlm.Session(None, "tiny-vlm", "chat", tiny_vlm_llama(), None)
     # The mlx-lm Session took an mlx-vlm model, or mlx_lm.load's (model,
     # tokenizer) as the model, and failed at the first token (TypeError,
     # AttributeError, deep inside mlx-lm; a review). mlx-lm's wrapper is its own.

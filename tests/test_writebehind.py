@@ -110,6 +110,19 @@ def test_snapshots_while_streaming_restore_exactly(model, tok, client: Client,
         assert out == expected
 
 
+def test_a_cache_without_its_token_ids_is_planned_cold_saying_so(model) -> None:
+    """A file imported from mlx-lm's format loads with token_ids None: the
+    README's loop's plan said "no cache for this session", as if none had
+    been found (a review)."""
+    p = prompt(10, seed=3)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([p]), cache=cache))
+    plan = plan_reuse(cache, None, p + [1])
+    assert (plan.action, plan.reused, plan.prefill) == ("cold", 0, 11)
+    assert plan.reason == "the cache does not say which tokens it holds", plan
+    assert plan_reuse(None, None, p).reason == "no cache for this session"
+
+
 @pytest.mark.parametrize("parts", [False, True], ids=["extends", "parts_way"])
 def test_the_readme_resume_loop_feeds_only_what_the_cache_lacks(
         model, tok, client: Client, daemon: RunningDaemon, parts: bool) -> None:

@@ -217,8 +217,12 @@ def plan_reuse(
     def cold(reason: str) -> Plan:
         return Plan("cold", source, 0, 0, n, reason)
 
-    if cache is None or cached_ids is None:
+    if cache is None:
         return cold(none)
+    if cached_ids is None:
+        # A cache was given (a file imported from mlx-lm's format has no
+        # ids): "no cache" misled (a review).
+        return cold("the cache does not say which tokens it holds")
     why = length_mismatch(cache, len(cached_ids))
     if why is not None:
         return cold(why)

@@ -89,6 +89,11 @@ class Session(SessionBase):
             raise TypeError(f"{type(model).__name__} is no mlx-vlm model (it has no "
                             f"{' nor '.join(missing)}): for an mlx-lm model, use "
                             f"kvkeeper.integrations.mlx_lm.Session")
+        if processor is None:
+            # As mlx-lm's Session refuses a tokenizer of None: accepted, the
+            # first request raised AttributeError inside mlx-vlm, at its
+            # first token with input_ids= (a review).
+            raise TypeError("processor is None: give the processor mlx_vlm.load returned")
         self.model = model
         self.processor = processor
         #: Whether the last request's intermediate saves could follow the cache.
