@@ -905,6 +905,34 @@ def test_wrong_model_and_corrupt_file_are_clean_misses(model, client: Client) ->
     assert client.load(FP, "corrupt", verify=False) is None
 
 
+def test_a_save_dropped_for_a_daemon_that_does_not_answer_says_it_may_be_there(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon stopped (SIGSTOP) or hung: a new client's save was dropped as
+    "no kvkeeper daemon at <socket>", which read as if nothing ran there (a
+    review)."""
+    from kvkeeper.client.channel import RETURN_GRACE
+
+    sock = short_dir / "run" / "kv.sock"
+    proc = serve_process(short_dir / "root", sock)
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+            kv = Client(sock, timeout=WAIT, connect_timeout=0.2)
+            try:
+                assert not kv.connected
+                # Past the grace a new client gives a socket something listens on.
+                time.sleep(RETURN_GRACE + 0.2)
+                assert kv.save("m", "k", filled(0.1, 1), [1]) is False
+            finally:
+                kv.close(0)
+        said = [r.getMessage() for r in caplog.records if "reason=daemon_down" in r.getMessage()]
+        assert len(said) == 1 and f"no kvkeeper daemon connected at {sock}" in said[0] \
+            and "or it does not answer" in said[0], said
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_process(proc) == 0
+
+
 def test_daemon_down_save_drops_fast_and_load_reads_the_file(model, short_dir: Path) -> None:
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
     tokens = prompt(50)

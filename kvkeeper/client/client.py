@@ -438,7 +438,11 @@ class Client:
                 return self._drop("closed", CLOSED_BY_OTHERS)
             if connected:
                 return self._drop_inflight()
-            return self._drop("daemon_down", f"no kvkeeper daemon at {self.socket_path}")
+            # (A daemon stopped or hung is down until it answers: "no daemon
+            # at" it read as if nothing were there.)
+            return self._drop("daemon_down", f"no kvkeeper daemon connected at "
+                                             f"{self.socket_path} (none runs there, or it "
+                                             f"does not answer)")
         # Only the capture (which checks the layers) runs here; the JSON, the
         # byte runs and the messages are built on the I/O thread (_messages).
         cap = _codec().capture_cache(layers)
