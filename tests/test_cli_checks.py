@@ -1930,6 +1930,46 @@ def test_commands_work_without_a_home_directory(short_dir: Path) -> None:
     assert "home directory" not in r.stderr, r.stderr
 
 
+def test_a_daemon_takes_no_message_from_another_user(short_dir: Path) -> None:
+    """A daemon of uid 12345: root, whom no file mode keeps out of its socket
+    directory, connects, and its ping is never answered (libzmq drops the
+    connection: IPC_FILTER_UID); the daemon's own user is answered. No test
+    held this before."""
+    from kvkeeper.protocol import messages as m
+
+    from .conftest import _ask
+
+    need_linux_root()
+    short_dir.chmod(0o711)  # for uid 12345 to pass through
+    base = short_dir / "other"
+    base.mkdir()
+    base.chmod(0o777)  # and to make its root and socket directory in
+    sock = base / "s" / "k.sock"
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": str(base),
+           "XDG_CONFIG_HOME": "/nonexistent-kvkeeper-test-config"}
+    as_other = ("setpriv", "--reuid", "12345", "--regid", "12345", "--clear-groups")
+
+    def stats_as_its_user() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*as_other, sys.executable, "-m", "kvkeeper.cli", "stats",
+                               "--json", "--socket", str(sock)], capture_output=True,
+                              text=True, timeout=WAIT, env={**os.environ, **env})
+
+    probe = subprocess.run([*as_other, sys.executable, "-c", "pass"], capture_output=True,
+                           text=True, timeout=WAIT, env={**os.environ, **env})
+    if probe.returncode == 127 and "shared librar" in probe.stderr:
+        pytest.skip(f"{sys.executable} cannot run as another user here: {probe.stderr.strip()}")
+    proc = serve_process(base / "r", sock, env=env, prefix=as_other, answering=False)
+    try:
+        wait_for(sock.exists, "the daemon's socket")
+        mine = stats_as_its_user()
+        assert mine.returncode == 0, mine.stderr
+        assert _ask(sock, m.Ping(v=m.PROTOCOL_VERSION, req=1), 2.0) is None
+        assert stats_as_its_user().returncode == 0  # still serving its own
+    finally:
+        assert stop_process(proc) == 0
+    assert "Traceback" not in daemon_log(proc)
+
+
 def test_relative_xdg_directories_are_ignored(short_dir: Path) -> None:
     """The XDG base directory spec says a relative value is to be ignored:
     taken from each process's own directory, the daemon and its clients

@@ -753,3 +753,24 @@ def test_a_save_header_that_does_not_decode_is_not_built_whole(short_dir: Path) 
     finally:
         ctx.destroy(linger=0)
         stop_process(proc)
+
+
+def test_the_peer_uid_is_read_from_a_unix_socket_itself() -> None:
+    """Where libzmq's Peer-Address names no uid (macOS: empty for a unix
+    socket), the daemon asks the connection's socket (LOCAL_PEERCRED there,
+    SO_PEERCRED here): before, every uid was let in. This platform's branch,
+    on a real socket pair; anything but a unix socket tells nothing."""
+    import socket
+
+    from kvkeeper.daemon.server import _socket_peer_uid
+
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert _socket_peer_uid(a.fileno()) == os.getuid()
+    r, w = os.pipe()
+    try:
+        assert _socket_peer_uid(r) is None
+    finally:
+        os.close(r)
+        os.close(w)
+    assert _socket_peer_uid(r) is None  # closed

@@ -14,6 +14,7 @@ import functools
 import os
 import socket
 import stat
+import struct
 import sys
 import time
 from collections import deque
@@ -788,17 +789,23 @@ class Server:
                                       code=code, message=message))
 
     def _same_user(self, header: zmq.Frame) -> bool:
-        # libzmq reports the peer's credentials as ":uid:gid:pid" on Linux
-        # (SO_PEERCRED) and ":uid:gid:" on macOS and the BSDs (LOCAL_PEERCRED);
-        # elsewhere the 0700 socket directory is what keeps other users out.
+        # Behind IPC_FILTER_UID (libzmq drops another uid's connections, on
+        # Linux and macOS) and the 0700 socket directory. libzmq's
+        # Peer-Address has the peer's ":uid:gid:pid" after the host on Linux;
+        # on macOS it is empty for a unix socket (libzmq adds credentials only
+        # once getnameinfo() has named the peer, which fails there), and
+        # read alone it let every uid in (a review): there the connection's
+        # socket is asked (LOCAL_PEERCRED; 7 us, so not where libzmq says).
+        uid: int | None = None
         try:
-            addr = header.get("Peer-Address")
+            parts = str(header.get("Peer-Address")).split(":")
         except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
-            return True
-        parts = str(addr).split(":")
+            parts = []
         if len(parts) == 4 and parts[1].isdigit():
-            return int(parts[1]) == self._uid
-        return True
+            uid = int(parts[1])
+        elif (fd := _source_fd(header)) is not None:
+            uid = _socket_peer_uid(fd)
+        return uid is None or uid == self._uid
 
     def announce_drain(self, boot_id: float) -> None:
         """Tell each client whose saves the writer took that the daemon
@@ -938,6 +945,33 @@ def _source_fd(header: zmq.Frame) -> int | None:
 
 
 _LOCAL_PEERPID = 2  # macOS <sys/un.h>, at level SOL_LOCAL (0)
+_LOCAL_PEERCRED = 1  # macOS <sys/un.h>: a struct xucred, at level SOL_LOCAL (0)
+#: struct xucred: u_int cr_version (XUCRED_VERSION 0), uid_t cr_uid, short
+#: cr_ngroups, gid_t cr_groups[16].
+_XUCRED_SIZE = 76
+#: struct ucred (Linux): pid_t pid, uid_t uid, gid_t gid.
+_UCRED = struct.Struct("=iII")
+
+
+def _socket_peer_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of the unix socket ``fd``:
+    SO_PEERCRED on Linux, LOCAL_PEERCRED on macOS; None where neither is,
+    or if ``fd`` is not such a socket any more."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.family != socket.AF_UNIX:
+                return None
+            if sys.platform == "darwin":
+                raw = s.getsockopt(0, _LOCAL_PEERCRED, _XUCRED_SIZE)
+                version, uid = struct.unpack_from("=II", raw)
+                return uid if version == 0 else None
+            peercred = getattr(socket, "SO_PEERCRED", None)
+            if peercred is None:
+                return None
+            raw = s.getsockopt(socket.SOL_SOCKET, peercred, _UCRED.size)
+            return int(_UCRED.unpack(raw)[1])
+    except (OSError, ValueError, struct.error):
+        return None
 
 
 def _socket_peer_pid(fd: int) -> int | None:
