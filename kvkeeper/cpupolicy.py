@@ -24,9 +24,9 @@ Python thread and two CPU-bound processes woke up to 196-208 ms late, against
 at most 3.9 ms under ``SCHED_BATCH``; BENCHMARKS.md has what it gained).
 
 macOS has no ``SCHED_BATCH``; there the LaunchAgent's ``ProcessType``
-(Background, or Standard for "normal") does the daemon's part when it runs
-as a service; a daemon started by hand, and the client's threads, keep the
-default policy.
+(Standard, launchd's light limits, or Interactive for "normal": none) does
+the daemon's part when it runs as a service; a daemon started by hand, and
+the client's threads, keep the default policy.
 """
 
 from __future__ import annotations

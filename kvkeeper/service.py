@@ -160,9 +160,14 @@ def launchd(serve_args: Sequence[str], drain_timeout: float, home: Path, *,
         # SIGTERM asked for, or exit 2 given as 0 (see cli.main), which a
         # new start cannot mend, as systemd's RestartPreventExitStatus=2.
         "KeepAlive": {"SuccessfulExit": False},
-        # macOS's counterpart of SCHED_BATCH (--cpu-policy batch); "normal"
-        # gets launchd's own default.
-        "ProcessType": "Background" if background else "Standard",
+        # --cpu-policy batch: launchd's default class, named ("light resource
+        # limits", launchd.plist(5)), for SCHED_BATCH's "give way, but keep
+        # up". Not Background, as before: its limits throttle the job's CPU
+        # and disk I/O whenever the user's work contends, as SCHED_IDLE and
+        # idle I/O would, which the writer cannot afford (saves falling
+        # behind fill the pending budget, and are refused; a throttled
+        # drain overruns ExitTimeOut). "normal": no limits, as an app's own.
+        "ProcessType": "Standard" if background else "Interactive",
         "ExitTimeOut": exit_timeout,
         "StandardOutPath": str(logs / "kvkeeper.log"),
         "StandardErrorPath": str(logs / "kvkeeper.log"),

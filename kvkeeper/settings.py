@@ -395,8 +395,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cpu_policy", _cpu_policy, lambda: "batch",
             "batch: on Linux the daemon's threads run under SCHED_BATCH, so waking up "
             "never takes a core from a running thread such as the generation loop (when "
-            "every core is busy, its answers come a few ms later); normal: they keep the "
-            "policy the daemon was started with"),
+            "every core is busy, its answers come a few ms later), and on macOS its "
+            "LaunchAgent is ProcessType Standard; normal: they keep the policy the daemon "
+            "was started with (the LaunchAgent: Interactive)"),
     Setting("log_level", _level, lambda: "info", "debug, info, warning or error"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -1345,8 +1345,8 @@ def test_the_macos_default_socket_does_not_follow_tmpdir(
 
 
 @pytest.mark.parametrize(("argv", "process_type"), [
-    ([], "Background"),
-    (["--cpu-policy", "normal"], "Standard"),
+    ([], "Standard"),
+    (["--cpu-policy", "normal"], "Interactive"),
 ])
 def test_the_launch_agent_follows_the_cpu_policy(argv: list[str], process_type: str) -> None:
     r = cli("install-service", "--print", "--platform", "macos", *argv)
