@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from kvkeeper.client.client import Client
 from kvkeeper.protocol import messages as m
 
@@ -159,3 +161,28 @@ def _save_arriving_among_ten_thousand(daemon: RunningDaemon) -> None:
 
     with safe_open(str(naming.entry_path(daemon.root, "fp", "slow")), "np") as f:
         assert f.get_tensor("t0").tobytes() == b"AAAABBBB"
+
+
+@pytest.mark.parametrize(("per_process", "got"), [(10240, 10240), (8192, 8192), (5000, 4096),
+                                                  (300, 256)])
+def test_the_limit_raised_where_the_system_refuses_some(
+        per_process: int, got: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS under launchd: soft 256, hard unlimited, and any soft limit past
+    kern.maxfilesperproc refused with EINVAL (Python's ValueError). Set below
+    10240 there, the daemon kept 256: 65536 and 10240 were all it tried.
+    (Linux cannot refuse so: its hard limit is the bound. The system's part
+    is played here.)"""
+    from kvkeeper.daemon import fdlimit
+
+    limits = [256, resource.RLIM_INFINITY]
+
+    def setrlimit(which: int, pair: tuple[int, int]) -> None:
+        assert which == resource.RLIMIT_NOFILE and pair[1] == resource.RLIM_INFINITY
+        if pair[0] > per_process:
+            raise ValueError("current limit exceeds maximum limit")
+        limits[0] = pair[0]
+
+    monkeypatch.setattr(fdlimit.resource, "getrlimit", lambda which: tuple(limits))
+    monkeypatch.setattr(fdlimit.resource, "setrlimit", setrlimit)
+    assert fdlimit.raise_fd_limit() == got
+    assert limits[0] == got

@@ -21,7 +21,9 @@ log = get_logger("kvkeeper.daemon")
 #: tables by the limit.
 WANTED = 65536
 #: macOS refuses a soft limit above kern.maxfilesperproc (commonly 10240,
-#: OPEN_MAX) even when the hard limit is unlimited.
+#: OPEN_MAX) even when the hard limit is unlimited; a Mac may set it lower,
+#: so smaller limits are tried after it, halving (those above the limit in
+#: force are the ones worth having).
 _FALLBACK = 10240
 
 
@@ -32,9 +34,12 @@ def raise_fd_limit() -> int | None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return None
-    for want in (WANTED, _FALLBACK):
-        if hard != resource.RLIM_INFINITY:
-            want = min(want, hard)
+    top = WANTED if hard == resource.RLIM_INFINITY else min(WANTED, hard)
+    # With kern.maxfilesperproc at 8192 both 65536 and 10240 were refused,
+    # and the daemon kept launchd's 256 (a review): about 250 clients, then
+    # libzmq's abort.
+    tries = sorted({top, min(top, _FALLBACK), *(top >> n for n in range(1, 8))}, reverse=True)
+    for want in tries:
         if want <= soft:
             break
         try:
