@@ -1436,13 +1436,14 @@ def _import_here(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, A
     return code, json.loads(out), err
 
 
-def test_import_of_a_file_the_daemon_is_slow_to_write_goes_on_and_reports_it(
+def test_import_stops_at_a_file_the_daemon_is_slow_to_write_and_reports_it(
         short_dir: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """A file the daemon did not say it wrote within import's wait (300 s; 0.5
-    here, the disk made slow) was called the daemon going away: exit 3,
-    "the files after it were not imported". It is reported as not known to
-    be written, and the run goes on: exit 1."""
+    here, the disk made slow) was called the daemon going away: exit 3. It
+    is reported as not known to be written, and the run stops there, exit 1:
+    going on, the next file's flush answered for it too, and a failure of
+    its write was reported as the next file's (a review)."""
     from mlx_lm.models.cache import save_prompt_cache
 
     from kvkeeper.daemon.faults import ENV
@@ -1451,18 +1452,21 @@ def test_import_of_a_file_the_daemon_is_slow_to_write_goes_on_and_reports_it(
     from .conftest import serve_process
 
     monkeypatch.setattr(transfer, "FLUSH_TIMEOUT", 0.5)
-    save_prompt_cache(str(short_dir / "c1.safetensors"), filled(4, 1))
+    (short_dir / "two").mkdir()
+    save_prompt_cache(str(short_dir / "two" / "c1.safetensors"), filled(4, 1))
+    save_prompt_cache(str(short_dir / "two" / "c2.safetensors"), filled(0.1, 2))
     root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock, env={ENV: "write_delay=0.5"})  # 2 s
+    proc = serve_process(root, sock, env={ENV: "write_delay=0.5"})  # 2 s for c1
     try:
         code, report, err = _import_here("--socket", str(sock), "--model", "ms",
-                                         str(short_dir / "c1.safetensors"), capsys=capsys)
+                                         str(short_dir / "two"), capsys=capsys)
         assert code == 1, err
         assert report["imported"] == []
         [failed] = report["failed"]
+        assert failed["path"].endswith("c1.safetensors")
         assert "not known to be written" in failed["reason"] \
             and "did not answer within" in failed["reason"], failed
-        assert "went away" not in err, err
+        assert "went away" not in err and "the files after it were not imported" in err, err
         with Client(sock, timeout=WAIT) as kv:  # the daemon writes it all the same
             wait_for(lambda: [e.cache_id for e in kv.entries("ms")] == ["c1"], "c1 written")
     finally:

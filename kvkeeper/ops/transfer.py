@@ -133,6 +133,7 @@ def import_files(args: argparse.Namespace) -> int:
     unchecked: str | None = None  # the daemon went away as the run checked its imports
     # ... or was up and did not answer that check (refused it, or too slow).
     unanswered: str | None = None
+    halted: str | None = None  # the run stopped at a file the daemon did not answer for
     stopped = False
     current: Path | None = None
     try:
@@ -251,10 +252,13 @@ def import_files(args: argparse.Namespace) -> int:
                     # The daemon is up: writing a large file on a slow disk,
                     # or refusing the flush (busy). Before, a timeout was
                     # called the daemon going away (exit 3), and a refusal
-                    # ended the run with no report.
+                    # ended the run with no report. The run stops: the next
+                    # file's flush would answer for this save too, and its
+                    # failure was reported as the next file's (a review).
+                    halted = f"the daemon did not say it wrote {f}"
                     failed.append((f, f"not known to be written: {exc} (it may be yet: see "
                                       f"kvkeeper ls; import it again with --replace)"))
-                    continue
+                    break
                 except DaemonUnavailable as exc:
                     # What is imported so far is still reported.
                     gone = str(exc)
@@ -319,6 +323,10 @@ def import_files(args: argparse.Namespace) -> int:
                   f"every import is still in the store was not checked (see kvkeeper ls)",
                   markup=False)
         return 3
+    if halted is not None:
+        err.print(f"kvkeeper: {halted}; the files after it were not imported",
+                  markup=False)
+        return 1
     if unanswered is not None:
         err.print(f"kvkeeper: the daemon did not answer the run's last check ({unanswered}): "
                   f"whether every import is still in the store was not checked (see "
