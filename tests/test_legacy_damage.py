@@ -92,8 +92,11 @@ def _set_offset(state: list[Any]) -> None:
     state[0][2] = "-7"  # keep, max_size, offset, _idx
 
 
-def _set_keep(state: list[Any]) -> None:
-    state[0][0] = "-1"
+def _keep_of(keep: str) -> Any:
+    def edit(state: list[Any]) -> None:
+        state[0][0] = keep  # in a window of 32
+
+    return edit
 
 
 ROTATING_LM = LEGACY / "mlx-lm" / "rotating.safetensors"  # keys, values, offset, keep, max_size, _idx
@@ -128,9 +131,13 @@ DAMAGED = {
     "rotating window of no rows": (
         lambda d: _rewritten(ROTATING_LM, d, {"0.4": mx.array(0, mx.int32)}),
         "max_size 0 is not a window's size"),
+    "rotating cache keeping more than its window": (
+        lambda d: _with_meta_state(ROTATING, d, _keep_of("40")), "keep 40 is not within its window"),
+    # As many as the window holds: mlx-lm's keep of 4 past a window of 4 or less only.
+    "rotating cache keeping its window's size": (
+        lambda d: _with_meta_state(ROTATING, d, _keep_of("32")), "keep 32 is not within its window"),
     "rotating cache keeping rows it cannot": (
-        lambda d: _with_meta_state(ROTATING, d, _set_keep),
-        "keep -1 is not a number of rows to keep"),
+        lambda d: _with_meta_state(ROTATING, d, _keep_of("-1")), "keep -1 is not within its window"),
     # mlx-lm writes each of these as one value with its array; a miss that
     # left the file in place for ever (damaged=False) before.
     "a scalar of two values": (

@@ -159,25 +159,32 @@ def _check_counts(layer: Any, where: str) -> int:
     return size
 
 
+#: The keep of every window mlx-lm's make_prompt_cache makes (max_kv_size).
+_MLX_LM_KEEP = 4
+
+
 def _check_window(layer: Any, offset: int, rows: int, where: str) -> None:
     """Refuse a rotating cache whose window no cache can have. Restored as
     they were, a write position of 1000 (or -3) in a window of 16 rows put
     the next token nowhere and the update went on without it; a max_size of
     0 or -1 made every later update return no rows at all. Neither raised.
 
-    A window keeping as many rows as it holds, or more, is one mlx-lm makes
-    itself (``make_prompt_cache(max_kv_size=4)`` or less: keep 4): once it
+    One window keeps as many rows as it holds, or more: mlx-lm's
+    ``make_prompt_cache(max_kv_size=4)`` or less (keep 4, always). Once it
     wraps, its write position runs past its rows, and each new token goes
     nowhere, under mlx-lm as restored here. Such a file is mlx-lm's own, read
-    as mlx-lm reads it (a review: it was called damaged and moved aside)."""
+    as mlx-lm reads it (a review: it was called damaged and moved aside);
+    any other keep past the window is damage (a keep of 40 in 32, restored,
+    sent every later token nowhere)."""
     max_size, keep, idx = (getattr(layer, name, None) for name in ("max_size", "keep", "_idx"))
     if type(max_size) is not int or not 0 < max_size < 1 << 31:
         raise LegacyDamage(f"{where}: max_size {max_size!r} is not a window's size")
-    if type(keep) is not int or not 0 <= keep < 1 << 31:
-        raise LegacyDamage(f"{where}: keep {keep!r} is not a number of rows to keep")
-    # The write position never passes the tokens seen, nor, but in a window
-    # that keeps all it holds, the rows held.
-    bound = min(offset, rows) if keep < max_size else offset
+    own_tiny = keep == _MLX_LM_KEEP and max_size <= _MLX_LM_KEEP
+    if type(keep) is not int or not (0 <= keep < max_size or own_tiny):
+        raise LegacyDamage(f"{where}: keep {keep!r} is not within its window of {max_size}")
+    # The write position never passes the tokens seen, nor, but in mlx-lm's
+    # tiny window, the rows held.
+    bound = offset if own_tiny else min(offset, rows)
     if type(idx) is not int or not 0 <= idx <= bound:
         raise LegacyDamage(f"{where}: write position {idx!r} is not within its {rows} rows "
                            f"and offset {offset}")
