@@ -931,8 +931,10 @@ class Client:
         an answer taking a round trip), and its subclass
         DaemonShuttingDown at once when the daemon drains before exiting
         while saves wait here for the next one; the saves it covered
-        are then answered for by the next flush that returns. Flushes from
-        several threads take turns; the wait for a turn counts in ``timeout``.
+        are then answered for by the next flush that returns; DaemonError
+        when the daemon refuses it (busy: too many requests waiting) or
+        fails answering it (internal). Flushes from several threads take
+        turns; the wait for a turn counts in ``timeout``.
         """
         t0 = time.monotonic()
         timeout = _check_seconds("timeout", timeout, zero_ok=True)
@@ -1048,8 +1050,9 @@ class Client:
         self._failed_seen = reply.failed
         self._flush_daemon, self._flush_conn = run, conn
         self._flushed_seq = pending.seq
-        # Past the stored answer: cut short here, a reported refusal only
-        # warns once more. (Not those of saves sent after the flush.)
+        # Past the stored answer: cut short here, a reported refusal is
+        # reported again by the next flush (False), as for a flush that
+        # raised. (Not those of saves sent after the flush.)
         self._refusals.forget(up_to=pending.last_save)
         return answer
 

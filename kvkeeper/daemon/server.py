@@ -693,13 +693,16 @@ class Server:
                 tally = await self.actor.flush(peer)
                 answered = 0
                 while flushes and flushes[0][0] <= taken:
-                    covered, req = flushes.popleft()
+                    # Taken off the queue once answered: a request whose
+                    # answer raised is still there for _counted to answer.
+                    covered, req = flushes[0]
                     if covered >= self._late_jobs.get(peer, 0):
                         self._told_of_drain.discard(peer)
                     self._reply(peer, m.Flushed(
                         v=m.PROTOCOL_VERSION, req=req, written=tally.written,
                         superseded=tally.superseded,
                         failed=self.actor.failed_up_to(peer, covered)))
+                    flushes.popleft()
                     answered += 1
                     if answered % _ANSWER_RUN == 0:
                         await anyio.lowlevel.checkpoint()
