@@ -133,7 +133,7 @@ def import_files(args: argparse.Namespace) -> int:
     unchecked: str | None = None  # the daemon went away as the run checked its imports
     # ... or was up and did not answer that check (refused it, or too slow).
     unanswered: str | None = None
-    halted: str | None = None  # the run stopped at a file the daemon did not answer for
+    halted: Path | None = None  # the run stopped at a file the daemon did not answer for
     stopped = False
     current: Path | None = None
     try:
@@ -255,7 +255,7 @@ def import_files(args: argparse.Namespace) -> int:
                     # ended the run with no report. The run stops: the next
                     # file's flush would answer for this save too, and its
                     # failure was reported as the next file's (a review).
-                    halted = f"the daemon did not say it wrote {f}"
+                    halted = f
                     failed.append((f, f"not known to be written: {exc} (it may be yet: see "
                                       f"kvkeeper ls; import it again with --replace)"))
                     break
@@ -324,8 +324,9 @@ def import_files(args: argparse.Namespace) -> int:
                   markup=False)
         return 3
     if halted is not None:
-        err.print(f"kvkeeper: {halted}; the files after it were not imported",
-                  markup=False)
+        # (Its name as every name is shown: a control character printed raw.)
+        err.print(Text.assemble("kvkeeper: the daemon did not say it wrote ", shown(halted),
+                                "; the files after it were not imported"))
         return 1
     if unanswered is not None:
         err.print(f"kvkeeper: the daemon did not answer the run's last check ({unanswered}): "
