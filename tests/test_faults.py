@@ -1375,6 +1375,89 @@ def test_a_failed_write_told_after_a_newer_save_of_its_key_marks_nothing(
         assert proc.wait(WAIT) == 0
 
 
+def test_a_client_whose_save_a_stalled_save_replaced_is_told(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A's save of k waits behind a held write; a raw client's save of k
+    replaces it, sends half its bytes and stalls: the stall timeout fails
+    it, and A's save with it. Neither client was told (a stream's failure
+    was never told): A's loads read the older file as settled, no word. Both
+    are told now; A's load says the file may be older."""
+    from kvkeeper.protocol import messages as m
+
+    from .conftest import dealers
+    from .test_protocol_edge import begin
+
+    root, sock, go = short_dir / "root", short_dir / "run" / "kv.sock", short_dir / "go"
+    go.touch()
+    proc = serve_process(root, sock, "--min-write-interval", "0", "--min-free-bytes", "0",
+                         "--stall-timeout", "1", env={ENV: f"write_hold={go}"})
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as a, \
+                dealers(sock, 2) as (busy, stalled):
+            assert a.save(FP, "k", filled(0.1, 1), [1]) and a.flush(timeout=WAIT)
+            go.unlink()
+            busy.send(begin(save=1, model=FP, cache_id="busy",
+                            tensors=[m.TensorSpec("t0", "U8", [1024])]))
+            busy.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1, frames=1)),
+                                 b"b" * 1024])
+            wait_for_log(proc, "event=fault_hold step=write", "the writer held")
+            assert a.save(FP, "k", filled(0.1, 2), [2])
+            wait_for(lambda: a.stats()["saves_received"] == 3, "A's second save")
+            stalled.send(begin(save=1, model=FP, cache_id="k",
+                               tensors=[m.TensorSpec("t0", "U8", [2048])]))
+            stalled.send_multipart([m.encode(m.SaveData(v=m.PROTOCOL_VERSION, save=1,
+                                                        frames=1)), b"s" * 1024])
+            wait_for(lambda: a.stats()["saves_superseded"] == 1, "A's save replaced")
+            go.touch()
+            said = m.decode_reply(stalled.recv())
+            assert isinstance(said, m.SaveRefused) and said.save == 1 \
+                and said.message.startswith("writing it failed: no bytes for 1 s"), said
+            wait_for(lambda: a.client_stats()["client_saves_refused"] == 1, "A to be told")
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                got = a.load(FP, "k")
+            assert got is not None and got.token_ids == [1]
+            assert "event=load_may_be_stale" in caplog.text, caplog.text
+            assert a.flush(timeout=WAIT) is False
+    finally:
+        go.touch()
+        assert stop_process(proc) == 0
+
+
+def test_clients_whose_saves_a_failed_delete_replaced_are_told(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A save of k held by --min-write-interval, then a delete of k, which
+    replaces it, fails (the file immutable: chattr +i; a file the daemon
+    cannot tell from another program's is refused alike). The save was lost
+    with no word to its client, whose loads read the older file as settled,
+    whether another client deleted or its own delete() raised."""
+    from kvkeeper.client.client import DaemonError
+
+    need_linux_root()
+    rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", min_write_interval=60)
+    path = entry_path(rd.root, "k")
+    try:
+        with Client(rd.socket, timeout=WAIT, min_send_interval=0) as a, \
+                Client(rd.socket, timeout=WAIT, min_send_interval=0) as b:
+            assert a.save(FP, "k", filled(0.1, 1), [1]) and a.flush(timeout=WAIT)
+            run("chattr", "+i", str(path))
+            for v, deleter in ((2, b), (3, a)):
+                assert a.save(FP, "k", filled(0.1, v), [v])
+                wait_for(lambda v=v: a.stats()["saves_held"] == v - 1, "the save held")
+                with pytest.raises(DaemonError, match="delete failed"):
+                    deleter.delete(FP, "k")
+                wait_for(lambda v=v: a.client_stats()["client_saves_refused"] == v - 1,
+                         "A to be told")
+                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                    caplog.clear()
+                    got = a.load(FP, "k")
+                assert got is not None and got.token_ids == [1]
+                assert "event=load_may_be_stale" in caplog.text, caplog.text
+                assert a.flush(timeout=WAIT) is False
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+        assert rd.stop() == 0
+
+
 def test_a_client_whose_save_another_s_failed_save_replaced_is_told_too(
         short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A's second save of k is held (a 60 s write interval), B's 2.5 MiB save

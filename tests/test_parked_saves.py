@@ -318,6 +318,17 @@ def test_a_save_made_to_create_its_entry_while_a_file_is_moved_aside_from_a_pend
         assert stop_process(proc) == 0
 
 
+def failed_stalled(slow: zmq.Socket, stall: str) -> None:
+    """Flush the stalled client: it is told its save failed (its client is
+    alive: its loads must not take the older file as settled), then the
+    flush says so."""
+    said = ask(slow, m.encode(m.Flush(v=V, req=2)))
+    assert said == m.SaveRefused(v=V, save=1, code="internal", message=f"writing it failed: "
+                                 f"no bytes for {stall} s ({HALF} of {2 * HALF} received)")
+    assert m.decode_reply(slow.recv()) == m.Flushed(v=V, req=2, written=0, superseded=0,
+                                                    failed=1)
+
+
 def test_a_stalled_save_still_fails_after_the_stall_timeout(short_dir: Path) -> None:
     rd = start_daemon(short_dir / "root", short_dir / "run" / "kv.sock", stall_timeout=2)
     try:
@@ -325,8 +336,7 @@ def test_a_stalled_save_still_fails_after_the_stall_timeout(short_dir: Path) -> 
             start_stalled(rd.root, slow, "slow")
             assert save_whole(other, "other", b"o") == m.Flushed(
                 v=V, req=1, written=1, superseded=0, failed=0)
-            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
-                v=V, req=2, written=0, superseded=0, failed=1)
+            failed_stalled(slow, "2")
             assert tmp_files(rd.root) == [] and not entry(rd, "slow").exists()
             got = ask(other, m.encode(m.GetStats(v=V, req=3)))
             assert isinstance(got, m.Stats) and got.counters["saves_cut_off"] == 0
@@ -341,8 +351,7 @@ def test_the_stall_timeout_is_a_serve_setting(short_dir: Path) -> None:
         # With the default 10 s, the flush's answer would not come within 5 s.
         with dealers(sock, 1, timeout=5) as (slow,):
             start_stalled(root, slow, "slow")
-            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
-                v=V, req=2, written=0, superseded=0, failed=1)
+            failed_stalled(slow, "1")
             assert tmp_files(root) == []
     finally:
         code = stop_process(proc)
@@ -439,7 +448,11 @@ def test_a_save_replaced_while_it_replaces_a_parked_one_passes_its_client_on(
             other.send_multipart([m.encode(m.SaveData(v=V, save=3, frames=1)), b"x" * 10])
             assert ask(other, m.encode(m.Flush(v=V, req=1))) == m.Flushed(
                 v=V, req=1, written=1, superseded=1, failed=1)
-            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.Flushed(
+            # The parked save went with the save that replaced it: told at once.
+            assert ask(slow, m.encode(m.Flush(v=V, req=2))) == m.SaveRefused(
+                v=V, save=1, code="internal",
+                message="the save that replaced it failed: the client abandoned it part way")
+            assert m.decode_reply(slow.recv()) == m.Flushed(
                 v=V, req=2, written=0, superseded=1, failed=1)
             assert not (root / "sessions" / "fp" / "k.safetensors").exists()
     finally:
@@ -524,15 +537,25 @@ def test_empty_frames_do_not_keep_a_stalled_save_alive(short_dir: Path) -> None:
         with dealers(rd.socket, 1) as (slow,):
             start_stalled(rd.root, slow, "slow")
             deadline = time.monotonic() + WAIT
+            told = []
             while True:
                 slow.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b""])
                 stats = ask(slow, m.encode(m.GetStats(v=V, req=1)))
+                if isinstance(stats, m.SaveRefused):  # the stalled save's notice
+                    told.append(stats.message)
+                    stats = m.decode_reply(slow.recv())
                 assert isinstance(stats, m.Stats)
                 if stats.counters["saves_failed"] == 1:
                     break
                 assert time.monotonic() < deadline, "the save never failed"
                 time.sleep(0.2)
             assert tmp_files(rd.root) == []
+            if not told:  # failed after the last stats asked: its notice comes next
+                said = m.decode_reply(slow.recv())
+                assert isinstance(said, m.SaveRefused), said
+                told.append(said.message)
+            assert told == [f"writing it failed: no bytes for 1 s ({HALF} of {2 * HALF} "
+                            f"received)"], told
     finally:
         rd.stop()
 
@@ -618,8 +641,11 @@ def test_the_old_file_of_a_key_being_saved_is_not_evicted(
             assert not entry(rd, "a").exists()
             assert content(entry(rd, "k")) == b"o" * MiB
             assert evictions_logged(caplog) == ["id=a reason=max_disk_bytes save_pending=0"]
-            # The stalled save fails: the key still has the file it had.
-            assert ask(slow, m.encode(m.Flush(v=V, req=4))) == m.Flushed(
+            # The stalled save fails (told at once): the key still has the file it had.
+            told = ask(slow, m.encode(m.Flush(v=V, req=4)))
+            assert isinstance(told, m.SaveRefused) and told.message.startswith(
+                "writing it failed: no bytes for 2 s"), told
+            assert m.decode_reply(slow.recv()) == m.Flushed(
                 v=V, req=4, written=0, superseded=0, failed=1)
             assert content(entry(rd, "k")) == b"o" * MiB
             stats = ask(other, m.encode(m.GetStats(v=V, req=5)))

@@ -285,7 +285,10 @@ def test_stalled_save_fails_and_frees_the_writer(short_dir: Path) -> None:
         with dealers(rd.socket, 1) as (s,):
             s.send(begin(save=1, cache_id="stalled"))
             s.send_multipart([m.encode(m.SaveData(v=V, save=1, frames=1)), b"\0" * 8])
-            flushed = ask(s, m.encode(m.Flush(v=V, req=1)))
+            told = ask(s, m.encode(m.Flush(v=V, req=1)))  # at once, before the flush's answer
+            assert told == m.SaveRefused(v=V, save=1, code="internal", message="writing it "
+                                         "failed: no bytes for 0.5 s (8 of 16 received)"), told
+            flushed = m.decode_reply(s.recv())
             assert isinstance(flushed, m.Flushed) and flushed.failed == 1
             assert files_under(rd.root / "sessions") == []
             assert_alive(s)

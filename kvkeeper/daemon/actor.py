@@ -78,6 +78,9 @@ PARK_AFTER = 0.5
 PARK_BELOW_BYTES = 1024 * 1024
 
 Key = tuple[str, str]  # (model, cache id)
+#: How the notice of a save its writer could not write begins (``kvkeeper
+#: import`` reads the reason after it).
+WRITE_FAILED = "writing it failed: "
 _MAX_TALLIES = 10_000
 #: What a dict's slot for one item takes, its share of the table included.
 _DICT_SLOT_BYTES = 64
@@ -105,8 +108,9 @@ class Job:
     # and its failure is theirs too, charged to the stamp of the first of
     # their saves it replaced (see Tally).
     heirs: dict[bytes, int] = field(default_factory=dict)
-    # Of those clients, the number each gave the newest of its saves this
-    # job replaced: a write's failure is told to them by it too.
+    # Of those clients (and, for a delete, of its own client), the number
+    # each gave the newest of its saves this job replaced: its failure is
+    # told to them by it too (see WriterActor._tell_lost).
     heir_saves: dict[bytes, int] = field(default_factory=dict)
     # The job that replaced this one: whoever waits for this job waits for
     # that one too (and for whatever replaces it in turn).
@@ -300,8 +304,10 @@ class WriterActor:
         self._latest: dict[Key, Job] = {}  # newest unfinished job per key
         self._by_peer: dict[bytes, set[Job]] = {}
         self._tally: dict[bytes, Tally] = {}
-        #: Told (peer, the client's save number, why) when writing a save
-        #: fails on the writer's side (not a stream its client broke).
+        #: Told (peer, the client's save number, the notice's text) when a
+        #: save is lost in the writer: it could not write it, it stalled, or
+        #: a job that replaced it failed (not a stream the server broke: that
+        #: client is told by the server, or gone).
         self.on_write_failed: Callable[[bytes, int, str], None] | None = None
         # A gc whose scan has not begun yet: later requests share it (each
         # one rescanning the whole root: a flood of them held every save up
@@ -427,6 +433,7 @@ class WriterActor:
             job.arrived.set()  # the writer sees it and aborts the tmp file
         else:
             self._resolve(job, Outcome.FAILED, reason)
+            self._tell_lost(job, reason, saver=False)
 
     def submit_delete(self, job: DeleteJob) -> tuple[ErrorCode, str] | None:
         if self.draining:
@@ -827,6 +834,10 @@ class WriterActor:
                       "delete_failed" if job.reason is None else "quarantine_failed",
                       model, cache_id, why)
             self._resolve(job, Outcome.FAILED, why)
+            # The saves it replaced are lost with it: their clients read the
+            # older file as settled (a review; the deleting client's own too,
+            # whose delete() raised).
+            self._tell_lost(job, why, saver=False)
 
     async def _write(self, job: SaveJob) -> bool:
         """Write a save as its bytes come; False if it was parked instead."""
@@ -892,9 +903,11 @@ class WriterActor:
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
-            if not isinstance(exc, StreamBroken) and self.on_write_failed is not None:
-                for peer, save_id in {**job.heir_saves, job.peer: job.save_id}.items():
-                    self.on_write_failed(peer, save_id, _describe(exc))
+            # Its client is told but where the server broke its stream (and
+            # told it so, or it is gone); a stalled one is alive, and its
+            # loads read the older file as settled (a review).
+            self._tell_lost(job, _describe(exc),
+                            saver=not isinstance(exc, StreamBroken) or job.broken is None)
             return True
         except BaseException:
             # A bug or a cancellation (drain cut short): no tmp file is left
@@ -984,10 +997,24 @@ class WriterActor:
             new.heirs[peer] = min(stamp, new.heirs.get(peer, stamp))
             self._by_peer.setdefault(peer, set()).add(new)
         saves = {**old.heir_saves, old.peer: old.save_id}  # old is newer than those it replaced
-        saves.pop(new.peer, None)  # told of the new job's failure as its own save's
+        if isinstance(new, SaveJob):
+            saves.pop(new.peer, None)  # told of the new job's failure as its own save's
         new.heir_saves.update(saves)  # (later replacements are newer saves)
         old.replaced_by = new
         self._resolve(old, Outcome.SUPERSEDED)
+
+    def _tell_lost(self, job: Job, why: str, *, saver: bool) -> None:
+        """``job`` failed: tell the clients whose saves it replaced (their
+        saves are lost with it) and, with ``saver``, its own client, each
+        of the save of theirs it was (see ``on_write_failed``)."""
+        if self.on_write_failed is None:
+            return
+        replaced_by = "save" if isinstance(job, SaveJob) else "delete"
+        for peer, save_id in job.heir_saves.items():
+            self.on_write_failed(peer, save_id,
+                                 f"the {replaced_by} that replaced it failed: {why}")
+        if saver and isinstance(job, SaveJob):
+            self.on_write_failed(job.peer, job.save_id, f"{WRITE_FAILED}{why}")
 
     def _enqueued(self, job: Job) -> None:
         self._latest[job.key] = job
@@ -1110,7 +1137,8 @@ class WriterActor:
         memory stays bounded. (Its client's next failure then starts the
         total again, maybe at the number the client last saw: kvkeeper's
         client also says False for a save it was told was refused, but a
-        failure told by the total alone, a stalled save's, would be missed.)"""
+        failure told by the total alone, a save cut off with its connection,
+        would be missed.)"""
         for peer, tally in self._tally.items():
             if tally.failed == 0 and peer not in self._by_peer:
                 del self._tally[peer]

@@ -459,15 +459,16 @@ class Server:
         self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code=code,
                                         message=message))
 
-    def _tell_write_failed(self, peer: bytes, save: int, why: str) -> None:
-        """Tell a client at once that the writer could not write its save (a
-        full disk, an I/O error): its next load of the key then says the file
-        may be older than its saves, as for a refused save. Told at its next
-        flush only, a load before it returned the older file as settled,
-        and so did every later load (a review). Not counted again: the
-        writer counted the failure, and the flush still reports it."""
+    def _tell_write_failed(self, peer: bytes, save: int, message: str) -> None:
+        """Tell a client at once that its save was not written (the writer
+        could not write it: a full disk, an I/O error; it stalled; or a job
+        that replaced it failed): its next load of the key then says the
+        file may be older than its saves, as for a refused save. Told at its
+        next flush only, a load before it returned the older file as
+        settled, and so did every later load (a review). Not counted again:
+        the writer counted the failure, and the flush still reports it."""
         self._reply(peer, m.SaveRefused(v=m.PROTOCOL_VERSION, save=save, code="internal",
-                                        message=f"writing it failed: {why}"))
+                                        message=message))
 
     def _end_stream(self, peer: bytes) -> None:
         """Forget the peer's current stream; a save of it still missing bytes
