@@ -173,6 +173,15 @@ class BehindHandler(logging.Handler):
             self._poll.register(stream.fileno(), select.POLLOUT)
         except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
             self._poll = None  # no descriptor to ask (or no poll): always behind
+        # A text file's lines go to its descriptor itself (see _put_out), in
+        # its encoding; another stream's through its write().
+        try:
+            self._fd: int | None = stream.fileno() if isinstance(stream, io.TextIOWrapper) \
+                else None
+        except (OSError, ValueError, io.UnsupportedOperation):
+            self._fd = None
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+        self._errors = getattr(stream, "errors", None) or "backslashreplace"
 
     def emit(self, record: logging.LogRecord) -> None:
         # (Handler.handle holds self.lock: one emit at a time. Only emit and
@@ -197,17 +206,20 @@ class BehindHandler(logging.Handler):
             if self._lines.qsize() + 2 > self._limit:
                 self._dropped += 1
                 return
-            notice = logging.LogRecord(
-                "kvkeeper.logs", logging.WARNING, __file__, 0,
-                "event=log_lines_dropped count=%d: lines here were not written, the log "
-                "was not read fast enough", (self._dropped,), None)
-            _FILTER.filter(notice)
-            self._hand(self.format(notice))
+            self._hand(self._dropped_notice())
             self._dropped = 0
         if self._lines.qsize() >= self._limit:
             self._dropped += 1
             return
         self._hand(line)
+
+    def _dropped_notice(self) -> str:
+        notice = logging.LogRecord(
+            "kvkeeper.logs", logging.WARNING, __file__, 0,
+            "event=log_lines_dropped count=%d: lines here were not written, the log "
+            "was not read fast enough", (self._dropped,), None)
+        _FILTER.filter(notice)
+        return self.format(notice)
 
     def _can_take(self, line: str) -> bool:
         # In bytes as written: an undecodable character of a path is one
@@ -246,8 +258,18 @@ class BehindHandler(logging.Handler):
 
     def _put_out(self, line: str) -> None:
         try:
-            self._stream.write(line + "\n")
-            self._stream.flush()
+            if self._fd is None:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+                return
+            # Not through the stream: its buffer's lock was held for the
+            # whole blocking write, and at exit the interpreter's flush of
+            # stderr waited for that lock for ever: a daemon whose stderr
+            # pipe nobody read never exited after its drain (a review;
+            # unseen with PYTHONUNBUFFERED, whose stderr has no buffer).
+            out = memoryview((line + "\n").encode(self._encoding, self._errors))
+            while out:
+                out = out[os.write(self._fd, out):]
         except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
             pass
 
@@ -265,6 +287,10 @@ class BehindHandler(logging.Handler):
             if self._closed:
                 return
             self._closed = True
+            if self._dropped:
+                # Told only before a later line, it was lost when none came
+                # (a burst just before exit: 179 of 200 lines gone, no word).
+                self._hand(self._dropped_notice())
             self._lines.put(None)
         if self._writer is not None:
             self._writer.join(timeout)

@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -332,12 +333,9 @@ def test_the_room_a_line_needs_follows_the_descriptor_where_it_points_now(
             os.close(d)
 
 
-def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
-    """A log read too slowly: the lines past those waiting are dropped, and
-    one line in their place says how many, so that every line is written
-    or counted. (The first version said so after the next line written,
-    before lines queued earlier: after nearly every line, in the wrong
-    place.)"""
+def _behind_a_stuck_reader() -> tuple[Any, list[str], Any]:
+    """A BehindHandler (5 lines waiting at most, messages alone) on a reader
+    that reads nothing until the gate is set; what it read, in ``out``."""
     import threading
 
     from kvkeeper.logs import BehindHandler
@@ -345,7 +343,7 @@ def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
     gate = threading.Event()
     out: list[str] = []
 
-    class Stuck:  # a reader that does not read until the gate opens
+    class Stuck:
         def write(self, text: str) -> int:
             assert gate.wait(WAIT)
             out.append(text)
@@ -356,6 +354,16 @@ def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
 
     handler = BehindHandler(Stuck(), limit=5)  # type: ignore[arg-type]
     handler.setFormatter(logging.Formatter("%(message)s"))
+    return gate, out, handler
+
+
+def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
+    """A log read too slowly: the lines past those waiting are dropped, and
+    one line in their place says how many, so that every line is written
+    or counted. (The first version said so after the next line written,
+    before lines queued earlier: after nearly every line, in the wrong
+    place.)"""
+    gate, out, handler = _behind_a_stuck_reader()
     log = logging.getLogger("kvkeeper.test_behind")
     log.propagate, level = False, log.level
     log.setLevel(logging.INFO)
@@ -382,3 +390,59 @@ def test_dropped_log_lines_are_counted_where_they_were_dropped() -> None:
     assert written[:kept] == list(range(kept)) and written[kept:] == [20, 21, 22], lines
     assert lines.index(notice) == kept  # just before the first line after the gap
     assert int(notice.split("count=")[1].split()[0]) + kept == 20  # every line written or counted
+
+
+_UNREAD_STDERR = """
+import logging, sys
+from kvkeeper.logs import BehindHandler
+
+logging.basicConfig(level=logging.INFO, handlers=[BehindHandler(sys.stderr)])
+for i in range(200):
+    logging.getLogger("kvkeeper.test").info("event=line n=%d pad=%s", i, "x" * 1000)
+"""
+
+
+def test_a_process_whose_stderr_nobody_reads_still_exits(short_dir: Path) -> None:
+    """stderr a FIFO whose reader holds it open and never reads, Python's
+    stderr buffered (no PYTHONUNBUFFERED, as users run it): the log thread
+    blocked in a write holding the stream's buffer lock, and at exit the
+    interpreter's flush of stderr waited for that lock for ever (a daemon
+    drained on SIGTERM and never exited). The handler gives up its lines
+    after 2 s, and the process ends."""
+    import os
+    import subprocess
+    import sys
+
+    fifo = short_dir / "err"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # held open, never read
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        with open(fifo, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-c", _UNREAD_STDERR],
+                                    stdout=subprocess.DEVNULL, stderr=err, env=env)
+        try:
+            assert proc.wait(WAIT) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        os.close(reader)
+
+
+def test_lines_dropped_just_before_the_close_are_still_counted() -> None:
+    """Lines dropped (a log read too slowly) were counted only before a
+    later line: a burst just before the close (an exit) lost 179 of 200
+    lines with no word of it."""
+    gate, out, handler = _behind_a_stuck_reader()
+    for i in range(20):
+        handler.handle(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
+                                         "line=%d", (i,), None))
+    gate.set()
+    handler.close(timeout=WAIT)
+    lines = "".join(out).splitlines()
+    written = [ln for ln in lines if ln.startswith("line=")]
+    (notice,) = [ln for ln in lines if "event=log_lines_dropped" in ln]
+    assert int(re.search(r"count=(\d+)", notice).group(1)) + len(written) == 20, lines  # type: ignore[union-attr]
