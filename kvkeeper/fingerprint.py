@@ -182,8 +182,36 @@ def _weights_digest(path: Path, size: int) -> str:
         return _blocks_digest(f, size)
 
 
-def model_fingerprint(path: str | os.PathLike[str]) -> str:
+#: What mlx-lm's load reads of an adapter directory (mlx_lm.utils.load_adapters).
+_ADAPTER_CONFIG, _ADAPTER_WEIGHTS = "adapter_config.json", "adapters.safetensors"
+
+
+def _adapter_entries(root: Path) -> list[list[object]]:
+    """The fingerprint's entries of an unfused adapter directory (see
+    ``model_fingerprint``); ValueError when it is not one."""
+    config, weights = root / _ADAPTER_CONFIG, root / _ADAPTER_WEIGHTS
+    if not root.is_dir() or not config.is_file() or not weights.is_file():
+        raise ValueError(f"{str(root)!r} is not a LoRA adapter directory: it needs "
+                         f"{_ADAPTER_CONFIG} and {_ADAPTER_WEIGHTS}")
+    try:
+        return [["adapter-content", _ADAPTER_CONFIG, _content_digest(config)],
+                ["adapter-weights", _ADAPTER_WEIGHTS, weights.stat().st_size,
+                 _weights_digest(weights, weights.stat().st_size)]]
+    except OSError as exc:
+        raise ValueError(f"{str(root)!r}: cannot read the adapter: "
+                         f"{exc.strerror or exc}") from None
+
+
+def model_fingerprint(path: str | os.PathLike[str], *,
+                      adapter_path: str | os.PathLike[str] | None = None) -> str:
     """Fingerprint the model in directory `path`: ``"m-"`` followed by 32 hex digits.
+
+    ``adapter_path``: the LoRA adapter directory the model is loaded with
+    unfused (``mlx_lm.load(path, adapter_path=...)``): its
+    ``adapter_config.json`` by content and ``adapters.safetensors`` as a
+    weight file count too. The base model's fingerprint alone would hand
+    the base model's caches to the adapted model, and each adapter's to the
+    others. ValueError when it is not such a directory.
 
     Deterministic and independent of the directory's location and of file
     times: it changes when config.json, a tokenizer file, the set or size of
@@ -240,6 +268,8 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
             entries.append(["weights", rel, "unreadable"])
         except OSError as exc:  # a symlink loop (ELOOP), an I/O error
             raise ValueError(f"{str(root)!r}: cannot read {rel}: {exc.strerror or exc}") from None
+    if adapter_path is not None:
+        entries += _adapter_entries(Path(adapter_path))
     h = hashlib.sha256(_FP_VERSION.encode())
     for entry in entries:
         h.update(b"\n" + json.dumps(entry, separators=(",", ":")).encode())

@@ -277,3 +277,30 @@ def test_a_broken_symlink_is_named(model: Path, tmp_path: Path, name: str) -> No
     (model / name).symlink_to(tmp_path / "blobs" / "not-yet")
     with pytest.raises(ValueError, match=f"{name} is a broken symlink"):
         model_fingerprint(model)
+
+
+def _adapter(d: Path, scale: float, body: bytes) -> Path:
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora",
+                                                       "lora_parameters": {"scale": scale}}))
+    (d / "adapters.safetensors").write_bytes(safetensors_bytes([2, 2], body))
+    return d
+
+
+def test_an_unfused_adapter_gets_a_fingerprint_of_its_own(model: Path, tmp_path: Path) -> None:
+    """mlx_lm.load(base, adapter_path=ad) gave the base model's fingerprint
+    (the adapter lives outside the model directory), and model_fingerprint(ad)
+    raised (no config.json): every adapter shared the base model's caches."""
+    base = model_fingerprint(model)
+    a = _adapter(tmp_path / "a", 20.0, b"\1" * 16)
+    fp_a = model_fingerprint(model, adapter_path=a)
+    assert fp_a != base and fp_a == model_fingerprint(model, adapter_path=str(a))
+    assert re.fullmatch(r"m-[0-9a-f]{32}", fp_a)
+    other_scale = _adapter(tmp_path / "b", 10.0, b"\1" * 16)
+    other_weights = _adapter(tmp_path / "c", 20.0, b"\2" * 16)
+    assert len({fp_a, model_fingerprint(model, adapter_path=other_scale),
+                model_fingerprint(model, adapter_path=other_weights)}) == 3
+    (tmp_path / "empty").mkdir()
+    for not_one in (tmp_path / "empty", tmp_path / "missing", model):
+        with pytest.raises(ValueError, match="is not a LoRA adapter directory"):
+            model_fingerprint(model, adapter_path=not_one)
