@@ -999,7 +999,12 @@ class WriterActor:
         saves = {**old.heir_saves, old.peer: old.save_id}  # old is newer than those it replaced
         if isinstance(new, SaveJob):
             saves.pop(new.peer, None)  # told of the new job's failure as its own save's
-        new.heir_saves.update(saves)  # (later replacements are newer saves)
+        for peer, number in saves.items():
+            # The newest of each client's: a parked save overtaken after a
+            # newer one of its client was replaced told the older number,
+            # and that client, having sent a newer save, marked nothing (a
+            # review).
+            new.heir_saves[peer] = max(number, new.heir_saves.get(peer, number))
         old.replaced_by = new
         self._resolve(old, Outcome.SUPERSEDED)
 
