@@ -190,27 +190,6 @@ def check_places(cfg: DaemonConfig) -> None:
             f"of {where} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
 
 
-class _DrainOver:
-    """A signal's handler, put in place of the one there: it does what that
-    one did (calls it, ignores the signal, or takes the default action)
-    until ``over`` is set, and from then on ignores the signal."""
-
-    def __init__(self, signum: signal.Signals) -> None:
-        self.over = False
-        self.before = signal.getsignal(signum)
-        signal.signal(signum, self)
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.over or self.before is signal.SIG_IGN:
-            return
-        if callable(self.before):
-            self.before(signum, frame)
-            return
-        # SIG_DFL (or a handler not set from Python): its default action.
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
 def _drain_signals() -> list[signal.Signals]:
     """The signals that make the daemon drain: SIGTERM, and SIGINT and SIGHUP
     unless they were ignored when the daemon started: `nohup kvkeeper serve`
@@ -506,12 +485,6 @@ class Daemon:
         # second signal after the drain (while the last replies go out) found
         # the default handlers back, and killed the daemon by that signal.
         signals = contextlib.ExitStack()
-        # What the receiver gives back when it closes: the handlers it found,
-        # until the drain is over; then nothing. Set to SIG_IGN only after the
-        # receiver had put those back, a signal in between (one every 5 ms
-        # after the drain, as a test sends them) found them, and the daemon
-        # ended "interrupted", 130 (a CI run).
-        guards = [_DrainOver(s) for s in wanted]
         receiver = signals.enter_context(anyio.open_signal_receiver(*wanted)) if wanted else None
         try:
             sock.bind(config.endpoint(sock_path))
@@ -545,12 +518,9 @@ class Daemon:
                     sock_path.unlink()
             except OSError:
                 pass  # gone, or not ours to tell: left as it is
-            # Done: closing the receiver restores the handlers it found (the
-            # guards, now passing nothing on: under those a signal killed the
-            # process); ignored until run() ends, which gives back the ones it
-            # found (unless the process exits).
-            for guard in guards:
-                guard.over = True
+            # Done: closing the receiver restores the default handlers, under
+            # which a signal kills the process; ignored until run() ends,
+            # which gives back the ones it found (unless the process exits).
             signals.close()
             for signum in wanted:
                 signal.signal(signum, signal.SIG_IGN)
