@@ -195,8 +195,7 @@ class BehindHandler(logging.Handler):
             return
         with self._count:
             idle = self._behind == 0
-        if idle and not self._dropped and self._can_take(line):
-            self._put_out(line)
+        if idle and not self._dropped and self._can_take(line) and self._put_out(line, wait=False):
             return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write, name="kvkeeper-log",
@@ -256,22 +255,34 @@ class BehindHandler(logging.Handler):
             self._behind += 1
         self._lines.put(line)
 
-    def _put_out(self, line: str) -> None:
+    def _put_out(self, line: str, wait: bool = True) -> bool:
+        """Write ``line``; False when ``wait`` is False and the descriptor,
+        non-blocking, took none of it (the line is then for the writer)."""
         try:
             if self._fd is None:
                 self._stream.write(line + "\n")
                 self._stream.flush()
-                return
+                return True
             # Not through the stream: its buffer's lock was held for the
             # whole blocking write, and at exit the interpreter's flush of
             # stderr waited for that lock for ever: a daemon whose stderr
             # pipe nobody read never exited after its drain (a review;
             # unseen with PYTHONUNBUFFERED, whose stderr has no buffer).
             out = memoryview((line + "\n").encode(self._encoding, self._errors))
+            whole = len(out)
             while out:
-                out = out[os.write(self._fd, out):]
+                try:
+                    out = out[os.write(self._fd, out):]
+                except BlockingIOError:
+                    # A descriptor another process made non-blocking: the
+                    # rest of the line waits for room (cut there, the next
+                    # line went on after a torn one: a review).
+                    if not wait and len(out) == whole:
+                        return False
+                    select.select([], [self._fd], [], 1.0)
         except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
             pass
+        return True
 
     def _write(self) -> None:
         while (line := self._lines.get()) is not None:

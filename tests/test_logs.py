@@ -446,3 +446,43 @@ def test_lines_dropped_just_before_the_close_are_still_counted() -> None:
     written = [ln for ln in lines if ln.startswith("line=")]
     (notice,) = [ln for ln in lines if "event=log_lines_dropped" in ln]
     assert int(re.search(r"count=(\d+)", notice).group(1)) + len(written) == 20, lines  # type: ignore[union-attr]
+
+
+def test_a_line_on_a_non_blocking_descriptor_is_written_whole() -> None:
+    """stderr a pipe another process made non-blocking, with little room: a
+    long line was cut where the pipe was full, and the next line went on
+    after the torn one (two records on one line)."""
+    import fcntl
+    import os
+    import threading
+
+    from kvkeeper.logs import BehindHandler
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(w, False)
+    stream = open(w, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+    handler = BehindHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    long = "event=long pad=" + "x" * 10_000
+    try:
+        for text in (long, "event=next"):
+            handler.handle(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0, text,
+                                             (), None))
+        got = bytearray()
+
+        def read() -> None:
+            while not got.endswith(b"event=next\n"):
+                got.extend(os.read(r, 65536))
+                time.sleep(0.01)  # slowly: the writer meets a full pipe again
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(WAIT)
+        assert not reader.is_alive(), bytes(got[-200:])
+    finally:
+        handler.close(timeout=WAIT)
+        stream.close()
+        os.close(w)
+        os.close(r)
+    assert got.decode().splitlines() == [long, "event=next"]
