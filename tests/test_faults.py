@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import random
@@ -348,6 +349,49 @@ def test_signals_after_the_drain_do_not_kill_the_daemon(short_dir: Path, second:
     assert proc.wait(WAIT) == 0, (sent, daemon_log(proc)[-600:])
     assert not sock.exists()
     assert version_of(entry_path(root, "k")) == 1
+
+
+_SIGNAL_TRACE = """
+import json, signal, sys, threading
+from pathlib import Path
+from kvkeeper.daemon.app import Daemon, DaemonConfig
+
+real, calls = signal.signal, []
+
+def traced(signum, handler):
+    calls.append((int(signum), handler))
+    return real(signum, handler)
+
+signal.signal = traced
+d = Daemon(DaemonConfig(root=Path(sys.argv[1]), socket=Path(sys.argv[2]),
+                        max_disk_bytes=None, min_free_bytes=0))
+threading.Timer(1.0, d.stop).start()
+code = d.run(exiting=True)
+drain = {int(signal.SIGINT), int(signal.SIGTERM), int(signal.SIGHUP)}
+default = [(s, repr(h)) for s, h in calls
+           if s in drain and (h is signal.SIG_DFL or h is signal.default_int_handler)]
+print(json.dumps({"code": code, "calls": len(calls), "default": default,
+                  "ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN}))
+"""
+
+
+def test_the_drain_signals_never_get_their_default_handlers_back_before_the_exit(
+        short_dir: Path) -> None:
+    """Deterministic half of the test above: closing anyio's signal receiver
+    (asyncio's loop.add_signal_handler) put SIG_DFL and Python's default
+    SIGINT handler back before they could be ignored, and a signal in
+    between (the test above sends one every 5 ms) killed the daemon or ended
+    it as interrupted (exit 130, a CI run). Every handler the daemon sets,
+    traced: none is a default one, and the last is SIG_IGN."""
+    import sys
+
+    root, sock = paths(short_dir)
+    r = subprocess.run([sys.executable, "-c", _SIGNAL_TRACE, str(root), str(sock)],
+                       capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["code"] == 0 and got["calls"] >= 6, got
+    assert got["default"] == [] and got["ignored"], got
 
 
 @pytest.mark.parametrize(("n", "delay", "timeout"), [(4, 0.25, "0.5"), (12, 0.02, "0.2")])

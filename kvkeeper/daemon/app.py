@@ -190,6 +190,59 @@ def check_places(cfg: DaemonConfig) -> None:
             f"of {where} ({fs.f_blocks * fs.f_frsize} bytes): lower it (0 for none)")
 
 
+class _SignalInbox:
+    """The drain signals, delivered to the event loop (``received``) by
+    handlers of the daemon's own, and ignored from its close on. anyio's
+    receiver, on asyncio's loop.add_signal_handler, closed by putting back
+    SIG_DFL and Python's default SIGINT handler, and only then could they be
+    ignored: a signal between the two (one every 5 ms after the drain, as a
+    test sends them) killed the daemon, or ended it as interrupted, exit 130
+    (a CI run). Here each handler turns into SIG_IGN in one step. A signal
+    taken by another thread wakes the loop through the wakeup descriptor,
+    as asyncio's own handling does."""
+
+    def __init__(self, wanted: list[signal.Signals], loop: asyncio.AbstractEventLoop) -> None:
+        self._wanted, self._loop = wanted, loop
+        self._send, self.received = anyio.create_memory_object_stream[int](64)
+        self._over = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._old_wakeup = -1
+
+    def __enter__(self) -> _SignalInbox:
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno(),
+                                                warn_on_full_buffer=False)
+        self._loop.add_reader(self._wake_r.fileno(), self._woken)
+        for signum in self._wanted:
+            signal.signal(signum, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if not self._over:
+            self._loop.call_soon_threadsafe(self._deliver, signum)
+
+    def _deliver(self, signum: int) -> None:
+        with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError,
+                                 anyio.BrokenResourceError):
+            self._send.send_nowait(signum)
+
+    def _woken(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
+
+    def __exit__(self, *exc: object) -> None:
+        self._over = True
+        for signum in self._wanted:
+            signal.signal(signum, signal.SIG_IGN)
+        self._loop.remove_reader(self._wake_r.fileno())
+        signal.set_wakeup_fd(self._old_wakeup)
+        self._wake_r.close()
+        self._wake_w.close()
+        self._send.close()
+
+
 def _drain_signals() -> list[signal.Signals]:
     """The signals that make the daemon drain: SIGTERM, and SIGINT and SIGHUP
     unless they were ignored when the daemon started: `nohup kvkeeper serve`
@@ -485,7 +538,8 @@ class Daemon:
         # second signal after the drain (while the last replies go out) found
         # the default handlers back, and killed the daemon by that signal.
         signals = contextlib.ExitStack()
-        receiver = signals.enter_context(anyio.open_signal_receiver(*wanted)) if wanted else None
+        receiver = signals.enter_context(_SignalInbox(wanted, self._loop)).received \
+            if wanted else None
         try:
             sock.bind(config.endpoint(sock_path))
             os.chmod(sock_path, 0o600)
@@ -518,12 +572,9 @@ class Daemon:
                     sock_path.unlink()
             except OSError:
                 pass  # gone, or not ours to tell: left as it is
-            # Done: closing the receiver restores the default handlers, under
-            # which a signal kills the process; ignored until run() ends,
-            # which gives back the ones it found (unless the process exits).
+            # Done: the signals are ignored until run() ends, which gives back
+            # the handlers it found (unless the process exits).
             signals.close()
-            for signum in wanted:
-                signal.signal(signum, signal.SIG_IGN)
         return 0 if drained and self._gone is None else 1
 
     async def _watch_places(self, root_lock: _Lock, sock_path: Path,
