@@ -157,7 +157,8 @@ class BehindHandler(logging.Handler):
         super().__init__()
         self._stream = stream
         self._limit = limit
-        self._lines: queue.Queue[str | None] = queue.Queue()
+        # Lines, or what a direct write left of one (bytes, see emit).
+        self._lines: queue.Queue[str | bytes | None] = queue.Queue()
         self._dropped = 0
         self._writer: threading.Thread | None = None
         self._closed = False
@@ -195,12 +196,21 @@ class BehindHandler(logging.Handler):
             return
         with self._count:
             idle = self._behind == 0
-        if idle and not self._dropped and self._can_take(line) and self._put_out(line, wait=False):
-            return
+        rest: bytes | None = None
+        if idle and not self._dropped and self._can_take(line):
+            rest = self._put_out(line, wait=False)
+            if not rest:
+                return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write, name="kvkeeper-log",
                                             daemon=True)
             self._writer.start()
+        if rest:
+            # A non-blocking descriptor took part of it, or none (a terminal's
+            # room was less than poll said): the writer writes the rest, now
+            # idle, so in order (waiting here held up the event loop).
+            self._hand(rest)
+            return
         if self._dropped:
             if self._lines.qsize() + 2 > self._limit:
                 self._dropped += 1
@@ -250,26 +260,28 @@ class BehindHandler(logging.Handler):
         except (LookupError, UnicodeError):
             return len(line) * 6  # what it becomes cannot be told: as long as it can be
 
-    def _hand(self, line: str) -> None:
+    def _hand(self, line: str | bytes) -> None:
         with self._count:
             self._behind += 1
         self._lines.put(line)
 
-    def _put_out(self, line: str, wait: bool = True) -> bool:
-        """Write ``line``; False when ``wait`` is False and the descriptor,
-        non-blocking, took none of it (the line is then for the writer)."""
+    def _put_out(self, line: str | bytes, wait: bool = True) -> bytes | None:
+        """Write ``line`` (bytes: what a direct write left of one). With
+        ``wait`` False, what a non-blocking descriptor did not take is
+        returned (for the writer) instead of waited for; else None."""
         try:
             if self._fd is None:
+                assert isinstance(line, str)  # (bytes come of the descriptor's writes)
                 self._stream.write(line + "\n")
                 self._stream.flush()
-                return True
+                return None
             # Not through the stream: its buffer's lock was held for the
             # whole blocking write, and at exit the interpreter's flush of
             # stderr waited for that lock for ever: a daemon whose stderr
             # pipe nobody read never exited after its drain (a review;
             # unseen with PYTHONUNBUFFERED, whose stderr has no buffer).
-            out = memoryview((line + "\n").encode(self._encoding, self._errors))
-            whole = len(out)
+            out = memoryview(line if isinstance(line, bytes)
+                             else (line + "\n").encode(self._encoding, self._errors))
             while out:
                 try:
                     out = out[os.write(self._fd, out):]
@@ -277,12 +289,12 @@ class BehindHandler(logging.Handler):
                     # A descriptor another process made non-blocking: the
                     # rest of the line waits for room (cut there, the next
                     # line went on after a torn one: a review).
-                    if not wait and len(out) == whole:
-                        return False
+                    if not wait:
+                        return bytes(out)
                     select.select([], [self._fd], [], 1.0)
         except Exception:  # noqa: BLE001, S110 - no log to say it in; the daemon goes on
             pass
-        return True
+        return None
 
     def _write(self) -> None:
         while (line := self._lines.get()) is not None:

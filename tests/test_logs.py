@@ -486,3 +486,42 @@ def test_a_line_on_a_non_blocking_descriptor_is_written_whole() -> None:
         os.close(w)
         os.close(r)
     assert got.decode().splitlines() == [long, "event=next"]
+
+
+def test_a_line_written_at_once_never_waits_on_a_full_non_blocking_terminal() -> None:
+    """A non-blocking terminal nobody reads: a terminal's write takes part
+    of a line when its room is short (less than poll promised), and the
+    logging thread (the daemon's event loop) then waited for room that never
+    came. What is left goes to the writer thread instead."""
+    import os
+    import pty
+    import threading
+
+    from kvkeeper.logs import BehindHandler
+
+    master, slave = pty.openpty()
+    os.set_blocking(slave, False)
+    stream = open(slave, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
+                  closefd=False)
+    handler = BehindHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    done = threading.Event()
+
+    def log_many() -> None:
+        for i in range(400):  # never read: the terminal fills
+            handler.handle(logging.LogRecord("kvkeeper.test", logging.INFO, __file__, 0,
+                                             "event=line n=%d pad=%s", (i, "x" * 200), None))
+        done.set()
+
+    try:
+        logger = threading.Thread(target=log_many, daemon=True)
+        logger.start()
+        assert done.wait(WAIT), "a log call waited for the terminal"
+    finally:
+        # The terminal's end closed first: a call still waiting gets an
+        # error, and lets go of the handler's lock for its close.
+        os.close(master)
+        logger.join(WAIT)
+        handler.close(timeout=0.1)
+        stream.close()
+        os.close(slave)
