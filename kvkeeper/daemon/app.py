@@ -241,6 +241,7 @@ class _SignalInbox:
         self._wake_r.close()
         self._wake_w.close()
         self._send.close()
+        self.received.close()
 
 
 def _drain_signals() -> list[signal.Signals]:
@@ -562,19 +563,23 @@ class Daemon:
                 await self.server.let_replies_out(settled=drained)
                 tg.cancel_scope.cancel()
         finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            ctx.term()
             try:
-                # Only our own: a socket put in its place is another daemon's.
-                if bound is None or _is_at(sock_path, bound):
-                    sock_path.unlink()
-            except OSError:
-                pass  # gone, or not ours to tell: left as it is
-            # Done: the signals are ignored until run() ends, which gives back
-            # the handlers it found (unless the process exits).
-            signals.close()
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
+                ctx.term()
+                try:
+                    # Only our own: a socket put in its place is another daemon's.
+                    if bound is None or _is_at(sock_path, bound):
+                        sock_path.unlink()
+                except OSError:
+                    pass  # gone, or not ours to tell: left as it is
+            finally:
+                # Done: the signals are ignored until run() ends, which gives
+                # back the handlers it found (unless the process exits); in a
+                # finally of its own, or a failure above left the inbox's
+                # handlers calling into a closed loop.
+                signals.close()
         return 0 if drained and self._gone is None else 1
 
     async def _watch_places(self, root_lock: _Lock, sock_path: Path,
