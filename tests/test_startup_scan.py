@@ -339,7 +339,11 @@ def test_the_scans_budget_pass_keeps_the_old_file_of_a_key_being_saved(
             go.touch()
             wait_for(lambda: scan_done(sock), "the scan")
             assert [n for n in "kabc" if not entry_path(root, n).exists()] == ["a"]
-            assert ask(slow, m.encode(m.Flush(v=V, req=1))) == m.Flushed(
+            # Told at once that its save failed, then the flush says so.
+            told = ask(slow, m.encode(m.Flush(v=V, req=1)))
+            assert isinstance(told, m.SaveRefused) and told.message.startswith(
+                "writing it failed: no bytes for 2 s"), told
+            assert m.decode_reply(slow.recv()) == m.Flushed(
                 v=V, req=1, written=0, superseded=0, failed=1)
         assert _holds(entry_path(root, "k"), 1)
     finally:
