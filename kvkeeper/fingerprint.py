@@ -194,9 +194,9 @@ def _adapter_entries(root: Path) -> list[list[object]]:
         raise ValueError(f"{str(root)!r} is not a LoRA adapter directory: it needs "
                          f"{_ADAPTER_CONFIG} and {_ADAPTER_WEIGHTS}")
     try:
+        size = weights.stat().st_size
         return [["adapter-content", _ADAPTER_CONFIG, _content_digest(config)],
-                ["adapter-weights", _ADAPTER_WEIGHTS, weights.stat().st_size,
-                 _weights_digest(weights, weights.stat().st_size)]]
+                ["adapter-weights", _ADAPTER_WEIGHTS, size, _weights_digest(weights, size)]]
     except OSError as exc:
         raise ValueError(f"{str(root)!r}: cannot read the adapter: "
                          f"{exc.strerror or exc}") from None

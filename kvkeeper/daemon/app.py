@@ -205,17 +205,27 @@ class _SignalInbox:
         self._wanted, self._loop = wanted, loop
         self._send, self.received = anyio.create_memory_object_stream[int](64)
         self._over = False
-        self._wake_r, self._wake_w = socket.socketpair()
         self._old_wakeup = -1
 
     def __enter__(self) -> _SignalInbox:
-        for s in (self._wake_r, self._wake_w):
-            s.setblocking(False)
-        self._old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno(),
-                                                warn_on_full_buffer=False)
-        self._loop.add_reader(self._wake_r.fileno(), self._woken)
-        for signum in self._wanted:
-            signal.signal(signum, self._handler)
+        # Made here, not in __init__, and undone step by step when a step
+        # fails: a with-statement whose __enter__ raises never calls __exit__.
+        with contextlib.ExitStack() as undo:
+            self._wake_r, self._wake_w = socket.socketpair()
+            undo.callback(self._wake_w.close)
+            undo.callback(self._wake_r.close)
+            for s in (self._wake_r, self._wake_w):
+                s.setblocking(False)
+            self._old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno(),
+                                                    warn_on_full_buffer=False)
+            undo.callback(signal.set_wakeup_fd, self._old_wakeup)
+            self._loop.add_reader(self._wake_r.fileno(), self._woken)
+            undo.callback(self._loop.remove_reader, self._wake_r.fileno())
+            for signum in self._wanted:
+                # None: a handler set outside Python, which cannot be put back.
+                old = signal.signal(signum, self._handler)
+                undo.callback(signal.signal, signum, signal.SIG_DFL if old is None else old)
+            undo.pop_all()
         return self
 
     def _handler(self, signum: int, frame: Any) -> None:

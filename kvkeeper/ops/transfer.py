@@ -190,7 +190,7 @@ def import_files(args: argparse.Namespace) -> int:
                 if model not in stored:
                     try:
                         stored[model] = {e.cache_id for e in loadable(kv, model)}
-                    except DaemonTimedOut as exc:
+                    except (DaemonTimedOut, DaemonError) as exc:
                         # Up and slow, or refusing (busy): this file only.
                         # (Before, either ended the run with no report.)
                         failed.append((f, f"not imported: the daemon did not list the "
@@ -200,10 +200,6 @@ def import_files(args: argparse.Namespace) -> int:
                         gone = str(exc)
                         failed.append((f, f"not imported: {exc}"))
                         break
-                    except DaemonError as exc:
-                        failed.append((f, f"not imported: the daemon did not list the "
-                                          f"model's entries: {exc}"))
-                        continue
                 # By name too: a legacy cache at a hashed place lists without its id.
                 replaced = cache_id in stored[model] or os.path.lexists(
                     naming.entry_path(kv.root, model, cache_id))
