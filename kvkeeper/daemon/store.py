@@ -345,7 +345,9 @@ class Store:
             raise ConfigError(f"cannot fsync {self.root}: {exc.strerror or exc}") from None
         if fresh:
             try:
-                fsync_dir(self.root.parent)
+                # Resolved: fsync_dir follows no link, and the root's parent
+                # is often one (macOS's /tmp is /private/tmp).
+                fsync_dir(Path(os.path.realpath(self.root.parent)))
             except OSError:
                 pass  # a parent this user may not read: the root is older then
 
