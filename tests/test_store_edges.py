@@ -1115,3 +1115,74 @@ def test_a_damaged_file_on_a_model_s_own_disk_is_moved_aside_there(short_dir: Pa
                 assert sorted(e.cache_id for e in kv.entries(FP)) == ["b", "c"]
         finally:
             assert d.stop() == 0
+
+
+
+def test_a_save_whose_write_crashes_is_told_to_its_client(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """k's second save needs room first (--min-free-bytes on a 6 MiB tmpfs):
+    the pass evicts a and then crashes (RuntimeError: a bug, not the disk).
+    The save failed as "internal error", but its client was not told: its
+    loads read the first version as settled until a flush (a review). It is
+    now told at once, as for a write that failed."""
+    with small_tmpfs(short_dir, "6m") as mnt:
+        root, sock = mnt / "root", short_dir / "run" / "kv.sock"
+        args = ("--min-free-bytes", str(3 * MiB + MiB // 2), "--min-write-interval", "0")
+        proc = serve_process(root, sock, *args)
+        try:
+            with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+                for key in "ak":
+                    assert kv.save(FP, key, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+            assert stop_process(proc) == 0
+            proc = serve_process(root, sock, *args, env={ENV: "bug=evicted"})
+            with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+                assert kv.save(FP, "k", filled(1, 2), [2])
+                wait_for(lambda: kv.stats()["internal_errors"] >= 1, "the write to crash")
+                with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                    got = kv.load(FP, "k")
+                assert got is not None and got.token_ids == [1]
+                said = caplog.text
+                assert "event=load_may_be_stale" in said, said
+                assert "writing it failed: internal error" in said, said
+                assert kv.stats()["client_saves_refused"] == 1
+                assert kv.flush(timeout=WAIT) is False
+            assert version_of(entry_path(root, "k"), FP) == 1
+            assert not entry_path(root, "a").exists()
+        finally:
+            assert stop_process(proc) == 0
+        assert "event=job_crashed" in daemon_log(proc)
+
+
+def test_a_budget_pass_that_crashes_after_a_commit_leaves_the_save_written(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """k's new version is committed, and the disk budget's pass after it
+    evicts a and then crashes (RuntimeError: a bug, not the disk). The save
+    was failed as "internal error" though its file was in place and served
+    (a review): its client was told it failed, and its flush said False. It
+    is written, as when the pass fails with an I/O error; the crash is
+    counted and logged."""
+    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
+    proc = serve_process(root, sock, "--min-free-bytes", "0", "--min-write-interval", "0")
+    try:
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            for key in "ak":
+                assert kv.save(FP, key, filled(1, 1), [1]) and kv.flush(timeout=WAIT)
+        assert stop_process(proc) == 0
+        size = entry_path(root, "k").stat().st_size
+        proc = serve_process(root, sock, "--min-free-bytes", "0", "--min-write-interval", "0",
+                             "--max-disk-bytes", str(2 * size + 4096),
+                             env={ENV: "bug=evicted"})
+        with Client(sock, timeout=WAIT, min_send_interval=0) as kv:
+            with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+                assert kv.save(FP, "k", filled(1.5, 2), [2])
+                assert kv.flush(timeout=WAIT) is True
+                got = kv.load(FP, "k")
+            assert got is not None and got.token_ids == [2]
+            assert "save_refused" not in caplog.text and "may_be_stale" not in caplog.text
+            stats = kv.stats()
+            assert stats["internal_errors"] == 1 and stats["saves_failed"] == 0
+        assert version_of(entry_path(root, "k"), FP) == 2
+        assert not entry_path(root, "a").exists()
+    finally:
+        assert stop_process(proc) == 0
+    assert "event=budget_crashed" in daemon_log(proc)

@@ -590,7 +590,11 @@ class WriterActor:
             except Exception:  # noqa: BLE001 - a bug in one job must not stop the writer
                 self.stats.inc("internal_errors")
                 log.exception("event=job_crashed key=%s", job.key)
-                self._resolve(job, Outcome.FAILED, "internal error")
+                if not job.done.is_set():
+                    self._resolve(job, Outcome.FAILED, "internal error")
+                    # Told as a failed write is: its client (and those whose
+                    # saves it replaced) would read the older file as settled.
+                    self._tell_lost(job, _INTERNAL, saver=True)
                 job.done.set()
             finally:
                 self.current = None
@@ -704,8 +708,10 @@ class WriterActor:
             if (tmp := job.tmp_file()) is not None:
                 tmp.abort()
             # (Or the save that took its place, if one did.)
-            self._resolve(job if place is None else place.job, Outcome.FAILED,
-                          "internal error: the writer had closed its mailbox")
+            lost = job if place is None else place.job
+            if not lost.done.is_set():
+                self._resolve(lost, Outcome.FAILED, _NOT_REQUEUED)
+                self._tell_lost(lost, _NOT_REQUEUED, saver=True)
         finally:
             self._away -= 1
             self._close_resend()
@@ -1182,6 +1188,8 @@ async def _outcome_of(job: Job) -> None:
         job = job.replaced_by
 
 
+_INTERNAL = "internal error (the daemon's log has its traceback)"
+_NOT_REQUEUED = "internal error: the writer had closed its mailbox"
 _CRASHED = "{} crashed (an internal error; the daemon's log has its traceback)"
 
 

@@ -342,7 +342,9 @@ class Server:
         # a flood of requests made it, and Client(), fail "busy"); a statvfs
         # is as quick as the lstat a load of a missing key makes here.
         self.stats.gauges["free_bytes"] = float(self.store.free_gauge())
-        return self.stats.snapshot()
+        out = self.stats.snapshot()
+        out["internal_errors"] += self.store.budget_crashes
+        return out
 
     # ------------------------------------------------------------ saves
 

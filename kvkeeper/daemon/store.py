@@ -208,6 +208,9 @@ class Store:
         #: --min-free-bytes free (other files fill it: each save evicts the
         #: entries before it); ``stats`` says so as below_min_free.
         self.short_of_min_free = False
+        #: Budget passes after a commit that raised a bug (counted as the
+        #: daemon's internal errors).
+        self.budget_crashes = 0
         self._evicting = threading.Lock()  # the start-up scan's eviction beside the writer's
         self._synced_dirs: set[Path] = set()  # see _synced
         self._scanning = threading.Lock()
@@ -664,6 +667,12 @@ class Store:
             # count written bytes as lost. The next save applies the budget.
             log.error("event=budget_failed path=%s error=%s: the save is written; the disk "
                       "budget is applied again at the next save", pending.final, exc)
+        except Exception:  # noqa: BLE001 - a bug: the save is written all the same
+            # Raised on, the writer failed the save and told its client so
+            # (a review); the file was in place and served.
+            self.budget_crashes += 1
+            log.exception("event=budget_crashed path=%s: the save is written; the disk "
+                          "budget is applied again at the next save", pending.final)
         return evicted  # those that went before a failure too: they are gone
 
     def find(self, model: str, cache_id: str) -> tuple[Path, os.stat_result] | None:
