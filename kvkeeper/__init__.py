@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.10"
+__version__ = "0.2.11"
 
 __all__ = ["CacheFileError", "Client", "DaemonError", "DaemonShuttingDown", "DaemonTimedOut",
            "DaemonUnavailable", "LoadedCache", "read_cache_file", "model_fingerprint",

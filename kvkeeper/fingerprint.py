@@ -202,6 +202,32 @@ def _adapter_entries(root: Path) -> list[list[object]]:
                          f"{exc.strerror or exc}") from None
 
 
+def _model_file_entries(root: Path) -> list[list[object]]:
+    """The entry of the model's own code, where config.json names one
+    (``model_file``: mlx-lm and mlx-vlm build the model from that Python
+    file, given trust_remote_code): another version of it computes other
+    keys and values from the same weights. Not every .py file: many
+    downloads carry code neither library runs, and those models'
+    fingerprints would change with this version for nothing."""
+    try:
+        config = json.loads((root / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return []  # (read above already: then neither library loads it)
+    model_file = config.get("model_file") if isinstance(config, dict) else None
+    if not isinstance(model_file, str) or not model_file:
+        return []
+    code = root / model_file
+    try:
+        if not stat.S_ISREG(code.stat().st_mode):
+            return [["code", model_file, "not a file"]]  # (a FIFO would hang the read)
+        return [["code", model_file, _content_digest(code)]]
+    except FileNotFoundError:
+        return [["code", model_file, "missing"]]  # neither library loads it either
+    except OSError as exc:
+        raise ValueError(f"{str(root)!r}: cannot read the model_file {model_file!r} "
+                         f"config.json names: {exc.strerror or exc}") from None
+
+
 def model_fingerprint(path: str | os.PathLike[str], *,
                       adapter_path: str | os.PathLike[str] | None = None) -> str:
     """Fingerprint the model in directory `path`: ``"m-"`` followed by 32 hex digits.
@@ -217,7 +243,8 @@ def model_fingerprint(path: str | os.PathLike[str], *,
     times: it changes when config.json, a tokenizer file, the set or size of
     the weight files, a safetensors header, or the values at either end of
     a tensor (or in one of the blocks sampled from another weight file)
-    change. Weight data is read only there (a weight file this user may not
+    change, as does the Python file config.json names as ``model_file``
+    (custom model code). Weight data is read only there (a weight file this user may not
     read counts by name and size, or by name alone when even its size is
     hidden; files that are not regular files are left out). Raises
     FileNotFoundError when `path` does not exist and ValueError when it is
@@ -225,6 +252,9 @@ def model_fingerprint(path: str | os.PathLike[str], *,
     broken header, or a file it reads is a broken symlink (a Hugging Face
     download left unfinished), a symlink loop, a config or tokenizer file
     this user may not read, or fails to read."""
+    if not os.fspath(path):
+        # Path("") is the working directory: surely an unset variable.
+        raise ValueError("model path is empty: give the model's directory")
     root = Path(path)
     if not root.exists():
         hint = ("; for a Hugging Face model name, give its local snapshot directory "
@@ -268,6 +298,7 @@ def model_fingerprint(path: str | os.PathLike[str], *,
             entries.append(["weights", rel, "unreadable"])
         except OSError as exc:  # a symlink loop (ELOOP), an I/O error
             raise ValueError(f"{str(root)!r}: cannot read {rel}: {exc.strerror or exc}") from None
+    entries += _model_file_entries(root)
     if adapter_path is not None:
         entries += _adapter_entries(Path(adapter_path))
     h = hashlib.sha256(_FP_VERSION.encode())

@@ -233,7 +233,7 @@ def test_reads_only_samples_of_weight_bodies(model: Path) -> None:
     assert bytes_read() - before < 1 << 20
 
 
-def test_clear_errors(tmp_path: Path) -> None:
+def test_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         model_fingerprint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
@@ -242,6 +242,35 @@ def test_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         model_fingerprint(tmp_path / "file")
+    # "": the working directory's fingerprint, were it a model (an unset variable).
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path / "empty")
+    with pytest.raises(ValueError, match="model path is empty"):
+        model_fingerprint("")
+
+
+def test_the_model_code_config_json_names_changes_it(model: Path) -> None:
+    """mlx-lm and mlx-vlm build a model from the Python file config.json
+    names as model_file (trust_remote_code). Another version of that code
+    computes other keys from the same weights, and had the fingerprint of
+    the first: each took the other's caches. Other .py files do not count."""
+    fp = model_fingerprint(model)
+    (model / "modeling_other.py").write_text("print('unused')\n")
+    assert model_fingerprint(model) == fp
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_file": "arch.py"}))
+    missing = model_fingerprint(model)
+    assert missing != fp
+    (model / "arch.py").write_text("class Model: pass\n")
+    first = model_fingerprint(model)
+    (model / "arch.py").write_text("class Model: scale = 2\n")
+    second = model_fingerprint(model)
+    assert len({fp, missing, first, second}) == 4
+    (model / "arch.py").write_text("class Model: pass\n")
+    assert model_fingerprint(model) == first
+    (model / "arch.py").unlink()
+    os.mkfifo(model / "arch.py")  # not read: it would hang
+    assert model_fingerprint(model) not in (fp, missing, first, second)
 
 
 @pytest.mark.parametrize(
