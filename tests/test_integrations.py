@@ -33,6 +33,7 @@ from mlx_vlm.generate import stream_generate as vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.models import lfm2 as vlm_lfm2
 from mlx_vlm.models import llama as vlm_llama
+from mlx_vlm.models import qwen2_vl as vlm_qwen2_vl
 from mlx_vlm.tokenizer_utils import NaiveStreamingDetokenizer
 from mlx_vlm.utils import StoppingCriteria
 
@@ -394,6 +395,26 @@ def tiny_vlm_lfm2() -> nn.Module:
         layer_types=["conv", "full_attention", "conv", "full_attention"],
     )
     return _finish(vlm_lfm2.Model(cfg), mx.bfloat16)
+
+
+def tiny_qwen2_vl(kv_heads: int = 2) -> nn.Module:
+    """A 2-layer Qwen2-VL (head size 16, mRoPE) with a 1-layer vision tower.
+    Its language model has no cache layout of its own (max_kv_size gives a
+    RotatingKVCache) and keeps rope deltas and position ids between calls."""
+    mx.random.seed(6)
+    text = {"model_type": "qwen2_vl", "vocab_size": VOCAB, "hidden_size": 64,
+            "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}}
+    cfg = vlm_qwen2_vl.ModelConfig.from_dict({
+        **text, "text_config": text,
+        "vision_config": {"model_type": "qwen2_vl", "depth": 1, "embed_dim": 32,
+                          "hidden_size": 64, "num_heads": 2}})
+    for part, cls in (("text_config", vlm_qwen2_vl.TextConfig),
+                      ("vision_config", vlm_qwen2_vl.VisionConfig)):
+        if isinstance(getattr(cfg, part), dict):
+            setattr(cfg, part, cls.from_dict(getattr(cfg, part)))
+    return _finish(vlm_qwen2_vl.Model(cfg), mx.bfloat16)
 
 
 VLM_MODELS: dict[str, Callable[[], nn.Module]] = {"llama": tiny_vlm_llama, "lfm2": tiny_vlm_lfm2}
@@ -1660,32 +1681,38 @@ def test_a_trimmed_window_of_more_kv_heads_fed_one_token_starts_cold(
     assert got == ask(session(None, two), more)
 
 
+@pytest.mark.parametrize("lib", ["mlx_lm", "mlx_vlm"])
 def test_a_full_window_of_more_kv_heads_fed_one_token_starts_cold(
-        lm_tok: TokenizerWrapper, daemon: RunningDaemon) -> None:
+        lib: str, lm_tok: TokenizerWrapper, daemon: RunningDaemon) -> None:
     """A max_kv_size window that has wrapped (keys of 16 rows, 38 tokens
     seen), restored for a model with 1 KV head under the model id of one
     with 2, and extended by one token: a full window's one-token update
     writes in place, where the one head's keys broadcast into the slot
     of two. The session streamed other tokens than a cold run with no
-    error, saved that cache, and its next request raised (a review). Now
-    the restore is refused before the model runs; the same model's window
-    is still extended."""
-    def session(kv: Client | None, model: nn.Module) -> kv_lm.Session:
-        return kv_lm.Session(kv, "model-w", "chat" if kv else "mem", model, lm_tok)
+    error, saved that cache, and its next request raised (a review; in
+    mlx-vlm's session until 0.2.11). Now the restore is refused before the
+    model runs; the same model's window is still extended."""
+    session, kit_ask, _ = _kv_heads_kit(lib, lm_tok)
+    # Models that make a RotatingKVCache of max_kv_size (mlx-lm's llama and
+    # mlx-vlm's keep a cache layout of their own); Qwen2-VL keeps rope deltas
+    # and position ids between calls, which the probe must leave as they were.
+    model_with = (lambda heads: tiny_qwen2(seed=4, kv_heads=heads)) if lib == "mlx_lm" \
+        else tiny_qwen2_vl
 
-    def ask(s: kv_lm.Session, ids: list[int]) -> list[int]:
-        return s.generate(ids, max_tokens=8, max_kv_size=16)
+    def ask(s: Any, ids: list[int]) -> list[int]:
+        return kit_ask(s, ids, max_kv_size=16)
 
     ids = prompt(30, seed=3)
-    two = tiny_qwen2(seed=4, kv_heads=2)
+    two = model_with(2)
     with Client(daemon.socket, timeout=WAIT) as kv:
         first = session(kv, two)
         said = ask(first, ids)
         assert first.cache is not None
-        assert [(layer.offset, layer.keys.shape[2]) for layer in first.cache][0] == (38, 16)
+        assert {(layer.offset > 16, layer.keys.shape[2]) for layer in first.cache} \
+            == {(True, 16)}
         assert kv.flush(timeout=WAIT) is True
     more = ids + said + [7]
-    one = tiny_qwen2(seed=4, kv_heads=1)
+    one = model_with(1)
     want = ask(session(None, one), more)
     with Client(daemon.socket, timeout=WAIT) as kv:
         s = session(kv, one)
@@ -1697,7 +1724,7 @@ def test_a_full_window_of_more_kv_heads_fed_one_token_starts_cold(
         # And its next request, on the cache in memory, goes on.
         ask(s, more + got + prompt(5, seed=8))
         assert kv.flush(timeout=WAIT) is True
-        assert {layer.keys.shape[1] for layer in kv.load("model-w", "chat").cache} == {1}
+        assert {layer.keys.shape[1] for layer in kv.load("model-y", "chat").cache} == {1}
     # The model that saved it: its window is extended by the one token, as in memory.
     with Client(daemon.socket, timeout=WAIT) as kv:
         s = session(kv, two)

@@ -25,6 +25,7 @@ the state mlx-vlm hands back at the end.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Iterator
@@ -46,9 +47,11 @@ from kvkeeper.integrations import (
     layers_fit,
     length_mismatch,
     log,
+    probe_cache,
     run_out,
     token_ids_of,
     watch_callers,
+    windows_fit,
 )
 
 if TYPE_CHECKING:
@@ -103,11 +106,18 @@ class Session(SessionBase):
         return vlm_cache.make_prompt_cache(self.model.language_model, max_kv_size=max_kv_size)
 
     def _compatible(self, cache: list[Any]) -> bool:
-        # Its wrapped windows are not checked as mlx-lm's Session checks them
-        # (windows_fit): running the language model for the probe changed the
-        # state some keep between calls (Qwen2-VL's rope deltas and position
-        # ids: a review measured other logits on the next prefill after it).
-        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(WINDOW_PROBE))
+        return layers_fit(cache, self._fresh_cache(None), self._fresh_cache(WINDOW_PROBE)) \
+            and windows_fit(cache, self._probe)
+
+    def _probe(self) -> list[Any] | None:
+        """``probe_cache`` of the language model, which leaves the model as
+        it was: running it changes state some keep between calls (Qwen2-VL's
+        rope deltas and position ids: a review measured other logits on the
+        next prefill after a bare probe)."""
+        lm = self.model.language_model
+        with _state_kept(self.model):
+            return probe_cache(lambda: self._fresh_cache(None),
+                               lambda ids, fresh: lm(ids, cache=fresh))
 
     @property
     def state(self) -> PromptCacheState:
@@ -295,6 +305,23 @@ class Session(SessionBase):
 _NOT_MEDIA = frozenset({"input_ids", "mask", "attention_mask", "token_type_ids",
                         "mm_token_type_ids", "labels", "position_ids", "images_seq_mask",
                         "cross_attention_mask"})
+
+
+@contextlib.contextmanager
+def _state_kept(model: Any) -> Iterator[None]:
+    """Put every module of ``model`` back as it was: its entries (arrays,
+    lists, children: an mlx Module is a dict) and its plain attributes
+    (None, numbers). The references only: arrays are immutable, and no
+    model seen changes a list or dict of its own in place."""
+    kept = [(m, dict(m), dict(vars(m))) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, entries, attrs in kept:
+            dict.clear(m)
+            dict.update(m, entries)
+            vars(m).clear()
+            vars(m).update(attrs)
 
 
 def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any = None,
