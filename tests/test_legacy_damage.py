@@ -100,6 +100,16 @@ def _keep_of(keep: str) -> Any:
 
 
 ROTATING_LM = LEGACY / "mlx-lm" / "rotating.safetensors"  # keys, values, offset, keep, max_size, _idx
+# keys, values, offset 37, chunk_size 16, start_position 0 (256 rows)
+CHUNKED_LM = LEGACY / "mlx-lm" / "chunked.safetensors"
+CHUNKED = LEGACY / "gezel-schema3" / "fp-demo" / "chunked.safetensors"  # 37 rows, 37 tokens
+
+
+def _start_of(start: str) -> Any:
+    def edit(state: list[Any]) -> None:
+        state[0][1] = start  # chunk_size, start_position
+
+    return edit
 
 
 DAMAGED = {
@@ -153,6 +163,36 @@ DAMAGED = {
         lambda d: _rewritten(LEGACY / "mlx-lm" / "quantized.safetensors", d,
                              {"0.2": mx.array(1000, mx.int32)}),
         "offset 1000 is past its 256 rows"),
+    # A ChunkedKVCache holds the tokens from its start_position to its
+    # offset in its rows. Restored as they were, these served all-zero rows
+    # as keys (a start of -5, an offset of 300 over 256 rows), or returned
+    # 254 rows or none and dropped the next token (a start of 40 or 1000
+    # past an offset of 37), with no error; in all three formats (a review).
+    "chunked cache starting before its first token": (
+        lambda d: _rewritten(CHUNKED_LM, d, {"0.4": mx.array(-5, mx.int32)}),
+        "cannot hold the tokens from start_position -5 to offset 37"),
+    "chunked cache starting past its offset": (
+        lambda d: _rewritten(CHUNKED_LM, d, {"0.4": mx.array(40, mx.int32)}),
+        "cannot hold the tokens from start_position 40 to offset 37"),
+    "chunked cache offset past its rows": (
+        lambda d: _rewritten(CHUNKED_LM, d, {"0.2": mx.array(300, mx.int32)}),
+        "a ChunkedKVCache of 256 rows cannot hold the tokens from start_position 0 to "
+        "offset 300"),
+    "chunked cache of no chunk size": (
+        lambda d: _rewritten(CHUNKED_LM, d, {"0.3": mx.array(0, mx.int32)}),
+        "chunk_size 0 is not a chunk size"),
+    "cache_persist chunked cache starting before its first token": (
+        lambda d: _with_meta_state(CHUNKED, d, _start_of("-5")),
+        "cannot hold the tokens from start_position -5 to offset 37"),
+    # Refused before, but as a file this version cannot read (damaged
+    # False): in a store it stayed in place, a miss at every load.
+    "cache_persist chunked cache starting past its tokens": (
+        lambda d: _with_meta_state(CHUNKED, d, _start_of("40")),
+        "a ChunkedKVCache of 37 rows from start_position 40 cannot hold 37 tokens"),
+    "mlx-lm 0.31 chunked cache starting before its first token": (
+        lambda d: _rewritten(LEGACY / "mlx-lm-0.31" / "chunked.safetensors", d,
+                             **{"0.0.1": "-3"}),
+        "start_position -3"),
     "max_size of 2**30 rows": (lambda d: _static_prefix(d, 2**30),  # 4 TiB
                                "more than this machine's memory"),
     # Each layer a quarter of this machine's memory: only the file's total is over.

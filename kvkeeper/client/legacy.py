@@ -153,9 +153,21 @@ def _check_counts(layer: Any, where: str) -> int:
     if type(layer).__name__ in _ROWS_HOLD_OFFSET and first is not None and first.ndim == 4 \
             and offset > first.shape[-2]:
         raise LegacyDamage(f"{where}: offset {offset} is past its {first.shape[-2]} rows")
+    rows = first.shape[-2] if first is not None and first.ndim == 4 else 0
     if type(layer).__name__ == "RotatingKVCache":
-        rows = first.shape[-2] if first is not None and first.ndim == 4 else 0
         _check_window(layer, offset, rows, where)
+    elif type(layer).__name__ == "ChunkedKVCache":
+        # Its rows hold the tokens from start_position to the offset.
+        # Restored as they were, a start of -5 or past the offset, or an
+        # offset past the rows, served all-zero rows as keys, or dropped
+        # the next token, with no error (a review).
+        start = getattr(layer, "start_position", None)
+        if type(start) is not int or not 0 <= start <= offset or offset - start > rows:
+            raise LegacyDamage(f"{where}: a ChunkedKVCache of {rows} rows cannot hold the "
+                               f"tokens from start_position {start!r} to offset {offset}")
+        chunk = getattr(layer, "chunk_size", None)
+        if type(chunk) is not int or chunk <= 0:  # its next trim would drop every row
+            raise LegacyDamage(f"{where}: chunk_size {chunk!r} is not a chunk size")
     return size
 
 
@@ -351,8 +363,8 @@ def _gezel_leaf(tokens: int) -> Callable[[type, Any, Any, str], Any]:
             # The state is the buffer cut at the offset: as many rows, or all
             # of a shorter buffer, which still holds every token from start on.
             if not (start <= tokens and tokens - start <= rows <= tokens):
-                raise CodecError(f"{where}: a ChunkedKVCache of {rows} rows from "
-                                 f"start_position {start} cannot hold {tokens} tokens")
+                raise LegacyDamage(f"{where}: a ChunkedKVCache of {rows} rows from "
+                                   f"start_position {start} cannot hold {tokens} tokens")
             layer.offset = tokens
         return layer
     return leaf
