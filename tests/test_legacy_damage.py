@@ -88,6 +88,11 @@ def _offset_of_no_value(dest: Path) -> Path:
     return _rewritten(MLX_LM, dest, **{path_key[:-1] + "1": "none"})
 
 
+def _int_at(src: Path, key: str, value: int) -> Any:
+    """Makes ``src`` again with its int32 scalar ``key`` set to ``value``."""
+    return lambda d: _rewritten(src, d, {key: mx.array(value, mx.int32)})
+
+
 def _set_offset(state: list[Any]) -> None:
     state[0][2] = "-7"  # keep, max_size, offset, _idx
 
@@ -114,9 +119,9 @@ def _start_of(start: str) -> Any:
 
 DAMAGED = {
     # (what, how to make it, the reason's words)
-    "negative offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(-5, mx.int32)}),
+    "negative offset": (_int_at(MLX_LM, "0.2", -5),
                         "offset -5 is not a token count"),
-    "offset past the rows": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(1000, mx.int32)}),
+    "offset past the rows": (_int_at(MLX_LM, "0.2", 1000),
                              "offset 1000 is past its 256 rows"),
     "NaN offset": (lambda d: _rewritten(MLX_LM, d, {"0.2": mx.array(float("nan"))}),
                    "offset nan is not a token count"),
@@ -133,13 +138,13 @@ DAMAGED = {
     # Restored as they were, the next update wrote its token nowhere (the
     # write position) or returned no rows (the window's size), and raised not.
     "write position past the rows of a rotating cache": (
-        lambda d: _rewritten(ROTATING_LM, d, {"0.5": mx.array(1000, mx.int32)}),
+        _int_at(ROTATING_LM, "0.5", 1000),
         "write position 1000 is not within its 37 rows"),
     "negative write position of a rotating cache": (
-        lambda d: _rewritten(ROTATING_LM, d, {"0.5": mx.array(-3, mx.int32)}),
+        _int_at(ROTATING_LM, "0.5", -3),
         "write position -3 is not within"),
     "rotating window of no rows": (
-        lambda d: _rewritten(ROTATING_LM, d, {"0.4": mx.array(0, mx.int32)}),
+        _int_at(ROTATING_LM, "0.4", 0),
         "max_size 0 is not a window's size"),
     "rotating cache keeping more than its window": (
         lambda d: _with_meta_state(ROTATING, d, _keep_of("40")), "keep 40 is not within its window"),
@@ -169,17 +174,17 @@ DAMAGED = {
     # 254 rows or none and dropped the next token (a start of 40 or 1000
     # past an offset of 37), with no error; in all three formats (a review).
     "chunked cache starting before its first token": (
-        lambda d: _rewritten(CHUNKED_LM, d, {"0.4": mx.array(-5, mx.int32)}),
+        _int_at(CHUNKED_LM, "0.4", -5),
         "cannot hold the tokens from start_position -5 to offset 37"),
     "chunked cache starting past its offset": (
-        lambda d: _rewritten(CHUNKED_LM, d, {"0.4": mx.array(40, mx.int32)}),
+        _int_at(CHUNKED_LM, "0.4", 40),
         "cannot hold the tokens from start_position 40 to offset 37"),
     "chunked cache offset past its rows": (
-        lambda d: _rewritten(CHUNKED_LM, d, {"0.2": mx.array(300, mx.int32)}),
+        _int_at(CHUNKED_LM, "0.2", 300),
         "a ChunkedKVCache of 256 rows cannot hold the tokens from start_position 0 to "
         "offset 300"),
     "chunked cache of no chunk size": (
-        lambda d: _rewritten(CHUNKED_LM, d, {"0.3": mx.array(0, mx.int32)}),
+        _int_at(CHUNKED_LM, "0.3", 0),
         "chunk_size 0 is not a chunk size"),
     "cache_persist chunked cache starting before its first token": (
         lambda d: _with_meta_state(CHUNKED, d, _start_of("-5")),
