@@ -158,6 +158,18 @@ def layer_class(p: Path) -> None:
     _flip_in_header(p, b'\\"class\\":\\"KVCache\\"', b'\\"class\\":\\"KVCachf\\"')
 
 
+def tensor_named_twice(p: Path) -> None:
+    # One bit ("t1" to "t0"): layer 0's values were its keys, served by a
+    # lazy load (which skips the header's checksum) with no error (a review).
+    _flip_in_header(p, b'\\"name\\":\\"t1\\"', b'\\"name\\":\\"t0\\"')
+
+
+def tensor_named_nowhere(p: Path) -> None:
+    # Written again with one more tensor, which no layer names.
+    arrays, metadata = mx.load(str(p), return_metadata=True)
+    mx.save_safetensors(str(p), {**arrays, "t999": mx.zeros((4,))}, metadata=metadata)
+
+
 def directory(p: Path) -> None:
     p.unlink()
     p.mkdir()
@@ -187,6 +199,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "format-name": format_name,
     "metadata-key": metadata_key,
     "layer-class": layer_class,
+    "tensor-named-twice": tensor_named_twice,
+    "tensor-named-nowhere": tensor_named_nowhere,
 }
 
 

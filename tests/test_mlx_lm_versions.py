@@ -106,3 +106,20 @@ def test_deepseek_v32_indexer_keys_of_mlx_lm_031_are_a_miss_under_032() -> None:
         with pytest.raises(CodecError, match="layer 0: a KVCache whose values are 0 wide is "
                                              "DeepSeek V3.2's indexer"):
             restore_cache(arrays, json.dumps(doc))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_old_entry_naming_a_tensor_twice_is_damage(tmp_path: Path, verify: bool) -> None:
+    """Entries of kvkeeper 0.2.1 and earlier carry no checksum of their
+    header: one flipped bit in a tensor's name ("t1" to "t0") served layer
+    0's keys as its values, verified or not (a review). A tensor named twice
+    is damage: kvkeeper never writes one."""
+    src = ROOT / "mlx-lm-0.32" / "kv.safetensors"
+    data = src.read_bytes()
+    bad = tmp_path / "kv.safetensors"
+    bad.write_bytes(data.replace(b'\\"name\\":\\"t1\\"', b'\\"name\\":\\"t0\\"', 1))
+    assert bad.read_bytes() != data
+    with pytest.raises(kvkeeper.CacheFileError, match="layer 0: tensor 't0' is named a second time") as err:
+        kvkeeper.read_cache_file(bad, verify=verify)
+    assert err.value.damaged
+    kvkeeper.read_cache_file(src, verify=verify)  # the file as saved still loads

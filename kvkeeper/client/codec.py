@@ -213,6 +213,15 @@ class _Pending:
     view: memoryview | None = None  # of `handle`, taken by encode_capture
 
 
+class _Reused(Exception):
+    """A tensor named a second time (see LayoutDamage): raised past every
+    handler of _NodeProblem, which would call it a value this process
+    cannot rebuild."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class _NodeProblem(Exception):
     """A value that a cache state (saving) or the layers JSON (loading) must
     not hold. ``path`` grows as it unwinds, so the location costs nothing
@@ -567,16 +576,28 @@ def snapshot_cache(layers: Sequence[Any]) -> CacheSnapshot:
 # restore
 
 
+class LayoutDamage(CodecError):
+    """The layers description and the file's tensors disagree as no writer
+    of kvkeeper's makes them (a tensor named twice, or one named nowhere):
+    one flipped digit in a name ("t1" to "t0") served a layer's keys as its
+    values, where no checksum covered the header (a lazy load, a file of
+    0.2.1 or earlier)."""
+
+
 class _Decoder:
     def __init__(self, arrays: Mapping[str, mx.array],
                  table: Mapping[str, Any] | None) -> None:
         self.arrays = arrays
         self.table = table
+        self.used: set[str] = set()
 
     def tensor(self, ref: dict[str, Any]) -> mx.array:
         name, dtype, shape = ref.get("name"), ref.get("dtype"), ref.get("shape")
         if type(name) is not str or type(shape) is not list:
             raise _NodeProblem(f"malformed tensor reference {ref!r}")
+        if name in self.used:
+            raise _Reused(name)
+        self.used.add(name)
         array = self.arrays.get(name)
         if array is None:
             raise _NodeProblem(f"tensor {name!r} is missing")
@@ -704,16 +725,19 @@ def _set_attrs(obj: Any, attrs: Any, where: str) -> None:
 
 
 def restore_cache(arrays: Mapping[str, mx.array], layers: str,
-                  table: Mapping[str, Any] | None = None) -> list[Any]:
+                  table: Mapping[str, Any] | None = None, *, strict: bool = False) -> list[Any]:
     """Rebuild the cache layers described by `layers` from `arrays` (name -> mx.array).
 
     `layers` is the JSON string of a `CacheSnapshot`; `arrays` holds at least
     every tensor it references, with the recorded dtype and shape (extra
-    arrays are ignored). `table`, when given, is the safetensors tensor table
+    arrays are ignored, unless `strict`: the arrays are a whole file's).
+    `table`, when given, is the safetensors tensor table
     the arrays were loaded from (name -> {"dtype", "shape", ...}): a reference
     that matches its entry there needs no question to the array itself.
-    Raises CodecError for anything malformed, unknown or mismatched; never
-    imports outside mlx_lm.models. / mlx_vlm.models. (and ``BUILT_ONLY_MODULES``).
+    Raises CodecError for anything malformed, unknown or mismatched, and
+    its LayoutDamage for a tensor named twice (or, `strict`, one named
+    nowhere); never imports outside mlx_lm.models. / mlx_vlm.models. (and
+    ``BUILT_ONLY_MODULES``).
     """
     entries = _LAYER_LISTS.get(layers) if type(layers) is str else None
     if entries is None:
@@ -725,10 +749,21 @@ def restore_cache(arrays: Mapping[str, mx.array], layers: str,
                     _LAYER_LISTS.pop(next(iter(_LAYER_LISTS)), None)
                 _LAYER_LISTS[layers] = entries
     dec = _Decoder(arrays, table)
-    try:
-        return [dec.layer(e, f"layer {i}") for i, e in enumerate(entries)]
-    except RecursionError:
-        raise CodecError("layers description is nested too deeply") from None
+    restored = []
+    for i, e in enumerate(entries):
+        try:
+            restored.append(dec.layer(e, f"layer {i}"))
+        except RecursionError:
+            raise CodecError("layers description is nested too deeply") from None
+        except _Reused as exc:
+            raise LayoutDamage(f"layer {i}: tensor {exc.name!r} is named a second time in "
+                               f"the layers description") from None
+    if strict and len(dec.used) != len(arrays):
+        unused = sorted(set(arrays) - dec.used)
+        raise LayoutDamage(f"{len(unused)} of the file's tensors are in no layer "
+                           f"({', '.join(map(repr, unused[:3]))}"
+                           f"{', ...' if len(unused) > 3 else ''})")
+    return restored
 
 
 #: The layer lists of the descriptions loaded last, by the description: a

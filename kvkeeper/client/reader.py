@@ -19,7 +19,7 @@ import mlx.core as mx
 import msgspec
 
 from kvkeeper import config
-from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, restore_cache
+from kvkeeper.client.codec import MLX_UNREADABLE_DTYPES, CodecError, LayoutDamage, restore_cache
 from kvkeeper.client.tokens import token_id_list
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol import safetensors as st
@@ -304,7 +304,10 @@ def _kvkeeper_file(
     except (KeyError, msgspec.DecodeError) as exc:
         raise CacheFileError(f"{path}: bad metadata: {type(exc).__name__}: {exc}") from None
     try:
-        layers = restore_cache(arrays, layers_json, header.tensors if header else None)
+        layers = restore_cache(arrays, layers_json, header.tensors if header else None,
+                               strict=True)
+    except LayoutDamage as exc:
+        raise CacheFileError(f"{path}: {exc}", damaged=True) from None
     except CodecError as exc:
         if header is None:
             # A lazy load left the layout to MLX, which takes some our check
