@@ -26,7 +26,8 @@ no --socket, use the socket serve would resolve. Sizes take K/M/G/T suffixes
 whole bytes.
 Exit status: 0 ok, 1 failed, 2 usage or another daemon holds the root,
 3 no daemon running, 130 interrupted (Ctrl-C), 143 SIGTERM (serve drains
-instead for either). KVKEEPER_DEBUG set to any value that is not empty
+instead for either), 141 the output's reader went away (| head).
+KVKEEPER_DEBUG set to any value that is not empty
 shows the client library's warnings and errors on stderr too."""
 
 
@@ -508,7 +509,9 @@ def _command(argv: list[str] | None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         if _owed and not nested:
             return 128 + signal.SIGTERM if _terminated else 130
-        return 1
+        # As a shell reports a command SIGPIPE ended (ls | head): not 1,
+        # which says the command failed (verify: a bad file found).
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         if nested:
             raise

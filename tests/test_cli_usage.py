@@ -86,7 +86,17 @@ def test_import_usage_errors(client: Client, daemon: RunningDaemon, short_dir: P
     a, b = _cache_files(short_dir / "two", 2)
     # --id names one entry: two files, or a directory of two, cannot take it.
     usage_error(cli("import", "--socket", sock, "--model", "m", "--id", "x", str(a), str(b)),
-                "--id")
+                "--id", "the 2 paths hold 2")
+    # One file named twice, or a directory and its one file, is one file
+    # (exit 2 before, "not 2 paths": a review).
+    (short_dir / "one").mkdir()
+    only = (short_dir / "one" / "only.safetensors")
+    only.write_bytes(a.read_bytes())
+    for twice in ([str(a), str(a)], [str(short_dir / "one"), str(only)]):
+        r = cli("import", "--socket", sock, "--model", "m", "--id", "x", "--replace", *twice)
+        assert r.returncode == 0, (twice, r.stdout, r.stderr)
+    assert [e.cache_id for e in client.entries("m")] == ["x"]
+    assert client.delete("m", "x")
     usage_error(cli("import", "--socket", sock, "--model", "m", "--id", "x",
                     str(short_dir / "two")), "--id", "2")
     # A PATH that does not exist is a mistake on the command line.

@@ -107,9 +107,7 @@ def import_files(args: argparse.Namespace) -> int:
         naming.check_id(args.model, "--model")
     if args.id is not None:
         naming.check_id(args.id, "--id")
-    if args.id is not None and len(args.paths) != 1:
-        raise CommandError(f"--id names one entry: give exactly one file with it, not "
-                           f"{len(args.paths)} paths", status=2)
+    # (Counted once the paths are files: a file named twice is one file.)
     files, empty = _inputs(args.paths)
     if not files:
         # Nothing imported is not success: a script that imports a directory
@@ -117,9 +115,10 @@ def import_files(args: argparse.Namespace) -> int:
         raise CommandError("nothing to import: no *" + naming.SUFFIX + " files in "
                            + ", ".join(str(d) for d in empty))
     if args.id is not None and len(files) != 1:
+        where = args.paths[0] if len(args.paths) == 1 else f"the {len(args.paths)} paths"
         raise CommandError(f"--id names one entry: give exactly one file with it; "
-                           f"{args.paths[0]} holds {len(files)} *{naming.SUFFIX} files",
-                           status=2)
+                           f"{where} hold{'s' if len(args.paths) == 1 else ''} "
+                           f"{len(files)} *{naming.SUFFIX} files", status=2)
     for d in empty:
         err.print(Text.assemble(f"no *{naming.SUFFIX} files in ", shown(d)))
     from kvkeeper.client.channel import DaemonTimedOut, DaemonUnavailable
