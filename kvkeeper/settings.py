@@ -165,14 +165,20 @@ def memory_share(floor: int) -> int:
     socket: a conversation's cache is saved only if it fits whole, and a
     fixed 1 GiB left every Llama-3-8B conversation past about 7,600 tokens
     unsaved, on any machine."""
-    total = physical_memory()
+    total = usable_memory()
     if total is None:
         return floor
-    # A container's memory is its cgroup's limit, not the machine's.
-    limit = cgroup_memory_limit()
-    if limit is not None:
-        total = min(total, limit)
     return max(floor, total // 4 // MiB * MiB)  # whole MiB: shown as 5885M, not 6170946K
+
+
+def usable_memory() -> int | None:
+    """This machine's memory, or its cgroup's limit when lower (a
+    container's memory is its limit); None when the system does not tell."""
+    total = physical_memory()
+    if total is None:
+        return None
+    limit = cgroup_memory_limit()
+    return total if limit is None else min(total, limit)
 
 
 def cgroup_memory_limit() -> int | None:

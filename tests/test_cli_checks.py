@@ -220,6 +220,24 @@ def test_serve_with_nan_drain_timeout_does_not_start(short_dir: Path) -> None:
     assert not sock.exists()
 
 
+def test_a_pending_budget_past_the_memory_is_said_at_start(short_dir: Path) -> None:
+    """--max-pending-bytes 100000T (a typo of 100000M) was taken with no word:
+    the daemon's bound on the saves it holds was gone in effect (a review).
+    It is still taken (swap, a machine the config moves to), and said."""
+    root, sock = short_dir / "root", short_dir / "run" / "k.sock"
+    proc = serve_process(root, sock, "--max-pending-bytes", "100000T")
+    try:
+        with Client(sock, timeout=WAIT) as kv:
+            assert kv.stats()["max_pending_bytes"] == 100000 * 2**40
+    finally:
+        assert stop_process(proc) == 0
+    said = daemon_log(proc)
+    assert f"event=pending_over_memory max_pending_bytes={100000 * 2**40} " in said, said
+    proc = serve_process(root, sock, "--max-pending-bytes", "64M")
+    assert stop_process(proc) == 0
+    assert "pending_over_memory" not in daemon_log(proc)
+
+
 def test_serve_refuses_sizes_past_what_a_daemon_can_hold(short_dir: Path) -> None:
     # 1e30 passed as a pending budget reached ZeroMQ's int64 option: a traceback.
     sock = short_dir / "run" / "k.sock"

@@ -41,7 +41,7 @@ from kvkeeper.daemon.store import Budget, Store, check_sessions_dir
 from kvkeeper.logs import get_logger
 from kvkeeper.protocol.messages import MAX_HEADER_BYTES
 from kvkeeper.protocol.naming import LOCK_NAME, SESSIONS_DIR
-from kvkeeper.settings import MIN_PENDING_BYTES, memory_share
+from kvkeeper.settings import MIN_PENDING_BYTES, memory_share, usable_memory
 
 log = get_logger("kvkeeper.daemon")
 
@@ -513,6 +513,13 @@ class Daemon:
         # accepted but not yet written. The writer gets the rest.
         zmq_share = min(RCVHWM * CHUNK_BYTES, cfg.max_pending_bytes // 4)
         self.stats.gauges["max_pending_bytes"] = float(cfg.max_pending_bytes)  # as configured
+        memory = usable_memory()
+        if memory is not None and cfg.max_pending_bytes > memory:
+            # Allowed (swap, a machine it moves to), but a typo (100000T for
+            # 100000M) must not pass unseen: the bound is gone in effect.
+            log.warning("event=pending_over_memory max_pending_bytes=%d memory_bytes=%d: more "
+                        "than this machine (or container) has: saves in flight are bounded "
+                        "by the memory alone", cfg.max_pending_bytes, memory)
         # Tells this run from a restart with the same pid (a container's pid 1,
         # a daemon run twice in one process): a client's flush must not vouch
         # for saves the previous run never wrote. 52 bits: exact as a float.
