@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import plistlib
 import shlex
@@ -24,6 +25,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, load_prompt_cache
 
 import kvkeeper
+from kvkeeper import settings
 from kvkeeper.client.client import Client
 
 from .conftest import WAIT, RunningDaemon, daemon_log, serve_process, stop_process, wait_for
@@ -236,6 +238,27 @@ def test_a_pending_budget_past_the_memory_is_said_at_start(short_dir: Path) -> N
     proc = serve_process(root, sock, "--max-pending-bytes", "64M")
     assert stop_process(proc) == 0
     assert "pending_over_memory" not in daemon_log(proc)
+
+
+def test_the_default_pending_budget_in_a_small_container_is_not_called_a_typo(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The default budget is at least 1 GiB: in a container of 512 MiB it
+    is over the memory, and was said as a typo at every start though
+    nothing was given (a review). (The container's limit as Linux would
+    show it, told to the settings that read it.)"""
+    from .conftest import start_daemon
+
+    monkeypatch.setattr(settings, "cgroup_memory_limit", lambda: 512 * 2**20)
+    assert settings.memory_share(2**30) == 2**30
+    with caplog.at_level(logging.WARNING, logger="kvkeeper"):
+        rd = start_daemon(short_dir / "root", short_dir / "run" / "k.sock")
+        try:
+            with Client(rd.socket, timeout=WAIT) as kv:
+                assert kv.stats()["max_pending_bytes"] == 2**30
+        finally:
+            assert rd.stop() == 0
+    assert "pending_over_memory" not in caplog.text
 
 
 def test_serve_refuses_sizes_past_what_a_daemon_can_hold(short_dir: Path) -> None:

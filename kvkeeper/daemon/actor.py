@@ -594,7 +594,10 @@ class WriterActor:
                     self._resolve(job, Outcome.FAILED, "internal error")
                     # Told as a failed write is: its client (and those whose
                     # saves it replaced) would read the older file as settled.
-                    self._tell_lost(job, _INTERNAL, saver=True)
+                    # Not a save whose stream the server broke: it told the
+                    # client, or the client is gone.
+                    self._tell_lost(job, _INTERNAL,
+                                    saver=not (isinstance(job, SaveJob) and job.broken))
                 job.done.set()
             finally:
                 self.current = None

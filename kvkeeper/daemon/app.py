@@ -514,7 +514,9 @@ class Daemon:
         zmq_share = min(RCVHWM * CHUNK_BYTES, cfg.max_pending_bytes // 4)
         self.stats.gauges["max_pending_bytes"] = float(cfg.max_pending_bytes)  # as configured
         memory = usable_memory()
-        if memory is not None and cfg.max_pending_bytes > memory:
+        # (Past the default too: the default's floor, 1 GiB, is more than a
+        # small container has, and was not given.)
+        if memory is not None and cfg.max_pending_bytes > max(memory, memory_share(GiB)):
             # Allowed (swap, a machine it moves to), but a typo (100000T for
             # 100000M) must not pass unseen: the bound is gone in effect.
             log.warning("event=pending_over_memory max_pending_bytes=%d memory_bytes=%d: more "
