@@ -10,6 +10,8 @@ import json
 import logging
 import signal
 import sys
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -1947,3 +1949,56 @@ def test_a_request_failed_past_its_last_result_lets_go_of_its_cache(
         assert [ref for ref in made if ref() is not None] == []
     finally:
         gc.enable()
+
+
+def test_probes_of_a_shared_model_leave_other_threads_its_weights() -> None:
+    """A mlx-vlm session probes its model's language model (see
+    ``windows_fit``) with the model's state kept and put back. Put back by
+    clearing each module and filling it again, a generation on another
+    thread met modules without their weights (AttributeError, KeyError),
+    and two probes at once, each keeping what the other had left, ended
+    with a model of no parameters at all (a review). Two threads keep and
+    put back in a loop beside one that runs the model."""
+    from mlx.utils import tree_flatten
+
+    from kvkeeper.integrations.mlx_vlm import _state_kept
+
+    model = tiny_qwen2_vl()
+    lm = model.language_model
+    params = len(tree_flatten(model.parameters()))
+    def logits() -> mx.array:
+        out = lm(mx.array([[1, 2, 3]]), cache=vlm_cache.make_prompt_cache(lm)).logits
+        mx.eval(out)
+        return out
+
+    want = logits()
+    stop, errors = threading.Event(), []
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                logits()
+            except Exception as exc:  # noqa: BLE001 - counted, and the test fails on it
+                errors.append(repr(exc))
+
+    def probe() -> None:
+        while not stop.is_set():
+            with _state_kept(model):
+                pass
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # many thread switches inside each put back
+    threads = [threading.Thread(target=f) for f in (run, probe, probe)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(WAIT)
+        sys.setswitchinterval(switch)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == [], errors[:3]
+    assert len(tree_flatten(model.parameters())) == params
+    assert mx.array_equal(logits(), want).item()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -307,21 +308,37 @@ _NOT_MEDIA = frozenset({"input_ids", "mask", "attention_mask", "token_type_ids",
                         "cross_attention_mask"})
 
 
+_GONE = object()
+
+#: One probe at a time, in every session of the process: a probe that
+#: began inside another's kept that one's probe state and put it back
+#: after (a review: two threads probing in a loop left a model of no
+#: parameters at all).
+_PROBING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _state_kept(model: Any) -> Iterator[None]:
     """Put every module of ``model`` back as it was: its entries (arrays,
     lists, children: an mlx Module is a dict) and its plain attributes
     (None, numbers). The references only: arrays are immutable, and no
-    model seen changes a list or dict of its own in place."""
-    kept = [(m, dict(m), dict(vars(m))) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for m, entries, attrs in kept:
-            dict.clear(m)
-            dict.update(m, entries)
-            vars(m).clear()
-            vars(m).update(attrs)
+    model seen changes a list or dict of its own in place. Only what
+    changed is set back, one entry at a time (never cleared and filled
+    again): a generation on another thread never sees a module without
+    its weights. Its own state, which a model keeps per model, is no
+    more shared by two threads than without the probe."""
+    with _PROBING:
+        kept = [(m, dict(m), dict(vars(m))) for m in model.modules()]
+        try:
+            yield
+        finally:
+            for m, entries, attrs in kept:
+                for now, then in ((m, entries), (vars(m), attrs)):
+                    for name in [k for k in list(now) if k not in then]:
+                        dict.pop(now, name, None)
+                    for name, value in then.items():
+                        if dict.get(now, name, _GONE) is not value:
+                            dict.__setitem__(now, name, value)
 
 
 def media_fingerprint(kwargs: dict[str, Any], *, image: Any = None, audio: Any = None,
