@@ -913,10 +913,11 @@ class WriterActor:
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
             # Its client is told but where the server broke its stream (and
-            # told it so, or it is gone); a stalled one is alive, and its
-            # loads read the older file as settled (a review).
-            self._tell_lost(job, _describe(exc),
-                            saver=not isinstance(exc, StreamBroken) or job.broken is None)
+            # told it so, or it is gone), whatever then failed: an I/O error
+            # on the bytes queued before the break was told a second time.
+            # A stalled one is alive, and its loads read the older file as
+            # settled (a review).
+            self._tell_lost(job, _describe(exc), saver=not job.broken)
             return True
         except BaseException:
             # A bug or a cancellation (drain cut short): no tmp file is left
