@@ -1663,6 +1663,14 @@ def test_an_io_error_in_mlx_s_read_is_not_damage(short_dir: Path) -> None:
     own header read uses pread): EIO there, with the header sound, was
     "MLX cannot read it", damage, and the daemon moved the file aside."""
     need_linux_root()
+    root = _one_entry(short_dir)
+    _, out, err = _run_reads_failing(short_dir, _MLX_READ_WITH_AN_IO_ERROR,
+                                     str(entry_path(root, "k")))
+    assert out.startswith("not-damaged") and "MLX cannot read it" in out, out + err
+
+
+def _one_entry(short_dir: Path) -> Path:
+    """A store root holding entry k (version 1), its daemon stopped."""
     root, sock = paths(short_dir)
     rd = start_daemon(root, sock)
     try:
@@ -1670,20 +1678,62 @@ def test_an_io_error_in_mlx_s_read_is_not_damage(short_dir: Path) -> None:
             assert kv.save(FP, "k", filled(1, 1), [1]) and kv.flush(timeout=WAIT)
     finally:
         assert rd.stop() == 0
+    return root
+
+
+def _run_reads_failing(short_dir: Path, script: str, *args: str,
+                       env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run ``script`` under libfiu; once it prints READY, every read() of it
+    fails EIO. Its exit status, stdout (after READY) and stderr."""
     ctl = str(short_dir / "fiu")
-    proc = subprocess.Popen(["fiu-run", "-x", "-f", ctl, sys.executable, "-c",
-                             _MLX_READ_WITH_AN_IO_ERROR, str(entry_path(root, "k"))],
-                            cwd=Path(__file__).resolve().parent.parent,
+    proc = subprocess.Popen(["fiu-run", "-x", "-f", ctl, sys.executable, "-c", script, *args],
+                            cwd=Path(__file__).resolve().parent.parent, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
         subprocess.run(["fiu-ctrl", "-f", ctl, "-c", f"enable name=posix/io/rw/read,"
                         f"failinfo={errno.EIO}", str(proc.pid)], check=True, timeout=WAIT)
         out, err = proc.communicate(timeout=WAIT)
-        assert out.startswith("not-damaged") and "MLX cannot read it" in out, out + err
     finally:
         proc.kill()
         proc.wait(WAIT)
+    return proc.returncode, out, err
+
+
+_VERIFY_WITH_AN_IO_ERROR = """
+import contextlib, io, sys, time
+from kvkeeper import cli
+
+args = ["verify", "--root", sys.argv[1], "--repair", "--json"]
+with contextlib.redirect_stdout(io.StringIO()):
+    assert cli.main(args) == 0  # every import made, the file sound
+print("READY", flush=True)
+time.sleep(2)  # libfiu is told to fail read() meanwhile (reading a pipe would fail too)
+sys.exit(cli.main(args))
+"""
+
+
+def test_verify_repair_leaves_a_file_it_could_not_read_for_an_io_error(
+        short_dir: Path) -> None:
+    """verify called a file it met EIO reading (a network file system's
+    hiccup) bad, and --repair moved it aside, where the disk budget deletes
+    first, though a load leaves such a file in place (a review). It is now
+    a file verify could not read: reported, exit 1, left where it is. (No
+    daemon is asked, a socket setting it cannot use given: ZeroMQ's own
+    threads abort at an EIO of theirs.)"""
+    need_linux_root()
+    root = _one_entry(short_dir)
+    status, out, err = _run_reads_failing(
+        short_dir, _VERIFY_WITH_AN_IO_ERROR, str(root),
+        env={**os.environ, "KVKEEPER_SOCKET": "tcp://127.0.0.1:1"})
+    assert status == 1, (out, err)
+    said = json.loads(out)
+    assert said["bad"] == [] and said["moved_aside"] == [], said
+    [unread] = said["could_not_read"]
+    assert unread["path"] == str(entry_path(root, "k")), said
+    assert unread["reason"].startswith("Input/output error (it may pass"), said
+    assert version_of(entry_path(root, "k")) == 1
+    assert not (root / "quarantine").exists() or not any((root / "quarantine").iterdir())
 
 
 def test_a_read_error_in_one_client_does_not_move_a_sound_file_aside(short_dir: Path) -> None:

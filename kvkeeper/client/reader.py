@@ -7,7 +7,6 @@ Files are only ever replaced whole, so reading one directly is always safe.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
@@ -205,20 +204,13 @@ def _mlx_checks_offsets() -> bool:
 MLX_CHECKS_OFFSETS = _mlx_checks_offsets()
 
 
-#: Errors reading a file that may pass, or be this process's view alone (a
-#: network file system's hiccup, a stale handle): on their word alone the
-#: daemon moved a sound file aside, and every client lost it (the disk
-#: budget deletes quarantined files first). A file that stays unreadable is
-#: replaced at its key's next save, and `verify` still reports it.
-_MAY_PASS = frozenset({errno.EIO, errno.ESTALE})
-
 
 def cannot_open(path: Path, exc: OSError) -> CacheFileError:
     """The CacheFileError for a file that could not be opened (or looked at):
     damaged unless the error is this process's, or may pass."""
     return CacheFileError(f"{path}: cannot open: {st.why_not_opened(path, exc)}",
                           damaged=not (st.says_nothing_of_the_file(exc)
-                                       or exc.errno in _MAY_PASS))
+                                       or exc.errno in st.MAY_PASS))
 
 
 def _regular_file(path: Path) -> None:

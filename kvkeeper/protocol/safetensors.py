@@ -218,6 +218,14 @@ _FIRST_READ = 64 * 1024
 #: like a cache file would otherwise wait for a writer, forever, before the
 #: regular-file check after it could refuse it (reads of a regular file
 #: ignore the flag).
+#: Errors reading a file that may pass, or be this process's view alone (a
+#: network file system's hiccup, a stale handle): on their word alone the
+#: daemon moved a sound file aside, and every client lost it (the disk
+#: budget deletes quarantined files first). A file that stays unreadable is
+#: replaced at its key's next save, and `verify` reports it as a file it
+#: could not read (``verify --repair`` moved it aside too, before 0.2.11).
+MAY_PASS = frozenset({errno.EIO, errno.ESTALE})
+
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
