@@ -248,6 +248,12 @@ def _repair_command(root: Path | str | None, socket: Path | str | None) -> str:
     return " ".join(words)
 
 
+#: Why a bad file was left: it changed after it was judged (moved aside by a
+#: load, replaced by a save), or gone, and the repair moves only the file judged.
+_CHANGED = "replaced or removed since it was checked: left as it is"
+_UNSEEN = "not even its status could be read: nothing to tell a newer file from"
+
+
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
             moved: list[Path], refused: list[tuple[Path, str]]) -> None:
     """Move bad files aside: through the daemon when it runs (it is the only
@@ -260,11 +266,14 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     # Only the daemon that serves this root may move its files; one serving
     # another root would refuse (the files it knows are elsewhere).
     if kv is not None and kv.connected and same_dir(kv.root, root):
+        from kvkeeper.client.channel import DaemonTimedOut, DaemonUnavailable
         from kvkeeper.client.client import DaemonError, DaemonShuttingDown
 
-        for path, reason, ident in bad:
+        for i, (path, reason, ident) in enumerate(bad):
             if ident is None:
-                continue  # not even its lstat worked: nothing to tell a newer file from
+                # Not even its lstat worked: nothing to tell a newer file from.
+                refused.append((path, _UNSEEN))
+                continue
             model, cache_id = _key_of(path)
             if model is None or cache_id is None:
                 # The daemon moves files by key: a hashed name whose header
@@ -288,8 +297,21 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
             except DaemonShuttingDown:
                 refused.append((path, "the daemon is shutting down"))
                 continue
+            except DaemonUnavailable as exc:
+                # Slow (a writer held by a slow disk), or gone: this one may
+                # yet be moved, the rest were not tried. (Before, neither was
+                # said, and a slow daemon ended the run as if none ran.)
+                refused.append((path, f"not known whether it was moved: {exc}"))
+                refused.extend((p, "not tried: the daemon did not answer the one before")
+                               for p, _, _ in bad[i + 1:])
+                if isinstance(exc, DaemonTimedOut):
+                    raise CommandError(f"the repair stopped: {exc}; run verify --repair "
+                                       f"again once it answers") from None
+                raise
             if isinstance(reply, m.Deleted) and reply.existed:
                 moved.append(path)
+            else:
+                refused.append((path, _CHANGED))
         return
     from kvkeeper.daemon.app import LOCK_NAME, AlreadyRunning, LockUnusable, _Lock, holder_socket
     from kvkeeper.daemon.store import Store
@@ -322,15 +344,19 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
     except LockUnusable as exc:
         # A root this user cannot write: the repair failed (exit 1), as it did
         # with the OSError; exit 2 is for usage and a root another holds.
+        refused.extend((path, f"the root's lock cannot be taken: {exc}") for path, _, _ in bad)
         raise CommandError(str(exc)) from None
     try:
         store = Store(root)
         for path, _, ident in bad:
             if ident is None:
+                refused.append((path, _UNSEEN))
                 continue
             try:
                 if store.quarantine_path(path, ident.st_ino, ident.st_mtime_ns) is not None:
                     moved.append(path)
+                else:
+                    refused.append((path, _CHANGED))
             except OSError as exc:
                 refused.append((path, exc.strerror or str(exc)))
     finally:
