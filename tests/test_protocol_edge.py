@@ -15,15 +15,7 @@ from safetensors import safe_open
 
 from kvkeeper.protocol import messages as m
 
-from .conftest import (
-    WAIT,
-    RunningDaemon,
-    dealers,
-    serve_process,
-    start_daemon,
-    stop_process,
-    wait_for,
-)
+from .conftest import WAIT, RunningDaemon, dealers, start_daemon, wait_for
 from .faultkit import tmp_files
 
 V = m.PROTOCOL_VERSION
@@ -713,48 +705,3 @@ def test_failures_kept_for_clients_are_bounded_together(
         assert (flushed.written, flushed.failed) == (1, 0), flushed
         flushed = ask(waiting, m.encode(m.Flush(v=V, req=2)))
         assert isinstance(flushed, m.Flushed) and flushed.failed == 7, flushed
-
-
-def test_a_raw_peer_that_reconnects_goes_on_with_its_save_on_the_same_descriptor(
-        short_dir: Path) -> None:
-    """A raw peer of a fixed identity closes its connection part way into a
-    save and reconnects. The daemon usually gives the new connection the
-    closed one's descriptor number: the save's recorded connection kept the
-    closed one's inode, and the save was cut off as its client's, though
-    its bytes were still coming (a review; on another number it went on).
-    A daemon process of its own: in this one, other tests' descriptors
-    come and go, and the number is seldom given again."""
-    root, sock = short_dir / "root", short_dir / "run" / "kv.sock"
-    proc = serve_process(root, sock)
-    ctx = zmq.Context()
-    try:
-        def peer() -> zmq.Socket:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
-            s.setsockopt(zmq.ROUTING_ID, b"fixed-peer")
-            s.connect(f"ipc://{sock}")
-            return s
-
-        def data(*frames: bytes) -> list[bytes]:
-            return [m.encode(m.SaveData(v=V, save=1, frames=len(frames))), *frames]
-
-        first = peer()
-        first.send(begin(1, cache_id="recon", tensors=[m.TensorSpec("t0", "U8", [32])]))
-        first.send_multipart(data(b"a" * 8))
-        time.sleep(0.3)  # read by the daemon
-        first.close(linger=0)
-        time.sleep(0.3)
-        again = peer()
-        assert_alive(again)
-        again.send_multipart(data(b"b" * 8))
-        time.sleep(2.5)  # past the grace a gone client's save has
-        again.send_multipart(data(b"c" * 16))
-        flushed = ask(again, m.encode(m.Flush(v=V, req=2)))
-        assert isinstance(flushed, m.Flushed) and flushed.failed == 0, flushed
-        path = root / "sessions" / "fp" / "recon.safetensors"
-        with safe_open(str(path), "np") as f:
-            assert f.get_tensor("t0").tobytes() == b"a" * 8 + b"b" * 8 + b"c" * 16
-    finally:
-        ctx.destroy(linger=0)  # its sockets too, whatever failed
-        assert stop_process(proc) == 0

@@ -594,8 +594,9 @@ class WriterActor:
                     self._resolve(job, Outcome.FAILED, "internal error")
                     # Told as a failed write is: its client (and those whose
                     # saves it replaced) would read the older file as settled.
-                    # Not a save whose stream the server broke: it told the
-                    # client, or the client is gone.
+                    # Not a save whose stream the server broke: the client
+                    # was told, or is told by the refusal of its next bytes,
+                    # or is gone.
                     self._tell_lost(job, _INTERNAL,
                                     saver=not (isinstance(job, SaveJob) and job.broken))
                 job.done.set()
@@ -912,8 +913,9 @@ class WriterActor:
                 "event=save_failed model=%s id=%s error=%s", model, cache_id, _describe(exc)
             )
             self._resolve(job, Outcome.FAILED, _describe(exc))
-            # Its client is told but where the server broke its stream (and
-            # told it so, or it is gone), whatever then failed: an I/O error
+            # Its client is told but where the server broke its stream (the
+            # client was told, or is by the refusal of its next bytes, or is
+            # gone), whatever then failed: an I/O error
             # on the bytes queued before the break was told a second time.
             # A stalled one is alive, and its loads read the older file as
             # settled (a review).

@@ -432,13 +432,10 @@ class Server:
         if stream.pid is not None or stream.conn is not None:
             # A raw client that reconnected may go on on another connection
             # (kvkeeper's own sets IMMEDIATE: its queued messages die with one),
-            # which may have the number of one recorded closed (inode 0), or
-            # the very number of the one it began on, given again once that
-            # closed (the close's event may come after these bytes): looked
-            # at for every message (an fstat), or the recorded inode stayed
-            # the closed one's, and the save was cut off as its client's
-            # though its bytes still came (a review).
-            stream.conn = _connection(_source_fd(header))
+            # which may have the number of one recorded closed (inode 0).
+            fd = _source_fd(header)
+            if stream.conn is None or stream.conn[0] != fd or stream.conn[1] == 0:
+                stream.conn = _connection(fd)
         self.actor.add_data(job, [f.buffer for f in data], nbytes)
         if job.received == job.total:
             del self._streams[peer]

@@ -175,7 +175,10 @@ def verify(args: argparse.Namespace) -> int:
                      "bad": [{"path": str(p), "reason": r} for p, r, _ in bad],
                      "could_not_read": [{"path": str(p), "reason": r} for p, r in unchecked],
                      "moved_aside": [str(p) for p in repaired],
-                     "not_moved": [{"path": str(p), "reason": r} for p, r in refused],
+                     "not_moved": [{"path": str(p), "reason": r} for p, r in refused
+                                   if not r.startswith(_MAYBE)],
+                     "maybe_moved": [{"path": str(p), "reason": r} for p, r in refused
+                                     if r.startswith(_MAYBE)],
                      **({"repair_error": str(repair_error)} if repair_error else {})})
     else:
         out.print(Text.assemble(
@@ -188,7 +191,9 @@ def verify(args: argparse.Namespace) -> int:
         for p, reason, _ in bad:
             out.print(Text.assemble(("BAD", "red"), " ", shown(p), ": ", shown(reason),
                                     (" (moved aside)", "green") if p in repaired else "",
-                                    *((" (not moved: ", shown(not_moved[p]), ")")
+                                    *((" (", shown(not_moved[p]), ")")
+                                      if p in not_moved and not_moved[p].startswith(_MAYBE)
+                                      else (" (not moved: ", shown(not_moved[p]), ")")
                                       if p in not_moved else ())))
         for p, reason in unchecked:
             out.print(Text.assemble(("NOT CHECKED", "yellow"), " ", shown(p), ": ",
@@ -252,6 +257,8 @@ def _repair_command(root: Path | str | None, socket: Path | str | None) -> str:
 #: load, replaced by a save), or gone, and the repair moves only the file judged.
 _CHANGED = "replaced or removed since it was checked: left as it is"
 _UNSEEN = "not even its status could be read: nothing to tell a newer file from"
+#: Asked of a daemon that did not answer in time: it may move the file yet.
+_MAYBE = "may have been moved, or may be yet"
 
 
 def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: Any,
@@ -301,9 +308,10 @@ def _repair(root: Path, bad: list[tuple[Path, str, os.stat_result | None]], kv: 
                 # Slow (a writer held by a slow disk), or gone: this one may
                 # yet be moved, the rest were not tried. (Before, neither was
                 # said, and a slow daemon ended the run as if none ran.)
-                refused.append((path, f"not known whether it was moved: {exc}"))
-                refused.extend((p, "not tried: the daemon did not answer the one before")
-                               for p, _, _ in bad[i + 1:])
+                refused.append((path, f"{_MAYBE}: {exc}"))
+                refused.extend((p, _UNSEEN if seen is None else
+                                "not tried: the daemon did not answer the one before")
+                               for p, _, seen in bad[i + 1:])
                 if isinstance(exc, DaemonTimedOut):
                     raise CommandError(f"the repair stopped: {exc}; run verify --repair "
                                        f"again once it answers") from None

@@ -214,10 +214,6 @@ def read_header(f: BinaryIO, file_size: int | None = None) -> FileHeader:
 _FIRST_READ = 64 * 1024
 
 
-#: How cache files are opened for reading. O_NONBLOCK: opening a FIFO named
-#: like a cache file would otherwise wait for a writer, forever, before the
-#: regular-file check after it could refuse it (reads of a regular file
-#: ignore the flag).
 #: Errors reading a file that may pass, or be this process's view alone (a
 #: network file system's hiccup, a stale handle): on their word alone the
 #: daemon moved a sound file aside, and every client lost it (the disk
@@ -226,6 +222,10 @@ _FIRST_READ = 64 * 1024
 #: could not read (``verify --repair`` moved it aside too, before 0.2.11).
 MAY_PASS = frozenset({errno.EIO, errno.ESTALE})
 
+#: How cache files are opened for reading. O_NONBLOCK: opening a FIFO named
+#: like a cache file would otherwise wait for a writer, forever, before the
+#: regular-file check after it could refuse it (reads of a regular file
+#: ignore the flag).
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
